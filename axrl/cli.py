@@ -1,0 +1,67 @@
+"""The `axrl` command line: model utilities now; `train`, `serve` and `sft` build on them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(help="AxRL: agentic RL post-training with a replayable trace.", no_args_is_help=True,
+                  add_completion=False)
+model_app = typer.Typer(help="Create and inspect embedded models (Hugging Face format).", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+console = Console(stderr=True)
+
+
+def fail(message: str) -> "typer.Exit":
+    """Print a bad-input error and return the exit (code 2) to raise."""
+    console.print(f"[bold red]error:[/] {message}")
+    return typer.Exit(code=2)
+
+
+@model_app.command("init")
+def model_init(
+    preset: str = typer.Option(..., "--preset", help="Model preset: tiny-moe, tiny-dense or micro-moe."),
+    out: Path = typer.Option(..., "--out", help="Directory to write (config.json, model.safetensors, tokenizer)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random initialisation."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+) -> None:
+    """Write a randomly initialised model as a Hugging Face directory (loads in transformers and SGLang)."""
+    import torch
+
+    from axrl.model import PRESETS, build_model, preset_config, save_hf
+    from axrl.tokenizer import Tokenizer
+
+    if preset not in PRESETS:
+        raise fail(f"--preset {preset!r} is not a preset; choose one of {', '.join(sorted(PRESETS))}")
+    if dtype not in ("float32", "bfloat16"):
+        raise fail(f"--dtype {dtype!r}: choose float32 or bfloat16")
+    if out.exists() and any(out.iterdir()):
+        raise fail(f"--out {out} exists and is not empty; choose a new directory")
+    tokenizer = Tokenizer.default()
+    cfg = preset_config(preset, vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id)
+    model = build_model(cfg, seed=seed, dtype=getattr(torch, dtype))
+    save_hf(model, out, tokenizer=tokenizer)
+    console.print(f"wrote {preset} ({model.num_parameters() / 1e6:.2f}M parameters, {cfg.model_type}) to {out}")
+
+
+@model_app.command("info")
+def model_info(path: Path = typer.Argument(..., help="An HF model directory.")) -> None:
+    """Print a model directory's architecture and parameter count."""
+    from axrl.model import load_hf
+
+    try:
+        model = load_hf(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise fail(str(e))
+    cfg = model.config
+    console.print(f"{cfg.model_type}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+                  f"{cfg.num_attention_heads} heads ({cfg.num_key_value_heads} kv), "
+                  f"experts {cfg.num_experts} (top-{cfg.num_experts_per_tok if cfg.is_moe else 0}), "
+                  f"vocab {cfg.vocab_size}, {model.num_parameters() / 1e6:.2f}M parameters")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,162 @@
+"""The train-side contract shared by the embedded PyTorch backend and the Megatron-core backend.
+
+A batch is a packed token stream with CSR offsets — the same layout as the trace's `/samples`
+and `/tokens` groups — so a recorded step can be fed back to any backend unchanged (replay).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Iterator, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class PackedBatch:
+    """N samples of variable length concatenated into T tokens.
+
+    Per-token conventions (index t of sample i covers token `input_ids[offsets[i] + t]`):
+    - logprob-like tensors hold log p(token_t | tokens_<t); position 0 of a sample has no
+      prediction and is never in `loss_mask`.
+    - `loss_mask` is 1 where the policy generated the token and it is trained on.
+    - `routed_experts` [T, L, k] is the routing each token had as *input* at rollout; when set
+      and R3 is on, the trainer forward replays it.
+    """
+
+    input_ids: torch.Tensor                       # int64 [T]
+    offsets: torch.Tensor                         # int64 [N + 1], offsets[0] = 0, offsets[-1] = T
+    loss_mask: torch.Tensor                       # float32 [T] in {0, 1}
+    advantages: torch.Tensor | None = None        # float32 [T]
+    old_logprobs: torch.Tensor | None = None      # float32 [T], trainer recompute before the update
+    rollout_logprobs: torch.Tensor | None = None  # float32 [T], NaN where not generated
+    ref_logprobs: torch.Tensor | None = None      # float32 [T], reference policy (KL penalty)
+    routed_experts: torch.Tensor | None = None    # int64 [T, L, k]
+    temperature: float = 1.0                      # rollout temperature; logprobs use logits / temperature
+
+    def __post_init__(self) -> None:
+        T = self.input_ids.numel()
+        if self.offsets.numel() < 1 or int(self.offsets[0]) != 0 or int(self.offsets[-1]) != T:
+            raise ValueError(f"PackedBatch.offsets must start at 0 and end at T={T}, "
+                             f"got {self.offsets.tolist()[:3]}…{self.offsets.tolist()[-1:]}")
+        if bool((self.offsets[1:] - self.offsets[:-1] < 1).any()):
+            raise ValueError("PackedBatch.offsets: every sample needs at least one token")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor) and f.name != "offsets" and value.shape[0] != T:
+                raise ValueError(f"PackedBatch.{f.name} has {value.shape[0]} rows, expected T={T}")
+        if self.temperature <= 0:
+            raise ValueError(f"PackedBatch.temperature must be > 0, got {self.temperature}")
+
+    @property
+    def num_samples(self) -> int:
+        return self.offsets.numel() - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def sample_index(self) -> torch.Tensor:
+        """int64 [T]: the sample each token belongs to."""
+        return torch.repeat_interleave(torch.arange(self.num_samples), self.lengths)
+
+    def select(self, samples: list[int]) -> "PackedBatch":
+        """The sub-batch of the given samples, in the given order."""
+        starts, ends = self.offsets[:-1], self.offsets[1:]
+        idx = torch.cat([torch.arange(int(starts[i]), int(ends[i])) for i in samples])
+        lengths = torch.tensor([int(ends[i] - starts[i]) for i in samples], dtype=torch.int64)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        per_token = {f.name: getattr(self, f.name)[idx] for f in fields(self)
+                     if isinstance(getattr(self, f.name), torch.Tensor) and f.name != "offsets"}
+        return replace(self, offsets=offsets, **per_token)
+
+
+@dataclass
+class LossContext:
+    """Batch-wide counts, so a micro-batch's loss can be normalised as part of the whole batch and
+    gradient accumulation gives the same gradient whatever the micro-batch split."""
+
+    num_loss_tokens: int      # sum of loss_mask over the whole optimizer batch
+    num_samples: int          # samples in the whole optimizer batch
+    num_loss_samples: int     # samples with at least one loss token
+
+
+class LossFn(Protocol):
+    """Loss over one micro-batch: returns (scalar loss to backprop, float metrics).
+
+    logprobs/entropy [T_mb] follow PackedBatch's conventions and carry grad. The returned loss
+    must already be scaled to its share of the whole batch (see LossContext).
+    """
+
+    def __call__(self, logprobs: torch.Tensor, entropy: torch.Tensor, mb: PackedBatch,
+                 ctx: LossContext) -> tuple[torch.Tensor, dict[str, float]]:
+        ...
+
+
+@dataclass
+class ForwardResult:
+    logprobs: torch.Tensor                  # float32 [T]; 0 at each sample's first position
+    entropy: torch.Tensor                   # float32 [T]; entropy of the distribution predicting token t
+    routed_experts: torch.Tensor | None     # int64 [T, L, k] for MoE models
+
+
+@dataclass
+class TrainMetrics:
+    """What one `forward_backward` call measured: summed loss and one row per micro-batch."""
+
+    loss: float
+    micro_batches: list[dict[str, float]] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class StepStats:
+    grad_norm: float   # total L2 norm before clipping
+    lr: float          # learning rate used by this step
+
+
+@runtime_checkable
+class TrainBackend(Protocol):
+    """Implemented by the embedded PyTorch backend and the Megatron-core backend."""
+
+    def forward(self, batch: PackedBatch, *, r3: bool = False) -> ForwardResult:
+        """No-grad per-token logprobs, entropy and routing (e.g. old logprobs before an update)."""
+        ...
+
+    def forward_backward(self, batch: PackedBatch, loss_fn: LossFn, *, r3: bool = False) -> TrainMetrics:
+        """Accumulate gradients of `loss_fn` over the batch, micro-batch by micro-batch in a fixed order."""
+        ...
+
+    def optimizer_step(self) -> StepStats:
+        """Clip, step the optimizer and LR schedule, zero the gradients."""
+        ...
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Current weights under Hugging Face names (for weight sync to inference engines)."""
+        ...
+
+    def fingerprint(self) -> str:
+        """Cheap deterministic digest of all parameters: equal iff the weights are bitwise equal."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        ...
+
+    def save(self, directory: str | Path) -> None:
+        """Weights (safetensors), optimizer, scheduler and RNG state; loading never unpickles."""
+        ...
+
+    def load(self, directory: str | Path) -> None:
+        ...
+
+    def export_hf(self, directory: str | Path) -> Path:
+        """Write an HF model directory (config.json, model.safetensors, tokenizer files)."""
+        ...
