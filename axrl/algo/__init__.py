@@ -1,0 +1,51 @@
+"""RL objectives: advantage estimators, KL estimators, loss aggregation and the PPO-family loss.
+
+Public API::
+
+    group_normalized_advantages(rewards, group_ids, *, normalize_std=True, eps=1e-6, unbiased=False)
+    grpo_advantages(...)            same
+    reinforce_advantages(rewards)
+    compute_advantages(rewards, group_ids=None, *, estimator="grpo"|"dr_grpo"|"reinforce", ...)
+    token_advantages(sample_advantages, offsets, loss_mask) -> [T]
+    kl_penalty(logprobs, ref_logprobs, estimator="k3", *, log_ratio_clamp=None); kl_k1/k2/k3
+    aggregate_loss(token_loss, loss_mask, offsets, ctx, mode="token-mean", norm_len=None)
+    PolicyLossConfig(...); PolicyLoss(cfg); make_policy_loss(cfg) -> LossFn
+    reduce_microbatch_metrics(rows) -> dict
+"""
+
+from axrl.algo.advantages import (
+    AdvantageEstimator,
+    compute_advantages,
+    group_normalized_advantages,
+    grpo_advantages,
+    reinforce_advantages,
+    token_advantages,
+)
+from axrl.algo.aggregation import LOSS_AGG_MODES, LossAgg, aggregate_loss, segment_sum
+from axrl.algo.kl import KLEstimator, kl_k1, kl_k2, kl_k3, kl_penalty
+from axrl.algo.losses import PolicyLoss, PolicyLossConfig, PPOTokenTerms, make_policy_loss, ppo_token_loss
+from axrl.train.metrics import reduce_microbatch_metrics
+
+__all__ = [
+    "AdvantageEstimator",
+    "compute_advantages",
+    "group_normalized_advantages",
+    "grpo_advantages",
+    "reinforce_advantages",
+    "token_advantages",
+    "LOSS_AGG_MODES",
+    "LossAgg",
+    "aggregate_loss",
+    "segment_sum",
+    "KLEstimator",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "kl_penalty",
+    "PolicyLoss",
+    "PolicyLossConfig",
+    "PPOTokenTerms",
+    "make_policy_loss",
+    "ppo_token_loss",
+    "reduce_microbatch_metrics",
+]

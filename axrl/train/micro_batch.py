@@ -1,0 +1,104 @@
+"""Micro-batching of packed batches, padding to [b, S] and the packed ↔ padded index maps.
+
+Split order (fixed, so a step re-executes bit for bit): samples stay in batch order and each
+micro-batch is a run of *consecutive* samples. A new micro-batch starts before sample i when
+the current one is non-empty and adding sample i would exceed `micro_batch_tokens` real
+(unpadded) tokens, or the current one already holds `micro_batch_size` samples. 0 disables a
+limit. A sample longer than the token budget therefore sits alone in its own micro-batch.
+
+Alignment (PackedBatch's convention): the value at packed token t of a sample is about
+log p(token_t | earlier tokens of that sample); position 0 of every sample has no prediction and
+gets 0.0. The logits at padded position s predict token s + 1, hence the one-column shift below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from axrl.train.protocol import PackedBatch
+
+
+def split_micro_batches(lengths: Sequence[int] | torch.Tensor, micro_batch_tokens: int = 0,
+                        micro_batch_size: int = 0) -> list[range]:
+    """Sample-index ranges [start, end) of each micro-batch, in order (see the module doc)."""
+    if micro_batch_tokens < 0 or micro_batch_size < 0:
+        raise ValueError("micro_batch_tokens and micro_batch_size must be >= 0 (0 = no limit)")
+    lengths = [int(n) for n in lengths]
+    ranges: list[range] = []
+    start, tokens = 0, 0
+    for i, n in enumerate(lengths):
+        full = (micro_batch_tokens and tokens + n > micro_batch_tokens) or \
+               (micro_batch_size and i - start >= micro_batch_size)
+        if i > start and full:
+            ranges.append(range(start, i))
+            start, tokens = i, 0
+        tokens += n
+    if lengths:
+        ranges.append(range(start, len(lengths)))
+    return ranges
+
+
+def micro_batches(batch: PackedBatch, micro_batch_tokens: int = 0, micro_batch_size: int = 0) -> list[PackedBatch]:
+    """The batch cut into consecutive micro-batches (a single one is the batch itself)."""
+    ranges = split_micro_batches(batch.lengths, micro_batch_tokens, micro_batch_size)
+    if len(ranges) == 1:
+        return [batch]
+    return [batch.select(list(r)) for r in ranges]
+
+
+@dataclass
+class PaddedMicroBatch:
+    """A micro-batch as right-padded [b, S] tensors; `rows`/`cols` [T] locate each packed token."""
+
+    input_ids: torch.Tensor                # int64 [b, S]; padding = pad_id
+    attention_mask: torch.Tensor           # int64 [b, S]; 1 = real token
+    rows: torch.Tensor                     # int64 [T]: sample (row) of packed token t
+    cols: torch.Tensor                     # int64 [T]: position of packed token t within its row
+    forced_experts: torch.Tensor | None    # int64 [b, S, L, k] (R3), padding rows = expert 0
+
+
+def pad_micro_batch(mb: PackedBatch, *, pad_id: int = 0, with_routing: bool = False,
+                    device: torch.device | str | None = None) -> PaddedMicroBatch:
+    """Right-pad a micro-batch. Right padding keeps real tokens at positions 0..len-1, so causal
+    attention never sees a pad and rotary positions equal those of an unpadded forward."""
+    lengths = mb.lengths
+    b, S = mb.num_samples, int(lengths.max())
+    rows = mb.sample_index()
+    cols = torch.arange(mb.num_tokens) - mb.offsets[:-1][rows]
+    input_ids = torch.full((b, S), pad_id, dtype=torch.int64)
+    input_ids[rows, cols] = mb.input_ids.long().cpu()  # built on CPU, moved once below
+    attention_mask = torch.zeros(b, S, dtype=torch.int64)
+    attention_mask[rows, cols] = 1
+    forced = None
+    if with_routing:
+        if mb.routed_experts is None:
+            raise ValueError("R3 needs PackedBatch.routed_experts, but the batch has none")
+        re = mb.routed_experts
+        forced = torch.zeros(b, S, *re.shape[1:], dtype=torch.int64)
+        forced[rows, cols] = re.long().cpu()
+    to = (lambda t: t.to(device)) if device is not None else (lambda t: t)
+    return PaddedMicroBatch(to(input_ids), to(attention_mask), to(rows), to(cols),
+                            None if forced is None else to(forced))
+
+
+def unpad(padded: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """[b, S, ...] → packed [T, ...] (differentiable gather)."""
+    return padded[rows, cols]
+
+
+def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
+                        temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position (logprob, entropy), both float32 [b, S], in PackedBatch alignment.
+
+    logprob[:, s] = log_softmax(logits[:, s-1] / T)[input_ids[:, s]], entropy[:, s] = entropy of
+    that same distribution; column 0 is 0.0. Computed in float32 whatever the logits dtype.
+    """
+    logp = F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    lp = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    zero = lp.new_zeros(lp.shape[0], 1)
+    return torch.cat([zero, lp], dim=1), torch.cat([zero, ent], dim=1)
