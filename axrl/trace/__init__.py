@@ -1,0 +1,37 @@
+"""The AxRL trace: one crash-safe HDF5 file per training step inside a run directory.
+
+See docs/trace-format.md for the on-disk format (the public contract).
+"""
+
+from .schema import (
+    SCHEMA_VERSION,
+    CorruptStepError,
+    NotARunDirError,
+    SchemaVersionError,
+    TraceError,
+    TraceValidationError,
+    routing_dtype,
+    step_file_name,
+)
+from .writer import StepRecord, write_step
+from .run_dir import RunDir, read_metrics_file
+from .reader import StepFile, TraceProblem, TraceReader, read_step
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "CorruptStepError",
+    "NotARunDirError",
+    "RunDir",
+    "SchemaVersionError",
+    "StepFile",
+    "StepRecord",
+    "TraceError",
+    "TraceProblem",
+    "TraceReader",
+    "TraceValidationError",
+    "read_metrics_file",
+    "read_step",
+    "routing_dtype",
+    "step_file_name",
+    "write_step",
+]

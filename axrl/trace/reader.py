@@ -1,0 +1,344 @@
+"""Minimal, safe readers of step files and run directories.
+
+``StepFile`` is a lazy accessor over one step file (numpy arrays on request, attrs as a dict);
+``read_step`` loads a whole file into a dict; ``TraceReader`` lists the steps of a run and reports
+(rather than crashes on) step files that are truncated or corrupt. Nothing here unpickles: HDF5
+through h5py, JSON through ``json``, YAML through ``yaml.safe_load``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import h5py
+import numpy as np
+import yaml
+
+from . import schema as S
+from .run_dir import list_step_files, read_metrics_file
+from .schema import CorruptStepError, NotARunDirError, SchemaVersionError, TraceError
+from .writer import StepRecord
+
+_READ_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError)
+
+
+def _py(value: Any) -> Any:
+    """h5py attribute value -> plain python (str for strings, int/float/bool for scalars)."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray) and value.dtype.kind in "OS":
+        return [_py(v) for v in value.tolist()]
+    return value
+
+
+def _check_version(version: Any, where: str) -> int:
+    if isinstance(version, (bool, np.bool_)) or not isinstance(version, (int, np.integer)):
+        raise SchemaVersionError(f"{where}: schema_version {version!r} is not an integer")
+    version = int(version)
+    if version < 1 or version > S.SCHEMA_VERSION:
+        raise SchemaVersionError(f"{where}: unknown schema_version {version} "
+                                 f"(this axrl reads versions 1..{S.SCHEMA_VERSION}; upgrade axrl)")
+    return version
+
+
+class StepFile:
+    """One step file, opened read-only. Use as a context manager or call ``close()``.
+
+    ``sf["/tokens/ids"]`` (leading '/' optional) returns a numpy array; string datasets come back as
+    object arrays of ``str`` (scalar string datasets as ``str``). Raises ``CorruptStepError`` if the
+    file cannot be opened or lacks its required structure, ``SchemaVersionError`` for an unknown
+    schema version.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        try:
+            self._f = h5py.File(self.path, "r")
+        except FileNotFoundError:
+            raise
+        except _READ_ERRORS as e:
+            raise CorruptStepError(f"{self.path}: cannot open as HDF5 ({e})") from None
+        try:
+            self.attrs: dict[str, Any] = {k: _py(v) for k, v in self._f.attrs.items()}
+            if S.ATTR_SCHEMA_VERSION not in self.attrs:
+                raise CorruptStepError(f"{self.path}: not an AxRL step file (no '{S.ATTR_SCHEMA_VERSION}' attr)")
+            self.schema_version = _check_version(self.attrs[S.ATTR_SCHEMA_VERSION], str(self.path))
+            for req in ("/samples/offsets", "/tokens/ids"):
+                if req not in self._f:
+                    raise CorruptStepError(f"{self.path}: missing required dataset {req}")
+        except TraceError:
+            self._f.close()
+            raise
+        except _READ_ERRORS as e:
+            self._f.close()
+            raise CorruptStepError(f"{self.path}: unreadable metadata ({e})") from None
+
+    # ---- context / lifetime
+    def __enter__(self) -> "StepFile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._f.id.valid:
+            self._f.close()
+
+    def __repr__(self) -> str:
+        return f"StepFile({str(self.path)!r}, step={self.step})"
+
+    # ---- metadata
+    @property
+    def step(self) -> int:
+        return int(self.attrs.get(S.ATTR_STEP, -1))
+
+    @property
+    def policy_version(self) -> int:
+        return int(self.attrs.get(S.ATTR_POLICY_VERSION, -1))
+
+    @property
+    def wall_times(self) -> dict[str, float]:
+        n = len(S.WALL_TIME_PREFIX)
+        return {k[n:]: float(v) for k, v in self.attrs.items() if k.startswith(S.WALL_TIME_PREFIX)}
+
+    @property
+    def num_samples(self) -> int:
+        return int(self._f["/samples/offsets"].shape[0]) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self._f["/tokens/ids"].shape[0])
+
+    def keys(self) -> list[str]:
+        """Absolute paths of every dataset in the file, sorted."""
+        out: list[str] = []
+        self._f.visititems(lambda name, obj: out.append("/" + name) if isinstance(obj, h5py.Dataset) else None)
+        return sorted(out)
+
+    def group_attrs(self, group: str) -> dict[str, Any]:
+        return {k: _py(v) for k, v in self._f[group].attrs.items()} if group in self._f else {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._f and isinstance(self._f[name], h5py.Dataset)
+
+    # ---- data
+    def __getitem__(self, name: str) -> Any:
+        if name not in self:
+            raise KeyError(f"{self.path}: no dataset {name!r}")
+        ds = self._f[name]
+        try:
+            if h5py.check_string_dtype(ds.dtype) is not None:
+                value = ds.asstr()[()]
+                return value if isinstance(value, str) else np.asarray(value, dtype=object)
+            return ds[()]
+        except _READ_ERRORS as e:
+            raise CorruptStepError(f"{self.path}: cannot read {name} ({e})") from None
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self[name] if name in self else default
+
+    def sample_slice(self, i: int) -> slice:
+        """Token range of sample row ``i`` in every /tokens and /routing dataset."""
+        off = self._f["/samples/offsets"]
+        return slice(int(off[i]), int(off[i + 1]))
+
+    def read_all(self) -> dict[str, Any]:
+        """Every dataset by absolute path, plus ``'attrs'`` (root) and ``'group_attrs'``."""
+        out: dict[str, Any] = {"attrs": dict(self.attrs), "group_attrs": {}}
+        for g in (S.G_SAMPLES, S.G_TOKENS, S.G_ROUTING, S.G_TRAIN, S.G_UPDATES, S.G_MICRO_BATCHES):
+            ga = self.group_attrs(g)
+            if ga:
+                out["group_attrs"][g] = ga
+        for name in self.keys():
+            out[name] = self[name]
+        return out
+
+    def to_record(self) -> StepRecord:
+        """Rebuild the StepRecord this file was written from (arrays in their schema dtypes)."""
+        kw: dict[str, Any] = {}
+        for spec in S.DATASETS:
+            if spec.path in self:
+                kw[spec.field] = self[spec.path]
+        kw["step"] = self.step
+        kw["policy_version"] = self.policy_version
+        kw["rng_digest"] = str(self.attrs.get(S.ATTR_RNG_DIGEST, ""))
+        kw["wall_times"] = self.wall_times
+        kw["attrs"] = {k: v for k, v in self.attrs.items()
+                       if k not in S.RESERVED_ROOT_ATTRS and not k.startswith(S.WALL_TIME_PREFIX)}
+        ne = self.group_attrs(S.G_ROUTING).get(S.ROUTING_ATTR_NUM_EXPERTS)
+        kw["num_experts"] = None if ne is None else int(ne)
+
+        def columns(group: str, skip: frozenset[str]) -> dict[str, Any]:
+            if group not in self._f:
+                return {}
+            return {k: self[f"{group}/{k}"] for k, obj in self._f[group].items()
+                    if isinstance(obj, h5py.Dataset) and k not in skip}
+
+        kw["update_metrics"] = columns(S.G_UPDATES, S.UPDATE_RESERVED)
+        kw["micro_batch_metrics"] = columns(S.G_MICRO_BATCHES, S.MICRO_BATCH_RESERVED)
+        def known(group: str) -> frozenset[str]:
+            return frozenset(p[len(group) + 1:] for p in S.DATASETS_BY_PATH if p.startswith(group + "/"))
+
+        kw["extra_samples"] = columns(S.G_SAMPLES, known(S.G_SAMPLES))
+        kw["extra_tokens"] = columns(S.G_TOKENS, known(S.G_TOKENS))
+        return StepRecord(**kw)
+
+
+def read_step(path: str | os.PathLike) -> dict[str, Any]:
+    """Load a whole step file: ``{'attrs': {...}, 'group_attrs': {...}, '/tokens/ids': array, ...}``."""
+    with StepFile(path) as sf:
+        return sf.read_all()
+
+
+@dataclass(frozen=True)
+class TraceProblem:
+    path: Path
+    message: str
+
+    def __str__(self) -> str:
+        return self.message if str(self.path) in self.message else f"{self.path}: {self.message}"
+
+
+class TraceReader:
+    """The steps of a run directory.
+
+    Raises ``FileNotFoundError`` for a missing directory, ``NotARunDirError`` for a directory with
+    neither ``manifest.json`` nor ``trace/``, ``SchemaVersionError`` if the manifest declares an
+    unknown schema version. Step files that cannot be read (truncated, corrupt, wrong version, step
+    attr disagreeing with the file name) are skipped and listed in ``problems``; ``*.tmp`` files are
+    never steps.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, *, validate: bool = True) -> None:
+        self.path = Path(run_dir)
+        if not self.path.exists():
+            raise FileNotFoundError(f"run directory not found: {self.path}")
+        if not self.path.is_dir():
+            raise NotADirectoryError(f"not a directory: {self.path}")
+        self.trace_dir = self.path / S.TRACE_DIR
+        manifest_path = self.path / S.MANIFEST_FILE
+        if not manifest_path.is_file() and not self.trace_dir.is_dir():
+            raise NotARunDirError(f"not an AxRL run directory (no {S.MANIFEST_FILE} and no "
+                                  f"{S.TRACE_DIR}/): {self.path}")
+        self.manifest: dict[str, Any] = {}
+        if manifest_path.is_file():
+            try:
+                self.manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+            except (ValueError, UnicodeDecodeError) as e:
+                raise TraceError(f"{manifest_path}: invalid JSON ({e})") from None
+            if not isinstance(self.manifest, dict):
+                raise TraceError(f"{manifest_path}: expected a JSON object")
+            if "schema_version" in self.manifest:
+                _check_version(self.manifest["schema_version"], str(manifest_path))
+        self._validate = validate
+        self._valid: dict[int, Path] | None = None
+        self._problems: list[TraceProblem] = []
+
+    def __repr__(self) -> str:
+        return f"TraceReader({str(self.path)!r})"
+
+    # ---- run-level files
+    @property
+    def config(self) -> dict[str, Any] | None:
+        p = self.path / S.CONFIG_FILE
+        if not p.is_file():
+            return None
+        with open(p, encoding="utf-8") as fh:
+            return yaml.safe_load(fh) or {}
+
+    def metrics(self) -> list[dict[str, Any]]:
+        """Rows of metrics.jsonl; unparseable lines are skipped and added to ``problems``."""
+        rows, problems = read_metrics_file(self.path / S.METRICS_FILE)
+        for msg in problems:
+            prob = TraceProblem(self.path / S.METRICS_FILE, msg)
+            if prob not in self._problems:
+                self._problems.append(prob)
+        return rows
+
+    # ---- steps
+    def step_files(self) -> dict[int, Path]:
+        """Every final step file by step (unvalidated)."""
+        return list_step_files(self.trace_dir)
+
+    def tmp_files(self) -> list[Path]:
+        if not self.trace_dir.is_dir():
+            return []
+        return sorted(p for p in self.trace_dir.iterdir() if p.name.endswith(S.TMP_SUFFIX))
+
+    def check_step_file(self, path: Path, step: int | None = None) -> str | None:
+        """None if the file opens and has a consistent structure, else a message naming the path."""
+        try:
+            with StepFile(path) as sf:
+                if step is not None and sf.step != step:
+                    return f"{path}: step attr {sf.step} does not match the file name (step {step})"
+                off = sf["/samples/offsets"]
+                if off.ndim != 1 or off.size < 1 or int(off[-1]) != sf.num_tokens:
+                    return f"{path}: /samples/offsets does not cover /tokens/ids ({sf.num_tokens} tokens)"
+                sf.keys()  # walks all object headers
+        except TraceError as e:
+            return str(e)
+        except FileNotFoundError:
+            return f"{path}: disappeared while reading"
+        except _READ_ERRORS as e:
+            return f"{path}: unreadable ({e})"
+        return None
+
+    def _scan(self) -> dict[int, Path]:
+        if self._valid is None:
+            valid: dict[int, Path] = {}
+            for step, path in self.step_files().items():
+                msg = self.check_step_file(path, step) if self._validate else None
+                if msg is None:
+                    valid[step] = path
+                else:
+                    self._problems.append(TraceProblem(path, msg))
+            self._valid = valid
+        return self._valid
+
+    def refresh(self) -> None:
+        """Forget the cached listing (e.g. while a run is still writing)."""
+        self._valid = None
+        self._problems = []
+
+    @property
+    def steps(self) -> list[int]:
+        """Sorted steps with a readable step file."""
+        return list(self._scan())
+
+    @property
+    def problems(self) -> list[TraceProblem]:
+        """Step files (and metrics lines) that were skipped, with the reason."""
+        self._scan()
+        return list(self._problems)
+
+    def __len__(self) -> int:
+        return len(self._scan())
+
+    def step_path(self, step: int) -> Path:
+        valid = self._scan()
+        if step not in valid:
+            bad = [p for p in self._problems if p.path.name == S.step_file_name(step)]
+            if bad:
+                raise CorruptStepError(str(bad[0]))
+            raise KeyError(f"no step {step} in {self.trace_dir} (have {len(valid)} steps)")
+        return valid[step]
+
+    def open(self, step: int) -> StepFile:
+        return StepFile(self.step_path(step))
+
+    def read(self, step: int) -> dict[str, Any]:
+        return read_step(self.step_path(step))
+
+    def __iter__(self) -> Iterator[StepFile]:
+        """Open each valid step in order (the caller closes them, or uses ``with``)."""
+        for step in self.steps:
+            try:
+                yield self.open(step)
+            except TraceError as e:  # became unreadable since the scan
+                self._problems.append(TraceProblem(self._scan()[step], str(e)))

@@ -1,0 +1,212 @@
+"""The on-disk contract of an AxRL run directory and of one per-step HDF5 trace file.
+
+Everything here is public: other tools (``axrl_debug``, ``replay``, users' notebooks) read traces
+by these names. Policy (see docs/trace-format.md): *add* datasets/attrs freely; never rename,
+retype or change the meaning of an existing one without bumping ``SCHEMA_VERSION``.
+
+This module only depends on numpy so that readers stay light.
+
+Symbolic dimensions used in shapes:
+
+====  =====================================================================
+N     samples in the step (rows of ``/samples``)
+T     tokens of all samples concatenated (rows of ``/tokens``)
+L, k  MoE layers, experts per token (``/routing``)
+U     optimizer updates taken in the step
+S     entries of ``/train/update_samples`` (sum of samples over updates)
+M     micro-batches over all updates
+MS    entries of ``/train/micro_batch_samples``
+====  =====================================================================
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+# ----------------------------------------------------------------------------- run directory
+TRACE_DIR = "trace"
+CHECKPOINTS_DIR = "checkpoints"
+MANIFEST_FILE = "manifest.json"
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+TMP_SUFFIX = ".tmp"
+STEP_FILE_FORMAT = "step_{step:06d}.h5"
+STEP_FILE_RE = re.compile(r"^step_(\d{6,})\.h5$")
+CHECKPOINT_DIR_FORMAT = "step_{step:06d}"
+
+
+def step_file_name(step: int) -> str:
+    if int(step) < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return STEP_FILE_FORMAT.format(step=int(step))
+
+
+def parse_step_file_name(name: str) -> int | None:
+    """The step number of a *final* step file name, or None (tmp files and others)."""
+    m = STEP_FILE_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+# ----------------------------------------------------------------------------- errors
+class TraceError(Exception):
+    """Base class of every error raised by ``axrl.trace``."""
+
+
+class TraceValidationError(TraceError, ValueError):
+    """A StepRecord field has the wrong shape, dtype or values; the message names the field."""
+
+
+class NotARunDirError(TraceError, FileNotFoundError):
+    """The directory exists but holds neither ``manifest.json`` nor ``trace/``."""
+
+
+class SchemaVersionError(TraceError):
+    """The manifest or a step file declares a schema version this code does not know."""
+
+
+class CorruptStepError(TraceError):
+    """A step file cannot be opened or lacks its required structure (e.g. truncated by a crash)."""
+
+
+# ----------------------------------------------------------------------------- root attributes
+ATTR_STEP = "step"                        # int64
+ATTR_SCHEMA_VERSION = "schema_version"    # int64
+ATTR_POLICY_VERSION = "policy_version"    # int64: weight version trained on (before the step's updates)
+ATTR_RNG_DIGEST = "rng_digest"            # str: digest of all RNG states at the start of the step
+ATTR_AXRL_VERSION = "axrl_version"        # str
+ATTR_CREATED_UNIX = "created_unix"        # float64: time the file was written (informational)
+ATTR_NUM_SAMPLES = "num_samples"          # int64 N (convenience)
+ATTR_NUM_TOKENS = "num_tokens"            # int64 T (convenience)
+ATTR_NUM_UPDATES = "num_updates"          # int64 U (convenience)
+ATTR_NUM_MICRO_BATCHES = "num_micro_batches"  # int64 M (convenience)
+WALL_TIME_PREFIX = "wall_time_"           # float64 seconds per phase: wall_time_rollout, wall_time_train, ...
+RESERVED_ROOT_ATTRS = frozenset({
+    ATTR_STEP, ATTR_SCHEMA_VERSION, ATTR_POLICY_VERSION, ATTR_RNG_DIGEST, ATTR_AXRL_VERSION,
+    ATTR_CREATED_UNIX, ATTR_NUM_SAMPLES, ATTR_NUM_TOKENS, ATTR_NUM_UPDATES, ATTR_NUM_MICRO_BATCHES,
+})
+
+# attrs of /routing (present iff a routing dataset is present)
+ROUTING_ATTR_NUM_EXPERTS = "num_experts"  # int64
+
+# ----------------------------------------------------------------------------- groups
+G_SAMPLES = "/samples"
+G_TOKENS = "/tokens"
+G_ROUTING = "/routing"
+G_TRAIN = "/train"
+G_UPDATES = "/train/updates"
+G_MICRO_BATCHES = "/train/micro_batches"
+
+STR = "str"          # dtype marker: variable-length UTF-8 string
+ROUTING = "routing"  # dtype marker: uint8 if num_experts <= 256 else uint16
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    path: str                 # absolute HDF5 path, the public name
+    field: str                # StepRecord attribute holding it
+    dtype: str                # numpy dtype name, STR or ROUTING
+    shape: tuple[str, ...]    # symbolic shape; () for a scalar dataset
+    required: bool
+    doc: str
+
+    @property
+    def np_dtype(self) -> np.dtype | None:
+        return None if self.dtype in (STR, ROUTING) else np.dtype(self.dtype)
+
+
+DATASETS: tuple[DatasetSpec, ...] = (
+    # --- samples
+    DatasetSpec("/samples/offsets", "sample_offsets", "int64", ("N+1",), True,
+                "CSR: tokens of sample i are offsets[i]:offsets[i+1] of every /tokens dataset"),
+    DatasetSpec("/samples/sample_id", "sample_id", "int64", ("N",), True,
+                "unique id of the sample (trajectory) within the run"),
+    DatasetSpec("/samples/group_id", "group_id", "int64", ("N",), True,
+                "group (same prompt, GRPO-style) the sample belongs to"),
+    DatasetSpec("/samples/prompt_id", "prompt_id", STR, ("N",), True,
+                "dataset-level prompt identifier, e.g. 'gsm8k/train/123'"),
+    DatasetSpec("/samples/prompt_len", "prompt_len", "int32", ("N",), True,
+                "number of leading tokens of the sample that are the initial prompt"),
+    DatasetSpec("/samples/num_turns", "num_turns", "int32", ("N",), True,
+                "assistant turns in the trajectory"),
+    DatasetSpec("/samples/reward", "reward", "float64", ("N",), True,
+                "scalar reward of the trajectory (NaN if it could not be scored)"),
+    DatasetSpec("/samples/finish_reason", "finish_reason", STR, ("N",), True,
+                "'stop' | 'length' | 'abort' | 'truncated' | 'failed' | ... (engine/agent)"),
+    DatasetSpec("/samples/status", "status", STR, ("N",), True,
+                "'ok' | 'failed'"),
+    DatasetSpec("/samples/error", "error", STR, ("N",), True,
+                "error message when status != 'ok', else ''"),
+    # --- tokens
+    DatasetSpec("/tokens/ids", "token_ids", "int32", ("T",), True, "token ids"),
+    DatasetSpec("/tokens/loss_mask", "loss_mask", "uint8", ("T",), True,
+                "1 = generated by the policy and trained on"),
+    DatasetSpec("/tokens/turn", "turn", "int16", ("T",), True,
+                "turn index of the token within its sample (0 = initial prompt)"),
+    DatasetSpec("/tokens/policy_version", "token_policy_version", "int32", ("T",), True,
+                "weight version that generated the token; -1 for prompt/env/tool tokens"),
+    DatasetSpec("/tokens/rollout_logprob", "rollout_logprob", "float32", ("T",), True,
+                "engine log p(token_t | earlier tokens of its sample); NaN where not generated"),
+    DatasetSpec("/tokens/old_logprob", "old_logprob", "float32", ("T",), True,
+                "trainer recompute before the step's first update (same convention)"),
+    DatasetSpec("/tokens/advantage", "advantage", "float32", ("T",), True,
+                "per-token advantage used by the loss"),
+    DatasetSpec("/tokens/entropy", "entropy", "float16", ("T",), True,
+                "trainer entropy of the distribution that predicted token t"),
+    DatasetSpec("/tokens/logprob_ref", "logprob_ref", "float32", ("T",), False,
+                "reference-policy logprob (KL penalty), same convention"),
+    # --- routing
+    DatasetSpec("/routing/rollout", "routing_rollout", ROUTING, ("T", "L", "k"), False,
+                "experts each token was routed to as *input* by the engine"),
+    DatasetSpec("/routing/rollout_valid", "routing_rollout_valid", "uint8", ("T",), False,
+                "1 where /routing/rollout holds data (0: token never fed as input, e.g. last token)"),
+    DatasetSpec("/routing/train", "routing_train", ROUTING, ("T", "L", "k"), False,
+                "experts each token was routed to as *input* by the trainer forward"),
+    # --- train: batch composition (re-execution)
+    DatasetSpec("/train/update_samples", "update_samples", "int64", ("S",), True,
+                "row indices into /samples, update after update, in training order"),
+    DatasetSpec("/train/updates/sample_offsets", "update_sample_offsets", "int64", ("U+1",), True,
+                "CSR over /train/update_samples: update u trained on rows [o[u]:o[u+1]]"),
+    DatasetSpec("/train/micro_batch_samples", "micro_batch_samples", "int64", ("MS",), False,
+                "row indices into /samples, micro-batch after micro-batch, in execution order"),
+    DatasetSpec("/train/micro_batches/sample_offsets", "micro_batch_sample_offsets", "int64", ("M+1",),
+                False, "CSR over /train/micro_batch_samples"),
+    DatasetSpec("/train/updates/weights_fingerprint_after", "update_fingerprints", STR, ("U",), False,
+                "weights fingerprint after each update"),
+    DatasetSpec("/train/weights_fingerprint_before", "weights_fingerprint_before", STR, (), True,
+                "digest of all parameters before the step's first update"),
+    DatasetSpec("/train/weights_fingerprint_after", "weights_fingerprint_after", STR, (), True,
+                "digest of all parameters after the step's last update"),
+)
+DATASETS_BY_PATH = {d.path: d for d in DATASETS}
+DATASETS_BY_FIELD = {d.field: d for d in DATASETS}
+
+# Per-update metric columns /train/updates/<name> [U] and per-micro-batch /train/micro_batches/<name> [M].
+# Required columns with their dtypes; any other numeric column may be added (floats are stored as
+# float64, integers/bools as int64).
+UPDATE_REQUIRED: dict[str, str] = {"loss": "float64", "grad_norm": "float64", "lr": "float64"}
+UPDATE_RECOMMENDED = ("clipfrac", "kl", "entropy", "num_tokens", "num_samples")
+MICRO_BATCH_REQUIRED: dict[str, str] = {"update": "int32", "loss": "float64", "num_tokens": "int64"}
+UPDATE_RESERVED = frozenset({"sample_offsets", "weights_fingerprint_after"})
+MICRO_BATCH_RESERVED = frozenset({"sample_offsets"})
+
+# Which datasets get chunked + compressed (the large per-token ones).
+TOKEN_GROUPS = (G_TOKENS, G_ROUTING)
+
+KNOWN_FINISH_REASONS = ("stop", "length", "abort", "truncated", "failed")
+KNOWN_STATUSES = ("ok", "failed")
+
+
+def routing_dtype(num_experts: int) -> np.dtype:
+    """uint8 when expert ids fit (num_experts <= 256), else uint16."""
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if num_experts <= 256:
+        return np.dtype(np.uint8)
+    if num_experts <= 65536:
+        return np.dtype(np.uint16)
+    raise ValueError(f"num_experts={num_experts} does not fit uint16")
