@@ -1,4 +1,4 @@
-"""The `axrl` command line: model utilities now; `train`, `serve` and `sft` build on them."""
+"""The `axrl` command line: `axrl train`, and model utilities (`axrl model init|info`)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,38 @@ def fail(message: str) -> "typer.Exit":
     """Print a bad-input error and return the exit (code 2) to raise."""
     console.print(f"[bold red]error:[/] {message}")
     return typer.Exit(code=2)
+
+
+@app.command("train")
+def train(
+    config: Path = typer.Argument(..., help="YAML config, e.g. examples/quickstart.yaml."),
+    set_: list[str] = typer.Option([], "--set", help="Override a config key: --set rollout.group_size=4 (repeatable)."),
+    run_dir: Path | None = typer.Option(None, "--run-dir", help="Where the trace, metrics and checkpoints go "
+                                        "(default: runs/<config name>)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --run-dir from its newest checkpoint."),
+) -> None:
+    """Train a policy with RL; every step is recorded to RUN_DIR/trace for axrl-debug."""
+    from axrl.config import ConfigError, load_config
+
+    try:
+        if resume:
+            if run_dir is None:
+                raise ConfigError("--resume needs --run-dir")
+            # A resumed run keeps its recorded config; --set still applies on top.
+            cfg = load_config(run_dir / "config.yaml" if (run_dir / "config.yaml").is_file() else config, set_)
+        else:
+            cfg = load_config(config, set_)
+    except ConfigError as e:
+        raise fail(str(e))
+    from axrl.runtime.loop import train as run_training
+
+    target = run_dir or Path("runs") / config.stem
+    try:
+        out = run_training(cfg, target, resume=resume)
+    except (FileExistsError, FileNotFoundError, ValueError, NotImplementedError) as e:
+        raise fail(str(e))
+    console.print(f"[bold green]done[/]: trace, metrics and checkpoints in {out}  "
+                  f"(inspect with `axrl-debug summary {out}`)")
 
 
 @model_app.command("init")

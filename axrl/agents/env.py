@@ -1,0 +1,126 @@
+"""The white-box environment protocol: what the agent loop needs from a task.
+
+An :class:`Env` speaks chat messages, never tokens: ``reset`` gives the opening conversation,
+``step`` takes the assistant's text for one turn and answers with the messages to append
+(tool results, feedback) plus a reward. The agent loop owns tokenisation, so every env gets
+the exact, prefix-stable token stream for free.
+
+One env instance serves one episode at a time (``reset`` starts a new one); make one per
+concurrent episode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from axrl.tokenizer import Tokenizer
+
+Message = dict[str, Any]
+
+
+@dataclass
+class Prompt:
+    """One task instance.
+
+    Either ``messages`` (a chat) or ``text`` (a single user message) is set. ``fields`` holds
+    the task data the env needs to score the episode (e.g. ``{"answer": 95}``); it is never
+    shown to the model unless the env puts it into a message.
+    """
+
+    prompt_id: str
+    messages: list[Message] | None = None
+    text: str | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if (self.messages is None) == (self.text is None):
+            raise ValueError(f"prompt {self.prompt_id!r}: set exactly one of 'messages' and 'text'")
+
+    def as_messages(self) -> list[Message]:
+        """The prompt as chat messages (a ``text`` prompt becomes one user message); a copy."""
+        if self.messages is not None:
+            return [dict(m) for m in self.messages]
+        return [{"role": "user", "content": self.text}]
+
+
+@dataclass
+class StepOutcome:
+    """What the env answers to one assistant turn.
+
+    ``observation`` is the messages to append before the next assistant turn (role "tool" for
+    tool results, "user" for feedback); it is ignored when ``done`` (nothing would read it).
+    ``reward`` is this step's reward; the episode's reward is the sum over steps.
+    """
+
+    observation: list[Message]
+    reward: float = 0.0
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Env(Protocol):
+    """A multi-turn environment.
+
+    ``tools``: tool schemas (OpenAI function format) rendered into the system block by the
+    chat template; empty for tool-free tasks.
+    """
+
+    tools: list[dict[str, Any]]
+
+    def reset(self, prompt: Prompt) -> list[Message]:
+        """Start an episode; return the opening messages (e.g. system + user)."""
+        ...
+
+    def step(self, action: str) -> StepOutcome:
+        """Consume the assistant's text for one turn (tool calls included, as
+        ``<tool_call>`` blocks, without the end-of-turn token)."""
+        ...
+
+
+def assistant_text(tokenizer: Tokenizer, message: Message) -> str:
+    """The text the model generates for an assistant ``message`` (structured ``tool_calls``
+    rendered as ``<tool_call>`` blocks), i.e. what ``Env.step`` receives for it.
+
+    Derived from the chat template so it stays right if the template changes.
+    """
+    rendered = str(tokenizer.apply_chat_template([message], tokenize=False))
+    opening = str(tokenizer.apply_chat_template([], add_generation_prompt=True, tokenize=False))
+    closing = tokenizer.eos_token
+    start = rendered.index(opening) + len(opening)
+    return rendered[start:rendered.rindex(closing)]
+
+
+def replay_conversation(env: Env, prompt: Prompt, conversation: list[Message],
+                        tokenizer: Tokenizer) -> float:
+    """Drive ``env`` with the assistant turns of ``conversation``; return the summed reward.
+
+    Checks that the conversation is one the env would produce: it must start with
+    ``env.reset(prompt)`` and every non-assistant stretch must equal the env's observation.
+    Used to validate demonstrations (supervised warm-up data) against the task's own scoring.
+    Raises ValueError on a mismatch.
+    """
+    opening = env.reset(prompt)
+    if conversation[:len(opening)] != opening:
+        raise ValueError("conversation does not start with env.reset(prompt)")
+    i, total = len(opening), 0.0
+    while i < len(conversation):
+        message = conversation[i]
+        if message.get("role") != "assistant":
+            raise ValueError(f"message {i}: expected an assistant turn, got role {message.get('role')!r}")
+        outcome = env.step(assistant_text(tokenizer, message))
+        total += float(outcome.reward)
+        i += 1
+        if outcome.done:
+            if i != len(conversation):
+                raise ValueError(f"env ended the episode at message {i - 1}, "
+                                 f"{len(conversation) - i} message(s) early")
+            return total
+        observed = conversation[i:i + len(outcome.observation)]
+        if observed != outcome.observation:
+            raise ValueError(f"messages {i}..: conversation has {observed!r}, env observed "
+                             f"{outcome.observation!r}")
+        i += len(outcome.observation)
+    raise ValueError("conversation ended before the env finished the episode")

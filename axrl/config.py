@@ -1,0 +1,191 @@
+"""The training config: YAML validated by pydantic, one section per component.
+
+Sections map 1:1 onto the components they configure. Unknown keys, wrong types and impossible
+values stop `axrl train` before any work starts, with the dotted key path in the message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(Section):
+    preset: str | None = Field("tiny-moe", description="random-init preset (ignored when `path` is set)")
+    path: str | None = Field(None, description="HF model directory to start from")
+    init_seed: int = 0
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class DataSection(Section):
+    task: str = Field("calculator", description="built-in task: env, reward and demonstrations")
+    path: str | None = Field(None, description="JSONL/Parquet prompt file; default: the task's generator")
+    prompts_per_step: int = Field(8, ge=1)
+    task_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the task")
+
+
+class RolloutSection(Section):
+    engine: Literal["embedded", "sglang"] = "embedded"
+    group_size: int = Field(8, ge=1, description="samples per prompt (GRPO group)")
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    max_new_tokens: int = Field(48, ge=1, description="per assistant turn")
+    max_turns: int = Field(4, ge=1)
+    max_context_len: int = Field(512, ge=8)
+    max_batch_size: int = Field(64, ge=1, description="engine slots (concurrent sequences)")
+
+    @model_validator(mode="after")
+    def _top_k_not_zero(self) -> "RolloutSection":
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 (off) or >= 1")
+        return self
+
+
+class AlgoSection(Section):
+    advantage: Literal["grpo", "reinforce"] = "grpo"
+    normalize_std: bool = True
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.28, ge=0)
+    dual_clip: float | None = Field(None, gt=1)
+    tis: bool = True
+    tis_cap: float = Field(2.0, gt=0)
+    kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = Field(0.0, ge=0)
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+
+
+class TrainSection(Section):
+    backend: Literal["torch", "megatron"] = "torch"
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, ge=0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    updates_per_step: int = Field(1, ge=1, description="optimizer updates per step (mini-batches)")
+    micro_batch_tokens: int = Field(4096, ge=1)
+
+
+class WarmupSection(Section):
+    """Supervised warm-up on the task's demonstrations before RL (skipped on --resume)."""
+
+    steps: int = Field(0, ge=0)
+    batch_size: int = Field(16, ge=1)
+    lr: float = Field(1e-3, gt=0)
+
+
+class CheckpointSection(Section):
+    every: int = Field(5, ge=1, description="save every K steps (and at the end)")
+    keep: int = Field(0, ge=0, description="keep the newest K checkpoints (0 = all)")
+
+
+class TraceSection(Section):
+    enabled: bool = True
+    routing: bool = True
+
+
+class RuntimeSection(Section):
+    threads: int = Field(1, ge=1, description="torch threads per process")
+    deterministic: bool = True
+
+
+class Config(Section):
+    steps: int = Field(20, ge=1)
+    seed: int = 0
+    r3: bool = Field(False, description="replay rollout routing in the trainer (MoE only)")
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection = Field(default_factory=DataSection)
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    algo: AlgoSection = Field(default_factory=AlgoSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    warmup: WarmupSection = Field(default_factory=WarmupSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    trace: TraceSection = Field(default_factory=TraceSection)
+    runtime: RuntimeSection = Field(default_factory=RuntimeSection)
+
+    @model_validator(mode="after")
+    def _model_source(self) -> "Config":
+        if not self.model.preset and not self.model.path:
+            raise ValueError("model: set `preset` or `path`")
+        return self
+
+
+class ConfigError(ValueError):
+    """A config problem, already phrased for the user (key path, what was expected)."""
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {path}: unknown key (check spelling; see docs/config.md)")
+            continue
+        got = e.get("input")
+        got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"  {path}: {e['msg']}{got_s}")
+    return "\n".join(lines)
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set rollout.group_size=4")
+    key, raw = item.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"--set {item!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {key}: cannot parse value {raw!r}: {e}") from e
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `key.path=value` strings (values parsed as YAML) to a nested dict."""
+    for item in overrides:
+        path, value = _parse_override(item)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: '{part}' is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read, override and validate a config file (None = all defaults)."""
+    data: dict[str, Any] = {}
+    source = "(defaults)"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} not found")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from e
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections, got {type(loaded).__name__}")
+        data = loaded or {}
+    data = apply_overrides(data, overrides or [])
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, source)) from None
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """Plain YAML-safe dict of the fully resolved config (what run_dir/config.yaml holds)."""
+    return cfg.model_dump(mode="json")

@@ -1,0 +1,221 @@
+"""The white-box agent loop: one multi-turn episode as one incrementally built token stream.
+
+The stream is never re-tokenised: the prompt is rendered once, each assistant turn is the
+engine's own output ids, and everything in between is the chat template's rendering of the new
+messages only (the template is prefix-stable, see ``axrl.tokenizer.chat_template``). So the ids
+the trainer sees are exactly the ids the policy conditioned on.
+
+Layout of a trajectory (``turn`` index in brackets, ``*`` = generated, loss_mask 1)::
+
+    [0] prompt messages + <|im_start|>assistant\\n
+    [1]* assistant text ... <|im_end|>
+    [1] \\n  + observation messages + <|im_start|>assistant\\n      (the env's answer to turn 1)
+    [2]* assistant text ... <|im_end|>
+    ...
+
+Turn ``i`` is the i-th assistant action followed by the env's reaction to it (turn 0 is the
+reset). The stream ends with the last generated token: glue and observations after the final
+turn are never appended, since no model reads them.
+
+Finish reasons (``Trajectory.finish_reason``):
+
+* ``stop``: the env ended the episode after a complete assistant turn.
+* ``length``: the env ended the episode after a turn that hit the per-turn token limit. A
+  truncated turn the env does *not* end is closed with a masked ``<|im_end|>`` (the model did
+  not generate it) and the episode goes on: the env decides what a cut-off turn is worth.
+* ``context``: the stream reached ``max_context_len``; the next segment (glue + observation +
+  generation prompt) is appended only whole and only if at least one token of room is left
+  for the next turn, so the stream never exceeds the limit and never ends in partial glue.
+  A prompt that alone does not fit is cut at the limit (``info["prompt_truncated"]``).
+* ``max_turns``: ``max_turns`` assistant turns were generated and the env had not ended.
+* ``abort``: the engine aborted a request; the partial turn is kept, the env is not stepped.
+* ``failed``: the env raised (in reset, step or as a malformed observation): ``status`` is
+  "failed", ``error`` holds the traceback tail, ``reward`` is 0. The trajectory is still
+  returned; env errors never propagate. Engine errors do (a broken engine is not an episode
+  outcome).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+
+import numpy as np
+
+from axrl.agents.env import Env, Message, Prompt
+from axrl.inference.protocol import GenerateRequest, GenerateResult, InferenceEngine, SamplingParams
+from axrl.inference.sampling import derive_seed
+from axrl.rollout.trajectory import Trajectory
+from axrl.tokenizer import Tokenizer
+
+ERROR_TAIL_CHARS = 2000  # enough for the failing frames, small enough for a trace attribute
+
+
+async def run_episode(
+    engine: InferenceEngine,
+    tokenizer: Tokenizer,
+    env: Env,
+    prompt: Prompt,
+    *,
+    sample_id: int,
+    group_id: int,
+    sampling: SamplingParams,
+    max_turns: int,
+    max_context_len: int,
+    return_routing: bool = False,
+) -> Trajectory:
+    """Run one episode of ``env`` on ``prompt`` with ``engine`` and return its trajectory.
+
+    ``sampling.max_new_tokens`` is the per-turn limit; each request asks for
+    ``min(per-turn limit, room left in max_context_len)``. ``sampling.seed`` is the sample's
+    seed; turn ``i`` samples with a seed derived from it and ``i`` (see :func:`turn_seed`).
+    With ``return_routing`` the trajectory's ``routed_experts`` has one row per token (rows the
+    model never computed, i.e. the last token and anything after the last request, are zeros);
+    it stays None for a dense model or when no request ran. The reward is the sum of the env's
+    step rewards. See the module docstring for the layout and the finish reasons.
+    """
+    if max_turns < 1 or max_context_len < 1 or sampling.max_new_tokens < 1:
+        raise ValueError(f"need max_turns >= 1, max_context_len >= 1 and max_new_tokens >= 1; got "
+                         f"{max_turns}, {max_context_len}, {sampling.max_new_tokens}")
+    traj = Trajectory(sample_id=sample_id, group_id=group_id, prompt_id=prompt.prompt_id)
+    routing: list[np.ndarray] = []  # row chunks in stream order; their total = rows already held
+    reward = 0.0
+    try:
+        conversation = list(env.reset(prompt))
+        prompt_ids = list(tokenizer.apply_chat_template(
+            conversation, tools=env.tools or None, add_generation_prompt=True))
+    except Exception as exc:
+        return _failed(traj, exc, routing, [])
+    traj.info["messages"] = conversation
+    if len(prompt_ids) >= max_context_len:  # not even one token of room to generate
+        traj.append(prompt_ids[:max_context_len], generated=False, turn=0)
+        traj.prompt_len = traj.num_tokens
+        traj.info["prompt_truncated"] = len(prompt_ids) > max_context_len
+        return _finish(traj, "context", 0.0, routing)
+    traj.append(prompt_ids, generated=False, turn=0)
+    traj.prompt_len = len(prompt_ids)
+    close_ids = _assistant_close_ids(tokenizer)  # e.g. ids of "<|im_end|>\n"
+    next_turn_ids = tokenizer.generation_prompt_ids()
+
+    for turn in range(1, max_turns + 1):
+        room = max_context_len - traj.num_tokens  # >= 1: segments are appended only if they leave room
+        held = sum(len(chunk) for chunk in routing)
+        request = GenerateRequest(
+            input_ids=list(traj.token_ids),  # whole stream: the engine keeps no prefix cache
+            sampling_params=dataclasses.replace(
+                sampling, max_new_tokens=min(sampling.max_new_tokens, room),
+                seed=turn_seed(sampling.seed, turn)),
+            return_logprob=True,
+            return_routed_experts=return_routing,
+            routed_experts_start_len=held,
+        )
+        result = await engine.generate(request)
+        _append_generated(traj, result, turn)
+        _collect_routing(routing, request, result, held)
+        traj.num_turns = turn
+        if result.finish_type == "abort":
+            return _finish(traj, "abort", reward, routing)
+
+        out = result.output_ids
+        closed = bool(out) and out[-1] == close_ids[0]  # the model ended its own turn
+        text = tokenizer.decode(out[:-1] if closed else out)  # keep <tool_call> tags
+        conversation.append({"role": "assistant", "content": text})
+        truncated = result.finish_type == "length"
+        try:
+            outcome = env.step(text)
+            reward += float(outcome.reward)
+            traj.info["env_info"] = outcome.info
+            if outcome.done:
+                # A turn cut by the context limit filled the stream exactly.
+                reason = ("context" if traj.num_tokens >= max_context_len else "length") if truncated else "stop"
+                return _finish(traj, reason, reward, routing)
+            segment = list(close_ids[1:] if closed else close_ids)
+            for message in outcome.observation:
+                segment += tokenizer.encode_message(message)
+        except Exception as exc:
+            return _failed(traj, exc, routing, conversation)
+        if turn == max_turns:
+            return _finish(traj, "max_turns", reward, routing)
+        segment += next_turn_ids
+        if traj.num_tokens + len(segment) >= max_context_len:
+            return _finish(traj, "context", reward, routing)
+        traj.append(segment, generated=False, turn=turn)
+        conversation.extend(outcome.observation)
+    raise AssertionError("unreachable: the last turn returns max_turns")
+
+
+def turn_seed(seed: int | None, turn: int) -> int | None:
+    """Sampling seed of turn ``turn`` (1-based) of a sample seeded ``seed``; None stays None.
+
+    Distinct turns must not share a seed (a repeated seed on similar logits repeats tokens), and
+    samples must not collide on nearby turns, hence a real mix (the engine's splitmix64) rather
+    than seed + turn.
+    """
+    return None if seed is None else derive_seed(int(seed), int(turn))
+
+
+def _assistant_close_ids(tokenizer: Tokenizer) -> list[int]:
+    """Ids the template puts after an assistant message's text: its end-of-turn token (which
+    the model generates) followed by glue the model never generates (ChatML: a newline)."""
+    marker = "\x00"  # a character no template emits on its own
+    text = str(tokenizer.apply_chat_template([{"role": "assistant", "content": marker}], tokenize=False))
+    ids = tokenizer.encode(text[text.rindex(marker) + 1:])
+    if not ids or ids[0] != tokenizer.eos_token_id:
+        raise ValueError("chat template must close an assistant message with the eos token")
+    return ids
+
+
+def _append_generated(traj: Trajectory, result: GenerateResult, turn: int) -> None:
+    """Append one turn's output with its logprobs and per-token weight versions (these differ
+    within a turn when weights were updated mid-request)."""
+    ids, logprobs = list(result.output_ids), list(result.output_logprobs)
+    if len(logprobs) != len(ids):
+        raise RuntimeError(f"engine returned {len(logprobs)} logprobs for {len(ids)} output tokens "
+                           f"(request {result.rid})")
+    versions = list(result.output_weight_versions)
+    if len(versions) != len(ids):  # engines that only report the final version
+        versions = [result.weight_version] * len(ids)
+    start = 0
+    for end in range(1, len(ids) + 1):  # one append per run of equal versions
+        if end == len(ids) or versions[end] != versions[start]:
+            traj.append(ids[start:end], generated=True, turn=turn, version=int(versions[start]),
+                        logprobs=logprobs[start:end])
+            start = end
+
+
+def _collect_routing(routing: list[np.ndarray], request: GenerateRequest, result: GenerateResult,
+                     held: int) -> None:
+    """Keep the new routing rows; check they continue exactly where the held rows stop."""
+    rows = result.routed_experts
+    if not request.return_routed_experts or rows is None:
+        return
+    expected = len(request.input_ids) + len(result.output_ids) - 1 - held
+    if rows.shape[0] != expected:
+        raise RuntimeError(f"engine returned {rows.shape[0]} routing rows, expected {expected} "
+                           f"(request {result.rid}, start_len {held})")
+    if routing and rows.shape[1:] != routing[0].shape[1:]:
+        raise RuntimeError(f"routing shape changed from {routing[0].shape[1:]} to {rows.shape[1:]}")
+    routing.append(np.asarray(rows, dtype=np.int32))
+
+
+def _finish(traj: Trajectory, reason: str, reward: float, routing: list[np.ndarray]) -> Trajectory:
+    traj.finish_reason = reason
+    traj.reward = reward
+    if routing:
+        rows = np.concatenate(routing)
+        # Tokens that never went through the model (the last one) get zero rows.
+        pad = np.zeros((traj.num_tokens - rows.shape[0], *rows.shape[1:]), dtype=rows.dtype)
+        traj.routed_experts = np.concatenate([rows, pad])
+    traj.check()
+    return traj
+
+
+def _failed(traj: Trajectory, exc: BaseException, routing: list[np.ndarray],
+            conversation: list[Message]) -> Trajectory:
+    traj.status = "failed"
+    # The first line survives even when the traceback tail is cut.
+    tail = "".join(traceback.format_exception(exc))[-ERROR_TAIL_CHARS:]
+    traj.error = f"{type(exc).__name__}: {exc}\n{tail}"
+    traj.info["messages"] = conversation
+    return _finish(traj, "failed", 0.0, routing)
+

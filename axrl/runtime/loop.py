@@ -1,0 +1,197 @@
+"""The training loop, in-process: rollout → pool → advantages → train → weight sync → record.
+
+Read top to bottom: `build()` wires the components from the config, `train()` runs the steps.
+Everything a step does goes through a small protocol (InferenceEngine, TrainBackend, LossFn),
+so the same loop drives the SGLang engine and the Megatron-core backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from axrl.agents.tasks import Task, get_task
+from axrl.algo import PolicyLossConfig, make_policy_loss
+from axrl.algo.processor import AlgorithmProcessor
+from axrl.config import Config, config_to_dict
+from axrl.data import PromptLoader
+from axrl.inference.embedded import EmbeddedEngine
+from axrl.inference.protocol import InferenceEngine, SamplingParams
+from axrl.model import Qwen3ForCausalLM, build_model, load_hf, preset_config
+from axrl.rollout.worker import RolloutSettings, RolloutWorker
+from axrl.runtime.checkpoint import clean_partial, latest_checkpoint, load_checkpoint, save_checkpoint
+from axrl.runtime.progress import PhaseTimer, TrainProgress
+from axrl.runtime.recorder import StepOutcome, UpdateResult, step_metrics, step_record
+from axrl.runtime.warmup import warm_up
+from axrl.tokenizer import Tokenizer
+from axrl.trace import RunDir
+from axrl.train import TorchBackend, TorchBackendConfig
+from axrl.train.protocol import TrainBackend
+
+
+@dataclass
+class Components:
+    tokenizer: Tokenizer
+    task: Task
+    loader: PromptLoader
+    engine: InferenceEngine
+    backend: TrainBackend
+    worker: RolloutWorker
+    processor: AlgorithmProcessor
+    num_experts: int
+
+
+def initial_model(cfg: Config, tokenizer: Tokenizer) -> Qwen3ForCausalLM:
+    dtype = getattr(torch, cfg.model.dtype)
+    if cfg.model.path:
+        return load_hf(cfg.model.path, dtype=dtype)
+    model_cfg = preset_config(cfg.model.preset, vocab_size=tokenizer.vocab_size,
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return build_model(model_cfg, seed=cfg.model.init_seed, dtype=dtype)
+
+
+def make_backend(cfg: Config, model: Qwen3ForCausalLM, tokenizer: Tokenizer, *, lr: float | None = None,
+                 total_updates: int = 0) -> TrainBackend:
+    if cfg.train.backend != "torch":
+        raise NotImplementedError(f"train.backend={cfg.train.backend!r} is not available yet; use 'torch'")
+    t = cfg.train
+    return TorchBackend(model, TorchBackendConfig(
+        lr=lr or t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+        lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=total_updates,
+        micro_batch_tokens=t.micro_batch_tokens, seed=cfg.seed, num_threads=cfg.runtime.threads,
+        deterministic=cfg.runtime.deterministic), tokenizer=tokenizer)
+
+
+def make_engine(cfg: Config, model: Qwen3ForCausalLM, tokenizer: Tokenizer) -> InferenceEngine:
+    if cfg.rollout.engine != "embedded":
+        raise NotImplementedError(f"rollout.engine={cfg.rollout.engine!r} is not available yet; use 'embedded'")
+    # The engine owns a separate copy of the weights, as a remote server would; weight sync copies into it.
+    engine_model = Qwen3ForCausalLM(model.config).to(next(model.parameters()).dtype)
+    engine_model.load_state_dict(model.state_dict())
+    return EmbeddedEngine(engine_model.eval(), max_batch_size=cfg.rollout.max_batch_size,
+                          max_seq_len=cfg.rollout.max_context_len, eos_token_id=tokenizer.eos_token_id)
+
+
+def build(cfg: Config) -> Components:
+    tokenizer = Tokenizer.default()
+    task = get_task(cfg.data.task, **cfg.data.task_args)
+    loader = (PromptLoader.from_file(cfg.data.path, seed=cfg.seed) if cfg.data.path
+              else PromptLoader.from_task(task, seed=cfg.seed))
+    model = initial_model(cfg, tokenizer)
+    updates = cfg.steps * cfg.train.updates_per_step
+    backend = make_backend(cfg, model, tokenizer, total_updates=updates)
+    engine = make_engine(cfg, model, tokenizer)
+    r = cfg.rollout
+    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                              top_k=r.top_k, stop_token_ids=[tokenizer.eos_token_id])
+    worker = RolloutWorker(engine, tokenizer, task, RolloutSettings(
+        group_size=r.group_size, sampling=sampling, max_turns=r.max_turns, max_context_len=r.max_context_len,
+        return_routing=model.config.is_moe), seed=cfg.seed)
+    processor = AlgorithmProcessor(cfg.algo.advantage, cfg.algo.normalize_std, temperature=r.temperature)
+    return Components(tokenizer, task, loader, engine, backend, worker, processor, model.config.num_experts)
+
+
+def policy_loss(cfg: Config):
+    a = cfg.algo
+    return make_policy_loss(PolicyLossConfig(
+        clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, tis=a.tis, tis_cap=a.tis_cap,
+        kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, loss_agg=a.loss_agg))
+
+
+def sync_weights(c: Components, version: int) -> None:
+    c.engine.update_weights({name: t.detach() for name, t in c.backend.named_weights()}, version=version)
+
+
+def rng_digest() -> str:
+    return hashlib.blake2b(torch.get_rng_state().numpy().tobytes(), digest_size=8).hexdigest()
+
+
+def run_step(c: Components, cfg: Config, step: int, version: int, timer: PhaseTimer) -> StepOutcome:
+    """One RL step: rollout, old logprobs, `updates_per_step` optimizer updates, weight sync."""
+    with timer("rollout"):
+        trajectories = c.worker.rollout(c.loader.next_batch(cfg.data.prompts_per_step), step)
+    with timer("prepare"):
+        processed = c.processor(trajectories)
+        old = c.backend.forward(processed.batch, r3=cfg.r3)
+        processed.batch = dataclasses.replace(processed.batch, old_logprobs=old.logprobs)
+    fingerprint_before = c.backend.fingerprint()
+    loss_fn = policy_loss(cfg)
+    updates = []
+    with timer("train"):
+        for samples in processed.update_splits(cfg.train.updates_per_step):
+            metrics = c.backend.forward_backward(processed.batch.select(samples), loss_fn, r3=cfg.r3)
+            stats = c.backend.optimizer_step()
+            updates.append(UpdateResult(samples, metrics, stats, c.backend.fingerprint()))
+    with timer("sync"):
+        sync_weights(c, version + 1)
+    return StepOutcome(step=step, policy_version=version, processed=processed, old=old, updates=updates,
+                       fingerprint_before=fingerprint_before, fingerprint_after=updates[-1].fingerprint,
+                       wall_times=timer.times, num_experts=c.num_experts)
+
+
+def start(cfg: Config, c: Components, run: RunDir, resume: bool, progress: TrainProgress) -> tuple[int, int]:
+    """Prepare the run directory and the state to start from; returns (first step, policy version)."""
+    if resume:
+        clean_partial(run.path)
+        found = latest_checkpoint(run.path)
+        if found is None:
+            raise FileNotFoundError(f"--resume: no complete checkpoint in {run.path / 'checkpoints'}")
+        first, path = found
+        state = load_checkpoint(path, c.backend)
+        c.loader.load_state(state["data"])
+        version = int(state["policy_version"])
+        sync_weights(c, version)
+        # Steps recorded after the checkpoint are discarded and redone, so each step is in the trace once.
+        removed = run.truncate_after(first - 1)
+        run.record_resume(first)
+        progress.log(f"resumed from {path.name}: redoing {len(removed)} recorded step(s) after it")
+        return first, version
+    run.write_config(config_to_dict(cfg))
+    run.write_manifest(seed=cfg.seed, backend=cfg.train.backend, engine=cfg.rollout.engine,
+                       threads=torch.get_num_threads(), extra={"task": c.task.name})
+    if cfg.warmup.steps:
+        progress.phase("warm-up")
+        warm_backend = make_backend(cfg, c.backend.model, c.tokenizer, lr=cfg.warmup.lr)
+        losses = warm_up(warm_backend, c.tokenizer, c.task, steps=cfg.warmup.steps,
+                         batch_size=cfg.warmup.batch_size, seed=cfg.seed)
+        progress.log(f"warm-up: {cfg.warmup.steps} supervised steps, loss {losses[0]:.3f} → {losses[-1]:.3f}")
+        sync_weights(c, 0)
+    save_checkpoint(run.path, 0, c.backend, {"policy_version": 0, "data": c.loader.state()})
+    return 0, 0
+
+
+def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Path:
+    """Run (or resume) a training run; returns the run directory."""
+    run_path = Path(run_dir)
+    if not resume and run_path.exists() and any(run_path.iterdir()):
+        raise FileExistsError(f"run directory {run_path} is not empty; pass --resume to continue it "
+                              "or choose another --run-dir")
+    if resume and not (run_path / "config.yaml").is_file():
+        raise FileNotFoundError(f"--resume: {run_path} is not a run directory (no config.yaml)")
+    run = RunDir(run_path)
+    c = build(cfg)
+    try:
+        with TrainProgress(cfg.steps) as progress:
+            first, version = start(cfg, c, run, resume, progress)
+            progress.progress.update(progress.task, completed=first)
+            for step in range(first, cfg.steps):
+                outcome = run_step(c, cfg, step, version, PhaseTimer(progress))
+                version += 1
+                metrics = step_metrics(outcome)
+                if cfg.trace.enabled:
+                    progress.phase("record")
+                    run.write_step(step_record(outcome, rng_digest()))
+                run.append_metrics(metrics)
+                if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.steps:
+                    progress.phase("checkpoint")
+                    save_checkpoint(run.path, step + 1, c.backend,
+                                    {"policy_version": version, "data": c.loader.state()}, keep=cfg.checkpoint.keep)
+                progress.step_done(metrics)
+    finally:
+        c.engine.shutdown()
+    return run_path
+

@@ -1,0 +1,84 @@
+"""Live training progress with rich: a bar with the current phase, and one table row per step."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+# (metrics key, header, format): one printed row per step, fits 80 columns.
+_COLUMNS = [("step", "step", "d"), ("reward", "reward", ".3f"), ("loss", "loss", ".4f"),
+            ("grad_norm", "gnorm", ".3f"), ("mismatch", "mismatch", ".1e"), ("samples", "samples", "d"),
+            ("tokens_per_s", "tok/s", ".0f"), ("step_time", "sec", ".1f")]
+
+
+def _fmt(value: Any, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(int(value) if spec == "d" else value, spec)
+
+
+class TrainProgress:
+    """`with TrainProgress(total_steps, first_step) as p: p.phase("rollout"); p.step_done(metrics)`."""
+
+    def __init__(self, total_steps: int, first_step: int = 0, console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True)
+        self.progress = Progress(
+            TextColumn("[bold]{task.fields[phase]:<9}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[summary]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+            console=self.console, transient=False)
+        self.task = self.progress.add_task("train", total=total_steps, completed=first_step,
+                                           phase="start", summary="")
+        self._header_printed = False
+
+    def __enter__(self) -> "TrainProgress":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.progress.stop()
+
+    def phase(self, name: str) -> None:
+        self.progress.update(self.task, phase=name)
+
+    def log(self, message: str) -> None:
+        self.progress.console.print(message)
+
+    def step_done(self, m: dict[str, Any]) -> None:
+        """Print the step's row and advance the bar."""
+        table = Table(show_header=not self._header_printed, box=None, pad_edge=False)
+        for _, header, _ in _COLUMNS:
+            table.add_column(header, justify="right", min_width=7)
+        table.add_row(*(_fmt(m.get(key), spec) for key, _, spec in _COLUMNS))
+        self._header_printed = True
+        self.progress.console.print(table)
+        summary = f"reward {_fmt(m.get('reward'), '.3f')}"
+        self.progress.update(self.task, advance=1, summary=summary, phase="done")
+
+
+class PhaseTimer:
+    """Wall time per phase of a step (recorded as attributes of the step file)."""
+
+    def __init__(self, progress: TrainProgress | None = None) -> None:
+        self.times: dict[str, float] = {}
+        self._progress = progress
+        self._name: str | None = None
+        self._start = 0.0
+
+    def __call__(self, name: str) -> "PhaseTimer":
+        self._name = name
+        if self._progress:
+            self._progress.phase(name)
+        return self
+
+    def __enter__(self) -> "PhaseTimer":
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._name is not None
+        self.times[self._name] = self.times.get(self._name, 0.0) + time.perf_counter() - self._start

@@ -1,0 +1,140 @@
+"""Recorder: turns one finished step into its trace file and its metrics.jsonl line."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from axrl.algo.processor import ProcessedBatch
+from axrl.train.protocol import ForwardResult, StepStats, TrainMetrics
+from axrl.trace import StepRecord
+
+
+@dataclass
+class UpdateResult:
+    samples: list[int]
+    metrics: TrainMetrics
+    stats: StepStats
+    fingerprint: str
+
+
+@dataclass
+class StepOutcome:
+    """Everything the loop learned in one step, in the order it happened."""
+
+    step: int
+    policy_version: int
+    processed: ProcessedBatch
+    old: ForwardResult
+    updates: list[UpdateResult]
+    fingerprint_before: str
+    fingerprint_after: str
+    wall_times: dict[str, float] = field(default_factory=dict)
+    num_experts: int = 0
+
+
+def mismatch(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean |trainer − rollout logprob| over trained tokens: the headline mismatch scalar."""
+    m = (mask > 0) & torch.isfinite(rollout_logprobs)
+    return float((old_logprobs[m] - rollout_logprobs[m]).abs().mean()) if bool(m.any()) else math.nan
+
+
+def step_metrics(o: StepOutcome) -> dict[str, Any]:
+    """The step's metrics.jsonl line."""
+    trajs = o.processed.trajectories
+    batch = o.processed.batch
+    ok = [t for t in trajs if t.status == "ok"]
+    rollout_s = o.wall_times.get("rollout", 0.0)
+    last = o.updates[-1]
+    return {
+        "step": o.step,
+        "policy_version": o.policy_version,
+        "reward": float(np.mean([t.reward for t in ok])) if ok else math.nan,
+        "reward_max": float(max((t.reward for t in ok), default=math.nan)),
+        "loss": float(np.mean([u.metrics.loss for u in o.updates])),
+        "grad_norm": float(np.mean([u.stats.grad_norm for u in o.updates])),
+        "lr": last.stats.lr,
+        "clipfrac": float(np.mean([u.metrics.metrics.get("clipfrac", math.nan) for u in o.updates])),
+        "mismatch": mismatch(o.old.logprobs, batch.rollout_logprobs, batch.loss_mask),
+        "entropy": float((o.old.entropy * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1)),
+        "samples": len(trajs),
+        "failed": len(trajs) - len(ok),
+        "tokens": batch.num_tokens,
+        "generated_tokens": int(sum(t.num_generated for t in trajs)),
+        "mean_turns": float(np.mean([t.num_turns for t in trajs])),
+        "tokens_per_s": sum(t.num_generated for t in trajs) / rollout_s if rollout_s > 0 else math.nan,
+        "step_time": sum(o.wall_times.values()),
+        **{f"time_{k}": v for k, v in o.wall_times.items()},
+        "finish_reasons": {r: sum(t.finish_reason == r for t in trajs) for r in sorted({t.finish_reason for t in trajs})},
+    }
+
+
+def _columns(rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+    """Rows of metrics → one array per key (NaN where a row lacks it; counts stay integers)."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    out = {}
+    for k in keys:
+        values = [r.get(k, math.nan) for r in rows]
+        is_count = k in ("update",) or k.startswith("num_")
+        out[k] = np.asarray(values, dtype=np.int64 if is_count and all(v == v for v in values) else np.float64)
+    return out
+
+
+def _routing(trajs: list, batch_routing: torch.Tensor | None) -> tuple[np.ndarray | None, np.ndarray | None]:
+    if batch_routing is None:
+        return None, None
+    # The final token of each trajectory never went through the engine: its row is not valid.
+    valid = np.concatenate([np.r_[np.ones(t.num_tokens - 1, np.uint8), np.zeros(1, np.uint8)] for t in trajs])
+    return batch_routing.numpy(), valid
+
+
+def step_record(o: StepOutcome, rng_digest: str = "") -> StepRecord:
+    """The step's trace record (schema: docs/trace-format.md)."""
+    trajs = o.processed.trajectories
+    batch = o.processed.batch
+    routing_rollout, routing_valid = _routing(trajs, batch.routed_experts)
+    update_samples = [i for u in o.updates for i in u.samples]
+    update_offsets = np.cumsum([0] + [len(u.samples) for u in o.updates])
+    update_rows = [{"loss": u.metrics.loss, "grad_norm": u.stats.grad_norm, "lr": u.stats.lr,
+                    **{k: v for k, v in u.metrics.metrics.items() if k != "loss"}} for u in o.updates]
+    mb_rows = [{"update": ui, **row} for ui, u in enumerate(o.updates) for row in u.metrics.micro_batches]
+    return StepRecord(
+        step=o.step,
+        policy_version=o.policy_version,
+        sample_offsets=batch.offsets.numpy(),
+        sample_id=[t.sample_id for t in trajs],
+        group_id=[t.group_id for t in trajs],
+        prompt_id=[t.prompt_id for t in trajs],
+        prompt_len=[t.prompt_len for t in trajs],
+        num_turns=[t.num_turns for t in trajs],
+        reward=[t.reward for t in trajs],
+        finish_reason=[t.finish_reason for t in trajs],
+        status=[t.status for t in trajs],
+        error=[t.error for t in trajs],
+        token_ids=batch.input_ids.numpy(),
+        loss_mask=batch.loss_mask.numpy().astype(np.uint8),
+        turn=np.concatenate([t.turn for t in trajs]),
+        token_policy_version=np.concatenate([t.policy_version for t in trajs]),
+        rollout_logprob=batch.rollout_logprobs.numpy(),
+        old_logprob=o.old.logprobs.numpy(),
+        advantage=batch.advantages.numpy(),
+        entropy=o.old.entropy.numpy(),
+        update_sample_offsets=update_offsets,
+        update_samples=update_samples,
+        update_metrics=_columns(update_rows),
+        micro_batch_metrics=_columns(mb_rows),
+        update_fingerprints=[u.fingerprint for u in o.updates],
+        weights_fingerprint_before=o.fingerprint_before,
+        weights_fingerprint_after=o.fingerprint_after,
+        num_experts=o.num_experts or None,
+        routing_rollout=routing_rollout,
+        routing_rollout_valid=routing_valid,
+        routing_train=None if o.old.routed_experts is None else o.old.routed_experts.numpy(),
+        extra_samples={"advantage": o.processed.sample_advantages.numpy()},
+        wall_times=o.wall_times,
+        rng_digest=rng_digest,
+    )

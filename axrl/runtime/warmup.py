@@ -1,0 +1,64 @@
+"""Supervised warm-up: teach the random-init policy the task's format from its demonstrations,
+so RL starts from a model that succeeds some of the time."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from axrl.agents.env import Message
+from axrl.agents.tasks import Task
+from axrl.algo.sft import nll_loss
+from axrl.tokenizer import Tokenizer
+from axrl.train.protocol import PackedBatch, TrainBackend
+
+
+def conversation_tokens(tokenizer: Tokenizer, conversation: list[Message],
+                        tools: list[dict] | None) -> tuple[list[int], list[int]]:
+    """Token ids of a conversation and a loss mask over what the policy would generate: each
+    assistant message's content through its `<|im_end|>` (not the `<|im_start|>assistant\\n`
+    header nor the newline after, which the agent loop supplies)."""
+    header = tokenizer.generation_prompt_ids()
+    ids: list[int] = []
+    mask: list[int] = []
+    for i, message in enumerate(conversation):
+        seg = tokenizer.encode_message(message, tools=tools if i == 0 else None)
+        if message["role"] == "assistant":
+            end = seg.index(tokenizer.eos_token_id) + 1
+            seg_mask = [0] * len(header) + [1] * (end - len(header)) + [0] * (len(seg) - end)
+        else:
+            seg_mask = [0] * len(seg)
+        ids += seg
+        mask += seg_mask
+    return ids, mask
+
+
+def demonstration_batch(tokenizer: Tokenizer, task: Task, prompts: list) -> PackedBatch:
+    """Pack the task's ideal conversations for `prompts` into one SFT batch."""
+    tools = task.make_env().tools or None
+    seqs = [conversation_tokens(tokenizer, task.demonstration(p), tools) for p in prompts]
+    lengths = torch.tensor([len(ids) for ids, _ in seqs])
+    return PackedBatch(
+        input_ids=torch.tensor([t for ids, _ in seqs for t in ids], dtype=torch.int64),
+        offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+        loss_mask=torch.tensor([m for _, mask in seqs for m in mask], dtype=torch.float32),
+    )
+
+
+def warm_up(backend: TrainBackend, tokenizer: Tokenizer, task: Task, *, steps: int, batch_size: int,
+            seed: int, on_step: Callable[[int, float], None] | None = None) -> list[float]:
+    """`steps` supervised updates on fresh demonstrations; returns the loss of each update.
+
+    Prompts come from a seed stream disjoint from RL's (seed + 1), so the warm-up does not
+    rehearse the exact problems the RL run is later scored on.
+    """
+    losses = []
+    for step in range(steps):
+        prompts = [task.prompt(seed + 1, step * batch_size + i) for i in range(batch_size)]
+        metrics = backend.forward_backward(demonstration_batch(tokenizer, task, prompts), nll_loss)
+        backend.optimizer_step()
+        losses.append(metrics.loss)
+        if on_step:
+            on_step(step, metrics.loss)
+    return losses
