@@ -1,0 +1,74 @@
+"""Static, slot-based KV cache for the embedded engine.
+
+One preallocated K and V tensor per layer, shaped [max_batch_size, n_kv_heads, max_seq_len,
+head_dim]. A request owns one *slot* (row) from admission to finish; position p of its sequence
+lives at column p. Nothing is ever reallocated or concatenated, so a decode step only writes one
+column per slot and attends over a view `[:n, :, :kv_len]` of the cache (no copies).
+
+Stale columns (beyond a slot's current length, or left over from the slot's previous owner) are
+never read: decode masks keys by position, and prefill attends only over the fresh prompt keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class StaticKVCache:
+    """Per-layer K/V storage in slots; hands out the small adapters the model's `kv_cache=` needs."""
+
+    def __init__(self, num_layers: int, max_batch_size: int, num_kv_heads: int, max_seq_len: int,
+                 head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        shape = (max_batch_size, num_kv_heads, max_seq_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    # -- prefill -------------------------------------------------------------------------------
+    def prefill_writer(self, slots: torch.Tensor) -> "PrefillWriter":
+        """Adapter for a right-padded prefill batch whose row i belongs to slot `slots[i]`."""
+        return PrefillWriter(self, slots)
+
+    # -- decode --------------------------------------------------------------------------------
+    def write_decode(self, layer: int, rows: torch.Tensor, positions: torch.Tensor,
+                     k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one new key/value per slot: k, v [n, n_kv, head_dim] go to column positions[i] of slot rows[i]."""
+        self.k[layer][rows, :, positions] = k
+        self.v[layer][rows, :, positions] = v
+
+    def view(self, layer: int, n: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of slots [0, n) over columns [0, kv_len): views, no copy."""
+        return self.k[layer][:n, :, :kv_len], self.v[layer][:n, :, :kv_len]
+
+    def decode_writer(self, n: int, positions: torch.Tensor, kv_len: int) -> "DecodeWriter":
+        """Adapter for a one-token-per-slot decode step through the model's own forward."""
+        return DecodeWriter(self, n, positions, kv_len)
+
+
+class PrefillWriter:
+    """`kv_cache=` for prefill: copies the prompt's keys/values into the slots, and returns them
+    unchanged so the prompt attends only over itself (exactly a plain full forward)."""
+
+    def __init__(self, cache: StaticKVCache, slots: torch.Tensor) -> None:
+        self.cache, self.slots = cache, slots
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        S = k.shape[2]
+        self.cache.k[layer_idx][self.slots, :, :S] = k
+        self.cache.v[layer_idx][self.slots, :, :S] = v
+        return k, v
+
+
+class DecodeWriter:
+    """`kv_cache=` for a decode step over slots [0, n) with k, v [n, n_kv, 1, head_dim]."""
+
+    def __init__(self, cache: StaticKVCache, n: int, positions: torch.Tensor, kv_len: int) -> None:
+        self.cache, self.n, self.positions, self.kv_len = cache, n, positions, kv_len
+        self.rows = torch.arange(n, device=positions.device)
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.cache.write_decode(layer_idx, self.rows, self.positions, k[:, :, 0], v[:, :, 0])
+        return self.cache.view(layer_idx, self.n, self.kv_len)
