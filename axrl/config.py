@@ -83,6 +83,15 @@ class WarmupSection(Section):
     lr: float = Field(1e-3, gt=0)
 
 
+class EvalSection(Section):
+    """Held-out evaluation: the same prompts and sampling seeds every time, so evaluations of
+    successive policies differ only by the policy."""
+
+    every: int = Field(0, ge=0, description="evaluate before every K-th step and after the last (0 = off)")
+    prompts: int = Field(32, ge=1)
+    samples_per_prompt: int = Field(2, ge=1)
+
+
 class CheckpointSection(Section):
     every: int = Field(5, ge=1, description="save every K steps (and at the end)")
     keep: int = Field(0, ge=0, description="keep the newest K checkpoints (0 = all)")
@@ -108,6 +117,7 @@ class Config(Section):
     algo: AlgoSection = Field(default_factory=AlgoSection)
     train: TrainSection = Field(default_factory=TrainSection)
     warmup: WarmupSection = Field(default_factory=WarmupSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     trace: TraceSection = Field(default_factory=TraceSection)
     runtime: RuntimeSection = Field(default_factory=RuntimeSection)

@@ -25,7 +25,8 @@ QUICKSTART = ROOT / "examples" / "quickstart.yaml"
 # A few seconds per run: micro model, few short episodes, a short warm-up so episodes end.
 SMALL = ["model.preset=micro-moe", "steps=4", "data.prompts_per_step=2", "rollout.group_size=4",
          "rollout.max_new_tokens=24", "rollout.max_context_len=160", "warmup.steps=3", "warmup.batch_size=4",
-         "checkpoint.every=2", "runtime.threads=1"]
+         "checkpoint.every=2", "runtime.threads=1", "eval.every=2", "eval.prompts=2",
+         "eval.samples_per_prompt=1"]
 
 
 def _set_args(overrides: list[str]) -> list[str]:
@@ -82,6 +83,7 @@ def test_train_writes_a_complete_trace(tmp_path):
     assert reader.steps == [0, 1, 2, 3] and not reader.problems
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert ["eval_reward" in r for r in rows] == [True, False, True, False] and "eval_reward_final" in rows[-1]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000000", "step_000002", "step_000004"]
 
     with h5py.File(run / "trace" / "step_000002.h5") as f:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,7 @@ class Components:
     engine: InferenceEngine
     backend: TrainBackend
     worker: RolloutWorker
+    evaluator: RolloutWorker
     processor: AlgorithmProcessor
     num_experts: int
 
@@ -88,11 +90,14 @@ def build(cfg: Config) -> Components:
     r = cfg.rollout
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                               top_k=r.top_k, stop_token_ids=[tokenizer.eos_token_id])
-    worker = RolloutWorker(engine, tokenizer, task, RolloutSettings(
-        group_size=r.group_size, sampling=sampling, max_turns=r.max_turns, max_context_len=r.max_context_len,
-        return_routing=model.config.is_moe), seed=cfg.seed)
+    settings = RolloutSettings(group_size=r.group_size, sampling=sampling, max_turns=r.max_turns,
+                               max_context_len=r.max_context_len, return_routing=model.config.is_moe)
+    worker = RolloutWorker(engine, tokenizer, task, settings, seed=cfg.seed)
+    evaluator = RolloutWorker(engine, tokenizer, task, dataclasses.replace(
+        settings, group_size=cfg.eval.samples_per_prompt, return_routing=False), seed=cfg.seed + 2)
     processor = AlgorithmProcessor(cfg.algo.advantage, cfg.algo.normalize_std, temperature=r.temperature)
-    return Components(tokenizer, task, loader, engine, backend, worker, processor, model.config.num_experts)
+    return Components(tokenizer, task, loader, engine, backend, worker, evaluator, processor,
+                      model.config.num_experts)
 
 
 def policy_loss(cfg: Config):
@@ -104,6 +109,13 @@ def policy_loss(cfg: Config):
 
 def sync_weights(c: Components, version: int) -> None:
     c.engine.update_weights({name: t.detach() for name, t in c.backend.named_weights()}, version=version)
+
+
+def evaluate(c: Components, cfg: Config) -> float:
+    """Mean reward on the held-out prompts (task stream seed + 2), with fixed sampling seeds."""
+    prompts = [c.task.prompt(cfg.seed + 2, i) for i in range(cfg.eval.prompts)]
+    trajectories = c.evaluator.rollout(prompts, step=0)
+    return sum(t.reward for t in trajectories) / len(trajectories)
 
 
 def rng_digest() -> str:
@@ -179,12 +191,23 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Path:
             first, version = start(cfg, c, run, resume, progress)
             progress.progress.update(progress.task, completed=first)
             for step in range(first, cfg.steps):
+                eval_reward = None
+                if cfg.eval.every and step % cfg.eval.every == 0:
+                    progress.phase("eval")
+                    eval_reward = evaluate(c, cfg)
                 outcome = run_step(c, cfg, step, version, PhaseTimer(progress))
                 version += 1
                 metrics = step_metrics(outcome)
+                if eval_reward is not None:
+                    metrics["eval_reward"] = eval_reward  # of the policy before this step
+                if cfg.eval.every and step + 1 == cfg.steps:
+                    progress.phase("eval")
+                    metrics["eval_reward_final"] = evaluate(c, cfg)  # of the policy after the last step
                 if cfg.trace.enabled:
                     progress.phase("record")
-                    run.write_step(step_record(outcome, rng_digest()))
+                    t0 = time.perf_counter()
+                    run.write_step(step_record(outcome, rng_digest(), routing=cfg.trace.routing))
+                    metrics["time_record"] = time.perf_counter() - t0
                 run.append_metrics(metrics)
                 if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.steps:
                     progress.phase("checkpoint")

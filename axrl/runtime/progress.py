@@ -57,6 +57,9 @@ class TrainProgress:
         self._header_printed = True
         self.progress.console.print(table)
         summary = f"reward {_fmt(m.get('reward'), '.3f')}"
+        for key in ("eval_reward", "eval_reward_final"):
+            if key in m:
+                self.progress.console.print(f"  {key.replace('_', ' ')}: {m[key]:.3f}")
         self.progress.update(self.task, advance=1, summary=summary, phase="done")
 
 

@@ -92,11 +92,12 @@ def _routing(trajs: list, batch_routing: torch.Tensor | None) -> tuple[np.ndarra
     return batch_routing.numpy(), valid
 
 
-def step_record(o: StepOutcome, rng_digest: str = "") -> StepRecord:
-    """The step's trace record (schema: docs/trace-format.md)."""
+def step_record(o: StepOutcome, rng_digest: str = "", routing: bool = True) -> StepRecord:
+    """The step's trace record (schema: docs/trace-format.md); `routing=False` leaves out /routing."""
     trajs = o.processed.trajectories
     batch = o.processed.batch
-    routing_rollout, routing_valid = _routing(trajs, batch.routed_experts)
+    routing_rollout, routing_valid = _routing(trajs, batch.routed_experts if routing else None)
+    routing_train = o.old.routed_experts if routing else None
     update_samples = [i for u in o.updates for i in u.samples]
     update_offsets = np.cumsum([0] + [len(u.samples) for u in o.updates])
     update_rows = [{"loss": u.metrics.loss, "grad_norm": u.stats.grad_norm, "lr": u.stats.lr,
@@ -130,10 +131,10 @@ def step_record(o: StepOutcome, rng_digest: str = "") -> StepRecord:
         update_fingerprints=[u.fingerprint for u in o.updates],
         weights_fingerprint_before=o.fingerprint_before,
         weights_fingerprint_after=o.fingerprint_after,
-        num_experts=o.num_experts or None,
+        num_experts=(o.num_experts or None) if routing else None,
         routing_rollout=routing_rollout,
         routing_rollout_valid=routing_valid,
-        routing_train=None if o.old.routed_experts is None else o.old.routed_experts.numpy(),
+        routing_train=None if routing_train is None else routing_train.numpy(),
         extra_samples={"advantage": o.processed.sample_advantages.numpy()},
         wall_times=o.wall_times,
         rng_digest=rng_digest,
