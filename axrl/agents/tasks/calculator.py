@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import ast
 import operator
-import zlib
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -130,10 +129,6 @@ class CalculatorConfig:
     # The JSON tool schema costs ~400 prompt tokens; a tiny model taught the call format by
     # warm-up does not need it, and a 5x shorter prompt makes CPU runs 3-4x faster.
     show_tool_schema: bool = True
-    # Fraction of warm-up demonstrations that use the tool; the others answer directly ("mental
-    # arithmetic", usually wrong for a small model). Below 1.0 the warm-up leaves the policy
-    # undecided about *when* to use the tool — exactly what RL then learns from the reward.
-    demo_tool_fraction: float = 1.0
 
 
 class CalculatorEnv:
@@ -201,19 +196,12 @@ def make_prompt(seed: int, index: int, config: CalculatorConfig) -> Prompt:
 
 
 def demonstration(prompt: Prompt, config: CalculatorConfig | None = None) -> list[Message]:
-    """The ideal conversation: one calculator call with the question's expression, then the answer.
-
-    With ``demo_tool_fraction < 1`` that share of prompts (chosen by a hash of the prompt id, so
-    the choice is stable) gets a direct answer without the tool instead (reward ``no_tool_reward``).
-    """
-    config = config or CalculatorConfig()
+    """The ideal conversation: one calculator call with the question's expression, then the answer."""
     messages = CalculatorEnv(config).reset(prompt)
     expression = prompt.fields.get("expression")
     if not expression:  # file prompts may carry only the answer: compute it from the answer itself
         expression = format_number(expected_answer(prompt))
     result = format_number(evaluate(expression))
-    if zlib.crc32(prompt.prompt_id.encode()) / 2**32 >= config.demo_tool_fraction:
-        return messages + [{"role": "assistant", "content": f"The answer is {result}."}]
     return messages + [
         {"role": "assistant", "content": "",
          "tool_calls": [{"name": "calculator", "arguments": {"expression": expression}}]},
@@ -228,8 +216,6 @@ def make_task(**options: Any) -> Task:
     check_operands(NAME, config.min_operand, config.max_operand, tuple(config.ops))
     if config.max_tool_calls < 1:
         raise ValueError(f"task {NAME!r}: max_tool_calls must be >= 1, got {config.max_tool_calls}")
-    if not 0.0 <= config.demo_tool_fraction <= 1.0:
-        raise ValueError(f"task {NAME!r}: demo_tool_fraction must be in [0, 1], got {config.demo_tool_fraction}")
     return Task(
         name=NAME,
         make_env=lambda: CalculatorEnv(config),
