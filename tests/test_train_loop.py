@@ -121,6 +121,8 @@ def test_same_seed_same_run(tmp_path):
         with h5py.File(tmp_path / "a" / "trace" / f"step_{step:06d}.h5") as a, \
                 h5py.File(tmp_path / "b" / "trace" / f"step_{step:06d}.h5") as b:
             assert np.array_equal(a["tokens/ids"][:], b["tokens/ids"][:])
+            # Bitwise, including the engine's logprobs: lock-step rollout fixes batch composition.
+            assert a["tokens/rollout_logprob"][:].tobytes() == b["tokens/rollout_logprob"][:].tobytes()
             assert a["train/updates/loss"][:].tobytes() == b["train/updates/loss"][:].tobytes()
             assert a["train/weights_fingerprint_after"][()] == b["train/weights_fingerprint_after"][()]
 

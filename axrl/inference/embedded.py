@@ -158,6 +158,11 @@ class EmbeddedEngine:
         invalid input (naming the field) and RuntimeError after `shutdown`."""
         return self._enqueue([request])[0]
 
+    def submit_many(self, requests: Iterable[GenerateRequest]) -> list[concurrent.futures.Future]:
+        """Enqueue several requests atomically: the scheduler sees them together and admits them
+        in this order, which makes batch composition (hence the last bits of logits) reproducible."""
+        return self._enqueue(list(requests))
+
     def generate_batch(self, requests: Iterable[GenerateRequest], timeout: float | None = None) -> list[GenerateResult]:
         """Submit all requests at once (they are admitted together), wait for all; results in order."""
         futures = self._enqueue(list(requests))
@@ -437,6 +442,39 @@ class _Scheduler:
             self.prefill_chunk(chunk)
 
     def prefill_chunk(self, seqs: list[_Sequence]) -> None:
+        """Prefill prompts, writing K/V into their slots: the fused path, or the model's full forward."""
+        if self.decoder is not None:
+            self.prefill_chunk_fused(seqs)
+        else:
+            self.prefill_chunk_model(seqs)
+
+    def prefill_chunk_fused(self, seqs: list[_Sequence]) -> None:
+        want_routing = self.is_moe and any(s.wants_routing for s in seqs)
+        hidden, routing = self.decoder.prefill([s.prompt for s in seqs], [s.slot for s in seqs], self.cache,
+                                               want_routing)
+        if routing is not None:
+            routing = routing.to(torch.int32).cpu().numpy()
+            start = 0
+            for seq in seqs:
+                if seq.wants_routing:
+                    seq.routing.append(routing[start:start + len(seq.prompt)].copy())
+                start += len(seq.prompt)
+        self.start_decoding(seqs, hidden)
+
+    def start_decoding(self, seqs: list[_Sequence], hidden: torch.Tensor) -> None:
+        """Sample the first token of each prefilled sequence from its last prompt position's hidden
+        state [len(seqs), hidden]. A request that may not generate (max_new_tokens 0, or its prompt
+        fills max_seq_len) ends here with an empty output."""
+        go = [i for i, s in enumerate(seqs) if s.limit > 0]
+        for i, seq in enumerate(seqs):
+            if seq.limit <= 0:
+                self.finish(seq, {"type": "length", "length": 0})
+        if go:
+            if len(go) < len(seqs):
+                hidden = hidden[torch.tensor(go, device=self.device)]
+            self.advance([seqs[i] for i in go], self.model.lm_head(hidden))
+
+    def prefill_chunk_model(self, seqs: list[_Sequence]) -> None:
         """The model's full forward over right-padded prompts, writing K/V into the slots."""
         lens = [len(s.prompt) for s in seqs]
         width = max(lens)
@@ -453,15 +491,7 @@ class _Scheduler:
             for i, seq in enumerate(seqs):
                 if seq.wants_routing:
                     seq.routing.append(routing[i, :lens[i]].copy())
-        # A request that may not generate (max_new_tokens 0, or its prompt fills max_seq_len)
-        # ends here with an empty output.
-        go = [i for i, s in enumerate(seqs) if s.limit > 0]
-        for i, seq in enumerate(seqs):
-            if i not in go:
-                self.finish(seq, {"type": "length", "length": 0})
-        if go:
-            last = out.hidden[torch.tensor(go), torch.tensor([lens[i] - 1 for i in go])]  # last prompt token
-            self.advance([seqs[i] for i in go], self.model.lm_head(last))
+        self.start_decoding(seqs, out.hidden[torch.arange(len(seqs)), torch.tensor(lens) - 1])  # last prompt token
 
     def decode_step(self) -> None:
         """Feed every running request its last token; one forward over slots [0, n)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 
@@ -10,6 +11,7 @@ from axrl.agents.tasks import Task
 from axrl.agents.env import Prompt
 from axrl.inference.protocol import InferenceEngine, SamplingParams
 from axrl.rollout.agent_loop import run_episode
+from axrl.rollout.lockstep import EpisodeEngine, LockstepEngine
 from axrl.rollout.pool import TrajectoryPool
 from axrl.rollout.trajectory import Trajectory
 from axrl.tokenizer import Tokenizer
@@ -29,6 +31,7 @@ class RolloutSettings:
     max_turns: int
     max_context_len: int
     return_routing: bool
+    lockstep: bool = True  # deterministic batch composition (see axrl/rollout/lockstep.py)
 
 
 class RolloutWorker:
@@ -39,22 +42,31 @@ class RolloutWorker:
                  seed: int) -> None:
         self.engine, self.tokenizer, self.task, self.settings, self.seed = engine, tokenizer, task, settings, seed
 
-    async def _episode(self, prompt: Prompt, step: int, sample_id: int, group_id: int,
-                       pool: TrajectoryPool) -> None:
+    async def _episode(self, engine: InferenceEngine | EpisodeEngine, prompt: Prompt, step: int, sample_id: int,
+                       group_id: int, pool: TrajectoryPool) -> None:
         s = self.settings
-        sampling = SamplingParams(**{**s.sampling.__dict__, "seed": sample_seed(self.seed, step, sample_id)})
-        traj = await run_episode(self.engine, self.tokenizer, self.task.make_env(), prompt,
-                                 sample_id=sample_id, group_id=group_id, sampling=sampling,
-                                 max_turns=s.max_turns, max_context_len=s.max_context_len,
-                                 return_routing=s.return_routing)
+        sampling = dataclasses.replace(s.sampling, seed=sample_seed(self.seed, step, sample_id))
+        try:
+            traj = await run_episode(engine, self.tokenizer, self.task.make_env(), prompt,
+                                     sample_id=sample_id, group_id=group_id, sampling=sampling,
+                                     max_turns=s.max_turns, max_context_len=s.max_context_len,
+                                     return_routing=s.return_routing)
+        finally:
+            if isinstance(engine, EpisodeEngine):
+                engine.finished()
         pool.add(traj)
 
     async def _rollout(self, prompts: list[Prompt], step: int, pool: TrajectoryPool) -> None:
         n = self.settings.group_size
         first_group = step * len(prompts)
-        await asyncio.gather(*(
-            self._episode(prompt, step, (first_group + g) * n + j, first_group + g, pool)
-            for g, prompt in enumerate(prompts) for j in range(n)))
+        lockstep = LockstepEngine(self.engine) if self.settings.lockstep else None
+        episodes = []
+        for g, prompt in enumerate(prompts):
+            for j in range(n):
+                sample_id = (first_group + g) * n + j
+                engine = lockstep.episode(sample_id) if lockstep else self.engine
+                episodes.append(self._episode(engine, prompt, step, sample_id, first_group + g, pool))
+        await asyncio.gather(*episodes)
 
     def rollout(self, prompts: list[Prompt], step: int) -> list[Trajectory]:
         """All samples of the step's prompts, grouped and in a deterministic order."""

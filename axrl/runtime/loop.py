@@ -91,7 +91,8 @@ def build(cfg: Config) -> Components:
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                               top_k=r.top_k, stop_token_ids=[tokenizer.eos_token_id])
     settings = RolloutSettings(group_size=r.group_size, sampling=sampling, max_turns=r.max_turns,
-                               max_context_len=r.max_context_len, return_routing=model.config.is_moe)
+                               max_context_len=r.max_context_len, return_routing=model.config.is_moe,
+                               lockstep=cfg.runtime.deterministic)
     worker = RolloutWorker(engine, tokenizer, task, settings, seed=cfg.seed)
     evaluator = RolloutWorker(engine, tokenizer, task, dataclasses.replace(
         settings, group_size=cfg.eval.samples_per_prompt, return_routing=False), seed=cfg.seed + 2)
