@@ -107,6 +107,29 @@ class RuntimeSection(Section):
     deterministic: bool = True
 
 
+class LrScaleFault(Section):
+    """Multiply the learning rate of every update of one step (a learning-rate jump)."""
+
+    step: int = Field(..., ge=0)
+    factor: float = Field(..., gt=0)
+
+
+class RolloutLogprobNoiseFault(Section):
+    """Add Gaussian noise to the rollout logprobs of the generated tokens of one step (an inference
+    engine that disagrees with the trainer, e.g. stale weights or a bad kernel)."""
+
+    step: int = Field(..., ge=0)
+    std: float = Field(..., gt=0)
+
+
+class FaultsSection(Section):
+    """Deliberate faults, off by default: they create real spikes to demonstrate and test the
+    debugging tools (`axrl-debug replay`). They live in config.yaml, so a replay honours them."""
+
+    lr_scale: LrScaleFault | None = None
+    rollout_logprob_noise: RolloutLogprobNoiseFault | None = None
+
+
 class Config(Section):
     steps: int = Field(20, ge=1)
     seed: int = 0
@@ -121,6 +144,7 @@ class Config(Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     trace: TraceSection = Field(default_factory=TraceSection)
     runtime: RuntimeSection = Field(default_factory=RuntimeSection)
+    faults: FaultsSection = Field(default_factory=FaultsSection)
 
     @model_validator(mode="after")
     def _model_source(self) -> "Config":

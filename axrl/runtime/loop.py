@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 
 from axrl.agents.tasks import Task, get_task
-from axrl.algo import PolicyLossConfig, make_policy_loss
 from axrl.algo.processor import AlgorithmProcessor
 from axrl.config import Config, config_to_dict
 from axrl.data import PromptLoader
@@ -25,8 +24,10 @@ from axrl.inference.protocol import InferenceEngine, SamplingParams
 from axrl.model import Qwen3ForCausalLM, build_model, load_hf, preset_config
 from axrl.rollout.worker import RolloutSettings, RolloutWorker
 from axrl.runtime.checkpoint import clean_partial, latest_checkpoint, load_checkpoint, save_checkpoint
+from axrl.runtime.faults import lr_scale, perturb_batch
 from axrl.runtime.progress import PhaseTimer, TrainProgress
-from axrl.runtime.recorder import StepOutcome, UpdateResult, step_metrics, step_record
+from axrl.runtime.recorder import StepOutcome, step_metrics, step_record
+from axrl.runtime.updates import policy_loss, run_updates
 from axrl.runtime.warmup import warm_up
 from axrl.tokenizer import Tokenizer
 from axrl.trace import RunDir
@@ -78,14 +79,19 @@ def make_engine(cfg: Config, model: Qwen3ForCausalLM, tokenizer: Tokenizer) -> I
                           max_seq_len=cfg.rollout.max_context_len, eos_token_id=tokenizer.eos_token_id)
 
 
+def make_train_backend(cfg: Config, tokenizer: Tokenizer) -> TrainBackend:
+    """The RL trainer of a run, before any state is loaded (replay builds it the same way)."""
+    model = initial_model(cfg, tokenizer)
+    return make_backend(cfg, model, tokenizer, total_updates=cfg.steps * cfg.train.updates_per_step)
+
+
 def build(cfg: Config) -> Components:
     tokenizer = Tokenizer.default()
     task = get_task(cfg.data.task, **cfg.data.task_args)
     loader = (PromptLoader.from_file(cfg.data.path, seed=cfg.seed) if cfg.data.path
               else PromptLoader.from_task(task, seed=cfg.seed))
-    model = initial_model(cfg, tokenizer)
-    updates = cfg.steps * cfg.train.updates_per_step
-    backend = make_backend(cfg, model, tokenizer, total_updates=updates)
+    backend = make_train_backend(cfg, tokenizer)
+    model = backend.model
     engine = make_engine(cfg, model, tokenizer)
     r = cfg.rollout
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
@@ -99,13 +105,6 @@ def build(cfg: Config) -> Components:
     processor = AlgorithmProcessor(cfg.algo.advantage, cfg.algo.normalize_std, temperature=r.temperature)
     return Components(tokenizer, task, loader, engine, backend, worker, evaluator, processor,
                       model.config.num_experts)
-
-
-def policy_loss(cfg: Config):
-    a = cfg.algo
-    return make_policy_loss(PolicyLossConfig(
-        clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, tis=a.tis, tis_cap=a.tis_cap,
-        kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, loss_agg=a.loss_agg))
 
 
 def sync_weights(c: Components, version: int) -> None:
@@ -129,16 +128,14 @@ def run_step(c: Components, cfg: Config, step: int, version: int, timer: PhaseTi
         trajectories = c.worker.rollout(c.loader.next_batch(cfg.data.prompts_per_step), step)
     with timer("prepare"):
         processed = c.processor(trajectories)
+        processed.batch = perturb_batch(cfg, step, processed.batch)  # faults.rollout_logprob_noise; no-op by default
         old = c.backend.forward(processed.batch, r3=cfg.r3)
         processed.batch = dataclasses.replace(processed.batch, old_logprobs=old.logprobs)
     fingerprint_before = c.backend.fingerprint()
-    loss_fn = policy_loss(cfg)
-    updates = []
     with timer("train"):
-        for samples in processed.update_splits(cfg.train.updates_per_step):
-            metrics = c.backend.forward_backward(processed.batch.select(samples), loss_fn, r3=cfg.r3)
-            stats = c.backend.optimizer_step()
-            updates.append(UpdateResult(samples, metrics, stats, c.backend.fingerprint()))
+        # Shared with replay/, which re-runs these updates from the trace (axrl/runtime/updates.py).
+        updates = run_updates(c.backend, processed.batch, processed.update_splits(cfg.train.updates_per_step),
+                              policy_loss(cfg), r3=cfg.r3, lr_scale=lr_scale(cfg, step))
     with timer("sync"):
         sync_weights(c, version + 1)
     return StepOutcome(step=step, policy_version=version, processed=processed, old=old, updates=updates,

@@ -1,0 +1,62 @@
+"""Deliberate faults (config section `faults`, off by default).
+
+They exist to create *real* spikes — recorded by the normal trace, reproducible by replay — so
+the debugging tools can be demonstrated and tested on something other than synthetic data.
+Each fault acts at one step and goes through the same code path in training and in replay:
+
+* `lr_scale {step, factor}` — every optimizer update of `step` runs with `factor` × the
+  scheduled learning rate (the trace's `/train/updates/lr` shows the scaled value).
+  Applied by `run_updates`, which replay calls too, so a replay reproduces the jump.
+* `rollout_logprob_noise {step, std}` — Gaussian noise (seeded by run seed and step) is added to
+  the rollout logprobs of the generated tokens of `step`, before the loss sees them. The trace
+  records the noisy values, which is what the loss used, so replay needs nothing extra.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterator
+
+import torch
+
+from axrl.config import Config
+from axrl.train.protocol import PackedBatch, TrainBackend
+
+
+def lr_scale(cfg: Config, step: int) -> float:
+    """The learning-rate factor of `step` (1.0 unless `faults.lr_scale` targets it)."""
+    f = cfg.faults.lr_scale
+    return f.factor if f is not None and f.step == step else 1.0
+
+
+def perturb_batch(cfg: Config, step: int, batch: PackedBatch) -> PackedBatch:
+    """The batch with `faults.rollout_logprob_noise` applied when it targets `step` (else unchanged)."""
+    f = cfg.faults.rollout_logprob_noise
+    if f is None or f.step != step or batch.rollout_logprobs is None:
+        return batch
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    noise = torch.randn(batch.rollout_logprobs.shape, generator=gen, dtype=torch.float32) * f.std
+    # NaN (prompt / env tokens) stays NaN: only what the engine generated is "corrupted".
+    return dataclasses.replace(batch, rollout_logprobs=batch.rollout_logprobs + noise)
+
+
+@contextlib.contextmanager
+def scaled_lr(backend: TrainBackend, factor: float) -> Iterator[None]:
+    """Run the block with the backend's base learning rate × `factor`.
+
+    The TrainBackend protocol has no learning-rate knob, so this needs a backend whose schedule
+    reads a dataclass `config.lr` at each `optimizer_step` (the embedded torch backend does).
+    """
+    if factor == 1.0:
+        yield
+        return
+    config = getattr(backend, "config", None)
+    if config is None or not dataclasses.is_dataclass(config) or not hasattr(config, "lr"):
+        raise NotImplementedError(f"faults.lr_scale needs a backend with a dataclass `config.lr`; "
+                                  f"{type(backend).__name__} has none")
+    backend.config = dataclasses.replace(config, lr=config.lr * factor)  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        backend.config = config  # type: ignore[attr-defined]

@@ -1,0 +1,57 @@
+"""The training part of a step — the loss from the config and the optimizer updates.
+
+Shared by the loop (`run_step`) and by deterministic re-execution (`replay/`): a replayed step
+runs exactly this code on the batch rebuilt from the trace, so bitwise agreement with the
+recording tests the recording, not a re-implementation of it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+from axrl.algo import PolicyLoss, PolicyLossConfig, make_policy_loss
+from axrl.config import Config
+from axrl.runtime.faults import scaled_lr
+from axrl.runtime.recorder import UpdateResult
+from axrl.train.protocol import LossFn, PackedBatch, TrainBackend
+
+
+def policy_loss(cfg: Config) -> PolicyLoss:
+    """The step's `LossFn`, from the `algo` section."""
+    a = cfg.algo
+    return make_policy_loss(PolicyLossConfig(
+        clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, tis=a.tis, tis_cap=a.tis_cap,
+        kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, loss_agg=a.loss_agg))
+
+
+class UpdateHooks(Protocol):
+    """Observation points inside `run_updates` (replay's instrumentation; training passes none).
+    Hooks must only read: anything they change would break bitwise re-execution."""
+
+    def before_update(self, index: int, batch: PackedBatch) -> None:
+        """Called with the update's batch before its forward_backward."""
+
+    def before_optimizer_step(self, index: int) -> None:
+        """Called after forward_backward, while the accumulated gradients are still there."""
+
+
+def run_updates(backend: TrainBackend, batch: PackedBatch, splits: Sequence[Sequence[int]], loss_fn: LossFn, *,
+                r3: bool, lr_scale: float = 1.0, hooks: UpdateHooks | None = None) -> list[UpdateResult]:
+    """One optimizer update per entry of `splits` (sample rows of `batch`, in order).
+
+    `batch` must carry the old logprobs. Each update is forward_backward over its samples, then
+    optimizer_step, then a weights fingerprint — the order the trace records.
+    """
+    results = []
+    with scaled_lr(backend, lr_scale):
+        for u, samples in enumerate(splits):
+            samples = list(samples)
+            sub = batch.select(samples)
+            if hooks is not None:
+                hooks.before_update(u, sub)
+            metrics = backend.forward_backward(sub, loss_fn, r3=r3)
+            if hooks is not None:
+                hooks.before_optimizer_step(u)
+            stats = backend.optimizer_step()
+            results.append(UpdateResult(samples, metrics, stats, backend.fingerprint()))
+    return results

@@ -1,0 +1,138 @@
+"""`axrl-debug replay RUN --step N`: re-execute a recorded step bit for bit, dump it, run what-ifs.
+
+Exit codes: 0 bitwise-equal, 1 diverged (first divergence reported), 2 bad input (the message
+names the nearest usable step). See docs/replay.md.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+from rich import box
+from rich.table import Table
+
+from axrl_debug.app import EXIT_FAILED, EXIT_OK, JSON_OPTION, BadInput, app, err, out, print_json, run_command
+
+if TYPE_CHECKING:  # the replay library (and torch) load only when the command runs
+    from replay import ReplayResult
+
+
+def _g(v: float | None, digits: int = 10) -> str:
+    if v is None:
+        return "—"
+    return f"{v:.{digits}g}"
+
+
+@app.command("replay")
+def replay_command(
+    run: Path = typer.Argument(..., help="Run directory (holds config.yaml, trace/, checkpoints/)."),
+    step: int = typer.Option(..., "--step", help="Step to re-execute."),
+    dump: bool = typer.Option(False, "--dump", help="Also write costly per-token / per-layer instrumentation "
+                              "of the step to RUN/replay/step_N.h5."),
+    set_: list[str] = typer.Option([], "--set", help="What-if: re-run the step with key=value changed "
+                                   "(repeatable; all --set form one variant), e.g. --set algo.tis=false."),
+    variant: list[str] = typer.Option([], "--variant", help="Another what-if variant as one string of "
+                                      "assignments, e.g. --variant 'algo.tis_cap=5 r3=true' (repeatable)."),
+    json_: bool = JSON_OPTION,
+) -> None:
+    """Re-execute step N from the newest checkpoint at or before it and compare bit for bit."""
+
+    def body() -> int:
+        from replay import ReplayInputError, replay_step
+
+        variants = ([list(set_)] if set_ else []) + [shlex.split(v) for v in variant]
+        if any(not v for v in variants):
+            raise BadInput("--variant: empty variant")
+        say = None if json_ else (lambda msg: err.print(f"[dim]{msg}[/]", highlight=False))
+        try:
+            result = replay_step(run, step, dump=dump, variants=variants, progress=say)
+        except ReplayInputError as e:
+            raise BadInput(str(e)) from None
+        if json_:
+            print_json(result.to_dict())
+        else:
+            _print(result)
+        return EXIT_OK if result.verdict == "bitwise-equal" else EXIT_FAILED
+
+    run_command(body)
+
+
+def _print(result: "ReplayResult") -> None:
+    before = [s.step for s in result.steps[:-1]]
+    out.print(f"[bold]replay[/] {result.run}  step {result.step} from checkpoint step_{result.checkpoint_step:06d}"
+              + (f", re-ran step(s) {', '.join(map(str, before))} first" if before else ""), highlight=False)
+    env = result.environment
+    if result.warnings:  # already printed on stderr as they were found
+        out.print(f"[yellow]{len(result.warnings)} environment warning(s)[/]: bitwise equality needs the "
+                  "recording's environment", highlight=False)
+    else:
+        out.print(f"environment matches the recording: torch {env['versions']['torch']}, {env['threads']} "
+                  f"thread(s), {env['backend']} backend on {env['device']}, host {env['host']}", highlight=False)
+    for s in result.steps[:-1]:
+        out.print(f"step {s.step} (rebuilding the state): " + ("bitwise-equal" if s.bitwise_equal
+                                                              else f"{len(s.mismatches)} quantities differ"))
+    table = Table(title=f"step {result.step}: recorded vs replayed", title_justify="left", box=box.SIMPLE)
+    for col in ("update", "quantity", "recorded", "replayed", ""):
+        table.add_column(col, justify="left" if col in ("quantity", "") else "right", no_wrap=True)
+    target = result.target.to_dict()
+    for u in target["updates"]:
+        for mb in u["micro_batches"]:
+            table.add_row(str(u["update"]), f"mb {mb['micro_batch']} loss ({mb['num_tokens']} tokens)",
+                          _g(mb["loss"]["recorded"]), _g(mb["loss"]["replayed"]), _eq(mb["loss"]["equal"]))
+        for q in ("loss", "grad_norm", "lr"):
+            table.add_row(str(u["update"]), q, _g(u[q]["recorded"]), _g(u[q]["replayed"]), _eq(u[q]["equal"]))
+    fp = target["fingerprint_after"]
+    table.add_row("", "weights fingerprint", f"{str(fp['recorded'])[:12]}…", f"{str(fp['replayed'])[:12]}…",
+                  _eq(fp["equal"]))
+    out.print(table)
+    t = result.timings
+    timing = f"step re-executed in {t['step_seconds']:.3f} s"
+    if result.dump_path is not None:
+        timing += " with --dump instrumentation"
+    elif t.get("recorded_step_seconds"):
+        timing += (f" (recorded {t['recorded_step_seconds']:.3f} s, "
+                   f"ratio {t['step_seconds'] / t['recorded_step_seconds']:.2f}×)")
+    first = result.first_divergence
+    if first is None:
+        out.print(f"[bold green]bitwise-equal[/]: every micro-batch loss, update loss, grad norm and weights "
+                  f"fingerprint matches; {timing}", highlight=False)
+    else:
+        out.print(f"[bold red]DIVERGED[/] at {first.describe()}", highlight=False)
+        out.print(f"  {len(result.mismatches)} recorded quantities differ in total; {timing}", highlight=False)
+    if result.dump_path is not None:
+        out.print(f"dump: {result.dump_path}", highlight=False)
+    if result.variants:
+        _print_variants(result)
+
+
+def _eq(equal: bool) -> str:
+    return "[green]=[/]" if equal else "[red]≠[/]"
+
+
+def _print_variants(result: "ReplayResult") -> None:
+    from replay import SUMMARY_KEYS
+
+    out.print(f"what-if at step {result.step}, each from the same starting state:")
+    names = [f"v{i + 1}" for i in range(len(result.variants))]
+    for name, v in zip(names, result.variants):
+        out.print(f"  {name}: {v.label}", highlight=False)
+        for note in v.notes:
+            out.print(f"      ({note})", highlight=False)
+    table = Table(box=box.SIMPLE)
+    table.add_column("metric", no_wrap=True)
+    table.add_column("update", justify="right")
+    table.add_column("baseline", justify="right", no_wrap=True)
+    for name in names:
+        table.add_column(name, justify="right", no_wrap=True)
+    n = max([len(result.baseline)] + [len(v.updates) for v in result.variants])
+    rows = [result.baseline[u] if u < len(result.baseline) else {} for u in range(n)]
+    for key in SUMMARY_KEYS:
+        for u in range(n):
+            if key not in rows[u] and not any(u < len(v.updates) and key in v.updates[u] for v in result.variants):
+                continue
+            cells = [_g(v.updates[u].get(key), 6) if u < len(v.updates) else "—" for v in result.variants]
+            table.add_row(key, str(u), _g(rows[u].get(key), 6), *cells)
+    out.print(table)

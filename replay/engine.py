@@ -1,0 +1,294 @@
+"""Deterministic re-execution of a recorded step.
+
+    result = replay_step("runs/demo", 12, dump=True, variants=[["algo.tis=false"]])
+    result.verdict            # "bitwise-equal" | "diverged"
+    result.first_divergence   # Divergence(step, update, micro_batch, quantity, recorded, replayed, ...)
+
+How: build the trainer exactly as `axrl train` does (`make_train_backend` from config.yaml),
+load the newest checkpoint at or before N (older ones if it is damaged), re-run the recorded
+updates of the steps in between — batches rebuilt from the trace, updates run by the loop's own
+`run_updates` — checking each step against its recording, then step N. For step N the old
+logprobs (and trainer routing, entropy) are recomputed too and compared, since the loop computed
+them in the same process before the updates. Everything goes through the TrainBackend protocol
+(`--dump` additionally hooks the torch model when the backend has one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from axrl.config import Config, ConfigError, load_config
+from axrl.runtime.checkpoint import load_checkpoint
+from axrl.runtime.faults import lr_scale
+from axrl.runtime.loop import make_train_backend
+from axrl.runtime.recorder import UpdateResult
+from axrl.runtime.updates import policy_loss, run_updates
+from axrl.tokenizer import Tokenizer
+from axrl.trace import TraceError
+from axrl.train.protocol import TrainBackend
+from replay.compare import Divergence, compare_tensor, compare_updates, same_bits
+from replay.dump import DumpProbe, dump_path
+from replay.environment import REQUIREMENTS, current_environment, environment_warnings
+from replay.plan import ReplayInputError, ReplayPlan, RunInventory
+from replay.recorded import RecordedStep, load_recorded_step
+from replay.whatif import Variant, VariantResult, parse_variant, run_variant, summarize
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class StepReplay:
+    """One re-executed step: recorded vs replayed numbers and what differed."""
+
+    step: int
+    recorded: RecordedStep
+    results: list[UpdateResult]
+    mismatches: list[Divergence]
+    seconds: float                        # re-execution of the updates
+    old_forward_seconds: float | None = None  # step N only: the old-logprob forward
+
+    @property
+    def bitwise_equal(self) -> bool:
+        return not self.mismatches
+
+    def to_dict(self) -> dict[str, Any]:
+        updates = []
+        for u, (r, res) in enumerate(zip(self.recorded.updates, self.results)):
+            mbs = []
+            for j, row in enumerate(res.metrics.micro_batches):
+                rec_loss = r.micro_batches[j]["loss"] if j < len(r.micro_batches) else None
+                mbs.append({"micro_batch": j, "num_tokens": int(row["num_tokens"]),
+                            "loss": _pair(rec_loss, row["loss"])})
+            updates.append({
+                "update": u, "samples": len(r.samples),
+                "loss": _pair(r.values["loss"], res.metrics.loss),
+                "grad_norm": _pair(r.values["grad_norm"], res.stats.grad_norm),
+                "lr": _pair(r.values["lr"], res.stats.lr),
+                "fingerprint_after": {"recorded": r.fingerprint_after, "replayed": res.fingerprint,
+                                      "equal": r.fingerprint_after in (None, res.fingerprint)},
+                "micro_batches": mbs})
+        replayed_fp = self.results[-1].fingerprint if self.results else None
+        wt = self.recorded.wall_times
+        return {"step": self.step, "bitwise_equal": self.bitwise_equal, "updates": updates,
+                "fingerprint_after": {"recorded": self.recorded.fingerprint_after, "replayed": replayed_fp,
+                                      "equal": replayed_fp == self.recorded.fingerprint_after},
+                "mismatches": [m.to_dict() for m in self.mismatches],
+                "seconds": self.seconds, "old_forward_seconds": self.old_forward_seconds,
+                "recorded_train_seconds": wt.get("train"), "recorded_prepare_seconds": wt.get("prepare")}
+
+
+def _pair(recorded: Any, replayed: Any) -> dict[str, Any]:
+    rec = None if recorded is None else (recorded.item() if hasattr(recorded, "item") else recorded)
+    return {"recorded": rec, "replayed": replayed,
+            "equal": rec is not None and same_bits(recorded, replayed)}
+
+
+@dataclass
+class ReplayResult:
+    run: Path
+    step: int
+    checkpoint_step: int
+    steps: list[StepReplay]
+    warnings: list[str]
+    environment: dict[str, Any]
+    timings: dict[str, float]
+    dump_path: Path | None = None
+    baseline: list[dict[str, float]] = field(default_factory=list)
+    variants: list[VariantResult] = field(default_factory=list)
+
+    @property
+    def mismatches(self) -> list[Divergence]:
+        return [m for s in self.steps for m in s.mismatches]
+
+    @property
+    def first_divergence(self) -> Divergence | None:
+        ms = self.mismatches
+        return ms[0] if ms else None
+
+    @property
+    def verdict(self) -> str:
+        return "bitwise-equal" if not self.mismatches else "diverged"
+
+    @property
+    def target(self) -> StepReplay:
+        return self.steps[-1]
+
+    def to_dict(self) -> dict[str, Any]:
+        first = self.first_divergence
+        return {
+            "run": str(self.run), "step": self.step, "verdict": self.verdict,
+            "first_divergence": None if first is None else first.to_dict(),
+            "checkpoint_step": self.checkpoint_step,
+            "replayed_steps": [s.step for s in self.steps],
+            "steps": [s.to_dict() for s in self.steps],
+            "warnings": self.warnings, "requirements": REQUIREMENTS, "environment": self.environment,
+            "timings": self.timings,
+            "dump": None if self.dump_path is None else str(self.dump_path),
+            "baseline": self.baseline, "variants": [v.to_dict() for v in self.variants],
+        }
+
+
+def _checkpoint_meta(path: Path) -> dict[str, Any] | None:
+    """The backend's own checkpoint metadata when it has one (torch: trainer_state.json)."""
+    p = path / "trainer_state.json"
+    try:
+        return json.loads(p.read_text()) if p.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
+def replay_step(run_dir: str | Path, step: int, *, dump: bool = False, dump_to: Path | None = None,
+                variants: Sequence[Sequence[str]] = (), progress: Progress | None = None) -> ReplayResult:
+    """Re-execute `step` of the run bit for bit, optionally dump it and run what-if variants.
+
+    Raises ReplayInputError (with the nearest usable step) when the input cannot be replayed.
+    """
+    say = progress or (lambda msg: None)
+    inv = RunInventory(run_dir)
+    plan = inv.plan(step)
+    config_path = inv.run / "config.yaml"
+    try:
+        cfg = load_config(config_path)
+    except ConfigError as e:
+        raise ReplayInputError(f"{config_path}: {e}") from None
+    parsed: list[Variant] = [parse_variant(config_path, v) for v in variants]  # bad input before any work
+    # Building the trainer sets the process-wide thread count from the recorded config; give the
+    # caller its own back afterwards.
+    threads_before = torch.get_num_threads()
+    try:
+        return _replay(inv, cfg, step, plan, parsed, dump=dump, dump_to=dump_to, say=say)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _load_start(inv: RunInventory, plan: ReplayPlan, backend: TrainBackend, step: int,
+                say: Progress) -> tuple[int, Path, list[str]]:
+    """Load the newest loadable checkpoint ≤ step (older ones when it is damaged); returns its step,
+    path and notes (fall-backs taken, the backend's own warnings such as a config difference)."""
+    notes: list[str] = []
+    for k, path in [(plan.checkpoint_step, plan.checkpoint_path)] + plan.older_checkpoints:
+        if not all(inv.readable(s) for s in range(k, step + 1)):
+            continue  # an older checkpoint only helps if every step after it is readable
+        say(f"loading checkpoint {path.name}")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                load_checkpoint(path, backend)
+            except (ValueError, FileNotFoundError, OSError, KeyError) as e:
+                notes.append(f"checkpoint {path} is unusable ({e}); trying an older one")
+                continue
+        return k, path, notes + [str(w.message) for w in caught]
+    raise ReplayInputError.for_step(f"no loadable checkpoint at or before step {step}: " + "; ".join(notes),
+                                    inv, step)
+
+
+def _check_prepare(rec: RecordedStep, backend: TrainBackend, cfg: Config) -> list[Divergence]:
+    """Redo the loop's prepare-phase forward (old logprobs, entropy, trainer routing) and compare.
+    No-grad and stateless, so it changes nothing the updates depend on."""
+    old = backend.forward(dataclasses.replace(rec.batch, old_logprobs=None), r3=cfg.r3)
+    out = []
+    for name, recorded, replayed in (("old_logprob", rec.batch.old_logprobs.numpy(), old.logprobs),
+                                     ("entropy", rec.entropy, old.entropy),
+                                     ("routing_train", rec.routing_train, old.routed_experts)):
+        if recorded is not None and replayed is not None:
+            d = compare_tensor(rec.step, name, recorded, replayed)
+            if d is not None:
+                out.append(d)
+    return out
+
+
+def _replay(inv: RunInventory, cfg: Config, step: int, plan: ReplayPlan, parsed: list[Variant], *, dump: bool,
+            dump_to: Path | None, say: Progress) -> ReplayResult:
+    t0 = time.perf_counter()
+    tokenizer = Tokenizer.default()
+    try:
+        backend = make_train_backend(cfg, tokenizer)  # exactly as `axrl train` builds it
+    except (NotImplementedError, ValueError, OSError) as e:
+        raise ReplayInputError(f"cannot build the trainer from {inv.run / 'config.yaml'}: {e}") from None
+    k0, ckpt, notes = _load_start(inv, plan, backend, step, say)
+    timings: dict[str, float] = {"load_seconds": time.perf_counter() - t0}
+    env = current_environment(cfg)
+    warns = environment_warnings(inv.reader.manifest, env, _checkpoint_meta(ckpt)) + notes
+    for w in warns:
+        say(f"warning: {w}")
+
+    steps: list[StepReplay] = []
+    probe: DumpProbe | None = None
+    state_before: dict[str, Any] | None = None
+    t_catch = time.perf_counter()
+    for s in range(k0, step + 1):
+        path = inv.files[s]
+        try:
+            rec = load_recorded_step(path, cfg)
+        except (TraceError, ValueError, OSError, KeyError) as e:
+            inv.mark_bad(s)
+            raise ReplayInputError.for_step(f"step file {path} is damaged or incomplete: {e}", inv, step) from None
+        if cfg.r3 and rec.batch.routed_experts is None and not rec.dense(cfg):
+            raise ReplayInputError(f"step {s} was trained with r3 but {path} has no /routing/rollout "
+                                   "(trace.routing was off?): its forced routing cannot be re-applied")
+        mismatches: list[Divergence] = []
+        fp = backend.fingerprint()
+        if fp != rec.fingerprint_before:
+            mismatches.append(Divergence(s, None, None, "weights_fingerprint_before", rec.fingerprint_before, fp,
+                                         detail="the weights this step starts from differ from the recording"))
+        loss_fn: Any = policy_loss(cfg)
+        hooks = None
+        old_s = None
+        if s == step:
+            timings["catch_up_seconds"] = time.perf_counter() - t_catch
+            say(f"re-executing step {s} ({len(rec.updates)} update(s)) and comparing bit for bit")
+            if parsed:
+                state_before = backend.state_dict()  # what-if variants start from here
+            t_old = time.perf_counter()
+            mismatches += _check_prepare(rec, backend, cfg)
+            old_s = time.perf_counter() - t_old
+            if dump:
+                probe = DumpProbe(backend, loss_fn, rec.batch, rec.splits, r3=cfg.r3)
+                loss_fn, hooks = probe.loss_fn, probe
+        else:
+            say(f"re-running step {s} ({len(rec.updates)} update(s)) to rebuild the state before step {step}")
+        t_up = time.perf_counter()
+        try:
+            results = run_updates(backend, rec.batch, rec.splits, loss_fn, r3=cfg.r3, lr_scale=lr_scale(cfg, s),
+                                  hooks=hooks)
+        finally:
+            if probe is not None:
+                probe.close()
+        up_s = time.perf_counter() - t_up
+        mismatches += compare_updates(rec, results)
+        if results and results[-1].fingerprint != rec.fingerprint_after:
+            mismatches.append(Divergence(s, None, None, "weights_fingerprint_after", rec.fingerprint_after,
+                                         results[-1].fingerprint))
+        steps.append(StepReplay(s, rec, results, mismatches, up_s, old_s))
+        if mismatches:
+            say(f"step {s}: DIVERGED — {mismatches[0].describe()}")
+
+    target = steps[-1]
+    timings["updates_seconds"] = target.seconds
+    timings["old_forward_seconds"] = target.old_forward_seconds or 0.0
+    timings["step_seconds"] = target.seconds + (target.old_forward_seconds or 0.0)
+    wt = target.recorded.wall_times
+    if "train" in wt:
+        timings["recorded_train_seconds"] = wt["train"]
+        timings["recorded_step_seconds"] = wt["train"] + wt.get("prepare", 0.0)
+    result = ReplayResult(run=inv.run, step=step, checkpoint_step=k0, steps=steps, warnings=warns,
+                          environment=env, timings=timings, baseline=summarize(target.results))
+    if probe is not None:
+        first = result.first_divergence
+        result.dump_path = probe.write(dump_to or dump_path(inv.run, step), updates=result.baseline, attrs={
+            "step": step, "run": str(inv.run), "verdict": result.verdict, "checkpoint_step": k0,
+            "first_divergence": "" if first is None else first.describe()})
+        say(f"wrote {result.dump_path}")
+    for v in parsed:
+        say(f"what-if: {v.label}")
+        assert state_before is not None
+        result.variants.append(run_variant(v, cfg, target.recorded, state_before, tokenizer))
+    return result

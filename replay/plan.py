@@ -1,0 +1,113 @@
+"""What a replay of step N needs, checked before any work: the run, step N's file, a checkpoint at
+or before N, and every step file between them.
+
+A step is *usable* (replayable) when some checkpoint K ≤ N exists and the step files K..N are all
+readable. Every bad-input error names the usable step nearest to the one asked for, so the user
+can retry at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from axrl.runtime.checkpoint import list_checkpoints
+from axrl.trace import TraceError, TraceReader
+
+
+class ReplayInputError(Exception):
+    """The replay cannot start (or continue) because of its input; `nearest` is the usable step
+    closest to the one asked for (None when no step of the run can be replayed)."""
+
+    def __init__(self, message: str, nearest: int | None = None, *, about_step: bool = False) -> None:
+        self.nearest = nearest
+        if nearest is not None:
+            message += f"; nearest usable step: {nearest}"
+        elif about_step:
+            message += "; no step of this run can be replayed"
+        super().__init__(message)
+
+    @classmethod
+    def for_step(cls, message: str, inventory: "RunInventory", step: int) -> "ReplayInputError":
+        """An error about `step`, naming the nearest usable step of the run."""
+        return cls(message, inventory.nearest_usable(step), about_step=True)
+
+
+@dataclass
+class ReplayPlan:
+    """Start from checkpoint `checkpoint_step`, re-run the steps before `step`, then `step`."""
+
+    run: Path
+    step: int
+    checkpoint_step: int
+    checkpoint_path: Path
+    step_paths: dict[int, Path]                       # every step from checkpoint_step to step
+    older_checkpoints: list[tuple[int, Path]] = field(default_factory=list)  # fall-backs, newest first
+
+
+def _span(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    return f"{steps[0]}..{steps[-1]}" if steps == list(range(steps[0], steps[-1] + 1)) else ", ".join(map(str, steps))
+
+
+class RunInventory:
+    """The steps and checkpoints of a run directory, and which steps are usable."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run = Path(run_dir)
+        try:
+            self.reader = TraceReader(self.run)
+        except (FileNotFoundError, NotADirectoryError, TraceError) as e:
+            raise ReplayInputError(f"{e}") from None
+        if self.reader.config is None:
+            raise ReplayInputError(f"{self.run} has no config.yaml: cannot rebuild the trainer")
+        self.files = self.reader.step_files()                 # every final step file
+        self.valid = set(self.reader.steps)                   # structurally readable ones
+        self.problems = {p.path.name: str(p) for p in self.reader.problems}
+        self.bad: set[int] = set()                            # found damaged while reading
+        self.checkpoints = list_checkpoints(self.run)
+
+    def readable(self, step: int) -> bool:
+        return step in self.valid and step not in self.bad
+
+    def usable_steps(self) -> list[int]:
+        """Steps whose state can be rebuilt: a checkpoint K ≤ s and readable step files K..s."""
+        out: set[int] = set()
+        for k, _ in self.checkpoints:
+            s = k
+            while self.readable(s):
+                out.add(s)
+                s += 1
+        return sorted(out)
+
+    def nearest_usable(self, step: int) -> int | None:
+        usable = [s for s in self.usable_steps() if s != step]
+        return min(usable, key=lambda s: (abs(s - step), s)) if usable else None
+
+    def mark_bad(self, step: int) -> None:
+        self.bad.add(step)
+
+    def plan(self, step: int) -> ReplayPlan:
+        """The replay plan of `step`, or ReplayInputError naming the nearest usable step."""
+        if step < 0 or step not in self.files:
+            raise ReplayInputError.for_step(f"step {step} is not in the trace of {self.run} "
+                                            f"(recorded steps: {_span(sorted(self.files))})", self, step)
+        if not self.readable(step):
+            why = self.problems.get(self.files[step].name, f"{self.files[step]}: unreadable")
+            raise ReplayInputError.for_step(f"step {step}'s file is damaged: {why}", self, step)
+        before = [c for c in self.checkpoints if c[0] <= step]
+        if not before:
+            have = ", ".join(str(k) for k, _ in self.checkpoints) or "none"
+            raise ReplayInputError.for_step(f"no checkpoint at or before step {step} in {self.run / 'checkpoints'} "
+                                            f"(checkpoints before steps: {have})", self, step)
+        k, path = before[-1]
+        gaps = [s for s in range(k, step) if not self.readable(s)]
+        if gaps:
+            g = gaps[-1]
+            state = "missing" if g not in self.files else "damaged"
+            raise ReplayInputError.for_step(f"cannot rebuild the state before step {step}: step {g} (between "
+                                            f"checkpoint {k} and step {step}) is {state}", self, step)
+        return ReplayPlan(run=self.run, step=step, checkpoint_step=k, checkpoint_path=path,
+                          step_paths={s: self.files[s] for s in range(k, step + 1)},
+                          older_checkpoints=list(reversed(before[:-1])))
