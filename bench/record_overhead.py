@@ -1,8 +1,9 @@
 """Recording overhead: the same short training run with and without the trace, side by side.
 
-Runs `axrl train` twice per round in separate processes (trace on, trace off; the order
-alternates between rounds), on identical work (same seed, config and thread count, so the same
-tokens and updates). Reports two figures:
+Each round runs `axrl train` twice *at the same time* — one process with the trace, one without,
+one torch thread each on the 2-core machine — so whatever else loads the machine slows both
+alike. The work is identical (same seed, config and thread count, so the same tokens and
+updates). Reports two figures:
 
 - `record_overhead_ratio_direct`: 1 + (time spent building and writing step files) / (step time),
   both measured inside the traced run — immune to machine noise between processes;
@@ -28,12 +29,15 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULTS = ["warmup.steps=20", "eval.every=0", "checkpoint.every=1000", "runtime.threads=1"]
 
 
-def run(run_dir: Path, steps: int, trace: bool, extra: list[str]) -> list[dict]:
+def start(run_dir: Path, steps: int, trace: bool, extra: list[str]) -> subprocess.Popen:
     sets = DEFAULTS + [f"steps={steps}", f"trace.enabled={str(trace).lower()}"] + extra
     cmd = [sys.executable, "-m", "axrl.cli", "train", str(ROOT / "examples" / "quickstart.yaml"),
            "--run-dir", str(run_dir)] + [a for s in sets for a in ("--set", s)]
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -49,9 +53,12 @@ def main() -> None:
     inside: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            order = [True, False] if r % 2 == 0 else [False, True]
-            for trace in order:
-                rows = run(Path(tmp) / f"r{r}-{trace}", args.steps, trace, args.extra)[1:]  # step 0 warms caches
+            dirs = {trace: Path(tmp) / f"r{r}-{trace}" for trace in (True, False)}
+            procs = [start(d, args.steps, trace, args.extra) for trace, d in dirs.items()]
+            if any([p.wait() for p in procs]):  # wait for both before judging
+                raise SystemExit("a training run failed; run it by hand to see why")
+            for trace, d in dirs.items():
+                rows = metrics(d)[1:]  # step 0 warms caches
                 totals = [row["step_time"] + row.get("time_record", 0.0) for row in rows]
                 (with_trace if trace else without).extend(totals)
                 if trace:

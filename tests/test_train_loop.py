@@ -150,6 +150,7 @@ def test_resume_redoes_steps_after_the_checkpoint(tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert json.loads((run / "manifest.json").read_text())["resumes"][0]["from_step"] == 2
+    assert load_config(run / "config.yaml").steps == 4  # the recorded config follows the resumed run
 
 
 @pytest.mark.slow

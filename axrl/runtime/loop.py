@@ -155,6 +155,7 @@ def start(cfg: Config, c: Components, run: RunDir, resume: bool, progress: Train
         c.loader.load_state(state["data"])
         version = int(state["policy_version"])
         sync_weights(c, version)
+        _update_recorded_config(run, cfg)
         # Steps recorded after the checkpoint are discarded and redone, so each step is in the trace once.
         removed = run.truncate_after(first - 1)
         run.record_resume(first)
@@ -172,6 +173,17 @@ def start(cfg: Config, c: Components, run: RunDir, resume: bool, progress: Train
         sync_weights(c, 0)
     save_checkpoint(run.path, 0, c.backend, {"policy_version": 0, "data": c.loader.state()})
     return 0, 0
+
+
+def _update_recorded_config(run: RunDir, cfg: Config) -> None:
+    """On resume, config.yaml must describe the run as it continues (replay reads it)."""
+    recorded = run.read_config()
+    if recorded == config_to_dict(cfg):
+        return
+    if cfg.train.lr_schedule != "constant" and recorded.get("steps") != cfg.steps:
+        raise ValueError(f"--resume: changing steps ({recorded.get('steps')} → {cfg.steps}) would change the "
+                         f"'{cfg.train.lr_schedule}' learning-rate schedule of steps already trained")
+    run.write_config(config_to_dict(cfg))
 
 
 def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Path:
