@@ -15,7 +15,7 @@ from .schema import (
 )
 from .writer import StepRecord, write_step
 from .run_dir import RunDir, read_metrics_file
-from .reader import StepFile, TraceProblem, TraceReader, read_step
+from .reader import StepColumns, StepFile, TraceProblem, TraceReader, read_step
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -23,6 +23,7 @@ __all__ = [
     "NotARunDirError",
     "RunDir",
     "SchemaVersionError",
+    "StepColumns",
     "StepFile",
     "StepRecord",
     "TraceError",

@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import h5py
 import numpy as np
@@ -22,6 +22,9 @@ from . import schema as S
 from .run_dir import list_step_files, read_metrics_file
 from .schema import CorruptStepError, NotARunDirError, SchemaVersionError, TraceError
 from .writer import StepRecord
+
+if TYPE_CHECKING:  # pandas is optional for the trace package; only the frame helpers need it
+    import pandas as pd
 
 _READ_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError)
 
@@ -143,6 +146,31 @@ class StepFile:
     def get(self, name: str, default: Any = None) -> Any:
         return self[name] if name in self else default
 
+    def read_slice(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` of a dataset, decompressing only the chunks that cover them
+        (e.g. the context of one token without reading the whole ``/tokens/ids``)."""
+        if name not in self:
+            raise KeyError(f"{self.path}: no dataset {name!r}")
+        try:
+            return self._f[name][int(start):int(stop)]
+        except _READ_ERRORS as e:
+            raise CorruptStepError(f"{self.path}: cannot read {name}[{start}:{stop}] ({e})") from None
+
+    def read_columns(self, names: Iterable[str], *, optional: Iterable[str] = ()) -> dict[str, Any]:
+        """Several datasets at once, by absolute path: ``{path: array}``.
+
+        Only the named datasets are read (the point of a lazy reader: an analysis that needs three
+        token columns does not pay for the routing arrays). Names in ``optional`` that the file lacks
+        are left out of the result; any other missing name raises ``KeyError``."""
+        opt = set(optional)
+        out: dict[str, Any] = {}
+        for name in dict.fromkeys([*names, *opt]):
+            if name in self:
+                out[name] = self[name]
+            elif name not in opt:
+                raise KeyError(f"{self.path}: no dataset {name!r}")
+        return out
+
     def sample_slice(self, i: int) -> slice:
         """Token range of sample row ``i`` in every /tokens and /routing dataset."""
         off = self._f["/samples/offsets"]
@@ -194,6 +222,25 @@ def read_step(path: str | os.PathLike) -> dict[str, Any]:
     """Load a whole step file: ``{'attrs': {...}, 'group_attrs': {...}, '/tokens/ids': array, ...}``."""
     with StepFile(path) as sf:
         return sf.read_all()
+
+
+@dataclass(frozen=True)
+class StepColumns:
+    """Datasets read from one step file by ``TraceReader.iter_columns``."""
+
+    step: int
+    path: Path
+    attrs: dict[str, Any]
+    data: dict[str, Any]
+
+    def __getitem__(self, name: str) -> Any:
+        return self.data[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.data.get(name, default)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.data
 
 
 @dataclass(frozen=True)
@@ -342,3 +389,132 @@ class TraceReader:
                 yield self.open(step)
             except TraceError as e:  # became unreadable since the scan
                 self._problems.append(TraceProblem(self._scan()[step], str(e)))
+
+    # ---- column-selective reads across steps (analysis)
+    def report_problem(self, path: str | os.PathLike, message: str) -> None:
+        """Record a problem found after the scan (e.g. a chunk failing its checksum on read), once."""
+        prob = TraceProblem(Path(path), message)
+        if prob not in self._problems:
+            self._problems.append(prob)
+
+    def iter_columns(self, names: Iterable[str], steps: Iterable[int] | None = None, *,
+                     optional: Iterable[str] = ()) -> Iterator[StepColumns]:
+        """For each step (default: all valid steps, in order), read only ``names`` (+ ``optional``
+        where present). A step whose data turns out unreadable (checksum failure, missing required
+        dataset) is skipped and added to ``problems`` rather than ending the iteration."""
+        names, optional = list(names), list(optional)
+        valid = self._scan()
+        for step in (self.steps if steps is None else steps):
+            path = valid.get(step)
+            if path is None:
+                raise KeyError(f"no step {step} in {self.trace_dir}")
+            try:
+                with StepFile(path) as sf:
+                    data = sf.read_columns(names, optional=optional)
+                    attrs = dict(sf.attrs)
+            except (TraceError, KeyError) as e:
+                msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+                self.report_problem(path, str(msg))
+                continue
+            yield StepColumns(step, path, attrs, data)
+
+    def columns(self, names: Iterable[str], steps: Iterable[int] | None = None) -> dict[str, np.ndarray]:
+        """Datasets of equal length per step (e.g. several ``/tokens/*``), concatenated across steps,
+        plus ``"step"`` (int64, the step of each row). Unreadable steps are skipped (see problems)."""
+        names = list(names)
+        parts: dict[str, list[np.ndarray]] = {n: [] for n in names}
+        step_col: list[np.ndarray] = []
+        for sc in self.iter_columns(names, steps):
+            n = len(sc[names[0]]) if names else 0
+            for name in names:
+                parts[name].append(np.asarray(sc[name]))
+            step_col.append(np.full(n, sc.step, np.int64))
+        out = {n: (np.concatenate(v) if v else np.zeros(0)) for n, v in parts.items()}
+        out["step"] = np.concatenate(step_col) if step_col else np.zeros(0, np.int64)
+        return out
+
+    def token_frame(self, steps: Iterable[int] | None = None, columns: Iterable[str] | None = None,
+                    ) -> "pd.DataFrame":
+        """One row per token: ``step``, ``sample`` (row in /samples), ``position`` (index inside its
+        sample) and each 1-D ``/tokens/<name>`` dataset as column ``<name>`` (default: all of them).
+        Needs pandas."""
+        import pandas as pd
+
+        frames = [step_token_frame(sc) for sc in self._iter_group(S.G_TOKENS, steps, columns)]
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+    def sample_frame(self, steps: Iterable[int] | None = None) -> "pd.DataFrame":
+        """One row per sample: ``step``, ``sample`` (row), ``num_tokens`` and every 1-D
+        ``/samples/<name>`` dataset except ``offsets``. Needs pandas."""
+        import pandas as pd
+
+        frames = []
+        for sc in self._iter_group(S.G_SAMPLES, steps, None):
+            off = sc.data.pop("offsets")
+            n = len(off) - 1
+            cols = {"step": np.full(n, sc.step, np.int64), "sample": np.arange(n, dtype=np.int64),
+                    "num_tokens": np.diff(off)}
+            cols.update({k: v for k, v in sc.data.items() if np.ndim(v) == 1 and len(v) == n})
+            frames.append(pd.DataFrame(cols))
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+    def update_frame(self, steps: Iterable[int] | None = None) -> "pd.DataFrame":
+        """One row per optimizer update: ``step``, ``update`` and every ``/train/updates/<metric>``
+        (except the CSR ``sample_offsets``). Needs pandas."""
+        import pandas as pd
+
+        frames = []
+        for sc in self._iter_group(S.G_UPDATES, steps, None):
+            sc.data.pop("sample_offsets", None)
+            u = max((len(v) for v in sc.data.values() if np.ndim(v) == 1), default=0)
+            cols = {"step": np.full(u, sc.step, np.int64), "update": np.arange(u, dtype=np.int64)}
+            cols.update({k: v for k, v in sc.data.items() if np.ndim(v) == 1 and len(v) == u})
+            frames.append(pd.DataFrame(cols))
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+    def _iter_group(self, group: str, steps: Iterable[int] | None,
+                    columns: Iterable[str] | None) -> Iterator[StepColumns]:
+        """Like ``iter_columns`` for the datasets directly under ``group`` (short names as keys);
+        ``/tokens`` always brings ``/samples/offsets`` along (key ``"offsets"``)."""
+        valid = self._scan()
+        for step in (self.steps if steps is None else steps):
+            path = valid.get(step)
+            if path is None:
+                raise KeyError(f"no step {step} in {self.trace_dir}")
+            try:
+                with StepFile(path) as sf:
+                    prefix = group + "/"
+                    present = [k for k in sf.keys() if k.startswith(prefix) and "/" not in k[len(prefix):]]
+                    if columns is not None:
+                        wanted = {prefix + c for c in columns}
+                        missing = wanted - set(present)
+                        if missing:
+                            raise KeyError(f"{path}: no dataset(s) {sorted(missing)}")
+                        present = [k for k in present if k in wanted]
+                    data = {k[len(prefix):]: sf[k] for k in present}
+                    if group == S.G_TOKENS:
+                        data["offsets"] = sf["/samples/offsets"]
+                    attrs = dict(sf.attrs)
+            except (TraceError, KeyError) as e:
+                msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+                self.report_problem(path, str(msg))
+                continue
+            yield StepColumns(step, path, attrs, data)
+
+
+def step_token_frame(sc: StepColumns) -> "pd.DataFrame":
+    """The token rows of one step from ``StepColumns`` whose data maps short ``/tokens`` names to
+    arrays plus ``"offsets"`` (``/samples/offsets``); see ``TraceReader.token_frame``."""
+    import pandas as pd
+
+    off = np.asarray(sc.data.pop("offsets"), dtype=np.int64)
+    t = int(off[-1])
+    lengths = np.diff(off)
+    sample = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+    cols: dict[str, Any] = {"step": np.full(t, sc.step, np.int64), "sample": sample,
+                            "position": np.arange(t, dtype=np.int64) - off[:-1][sample]}
+    for k, v in sc.data.items():
+        if np.ndim(v) == 1 and len(v) == t:
+            # float16 (entropy) widened: pandas and Parquet writers handle half floats poorly
+            cols[k] = v.astype(np.float32) if v.dtype == np.float16 else v
+    return pd.DataFrame(cols)

@@ -1,0 +1,107 @@
+"""Per-step tables of a run: the one-row-per-step view that ``summary``, ``spikes``, ``diff``,
+``golden``/``check`` and ``export`` share.
+
+Sources: the scalars the training loop already logged to ``metrics.jsonl`` (reward, loss,
+grad_norm, clipfrac, mismatch — see ``axrl/runtime/recorder.py``) are taken from there when the
+row has a finite value, because that is what the run itself reported; otherwise, and for every
+metric the loop does not log (k3 KL, routing agreement, version lag, …), they are computed from
+the step file. ``df.attrs["sources"]`` says which metric came from where.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any, Iterable
+
+import numpy as np
+import pandas as pd
+
+from axrl.trace import TraceReader
+
+from .mismatch import MismatchAccumulator, MismatchConfig
+
+# metrics.jsonl key → step-table column, for the values the loop logs itself
+JSONL_METRICS = {"reward": "reward", "loss": "loss", "grad_norm": "grad_norm", "clipfrac": "clipfrac",
+                 "mismatch": "mismatch"}
+
+# Columns of the step table, in display order. Numeric ones are what diff/golden compare.
+STEP_COLUMNS = ("step", "policy_version", "reward", "loss", "grad_norm", "clipfrac", "mismatch",
+                "mismatch_max", "mismatch_p99", "kl_k3", "ratio_max", "frac_above_tis_cap",
+                "routing_agreement", "version_lag_mean", "version_lag_max", "samples", "failed",
+                "tokens", "generated_tokens", "weights_fingerprint_after")
+
+_STEP_EXTRA_COLUMNS = ["/samples/reward", "/samples/status", "/train/updates/loss", "/train/updates/grad_norm"]
+_STEP_OPTIONAL_COLUMNS = ["/train/updates/clipfrac", "/train/weights_fingerprint_after"]
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _nanmean(a: np.ndarray) -> float:
+    a = np.asarray(a, dtype=np.float64)
+    a = a[np.isfinite(a)]
+    return float(a.mean()) if a.size else math.nan
+
+
+def step_table(reader: TraceReader, steps: Iterable[int] | None = None,
+               cfg: MismatchConfig | None = None) -> pd.DataFrame:
+    """One row per readable step (columns: ``STEP_COLUMNS``). Damaged steps are skipped and land
+    in ``reader.problems``."""
+    if cfg is None:
+        cfg = MismatchConfig.from_run_config(reader.config)
+    # per-step headlines only: no top-K, no global percentile buffer
+    cfg = replace(cfg, top_k=0, keep_abs=False, plot_points=0, per_step_percentiles=True)
+    acc = MismatchAccumulator(cfg)
+    jsonl = {int(r["step"]): r for r in reader.metrics()}
+    required, optional = cfg.columns()
+    rows: list[dict[str, Any]] = []
+    from_jsonl: dict[str, int] = {c: 0 for c in JSONL_METRICS.values()}
+    for sc in reader.iter_columns(required + _STEP_EXTRA_COLUMNS, steps,
+                                  optional=optional + _STEP_OPTIONAL_COLUMNS):
+        pv = int(sc.attrs.get("policy_version", -1))
+        head = acc.add_columns(sc.step, pv, sc.data)
+        status = np.asarray(sc["/samples/status"], dtype=object)
+        ok = status == "ok"
+        reward = np.asarray(sc["/samples/reward"], dtype=np.float64)
+        clip = sc.get("/train/updates/clipfrac")
+        row: dict[str, Any] = {
+            "step": sc.step,
+            "policy_version": pv,
+            "reward": _nanmean(reward[ok]),
+            "loss": _nanmean(sc["/train/updates/loss"]),
+            "grad_norm": _nanmean(sc["/train/updates/grad_norm"]),
+            "clipfrac": _nanmean(clip) if clip is not None else math.nan,
+            "mismatch": head["mean_abs"],
+            "mismatch_max": head["max_abs"],
+            "mismatch_p99": head["p99_abs"],
+            "kl_k3": head["k3"],
+            "ratio_max": head["ratio_max"],
+            "frac_above_tis_cap": head["frac_above_tis_cap"],
+            "routing_agreement": head.get("routing_agreement", math.nan),
+            "version_lag_mean": head.get("version_lag_mean", math.nan),
+            "version_lag_max": head.get("version_lag_max"),
+            "samples": int(status.size),
+            "failed": int((~ok).sum()),
+            "tokens": head["tokens"],
+            "generated_tokens": head["generated"],
+            "weights_fingerprint_after": sc.get("/train/weights_fingerprint_after"),
+        }
+        logged = jsonl.get(sc.step, {})
+        for key, col in JSONL_METRICS.items():
+            if _finite(logged.get(key)):
+                row[col] = float(logged[key])
+                from_jsonl[col] += 1
+        rows.append(row)
+    df = pd.DataFrame(rows, columns=list(STEP_COLUMNS))
+    if len(df):
+        df["version_lag_max"] = df["version_lag_max"].astype("Float64").astype(np.float64)
+    df.attrs["sources"] = {col: ("metrics.jsonl" if n == len(rows) and n else
+                                 "step files" if n == 0 else "mixed") for col, n in from_jsonl.items()}
+    return df
+
+
+def numeric_metric_columns(df: pd.DataFrame) -> list[str]:
+    """The comparable metric columns of a step table (numbers, not the step index itself)."""
+    return [c for c in df.columns if c != "step" and pd.api.types.is_numeric_dtype(df[c])]

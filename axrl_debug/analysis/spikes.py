@@ -1,0 +1,272 @@
+"""Spike detection on per-step metrics and attribution of a spike to samples and tokens.
+
+Detection
+---------
+For each watched metric x (default: loss, grad_norm, mismatch, reward) and each step i, the
+baseline is the *trailing* window of the previous ``window`` finite values (the current value is
+excluded, so a spike cannot hide itself):
+
+    med_i   = median(window)          MAD_i = median(|window − med_i|)
+    scale_i = max(1.4826 · MAD_i, rel_floor · |med_i|, abs_floor)
+    z_i     = (x_i − med_i) / scale_i           spike ⇔ |z_i| > threshold
+
+(for grad norm and the mismatch metrics only upward: z_i > threshold, unless ``two_sided``)
+
+1.4826·MAD is the normal-consistent robust standard deviation. The floors stop a perfectly flat
+history (MAD = 0, e.g. a loss that is exactly 0 while rewards are all equal) from turning every
+tiny wiggle into an infinite z. Steps with fewer than ``min_history`` finite values before them
+are never flagged.
+
+Attribution
+-----------
+The loss proxy of token t (analysed from recorded data only, no model needed) is its policy-
+gradient contribution to the loss of the update that trained it, evaluated at the start of the
+update (PPO ratio π/π_old = 1, so nothing is clipped):
+
+    c_t = −A_t · w_t · g_t
+
+with A_t the recorded advantage, w_t = min(exp(old − rollout), tis_cap) the TIS weight when
+``algo.tis`` is on (1 otherwise, and 1 where the rollout logprob is missing) and g_t the token's
+weight in ``algo.loss_agg`` over its update's batch (``/train/update_samples``): 1/M (token-mean),
+1/(S·n_i) (seq-mean-token-mean), 1/S (seq-mean-token-sum), with M loss tokens, S samples with loss
+tokens in the update and n_i the loss tokens of sample i. For the first update of a step Σ c_t is
+the update's policy-gradient loss exactly (KL/entropy terms aside); for later updates it ignores
+the ratio drift (replay gives the exact value). When ``RUN/replay/step_XXXXXX.h5`` exists (written
+by ``axrl-debug replay --dump``) its ``/tokens/loss_contribution`` (summed over any update axis)
+replaces the proxy and its ``/tokens/ratio`` (π/π_old in the re-executed update) is reported,
+with ``source = "replay"`` (layout: ``replay/dump.py``).
+
+The importance-weight side ranks tokens by |Δ| = |old − rollout| (|log w| before truncation) and
+samples by their sequence-level log importance weight Σ_t Δ_t.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import pandas as pd
+
+import h5py
+
+from axrl.trace import TraceReader
+
+DEFAULT_SPIKE_METRICS = ("loss", "grad_norm", "mismatch", "reward")
+# Which deviations count by default: a grad norm or mismatch that *drops* is not a spike worth
+# attributing; loss (signed, either way can be a blow-up) and reward (a collapse matters) are two-sided.
+ONE_SIDED_UP = frozenset({"grad_norm", "mismatch", "mismatch_max", "mismatch_p99", "kl_k3", "ratio_max",
+                          "frac_above_tis_cap", "version_lag_mean", "version_lag_max"})
+MAD_TO_SIGMA = 1.4826
+
+
+@dataclass(frozen=True)
+class SpikeConfig:
+    metrics: tuple[str, ...] = DEFAULT_SPIKE_METRICS
+    window: int = 10
+    threshold: float = 5.0
+    min_history: int = 3
+    rel_floor: float = 0.1
+    abs_floor: float = 1e-12
+    two_sided: bool = False       # True: flag drops of the ONE_SIDED_UP metrics too
+
+
+def robust_z(values: np.ndarray, cfg: SpikeConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(baseline median, scale, z) per position of ``values`` from the trailing window (see module
+    docstring). Vectorised with a sliding window view; NaN where there is too little history."""
+    x = np.asarray(values, dtype=np.float64)
+    n = x.size
+    med = np.full(n, np.nan)
+    scale = np.full(n, np.nan)
+    if n == 0:
+        return med, scale, np.full(0, np.nan)
+    w = max(1, int(cfg.window))
+    padded = np.concatenate([np.full(w, np.nan), x[:-1]])       # value i sees x[i-w : i]
+    win = np.lib.stride_tricks.sliding_window_view(padded, w)    # [n, w]
+    finite = np.isfinite(win)
+    enough = finite.sum(axis=1) >= max(1, cfg.min_history)
+    if enough.any():
+        wv = win[enough]
+        m = np.nanmedian(wv, axis=1)
+        mad = np.nanmedian(np.abs(wv - m[:, None]), axis=1)
+        med[enough] = m
+        scale[enough] = np.maximum.reduce([MAD_TO_SIGMA * mad, cfg.rel_floor * np.abs(m),
+                                           np.full(m.shape, cfg.abs_floor)])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        z = (x - med) / scale
+    return med, scale, z
+
+
+def detect(df: pd.DataFrame, cfg: SpikeConfig) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
+    """Add ``spike_<metric>_z`` columns and a ``spikes`` column (comma-separated metric names) to a
+    copy of the step table; return it and the list of spikes (one entry per step and metric)."""
+    out = df.sort_values("step").reset_index(drop=True).copy()
+    flagged: list[list[str]] = [[] for _ in range(len(out))]
+    spikes: list[dict[str, Any]] = []
+    for metric in cfg.metrics:
+        if metric not in out.columns:
+            continue
+        x = out[metric].to_numpy(dtype=np.float64)
+        med, scale, z = robust_z(x, cfg)
+        out[f"{metric}_z"] = z
+        zz = np.nan_to_num(z, nan=0.0)
+        hit = zz > cfg.threshold if (metric in ONE_SIDED_UP and not cfg.two_sided) else np.abs(zz) > cfg.threshold
+        for i in np.flatnonzero(hit):
+            flagged[i].append(metric)
+            spikes.append({"step": int(out["step"].iloc[i]), "metric": metric, "value": float(x[i]),
+                           "baseline": float(med[i]), "scale": float(scale[i]), "z": float(z[i]),
+                           "direction": "up" if z[i] > 0 else "down"})
+    out["spikes"] = [",".join(f) for f in flagged]
+    spikes.sort(key=lambda s: (s["step"], -abs(s["z"])))
+    return out, spikes
+
+
+# ============================================================================ attribution
+_ATTR_COLUMNS = ["/samples/offsets", "/samples/sample_id", "/samples/group_id", "/samples/reward",
+                 "/samples/num_turns", "/tokens/loss_mask", "/tokens/advantage", "/tokens/rollout_logprob",
+                 "/tokens/old_logprob", "/tokens/turn", "/tokens/policy_version",
+                 "/train/update_samples", "/train/updates/sample_offsets"]
+
+
+def replay_dump_path(run: Path, step: int) -> Path | None:
+    """``RUN/replay/step_XXXXXX.h5`` (or ``step_N.h5``) if the replay tool dumped this step."""
+    for name in (f"step_{step:06d}.h5", f"step_{step}.h5"):
+        p = Path(run) / "replay" / name
+        if p.is_file():
+            return p
+    return None
+
+
+def _per_token(a: np.ndarray, t: int) -> np.ndarray:
+    """A replay dataset as [T]: sums any extra axis (e.g. one column per update)."""
+    a = np.asarray(a, dtype=np.float64)
+    if a.ndim == 1:
+        return a
+    if a.shape[0] == t:
+        return np.nansum(a.reshape(t, -1), axis=1)
+    if a.shape[-1] == t:
+        return np.nansum(a.reshape(-1, t), axis=0)
+    raise ValueError(f"shape {a.shape} does not have a token axis of length {t}")
+
+
+def loss_proxy(cols: Mapping[str, Any], algo: Mapping[str, Any]) -> np.ndarray:
+    """c_t = −A_t · w_t · g_t per token (0 outside the loss mask); see the module docstring."""
+    off = np.asarray(cols["/samples/offsets"], dtype=np.int64)
+    lm = np.asarray(cols["/tokens/loss_mask"]) != 0
+    adv = np.asarray(cols["/tokens/advantage"], dtype=np.float64)
+    delta = np.asarray(cols["/tokens/old_logprob"], dtype=np.float64) - \
+        np.asarray(cols["/tokens/rollout_logprob"], dtype=np.float64)
+    t, n = lm.size, off.size - 1
+    if algo.get("tis", True):
+        w = np.where(lm & np.isfinite(delta), np.minimum(np.exp(np.where(np.isfinite(delta), delta, 0.0)),
+                                                         float(algo.get("tis_cap", 2.0))), 1.0)
+    else:
+        w = np.ones(t)
+    lengths = np.diff(off)
+    sample_of = np.repeat(np.arange(n), lengths)
+    n_i = np.bincount(sample_of, weights=lm, minlength=n)          # loss tokens per sample
+    mode = algo.get("loss_agg", "token-mean")
+    us = np.asarray(cols["/train/update_samples"], dtype=np.int64)
+    uo = np.asarray(cols["/train/updates/sample_offsets"], dtype=np.int64)
+    # g per sample, summed over the updates that trained it (a sample may be trained more than once)
+    g_sample = np.zeros(n)
+    g_token_mean = np.zeros(n)
+    for u in range(uo.size - 1):                                     # loop over updates (few), not tokens
+        rows = us[uo[u]:uo[u + 1]]
+        m_u = n_i[rows].sum()
+        s_u = np.count_nonzero(n_i[rows] > 0)
+        if mode == "token-mean":
+            np.add.at(g_token_mean, rows, 1.0 / max(m_u, 1))
+        elif mode == "seq-mean-token-mean":
+            np.add.at(g_sample, rows, 1.0 / (max(s_u, 1) * np.maximum(n_i[rows], 1)))
+        else:  # seq-mean-token-sum (and -norm, whose constant length only rescales)
+            np.add.at(g_sample, rows, 1.0 / max(s_u, 1))
+    g = (g_token_mean + g_sample)[sample_of] if t else np.zeros(0)
+    return np.where(lm, -adv * w * g, 0.0)
+
+
+def attribute(reader: TraceReader, step: int, *, top: int = 5) -> dict[str, Any]:
+    """The samples and tokens that carry a step's loss and importance weights (module docstring)."""
+    cols = next(reader.iter_columns(_ATTR_COLUMNS, [step]), None)
+    if cols is None:
+        return {"step": step, "error": "step file unreadable (see problems)"}
+    d = cols.data
+    pv = int(cols.attrs.get("policy_version", -1))
+    algo = (reader.config or {}).get("algo") or {}
+    off = np.asarray(d["/samples/offsets"], dtype=np.int64)
+    lm = np.asarray(d["/tokens/loss_mask"]) != 0
+    t, n = lm.size, off.size - 1
+    lengths = np.diff(off)
+    sample_of = np.repeat(np.arange(n), lengths)
+    delta = np.asarray(d["/tokens/old_logprob"], dtype=np.float64) - \
+        np.asarray(d["/tokens/rollout_logprob"], dtype=np.float64)
+    analysed = lm & np.isfinite(delta)
+    delta0 = np.where(analysed, delta, 0.0)
+    contrib = loss_proxy(d, algo)
+    source, ratio = "proxy", None
+    dump = replay_dump_path(reader.path, step)
+    if dump is not None:
+        try:
+            # plain h5py: a dump need not be a full step file (numeric datasets only, nothing unpickled)
+            with h5py.File(dump, "r") as f:
+                if "/tokens/loss_contribution" in f:
+                    contrib = np.where(lm, np.nan_to_num(_per_token(f["/tokens/loss_contribution"][()], t)), 0.0)
+                    source = "replay"
+                if "/tokens/ratio" in f:
+                    ratio = _per_token(f["/tokens/ratio"][()], t)
+        except Exception as e:  # a damaged dump must not hide the proxy answer
+            reader.report_problem(dump, f"{dump}: replay dump unreadable, using the proxy ({e})")
+    tv = np.asarray(d["/tokens/policy_version"], dtype=np.int64)
+    turn = np.asarray(d["/tokens/turn"], dtype=np.int64)
+    adv = np.asarray(d["/tokens/advantage"], dtype=np.float64)
+    sid = np.asarray(d["/samples/sample_id"])
+    gid = np.asarray(d["/samples/group_id"])
+    reward = np.asarray(d["/samples/reward"], dtype=np.float64)
+    nturns = np.asarray(d["/samples/num_turns"])
+    abs_c = np.abs(contrib)
+    total_abs = float(abs_c.sum())
+    s_contrib = np.bincount(sample_of, weights=contrib, minlength=n)
+    s_abs = np.bincount(sample_of, weights=abs_c, minlength=n)
+    s_logw = np.bincount(sample_of, weights=delta0, minlength=n)
+    s_maxabs = np.zeros(n)
+    if t:
+        np.maximum.at(s_maxabs, sample_of, np.abs(delta0))
+    gen_v = np.where(lm, tv, -1)
+
+    def sample_row(i: int) -> dict[str, Any]:
+        a, b = int(off[i]), int(off[i + 1])
+        versions = sorted({int(v) for v in np.unique(gen_v[a:b]) if v >= 0})
+        return {"sample": i, "sample_id": int(sid[i]), "group_id": int(gid[i]), "reward": float(reward[i]),
+                "num_turns": int(nturns[i]), "tokens": b - a, "loss_tokens": int(lm[a:b].sum()),
+                "loss_contribution": float(s_contrib[i]),
+                "loss_share": float(s_abs[i]) / total_abs if total_abs > 0 else math.nan,
+                "seq_log_weight": float(s_logw[i]), "max_abs_delta": float(s_maxabs[i]),
+                "policy_versions": versions,
+                "max_version_lag": (pv - min(versions)) if versions else None}
+
+    def token_row(j: int) -> dict[str, Any]:
+        i = int(sample_of[j])
+        row = {"token": j, "sample": i, "sample_id": int(sid[i]), "position": j - int(off[i]),
+               "turn": int(turn[j]), "policy_version": int(tv[j]), "version_lag": pv - int(tv[j]),
+               "advantage": float(adv[j]), "delta": float(delta[j]) if analysed[j] else math.nan,
+               "loss_contribution": float(contrib[j]),
+               "loss_share": float(abs_c[j]) / total_abs if total_abs > 0 else math.nan}
+        if ratio is not None:
+            row["ratio"] = float(ratio[j])
+        return row
+
+    def top_idx(score: np.ndarray, k: int) -> list[int]:
+        order = np.lexsort((np.arange(score.size), -score))   # stable: score desc, then index
+        return [int(i) for i in order[:k] if score[i] > 0]
+
+    return {
+        "step": step, "policy_version": pv, "source": source,
+        "replay_dump": str(dump) if dump is not None else None,
+        "loss_proxy_total": float(contrib.sum()),
+        "samples_by_loss": [sample_row(i) for i in top_idx(s_abs, top)],
+        "tokens_by_loss": [token_row(j) for j in top_idx(abs_c, top)],
+        "samples_by_weight": [sample_row(i) for i in top_idx(np.abs(s_logw), top)],
+        "tokens_by_weight": [token_row(j) for j in top_idx(np.abs(delta0), top)],
+    }

@@ -1,0 +1,128 @@
+"""`axrl-debug mismatch RUN [--step N | --steps A:B] [--top K] [--plot DIR]`: training–inference
+mismatch metrics, breakdowns, routing agreement and the worst tokens (definitions in
+``axrl_debug/analysis/mismatch.py`` and docs/debugging.md)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from axrl_debug.analysis.mismatch import MismatchConfig, mismatch_report
+from axrl_debug.app import JSON_OPTION, BadInput, app, err, out, print_json, run_command
+from axrl_debug.commands._common import (STEP_OPTION_HELP, STEPS_OPTION_HELP, fmt, open_run, pct,
+                                         report_problems, select_steps, show, simple_table)
+
+# (key, label, explanation) of the headline metrics, in display order
+HEADLINE = (
+    ("mean_abs", "mean |Δ|", "Δ = trainer old_logprob − rollout logprob"),
+    ("p50_abs", "p50 |Δ|", ""),
+    ("p99_abs", "p99 |Δ|", ""),
+    ("max_abs", "max |Δ|", ""),
+    ("mean", "mean Δ", "> 0: trainer more confident than the engine"),
+    ("k1", "KL k1", "mean(−Δ) ≈ KL(rollout ‖ trainer), unbiased, can be < 0"),
+    ("k2", "KL k2", "mean(Δ²/2), biased, ≥ 0"),
+    ("k3", "KL k3", "mean(ρ−1−Δ) ≈ KL(rollout ‖ trainer), unbiased, ≥ 0"),
+    ("chi2", "χ²", "mean((ρ−1)²) ≈ χ²(trainer ‖ rollout)"),
+    ("token_mult_prob_error", "token_mult_prob_error", "mean exp|Δ|"),
+    ("ratio_mean", "ratio ρ mean", "ρ = exp(Δ), the TIS weight before the cap"),
+    ("ratio_std", "ratio ρ std", ""),
+    ("ratio_min", "ratio ρ min", ""),
+    ("ratio_max", "ratio ρ max", ""),
+    ("frac_outside_clip", "outside clip band", "ρ ∉ [1−clip_low, 1+clip_high]"),
+    ("frac_above_tis_cap", "above TIS cap", "ρ > tis_cap"),
+    ("ess", "ESS (normalised)", "(Σρ)² / (n Σρ²)"),
+    ("pearson_prob", "Pearson(p_rollout, p_train)", ""),
+)
+PERCENT_KEYS = {"frac_outside_clip", "frac_above_tis_cap"}
+BREAKDOWN_TITLES = {"position": "by position in the response (per turn; 0 = first generated token)",
+                    "turn": "by turn", "rollout_prob": "by rollout probability",
+                    "entropy": "by trainer entropy (nats)", "version_lag": "by policy-version lag"}
+
+
+def _breakdown_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    return [[str(r["bucket"]), str(r["count"]), fmt(r["mean_abs"], 3), fmt(r["mean"], 3), pct(r["abs_share"])]
+            for r in rows if r["count"]]
+
+
+def print_report(res: dict[str, Any]) -> None:
+    m, th, tok = res["metrics"], res["thresholds"], res["tokens"]
+    steps = res["steps"]
+    span = f"step {steps[0]}" if len(steps) == 1 else f"{len(steps)} steps ({steps[0]}–{steps[-1]})"
+    out.print(f"[bold]{res['run']}[/] — {span}: {tok['analysed']} analysed tokens "
+              f"(loss_mask = 1 with a rollout logprob) of {tok['generated']} generated, {tok['total']} total; "
+              f"clip band [{1 - th['clip_low']:g}, {1 + th['clip_high']:g}], TIS cap {th['tis_cap']:g}",
+              highlight=False)
+    # 7 digits: ratio / ESS / token_mult_prob_error sit next to 1 and would all print as "1"
+    rows = [[label, pct(m[key]) if key in PERCENT_KEYS else fmt(m[key], 7), note] for key, label, note in HEADLINE]
+    show(simple_table(None, ["metric", "value", "meaning"], rows, justify_right=False))
+    for name, brows in (res.get("breakdowns") or {}).items():
+        show(simple_table(BREAKDOWN_TITLES.get(name, name), [name, "tokens", "mean |Δ|", "mean Δ", "share of Σ|Δ|"],
+                               _breakdown_rows(brows)))
+    routing = res.get("routing")
+    if routing:
+        show(simple_table(
+            f"routing agreement, rollout vs trainer expert sets: {pct(routing['agreement'])} of "
+            f"{routing['rows']} valid rows × {len(routing['layers'])} layers",
+            ["layer", "same expert set", "mean overlap"],
+            [[str(r["layer"]), pct(r["agreement"]), pct(r["overlap"])] for r in routing["layers"]]))
+        show(simple_table("|Δ| by routing of the predicting position (row t−1)",
+                               ["routing", "tokens", "mean |Δ|", "mean Δ", "share of Σ|Δ|"],
+                               _breakdown_rows(routing["delta"])))
+    if res.get("top"):
+        rows = []
+        for i, t in enumerate(res["top"], 1):
+            rows.append([str(i), str(t["step"]), str(t.get("sample_id", t["sample"])), fmt(t.get("position")),
+                         fmt(t.get("turn")), fmt(t.get("policy_version")), f"{t['delta']:+.3g}",
+                         f"{t['rollout_prob']:.3g}", f"{t['trainer_prob']:.3g}", t.get("routing") or "–"])
+        show(simple_table(f"top {len(res['top'])} tokens by |Δ|",
+                               ["#", "step", "sample", "pos", "turn", "ver", "Δ", "p_roll", "p_train", "routing"],
+                               rows))
+        for i, t in enumerate(res["top"], 1):
+            # context on its own line: it needs the width more than the numbers do
+            out.print(f"  #{i:<2} {t.get('context') or ''}", highlight=False, markup=False, soft_wrap=True)
+
+
+@app.command()
+def mismatch(
+    run: Path = typer.Argument(..., help="Run directory."),
+    step: int = typer.Option(None, "--step", help=STEP_OPTION_HELP),
+    steps: str = typer.Option(None, "--steps", help=STEPS_OPTION_HELP),
+    top: int = typer.Option(10, "--top", min=0, help="Show the K tokens with the largest |Δ| (0: none)."),
+    plot: Path = typer.Option(None, "--plot", help="Write PNG figures (distributions, breakdowns) to this directory."),
+    workers: int = typer.Option(0, "--workers", min=0, help="Processes reading step files in parallel "
+                                "(0 = auto: one per usable CPU, for runs over ~16 MB per process)."),
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Training–inference mismatch over generated tokens (loss_mask = 1), Δ = trainer old_logprob −
+    rollout logprob: |Δ| stats, KL estimators k1/k2/k3 of KL(rollout ‖ trainer), χ², importance-
+    ratio stats, clip-band / TIS-cap fractions, ESS, Pearson correlation; breakdowns by position,
+    turn, rollout probability, trainer entropy, policy-version lag and (MoE) routing agreement; the
+    worst tokens with their decoded context. Default: all steps."""
+
+    def body() -> int:
+        reader = open_run(run)
+        chosen = select_steps(reader, step, steps)
+        cfg = MismatchConfig.from_run_config(reader.config, top_k=top,
+                                             plot_points=20000 if plot is not None else 0)
+        res, acc = mismatch_report(reader, chosen, cfg, workers=workers)
+        if not res["steps"]:
+            report_problems(reader)
+            raise BadInput("every selected step file is damaged (see the warnings above)")
+        if plot is not None:
+            from axrl_debug.plots import mismatch_plots
+            res["plots"] = [str(p) for p in mismatch_plots(acc, res, plot)]
+        res["problems"] = report_problems(reader)
+        if json_out:
+            print_json(res)
+            return 0
+        print_report(res)
+        if res.get("plots"):
+            err.print(f"wrote {len(res['plots'])} figures to {plot}")
+        if math.isnan(res["metrics"]["mean_abs"]):
+            err.print("[yellow]note:[/] no analysed tokens (no loss-mask tokens with a rollout logprob)")
+        return 0
+
+    run_command(body)

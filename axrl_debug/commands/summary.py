@@ -1,0 +1,85 @@
+"""`axrl-debug summary RUN`: one row per step (reward, loss, grad norm, clip fraction, mismatch,
+routing agreement, policy-version lag, spike flags)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from axrl_debug.analysis.frames import step_table
+from axrl_debug.analysis.spikes import SpikeConfig, detect
+from axrl_debug.app import JSON_OPTION, app, out, print_json, run_command
+from axrl_debug.commands._common import (STEPS_OPTION_HELP, fmt, open_run, pct, report_problems,
+                                         select_steps, show, simple_table)
+
+
+def records(df: Any) -> list[dict[str, Any]]:
+    """DataFrame rows as plain dicts (NaN stays NaN; print_json turns it into null)."""
+    return [{k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()}
+            for row in df.to_dict(orient="records")]
+
+
+def worst_steps(df: Any) -> dict[str, Any]:
+    """Steps with the largest mismatch / k3 / max |Δ| and the lowest routing agreement."""
+    out: dict[str, Any] = {}
+    for col, largest in (("mismatch", True), ("kl_k3", True), ("mismatch_max", True),
+                         ("routing_agreement", False)):
+        s = df[col].dropna() if col in df else None
+        if s is None or s.empty:
+            out[col] = None
+            continue
+        i = s.idxmax() if largest else s.idxmin()
+        out[col] = {"step": int(df.loc[i, "step"]), "value": float(df.loc[i, col])}
+    return out
+
+
+@app.command()
+def summary(
+    run: Path = typer.Argument(..., help="Run directory (holds manifest.json, metrics.jsonl, trace/)."),
+    steps: str = typer.Option(None, "--steps", help=STEPS_OPTION_HELP),
+    window: int = typer.Option(10, "--window", min=1, help="Spike flags: trailing baseline window (steps)."),
+    threshold: float = typer.Option(5.0, "--threshold", min=0.0, help="Spike flags: robust z threshold."),
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """One row per step: reward, loss, grad norm, clip fraction, mismatch (mean and max |Δ|, k3 KL),
+    MoE routing agreement, policy-version lag and spike flags.
+
+    Scalars the training loop logged (reward, loss, grad_norm, clipfrac, mismatch) come from
+    metrics.jsonl; the rest is computed from the step files."""
+
+    def body() -> int:
+        reader = open_run(run)
+        chosen = select_steps(reader, None, steps)
+        df = step_table(reader, chosen)
+        flagged, spikes = detect(df, SpikeConfig(window=window, threshold=threshold))
+        problems = report_problems(reader)
+        worst = worst_steps(flagged)
+        if json_out:
+            cols = [c for c in flagged.columns if not c.endswith("_z")]
+            print_json({"run": str(reader.path), "steps": records(flagged[cols]),
+                        "sources": df.attrs.get("sources", {}), "spikes": spikes, "worst": worst,
+                        "problems": problems})
+            return 0
+        rows = []
+        for r in flagged.itertuples(index=False):
+            lag = r.version_lag_mean
+            rows.append([str(r.step), fmt(r.reward, 3), fmt(r.loss, 3), fmt(r.grad_norm, 3), pct(r.clipfrac),
+                         fmt(r.mismatch, 3), fmt(r.kl_k3, 3), pct(r.routing_agreement),
+                         "–" if math.isnan(lag) else f"{lag:.2g}",
+                         f"[bold red]{r.spikes}[/]" if r.spikes else ""])
+        show(simple_table(
+            f"{reader.path} — {len(flagged)} steps (more columns: --json)",
+            ["step", "reward", "loss", "gnorm", "clip", "mean|Δ|", "k3", "routing", "lag", "spikes"], rows))
+        if worst.get("mismatch"):
+            w = worst["mismatch"]
+            out.print(f"worst mismatch: step {w['step']} (mean |Δ| {fmt(w['value'], 3)}) — "
+                      f"explain it with `axrl-debug mismatch {run} --step {w['step']}`", highlight=False)
+        if spikes:
+            out.print(f"{len(spikes)} spike(s) on {len({s['step'] for s in spikes})} step(s) — "
+                      f"attribute them with `axrl-debug spikes {run}`", highlight=False)
+        return 0
+
+    run_command(body)
