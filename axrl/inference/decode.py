@@ -1,23 +1,25 @@
-"""The decode hot path: one new token per slot through the policy, specialised for S == 1.
+"""The fast path: decode (one new token per slot) and prefill (whole prompts) for the policy.
 
 `Qwen3ForCausalLM.forward` is written for training (any sequence length, routing replay, GQA via
 `repeat_interleave`, a Python loop over experts). On a CPU with a tiny model a decode step is
-dominated by per-op overhead, not FLOPs, so `FusedDecoder` computes the *same math* for one
-position per row with under a third of the top-level ops (≈240 instead of ≈790 per step for
-tiny-moe at batch 16):
+dominated by per-op overhead and cache misses, not FLOPs, so `FusedDecoder` computes the *same
+math* with far fewer and cheaper ops:
 
 * q/k/v projections in one GEMM (weights concatenated once); q_norm and k_norm in one RMSNorm;
 * RoPE on q and k at once from cos/sin tables built with the model's own `RotaryEmbedding`;
 * GQA without copying the cache: the `rep` query heads that share a KV head act as the query
   rows of one attention over the cache view (baddbmm/softmax/bmm in fp32 — cheaper than SDPA's
   CPU kernel at decode sizes; SDPA for bf16/fp16, which accumulates in fp32);
+* residual adds folded into the GEMM (addmm) or the expert scatter (index_add_ into x);
 * MoE experts at decode batch sizes as two `embedding_bag` calls (see `_experts_bags`): no sort,
-  no per-expert GEMM; bigger batches use `grouped_mm` over the (token, expert) rows sorted by
-  expert, accumulated in the same order as the model's `index_add_`.
+  no per-expert GEMM; bigger batches (and prefill) use `grouped_mm` over the (token, expert) rows
+  sorted by expert;
+* prefill on the packed real tokens of all prompts (no padding rows in the GEMMs), attention alone
+  in a padded layout.
 
-Results match the model's forward to float rounding (GEMM shapes differ, as in any KV-cache
-decode); tests check tokens, logprobs and routing against a plain full forward, and the engine
-can decode through the model's own forward instead (`decode_impl="model"`) as a reference.
+Results match the model's forward to float rounding (GEMM shapes and summation order differ, as
+in any KV-cache decode); tests check tokens, logprobs and routing against a plain full forward,
+and the engine can run the model's own forward instead (`decode_impl="model"`) as a reference.
 
 Packed weights are copies: call `repack()` after the model's weights change.
 """
@@ -56,7 +58,7 @@ def _grouped_mm_works(dtype: torch.dtype) -> bool:
 
 
 class _LayerWeights:
-    """One decoder layer's weights, packed for the single-token path."""
+    """One decoder layer's weights, packed for the fast path."""
 
     def __init__(self, layer: torch.nn.Module, n_heads: int, n_kv: int) -> None:
         attn = layer.self_attn
@@ -67,7 +69,8 @@ class _LayerWeights:
         self.w_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).contiguous()
         d = attn.head_dim
         self.qk_norm = torch.cat([attn.q_norm.weight.expand(n_heads, d), attn.k_norm.weight.expand(n_kv, d)])
-        self.w_o = attn.o_proj.weight
+        # Right-hand operands of addmm(x, a, W.T): the residual add rides in the GEMM.
+        self.w_o_t = attn.o_proj.weight.t()
         self.is_moe = layer.is_moe
         mlp = layer.mlp
         if self.is_moe:
@@ -78,18 +81,18 @@ class _LayerWeights:
             self.w_gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]).t()
                                           for e in mlp.experts]).contiguous()
             self.w_down = torch.stack([e.down_proj.weight.t() for e in mlp.experts]).contiguous()
-            # The same storage as embedding tables: row e*hidden + c is W_gate_up[e][c, :], and
+            # The same storage read as embedding tables: row e*hidden + c is W_gate_up[e][c, :],
             # row e*inter + i is W_down[e][i, :] (views, no copy).
             self.gate_up_rows = self.w_gate_up.view(-1, 2 * self.inter)
             self.down_rows = self.w_down.view(-1, self.w_down.shape[-1])
         else:
             self.inter = mlp.gate_proj.weight.shape[0]
             self.w_gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous()
-            self.w_down = mlp.down_proj.weight
+            self.w_down_t = mlp.down_proj.weight.t()
 
 
 class FusedDecoder:
-    """Runs one decode step for slots [0, n) of a `StaticKVCache`; see the module docstring."""
+    """Decode steps and prefills over the slots of a `StaticKVCache`; see the module docstring."""
 
     def __init__(self, model: Qwen3ForCausalLM, max_seq_len: int, max_batch_size: int) -> None:
         self.model = model
@@ -111,15 +114,16 @@ class FusedDecoder:
         self.dtype = dtype
         self.layers = [_LayerWeights(layer, self.n_heads, self.n_kv) for layer in m.model.layers]
         self.embed = m.model.embed_tokens.weight
+        dev = self.embed.device
         self.final_norm, self.final_eps = m.model.norm.weight, m.model.norm.eps
-        positions = torch.arange(self.max_seq_len, device=self.embed.device)[None]
+        positions = torch.arange(self.max_seq_len, device=dev)[None]
         cos, sin = m.model.rotary_emb(positions, dtype)  # the model's own computation, tabulated
         half = self.head_dim // 2
         # rotate_half(x) * sin == roll(x, half) * [-sin[:half], sin[half:]] (a sign flip is exact),
         # which saves the chunk/neg/cat of rotate_half.
         self.cos = cos[0]
         self.sin_signed = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
-        self.rows = torch.arange(self.max_batch_size, device=self.embed.device)
+        self.rows = torch.arange(self.max_batch_size, device=dev)
         self.grouped = self.is_moe and _grouped_mm_works(dtype)
         # Expert FFNs as embedding bags (fp32 only: the bag sums accumulate in the table's dtype).
         # Measured on tiny-moe, 1 thread: a whole MoE block at 16 tokens costs ~110 us this way vs
@@ -128,17 +132,18 @@ class FusedDecoder:
         self.bag_max_rows = 16 * cfg.num_experts if self.is_moe and dtype == torch.float32 else 0
         if self.is_moe:
             hidden, inter, k = cfg.hidden_size, cfg.moe_intermediate_size, self.top_k
-            dev = self.embed.device
             self.hidden_range, self.inter_range = torch.arange(hidden, device=dev), torch.arange(inter, device=dev)
-            # Bag starts: one bag of `hidden` rows per (token, expert) pair; one bag of k*inter rows per token.
-            self.gate_up_offsets = torch.arange(0, max(self.max_batch_size * k * hidden, 1), hidden, device=dev)
-            self.down_offsets = torch.arange(0, max(self.max_batch_size * k * inter, 1), k * inter, device=dev)
-        # Expert ids 1..E: searchsorted over the sorted assignments gives each expert's end offset.
-        self.expert_ends = torch.arange(1, self.model.config.num_experts + 1, device=self.embed.device)
+            # Bag starts: one bag of `hidden` rows per (token, expert) pair; one of k*inter rows per token.
+            max_pairs = max(self.bag_max_rows, 1)
+            self.gate_up_offsets = torch.arange(0, max_pairs * hidden, hidden, device=dev)
+            self.down_offsets = torch.arange(0, max_pairs * inter, k * inter, device=dev)
+            # Expert ids 1..E: searchsorted over the sorted assignments gives each expert's end offset.
+            self.expert_ends = torch.arange(1, cfg.num_experts + 1, device=dev)
         # fp32: attention as baddbmm/softmax/bmm (3 ops; SDPA's CPU kernel costs more per call at
         # decode sizes). Lower precisions keep SDPA, which accumulates in fp32.
         self.manual_attention = dtype == torch.float32
 
+    # -- decode ------------------------------------------------------------------------------------
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache, kv_len: int,
              need_routing: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed tokens [n] at positions [n] for slots [0, n); returns the final-norm hidden states
@@ -159,49 +164,107 @@ class FusedDecoder:
             mask = visible[:, None, None, :]
         routing: list[torch.Tensor] = []
         for li, w in enumerate(self.layers):
-            qkv = F.linear(_norm(x, w.input_norm, w.eps), w.w_qkv)
-            qk = _norm(qkv[:, :(H + KV) * D].view(n, H + KV, D), w.qk_norm, w.qk_eps)
-            qk = qk * cos + qk.roll(D // 2, dims=-1) * sin  # RoPE on q and k at once
-            cache.write_decode(li, rows, positions, qk[:, H:], qkv[:, (H + KV) * D:].view(n, KV, D))
+            q, k, v = self._qkv(x, w, cos, sin)
+            cache.write_decode(li, rows, positions, k, v)
             k_all, v_all = cache.view(li, n, kv_len)  # [n, KV, K, D] views
             # GQA without repeat_interleave: the `rep` query heads of a KV head act as its query rows.
-            q = qk[:, :H].reshape(n, KV, rep, D)
+            q = q.reshape(n, KV, rep, D)
             if self.manual_attention:
                 scores = torch.baddbmm(bias, q.reshape(n * KV, rep, D),
                                        k_all.reshape(n * KV, kv_len, D).transpose(1, 2), alpha=D ** -0.5)
                 attn = torch.bmm(torch.softmax(scores, dim=-1), v_all.reshape(n * KV, kv_len, D))
             else:
                 attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=D ** -0.5)
-            x = x + F.linear(attn.reshape(n, H * D), w.w_o)
-            h = _norm(x, w.post_norm, w.eps)
-            if w.is_moe:
-                out, experts = self._moe(h, w)
-                if need_routing:
-                    routing.append(experts)
-            else:
-                gu = F.linear(h, w.w_gate_up)
-                out = F.linear(F.silu(gu[:, :w.inter]) * gu[:, w.inter:], w.w_down)
-                if need_routing and self.is_moe:  # dense layer inside an MoE model: zeros, as the model does
-                    routing.append(torch.zeros(n, self.top_k, dtype=torch.long, device=x.device))
-            x = x + out
+            x = torch.addmm(x, attn.reshape(n, H * D), w.w_o_t)
+            x = self._ffn(x, w, routing if need_routing else None)
         hidden = _norm(x, self.final_norm, self.final_eps)
         return hidden, (torch.stack(routing, dim=1) if routing else None)
 
-    def _moe(self, h: torch.Tensor, w: _LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sparse MoE block for h [n, hidden] → (out [n, hidden], experts [n, top_k])."""
+    # -- prefill -----------------------------------------------------------------------------------
+    def prefill(self, prompts: list[list[int]], slots: list[int], cache: StaticKVCache,
+                need_routing: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed whole prompts into the given cache slots; returns the final-norm hidden state of each
+        prompt's last token [B, hidden] and, if asked on an MoE model, routing for every prompt token
+        [sum(lens), layers, top_k] (int64, prompts concatenated).
+
+        The same math as the model's forward over a right-padded batch, but the row-wise work
+        (GEMMs, norms, RoPE, MoE) runs on the packed real tokens only — the bench's prompts are 25%
+        padding. Attention alone uses a padded [B, S] layout: causal SDPA, with keys and values read
+        back from the cache slots; no real query sees a pad position, and pad queries are dropped.
+        """
+        dev = self.embed.device
+        H, KV, D = self.n_heads, self.n_kv, self.head_dim
+        lens = [len(p) for p in prompts]
+        B, S, N = len(prompts), max(lens), sum(lens)
+        tokens = torch.tensor([t for p in prompts for t in p], device=dev)
+        positions = torch.tensor([i for n in lens for i in range(n)], device=dev)
+        seq_of = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(lens, device=dev))
+        slot_t = torch.tensor(slots, device=dev)
+        # Rows of each token's (kv head) entries in the flattened cache, and of the token in [B*S].
+        cache_rows = ((slot_t[seq_of, None] * KV + torch.arange(KV, device=dev)) * cache.max_seq_len
+                      + positions[:, None]).view(-1)
+        padded_rows = seq_of * S + positions
+        contiguous_slots = slots == list(range(slots[0], slots[0] + B))
+        cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # [N, 1, D]
+        x = F.embedding(tokens, self.embed)
+        routing: list[torch.Tensor] = []
+        for li, w in enumerate(self.layers):
+            q, k, v = self._qkv(x, w, cos, sin)
+            k_cache, v_cache = cache.k[li], cache.v[li]
+            k_cache.view(-1, D).index_copy_(0, cache_rows, k.reshape(N * KV, D))
+            v_cache.view(-1, D).index_copy_(0, cache_rows, v.reshape(N * KV, D))
+            if contiguous_slots:  # the usual case (admission fills the lowest free slots): views
+                k_pad, v_pad = k_cache[slots[0]:slots[0] + B, :, :S], v_cache[slots[0]:slots[0] + B, :, :S]
+            else:
+                k_pad, v_pad = k_cache[slot_t, :, :S], v_cache[slot_t, :, :S]
+            # Pad query rows are never read, so they may hold anything (no zero fill).
+            q_pad = q.new_empty(B * S, H, D)
+            q_pad[padded_rows] = q
+            attn = F.scaled_dot_product_attention(q_pad.view(B, S, H, D).transpose(1, 2), k_pad, v_pad,
+                                                  is_causal=True, scale=D ** -0.5, enable_gqa=True)
+            attn = attn.transpose(1, 2)[seq_of, positions]  # [N, H, D]: the real queries
+            x = torch.addmm(x, attn.reshape(N, H * D), w.w_o_t)
+            x = self._ffn(x, w, routing if need_routing else None)
+        last = torch.tensor(lens, device=dev).cumsum(0) - 1
+        hidden = _norm(x[last], self.final_norm, self.final_eps)
+        return hidden, (torch.stack(routing, dim=1) if routing else None)
+
+    # -- shared layer halves -----------------------------------------------------------------------
+    def _qkv(self, x: torch.Tensor, w: _LayerWeights, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows x [N, hidden] → q [N, H, D], k [N, KV, D] (normed, rotated) and v [N, KV, D] (views)."""
+        N = x.shape[0]
+        H, KV, D = self.n_heads, self.n_kv, self.head_dim
+        qkv = F.linear(_norm(x, w.input_norm, w.eps), w.w_qkv)
+        qk = _norm(qkv[:, :(H + KV) * D].view(N, H + KV, D), w.qk_norm, w.qk_eps)
+        qk = qk * cos + qk.roll(D // 2, dims=-1) * sin  # RoPE on q and k at once
+        return qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D:].view(N, KV, D)
+
+    def _ffn(self, x: torch.Tensor, w: _LayerWeights, routing: list[torch.Tensor] | None) -> torch.Tensor:
+        """x + MLP(post_norm(x)) for rows x [N, hidden] (x is owned here and may be updated in place);
+        appends the layer's expert choices [N, top_k] to `routing` when given."""
+        h = _norm(x, w.post_norm, w.eps)
+        if not w.is_moe:
+            gu = F.linear(h, w.w_gate_up)
+            if routing is not None and self.is_moe:  # dense layer inside an MoE model: zeros, as the model does
+                routing.append(torch.zeros(x.shape[0], self.top_k, dtype=torch.long, device=x.device))
+            return torch.addmm(x, F.silu(gu[:, :w.inter]) * gu[:, w.inter:], w.w_down_t)
         probs = F.softmax(F.linear(h, w.w_router), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, w.top_k, dim=-1)
         if w.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if weights.dtype != h.dtype:
             weights = weights.to(h.dtype)
+        if routing is not None:
+            routing.append(experts)
         if h.shape[0] * w.top_k <= self.bag_max_rows:
-            return self._experts_bags(h, w, weights, experts), experts
-        return self._experts_sorted(h, w, weights, experts), experts
+            return x.add_(self._experts_bags(h, w, weights, experts))
+        return self._experts_sorted(x, h, w, weights, experts)
 
     def _experts_bags(self, h: torch.Tensor, w: _LayerWeights, weights: torch.Tensor,
                       experts: torch.Tensor) -> torch.Tensor:
-        """The experts as two `embedding_bag` sums over the stacked expert weights, read as tables.
+        """The experts' weighted sum [n, hidden] as two `embedding_bag` sums over the stacked expert
+        weights, read as tables.
 
         x @ W == sum_c x[c] * W[c, :], a bag of W's rows weighted by x. So gate/up for the pair
         (token t, expert e) is the bag {rows e*hidden + c} weighted by h[t], and a token's whole
@@ -218,11 +281,11 @@ class FusedDecoder:
         return F.embedding_bag(rows, w.down_rows, self.down_offsets[:n], mode="sum",
                                per_sample_weights=(act.view(n, k, inter) * weights[:, :, None]).view(-1))
 
-    def _experts_sorted(self, h: torch.Tensor, w: _LayerWeights, weights: torch.Tensor,
+    def _experts_sorted(self, x: torch.Tensor, h: torch.Tensor, w: _LayerWeights, weights: torch.Tensor,
                         experts: torch.Tensor) -> torch.Tensor:
-        """The experts over (token, expert) rows sorted by expert: grouped_mm, or a loop of GEMMs."""
-        # Sort the (token, expert) assignments by expert so each expert's rows are contiguous;
-        # stable, so a token's rows keep their order and index_add sums them as the model does.
+        """x + the experts' weighted sum, over (token, expert) rows sorted by expert: grouped_mm (or a
+        loop of GEMMs), then one scatter-add straight into x."""
+        # Stable sort: each expert's rows are contiguous and keep token order.
         sorted_experts, order = experts.view(-1).sort(stable=True)
         token_of = order // w.top_k
         xs = h[token_of]
@@ -239,5 +302,4 @@ class FusedDecoder:
                     parts.append((F.silu(gu[:, :w.inter]) * gu[:, w.inter:]) @ w.w_down[e])
                     start = end
             y = torch.cat(parts)
-        y = y * weights.view(-1)[order, None]
-        return torch.zeros_like(h).index_add_(0, token_of, y)
+        return x.index_add_(0, token_of, y * weights.view(-1)[order, None])

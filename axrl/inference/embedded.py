@@ -357,6 +357,10 @@ class _Scheduler:
         self.device = weight.device
         self.max_prefill_tokens = max_prefill_tokens
         self.slots: list[_Sequence | None] = [None] * engine.max_batch_size
+        # Bumped whenever a slot is taken or freed; the next decode step's inputs are reused only
+        # while it stands still (see `decode_step`).
+        self.slot_epoch = 0
+        self.next_inputs: tuple | None = None
         # Read by other threads (health, weight_version); plain attribute writes are atomic.
         self.version = version
         self.num_running = 0
@@ -426,6 +430,7 @@ class _Scheduler:
                 self.slots[seq.slot] = seq
                 admitted.append(seq)
         self.num_running += len(admitted)
+        self.slot_epoch += bool(admitted)
         return admitted
 
     # -- forward passes ----------------------------------------------------------------------------
@@ -495,15 +500,19 @@ class _Scheduler:
 
     def decode_step(self) -> None:
         """Feed every running request its last token; one forward over slots [0, n)."""
-        n = max(i for i, s in enumerate(self.slots) if s is not None) + 1
-        running = [s for s in self.slots[:n] if s is not None]
-        # Idle rows in [0, n) get token 0 at position 0 of their own (free) slot: harmless.
-        tokens = [s.output_ids[-1] if s is not None else 0 for s in self.slots[:n]]
-        positions = [len(s.prompt) + len(s.output_ids) - 1 if s is not None else 0 for s in self.slots[:n]]
-        kv_len = max(positions) + 1
-        tokens_t = torch.tensor(tokens, device=self.device)
-        positions_t = torch.tensor(positions, device=self.device)
-        want_routing = self.is_moe and any(s.wants_routing for s in running)
+        epoch = self.slot_epoch
+        if self.next_inputs is not None and self.next_inputs[0] == epoch:
+            _, n, running, tokens_t, positions_t, kv_len, want_routing = self.next_inputs
+        else:
+            n = max(i for i, s in enumerate(self.slots) if s is not None) + 1
+            running = [s for s in self.slots[:n] if s is not None]
+            # Idle rows in [0, n) get token 0 at position 0 of their own (free) slot: harmless.
+            tokens = [s.output_ids[-1] if s is not None else 0 for s in self.slots[:n]]
+            positions = [len(s.prompt) + len(s.output_ids) - 1 if s is not None else 0 for s in self.slots[:n]]
+            kv_len = max(positions) + 1
+            tokens_t = torch.tensor(tokens, device=self.device)
+            positions_t = torch.tensor(positions, device=self.device)
+            want_routing = self.is_moe and any(s.wants_routing for s in running)
         if self.decoder is not None:
             hidden, routing = self.decoder.step(tokens_t, positions_t, self.cache, kv_len, want_routing)
         else:
@@ -520,12 +529,20 @@ class _Scheduler:
             for seq in running:
                 if seq.wants_routing:
                     seq.routing.append(rows[seq.slot][None].copy())
-        self.advance(running, self.model.lm_head(hidden))
+        sampled = self.advance(running, self.model.lm_head(hidden))
+        # Steady state (slots [0, n) all running, none finished or admitted since): the next step
+        # feeds exactly these samples one position further, so skip rebuilding its inputs from
+        # Python lists (~45 us a step at batch 16, ~90 us at 64, measured in the scheduler).
+        if self.slot_epoch == epoch and len(running) == n:
+            self.next_inputs = (epoch, n, running, sampled, positions_t + 1, kv_len + 1, want_routing)
+        else:
+            self.next_inputs = None
 
     # -- sampling and finishing ------------------------------------------------------------------
-    def advance(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
-        """Sample one token for each sequence (logits [len(seqs), V]) and finish those that stop."""
-        tokens, logprobs = sample(logits, [s.row for s in seqs])
+    def advance(self, seqs: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """Sample one token for each sequence (logits [len(seqs), V]) and finish those that stop;
+        returns the sampled tokens as a tensor [len(seqs)]."""
+        tokens_t, tokens, logprobs = sample(logits, [s.row for s in seqs])
         self.generated_tokens += len(tokens)
         for i, seq in enumerate(seqs):
             tok = tokens[i]
@@ -537,12 +554,14 @@ class _Scheduler:
                 self.finish(seq, {"type": "stop", "matched": tok})
             elif len(seq.output_ids) >= seq.limit:
                 self.finish(seq, {"type": "length", "length": len(seq.output_ids)})
+        return tokens_t
 
     def release(self, seq: _Sequence) -> None:
         """Free the request's slot and forget it."""
         if seq.slot >= 0 and self.slots[seq.slot] is seq:
             self.slots[seq.slot] = None
             self.num_running -= 1
+            self.slot_epoch += 1
         with self.inbox.cv:
             self.inbox.live.pop(seq.req.rid, None)
 

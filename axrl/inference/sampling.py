@@ -39,8 +39,9 @@ class RowParams:
     want_logprob: bool
 
 
-def sample(logits: torch.Tensor, rows: list[RowParams]) -> tuple[list[int], list[float] | None]:
-    """Choose one token per row of logits [N, V]; return (tokens, logprobs or None if no row wants them).
+def sample(logits: torch.Tensor, rows: list[RowParams]) -> tuple[torch.Tensor, list[int], list[float] | None]:
+    """Choose one token per row of logits [N, V]; return (tokens as an int64 tensor, the same as a
+    list, logprobs or None if no row wants them).
 
     Greedy rows are handled in one vectorised argmax; sampled rows share the softmax, sort and
     filter ops and only draw their noise per row (their generators are private).
@@ -65,11 +66,11 @@ def sample(logits: torch.Tensor, rows: list[RowParams]) -> tuple[list[int], list
 
     tokens = tokens_t.tolist()
     if not any(r.want_logprob for r in rows):
-        return tokens, None
+        return tokens_t, tokens, None
     # Greedy rows use T = 1 (plain log_softmax), as SGLang does.
     scale = torch.tensor([t if t > 0 else 1.0 for t in temps], dtype=torch.float32)[:, None]
     logprobs = torch.log_softmax(logits / scale, dim=-1).gather(1, tokens_t[:, None])[:, 0]
-    return tokens, logprobs.tolist()
+    return tokens_t, tokens, logprobs.tolist()
 
 
 def _filter_top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
