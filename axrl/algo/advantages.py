@@ -110,17 +110,8 @@ def group_normalized_advantages(
     return adv.to(r.dtype)
 
 
-def grpo_advantages(
-    rewards: torch.Tensor | np.ndarray | Sequence[float],
-    group_ids: torch.Tensor | np.ndarray | Sequence[Hashable],
-    *,
-    normalize_std: bool = True,
-    eps: float = 1e-6,
-    unbiased: bool = False,
-) -> torch.Tensor:
-    """Alias of `group_normalized_advantages` under the algorithm's usual name."""
-    return group_normalized_advantages(rewards, group_ids, normalize_std=normalize_std, eps=eps,
-                                       unbiased=unbiased)
+# The algorithm's usual name.
+grpo_advantages = group_normalized_advantages
 
 
 def reinforce_advantages(rewards: torch.Tensor | np.ndarray | Sequence[float]) -> torch.Tensor:
