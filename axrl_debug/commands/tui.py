@@ -1,0 +1,52 @@
+"""`axrl-debug tui RUN`: the terminal UI (steps → samples → tokens; docs/tui.md).
+
+Interactive, so no ``--json``; bad input (missing run, unknown step) still exits 2 before the
+screen is taken over. textual is imported only when the command runs, so ``axrl-debug --help``
+and the other commands do not pay for it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from axrl_debug.app import BadInput, app, run_command
+from axrl_debug.commands._common import describe_steps, nearest_steps
+
+
+@app.command()
+def tui(
+    run: Path = typer.Argument(..., help="Run directory (holds manifest.json, metrics.jsonl, trace/)."),
+    step: int = typer.Option(None, "--step", help="Open this step's samples directly."),
+    sample: int = typer.Option(None, "--sample", help="With --step: open this sample row's tokens directly."),
+    no_scan: bool = typer.Option(False, "--no-scan",
+                                 help="Do not read every step file in the background for max |Δ|, k3, "
+                                      "routing agreement and version lag (the metrics.jsonl columns stay)."),
+) -> None:
+    """Browse a run in the terminal: steps (sortable, spikes highlighted, sparklines), the samples
+    of a step (sortable, filterable), and the tokens of a sample coloured by |trainer − rollout
+    logprob| with per-token detail (ratio, entropy, advantage, policy version, MoE experts).
+
+    Opens lazily: only metrics.jsonl is read to show the steps; a step file is read when the step
+    is opened. Keys: ? for help, q to quit."""
+
+    def body() -> int:
+        from axrl_debug.tui.data import RunModel, RunOpenError
+
+        try:
+            model = RunModel(run)
+        except RunOpenError as e:
+            raise BadInput(str(e)) from None
+        if sample is not None and step is None:
+            raise BadInput("--sample needs --step")
+        if step is not None and step not in model.files:
+            near = nearest_steps(sorted(model.files), step)
+            raise BadInput(f"step {step} has no step file in {model.reader.trace_dir} (nearest: "
+                           f"{', '.join(map(str, near)) or 'none'}; available: {describe_steps(sorted(model.files))})")
+        from axrl_debug.tui.app import DebugApp
+
+        DebugApp(model, scan=not no_scan, step=step, sample=sample).run()
+        return 0
+
+    run_command(body)

@@ -1,0 +1,36 @@
+"""Cell formatting shared by the TUI tables (the numbers themselves use the CLI's ``fmt``/``pct``
+so the TUI and ``axrl-debug summary`` print a value the same way)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from axrl_debug.commands._common import fmt, pct
+
+__all__ = ["fmt", "pct", "fmt3", "fmt_int", "fmt_str", "fmt_lag"]
+
+
+def fmt3(x: Any) -> str:
+    """3 significant digits: mismatch values are noise below that."""
+    return fmt(x, 3)
+
+
+def fmt_int(x: Any) -> str:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return "–"
+    return "–" if math.isnan(v) else str(int(v))
+
+
+def fmt_str(x: Any) -> str:
+    return "–" if x is None or x == "" else str(x)
+
+
+def fmt_lag(x: Any) -> str:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return "–"
+    return "–" if math.isnan(v) else f"{v:.2f}"

@@ -1,0 +1,130 @@
+"""Small per-sample and per-token quantities the TUI needs and ``axrl_debug.analysis`` does not
+expose as functions (the analysis layer works per step and over whole runs).
+
+Everything builds on the analysis definitions instead of restating them:
+
+* Δ, "analysed token": ``axrl_debug.analysis.mismatch.step_tokens`` (Δ = old − rollout logprob on
+  tokens with loss_mask = 1 and both logprobs finite).
+* routing agreement per (token, layer) as expert *sets*: ``analysis.mismatch.routing_agreement``.
+
+What is added here is only the grouping by sample (bincount over the CSR offsets) and the
+per-token views of one sample that the token screen colours and navigates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from axrl_debug.analysis.mismatch import MismatchConfig, routing_agreement, step_tokens
+
+# Columns of a step file needed for the per-sample table (routing is optional: MoE only).
+SAMPLE_STAT_COLUMNS = ("/samples/offsets", "/tokens/loss_mask", "/tokens/rollout_logprob",
+                       "/tokens/old_logprob")
+SAMPLE_ROUTING_COLUMNS = ("/routing/rollout", "/routing/train", "/routing/rollout_valid")
+
+# The analysis config that computes only what the samples table shows (no breakdowns, no top-K).
+_SAMPLE_CFG = MismatchConfig(breakdowns=False, routing=False, top_k=0, keep_abs=False)
+
+
+@dataclass
+class SampleStats:
+    """Per-sample mismatch figures of one step (all arrays length N)."""
+
+    analysed: np.ndarray        # int64: analysed tokens of the sample
+    mean_abs: np.ndarray        # float64: mean |Δ| (NaN without analysed tokens)
+    max_abs: np.ndarray         # float64: max |Δ| (NaN without analysed tokens)
+    seq_log_ratio: np.ndarray   # float64: Σ Δ, the sequence-level log importance weight
+    routing_agree: np.ndarray   # float64: share of valid (row, layer) pairs whose expert sets agree; NaN if dense
+
+
+def sample_stats(step: int, policy_version: int, cols: Mapping[str, Any]) -> SampleStats:
+    """Group the analysed tokens of one step by sample.
+
+    ``cols`` holds ``SAMPLE_STAT_COLUMNS`` and, for MoE traces, ``SAMPLE_ROUTING_COLUMNS``
+    (``rollout_valid`` optional) — the datasets of one step file by absolute path."""
+    off = np.asarray(cols["/samples/offsets"], dtype=np.int64)
+    n = off.size - 1
+    st = step_tokens(step, policy_version, cols, _SAMPLE_CFG)
+    ad = np.abs(st.delta)
+    # sample row of each analysed token: the last offset <= idx (side="right" skips empty samples)
+    sample = np.searchsorted(off, st.idx, side="right") - 1
+    count = np.bincount(sample, minlength=n).astype(np.int64)
+    total = np.bincount(sample, weights=ad, minlength=n)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_abs = np.where(count > 0, total / np.maximum(count, 1), math.nan)
+    max_abs = np.full(n, -np.inf)
+    if ad.size:
+        np.maximum.at(max_abs, sample, ad)
+    max_abs[count == 0] = math.nan
+    seq = np.bincount(sample, weights=st.delta, minlength=n)
+    agree = np.full(n, math.nan)
+    if "/routing/rollout" in cols and "/routing/train" in cols:
+        rr, rt = np.asarray(cols["/routing/rollout"]), np.asarray(cols["/routing/train"])
+        t = rr.shape[0]
+        if t:
+            valid = cols.get("/routing/rollout_valid")
+            valid = np.ones(t, dtype=bool) if valid is None else np.asarray(valid) != 0
+            ok = layer_agreement(rr, rt)
+            sample_of = np.repeat(np.arange(n), np.diff(off))
+            rows = np.bincount(sample_of, weights=valid, minlength=n)
+            agreeing = np.bincount(sample_of, weights=ok.sum(axis=1) * valid, minlength=n)
+            layers = rr.shape[1]
+            with np.errstate(invalid="ignore", divide="ignore"):
+                agree = np.where(rows > 0, agreeing / (np.maximum(rows, 1) * layers), math.nan)
+    return SampleStats(analysed=count, mean_abs=mean_abs, max_abs=max_abs, seq_log_ratio=seq,
+                       routing_agree=agree)
+
+
+def token_delta(loss_mask: np.ndarray, rollout_lp: np.ndarray, old_lp: np.ndarray) -> np.ndarray:
+    """Δ per token of one sample, NaN where the token is not analysed.
+
+    Uses ``step_tokens`` on a one-sample CSR so the selection rule stays the analysis layer's."""
+    t = int(np.asarray(loss_mask).shape[0])
+    cols = {"/samples/offsets": np.array([0, t], dtype=np.int64), "/tokens/loss_mask": loss_mask,
+            "/tokens/rollout_logprob": rollout_lp, "/tokens/old_logprob": old_lp}
+    st = step_tokens(0, -1, cols, _SAMPLE_CFG)
+    out = np.full(t, math.nan)
+    out[st.idx] = st.delta
+    return out
+
+
+def layer_agreement(rollout: np.ndarray, train: np.ndarray) -> np.ndarray:
+    """[T, L] bool: the expert sets of each (token, layer) agree (see ``routing_agreement``)."""
+    if rollout.shape[0] == 0:
+        return np.zeros(rollout.shape[:2], dtype=bool)
+    res = routing_agreement(rollout, train)
+    # (agree [L, T], per-layer counts, hits) in the current analysis API; an earlier one returned
+    # (agree [T, L], hits) — accept both while that module settles.
+    return res[0].T if len(res) == 3 else res[0]
+
+
+def worst_order(delta: np.ndarray) -> np.ndarray:
+    """Indices of analysed tokens by |Δ| descending (ties: reading order) — the "next worst" walk."""
+    ad = np.abs(delta)
+    idx = np.flatnonzero(np.isfinite(ad))
+    return idx[np.lexsort((idx, -ad[idx]))]
+
+
+# |Δ| colour scale of the token screen. "abs" bins are absolute nats of |log π − log μ| so that
+# colours mean the same thing in every run (1e-3 ≈ fp32 noise of a bf16-free CPU run is below the
+# first bin; 0.5 ≈ a ratio of 1.65, beyond any PPO clip band). "rel" bins are fractions of the
+# sample's own max |Δ|, to find the worst tokens of a run whose mismatch is uniformly tiny.
+ABS_EDGES = (1e-3, 1e-2, 1e-1, 0.5)
+REL_EDGES = (0.1, 0.25, 0.5, 0.75)
+
+
+def delta_bins(delta: np.ndarray, scale: str = "abs") -> np.ndarray:
+    """Colour bin per token: -1 not analysed, 0 (calm) .. 4 (worst)."""
+    ad = np.abs(np.asarray(delta, dtype=np.float64))
+    finite = np.isfinite(ad)
+    if scale == "rel":
+        top = float(ad[finite].max()) if finite.any() else 0.0
+        edges = np.asarray(REL_EDGES) * top if top > 0 else np.full(len(REL_EDGES), np.inf)
+        bins = np.searchsorted(edges, ad, side="right") if top > 0 else np.zeros(ad.shape, np.int64)
+    else:
+        bins = np.searchsorted(np.asarray(ABS_EDGES), ad, side="right")
+    return np.where(finite, bins, -1).astype(np.int8)

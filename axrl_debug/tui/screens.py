@@ -1,0 +1,376 @@
+"""The three views — steps, samples of a step, tokens of a sample — as Textual screens.
+
+Enter drills down (pushes the next screen), esc goes back (pops it), so the steps table keeps
+its sort and cursor while the user looks at a step, and the samples table while they look at a
+sample. Each screen reads only what it shows: the steps screen ``metrics.jsonl`` (already parsed
+by ``RunModel``), the samples screen one step file, the tokens screen one sample's token range.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Hashable
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Container
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Static
+
+from axrl.trace import TraceError
+
+from .data import RunModel, SampleTokens, StepModel
+from .metrics import ABS_EDGES, REL_EDGES
+from .widgets.samples_table import WORST_N, SamplesTable, sample_records
+from .widgets.sortable_table import SortableTable
+from .widgets.sparklines import SPARK_METRICS, MetricSparklines
+from .widgets.steps_table import StepsTable, spike_text
+from .widgets.token_detail import TokenDetail
+from .widgets.token_text import BIN_STYLES, DISAGREE_STYLE, ENV_STYLE, PROMPT_STYLE, TokenText
+
+if TYPE_CHECKING:
+    from .app import DebugApp
+
+# What reading a damaged or vanished step file can raise (shown as a notification, never a crash).
+READ_ERRORS = (TraceError, OSError, KeyError, ValueError)
+
+
+class _View(Screen):
+    """Shared bits: the status line and the back key (esc / backspace)."""
+
+    BINDINGS = [Binding("escape,backspace", "back", "back", show=False)]
+
+    @property
+    def debug_app(self) -> "DebugApp":
+        return self.app  # type: ignore[return-value]
+
+    def set_status(self, text: str | Text) -> None:
+        self.query_one("#status", Static).update(text)
+
+    def action_back(self) -> None:
+        if len(self.app.screen_stack) > 1:
+            self.app.pop_screen()
+
+
+# ============================================================================ steps
+class StepsScreen(_View):
+    """All steps of the run: sparklines of the key metrics above a sortable table."""
+
+    BINDINGS = [
+        Binding("s", "sort", "sort"),
+        Binding("r", "reverse", "reverse"),
+        Binding("x", "spike(1)", "next spike"),
+        Binding("X", "spike(-1)", "prev spike", show=False),
+    ]
+
+    def __init__(self, run: RunModel) -> None:
+        super().__init__()
+        self.run = run
+        self.scan_state = ""
+
+    def compose(self) -> ComposeResult:
+        yield Header(icon="")
+        yield Static("", id="status", classes="status")
+        yield MetricSparklines(id="sparklines")
+        yield StepsTable(id="steps")
+        yield Footer()
+
+    @property
+    def table(self) -> StepsTable:
+        return self.query_one("#steps", StepsTable)
+
+    def on_mount(self) -> None:
+        self.reload()
+        self.table.focus()
+
+    def _records(self) -> dict[Hashable, dict]:
+        run = self.run
+        return {s: {"step": s, **run.rows[s], "spikes": spike_text(run.spikes.get(s, []))} for s in run.steps}
+
+    def reload(self) -> None:
+        """(Re)build the table and sparklines from ``RunModel.rows`` (cursor stays on its step)."""
+        run = self.run
+        table = self.table
+        table.spiked = {s: {sp["metric"] for sp in v} for s, v in run.spikes.items()}
+        table.set_records(self._records())
+        self.query_one(MetricSparklines).set_series({k: run.series(k) for k, _ in SPARK_METRICS})
+        self.update_status()
+
+    def update_rows(self, steps: list[int]) -> None:
+        """Background scan results: refresh those rows in place (no re-sort under the cursor)."""
+        table = self.table
+        for s in steps:
+            if s in table.records:
+                table.records[s].update(self.run.rows[s])
+        table.refresh_rows(steps)
+        self.update_status()
+
+    def update_status(self) -> None:
+        run = self.run
+        n = len(run.steps)
+        spikes = len(run.spikes)
+        # short: it must fit 80 columns with the scan progress
+        status = Text()
+        status.append(f"{n} steps", "bold")
+        status.append(f" · by {self.table.sort_label()}")
+        if spikes:
+            status.append(f" · {spikes} with spikes (x)", "bold red")
+        if self.scan_state:
+            status.append(f" · {self.scan_state}", "dim")
+        self.set_status(status)
+
+    def on_sortable_table_sort_changed(self, event: SortableTable.SortChanged) -> None:
+        self.update_status()
+
+    def on_sortable_table_row_selected(self, event: SortableTable.RowSelected) -> None:
+        event.stop()
+        self.action_open()
+
+    def action_open(self) -> None:
+        step = self.table.current_key
+        if step is not None:
+            self.debug_app.open_step(int(step), [int(s) for s in self.table.order])  # type: ignore[arg-type]
+
+    def action_sort(self) -> None:
+        self.table.cycle_sort()
+
+    def action_reverse(self) -> None:
+        self.table.reverse_sort()
+
+    def action_spike(self, direction: int) -> None:
+        """Next / previous row (in the table's order) whose step has a spike flag."""
+        order = self.table.order
+        flagged = [i for i, s in enumerate(order) if self.run.spikes.get(int(s))]  # type: ignore[arg-type]
+        if not flagged:
+            self.notify("no spikes detected (robust z > 5 on loss, grad norm, mismatch or reward)",
+                        severity="information", timeout=3)
+            return
+        cur = self.table.cursor_row
+        if direction > 0:
+            nxt = [i for i in flagged if i > cur]
+            target = nxt[0] if nxt else flagged[0]
+        else:
+            prv = [i for i in flagged if i < cur]
+            target = prv[-1] if prv else flagged[-1]
+        self.table.move_cursor(target)
+
+
+# ============================================================================ samples
+_FILTERS = ("all", "failed", "worst")
+
+
+class SamplesScreen(_View):
+    """The samples of one step; ] and [ move to the next / previous step without going back."""
+
+    BINDINGS = [
+        Binding("s", "sort", "sort"),
+        Binding("r", "reverse", "reverse"),
+        Binding("f", "filter", "filter"),
+        Binding("right_square_bracket", "step(1)", "next step"),
+        Binding("left_square_bracket", "step(-1)", "prev step", show=False),
+        Binding("escape,backspace", "back", "back"),
+    ]
+
+    def __init__(self, run: RunModel, model: StepModel, step_order: list[int]) -> None:
+        super().__init__()
+        self.run = run
+        self.model = model
+        self.step_order = step_order
+        self.filter = "all"
+
+    def compose(self) -> ComposeResult:
+        yield Header(icon="")
+        yield Static("", id="status", classes="status")
+        yield SamplesTable(replay=True, id="samples")
+        yield Footer()
+
+    @property
+    def table(self) -> SamplesTable:
+        return self.query_one("#samples", SamplesTable)
+
+    def on_mount(self) -> None:
+        self.show_step(self.model)
+        self.table.focus()
+
+    def show_step(self, model: StepModel) -> None:
+        self.model = model
+        self.table.set_records(sample_records(model), keep=0)
+        self._apply_filter()
+        for p in model.problems:
+            self.notify(p, severity="warning", timeout=6)
+
+    def update_status(self) -> None:
+        m = self.model
+        failed = sum(1 for r in self.table.records.values() if r.get("status") not in ("ok", None, ""))
+        status = Text()
+        status.append(f"step {m.step}", "bold")
+        status.append(f" · v{m.policy_version} · {m.num_samples} samples")
+        if failed:
+            status.append(f" ({failed} failed)", "bold red")
+        status.append(f" · {m.num_tokens} tok · by {self.table.sort_label()}")
+        if self.filter != "all":
+            status.append(f" · {self.filter}: {len(self.table.order)} shown", "bold yellow")
+        if m.replay_path is not None:
+            status.append(" · replay", "bold magenta")
+        self.set_status(status)
+
+    def _apply_filter(self) -> None:
+        table = self.table
+        if self.filter == "failed":
+            table.set_filter(lambda k, r: r.get("status") not in ("ok", None, ""))
+        elif self.filter == "worst":
+            ranked = sorted((r for r in table.records.values() if r["max_abs"] == r["max_abs"]),
+                            key=lambda r: -r["max_abs"])[:WORST_N]
+            keep = {r["row"] for r in ranked}
+            table.sort_key, table.sort_desc = "max_abs", True
+            table.set_filter(lambda k, r: k in keep)
+        else:
+            table.set_filter(None)
+        self.update_status()
+
+    def on_sortable_table_sort_changed(self, event: SortableTable.SortChanged) -> None:
+        self.update_status()
+
+    def on_sortable_table_row_selected(self, event: SortableTable.RowSelected) -> None:
+        event.stop()
+        self.action_open()
+
+    def action_open(self) -> None:
+        row = self.table.current_key
+        if row is not None:
+            self.debug_app.open_sample(self.model, int(row), [int(r) for r in self.table.order])  # type: ignore[arg-type]
+
+    def action_sort(self) -> None:
+        self.table.cycle_sort()
+
+    def action_reverse(self) -> None:
+        self.table.reverse_sort()
+
+    def action_filter(self) -> None:
+        self.filter = _FILTERS[(_FILTERS.index(self.filter) + 1) % len(_FILTERS)]
+        self._apply_filter()
+        if not self.table.order:
+            self.notify(f"no {self.filter} samples in step {self.model.step}", timeout=3)
+
+    def action_step(self, direction: int) -> None:
+        order = self.step_order
+        if self.model.step not in order:
+            return
+        i = order.index(self.model.step) + direction
+        if not 0 <= i < len(order):
+            self.notify("first step" if direction < 0 else "last step", timeout=2)
+            return
+        model = self.debug_app.load_step(order[i])
+        if model is not None:
+            self.show_step(model)
+
+
+# ============================================================================ tokens
+def legend(scale: str) -> Text:
+    """One-line colour key of the token view (fits 80 columns)."""
+    t = Text()
+    if scale == "abs":
+        t.append("|Δ|:")
+        labels = ["<1e-3"] + [f"≥{e:g}" for e in ABS_EDGES]
+    else:
+        t.append("|Δ|/max:")
+        labels = ["<.1"] + [f"≥{e:g}" for e in REL_EDGES]
+    for style, label in zip(BIN_STYLES, labels):
+        t.append(" ")
+        t.append(label, style)
+    t.append(" │ ")
+    t.append("prompt", PROMPT_STYLE)
+    t.append(" ")
+    t.append("tool/env", ENV_STYLE)
+    t.append(" ")
+    t.append("route≠", DISAGREE_STYLE)
+    return t
+
+
+class TokensScreen(_View):
+    """One sample's tokens (left/top) and the detail of the token under the cursor."""
+
+    BINDINGS = [
+        Binding("right_square_bracket", "sample(1)", "next sample"),
+        Binding("left_square_bracket", "sample(-1)", "prev sample", show=False),
+        Binding("escape,backspace", "back", "back"),
+    ]
+
+    def __init__(self, run: RunModel, model: StepModel, row: int, row_order: list[int]) -> None:
+        super().__init__()
+        self.run = run
+        self.model = model
+        self.row = row
+        self.row_order = row_order
+        self.tokens: SampleTokens | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Header(icon="")
+        yield Static("", id="status", classes="status")
+        yield Static(legend("abs"), id="legend")
+        with Container(id="token-body"):
+            yield TokenText(id="tokens")
+            yield TokenDetail(id="detail")
+        yield Footer()
+
+    @property
+    def text(self) -> TokenText:
+        return self.query_one("#tokens", TokenText)
+
+    @property
+    def detail(self) -> TokenDetail:
+        return self.query_one("#detail", TokenDetail)
+
+    def on_mount(self) -> None:
+        self.show_sample(self.row)
+        self.text.focus()
+
+    def show_sample(self, row: int) -> bool:
+        """Read and show sample ``row`` of ``self.model``; False (and a notification) if unreadable."""
+        try:
+            tokens = self.model.sample(row)
+        except READ_ERRORS as e:
+            self.notify(f"cannot read sample {row} of step {self.model.step}: {e}", severity="error", timeout=8)
+            return False
+        self.row, self.tokens = row, tokens
+        self._status()
+        self.text.set_tokens(tokens)
+        if tokens.n == 0:
+            self.detail.show(tokens, 0)
+        return True
+
+    def _status(self) -> None:
+        m, t, row = self.model, self.tokens, self.row
+        assert t is not None
+        rec = m.samples
+        status = Text()
+        status.append(f"step {m.step} · sample {row}", "bold")
+        if "sample_id" in rec:
+            status.append(f" (id {int(rec['sample_id'][row])})")
+        if "reward" in rec:
+            status.append(f" · reward {float(rec['reward'][row]):.4g}")
+        st = str(rec["status"][row]) if "status" in rec else "ok"
+        fin = str(rec["finish_reason"][row]) if "finish_reason" in rec else ""
+        status.append(f" · {st}" + (f"/{fin}" if fin else ""), "bold red" if st != "ok" else "")
+        status.append(f" · {t.n} tok")
+        mx = m.stats.max_abs[row]
+        if mx == mx:
+            status.append(f" · max|Δ| {mx:.3g}")
+        if st != "ok" and "error" in rec and rec["error"][row]:
+            status.append(f" · {rec['error'][row]}", "red")
+        self.set_status(status)
+
+    def on_token_text_cursor_moved(self, event: TokenText.CursorMoved) -> None:
+        if self.tokens is not None:
+            self.detail.show(self.tokens, event.index, event.note)
+            self.query_one("#legend", Static).update(legend(self.text.scale))
+
+    def action_sample(self, direction: int) -> None:
+        order = self.row_order
+        if self.row not in order:
+            return
+        i = order.index(self.row) + direction
+        if not 0 <= i < len(order):
+            self.notify("first sample" if direction < 0 else "last sample", timeout=2)
+            return
+        self.show_sample(order[i])
