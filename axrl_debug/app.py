@@ -19,6 +19,15 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 app = typer.Typer(help="Analyse, replay and gate AxRL training traces.", no_args_is_help=True,
                   add_completion=False, pretty_exceptions_enable=False)
+
+
+@app.callback()
+def _group() -> None:
+    """Analyse, replay and gate AxRL training traces."""
+    # A callback keeps `axrl-debug CMD …` a command group even when only the invoked command's
+    # module is imported (Typer would otherwise run a lone command without its name).
+
+
 out = Console()               # human-readable results
 err = Console(stderr=True)    # warnings, errors, progress
 

@@ -193,3 +193,21 @@ def test_spikes_cli(tmp_path):
     assert human.exit_code == 0 and re.search(r"step 7 \(loss up\)", human.stdout)
     quiet = invoke("spikes", tmp_path / "run", "--metrics", "grad_norm")
     assert quiet.exit_code == 0 and "no spikes" in quiet.stdout
+
+
+def test_console_entry_imports_only_the_invoked_command_and_still_works():
+    """`axrl-debug CMD` loads just CMD's module (fast start) yet parses like the full app."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.argv = ['axrl-debug', 'summary', '/nonexistent/run']; import axrl_debug.cli as c; "
+            "print(sorted(m for m in sys.modules if m.startswith('axrl_debug.commands.') and m[20:] != '_common')); "
+            "c.app()")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    assert "axrl_debug.commands.summary" in done.stdout and "axrl_debug.commands.tui" not in done.stdout
+    assert "run directory not found" in " ".join(done.stderr.split())
+    full = subprocess.run([sys.executable, "-m", "axrl_debug.cli", "--help"], capture_output=True, text=True)
+    assert full.returncode == 0
+    for name in ("summary", "mismatch", "spikes", "diff", "export", "golden", "check", "replay", "tui"):
+        assert name in full.stdout
