@@ -187,3 +187,14 @@ def test_sigkill_at_random_moments_then_resume_finishes(tmp_path):
     assert not list((run / "trace").glob("*.tmp"))
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(steps))
+
+
+def test_r3_replays_rollout_routing_in_the_trainer(tmp_path):
+    """With r3 on, the trainer's forward uses exactly the experts the engine reported."""
+    run = tmp_path / "run"
+    assert _train_cli(run, overrides=SMALL + ["steps=2", "r3=true"]).exit_code == 0
+    with h5py.File(run / "trace" / "step_000001.h5") as f:
+        valid = f["routing/rollout_valid"][:].astype(bool)
+        rollout, train = f["routing/rollout"][:], f["routing/train"][:]
+        assert valid.sum() > 0
+        assert np.array_equal(rollout[valid], train[valid])
