@@ -11,9 +11,10 @@ One scheduler iteration
 -----------------------
 1. apply control ops (aborts of running requests, weight updates) — between iterations, so a
    forward never sees half-updated weights;
-2. admit waiting requests into free slots (FIFO) and prefill them: batched, right-padded, the
-   model's own full forward (so prompt logits/routing equal a plain forward), writing their
-   K/V into their slots; sample each one's first token;
+2. admit waiting requests into free slots (FIFO) and prefill them: batched, through the fast
+   path (`FusedDecoder.prefill`: the model's math on the packed prompt tokens; the model's own
+   full forward with decode_impl="model"), writing their K/V into their slots; sample each
+   one's first token;
 3. one decode step for every running slot: slots [0, n) are fed their last token at once
    (idle rows in that range are computed and ignored, which beats gathering rows), attending
    over the cache view with a per-slot length mask; sample; finish what stopped.
