@@ -53,7 +53,37 @@ class _View(Screen):
 
 
 # ============================================================================ steps
-class StepsScreen(_View):
+class _TableView(_View):
+    """A screen around one SortableTable: sort keys, and enter/click opens the current row."""
+
+    table: SortableTable
+
+    def update_status(self) -> None:
+        raise NotImplementedError
+
+    def open_row(self, key: Hashable, order: list[Hashable]) -> None:
+        raise NotImplementedError
+
+    def on_sortable_table_sort_changed(self, event: SortableTable.SortChanged) -> None:
+        self.update_status()
+
+    def on_sortable_table_row_selected(self, event: SortableTable.RowSelected) -> None:
+        event.stop()
+        self.action_open()
+
+    def action_open(self) -> None:
+        key = self.table.current_key
+        if key is not None:
+            self.open_row(key, list(self.table.order))
+
+    def action_sort(self) -> None:
+        self.table.cycle_sort()
+
+    def action_reverse(self) -> None:
+        self.table.reverse_sort()
+
+
+class StepsScreen(_TableView):
     """All steps of the run: sparklines of the key metrics above a sortable table."""
 
     BINDINGS = [
@@ -119,23 +149,8 @@ class StepsScreen(_View):
             status.append(f" · {self.scan_state}", "dim")
         self.set_status(status)
 
-    def on_sortable_table_sort_changed(self, event: SortableTable.SortChanged) -> None:
-        self.update_status()
-
-    def on_sortable_table_row_selected(self, event: SortableTable.RowSelected) -> None:
-        event.stop()
-        self.action_open()
-
-    def action_open(self) -> None:
-        step = self.table.current_key
-        if step is not None:
-            self.debug_app.open_step(int(step), [int(s) for s in self.table.order])  # type: ignore[arg-type]
-
-    def action_sort(self) -> None:
-        self.table.cycle_sort()
-
-    def action_reverse(self) -> None:
-        self.table.reverse_sort()
+    def open_row(self, step: Hashable, order: list[Hashable]) -> None:
+        self.debug_app.open_step(int(step), [int(s) for s in order])  # type: ignore[arg-type]
 
     def action_spike(self, direction: int) -> None:
         """Next / previous row (in the table's order) whose step has a spike flag."""
@@ -159,7 +174,7 @@ class StepsScreen(_View):
 _FILTERS = ("all", "failed", "worst")
 
 
-class SamplesScreen(_View):
+class SamplesScreen(_TableView):
     """The samples of one step; ] and [ move to the next / previous step without going back."""
 
     BINDINGS = [
@@ -228,23 +243,8 @@ class SamplesScreen(_View):
             table.set_filter(None)
         self.update_status()
 
-    def on_sortable_table_sort_changed(self, event: SortableTable.SortChanged) -> None:
-        self.update_status()
-
-    def on_sortable_table_row_selected(self, event: SortableTable.RowSelected) -> None:
-        event.stop()
-        self.action_open()
-
-    def action_open(self) -> None:
-        row = self.table.current_key
-        if row is not None:
-            self.debug_app.open_sample(self.model, int(row), [int(r) for r in self.table.order])  # type: ignore[arg-type]
-
-    def action_sort(self) -> None:
-        self.table.cycle_sort()
-
-    def action_reverse(self) -> None:
-        self.table.reverse_sort()
+    def open_row(self, row: Hashable, order: list[Hashable]) -> None:
+        self.debug_app.open_sample(self.model, int(row), [int(r) for r in order])  # type: ignore[arg-type]
 
     def action_filter(self) -> None:
         self.filter = _FILTERS[(_FILTERS.index(self.filter) + 1) % len(_FILTERS)]
