@@ -2,8 +2,9 @@
 
 Builds, in one temporary directory and from one random seed:
 
-* an AxRL run (the real writer: `RunDir.write_step`, gzip-1 + shuffle + fletcher32) with at least
-  `--tokens` generated tokens (default 10 M) over `--steps` steps: multi-turn samples with a tool
+* an AxRL run (the real writer: `RunDir.write_step` with its default layout — the columns the
+  analysis reads stored raw, the rest gzip-1 + shuffle, everything fletcher32-checksummed) with at
+  least `--tokens` generated tokens (default 10 M) over `--steps` steps: multi-turn samples with a tool
   segment, NaN rollout logprobs outside generated tokens, partial-rollout policy versions, and MoE
   routing [T, 4, 2] uint8 for rollout and trainer;
 * the same data the way slime/miles dump debug rollouts: per step, `torch.save` of a list of
@@ -15,7 +16,8 @@ Then it times the same headline answer from each (best of `--repeat`):
 * HDF5: exactly what `axrl-debug mismatch RUN` computes — |Δ| stats and percentiles, k1/k2/k3,
   χ², ratio stats, clip/TIS fractions, ESS, Pearson, every breakdown, per-layer routing agreement
   and the top-10 tokens with decoded context — starting from a fresh `TraceReader` (which also
-  validates every step file);
+  validates every step file), with `--workers` processes (default auto, as `mismatch` does) and
+  with one;
 * pickle: `torch.load` every step file, rebuild the flat arrays from the per-sample lists, and run
   the *same* vectorised analysis (so the difference is storage and loading, not the math).
 
@@ -90,11 +92,12 @@ def make_step(step: int, n: int, mean_resp: int, rng: np.random.Generator) -> di
                 r_train=r_train, valid=valid, reward=reward, n=n)
 
 
-def write_hdf5(run_dir: Path, step: int, d: dict) -> None:
-    from axrl.trace import RunDir, StepRecord
+def hdf5_record(step: int, d: dict):
+    """The StepRecord of one synthetic step (2 updates, routing for rollout and trainer)."""
+    from axrl.trace import StepRecord
 
     n = d["n"]
-    rec = StepRecord(
+    return StepRecord(
         step=step, policy_version=step, sample_offsets=d["off"], sample_id=np.arange(n) + step * n,
         group_id=np.arange(n) // 8, prompt_id=[f"bench/{i}" for i in range(n)],
         prompt_len=np.full(n, PROMPT_LEN), num_turns=np.ones(n, np.int32), reward=d["reward"],
@@ -105,7 +108,12 @@ def write_hdf5(run_dir: Path, step: int, d: dict) -> None:
         update_metrics={"loss": [0.1, 0.2], "grad_norm": [1.0, 1.1], "lr": [1e-5, 1e-5]},
         weights_fingerprint_before="a", weights_fingerprint_after="b", num_experts=EXPERTS,
         routing_rollout=d["r_roll"], routing_rollout_valid=d["valid"], routing_train=d["r_train"])
-    RunDir(run_dir).write_step(rec)
+
+
+def write_hdf5(run_dir: Path, step: int, d: dict) -> None:
+    from axrl.trace import RunDir
+
+    RunDir(run_dir).write_step(hdf5_record(step, d))
 
 
 def write_pickle(path: Path, step: int, d: dict) -> None:

@@ -283,3 +283,92 @@ def test_dense_trace_has_no_routing_and_empty_step(tmp_path):
     assert per[1]["analysed"] == 0 and math.isnan(per[1]["mean_abs"])
     res1 = report(reader, [1])
     assert math.isnan(res1["metrics"]["mean_abs"]) and res1["top"] == []
+
+
+def test_packed_routing_matches_the_set_comparison():
+    """The packed-word kernel (k ≤ 2) gives routing_agreement's counts and row agreement for any
+    layer count (padded rows), uint8/uint16 experts, and valid masks dense or sparse."""
+    from axrl_debug.analysis.mismatch import _routing_words
+
+    rng = np.random.default_rng(1)
+    for trial in range(60):
+        t, layers, k = int(rng.integers(1, 600)), int(rng.integers(1, 7)), int(rng.integers(1, 3))
+        experts = 8 if trial % 3 else 300
+        roll = np.argsort(rng.random((t, layers, experts)), axis=2)[:, :, :k].astype(np.uint8 if experts <= 256 else np.uint16)
+        train = roll.copy()
+        moved = rng.random((t, layers)) < 0.3
+        train[moved] = np.argsort(rng.random((int(moved.sum()), experts)), axis=1)[:, :k]
+        swap = rng.random((t, layers)) < 0.5
+        train[swap] = train[swap][:, ::-1]
+        valid = None if trial % 4 == 0 else rng.random(t) < (0.5 if trial % 2 else 0.97)
+        agree, per_layer, hits = routing_agreement(roll, train, valid)
+        got_agree, got_hits, row_agree = _routing_words(roll, train, valid)
+        assert got_agree.tolist() == per_layer.tolist() and got_hits.tolist() == hits.tolist(), (t, layers, k)
+        assert (row_agree == np.logical_and.reduce(agree, axis=0)).all()
+    assert _routing_words(np.zeros((2, 1, 3), np.uint8), np.zeros((2, 1, 3), np.uint8), None) is None  # k = 3
+
+
+def test_exact_percentiles_are_numpys():
+    """p50/p99 come from a top-bits histogram and a selection inside the bins that hold the order
+    statistics; the result is np.percentile's (linear) value bit for bit, ties and zeros included."""
+    from axrl_debug.analysis.mismatch import _abs_hist, _exact_percentiles
+
+    rng = np.random.default_rng(2)
+    for trial in range(120):
+        n = int(rng.choice([1, 3, 101, 70_000, 150_000]))     # > 65536: the histogram path
+        values = [np.abs(rng.normal(0, 1e-3, n)), np.abs(rng.integers(0, 3, n) * 1e-7), np.zeros(n),
+                  np.abs(rng.standard_cauchy(n))][trial % 4]
+        a = values.astype(np.float32 if trial % 2 else np.float64)
+        parts = [p for p in np.array_split(a, int(rng.integers(1, 5))) if p.size]
+        hist = sum(_abs_hist(p) for p in parts) if trial % 3 else None
+        qs = (50.0, 99.0) if trial % 5 else (0.0, 25.0, 50.0, 99.0, 100.0)
+        assert _exact_percentiles(parts, hist, qs) == tuple(float(v) for v in np.percentile(a, list(qs)))
+
+
+def test_whole_step_and_per_token_paths_agree(run):
+    """add_columns (whole-step arrays) and add(step_tokens(...)) (per-token view) fold the same."""
+    from axrl_debug.analysis.mismatch import MismatchAccumulator, step_tokens
+
+    cfg = MismatchConfig.from_run_config(run.config, top_k=4)
+    required, optional = cfg.columns()
+    a, b = MismatchAccumulator(cfg), MismatchAccumulator(cfg)
+    for sc in run.iter_columns(required, optional=optional, reuse_buffers=True):
+        pv = int(sc.attrs["policy_version"])
+        a.add_columns(sc.step, pv, sc.data)
+        b.add(step_tokens(sc.step, pv, sc.data, cfg))
+    ra, rb = a.result(), b.result()
+    assert ra["breakdowns"] == rb["breakdowns"] and ra["routing"] == rb["routing"]
+    assert ra["top"] == rb["top"] and ra["per_step"] == rb["per_step"]
+    for key, value in ra["metrics"].items():
+        assert rb["metrics"][key] == pytest.approx(value, rel=1e-12), key
+
+
+def test_blocks_of_samples_give_the_step_report(run, tmp_path):
+    """A step is processed in blocks of whole samples; any block size gives the same report."""
+    from axrl_debug.analysis.mismatch import MismatchAccumulator
+
+    cfg = MismatchConfig.from_run_config(run.config, top_k=4, per_step_percentiles=True)
+    required, optional = cfg.columns()
+
+    def fold(block: int) -> dict:
+        acc = MismatchAccumulator(cfg)
+        acc._block_tokens = block
+        for sc in run.iter_columns(required, optional=optional):
+            acc.add_columns(sc.step, int(sc.attrs["policy_version"]), sc.data)
+        return acc.result()
+
+    whole = fold(1 << 30)
+    for block in (1, 2, 3, 5):
+        part = fold(block)
+        assert part["top"] == whole["top"] and part["routing"] == whole["routing"]
+        assert part["tokens"] == whole["tokens"] and part["steps"] == whole["steps"]
+        for key, value in whole["metrics"].items():
+            assert part["metrics"][key] == pytest.approx(value, rel=1e-12, abs=1e-15), (block, key)
+        for name, rows in whole["breakdowns"].items():
+            for a, b in zip(rows, part["breakdowns"][name]):
+                assert a["bucket"] == b["bucket"] and a["count"] == b["count"], (block, name)
+                assert b["mean_abs"] == pytest.approx(a["mean_abs"], rel=1e-12, nan_ok=True)
+        for a, b in zip(whole["per_step"], part["per_step"]):
+            assert a.keys() == b.keys()
+            for key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-12, abs=1e-15, nan_ok=True), (block, key)

@@ -367,6 +367,56 @@ def test_truncated_file_reported_and_skipped(tmp_path, keep):
         StepFile(bad)
 
 
+def test_storage_layout_of_token_datasets(tmp_path):
+    """Every token dataset is chunked and checksummed; the columns the analyses read per token are
+    stored raw, the others gzip-1 + shuffle; chunks are even (no mostly-padding last chunk)."""
+    from axrl.trace.writer import RAW_DATASETS
+
+    path = write_step(tmp_path, make_record(n_groups=8, group_size=8, mean_len=400))
+    with h5py.File(path, "r") as f:
+        seen = []
+        for group in ("tokens", "routing"):
+            for name, ds in f[group].items():
+                full = f"/{group}/{name}"
+                seen.append(full)
+                assert ds.fletcher32 and ds.chunks is not None, full
+                if full in RAW_DATASETS:
+                    assert ds.compression is None and not ds.shuffle, full
+                else:
+                    assert ds.compression == "gzip" and ds.compression_opts == 1 and ds.shuffle, full
+                rows, n = ds.chunks[0], ds.shape[0]
+                assert n - (-(-n // rows) - 1) * rows > rows // 2 or n == rows, (full, rows, n)
+        assert {"/tokens/ids", "/tokens/advantage", "/tokens/old_logprob", "/routing/train"} <= set(seen)
+        assert f["/samples/offsets"].chunks is None                  # small datasets stay contiguous
+    # the old all-gzip layout and plain contiguous storage stay available
+    all_gz = write_step(tmp_path / "gz", make_record(), raw=frozenset())
+    plain = write_step(tmp_path / "plain", make_record(), compression=None, checksum=False)
+    with h5py.File(all_gz, "r") as f, h5py.File(plain, "r") as g:
+        assert f["/tokens/old_logprob"].compression == "gzip"
+        assert g["/tokens/ids"].chunks is None and not g["/tokens/ids"].fletcher32
+        np.testing.assert_array_equal(f["/tokens/old_logprob"][()], g["/tokens/old_logprob"][()])
+
+
+def test_iter_columns_reuses_buffers(tmp_path):
+    run = RunDir(tmp_path / "run")
+    _write_steps(run, [0, 1, 2])
+    reader = TraceReader(run.path)
+    names = ["/samples/offsets", "/tokens/old_logprob", "/routing/train"]
+    # largest step first: its buffers are big enough for the others
+    sizes = {}
+    for step in reader.steps:
+        with reader.open(step) as sf:
+            sizes[step] = sf.num_tokens
+    steps = sorted(sizes, key=lambda s: -sizes[s])
+    fresh = [dict(sc.data) for sc in reader.iter_columns(names, steps)]
+    seen = []
+    for sc, ref in zip(reader.iter_columns(names, steps, reuse_buffers=True), fresh):
+        for name in names:
+            np.testing.assert_array_equal(sc[name], ref[name])
+        seen.append(sc["/tokens/old_logprob"])
+    assert all(a.base is not None and a.base is seen[0].base for a in seen)   # one growing buffer
+
+
 def test_corrupt_chunk_detected_by_checksum(tmp_path):
     path = write_step(tmp_path, make_record())
     with h5py.File(path, "r") as f:

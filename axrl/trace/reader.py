@@ -119,27 +119,55 @@ class StepFile:
         return int(self._f["/tokens/ids"].shape[0])
 
     def keys(self) -> list[str]:
-        """Absolute paths of every dataset in the file, sorted."""
+        """Absolute paths of every dataset in the file, sorted (walks every object header)."""
         out: list[str] = []
-        self._f.visititems(lambda name, obj: out.append("/" + name) if isinstance(obj, h5py.Dataset) else None)
+
+        def visit(name: bytes, info: Any) -> None:
+            if info.type == h5py.h5o.TYPE_DATASET and name != b".":
+                out.append("/" + name.decode("utf-8"))
+
+        # the low-level walk: no Python Dataset/Group object per visited object (~6x faster)
+        h5py.h5o.visit(self._f.id, visit, info=True)
         return sorted(out)
 
     def group_attrs(self, group: str) -> dict[str, Any]:
         return {k: _py(v) for k, v in self._f[group].attrs.items()} if group in self._f else {}
 
+    def _dataset(self, name: str) -> h5py.Dataset | None:
+        """The dataset at ``name`` or None (one lookup; a group there is not a dataset)."""
+        try:
+            obj = self._f[name]
+        except (KeyError, ValueError):
+            return None
+        return obj if isinstance(obj, h5py.Dataset) else None
+
     def __contains__(self, name: str) -> bool:
-        return name in self._f and isinstance(self._f[name], h5py.Dataset)
+        return self._dataset(name) is not None
 
     # ---- data
     def __getitem__(self, name: str) -> Any:
-        if name not in self:
+        ds = self._dataset(name)
+        if ds is None:
             raise KeyError(f"{self.path}: no dataset {name!r}")
-        ds = self._f[name]
+        return self._read(name, ds)
+
+    def _read(self, name: str, ds: h5py.Dataset, buffers: dict[str, np.ndarray] | None = None) -> Any:
         try:
-            if h5py.check_string_dtype(ds.dtype) is not None:
+            dtype = ds.dtype
+            if h5py.check_string_dtype(dtype) is not None:
                 value = ds.asstr()[()]
                 return value if isinstance(value, str) else np.asarray(value, dtype=object)
-            return ds[()]
+            shape = ds.shape
+            if buffers is None or not shape or dtype.kind not in "biuf":
+                return ds[()]
+            buf = buffers.get(name)
+            if buf is None or buf.dtype != dtype or buf.shape[1:] != shape[1:] or buf.shape[0] < shape[0]:
+                buf = np.empty((shape[0] + shape[0] // 4,) + shape[1:], dtype=dtype)   # room to grow
+                buffers[name] = buf
+            out = buf[:shape[0]]
+            if out.size:
+                ds.id.read(h5py.h5s.ALL, h5py.h5s.ALL, out)
+            return out
         except _READ_ERRORS as e:
             raise CorruptStepError(f"{self.path}: cannot read {name} ({e})") from None
 
@@ -156,17 +184,23 @@ class StepFile:
         except _READ_ERRORS as e:
             raise CorruptStepError(f"{self.path}: cannot read {name}[{start}:{stop}] ({e})") from None
 
-    def read_columns(self, names: Iterable[str], *, optional: Iterable[str] = ()) -> dict[str, Any]:
+    def read_columns(self, names: Iterable[str], *, optional: Iterable[str] = (),
+                     buffers: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
         """Several datasets at once, by absolute path: ``{path: array}``.
 
         Only the named datasets are read (the point of a lazy reader: an analysis that needs three
         token columns does not pay for the routing arrays). Names in ``optional`` that the file lacks
-        are left out of the result; any other missing name raises ``KeyError``."""
+        are left out of the result; any other missing name raises ``KeyError``.
+
+        ``buffers`` (a dict, initially empty, kept by the caller across calls): numeric arrays are
+        read into per-name buffers that are reused by the next call with the same dict, and the
+        result holds views of them — valid until that next call."""
         opt = set(optional)
         out: dict[str, Any] = {}
         for name in dict.fromkeys([*names, *opt]):
-            if name in self:
-                out[name] = self[name]
+            ds = self._dataset(name)
+            if ds is not None:
+                out[name] = self._read(name, ds, buffers)
             elif name not in opt:
                 raise KeyError(f"{self.path}: no dataset {name!r}")
         return out
@@ -398,11 +432,16 @@ class TraceReader:
             self._problems.append(prob)
 
     def iter_columns(self, names: Iterable[str], steps: Iterable[int] | None = None, *,
-                     optional: Iterable[str] = ()) -> Iterator[StepColumns]:
+                     optional: Iterable[str] = (), reuse_buffers: bool = False) -> Iterator[StepColumns]:
         """For each step (default: all valid steps, in order), read only ``names`` (+ ``optional``
         where present). A step whose data turns out unreadable (checksum failure, missing required
-        dataset) is skipped and added to ``problems`` rather than ending the iteration."""
+        dataset) is skipped and added to ``problems`` rather than ending the iteration.
+
+        ``reuse_buffers=True`` reads every step into the same (growing) buffers, so the arrays of a
+        step are only valid until the iteration moves on — for consumers that fold each step into
+        an aggregate (no fresh allocation and page faults per dataset and step)."""
         names, optional = list(names), list(optional)
+        buffers: dict[str, np.ndarray] | None = {} if reuse_buffers else None
         valid = self._scan()
         for step in (self.steps if steps is None else steps):
             path = valid.get(step)
@@ -410,7 +449,7 @@ class TraceReader:
                 raise KeyError(f"no step {step} in {self.trace_dir}")
             try:
                 with StepFile(path) as sf:
-                    data = sf.read_columns(names, optional=optional)
+                    data = sf.read_columns(names, optional=optional, buffers=buffers)
                     attrs = dict(sf.attrs)
             except (TraceError, KeyError) as e:
                 msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)

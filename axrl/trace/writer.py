@@ -21,12 +21,32 @@ import numpy as np
 from . import schema as S
 from .schema import TraceValidationError
 
-# Token-sized datasets (/tokens/*, /routing/*) are chunked, byte-shuffled, compressed with this filter
-# and checksummed (fletcher32, so a damaged chunk raises on read instead of returning garbage).
-# gzip level 1 is the measured choice (docs/trace-format.md "Cost"): ~2x smaller than raw for ~+8 ms
-# per 20k-token step, and unlike lzf it is built into every HDF5 library (h5dump, HDFView, Julia, C).
+# Token-sized datasets (/tokens/*, /routing/*) are chunked and checksummed (fletcher32, so a damaged
+# chunk raises on read instead of returning garbage). The per-token columns that `axrl-debug` reads
+# for every token of a run (mismatch, summary, the TUI's step table) are stored raw: reading them
+# back costs a copy plus the checksum, where byte shuffle + gzip-1 cost ~6x more (~140 vs ~23 ns per
+# generated token for what `mismatch` reads; docs/trace-format.md "Cost"). The other token datasets
+# (ids, advantage, logprob_ref, extra columns) are byte-shuffled and compressed with
+# DEFAULT_COMPRESSION (gzip level 1, built into every HDF5 library: h5dump, HDFView, Julia, C).
 DEFAULT_COMPRESSION: str | None = "gzip"
-_CHUNK_BYTES = 1 << 20  # target chunk size of token datasets
+RAW_DATASETS = frozenset({
+    "/tokens/loss_mask", "/tokens/rollout_logprob", "/tokens/old_logprob", "/tokens/turn",
+    "/tokens/policy_version", "/tokens/entropy",
+    "/routing/rollout", "/routing/train", "/routing/rollout_valid",
+})
+_CHUNK_BYTES = 1 << 20  # maximum chunk size of raw token datasets (read whole, in few calls)
+# Compressed ones use smaller chunks: a chunk is decompressed whole even to read one row, and those
+# datasets are the ones read a few rows at a time (the context of a token, one sample's ids).
+_COMPRESSED_CHUNK_BYTES = 1 << 16
+
+
+def _chunk_rows(rows: int, row_bytes: int, target: int = _CHUNK_BYTES) -> int:
+    """Rows per chunk: at most ``target`` bytes, and as even as possible — an uncompressed chunk is
+    stored whole, so a last chunk that is mostly padding would be stored as padding."""
+    most = max(1, min(rows, target // max(1, row_bytes)))
+    chunks = -(-rows // most)
+    return -(-rows // chunks)
+
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
@@ -464,7 +484,8 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_h5(f: h5py.File, p: _Prepared, compression: str | None) -> None:
+def _write_h5(f: h5py.File, p: _Prepared, compression: str | None, checksum: bool = True,
+              raw: frozenset[str] | set[str] = RAW_DATASETS) -> None:
     str_dt = h5py.string_dtype("utf-8")
     for path, value in p.datasets.items():
         if isinstance(value, str):
@@ -474,13 +495,16 @@ def _write_h5(f: h5py.File, p: _Prepared, compression: str | None) -> None:
             f.create_dataset(path, shape=value.shape, dtype=str_dt, data=value if value.size else None)
             continue
         kw: dict[str, Any] = {}
-        if compression and value.size and path.startswith(S.TOKEN_GROUPS):
-            row_bytes = max(1, value.itemsize * int(np.prod(value.shape[1:], dtype=np.int64)))
-            rows = max(1, min(value.shape[0], _CHUNK_BYTES // row_bytes))
-            kw = dict(chunks=(rows,) + value.shape[1:], compression=compression, shuffle=True,
-                      fletcher32=True)
-            if compression == "gzip":
-                kw["compression_opts"] = 1
+        compress = compression if path not in raw else None
+        if (compress or checksum) and value.size and path.startswith(S.TOKEN_GROUPS):
+            row_bytes = value.itemsize * int(np.prod(value.shape[1:], dtype=np.int64))
+            target = _COMPRESSED_CHUNK_BYTES if compress else _CHUNK_BYTES
+            kw = dict(chunks=(_chunk_rows(value.shape[0], row_bytes, target),) + value.shape[1:],
+                      fletcher32=checksum)
+            if compress:
+                kw.update(compression=compression, shuffle=True)
+                if compression == "gzip":
+                    kw["compression_opts"] = 1
         f.create_dataset(path, data=value, **kw)
     for name, attrs in p.group_attrs.items():
         g = f.require_group(name)
@@ -491,13 +515,17 @@ def _write_h5(f: h5py.File, p: _Prepared, compression: str | None) -> None:
 
 
 def write_step(trace_dir: str | os.PathLike, record: StepRecord, *, overwrite: bool = False,
-               compression: str | None = DEFAULT_COMPRESSION) -> Path:
+               compression: str | None = DEFAULT_COMPRESSION, checksum: bool = True,
+               raw: frozenset[str] | set[str] = RAW_DATASETS) -> Path:
     """Validate ``record`` and write ``trace_dir/step_{step:06d}.h5`` crash-safely; return its path.
 
     ``trace_dir`` is the run's ``trace/`` directory (created if missing). Raises
     ``TraceValidationError`` naming the bad field before touching the disk, and ``FileExistsError``
-    if the step file exists unless ``overwrite``. ``compression`` is an h5py filter for token-sized
-    datasets ('lzf', 'gzip' (level 1) or None).
+    if the step file exists unless ``overwrite``. Token-sized datasets are chunked (≤ 1 MiB) and,
+    with ``checksum``, fletcher32-checksummed; those not in ``raw`` (dataset paths; default
+    ``RAW_DATASETS``, the columns the analyses read per token) are also byte-shuffled and
+    compressed with ``compression`` ('gzip' (level 1), 'lzf' or None). ``raw=frozenset()``
+    compresses every token dataset; ``compression=None, checksum=False`` stores them contiguous.
     """
     prepared = prepare(record)
     trace_dir = Path(trace_dir)
@@ -510,7 +538,7 @@ def write_step(trace_dir: str | os.PathLike, record: StepRecord, *, overwrite: b
         raise FileExistsError(f"step file already exists: {final} (pass overwrite=True, or truncate the run)")
     try:
         with h5py.File(tmp, "w") as f:
-            _write_h5(f, prepared, compression)
+            _write_h5(f, prepared, compression, checksum, raw)
             f.flush()
         _fsync_path(tmp)
         os.replace(tmp, final)

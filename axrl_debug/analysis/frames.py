@@ -58,8 +58,9 @@ def step_table(reader: TraceReader, steps: Iterable[int] | None = None,
     required, optional = cfg.columns()
     rows: list[dict[str, Any]] = []
     from_jsonl: dict[str, int] = {c: 0 for c in JSONL_METRICS.values()}
+    # reused read buffers: nothing below keeps an array past its step
     for sc in reader.iter_columns(required + _STEP_EXTRA_COLUMNS, steps,
-                                  optional=optional + _STEP_OPTIONAL_COLUMNS):
+                                  optional=optional + _STEP_OPTIONAL_COLUMNS, reuse_buffers=True):
         pv = int(sc.attrs.get("policy_version", -1))
         head = acc.add_columns(sc.step, pv, sc.data)
         status = np.asarray(sc["/samples/status"], dtype=object)

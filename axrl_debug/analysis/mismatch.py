@@ -47,13 +47,28 @@ share of rows whose sets are equal, ``overlap`` the mean |A ∩ B| / k. Row t is
 ``routing_delta`` classifies an analysed token t by row t − 1 of its sample: ``agrees`` when all
 layers agree, ``differs`` when any layer differs, ``unknown`` when row t − 1 is not valid or t is
 its sample's first token.
+
+Numerics and exactness
+----------------------
+Every sum is float64 over the float64 values of the stored float32 logprobs (Δ is exact in
+float64). ``p50_abs`` / ``p99_abs`` are exact: numpy's default (linear) percentile of the
+float32 |Δ| of every analysed token, found without a full partition — a histogram of the top
+16 bits of each |Δ| (monotone in the value for non-negative floats) locates the histogram bins
+that hold the needed order statistics, and only the values inside those bins are partitioned.
+A step is processed in blocks of whole samples (``_BLOCK_TOKENS``, so that the work arrays stay
+small whatever the step size) whose sums are added (Chan's update for the correlation's centred
+moments). Breakdown sums are accumulated in joint histograms (every breakdown key plus the sign
+of Δ as the digits of one bin index), marginalised once at the end. Both equal the plain per-step
+and per-bucket sums up to float summation order (~1e-15 relative). Ties among the worst tokens
+are broken by (step, token) ascending.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -92,6 +107,20 @@ _LOG_PROB_INNER = np.log(np.asarray(PROB_EDGES[1:], dtype=np.float64))
 _ENT_INNER = np.asarray(ENTROPY_EDGES[1:], dtype=np.float64)
 
 
+def _ceil_f32(edge: float) -> np.float32:
+    """The smallest float32 >= ``edge``: for a float32 x, ``x >= _ceil_f32(e)`` ⇔ ``float64(x) >= e``,
+    so float32 columns are bucketed exactly without widening them to float64."""
+    f = np.float32(edge)
+    if float(f) < edge:
+        f = np.nextafter(f, np.float32(np.inf))
+    return f
+
+
+_LOG_PROB_INNER_F32 = [_ceil_f32(float(e)) for e in _LOG_PROB_INNER]
+_ENT_DROP = len(ENTROPY_LABELS)        # digit of a non-finite entropy (left out of that breakdown)
+_ENT_LUT: np.ndarray | None = None     # float16 bit pattern -> entropy digit
+
+
 @dataclass(frozen=True)
 class MismatchConfig:
     """Thresholds taken from the run's config.yaml (``algo.*``) plus analysis options."""
@@ -104,7 +133,7 @@ class MismatchConfig:
     routing: bool = True
     keep_abs: bool = True            # keep every |Δ| (float32) for exact percentiles: 4 bytes per token
     plot_points: int = 0             # > 0: keep up to this many (rollout, trainer) prob pairs for plots
-    per_step_percentiles: bool = False  # p50/p99 of each step too (a partition per step: step tables only)
+    per_step_percentiles: bool = False  # p50/p99 of each step too (step tables only)
 
     @classmethod
     def from_run_config(cls, config: Mapping[str, Any] | None, **kw: Any) -> "MismatchConfig":
@@ -161,7 +190,8 @@ def routing_agreement(rollout: np.ndarray, train: np.ndarray,
     per-layer Σ |A ∩ B| over valid rows. |A ∩ B| = Σ_i [a_i ∈ B] takes k² comparisons; the arrays
     are first transposed to [k, L, T] so that every comparison and count runs over one contiguous
     row (reductions over a short trailing axis of [T, L, k] are ~10× slower in numpy). Assumes the
-    k experts of a row are distinct, which top-k guarantees."""
+    k experts of a row are distinct, which top-k guarantees. (The analysis itself uses the packed
+    ``_routing_words`` for k ≤ 2, which gives the same counts.)"""
     t, nl, k = rollout.shape
     r = np.ascontiguousarray(rollout.transpose(2, 1, 0))
     s = np.ascontiguousarray(train.transpose(2, 1, 0))
@@ -178,9 +208,317 @@ def routing_agreement(rollout: np.ndarray, train: np.ndarray,
     return agree, layer_agree, hits
 
 
+def _colsum_bytes(words: np.ndarray) -> np.ndarray:
+    """Per byte column, the sum over rows of ``words`` ([T, m] uint64 whose bytes are 0 or 1):
+    int64 [8·m]. Adding 255 rows as plain uint64 cannot carry from one byte into the next, so the
+    byte counts come out of one contiguous uint64 reduction instead of a reduction over a short
+    trailing axis (~50× faster than ``sum(axis=0)`` of the [T, 8·m] bytes)."""
+    t, m = words.shape
+    t0 = t - t % 255
+    out = words[t0:].view(np.uint8).reshape(-1, 8 * m).sum(axis=0, dtype=np.int64)
+    if t0:
+        if m == 1:
+            blocks = words[:t0].reshape(-1, 255).sum(axis=1, dtype=np.uint64)
+        else:
+            blocks = words[:t0].reshape(-1, 255, m).sum(axis=1, dtype=np.uint64)
+        out += blocks.view(np.uint8).reshape(-1, 8 * m).sum(axis=0, dtype=np.int64)
+    return out
+
+
+class _Scratch:
+    """Named work arrays reused from step to step (grown as needed).
+
+    Every temporary of the kernel lives here: a fresh multi-megabyte numpy array per operation
+    and step costs more in page faults (glibc hands freed blocks of that size back to the OS) than
+    the arithmetic on it: ~40 of ~90 ns per token in a first version of this kernel without it."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, np.ndarray] = {}
+
+    def arange(self, n: int) -> np.ndarray:
+        """0, 1, …, n − 1 (intp), kept."""
+        buf = self._bufs.get("arange")
+        if buf is None or buf.size < n:
+            buf = self._bufs["arange"] = np.arange(n + n // 4, dtype=np.intp)
+        return buf[:n]
+
+    def __call__(self, name: str, n: int, dtype: Any) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        buf = self._bufs.get(name)
+        if buf is None or buf.dtype != dtype or buf.size < n:
+            buf = np.empty(n + n // 4, dtype=dtype)
+            self._bufs[name] = buf
+        return buf[:n]
+
+
+def _routing_words(rollout: np.ndarray, train: np.ndarray, valid: np.ndarray | None,
+                   ws: _Scratch | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """``routing_agreement``'s counts for k ≤ 2 on packed words: (layer_agree [L], layer_hits [L],
+    row_agree [T] bool: every layer of the row agrees), or None when the layout does not fit
+    (k > 2, experts wider than 16 bits, big-endian) and the caller falls back to
+    ``routing_agreement``.
+
+    found[t, l, i] = [a_i ∈ B] is two byte comparisons for k = 2: a == b and a == b with its two
+    experts swapped (a 16/32-bit rotate of the packed pair). Each token's found bytes are then
+    uint64 words: a layer agrees when both bytes of its lane are 1, the row when the word is all
+    0x01 bytes, and the per-layer counts over valid rows are byte-column sums (``_colsum_bytes``)."""
+    if sys.byteorder != "little" or rollout.ndim != 3 or rollout.shape != train.shape:
+        return None
+    t, nl, k = rollout.shape
+    isz = rollout.dtype.itemsize
+    if (k not in (1, 2) or rollout.dtype != train.dtype or rollout.dtype.kind not in "ui"
+            or isz not in (1, 2)):
+        return None
+    ws = ws or _Scratch()
+    a = np.ascontiguousarray(rollout)
+    b = np.ascontiguousarray(train)
+    size = t * nl * k
+    found = np.equal(a, b, out=ws("found", size, bool).reshape(a.shape))
+    if k == 2:
+        ldt = np.uint16 if isz == 1 else np.uint32
+        lane = b.view(ldt)
+        bits = 8 * isz
+        swapped = np.left_shift(lane, bits, out=ws("lane", t * nl, ldt).reshape(lane.shape))
+        swapped |= np.right_shift(lane, bits, out=ws("lane2", t * nl, ldt).reshape(lane.shape))
+        other = np.equal(a, swapped.view(a.dtype).reshape(a.shape), out=ws("found2", size, bool).reshape(a.shape))
+        found |= other
+    w = nl * k
+    w8 = -(-w // 8) * 8
+    flat = found.reshape(t, w)
+    if w8 != w:                        # pad each row to whole words (padding counts as agreeing)
+        padded = ws("padded", t * w8, bool).reshape(t, w8)
+        padded[:, w:] = True
+        padded[:, :w] = flat
+        flat = padded
+    words = flat.view(np.uint64)       # [T, w8 / 8]
+    m = words.shape[1]
+    ones = np.uint64(0x0101010101010101)
+    if m == 1:
+        row_agree = np.equal(words[:, 0], ones, out=ws("row_agree", t, bool))
+    else:
+        row_agree = (words == ones).all(axis=1)
+    invalid = None
+    if valid is not None:
+        invalid = np.flatnonzero(np.logical_not(valid, out=ws("invalid", t, bool)))
+        if invalid.size > t // 16:    # many invalid rows: mask them out; else subtract them below
+            words = np.multiply(words, valid.view(np.uint8)[:, None], out=ws("words", t * m, np.uint64).reshape(t, m))
+            invalid = None
+
+    def counts(wd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        hits = _colsum_bytes(wd)[:w]
+        if k == 1:
+            return hits, hits
+        both = np.right_shift(wd, np.uint64(8), out=ws("both", wd.size, np.uint64).reshape(wd.shape))
+        both &= wd
+        both &= np.uint64(0x00FF00FF00FF00FF)
+        return _colsum_bytes(both)[:w:2], hits.reshape(nl, 2).sum(axis=1)
+
+    layer_agree, layer_hits = counts(words)
+    if invalid is not None and invalid.size:
+        bad_agree, bad_hits = counts(words[invalid])
+        layer_agree, layer_hits = layer_agree - bad_agree, layer_hits - bad_hits
+    return layer_agree.astype(np.int64), layer_hits.astype(np.int64), row_agree
+
+
+def _sample_starts(off: np.ndarray, t: int, ws: _Scratch | None = None) -> np.ndarray:
+    """bool [T]: token t is the first token of its sample."""
+    starts = (ws or _Scratch())("starts", t + 1, bool)
+    starts[:] = False
+    starts[off[:-1]] = True                  # index t only for trailing empty samples
+    return starts[:t]
+
+
+def _segment_positions(gen: np.ndarray, starts: np.ndarray, turn: np.ndarray,
+                       ws: _Scratch | None = None) -> np.ndarray:
+    """Index of each token inside its response segment (a maximal run of loss-mask tokens of one
+    sample and one turn); meaningful on loss-mask tokens only (others get any value)."""
+    ws = ws or _Scratch()
+    t = gen.shape[0]
+    seg = ws("seg", t, bool)
+    seg[:] = gen
+    if t > 1:
+        brk = np.logical_not(gen[:-1], out=ws("brk", t - 1, bool))
+        brk |= starts[1:]
+        brk |= np.not_equal(turn[1:], turn[:-1], out=ws("brk2", t - 1, bool))
+        seg[1:] &= brk
+    if t:
+        seg[0] = True                  # tokens before the first segment: any value will do
+    ss = np.flatnonzero(seg)
+    # each token minus the start of its segment: one repeat, no prefix sum or binary search
+    pos = np.repeat(ss, np.diff(ss, append=t))
+    return np.subtract(ws.arange(t), pos, out=pos)
+
+
+_POS_LUT = np.minimum(np.frexp(np.arange(POSITION_EDGES[-1] + 1, dtype=np.float64))[1],
+                      len(POSITION_LABELS) - 1).astype(np.uint8)
+
+
+def _position_digits(pos: np.ndarray, ws: _Scratch | None = None) -> np.ndarray:
+    """0 → 0, 1 → 1, 2–3 → 2, 4–7 → 3, … (the bit length), capped at the last POSITION bucket: a
+    table lookup whose index clipping does the capping (negative values → 0)."""
+    ws = ws or _Scratch()
+    out = ws("dig_pos", pos.shape[0], np.uint8)
+    return np.take(_POS_LUT, pos.astype(np.intp, copy=False), out=out, mode="clip")
+
+
+def _prob_digits(lp: np.ndarray, ws: _Scratch | None = None) -> np.ndarray:
+    """rollout_prob bucket of each logprob (NaN → 0), comparing in log space."""
+    ws = ws or _Scratch()
+    n = lp.shape[0]
+    out = ws("dig_prob", n, np.uint8)
+    out[:] = 0
+    if lp.dtype == np.float32:
+        edges: Any = _LOG_PROB_INNER_F32
+    else:
+        lp = lp.astype(np.float64, copy=False)
+        edges = _LOG_PROB_INNER
+    ge = ws("ge", n, bool)
+    for e in edges:
+        out += np.greater_equal(lp, e, out=ge)
+    return out
+
+
+def _ent_lut() -> np.ndarray:
+    global _ENT_LUT
+    if _ENT_LUT is None:
+        h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float64)
+        lut = np.zeros(h.shape, dtype=np.uint8)
+        for e in _ENT_INNER:
+            lut += h >= e
+        lut[~np.isfinite(h)] = _ENT_DROP
+        _ENT_LUT = lut
+    return _ENT_LUT
+
+
+def _entropy_digits(ent: np.ndarray, ws: _Scratch | None = None) -> np.ndarray:
+    """entropy bucket of each value (as float32, like the recorded float16), ``_ENT_DROP`` where
+    not finite. float16 columns go through a 65536-entry table of their bit patterns."""
+    ws = ws or _Scratch()
+    n = ent.shape[0]
+    out = ws("dig_ent", n, np.uint8)
+    if ent.dtype == np.float16:
+        bits = ws("ent_bits", n, np.intp)
+        bits[:] = ent.view(np.uint16)
+        return np.take(_ent_lut(), bits, out=out, mode="clip")
+    e32 = ent.astype(np.float32, copy=False)
+    out[:] = 0
+    for e in _ENT_INNER:
+        out += e32 >= e
+    out[~np.isfinite(e32)] = _ENT_DROP
+    return out
+
+
+def _narrow(size: int) -> Any:
+    """The narrowest unsigned type for digits in [0, size) (same-type adds in ``_joint_hist``)."""
+    return np.uint8 if size <= 1 << 8 else np.uint16 if size <= 1 << 16 else np.int64
+
+
+def _int_digits(values: np.ndarray, idx: np.ndarray, span_max: int = 64, ws: _Scratch | None = None,
+                name: str = "dig_int", reverse: bool = False,
+                bounds: tuple[int, int] | None = None) -> tuple[np.ndarray, int, int]:
+    """(digits in [0, size), lo, size) for an integer key column: digit = value − lo (``reverse``:
+    hi − value), clipped to the range of the analysed tokens (rows ``idx``; or ``bounds`` when the
+    caller knows it). The range of all rows is used when it is small (no gather); clipped values
+    only ever belong to rows that are not analysed. The digits keep the column's dtype (signed,
+    ≥ 32 bits for wide ranges)."""
+    ws = ws or _Scratch()
+    lo, hi = bounds if bounds is not None else (int(values.min()), int(values.max()))
+    if bounds is None and hi - lo + 1 > span_max:
+        sel = np.take(values, idx, out=ws(name + "_sel", idx.size, values.dtype), mode="clip")
+        lo, hi = (int(sel.min()), int(sel.max())) if sel.size else (0, 0)
+    dt = values.dtype if values.dtype.kind == "i" and np.iinfo(values.dtype).max >= hi - lo else np.int64
+    out = ws(name, values.shape[0], dt)
+    if reverse:
+        np.subtract(hi, values, out=out, casting="unsafe")
+    else:
+        np.subtract(values, lo, out=out, casting="unsafe")
+    np.clip(out, 0, hi - lo, out=out)
+    return out, lo, hi - lo + 1
+
+
+_JOINT_LIMIT = 1 << 17   # bins of one joint histogram (counts and sums stay in L2)
+
+# A breakdown dimension: (name, digit per row in [0, size), size, key of digit 0 for keyed
+# breakdowns (turn, lag: digit j is key lo + j) or None for the fixed-label ones).
+_Dim = tuple[str, np.ndarray, int, "int | None"]
+# The identity of a joint histogram: its dimensions as (name, size, lo).
+_Sig = tuple[tuple[str, int, "int | None"], ...]
+
+
+def _joint_hist(dims: list[_Dim], cls: np.ndarray, weights: np.ndarray,
+                ws: _Scratch | None = None) -> list[tuple[_Sig, np.ndarray, np.ndarray]]:
+    """Joint histograms of the breakdown digits: [(signature, counts, Δ sums)], the arrays flat
+    over the cells of ``signature``'s dimensions × 3 classes.
+
+    ``cls`` is 0 (analysed, Δ ≥ 0), 1 (analysed, Δ < 0) or 2 (not analysed: kept out of every
+    figure) per row and ``weights`` the Δ of each row. The digits are combined into one bin index
+    per row (mixed radix, in the narrowest integer type that holds it so far), so a whole set of
+    breakdowns costs two bincounts instead of two per breakdown; each breakdown's count, S⁺ and S⁻
+    are marginals of the cells (``_marginals``), taken once per run rather than per step.
+    Dimensions are grouped so that one histogram has at most ``_JOINT_LIMIT`` bins."""
+    ws = ws or _Scratch()
+    n = cls.shape[0]
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    prod = 1
+    for i, dim in enumerate(dims):
+        if cur and prod * dim[2] * 3 > _JOINT_LIMIT:
+            groups.append(cur)
+            cur, prod = [], 1
+        cur.append(i)
+        prod *= dim[2]
+    if cur:
+        groups.append(cur)
+    out = []
+    for g in groups:
+        sizes = [dims[i][2] for i in g] + [3]
+        digits = [dims[i][1] for i in g] + [cls]
+        key = None
+        bound = 1
+        for dig, size in zip(digits, sizes):
+            bound *= size
+            dt = np.uint16 if bound <= 1 << 16 else np.int32 if bound < 1 << 31 else np.intp
+            if key is None:
+                key = ws(f"key_{np.dtype(dt).name}", n, dt)
+                key[:] = dig
+                continue
+            if key.dtype != dt:
+                wider = ws(f"key_{np.dtype(dt).name}", n, dt)
+                wider[:] = key
+                key = wider
+            np.multiply(key, size, out=key, casting="unsafe")
+            np.add(key, dig, out=key, casting="unsafe")
+        if key.dtype != np.intp:               # bincount wants intp (it would convert anyway)
+            wide = ws("key_intp", n, np.intp)
+            wide[:] = key
+            key = wide
+        total = int(np.prod(sizes))
+        sig = tuple((dims[i][0], dims[i][2], dims[i][3]) for i in g)
+        out.append((sig, np.bincount(key, minlength=total), np.bincount(key, weights=weights, minlength=total)))
+    return out
+
+
+def _marginals(sig: _Sig, counts: np.ndarray, sums: np.ndarray,
+               ) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]]:
+    """Per dimension of a joint histogram: (name, count, S⁺, S⁻, keys or None) per digit."""
+    shape = [size for _, size, _ in sig] + [3]
+    c = counts.reshape(shape)
+    sm = sums.reshape(shape)
+    ca, sp, sn = c[..., 0] + c[..., 1], sm[..., 0], sm[..., 1]
+    out = []
+    for j, (name, size, lo) in enumerate(sig):
+        axes = tuple(a for a in range(len(sig)) if a != j)
+        out.append((name, ca.sum(axis=axes), sp.sum(axis=axes), sn.sum(axis=axes),
+                    None if lo is None else lo + np.arange(size)))
+    return out
+
+
 def step_tokens(step: int, policy_version: int, cols: Mapping[str, Any], cfg: MismatchConfig) -> StepTokens:
     """Select the analysed tokens of one step and derive their breakdown keys (no Python loop
-    over tokens or samples: everything is array arithmetic on the CSR layout)."""
+    over tokens or samples: everything is array arithmetic on the CSR layout).
+
+    ``MismatchAccumulator.add_columns`` does not go through this (it works on the whole-step
+    arrays directly); it is the per-token view for callers that want the analysed tokens."""
     off = np.asarray(cols["/samples/offsets"], dtype=np.int64)
     lm = np.asarray(cols["/tokens/loss_mask"])
     lr = np.asarray(cols["/tokens/rollout_logprob"])
@@ -193,20 +531,10 @@ def step_tokens(step: int, policy_version: int, cols: Mapping[str, Any], cfg: Mi
     o = lt[idx].astype(np.float64)
     st = StepTokens(step=step, policy_version=policy_version, num_tokens=t, num_generated=int(np.count_nonzero(gen)),
                     idx=idx, delta=o - r, rollout_lp=r, old_lp=o, offsets=off)
-    starts = np.zeros(t + 1, dtype=bool)
-    starts[off[:-1]] = True                  # sample starts (index t only for trailing empty samples)
-    starts = starts[:t]
+    starts = _sample_starts(off, t)
     if cfg.breakdowns and "/tokens/turn" in cols:
         turn = np.asarray(cols["/tokens/turn"])
-        # response segments: runs of loss-mask tokens within one sample and one turn
-        seg_start = gen.copy()
-        if t:
-            seg_start[1:] &= ~gen[:-1] | starts[1:] | (turn[1:] != turn[:-1])
-        ss = np.flatnonzero(seg_start)
-        # segment of token t = number of segment starts at or before t (a prefix sum: O(T), no
-        # binary search per token); its position = t − the start of that segment
-        seg_of = np.cumsum(seg_start, dtype=np.int64)
-        st.position = idx - ss[seg_of[idx] - 1] if idx.size else idx.copy()
+        st.position = _segment_positions(gen, starts, turn)[idx].astype(np.int64)
         st.turn = turn[idx].astype(np.int64)
         tv = np.asarray(cols["/tokens/policy_version"])[idx].astype(np.int64)
         st.token_version = tv
@@ -261,29 +589,40 @@ class _Moments:
     sxy: float = 0.0
 
     def add(self, d: np.ndarray, r: np.ndarray, o: np.ndarray, cfg: MismatchConfig,
-            ad: np.ndarray | None = None) -> None:
+            ad: np.ndarray | None = None, ws: _Scratch | None = None) -> None:
+        """``d`` float64 Δ; ``r``, ``o`` the rollout / trainer logprobs (any float dtype: the
+        probabilities are computed in float64 from their exact float64 values)."""
         n = d.size
         if n == 0:
             return
+        ws = ws or _Scratch()
         ad = np.abs(d) if ad is None else ad
-        em1 = np.expm1(d)
+        em1 = np.expm1(d, out=ws("em1", n, np.float64))
         self.sum_abs += float(ad.sum())
         self.sum_d += float(d.sum())
         self.max_abs = max(self.max_abs, float(ad.max()))
         self.sum_k2 += 0.5 * _sumsq(d)
-        self.sum_k3 += float((em1 - d).sum())
+        tmp = np.subtract(em1, d, out=ws("tmp", n, np.float64))
+        self.sum_k3 += float(tmp.sum())
         self.sum_em1 += float(em1.sum())
         self.sum_em1_sq += _sumsq(em1)
-        self.sum_mult += float(np.expm1(ad).sum())
+        self.sum_mult += float(np.expm1(ad, out=tmp).sum())
         self.rho_min = min(self.rho_min, float(em1.min()) + 1.0)
         self.rho_max = max(self.rho_max, float(em1.max()) + 1.0)
         # compare in log space: ρ > 1 + ε  ⇔  Δ > log1p(ε)
-        self.n_clip_high += int(np.count_nonzero(d > math.log1p(cfg.clip_high)))
-        self.n_clip_low += int(np.count_nonzero(d < math.log1p(-cfg.clip_low))) if cfg.clip_low < 1 else 0
-        self.n_tis += int(np.count_nonzero(d > math.log(cfg.tis_cap)))
-        x, y = np.exp(r), np.exp(o)
+        flag = ws("flag", n, bool)
+        self.n_clip_high += int(np.count_nonzero(np.greater(d, math.log1p(cfg.clip_high), out=flag)))
+        if cfg.clip_low < 1:
+            self.n_clip_low += int(np.count_nonzero(np.less(d, math.log1p(-cfg.clip_low), out=flag)))
+        self.n_tis += int(np.count_nonzero(np.greater(d, math.log(cfg.tis_cap), out=flag)))
+        x, y = ws("x", n, np.float64), ws("y", n, np.float64)
+        x[:] = r                       # widen first: exp's own float64 loop beats a casting one
+        y[:] = o
+        np.exp(x, out=x)
+        np.exp(y, out=y)
         mx, my = float(x.mean()), float(y.mean())
-        xc, yc = x - mx, y - my
+        xc = np.subtract(x, mx, out=x)
+        yc = np.subtract(y, my, out=y)
         sxx, syy, sxy = _sumsq(xc), _sumsq(yc), float(np.einsum("i,i->", xc, yc))
         n0 = self.n
         tot = n0 + n
@@ -294,6 +633,31 @@ class _Moments:
         self.sxy += sxy + dx * dy * f
         self.mx += dx * n / tot
         self.my += dy * n / tot
+        self.n = tot
+
+    def merge(self, m: "_Moments") -> None:
+        """Fold in the sums of other tokens (exact for counts and sums; Chan's update for the
+        centred moments of the correlation)."""
+        if m.n == 0:
+            return
+        if self.n == 0:
+            self.__dict__.update(m.__dict__)
+            return
+        n0, n1 = self.n, m.n
+        tot = n0 + n1
+        dx, dy = m.mx - self.mx, m.my - self.my
+        f = n0 * n1 / tot
+        self.sxx += m.sxx + dx * dx * f
+        self.syy += m.syy + dy * dy * f
+        self.sxy += m.sxy + dx * dy * f
+        self.mx += dx * n1 / tot
+        self.my += dy * n1 / tot
+        for name in ("sum_abs", "sum_d", "sum_k2", "sum_k3", "sum_em1", "sum_em1_sq", "sum_mult",
+                     "n_clip_high", "n_clip_low", "n_tis"):
+            setattr(self, name, getattr(self, name) + getattr(m, name))
+        self.max_abs = max(self.max_abs, m.max_abs)
+        self.rho_min = min(self.rho_min, m.rho_min)
+        self.rho_max = max(self.rho_max, m.rho_max)
         self.n = tot
 
     def metrics(self) -> dict[str, float]:
@@ -344,22 +708,25 @@ class _Buckets:
         self.keyed: dict[int, np.ndarray] = {}
 
     def add(self, keys: np.ndarray, d: np.ndarray) -> None:
-        """Two bincounts instead of three: with key' = 2·key + [Δ < 0], the Δ-weighted bincount
-        gives per key the sums of the positive (S⁺) and negative (S⁻) parts, so ΣΔ = S⁺ + S⁻ and
-        Σ|Δ| = S⁺ − S⁻; the unweighted one gives the counts."""
+        """Bucket ``d`` by ``keys`` (fixed: 0..len(labels)−1; keyed: any ints)."""
         if keys.size == 0:
             return
         lo = 0 if self.fixed is not None else int(keys.min())
-        comp = (keys - lo) * 2 + (d < 0)
-        nb = 2 * (self.fixed.shape[1] if self.fixed is not None else int(keys.max()) - lo + 1)
-        c = np.bincount(comp, minlength=nb)
-        s = np.bincount(comp, weights=d, minlength=nb)
-        count, s_pos, s_neg = c[0::2] + c[1::2], s[0::2], s[1::2]
+        size = self.fixed.shape[1] if self.fixed is not None else int(keys.max()) - lo + 1
+        (sig, counts, sums), = _joint_hist([("b", keys - lo, size, None if self.fixed is not None else lo)],
+                                           (d < 0).view(np.uint8), d)
+        (_, count, s_pos, s_neg, names), = _marginals(sig, counts, sums)
+        self.add_sums(count, s_pos, s_neg, names)
+
+    def add_sums(self, count: np.ndarray, s_pos: np.ndarray, s_neg: np.ndarray,
+                 keys: np.ndarray | None = None) -> None:
+        """Per-digit count and sums of the positive / negative Δ (ΣΔ = S⁺ + S⁻, Σ|Δ| = S⁺ − S⁻);
+        ``keys`` names each digit of a keyed breakdown."""
         if self.fixed is not None:
             self.fixed += np.stack([count, s_pos - s_neg, s_pos + s_neg])
             return
         for i in np.flatnonzero(count):
-            acc = self.keyed.setdefault(lo + int(i), np.zeros(3))
+            acc = self.keyed.setdefault(int(keys[i]), np.zeros(3))
             acc += (count[i], s_pos[i] - s_neg[i], s_pos[i] + s_neg[i])
 
     def merge(self, other: "_Buckets") -> None:
@@ -412,9 +779,183 @@ class TopToken:
 
 
 @dataclass
+class _StepView:
+    """What ``MismatchAccumulator`` folds in for one block of a step (a run of whole samples, or the
+    whole step), whichever way it was derived."""
+
+    num_tokens: int
+    num_generated: int
+    d: np.ndarray                          # float64 Δ of the analysed tokens, in token order
+    r: np.ndarray                          # their rollout logprobs (stored dtype)
+    o: np.ndarray                          # their trainer logprobs
+    joint: list[tuple[_Sig, np.ndarray, np.ndarray]]          # breakdown histograms (``_joint_hist``)
+    routing: tuple[int, np.ndarray, np.ndarray, int] | None   # valid rows, agree [L], hits [L], k
+    top: Callable[[np.ndarray], list[TopToken]]               # analysed positions -> TopToken
+    lag: tuple[int, int, int | None] | None = None            # (tokens, Σ lag, max lag) when recorded
+
+
+@dataclass
+class _StepSums:
+    """One step's figures while its blocks are folded in."""
+
+    step: int
+    tokens: int = 0
+    generated: int = 0
+    moments: _Moments = field(default_factory=_Moments)
+    lag: list[Any] | None = None                              # [tokens, Σ lag (exact), max lag]
+    routing: list[Any] | None = None                          # [rows, agree, hits]
+    abs_parts: list[np.ndarray] = field(default_factory=list)  # |Δ| (per-step percentiles only)
+
+
+def _top_positions(ad: np.ndarray, k: int, threshold: float | None, ws: _Scratch | None = None) -> np.ndarray:
+    """Positions (ascending) of the ≤ k largest values of ``ad`` that are ≥ ``threshold``; among
+    equal values the first positions win, so the overall top-K is (|Δ| desc, step, token)."""
+    if threshold is None:
+        cand, vals = None, ad
+    else:
+        cand = np.flatnonzero(np.greater_equal(ad, threshold, out=(ws or _Scratch())("flag", ad.size, bool)))
+        vals = ad[cand]
+    if vals.size > k:
+        kth = np.partition(vals, vals.size - k)[vals.size - k]
+        above = np.flatnonzero(vals > kth)
+        ties = np.flatnonzero(vals == kth)[: k - above.size]
+        pick = np.sort(np.concatenate([above, ties]))
+    else:
+        pick = np.arange(vals.size)
+    return pick if cand is None else cand[pick]
+
+
+_HIST_SIZE = 1 << 16
+
+
+def _top_bits(a: np.ndarray) -> np.ndarray:
+    """The top 16 bits of each non-negative float: an increasing function of its value."""
+    if a.dtype == np.float32:
+        return a.view(np.uint32) >> np.uint32(16)
+    return (a.astype(np.float64, copy=False).view(np.uint64) >> np.uint64(48)).view(np.int64)
+
+
+def _bin_edges(b: int, dtype: Any) -> tuple[Any, Any]:
+    """The smallest value of top-16-bit bin ``b`` and of the next one (None past the last)."""
+    if np.dtype(dtype) == np.float32:
+        ut, ft, shift = np.uint32, np.float32, 16
+    else:
+        ut, ft, shift = np.uint64, np.float64, 48
+    lo = np.array([b << shift], dtype=ut).view(ft)[0]
+    hi = np.array([(b + 1) << shift], dtype=ut).view(ft)[0] if b + 1 < _HIST_SIZE else None
+    return lo, (None if hi is None or np.isnan(hi) else hi)      # the +inf bin: everything from lo
+
+
+def _abs_hist(a: np.ndarray, ws: _Scratch | None = None) -> np.ndarray:
+    if a.dtype == np.float32 and ws is not None:     # shift straight into bincount's intp input
+        bits = np.right_shift(a.view(np.uint32), np.uint32(16), out=ws("hist_bits", a.size, np.intp))
+        return np.bincount(bits, minlength=_HIST_SIZE)
+    return np.bincount(_top_bits(a), minlength=_HIST_SIZE)
+
+
+def _percentile_ranks(n: int, qs: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """numpy's linear percentile: the ranks of the order statistics it interpolates between and
+    the weight (``numpy.lib._function_base_impl._quantile``: index −1, the maximum, past the end)."""
+    q = np.true_divide(np.asarray(qs, dtype=np.float64), 100)
+    virtual = (n - 1) * q
+    prev = np.floor(virtual)
+    above = virtual >= n - 1
+    prev_i = np.where(above, n - 1, prev).astype(np.int64)
+    next_i = np.where(above, n - 1, prev + 1).astype(np.int64)
+    return prev_i, next_i, virtual - np.where(above, -1.0, prev)
+
+
+def _percentile_bins(hist: np.ndarray, qs: tuple[float, ...] = (50.0, 99.0)) -> list[int]:
+    """The histogram bins that hold the order statistics of the percentiles ``qs``."""
+    n = int(hist.sum())
+    if n == 0:
+        return []
+    prev_i, next_i, _ = _percentile_ranks(n, qs)
+    cum = np.cumsum(hist)
+    ranks = sorted(set(prev_i.tolist()) | set(next_i.tolist()))
+    return sorted({int(b) for b in np.searchsorted(cum, ranks, side="right")})
+
+
+def _values_in_bins(parts: list[np.ndarray], bins: list[int]) -> list[np.ndarray]:
+    """The values of ``parts`` that fall in each of ``bins`` (one array per bin, in ``bins`` order).
+    A bin's values lie between its first bit pattern and the next bin's (bit order is value order
+    for non-negative floats): two comparisons, no integer view of every value."""
+    out = []
+    for b in bins:
+        chunks = []
+        for p in parts:
+            lo, hi = _bin_edges(b, p.dtype)
+            chunks.append(p[(p >= lo) & (p < hi)] if hi is not None else p[p >= lo])
+        out.append(np.concatenate(chunks) if chunks else np.zeros(0))
+    return out
+
+
+def _exact_percentiles(parts: list[np.ndarray], hist: np.ndarray | None = None,
+                       qs: tuple[float, ...] = (50.0, 99.0),
+                       in_bins: dict[int, list[np.ndarray]] | None = None) -> tuple[float, ...]:
+    """``np.percentile(np.concatenate(parts), qs)`` (linear interpolation, numpy's default), bit
+    for bit, for non-negative floats of one dtype — without concatenating or partitioning them all.
+
+    ``hist`` (``_abs_hist`` summed over the parts) says which top-16-bit bin holds each needed order
+    statistic; only the values of those bins are gathered and partitioned. The interpolation is
+    numpy's own arithmetic (``numpy.lib._function_base_impl._lerp``). ``in_bins`` adds values held
+    elsewhere (by worker processes): counted in ``hist`` and given only for ``_percentile_bins``."""
+    n = int(hist.sum()) if hist is not None else sum(int(p.size) for p in parts)
+    if n == 0:
+        return tuple(math.nan for _ in qs)
+    if n <= _HIST_SIZE and not in_bins:   # small: a partition is cheaper than a 65536-bin histogram
+        return tuple(float(v) for v in np.percentile(np.concatenate(parts), list(qs)))
+    if hist is None:
+        hist = sum(_abs_hist(p) for p in parts)
+    prev_i, next_i, gamma = _percentile_ranks(n, qs)
+    cum = np.cumsum(hist)
+    by_bin: dict[int, list[int]] = {}
+    for rank in sorted(set(prev_i.tolist()) | set(next_i.tolist())):
+        by_bin.setdefault(int(np.searchsorted(cum, rank, side="right")), []).append(rank)
+    value: dict[int, Any] = {}
+    dtype = parts[0].dtype if parts else next(iter(in_bins.values()))[0].dtype
+    local = dict(zip(by_bin, _values_in_bins(parts, list(by_bin))))
+    for b, ranks in by_bin.items():
+        below = int(cum[b - 1]) if b else 0
+        sub = np.concatenate([local[b], *(in_bins or {}).get(b, [])])
+        kth = [rank - below for rank in ranks]
+        sub.partition(kth)
+        for rank, k in zip(ranks, kth):
+            value[rank] = sub[k]
+    a = np.array([value[i] for i in prev_i.tolist()], dtype=dtype)
+    b = np.array([value[i] for i in next_i.tolist()], dtype=dtype)
+    with np.errstate(invalid="ignore"):      # inf − inf: NaN, as numpy's own percentile gives
+        diff = b - a
+        res = np.add(a, diff * gamma)
+        np.subtract(b, diff * (1 - gamma), out=res, where=gamma >= 0.5, casting="unsafe", dtype=type(res.dtype))
+    return tuple(float(v) for v in res)
+
+
+def _percentiles(ad: np.ndarray) -> tuple[float, float]:
+    p50, p99 = _exact_percentiles([ad])
+    return p50, p99
+
+
+_BLOCK_TOKENS = 1 << 18   # tokens per block of a step (work arrays ~200 B per token of a block)
+
+
+def _sample_blocks(off: np.ndarray, t: int, block: int) -> list[tuple[int, int]]:
+    """Consecutive runs of whole samples (sample index ranges) of about ``block`` tokens; a longer
+    sample is a block of its own. One block for the whole step when it is small."""
+    n = off.size - 1
+    if t <= block + block // 2 or n <= 1:
+        return [(0, n)]
+    cuts = np.unique(np.searchsorted(off, np.arange(block, t, block), side="right") - 1)
+    cuts = cuts[(cuts > 0) & (cuts < n)].tolist()
+    bounds = [0] + cuts + [n]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+@dataclass
 class MismatchAccumulator:
-    """Streams steps (``add``) and produces the mismatch report (``result``). Memory is O(analysed
-    tokens) only for the exact percentiles (``keep_abs``); everything else is a fixed-size sum."""
+    """Streams steps (``add_columns`` / ``add``) and produces the mismatch report (``result``).
+    Memory is O(analysed tokens) only for the exact percentiles (``keep_abs``); everything else is
+    a fixed-size sum."""
 
     cfg: MismatchConfig = field(default_factory=MismatchConfig)
 
@@ -423,11 +964,16 @@ class MismatchAccumulator:
         self.num_tokens = 0
         self.num_generated = 0
         self.abs_parts: list[np.ndarray] = []
+        self.abs_hist: np.ndarray | None = None
+        self._hist_done = 0              # abs_parts[:_hist_done] are counted in abs_hist
+        self._abs_elsewhere = 0          # |Δ| counted in abs_hist but held by worker processes
+        self._abs_in_bins: dict[int, list[np.ndarray]] = {}   # … those of them that percentiles need
         self.per_step: list[dict[str, Any]] = []
         self.buckets = {"position": _Buckets(POSITION_LABELS), "turn": _Buckets(),
                         "rollout_prob": _Buckets(PROB_LABELS), "entropy": _Buckets(ENTROPY_LABELS),
                         "version_lag": _Buckets()}
         self.routing_delta = _Buckets(ROUTING_DELTA_LABELS)
+        self._joint: dict[_Sig, list[np.ndarray]] = {}   # breakdown histograms not yet marginalised
         self.layer_rows = 0
         self.layer_agree: np.ndarray | None = None
         self.layer_hits: np.ndarray | None = None
@@ -436,88 +982,294 @@ class MismatchAccumulator:
         self.plot_x: list[np.ndarray] = []
         self.plot_y: list[np.ndarray] = []
         self.steps: list[int] = []
+        self._ws = _Scratch()
+        self._block_tokens = _BLOCK_TOKENS
+
+    def __getstate__(self) -> dict[str, Any]:
+        self._flush()
+        state = dict(self.__dict__)
+        state["_ws"] = None             # work arrays are not part of the result (nor pickled back)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._ws = _Scratch()
 
     # ---- streaming
     def add_columns(self, step: int, policy_version: int, cols: Mapping[str, Any]) -> dict[str, Any]:
-        return self.add(step_tokens(step, policy_version, cols, self.cfg))
+        """Fold in one step from its datasets (``{path: array}``, as ``TraceReader.iter_columns``
+        yields them); returns that step's headline metrics. The arrays are only read during the
+        call (a reader may reuse their buffers for the next step).
+
+        The step is processed in blocks of whole samples of about ``_BLOCK_TOKENS`` tokens (every
+        per-token quantity depends on its own sample only), so the work arrays stay a few tens of
+        MB whatever the step size; see ``_block`` for the arithmetic."""
+        off = np.asarray(cols["/samples/offsets"], dtype=np.int64)
+        t = int(np.asarray(cols["/tokens/loss_mask"]).shape[0])
+        ss = _StepSums(step)
+        for s0, s1 in _sample_blocks(off, t, self._block_tokens):
+            a, b = int(off[s0]), int(off[s1])
+            if (a, b) == (0, t):
+                sub, sub_off = cols, off
+            else:
+                sub = {k: (np.asarray(v)[a:b] if k.startswith(("/tokens/", "/routing/")) else v)
+                       for k, v in cols.items()}
+                sub_off = off[s0:s1 + 1] - a
+            self._fold_block(ss, self._block(step, policy_version, sub, sub_off, a, s0), t)
+        return self._finish_step(ss)
+
+    def _block(self, step: int, policy_version: int, cols: Mapping[str, Any], off: np.ndarray,
+               token0: int = 0, sample0: int = 0) -> _StepView:
+        """One block of whole samples (``off``: its offsets from 0; ``token0`` / ``sample0``: where
+        it starts in the step), as whole-block array arithmetic into reused work arrays
+        (``_Scratch``): Δ and the two logprobs are gathered for the analysed tokens; the breakdown
+        keys are computed for every token in narrow integer types and land, with the sign of Δ and
+        an "analysed" flag, in one joint histogram (``_joint_hist``)."""
+        cfg = self.cfg
+        ws = self._ws
+        lm = np.asarray(cols["/tokens/loss_mask"])
+        lr = np.asarray(cols["/tokens/rollout_logprob"])
+        lt = np.asarray(cols["/tokens/old_logprob"])
+        t = int(lm.shape[0])
+        gen = np.not_equal(lm, 0, out=ws("gen", t, bool))
+        mask = np.isfinite(lr, out=ws("mask", t, bool))
+        mask &= gen
+        mask &= np.isfinite(lt, out=ws("b", t, bool))
+        idx = np.flatnonzero(mask)            # (np.compress would build this index array per call)
+        n = idx.size
+        dfull = np.subtract(lt, lr, out=ws("dfull", t, np.float64), dtype=np.float64)   # exact
+        d = np.take(dfull, idx, out=ws("d", n, np.float64), mode="clip")
+        r = np.take(lr, idx, out=ws("r", n, lr.dtype), mode="clip")
+        o = np.take(lt, idx, out=ws("o", n, lt.dtype), mode="clip")
+        starts = _sample_starts(off, t, ws)
+        dims: list[_Dim] = []
+        pos = turn = pver = ent = rc = None
+        lag = None
+        if cfg.breakdowns and "/tokens/turn" in cols:
+            turn = np.asarray(cols["/tokens/turn"])
+            pver = np.asarray(cols["/tokens/policy_version"])
+            ent = np.asarray(cols["/tokens/entropy"])
+            lag = (0, 0, None)
+            if n:
+                # versions of the analysed tokens: their range bounds the lag digits; their exact
+                # integer sum gives the mean lag (= mean of the per-token lags)
+                v = np.take(pver, idx, out=ws("v_an", n, pver.dtype), mode="clip")
+                vlo, vhi = int(v.min()), int(v.max())
+                lag = (n, n * policy_version - int(v.sum(dtype=np.int64)), policy_version - vlo)
+                # digit j = vhi − version: lag policy_version − vhi + j
+                vdig, _, vsize = _int_digits(pver, idx, ws=ws, name="dig_version", reverse=True,
+                                             bounds=(vlo, vhi))
+                pos = _segment_positions(gen, starts, turn, ws)
+                tdig, tlo, tsize = _int_digits(turn, idx, ws=ws, name="dig_turn")
+                dims += [("position", _position_digits(pos, ws), len(POSITION_LABELS), None),
+                         ("rollout_prob", _prob_digits(lr, ws), len(PROB_LABELS), None),
+                         ("entropy", _entropy_digits(ent, ws), len(ENTROPY_LABELS) + 1, None),
+                         ("turn", tdig, tsize, tlo),
+                         ("version_lag", vdig, vsize, policy_version - vhi)]
+        routing = None
+        if cfg.routing and "/routing/rollout" in cols and "/routing/train" in cols:
+            rr, rt = np.asarray(cols["/routing/rollout"]), np.asarray(cols["/routing/train"])
+            vcol = cols.get("/routing/rollout_valid")
+            valid = None if vcol is None else np.not_equal(vcol, 0, out=ws("valid", t, bool))
+            packed = _routing_words(rr, rt, valid, ws)
+            if packed is not None:
+                layer_agree, layer_hits, row_agree = packed
+            else:
+                agree, layer_agree, layer_hits = routing_agreement(rr, rt, valid)
+                row_agree = np.logical_and.reduce(agree, axis=0)
+            rows = t if valid is None else int(np.count_nonzero(valid))
+            routing = (rows, layer_agree, layer_hits, int(rr.shape[2]))
+            if t:
+                # class of token t from row t − 1 of its sample: 0 agrees, 1 differs, 2 unknown
+                prev_ok = ws("prev_ok", t, bool)
+                prev_ok[0] = False
+                if valid is None:
+                    prev_ok[1:] = True
+                else:
+                    prev_ok[1:] = valid[:-1]
+                prev_ok[1:] &= np.logical_not(starts[1:], out=ws("b", t - 1, bool))
+                agreed = ws("agreed", t, bool)
+                agreed[0] = False
+                agreed[1:] = row_agree[:-1]
+                agreed &= prev_ok
+                rc = np.subtract(2, prev_ok.view(np.uint8), out=ws("dig_rc", t, np.uint8))
+                rc -= agreed.view(np.uint8)
+                dims.append(("routing_delta", rc, len(ROUTING_DELTA_LABELS), None))
+        joint = []
+        if dims and n:
+            cls = np.multiply(np.logical_not(mask, out=ws("b", t, bool)).view(np.uint8), 2,
+                              out=ws("cls", t, np.uint8))
+            neg = np.less(dfull, 0, out=ws("neg", t, bool))
+            neg &= mask
+            cls |= neg.view(np.uint8)
+            joint = _joint_hist(dims, cls, dfull, ws)
+
+        def top(sel: np.ndarray) -> list[TopToken]:
+            tok = idx[sel]
+            sample = np.searchsorted(off, tok, side="right") - 1
+            out = []
+            for p, i, row in zip(sel.tolist(), tok.tolist(), sample.tolist()):
+                out.append(TopToken(
+                    step=step, token=token0 + i, sample=sample0 + row, delta=float(d[p]), rollout_logprob=float(r[p]),
+                    old_logprob=float(o[p]),
+                    position=None if pos is None else int(pos[i]),
+                    turn=None if turn is None else int(turn[i]),
+                    policy_version=None if pver is None else int(pver[i]),
+                    lag=None if pver is None else policy_version - int(pver[i]),
+                    entropy=None if ent is None else float(np.float32(ent[i])),
+                    routing=None if rc is None else ROUTING_DELTA_LABELS[int(rc[i])]))
+            return out
+
+        return _StepView(num_tokens=t, num_generated=int(np.count_nonzero(gen)), d=d, r=r, o=o,
+                         joint=joint, routing=routing, top=top, lag=lag)
 
     def add(self, st: StepTokens) -> dict[str, Any]:
-        """Fold one step in; returns that step's headline metrics (also kept in ``per_step``)."""
+        """Fold one step in from its analysed tokens (``step_tokens``); returns that step's headline
+        metrics (also kept in ``per_step``)."""
         cfg = self.cfg
         d = st.delta
-        ad = np.abs(d)
-        m = _Moments()
-        m.add(d, st.rollout_lp, st.old_lp, cfg, ad)
-        self._merge(m)
-        self.num_tokens += st.num_tokens
-        self.num_generated += st.num_generated
-        self.steps.append(st.step)
-        if cfg.keep_abs:
-            # float32 halves the memory and the final partition's time; |Δ| keeps 7 digits
-            self.abs_parts.append(ad.astype(np.float32))
-        head: dict[str, Any] = {"step": st.step, "tokens": st.num_tokens, "generated": st.num_generated,
-                                "analysed": int(d.size), **m.metrics()}
-        if cfg.per_step_percentiles:
-            head["p50_abs"], head["p99_abs"] = _percentiles(ad)
-        if st.lag is not None:
-            head["version_lag_mean"] = float(st.lag.mean()) if st.lag.size else math.nan
-            head["version_lag_max"] = int(st.lag.max()) if st.lag.size else None
-        if cfg.breakdowns and st.position is not None:
-            b = self.buckets
-            b["position"].add(_position_bucket(st.position), d)
-            b["turn"].add(st.turn, d)
-            b["rollout_prob"].add(_bucketize(st.rollout_lp, _LOG_PROB_INNER), d)
-            ent = st.entropy
-            ok = np.isfinite(ent)
-            if ok.all():
-                b["entropy"].add(_bucketize(ent, _ENT_INNER), d)
-            else:
-                b["entropy"].add(_bucketize(ent[ok], _ENT_INNER), d[ok])
-            b["version_lag"].add(st.lag, d)
+        n = d.size
+        dims: list[_Dim] = []
+        everything = np.arange(n)
+        if cfg.breakdowns and st.position is not None and n:
+            tdig, tlo, tsize = _int_digits(np.asarray(st.turn), everything, span_max=1 << 62)
+            ldig, llo, lsize = _int_digits(np.asarray(st.lag), everything, span_max=1 << 62, name="dig_lag")
+            dims += [("position", _position_digits(np.asarray(st.position)), len(POSITION_LABELS), None),
+                     ("rollout_prob", _prob_digits(np.asarray(st.rollout_lp, dtype=np.float64)),
+                      len(PROB_LABELS), None),
+                     ("entropy", _entropy_digits(np.asarray(st.entropy, dtype=np.float32)),
+                      len(ENTROPY_LABELS) + 1, None),
+                     ("turn", tdig, tsize, tlo),
+                     ("version_lag", ldig, lsize, llo)]
+        routing = None
         if st.routing is not None:
-            r = st.routing
-            self.routing_delta.add(r.token_class.astype(np.int64), d)
-            self._add_routing(r.layer_rows, r.layer_agree, r.layer_hits, r.topk)
-            nl = r.layer_agree.size
-            head["routing_agreement"] = float(r.layer_agree.sum()) / (r.layer_rows * nl) if r.layer_rows else math.nan
+            sr = st.routing
+            routing = (sr.layer_rows, sr.layer_agree, sr.layer_hits, sr.topk)
+            if n:
+                dims.append(("routing_delta", sr.token_class.astype(np.uint8), len(ROUTING_DELTA_LABELS), None))
+        joint = _joint_hist(dims, (d < 0).view(np.uint8), d) if dims else []
+        lag = None
+        if st.lag is not None:
+            lag = (int(st.lag.size), int(st.lag.sum()), int(st.lag.max()) if st.lag.size else None)
+
+        def opt(a: np.ndarray | None, i: int, conv: Any) -> Any:
+            return None if a is None else conv(a[i])
+
+        def top(sel: np.ndarray) -> list[TopToken]:
+            cls = st.routing.token_class if st.routing is not None else None
+            # sample row: the last offset <= token (side="right" skips empty samples sharing an offset)
+            rows = np.searchsorted(st.offsets, st.idx[sel], side="right") - 1
+            return [TopToken(
+                step=st.step, token=int(st.idx[i]), sample=int(row), delta=float(st.delta[i]),
+                rollout_logprob=float(st.rollout_lp[i]), old_logprob=float(st.old_lp[i]),
+                position=opt(st.position, i, int), turn=opt(st.turn, i, int),
+                policy_version=opt(st.token_version, i, int), lag=opt(st.lag, i, int),
+                entropy=opt(st.entropy, i, float),
+                routing=None if cls is None else ROUTING_DELTA_LABELS[int(cls[i])])
+                for i, row in zip(sel.tolist(), rows.tolist())]
+
+        ss = _StepSums(st.step)
+        self._fold_block(ss, _StepView(num_tokens=st.num_tokens, num_generated=st.num_generated, d=d,
+                                       r=st.rollout_lp, o=st.old_lp, joint=joint, routing=routing, top=top,
+                                       lag=lag), st.num_tokens)
+        return self._finish_step(ss)
+
+    def _fold_block(self, ss: _StepSums, sv: _StepView, step_tokens: int) -> None:
+        cfg = self.cfg
+        ws = self._ws
+        d = sv.d
+        ad = np.abs(d, out=ws("ad", d.size, np.float64))
+        m = _Moments()
+        m.add(d, sv.r, sv.o, cfg, ad, ws)
+        ss.moments.merge(m)
+        ss.tokens += sv.num_tokens
+        ss.generated += sv.num_generated
+        if cfg.keep_abs and d.size:
+            # float32 halves the memory; |Δ| keeps 7 digits. A histogram of their top bits turns
+            # the final percentiles into a selection inside a few bins (``_exact_percentiles``).
+            self.abs_parts.append(ad.astype(np.float32))
+            self._count_abs(final=False)
+        if cfg.per_step_percentiles:
+            ss.abs_parts.append(ad.copy())
+        if sv.lag is not None:
+            n, total, top = sv.lag
+            if ss.lag is None:
+                ss.lag = [0, 0, None]
+            ss.lag[0] += n
+            ss.lag[1] += total
+            if top is not None:
+                ss.lag[2] = top if ss.lag[2] is None else max(ss.lag[2], top)
+        for sig, counts, sums in sv.joint:
+            acc = self._joint.get(sig)
+            if acc is None:
+                self._joint[sig] = [counts, sums]
+            else:
+                acc[0] += counts
+                acc[1] += sums
+        if len(self._joint) > 16:        # ranges that keep changing: do not hoard histograms
+            self._flush()
+        if sv.routing is not None:
+            rows, agree, hits, k = sv.routing
+            self._add_routing(rows, agree, hits, k)
+            if ss.routing is None:
+                ss.routing = [0, np.zeros_like(agree), np.zeros_like(hits)]
+            ss.routing[0] += rows
+            ss.routing[1] += agree
         if cfg.top_k > 0 and d.size:
-            # once K tokens are known, only tokens beating the K-th best so far can enter: a cheap
-            # comparison pass instead of a partition of the whole step
-            cand = np.arange(d.size) if len(self.top) < cfg.top_k else np.flatnonzero(ad >= abs(self.top[-1].delta))
-            k = min(cfg.top_k, cand.size)
-            if k:
-                sel = cand[np.argpartition(-ad[cand], k - 1)[:k]] if k < cand.size else cand
-                self._merge_top(st, sel)
+            threshold = abs(self.top[-1].delta) if len(self.top) >= cfg.top_k else None
+            sel = _top_positions(ad, cfg.top_k, threshold, ws)
+            if sel.size:
+                self.top += sv.top(sel)
+                self._trim_top()
         if cfg.plot_points > 0 and d.size:
-            stride = max(1, d.size // max(1, cfg.plot_points // 4))
-            self.plot_x.append(np.exp(st.rollout_lp[::stride]))
-            self.plot_y.append(np.exp(st.old_lp[::stride]))
+            stride = max(1, step_tokens // max(1, cfg.plot_points // 4))
+            self.plot_x.append(np.exp(sv.r[::stride], dtype=np.float64))
+            self.plot_y.append(np.exp(sv.o[::stride], dtype=np.float64))
+
+    def _finish_step(self, ss: _StepSums) -> dict[str, Any]:
+        """The step's headline metrics (kept in ``per_step``) once its blocks are folded in."""
+        m = ss.moments
+        self.total.merge(m)
+        self.num_tokens += ss.tokens
+        self.num_generated += ss.generated
+        self.steps.append(ss.step)
+        head: dict[str, Any] = {"step": ss.step, "tokens": ss.tokens, "generated": ss.generated,
+                                "analysed": m.n, **m.metrics()}
+        if self.cfg.per_step_percentiles:
+            head["p50_abs"], head["p99_abs"] = _exact_percentiles(ss.abs_parts) if ss.abs_parts else (math.nan, math.nan)
+        if ss.lag is not None:
+            n, total, top = ss.lag
+            # an exact integer sum, then one division: the mean of the per-token lags
+            head["version_lag_mean"] = float(total) / n if n else math.nan
+            head["version_lag_max"] = top
+        if ss.routing is not None:
+            rows, agree, _ = ss.routing
+            head["routing_agreement"] = float(agree.sum()) / (rows * agree.size) if rows else math.nan
         self.per_step.append(head)
         return head
 
-    def _merge(self, m: _Moments) -> None:
-        t = self.total
-        if m.n == 0:
+    def _count_abs(self, final: bool) -> None:
+        """Add the |Δ| parts not yet counted to ``abs_hist``, a few at a time: one bincount over
+        ≥ 65536 values amortises its 65536-bin output (small steps would otherwise pay it each)."""
+        pending = self.abs_parts[self._hist_done:]
+        size = sum(p.size for p in pending)
+        if not pending or (size < 1 << 16 and not final):
             return
-        if t.n == 0:
-            self.total = m
-            return
-        n0, n1 = t.n, m.n
-        tot = n0 + n1
-        dx, dy = m.mx - t.mx, m.my - t.my
-        f = n0 * n1 / tot
-        t.sxx += m.sxx + dx * dx * f
-        t.syy += m.syy + dy * dy * f
-        t.sxy += m.sxy + dx * dy * f
-        t.mx += dx * n1 / tot
-        t.my += dy * n1 / tot
-        for name in ("sum_abs", "sum_d", "sum_k2", "sum_k3", "sum_em1", "sum_em1_sq", "sum_mult",
-                     "n_clip_high", "n_clip_low", "n_tis"):
-            setattr(t, name, getattr(t, name) + getattr(m, name))
-        t.max_abs = max(t.max_abs, m.max_abs)
-        t.rho_min = min(t.rho_min, m.rho_min)
-        t.rho_max = max(t.rho_max, m.rho_max)
-        t.n = tot
+        part = pending[0] if len(pending) == 1 else np.concatenate(pending)
+        h = _abs_hist(part, self._ws)
+        self.abs_hist = h if self.abs_hist is None else self.abs_hist + h
+        self._hist_done = len(self.abs_parts)
+
+    def _flush(self) -> None:
+        """Marginalise the pending joint histograms into the breakdown tables."""
+        for sig, (counts, sums) in self._joint.items():
+            for name, count, s_pos, s_neg, keys in _marginals(sig, counts, sums):
+                if name == "entropy":        # the last digit holds non-finite entropies: left out
+                    count, s_pos, s_neg = count[:-1], s_pos[:-1], s_neg[:-1]
+                bucket = self.routing_delta if name == "routing_delta" else self.buckets[name]
+                bucket.add_sums(count, s_pos, s_neg, keys)
+        self._joint = {}
+        self._count_abs(final=True)
 
     def _add_routing(self, rows: int, agree: np.ndarray, hits: np.ndarray, topk: int) -> None:
         if self.layer_agree is None or self.layer_agree.shape != agree.shape:
@@ -528,23 +1280,6 @@ class MismatchAccumulator:
         self.layer_rows += rows
         self.topk = topk
 
-    def _merge_top(self, st: StepTokens, sel: np.ndarray) -> None:
-        def opt(a: np.ndarray | None, i: int, conv: Any) -> Any:
-            return None if a is None else conv(a[i])
-
-        cls = st.routing.token_class if st.routing is not None else None
-        # sample row: the last offset <= token (side="right" skips empty samples sharing an offset)
-        rows = np.searchsorted(st.offsets, st.idx[sel], side="right") - 1
-        for i, row in zip(sel.tolist(), rows.tolist()):
-            self.top.append(TopToken(
-                step=st.step, token=int(st.idx[i]), sample=int(row), delta=float(st.delta[i]),
-                rollout_logprob=float(st.rollout_lp[i]), old_logprob=float(st.old_lp[i]),
-                position=opt(st.position, i, int), turn=opt(st.turn, i, int),
-                policy_version=opt(st.token_version, i, int), lag=opt(st.lag, i, int),
-                entropy=opt(st.entropy, i, float),
-                routing=None if cls is None else ROUTING_DELTA_LABELS[int(cls[i])]))
-        self._trim_top()
-
     def _trim_top(self) -> None:
         # stable order: |Δ| descending, then (step, token) ascending
         self.top.sort(key=lambda t: (-abs(t.delta), t.step, t.token))
@@ -552,10 +1287,18 @@ class MismatchAccumulator:
 
     def merge(self, other: "MismatchAccumulator") -> None:
         """Fold in an accumulator built over other steps (e.g. by a worker process)."""
-        self._merge(other.total)
+        self._flush()
+        other._flush()
+        self.total.merge(other.total)
         self.num_tokens += other.num_tokens
         self.num_generated += other.num_generated
         self.abs_parts += other.abs_parts
+        self._hist_done = len(self.abs_parts)
+        self._abs_elsewhere += other._abs_elsewhere
+        for b, values in other._abs_in_bins.items():
+            self._abs_in_bins.setdefault(b, []).extend(values)
+        if other.abs_hist is not None:
+            self.abs_hist = other.abs_hist if self.abs_hist is None else self.abs_hist + other.abs_hist
         self.per_step += other.per_step
         self.per_step.sort(key=lambda h: h["step"])
         self.steps = sorted(self.steps + other.steps)
@@ -571,9 +1314,12 @@ class MismatchAccumulator:
 
     # ---- result
     def result(self) -> dict[str, Any]:
+        self._flush()
         metrics = self.total.metrics()
-        ad = np.concatenate(self.abs_parts) if self.abs_parts else np.zeros(0)
-        p50, p99 = _percentiles(ad) if self.cfg.keep_abs else (math.nan, math.nan)
+        if self._abs_elsewhere and not self._abs_in_bins:
+            raise RuntimeError("|Δ| values held by worker processes were not collected")
+        p50, p99 = (_exact_percentiles(self.abs_parts, self.abs_hist, in_bins=self._abs_in_bins)
+                    if self.cfg.keep_abs else (math.nan, math.nan))
         ordered = {name: metrics.get(name, math.nan) for name in METRIC_NAMES}
         ordered["p50_abs"], ordered["p99_abs"] = p50, p99
         out: dict[str, Any] = {
@@ -607,6 +1353,8 @@ class MismatchAccumulator:
         return out
 
     def abs_deltas(self) -> np.ndarray:
+        if self._abs_elsewhere:
+            raise RuntimeError("|Δ| values are held by worker processes (plots keep them local)")
         return np.concatenate(self.abs_parts) if self.abs_parts else np.zeros(0)
 
     def plot_pairs(self) -> tuple[np.ndarray, np.ndarray]:
@@ -617,28 +1365,6 @@ class MismatchAccumulator:
             keep = np.linspace(0, x.size - 1, self.cfg.plot_points).astype(np.int64)
             x, y = x[keep], y[keep]
         return x, y
-
-
-def _bucketize(x: np.ndarray, inner_edges: np.ndarray) -> np.ndarray:
-    """Bucket i ⇔ inner_edges[i-1] <= x < inner_edges[i] (like searchsorted(side="right")), as a
-    sum of a few comparisons: for ≤ 8 edges this beats a binary search per element several times."""
-    out = np.zeros(x.shape, dtype=np.int64)
-    for e in inner_edges:
-        out += x >= e
-    return out
-
-
-def _position_bucket(pos: np.ndarray) -> np.ndarray:
-    """0 → 0, 1 → 1, 2–3 → 2, 4–7 → 3, … (the bit length), capped at the last POSITION bucket:
-    frexp's exponent is exactly the bit length of a non-negative integer."""
-    return np.minimum(np.frexp(pos.astype(np.float64))[1], len(POSITION_LABELS) - 1).astype(np.int64)
-
-
-def _percentiles(ad: np.ndarray) -> tuple[float, float]:
-    if ad.size == 0:
-        return math.nan, math.nan
-    p50, p99 = np.percentile(ad, [50, 99])  # linear interpolation (numpy's default)
-    return float(p50), float(p99)
 
 
 def analyse(columns_by_step: Any, cfg: MismatchConfig) -> MismatchAccumulator:
@@ -693,19 +1419,45 @@ def attach_context(reader: Any, top: list[dict[str, Any]], tokenizer: Any = None
                                   f"cannot read token context of step {step}: {e}")
 
 
+def _read_steps(reader: Any, steps: list[int], cfg: MismatchConfig) -> MismatchAccumulator:
+    """Stream ``steps`` of ``reader`` (only the datasets the analysis needs, read into buffers that
+    are reused from step to step) into an accumulator."""
+    required, optional = cfg.columns()
+    return analyse(reader.iter_columns(required, steps, optional=optional, reuse_buffers=True), cfg)
+
+
 def _analyse_steps(run: str, steps: list[int], cfg: MismatchConfig) -> tuple["MismatchAccumulator", list[tuple[str, str]]]:
-    """Worker body: analyse ``steps`` of ``run`` (already validated by the parent)."""
+    """Analyse ``steps`` of ``run`` (already validated by the parent) with a fresh reader."""
     from axrl.trace import TraceReader
 
     reader = TraceReader(run, validate=False)
-    required, optional = cfg.columns()
-    acc = analyse(reader.iter_columns(required, steps, optional=optional), cfg)
+    acc = _read_steps(reader, steps, cfg)
     return acc, [(str(p.path), p.message) for p in reader.problems]
 
 
-def auto_workers(paths: list[Any], *, min_bytes_per_worker: int = 16 << 20) -> int:
-    """Processes worth starting: one per ~16 MB of step files, at most one per usable CPU (a fork
-    costs ~50 ms; decompressing 16 MB of gzip-1 costs ~0.5 s on the dev box)."""
+def _worker(channel: "_Forked", run: str, steps: list[int], cfg: MismatchConfig) -> None:
+    """Worker process body: send the accumulator of ``steps`` without its |Δ| values (only their
+    histogram), then, asked for the histogram bins that the exact percentiles need, the values in
+    those bins — a few thousand numbers instead of 4 bytes per analysed token. With plots on
+    (``plot_points``) the values travel with the accumulator (the |Δ| histogram plot needs them)."""
+    acc, problems = _analyse_steps(run, steps, cfg)
+    acc._flush()
+    keep = cfg.keep_abs and cfg.plot_points == 0 and bool(acc.abs_parts)
+    parts = acc.abs_parts
+    if keep:
+        acc._abs_elsewhere = sum(p.size for p in parts)
+        acc.abs_parts, acc._hist_done = [], 0
+    channel.send((acc, problems))
+    bins = channel.recv() if keep else None
+    if bins is not None:
+        channel.send(dict(zip(bins, ([v] for v in _values_in_bins(parts, bins)))))
+
+
+def auto_workers(paths: list[Any], *, min_bytes_per_worker: int = 48 << 20) -> int:
+    """Processes worth using: one per ~48 MB of step files, at most one per usable CPU. Reading
+    and analysing 48 MB of step files (~1.4 M tokens) takes ~0.1 s of one core; another process
+    costs a fork, its own first-touch memory and a merge (~10–30 ms), so smaller selections stay
+    in one process. (On a machine whose other cores are busy a second process buys nothing.)"""
     import os
 
     total = sum(p.stat().st_size for p in paths)
@@ -727,37 +1479,145 @@ def _partition(steps: list[int], sizes: list[int], parts: int) -> list[list[int]
     return [g for g in groups if g]
 
 
+_ALLOCATOR_TUNED = False
+
+
+def keep_freed_memory() -> None:
+    """Ask glibc's malloc to keep freed blocks of up to 32 MiB in the process (instead of handing
+    each back to the OS and taking fresh, zero-filled pages for the next one). The analysis frees
+    and re-allocates multi-megabyte arrays every step — numpy temporaries, HDF5 chunk buffers — and
+    the page faults of fresh memory cost ~10–15 ns per token, ~15 % of its time. Process-wide
+    and permanent (the process keeps its peak heap); a no-op without glibc."""
+    global _ALLOCATOR_TUNED
+    if _ALLOCATOR_TUNED:
+        return
+    _ALLOCATOR_TUNED = True
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mallopt(m_mmap_threshold, 32 << 20)
+    mallopt(m_trim_threshold, 256 << 20)
+
+
+class _Forked:
+    """``fn(channel, *args)`` run in a forked copy of this process, with a pickle channel each way
+    (``send`` / ``recv``). A bare fork and two pipes: the child inherits the imported modules; no
+    pool, queues or management thread to start and tear down. An exception in the child is sent
+    back and raised by the parent's next ``recv``."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        import os
+
+        up_r, up_w = os.pipe()                             # child -> parent
+        down_r, down_w = os.pipe()                         # parent -> child
+        self._pid = os.fork()
+        if self._pid == 0:                                 # pragma: no cover - child process
+            code = 0
+            try:
+                os.close(up_r)
+                os.close(down_w)
+                self._in, self._out = os.fdopen(down_r, "rb"), os.fdopen(up_w, "wb")
+                try:
+                    fn(self, *args)
+                except BaseException as e:  # noqa: BLE001 - sent to the parent, which raises it
+                    self.send(_Failure(e))
+                self._out.close()
+            except BaseException:  # noqa: BLE001
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(up_w)
+        os.close(down_r)
+        self._in, self._out = os.fdopen(up_r, "rb"), os.fdopen(down_w, "wb")
+
+    def send(self, obj: Any) -> None:
+        import pickle
+
+        pickle.dump(obj, self._out, protocol=pickle.HIGHEST_PROTOCOL)
+        self._out.flush()
+
+    def recv(self) -> Any:
+        import pickle
+
+        try:
+            obj = pickle.load(self._in)
+        except EOFError:
+            raise RuntimeError("an analysis worker process died without a result") from None
+        if isinstance(obj, _Failure):
+            raise obj.error
+        return obj
+
+    def close(self) -> None:
+        """Reap the child (killing it if it is still running: the caller is done or failing)."""
+        import os
+        import signal
+
+        if self._pid:
+            for fh in (self._in, self._out):
+                try:
+                    fh.close()
+                except OSError:
+                    pass
+            try:
+                if os.waitpid(self._pid, os.WNOHANG) == (0, 0):
+                    os.kill(self._pid, signal.SIGKILL)
+                    os.waitpid(self._pid, 0)
+            except OSError:
+                pass
+            self._pid = 0
+
+
+@dataclass
+class _Failure:
+    error: BaseException
+
+
 def mismatch_report(reader: Any, steps: list[int] | None, cfg: MismatchConfig, *,
                     context: bool = True, workers: int = 1) -> tuple[dict[str, Any], MismatchAccumulator]:
     """What ``axrl-debug mismatch`` computes: stream the selected steps (only the datasets the
     analysis needs), build the report and decode the worst tokens' context.
 
-    ``workers > 1`` analyses contiguous groups of step files in that many processes and merges
-    their accumulators (h5py serialises every call inside one process, so threads would not help;
-    the work is dominated by gzip decompression, which scales with processes). ``workers = 0``
-    picks ``auto_workers``. The result is the same as with one worker, up to float summation order."""
+    ``workers > 1`` splits the steps into that many contiguous groups of step files: the calling
+    process analyses the first group itself while forked copies of it (``_Forked``; fork, so call
+    it from the main thread) analyse the others; their accumulators come back without their |Δ|
+    values, of which only those in the histogram bins of the exact percentiles follow
+    (``_worker``). h5py serialises every call inside one process, so threads would not help.
+    ``workers = 0`` picks ``auto_workers``. The result is the same as with one worker, up to float
+    summation order. Tunes the process's allocator (``keep_freed_memory``)."""
+    keep_freed_memory()
     steps = list(reader.steps if steps is None else steps)
     paths = [reader.step_path(s) for s in steps]
     if workers == 0:
         workers = auto_workers(paths)
-    if workers > 1 and len(steps) > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        groups = _partition(steps, [p.stat().st_size for p in paths], workers)
-        # fork: children inherit the imported modules (numpy, h5py) instead of re-importing them
-        ctx = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(max_workers=len(groups), mp_context=ctx) as pool:
-            parts = list(pool.map(_analyse_steps, [str(reader.path)] * len(groups), groups,
-                                  [cfg] * len(groups)))
-        acc = MismatchAccumulator(cfg)
-        for part, problems in parts:
+    groups = _partition(steps, [p.stat().st_size for p in paths], workers) if workers > 1 and len(steps) > 1 else [steps]
+    children: list[_Forked] = []
+    try:
+        children += [_Forked(_worker, str(reader.path), g, cfg) for g in groups[1:]]
+        acc = _read_steps(reader, groups[0], cfg)
+        holding = []                                   # children that kept their |Δ| values
+        for child in children:
+            part, problems = child.recv()
+            if part._abs_elsewhere:
+                holding.append(child)
             acc.merge(part)
             for path, msg in problems:
                 reader.report_problem(path, msg)
-    else:
-        required, optional = cfg.columns()
-        acc = analyse(reader.iter_columns(required, steps, optional=optional), cfg)
+        if holding:
+            acc._flush()
+            bins = _percentile_bins(acc.abs_hist)
+            for child in holding:
+                child.send(bins)
+            for child in holding:
+                for b, values in child.recv().items():
+                    acc._abs_in_bins.setdefault(b, []).extend(values)
+    finally:
+        for child in children:
+            child.close()
     res = {"run": str(reader.path), **acc.result()}
     if context:
         attach_context(reader, res["top"])

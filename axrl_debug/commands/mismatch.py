@@ -93,7 +93,7 @@ def mismatch(
     top: int = typer.Option(10, "--top", min=0, help="Show the K tokens with the largest |Δ| (0: none)."),
     plot: Path = typer.Option(None, "--plot", help="Write PNG figures (distributions, breakdowns) to this directory."),
     workers: int = typer.Option(0, "--workers", min=0, help="Processes reading step files in parallel "
-                                "(0 = auto: one per usable CPU, for runs over ~16 MB per process)."),
+                                "(0 = auto: one per usable CPU, for runs over ~48 MB of step files per process)."),
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Training–inference mismatch over generated tokens (loss_mask = 1), Δ = trainer old_logprob −
