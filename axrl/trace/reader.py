@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import h5py
 import numpy as np
@@ -442,6 +442,12 @@ class TraceReader:
         an aggregate (no fresh allocation and page faults per dataset and step)."""
         names, optional = list(names), list(optional)
         buffers: dict[str, np.ndarray] | None = {} if reuse_buffers else None
+        return self._iter_steps(steps, lambda sf, path: sf.read_columns(names, optional=optional, buffers=buffers))
+
+    def _iter_steps(self, steps: Iterable[int] | None,
+                    read: Callable[[StepFile, Path], dict[str, Any]]) -> Iterator[StepColumns]:
+        """Open each step (default: all valid steps, in order) and yield what ``read`` takes from it;
+        a step that turns out unreadable is skipped and added to ``problems``."""
         valid = self._scan()
         for step in (self.steps if steps is None else steps):
             path = valid.get(step)
@@ -449,7 +455,7 @@ class TraceReader:
                 raise KeyError(f"no step {step} in {self.trace_dir}")
             try:
                 with StepFile(path) as sf:
-                    data = sf.read_columns(names, optional=optional, buffers=buffers)
+                    data = read(sf, path)
                     attrs = dict(sf.attrs)
             except (TraceError, KeyError) as e:
                 msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
@@ -515,30 +521,22 @@ class TraceReader:
                     columns: Iterable[str] | None) -> Iterator[StepColumns]:
         """Like ``iter_columns`` for the datasets directly under ``group`` (short names as keys);
         ``/tokens`` always brings ``/samples/offsets`` along (key ``"offsets"``)."""
-        valid = self._scan()
-        for step in (self.steps if steps is None else steps):
-            path = valid.get(step)
-            if path is None:
-                raise KeyError(f"no step {step} in {self.trace_dir}")
-            try:
-                with StepFile(path) as sf:
-                    prefix = group + "/"
-                    present = [k for k in sf.keys() if k.startswith(prefix) and "/" not in k[len(prefix):]]
-                    if columns is not None:
-                        wanted = {prefix + c for c in columns}
-                        missing = wanted - set(present)
-                        if missing:
-                            raise KeyError(f"{path}: no dataset(s) {sorted(missing)}")
-                        present = [k for k in present if k in wanted]
-                    data = {k[len(prefix):]: sf[k] for k in present}
-                    if group == S.G_TOKENS:
-                        data["offsets"] = sf["/samples/offsets"]
-                    attrs = dict(sf.attrs)
-            except (TraceError, KeyError) as e:
-                msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-                self.report_problem(path, str(msg))
-                continue
-            yield StepColumns(step, path, attrs, data)
+        prefix = group + "/"
+
+        def read(sf: StepFile, path: Path) -> dict[str, Any]:
+            present = [k for k in sf.keys() if k.startswith(prefix) and "/" not in k[len(prefix):]]
+            if columns is not None:
+                wanted = {prefix + c for c in columns}
+                missing = wanted - set(present)
+                if missing:
+                    raise KeyError(f"{path}: no dataset(s) {sorted(missing)}")
+                present = [k for k in present if k in wanted]
+            data = {k[len(prefix):]: sf[k] for k in present}
+            if group == S.G_TOKENS:
+                data["offsets"] = sf["/samples/offsets"]
+            return data
+
+        return self._iter_steps(steps, read)
 
 
 def step_token_frame(sc: StepColumns) -> "pd.DataFrame":
