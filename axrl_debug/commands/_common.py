@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 import math
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from rich import box
 from rich.table import Table
@@ -137,12 +137,17 @@ def fmt(x: Any, digits: int = 4) -> str:
     return text.replace("e-0", "e-").replace("e+0", "e+")
 
 
-def pct(x: Any) -> str:
+def fmt_number(x: Any, render: Callable[[float], str]) -> str:
+    """`render(float(x))`, or "–" for a missing, non-numeric or NaN value."""
     try:
         v = float(x)
     except (TypeError, ValueError):
         return "–"
-    return "–" if math.isnan(v) else f"{100 * v:.1f}%"
+    return "–" if math.isnan(v) else render(v)
+
+
+def pct(x: Any) -> str:
+    return fmt_number(x, lambda v: f"{100 * v:.1f}%")
 
 
 def simple_table(title: str | None, columns: Iterable[str], rows: Iterable[Iterable[Any]],

@@ -3,10 +3,9 @@ so the TUI and ``axrl-debug summary`` print a value the same way)."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from axrl_debug.commands._common import fmt, pct
+from axrl_debug.commands._common import fmt, fmt_number, pct
 
 __all__ = ["fmt", "pct", "fmt3", "fmt_int", "fmt_str", "fmt_lag"]
 
@@ -17,11 +16,7 @@ def fmt3(x: Any) -> str:
 
 
 def fmt_int(x: Any) -> str:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return "–"
-    return "–" if math.isnan(v) else str(int(v))
+    return fmt_number(x, lambda v: str(int(v)))
 
 
 def fmt_str(x: Any) -> str:
@@ -29,8 +24,4 @@ def fmt_str(x: Any) -> str:
 
 
 def fmt_lag(x: Any) -> str:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return "–"
-    return "–" if math.isnan(v) else f"{v:.2f}"
+    return fmt_number(x, lambda v: f"{v:.2f}")
