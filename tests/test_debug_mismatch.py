@@ -285,14 +285,17 @@ def test_dense_trace_has_no_routing_and_empty_step(tmp_path):
     assert math.isnan(res1["metrics"]["mean_abs"]) and res1["top"] == []
 
 
-def test_packed_routing_matches_the_set_comparison():
-    """The packed-word kernel (k ≤ 2) gives routing_agreement's counts and row agreement for any
-    layer count (padded rows), uint8/uint16 experts, and valid masks dense or sparse."""
-    from axrl_debug.analysis.mismatch import _routing_words
+def test_compiled_routing_pass_matches_the_set_comparison():
+    """The compiled whole-step pass (kernels.breakdown_block) counts what routing_agreement counts —
+    per-layer agreeing rows and |A ∩ B| over valid rows — and splits |Δ| by row t − 1 exactly as the
+    per-token path (step_tokens), for any layer count, k = 1..3, uint8/uint16 experts, valid masks
+    dense or sparse, and samples that start anywhere."""
+    from axrl_debug.analysis.mismatch import MismatchAccumulator, MismatchConfig, step_tokens
 
     rng = np.random.default_rng(1)
-    for trial in range(60):
-        t, layers, k = int(rng.integers(1, 600)), int(rng.integers(1, 7)), int(rng.integers(1, 3))
+    cfg = MismatchConfig(breakdowns=False, top_k=3)
+    for trial in range(40):
+        t, layers, k = int(rng.integers(2, 600)), int(rng.integers(1, 7)), int(rng.integers(1, 4))
         experts = 8 if trial % 3 else 300
         roll = np.argsort(rng.random((t, layers, experts)), axis=2)[:, :, :k].astype(np.uint8 if experts <= 256 else np.uint16)
         train = roll.copy()
@@ -300,12 +303,23 @@ def test_packed_routing_matches_the_set_comparison():
         train[moved] = np.argsort(rng.random((int(moved.sum()), experts)), axis=1)[:, :k]
         swap = rng.random((t, layers)) < 0.5
         train[swap] = train[swap][:, ::-1]
+        cuts = np.sort(rng.choice(np.arange(1, t), size=min(t - 1, int(rng.integers(0, 6))), replace=False))
+        cols = {"/samples/offsets": np.concatenate([[0], cuts, [t]]).astype(np.int64),
+                "/tokens/loss_mask": (rng.random(t) < 0.8).astype(np.uint8),
+                "/tokens/rollout_logprob": rng.normal(-1, 0.5, t).astype(np.float32),
+                "/tokens/old_logprob": rng.normal(-1, 0.5, t).astype(np.float32),
+                "/routing/rollout": roll, "/routing/train": train}
         valid = None if trial % 4 == 0 else rng.random(t) < (0.5 if trial % 2 else 0.97)
-        agree, per_layer, hits = routing_agreement(roll, train, valid)
-        got_agree, got_hits, row_agree = _routing_words(roll, train, valid)
-        assert got_agree.tolist() == per_layer.tolist() and got_hits.tolist() == hits.tolist(), (t, layers, k)
-        assert (row_agree == np.logical_and.reduce(agree, axis=0)).all()
-    assert _routing_words(np.zeros((2, 1, 3), np.uint8), np.zeros((2, 1, 3), np.uint8), None) is None  # k = 3
+        if valid is not None:
+            cols["/routing/rollout_valid"] = valid.astype(np.uint8)
+        _, per_layer, hits = routing_agreement(roll, train, valid)
+        whole, per_token = MismatchAccumulator(cfg), MismatchAccumulator(cfg)
+        whole.add_columns(0, 0, cols)
+        per_token.add(step_tokens(0, 0, cols, cfg))
+        assert whole.layer_agree.tolist() == per_layer.tolist(), (t, layers, k)
+        assert whole.layer_hits.tolist() == hits.tolist(), (t, layers, k)
+        assert whole.result()["routing"] == per_token.result()["routing"]
+        assert [(x.token, x.routing) for x in whole.top] == [(x.token, x.routing) for x in per_token.top]
 
 
 def test_exact_percentiles_are_numpys():

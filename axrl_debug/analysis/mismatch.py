@@ -66,11 +66,12 @@ are broken by (step, token) ascending.
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import numpy as np
+
+from axrl.trace.schema import TraceError
 
 # Datasets each part of the analysis reads (the reader reads nothing else).
 CORE_COLUMNS = ("/samples/offsets", "/tokens/loss_mask", "/tokens/rollout_logprob", "/tokens/old_logprob")
@@ -190,8 +191,8 @@ def routing_agreement(rollout: np.ndarray, train: np.ndarray,
     per-layer Σ |A ∩ B| over valid rows. |A ∩ B| = Σ_i [a_i ∈ B] takes k² comparisons; the arrays
     are first transposed to [k, L, T] so that every comparison and count runs over one contiguous
     row (reductions over a short trailing axis of [T, L, k] are ~10× slower in numpy). Assumes the
-    k experts of a row are distinct, which top-k guarantees. (The analysis itself uses the packed
-    ``_routing_words`` for k ≤ 2, which gives the same counts.)"""
+    k experts of a row are distinct, which top-k guarantees. (The whole-step analysis counts the
+    same in its compiled pass, ``kernels.breakdown_block``.)"""
     t, nl, k = rollout.shape
     r = np.ascontiguousarray(rollout.transpose(2, 1, 0))
     s = np.ascontiguousarray(train.transpose(2, 1, 0))
@@ -206,23 +207,6 @@ def routing_agreement(rollout: np.ndarray, train: np.ndarray,
         agree = found if agree is None else (agree & found)
     layer_agree = np.array([np.count_nonzero(agree[layer] & valid) for layer in range(nl)], dtype=np.int64)
     return agree, layer_agree, hits
-
-
-def _colsum_bytes(words: np.ndarray) -> np.ndarray:
-    """Per byte column, the sum over rows of ``words`` ([T, m] uint64 whose bytes are 0 or 1):
-    int64 [8·m]. Adding 255 rows as plain uint64 cannot carry from one byte into the next, so the
-    byte counts come out of one contiguous uint64 reduction instead of a reduction over a short
-    trailing axis (~50× faster than ``sum(axis=0)`` of the [T, 8·m] bytes)."""
-    t, m = words.shape
-    t0 = t - t % 255
-    out = words[t0:].view(np.uint8).reshape(-1, 8 * m).sum(axis=0, dtype=np.int64)
-    if t0:
-        if m == 1:
-            blocks = words[:t0].reshape(-1, 255).sum(axis=1, dtype=np.uint64)
-        else:
-            blocks = words[:t0].reshape(-1, 255, m).sum(axis=1, dtype=np.uint64)
-        out += blocks.view(np.uint8).reshape(-1, 8 * m).sum(axis=0, dtype=np.int64)
-    return out
 
 
 class _Scratch:
@@ -249,75 +233,6 @@ class _Scratch:
             buf = np.empty(n + n // 4, dtype=dtype)
             self._bufs[name] = buf
         return buf[:n]
-
-
-def _routing_words(rollout: np.ndarray, train: np.ndarray, valid: np.ndarray | None,
-                   ws: _Scratch | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """``routing_agreement``'s counts for k ≤ 2 on packed words: (layer_agree [L], layer_hits [L],
-    row_agree [T] bool: every layer of the row agrees), or None when the layout does not fit
-    (k > 2, experts wider than 16 bits, big-endian) and the caller falls back to
-    ``routing_agreement``.
-
-    found[t, l, i] = [a_i ∈ B] is two byte comparisons for k = 2: a == b and a == b with its two
-    experts swapped (a 16/32-bit rotate of the packed pair). Each token's found bytes are then
-    uint64 words: a layer agrees when both bytes of its lane are 1, the row when the word is all
-    0x01 bytes, and the per-layer counts over valid rows are byte-column sums (``_colsum_bytes``)."""
-    if sys.byteorder != "little" or rollout.ndim != 3 or rollout.shape != train.shape:
-        return None
-    t, nl, k = rollout.shape
-    isz = rollout.dtype.itemsize
-    if (k not in (1, 2) or rollout.dtype != train.dtype or rollout.dtype.kind not in "ui"
-            or isz not in (1, 2)):
-        return None
-    ws = ws or _Scratch()
-    a = np.ascontiguousarray(rollout)
-    b = np.ascontiguousarray(train)
-    size = t * nl * k
-    found = np.equal(a, b, out=ws("found", size, bool).reshape(a.shape))
-    if k == 2:
-        ldt = np.uint16 if isz == 1 else np.uint32
-        lane = b.view(ldt)
-        bits = 8 * isz
-        swapped = np.left_shift(lane, bits, out=ws("lane", t * nl, ldt).reshape(lane.shape))
-        swapped |= np.right_shift(lane, bits, out=ws("lane2", t * nl, ldt).reshape(lane.shape))
-        other = np.equal(a, swapped.view(a.dtype).reshape(a.shape), out=ws("found2", size, bool).reshape(a.shape))
-        found |= other
-    w = nl * k
-    w8 = -(-w // 8) * 8
-    flat = found.reshape(t, w)
-    if w8 != w:                        # pad each row to whole words (padding counts as agreeing)
-        padded = ws("padded", t * w8, bool).reshape(t, w8)
-        padded[:, w:] = True
-        padded[:, :w] = flat
-        flat = padded
-    words = flat.view(np.uint64)       # [T, w8 / 8]
-    m = words.shape[1]
-    ones = np.uint64(0x0101010101010101)
-    if m == 1:
-        row_agree = np.equal(words[:, 0], ones, out=ws("row_agree", t, bool))
-    else:
-        row_agree = (words == ones).all(axis=1)
-    invalid = None
-    if valid is not None:
-        invalid = np.flatnonzero(np.logical_not(valid, out=ws("invalid", t, bool)))
-        if invalid.size > t // 16:    # many invalid rows: mask them out; else subtract them below
-            words = np.multiply(words, valid.view(np.uint8)[:, None], out=ws("words", t * m, np.uint64).reshape(t, m))
-            invalid = None
-
-    def counts(wd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        hits = _colsum_bytes(wd)[:w]
-        if k == 1:
-            return hits, hits
-        both = np.right_shift(wd, np.uint64(8), out=ws("both", wd.size, np.uint64).reshape(wd.shape))
-        both &= wd
-        both &= np.uint64(0x00FF00FF00FF00FF)
-        return _colsum_bytes(both)[:w:2], hits.reshape(nl, 2).sum(axis=1)
-
-    layer_agree, layer_hits = counts(words)
-    if invalid is not None and invalid.size:
-        bad_agree, bad_hits = counts(words[invalid])
-        layer_agree, layer_hits = layer_agree - bad_agree, layer_hits - bad_hits
-    return layer_agree.astype(np.int64), layer_hits.astype(np.int64), row_agree
 
 
 def _sample_starts(off: np.ndarray, t: int, ws: _Scratch | None = None) -> np.ndarray:
@@ -408,11 +323,6 @@ def _entropy_digits(ent: np.ndarray, ws: _Scratch | None = None) -> np.ndarray:
     return out
 
 
-def _narrow(size: int) -> Any:
-    """The narrowest unsigned type for digits in [0, size) (same-type adds in ``_joint_hist``)."""
-    return np.uint8 if size <= 1 << 8 else np.uint16 if size <= 1 << 16 else np.int64
-
-
 def _int_digits(values: np.ndarray, idx: np.ndarray, span_max: int = 64, ws: _Scratch | None = None,
                 name: str = "dig_int", reverse: bool = False,
                 bounds: tuple[int, int] | None = None) -> tuple[np.ndarray, int, int]:
@@ -436,6 +346,38 @@ def _int_digits(values: np.ndarray, idx: np.ndarray, span_max: int = 64, ws: _Sc
     return out, lo, hi - lo + 1
 
 
+# Stand-ins for absent columns, so the compiled kernels see arrays of fixed types.
+_NO_INTS = np.zeros(1, np.int64)
+_NO_BYTES = np.zeros(1, np.uint8)
+_NO_FLAGS = np.zeros(1, bool)
+_NO_ROUTING = np.zeros((1, 0, 1), np.uint8)
+_LOG_PROB_INNER_F32_ARR = np.asarray(_LOG_PROB_INNER_F32, dtype=np.float32)
+
+
+def _kernels() -> Any:
+    """The compiled loops (imports numba on first use; see ``kernels``)."""
+    from axrl_debug.analysis import kernels
+    return kernels
+
+
+def _position_of(i: int, s0: int, lm: np.ndarray, turn: np.ndarray) -> int:
+    """Index of token ``i`` inside its response segment (``_segment_positions``, for one token of
+    the sample starting at ``s0``)."""
+    j = np.arange(s0 + 1, i + 1)
+    brk = j[(lm[j - 1] == 0) | (turn[j] != turn[j - 1])]
+    return i - (int(brk[-1]) if brk.size else s0)
+
+
+def _routing_class(i: int, s0: int, rollout: np.ndarray, train: np.ndarray, valid: Any) -> int:
+    """``routing_delta`` digit of token ``i`` (its sample starts at ``s0``): from row i − 1, 0 when
+    every layer's expert sets agree, 1 when one differs, 2 when unknown."""
+    if i == s0 or (valid is not None and not valid[i - 1]):
+        return 2
+    a, b = rollout[i - 1], train[i - 1]
+    same = all(set(a[layer].tolist()) == set(b[layer].tolist()) for layer in range(a.shape[0]))
+    return 0 if same else 1
+
+
 _JOINT_LIMIT = 1 << 17   # bins of one joint histogram (counts and sums stay in L2)
 
 # A breakdown dimension: (name, digit per row in [0, size), size, key of digit 0 for keyed
@@ -443,6 +385,23 @@ _JOINT_LIMIT = 1 << 17   # bins of one joint histogram (counts and sums stay in 
 _Dim = tuple[str, np.ndarray, int, "int | None"]
 # The identity of a joint histogram: its dimensions as (name, size, lo).
 _Sig = tuple[tuple[str, int, "int | None"], ...]
+
+
+def _group_dims(sizes: list[int]) -> list[list[int]]:
+    """Split breakdown dimensions (their sizes, in order) into consecutive groups whose joint
+    histogram (× 3 classes) has at most ``_JOINT_LIMIT`` bins."""
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    prod = 1
+    for i, size in enumerate(sizes):
+        if cur and prod * size * 3 > _JOINT_LIMIT:
+            groups.append(cur)
+            cur, prod = [], 1
+        cur.append(i)
+        prod *= size
+    if cur:
+        groups.append(cur)
+    return groups
 
 
 def _joint_hist(dims: list[_Dim], cls: np.ndarray, weights: np.ndarray,
@@ -455,22 +414,12 @@ def _joint_hist(dims: list[_Dim], cls: np.ndarray, weights: np.ndarray,
     per row (mixed radix, in the narrowest integer type that holds it so far), so a whole set of
     breakdowns costs two bincounts instead of two per breakdown; each breakdown's count, S⁺ and S⁻
     are marginals of the cells (``_marginals``), taken once per run rather than per step.
-    Dimensions are grouped so that one histogram has at most ``_JOINT_LIMIT`` bins."""
+    Dimensions are grouped by ``_group_dims``. (The whole-step path, ``MismatchAccumulator._block``,
+    builds the same histograms in one compiled pass: ``kernels.breakdown_block``.)"""
     ws = ws or _Scratch()
     n = cls.shape[0]
-    groups: list[list[int]] = []
-    cur: list[int] = []
-    prod = 1
-    for i, dim in enumerate(dims):
-        if cur and prod * dim[2] * 3 > _JOINT_LIMIT:
-            groups.append(cur)
-            cur, prod = [], 1
-        cur.append(i)
-        prod *= dim[2]
-    if cur:
-        groups.append(cur)
     out = []
-    for g in groups:
+    for g in _group_dims([dim[2] for dim in dims]):
         sizes = [dims[i][2] for i in g] + [3]
         digits = [dims[i][1] for i in g] + [cls]
         key = None
@@ -557,12 +506,6 @@ def step_tokens(step: int, policy_version: int, cols: Mapping[str, Any], cfg: Mi
 
 
 # ============================================================================ accumulation
-def _sumsq(a: np.ndarray) -> float:
-    """Σ a² without BLAS: np.dot hands 1-D vectors to a multi-threaded BLAS whose thread wake-ups
-    cost milliseconds per call on a busy machine; einsum's own loop is a single SIMD pass."""
-    return float(np.einsum("i,i->", a, a))
-
-
 @dataclass
 class _Moments:
     """Sums over analysed tokens; merging two is adding (Chan's update for the correlation)."""
@@ -589,41 +532,38 @@ class _Moments:
     sxy: float = 0.0
 
     def add(self, d: np.ndarray, r: np.ndarray, o: np.ndarray, cfg: MismatchConfig,
-            ad: np.ndarray | None = None, ws: _Scratch | None = None) -> None:
+            ws: _Scratch | None = None) -> None:
         """``d`` float64 Δ; ``r``, ``o`` the rollout / trainer logprobs (any float dtype: the
-        probabilities are computed in float64 from their exact float64 values)."""
+        probabilities are computed in float64 from their exact float64 values). The exponentials
+        are numpy's (SIMD); the sums one compiled pass (``kernels.moment_sums``)."""
         n = d.size
         if n == 0:
             return
         ws = ws or _Scratch()
-        ad = np.abs(d) if ad is None else ad
         em1 = np.expm1(d, out=ws("em1", n, np.float64))
-        self.sum_abs += float(ad.sum())
-        self.sum_d += float(d.sum())
-        self.max_abs = max(self.max_abs, float(ad.max()))
-        self.sum_k2 += 0.5 * _sumsq(d)
-        tmp = np.subtract(em1, d, out=ws("tmp", n, np.float64))
-        self.sum_k3 += float(tmp.sum())
-        self.sum_em1 += float(em1.sum())
-        self.sum_em1_sq += _sumsq(em1)
-        self.sum_mult += float(np.expm1(ad, out=tmp).sum())
-        self.rho_min = min(self.rho_min, float(em1.min()) + 1.0)
-        self.rho_max = max(self.rho_max, float(em1.max()) + 1.0)
-        # compare in log space: ρ > 1 + ε  ⇔  Δ > log1p(ε)
-        flag = ws("flag", n, bool)
-        self.n_clip_high += int(np.count_nonzero(np.greater(d, math.log1p(cfg.clip_high), out=flag)))
-        if cfg.clip_low < 1:
-            self.n_clip_low += int(np.count_nonzero(np.less(d, math.log1p(-cfg.clip_low), out=flag)))
-        self.n_tis += int(np.count_nonzero(np.greater(d, math.log(cfg.tis_cap), out=flag)))
         x, y = ws("x", n, np.float64), ws("y", n, np.float64)
         x[:] = r                       # widen first: exp's own float64 loop beats a casting one
         y[:] = o
         np.exp(x, out=x)
         np.exp(y, out=y)
-        mx, my = float(x.mean()), float(y.mean())
-        xc = np.subtract(x, mx, out=x)
-        yc = np.subtract(y, my, out=y)
-        sxx, syy, sxy = _sumsq(xc), _sumsq(yc), float(np.einsum("i,i->", xc, yc))
+        # compare in log space: ρ > 1 + ε  ⇔  Δ > log1p(ε)
+        log_low = math.log1p(-cfg.clip_low) if cfg.clip_low < 1 else -math.inf
+        (s_abs, s_d, max_abs, s_d2, s_k3, s_e, s_e2, s_mult, e_min, e_max, n_high, n_low, n_tis,
+         mx, my, sxx, syy, sxy) = _kernels().moment_sums(d, em1, x, y, math.log1p(cfg.clip_high), log_low,
+                                                        math.log(cfg.tis_cap))
+        self.sum_abs += s_abs
+        self.sum_d += s_d
+        self.max_abs = max(self.max_abs, max_abs)
+        self.sum_k2 += 0.5 * s_d2
+        self.sum_k3 += s_k3
+        self.sum_em1 += s_e
+        self.sum_em1_sq += s_e2
+        self.sum_mult += s_mult
+        self.rho_min = min(self.rho_min, e_min + 1.0)
+        self.rho_max = max(self.rho_max, e_max + 1.0)
+        self.n_clip_high += int(n_high)
+        self.n_clip_low += int(n_low)
+        self.n_tis += int(n_tis)
         n0 = self.n
         tot = n0 + n
         dx, dy = mx - self.mx, my - self.my
@@ -1021,88 +961,86 @@ class MismatchAccumulator:
     def _block(self, step: int, policy_version: int, cols: Mapping[str, Any], off: np.ndarray,
                token0: int = 0, sample0: int = 0) -> _StepView:
         """One block of whole samples (``off``: its offsets from 0; ``token0`` / ``sample0``: where
-        it starts in the step), as whole-block array arithmetic into reused work arrays
-        (``_Scratch``): Δ and the two logprobs are gathered for the analysed tokens; the breakdown
-        keys are computed for every token in narrow integer types and land, with the sign of Δ and
-        an "analysed" flag, in one joint histogram (``_joint_hist``)."""
+        it starts in the step). Two compiled passes (``kernels``): the analysed tokens are compacted
+        (Δ and both logprobs, for the vectorised moments in ``_fold_block``), then every breakdown
+        key, the joint histograms (``_joint_hist``'s layout) and the routing agreement come out of
+        one loop over the block's tokens."""
+        kern = _kernels()
         cfg = self.cfg
         ws = self._ws
         lm = np.asarray(cols["/tokens/loss_mask"])
         lr = np.asarray(cols["/tokens/rollout_logprob"])
         lt = np.asarray(cols["/tokens/old_logprob"])
+        if lm.dtype == bool:
+            lm = lm.view(np.uint8)
+        if lr.dtype not in (np.float32, np.float64) or lt.dtype not in (np.float32, np.float64):
+            lr, lt = lr.astype(np.float64), lt.astype(np.float64)     # e.g. float16 exports
         t = int(lm.shape[0])
-        gen = np.not_equal(lm, 0, out=ws("gen", t, bool))
-        mask = np.isfinite(lr, out=ws("mask", t, bool))
-        mask &= gen
-        mask &= np.isfinite(lt, out=ws("b", t, bool))
-        idx = np.flatnonzero(mask)            # (np.compress would build this index array per call)
-        n = idx.size
-        dfull = np.subtract(lt, lr, out=ws("dfull", t, np.float64), dtype=np.float64)   # exact
-        d = np.take(dfull, idx, out=ws("d", n, np.float64), mode="clip")
-        r = np.take(lr, idx, out=ws("r", n, lr.dtype), mode="clip")
-        o = np.take(lt, idx, out=ws("o", n, lt.dtype), mode="clip")
-        starts = _sample_starts(off, t, ws)
-        dims: list[_Dim] = []
-        pos = turn = pver = ent = rc = None
+        has_keys = cfg.breakdowns and "/tokens/turn" in cols
+        turn = np.asarray(cols["/tokens/turn"]) if has_keys else _NO_INTS
+        pver = np.asarray(cols["/tokens/policy_version"]) if has_keys else _NO_INTS
+        ent = np.asarray(cols["/tokens/entropy"]) if has_keys else None
+        idx, d = ws("idx", t, np.int64), ws("d", t, np.float64)
+        r, o = ws("r", t, lr.dtype), ws("o", t, lt.dtype)
+        n, num_gen, vlo, vhi, vsum, tlo, thi = kern.select_analysed(lm, lr, lt, pver, turn, has_keys, idx, d, r, o)
+        idx, d, r, o = idx[:n], d[:n], r[:n], o[:n]
+
+        sizes: list[int] = []
+        names: list[tuple[str, int | None]] = []          # (dimension, key of digit 0 or None)
         lag = None
-        if cfg.breakdowns and "/tokens/turn" in cols:
-            turn = np.asarray(cols["/tokens/turn"])
-            pver = np.asarray(cols["/tokens/policy_version"])
-            ent = np.asarray(cols["/tokens/entropy"])
-            lag = (0, 0, None)
-            if n:
-                # versions of the analysed tokens: their range bounds the lag digits; their exact
-                # integer sum gives the mean lag (= mean of the per-token lags)
-                v = np.take(pver, idx, out=ws("v_an", n, pver.dtype), mode="clip")
-                vlo, vhi = int(v.min()), int(v.max())
-                lag = (n, n * policy_version - int(v.sum(dtype=np.int64)), policy_version - vlo)
-                # digit j = vhi − version: lag policy_version − vhi + j
-                vdig, _, vsize = _int_digits(pver, idx, ws=ws, name="dig_version", reverse=True,
-                                             bounds=(vlo, vhi))
-                pos = _segment_positions(gen, starts, turn, ws)
-                tdig, tlo, tsize = _int_digits(turn, idx, ws=ws, name="dig_turn")
-                dims += [("position", _position_digits(pos, ws), len(POSITION_LABELS), None),
-                         ("rollout_prob", _prob_digits(lr, ws), len(PROB_LABELS), None),
-                         ("entropy", _entropy_digits(ent, ws), len(ENTROPY_LABELS) + 1, None),
-                         ("turn", tdig, tsize, tlo),
-                         ("version_lag", vdig, vsize, policy_version - vhi)]
-        routing = None
-        if cfg.routing and "/routing/rollout" in cols and "/routing/train" in cols:
+        if has_keys:
+            lag = (0, 0, None) if n == 0 else (n, n * policy_version - int(vsum), policy_version - int(vlo))
+            tsize, vsize = int(thi - tlo) + 1, int(vhi - vlo) + 1
+            sizes += [len(POSITION_LABELS), len(PROB_LABELS), len(ENTROPY_LABELS) + 1, tsize, vsize]
+            # version digit j = vhi − version: lag policy_version − vhi + j
+            names += [("position", None), ("rollout_prob", None), ("entropy", None), ("turn", int(tlo)),
+                      ("version_lag", policy_version - int(vhi))]
+        has_routing = cfg.routing and "/routing/rollout" in cols and "/routing/train" in cols
+        rr = rt = _NO_ROUTING
+        vcol = None
+        if has_routing:
             rr, rt = np.asarray(cols["/routing/rollout"]), np.asarray(cols["/routing/train"])
+            if rr.ndim != 3 or rr.shape != rt.shape or rr.shape[0] != t:
+                raise ValueError(f"step {step}: /routing/rollout {rr.shape} and /routing/train {rt.shape} "
+                                 f"must both be [tokens={t}, layers, top_k]")
             vcol = cols.get("/routing/rollout_valid")
-            valid = None if vcol is None else np.not_equal(vcol, 0, out=ws("valid", t, bool))
-            packed = _routing_words(rr, rt, valid, ws)
-            if packed is not None:
-                layer_agree, layer_hits, row_agree = packed
-            else:
-                agree, layer_agree, layer_hits = routing_agreement(rr, rt, valid)
-                row_agree = np.logical_and.reduce(agree, axis=0)
-            rows = t if valid is None else int(np.count_nonzero(valid))
-            routing = (rows, layer_agree, layer_hits, int(rr.shape[2]))
-            if t:
-                # class of token t from row t − 1 of its sample: 0 agrees, 1 differs, 2 unknown
-                prev_ok = ws("prev_ok", t, bool)
-                prev_ok[0] = False
-                if valid is None:
-                    prev_ok[1:] = True
-                else:
-                    prev_ok[1:] = valid[:-1]
-                prev_ok[1:] &= np.logical_not(starts[1:], out=ws("b", t - 1, bool))
-                agreed = ws("agreed", t, bool)
-                agreed[0] = False
-                agreed[1:] = row_agree[:-1]
-                agreed &= prev_ok
-                rc = np.subtract(2, prev_ok.view(np.uint8), out=ws("dig_rc", t, np.uint8))
-                rc -= agreed.view(np.uint8)
-                dims.append(("routing_delta", rc, len(ROUTING_DELTA_LABELS), None))
+            sizes.append(len(ROUTING_DELTA_LABELS))
+            names.append(("routing_delta", None))
+        layer_agree = np.zeros(rr.shape[1], np.int64)
+        layer_hits = np.zeros(rr.shape[1], np.int64)
+        # one histogram per group of dimensions; kernel slot of each dimension (see breakdown_block)
+        slots = ([0, 1, 2, 3, 4] if has_keys else []) + ([5] if has_routing else [])
+        groups = _group_dims(sizes) if n else []
+        mult = np.zeros((len(groups), 6), np.int64)
+        totals = []
+        for g, members in enumerate(groups):
+            stride = 3
+            for i in reversed(members):
+                mult[g, slots[i]] = stride
+                stride *= sizes[i]
+            totals.append(stride)
+        counts = np.zeros((len(groups), max(totals, default=1)), np.int64)
+        sums = np.zeros(counts.shape, np.float64)
+        if n or has_routing:
+            ent_digit = _entropy_digits(ent, ws) if has_keys and groups else _NO_BYTES
+            prob_edges = _LOG_PROB_INNER_F32_ARR if lr.dtype == np.float32 else _LOG_PROB_INNER
+            valid = _NO_BYTES if vcol is None else np.asarray(vcol).view(np.uint8) if np.asarray(vcol).dtype == bool \
+                else np.asarray(vcol)
+            row_agree = ws("row_agree", t, bool) if has_routing else _NO_FLAGS
+            if has_routing:
+                kern.routing_rows(rr, rt, valid, vcol is not None, row_agree, layer_agree, layer_hits)
+            if groups:
+                kern.breakdown_block(lm, lr, lt, off, turn, pver, ent_digit, has_keys, prob_edges, _POS_LUT,
+                                     int(tlo), int(thi - tlo) + 1, int(vhi), int(vhi - vlo) + 1,
+                                     row_agree, valid, has_routing, vcol is not None, mult, counts, sums)
         joint = []
-        if dims and n:
-            cls = np.multiply(np.logical_not(mask, out=ws("b", t, bool)).view(np.uint8), 2,
-                              out=ws("cls", t, np.uint8))
-            neg = np.less(dfull, 0, out=ws("neg", t, bool))
-            neg &= mask
-            cls |= neg.view(np.uint8)
-            joint = _joint_hist(dims, cls, dfull, ws)
+        for g, members in enumerate(groups):
+            sig = tuple((names[i][0], sizes[i], names[i][1]) for i in members)
+            joint.append((sig, counts[g, :totals[g]], sums[g, :totals[g]]))
+        routing = None
+        if has_routing:
+            rows = t if vcol is None else int(np.count_nonzero(vcol))
+            routing = (rows, layer_agree, layer_hits, int(rr.shape[2]))
 
         def top(sel: np.ndarray) -> list[TopToken]:
             tok = idx[sel]
@@ -1112,15 +1050,16 @@ class MismatchAccumulator:
                 out.append(TopToken(
                     step=step, token=token0 + i, sample=sample0 + row, delta=float(d[p]), rollout_logprob=float(r[p]),
                     old_logprob=float(o[p]),
-                    position=None if pos is None else int(pos[i]),
-                    turn=None if turn is None else int(turn[i]),
-                    policy_version=None if pver is None else int(pver[i]),
-                    lag=None if pver is None else policy_version - int(pver[i]),
+                    position=None if not has_keys else _position_of(i, int(off[row]), lm, turn),
+                    turn=None if not has_keys else int(turn[i]),
+                    policy_version=None if not has_keys else int(pver[i]),
+                    lag=None if not has_keys else policy_version - int(pver[i]),
                     entropy=None if ent is None else float(np.float32(ent[i])),
-                    routing=None if rc is None else ROUTING_DELTA_LABELS[int(rc[i])]))
+                    routing=None if not has_routing else
+                    ROUTING_DELTA_LABELS[_routing_class(i, int(off[row]), rr, rt, vcol)]))
             return out
 
-        return _StepView(num_tokens=t, num_generated=int(np.count_nonzero(gen)), d=d, r=r, o=o,
+        return _StepView(num_tokens=t, num_generated=int(num_gen), d=d, r=r, o=o,
                          joint=joint, routing=routing, top=top, lag=lag)
 
     def add(self, st: StepTokens) -> dict[str, Any]:
@@ -1180,7 +1119,7 @@ class MismatchAccumulator:
         d = sv.d
         ad = np.abs(d, out=ws("ad", d.size, np.float64))
         m = _Moments()
-        m.add(d, sv.r, sv.o, cfg, ad, ws)
+        m.add(d, sv.r, sv.o, cfg, ws)
         ss.moments.merge(m)
         ss.tokens += sv.num_tokens
         ss.generated += sv.num_generated
@@ -1577,6 +1516,25 @@ class _Failure:
     error: BaseException
 
 
+def _load_kernels(reader: Any, step: int, cfg: MismatchConfig) -> None:
+    """Compile (or load from numba's cache) the kernels for this trace's column types by analysing
+    the first sample of ``step``, so that forked workers inherit them instead of each paying the
+    ~0.5 s load. A step that cannot be read is left to the analysis to report."""
+    required, optional = cfg.columns()
+    try:
+        with reader.open(step) as sf:
+            off = np.asarray(sf["/samples/offsets"], dtype=np.int64)
+            if off.size < 2:
+                return
+            end = int(off[1])
+            cols = {name: sf.read_slice(name, 0, end) for name in [*required, *optional]
+                    if name != "/samples/offsets" and name in sf}
+        cols["/samples/offsets"] = np.array([0, end], dtype=np.int64)
+        MismatchAccumulator(cfg).add_columns(step, 0, cols)
+    except (TraceError, KeyError, OSError, ValueError):
+        return
+
+
 def mismatch_report(reader: Any, steps: list[int] | None, cfg: MismatchConfig, *,
                     context: bool = True, workers: int = 1) -> tuple[dict[str, Any], MismatchAccumulator]:
     """What ``axrl-debug mismatch`` computes: stream the selected steps (only the datasets the
@@ -1596,6 +1554,8 @@ def mismatch_report(reader: Any, steps: list[int] | None, cfg: MismatchConfig, *
         workers = auto_workers(paths)
     groups = _partition(steps, [p.stat().st_size for p in paths], workers) if workers > 1 and len(steps) > 1 else [steps]
     children: list[_Forked] = []
+    if len(groups) > 1:
+        _load_kernels(reader, groups[0][0], cfg)
     try:
         children += [_Forked(_worker, str(reader.path), g, cfg) for g in groups[1:]]
         acc = _read_steps(reader, groups[0], cfg)
