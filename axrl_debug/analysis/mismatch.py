@@ -1,4 +1,4 @@
-"""Training–inference mismatch over the generated tokens of a trace, vectorised over CSR arrays.
+"""Training–inference mismatch over the generated tokens of a trace, streamed over CSR arrays.
 
 Definitions (docs/debugging.md explains them with examples)
 ------------------------------------------------------------
@@ -58,9 +58,11 @@ that hold the needed order statistics, and only the values inside those bins are
 A step is processed in blocks of whole samples (``_BLOCK_TOKENS``, so that the work arrays stay
 small whatever the step size) whose sums are added (Chan's update for the correlation's centred
 moments). Breakdown sums are accumulated in joint histograms (every breakdown key plus the sign
-of Δ as the digits of one bin index), marginalised once at the end. Both equal the plain per-step
-and per-bucket sums up to float summation order (~1e-15 relative). Ties among the worst tokens
-are broken by (step, token) ascending.
+of Δ as the digits of one bin index), marginalised once at the end. The per-token loops (token
+selection, breakdown keys and histograms, routing comparison, moment sums) are compiled with numba
+(``kernels``); the moment sums may be vectorised (re-associated), so they equal the plain sums up to
+float summation order (~1e-13 relative; deterministic for a given machine). Ties among the worst
+tokens are broken by (step, token) ascending.
 """
 
 from __future__ import annotations
