@@ -52,6 +52,47 @@ def train(
                   f"(inspect with `axrl-debug summary {out}`)")
 
 
+@app.command("serve")
+def serve(
+    model_path: Path = typer.Option(..., "--model-path", help="HF model directory (e.g. from `axrl model init`)."),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(30000, "--port"),
+    max_running_requests: int = typer.Option(64, "--max-running-requests", "--max-batch-size",
+                                             help="Engine slots: sequences decoded together."),
+    context_length: int = typer.Option(1024, "--context-length", "--max-seq-len",
+                                       help="Longest prompt + output a request may reach."),
+    enable_return_routed_experts: bool = typer.Option(False, "--enable-return-routed-experts",
+                                                      help="Allow return_routed_experts (R3)."),
+    random_seed: int = typer.Option(0, "--random-seed", help="Seed of requests without a sampling_seed."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    served_model_name: str | None = typer.Option(None, "--served-model-name"),
+    weight_version: str = typer.Option("0", "--weight-version", help="Version of the weights loaded at start."),
+    decode_impl: str = typer.Option("fused", "--decode-impl", help="fused or model (see docs/engines.md)."),
+    threads: int = typer.Option(1, "--threads", help="torch threads of the engine."),
+    log_level: str = typer.Option("warning", "--log-level"),
+) -> None:
+    """Serve a model over HTTP with SGLang's API subset and OpenAI endpoints (see docs/sglang.md)."""
+    if not (model_path / "config.json").is_file():
+        raise fail(f"--model-path {model_path}: no config.json (create one with `axrl model init`)")
+    if dtype not in ("float32", "bfloat16"):
+        raise fail(f"--dtype {dtype!r}: choose float32 or bfloat16")
+    if decode_impl not in ("fused", "model"):
+        raise fail(f"--decode-impl {decode_impl!r}: choose fused or model")
+    if max_running_requests < 1 or context_length < 2 or threads < 1:
+        raise fail("--max-running-requests and --threads must be >= 1, --context-length >= 2")
+    from axrl.inference.server import ServeConfig
+    from axrl.inference.server import serve as run_server
+
+    try:
+        run_server(ServeConfig(
+            model_path=str(model_path), host=host, port=port, max_running_requests=max_running_requests,
+            context_length=context_length, enable_return_routed_experts=enable_return_routed_experts,
+            random_seed=random_seed, dtype=dtype, served_model_name=served_model_name, weight_version=weight_version,
+            decode_impl=decode_impl, threads=threads, log_level=log_level))
+    except (FileNotFoundError, ValueError) as e:
+        raise fail(str(e))
+
+
 @model_app.command("init")
 def model_init(
     preset: str = typer.Option(..., "--preset", help="Model preset: tiny-moe, tiny-dense or micro-moe."),

@@ -31,8 +31,42 @@ class DataSection(Section):
     task_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the task")
 
 
+class SGLangSection(Section):
+    """`rollout.engine: sglang`: connect to running servers (`urls`) or launch them (docs/sglang.md)."""
+
+    urls: list[str] = Field(default_factory=list, description="connect to these servers instead of launching")
+    server: Literal["sglang", "axrl"] = Field("sglang", description="what the launcher starts: "
+                                              "sglang.launch_server or `axrl serve`")
+    num_servers: int = Field(1, ge=1)
+    base_port: int = Field(30000, ge=1, le=65535, description="first port tried; busy ones are skipped")
+    python: str | None = Field(None, description="interpreter of the SGLang environment (default: this one)")
+    cpu_compat: bool = Field(False, description="start SGLang through cpu_compat.py (CPU-only debugging aid)")
+    server_args: list[str] = Field(default_factory=list, description="extra flags for every server")
+    startup_timeout_s: float = Field(300.0, gt=0)
+    log_dir: str | None = Field(None, description="server logs (default: last lines kept in memory)")
+    weight_sync: Literal["disk", "distributed"] = "disk"
+    sync_backend: Literal["gloo", "nccl"] = Field("gloo", description="process-group backend of distributed sync")
+    export_dir: str | None = Field(None, description="HF directories for start-up and disk sync (default: temp)")
+    max_concurrency: int = Field(64, ge=1, description="HTTP requests in flight")
+    timeout_s: float = Field(600.0, gt=0, description="per-request timeout")
+    retries: int = Field(3, ge=0)
+    backoff_s: float = Field(0.5, ge=0, description="first retry delay, doubled each retry")
+    watchdog_s: float = Field(0.0, ge=0, description="restart crashed launched servers every K s (0 = on failure only)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "SGLangSection":
+        bad = [u for u in self.urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"urls: {bad[0]!r} is not an http(s) URL such as http://127.0.0.1:30000")
+        taken = {"--model-path", "--host", "--port"} & {a.split("=")[0] for a in self.server_args}
+        if taken:
+            raise ValueError(f"server_args: {sorted(taken)} are set by the launcher (model export, base_port)")
+        return self
+
+
 class RolloutSection(Section):
     engine: Literal["embedded", "sglang"] = "embedded"
+    sglang: SGLangSection = Field(default_factory=SGLangSection)
     group_size: int = Field(8, ge=1, description="samples per prompt (GRPO group)")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -63,8 +97,27 @@ class AlgoSection(Section):
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
 
 
+class MegatronSection(Section):
+    """`train.backend: megatron` layout (docs/megatron.md); world size = tensor_parallel, on one machine."""
+
+    tensor_parallel: int = Field(1, ge=1, description="TP ranks (worker processes when > 1)")
+    expert_parallel: int = Field(1, ge=1, description="EP size; must divide tensor_parallel")
+    sequence_parallel: bool = Field(True, description="required when tensor_parallel > 1")
+    moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+
+    @model_validator(mode="after")
+    def _layout(self) -> "MegatronSection":
+        if self.tensor_parallel % self.expert_parallel:
+            raise ValueError(f"expert_parallel={self.expert_parallel} must divide tensor_parallel="
+                             f"{self.tensor_parallel} (experts are spread over the TP ranks)")
+        if self.tensor_parallel > 1 and not self.sequence_parallel:
+            raise ValueError("tensor_parallel > 1 needs sequence_parallel: true (Megatron MoE + TP training)")
+        return self
+
+
 class TrainSection(Section):
     backend: Literal["torch", "megatron"] = "torch"
+    megatron: MegatronSection = Field(default_factory=MegatronSection)
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)

@@ -264,6 +264,19 @@ class EmbeddedEngine:
         _resolve(seq.future, self._scheduler.result(seq, {"type": "abort", "message": "aborted by client"}))
         return True
 
+    def progress(self, rid: str) -> tuple[list[int], list[float]] | None:
+        """Snapshot of the tokens (and logprobs, if requested) a request in flight has generated so
+        far, or None when it is not in flight (finished or unknown). For streaming servers."""
+        with self._inbox.cv:
+            seq = self._inbox.live.get(rid)
+            if seq is None:
+                return None
+            ids, logprobs = list(seq.output_ids), list(seq.logprobs)
+        # The scheduler appends ids and logprobs without the lock: trim a half-appended token.
+        if seq.req.return_logprob and len(logprobs) < len(ids):
+            ids = ids[:len(logprobs)]
+        return ids, logprobs[:len(ids)]
+
     def update_weights(self, source: Any, version: int | None = None) -> int:
         """Load new weights and return the new version (`version`, else the previous one + 1).
 

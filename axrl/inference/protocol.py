@@ -45,6 +45,9 @@ class GenerateRequest:
     # Rows of routing to skip (multi-turn callers already hold the earlier rows), as in SGLang.
     routed_experts_start_len: int = 0
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Routing hint for multi-server engines: requests with the same key go to the same server, so
+    # a trajectory's turns reuse that server's prefix cache. Single-engine implementations ignore it.
+    sticky_key: str | None = None
 
 
 @dataclass

@@ -108,6 +108,7 @@ async def run_episode(
             return_logprob=True,
             return_routed_experts=return_routing,
             routed_experts_start_len=held,
+            sticky_key=f"{group_id}:{sample_id}",  # one server per episode: its prefix stays cached
         )
         result = await engine.generate(request)
         _append_generated(traj, result, turn)

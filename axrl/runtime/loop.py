@@ -59,19 +59,45 @@ def initial_model(cfg: Config, tokenizer: Tokenizer) -> Qwen3ForCausalLM:
 
 def make_backend(cfg: Config, model: Qwen3ForCausalLM, tokenizer: Tokenizer, *, lr: float | None = None,
                  total_updates: int = 0) -> TrainBackend:
-    if cfg.train.backend != "torch":
-        raise NotImplementedError(f"train.backend={cfg.train.backend!r} is not available yet; use 'torch'")
     t = cfg.train
-    return TorchBackend(model, TorchBackendConfig(
+    common = dict(
         lr=lr or t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
         lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=total_updates,
         micro_batch_tokens=t.micro_batch_tokens, seed=cfg.seed, num_threads=cfg.runtime.threads,
-        deterministic=cfg.runtime.deterministic), tokenizer=tokenizer)
+        deterministic=cfg.runtime.deterministic)
+    if t.backend == "megatron":
+        # Imported here: `import axrl` and the torch path never import megatron-core (2-6 s).
+        from axrl.train.megatron import MegatronBackend, MegatronBackendConfig
+
+        m = t.megatron
+        return MegatronBackend(model, MegatronBackendConfig(
+            **common, tensor_parallel=m.tensor_parallel, expert_parallel=m.expert_parallel,
+            sequence_parallel=m.sequence_parallel, moe_dispatcher=m.moe_dispatcher,
+            data_parallel=m.data_parallel), tokenizer=tokenizer)
+    return TorchBackend(model, TorchBackendConfig(**common), tokenizer=tokenizer)
+
+
+def policy_model(backend: TrainBackend) -> Qwen3ForCausalLM:
+    """The trainer's weights as an embedded (HF-layout) model, which the engine is built from:
+    the torch backend's own model, or a copy gathered from a backend that keeps another layout."""
+    model = getattr(backend, "model", None)
+    return model if isinstance(model, Qwen3ForCausalLM) else backend.hf_model()  # type: ignore[attr-defined]
+
+
+def warmup_backend(cfg: Config, c: "Components") -> TrainBackend:
+    """A trainer on the RL backend's model with its own optimizer at the warm-up learning rate."""
+    if cfg.train.backend == "megatron":
+        config = dataclasses.replace(c.backend.config, lr=cfg.warmup.lr, total_steps=0)  # type: ignore[attr-defined]
+        return c.backend.with_optimizer(config)  # type: ignore[attr-defined]
+    return make_backend(cfg, c.backend.model, c.tokenizer, lr=cfg.warmup.lr)  # type: ignore[attr-defined]
 
 
 def make_engine(cfg: Config, model: Qwen3ForCausalLM, tokenizer: Tokenizer) -> InferenceEngine:
-    if cfg.rollout.engine != "embedded":
-        raise NotImplementedError(f"rollout.engine={cfg.rollout.engine!r} is not available yet; use 'embedded'")
+    if cfg.rollout.engine == "sglang":
+        # Launches (or connects to) SGLang / `axrl serve` servers holding an exported copy of the model.
+        from axrl.inference.sglang.factory import build_sglang_engine
+
+        return build_sglang_engine(cfg, model, tokenizer)
     # The engine owns a separate copy of the weights, as a remote server would; weight sync copies into it.
     engine_model = Qwen3ForCausalLM(model.config).to(next(model.parameters()).dtype)
     engine_model.load_state_dict(model.state_dict())
@@ -91,7 +117,7 @@ def build(cfg: Config) -> Components:
     loader = (PromptLoader.from_file(cfg.data.path, seed=cfg.seed) if cfg.data.path
               else PromptLoader.from_task(task, seed=cfg.seed))
     backend = make_train_backend(cfg, tokenizer)
-    model = backend.model
+    model = policy_model(backend)
     engine = make_engine(cfg, model, tokenizer)
     r = cfg.rollout
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
@@ -166,7 +192,7 @@ def start(cfg: Config, c: Components, run: RunDir, resume: bool, progress: Train
                        threads=torch.get_num_threads(), extra={"task": c.task.name})
     if cfg.warmup.steps:
         progress.phase("warm-up")
-        warm_backend = make_backend(cfg, c.backend.model, c.tokenizer, lr=cfg.warmup.lr)
+        warm_backend = warmup_backend(cfg, c)
         losses = warm_up(warm_backend, c.tokenizer, c.task, steps=cfg.warmup.steps,
                          batch_size=cfg.warmup.batch_size, seed=cfg.seed)
         progress.log(f"warm-up: {cfg.warmup.steps} supervised steps, loss {losses[0]:.3f} → {losses[-1]:.3f}")
@@ -226,5 +252,8 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Path:
                 progress.step_done(metrics)
     finally:
         c.engine.shutdown()
+        close = getattr(c.backend, "close", None)  # the Megatron backend's worker processes
+        if close is not None:
+            close()
     return run_path
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import torch
 from safetensors.torch import load_file, save_file
 
-from axrl.model import Qwen3ForCausalLM, hf_state_dict, load_weights_into, save_hf
+from axrl.model import ModelConfig, Qwen3ForCausalLM, hf_state_dict, load_weights_into, save_hf
 from axrl.train.determinism import RngState, capture_rng_state, restore_rng_state, set_determinism
 from axrl.train.fingerprint import weights_fingerprint
 from axrl.train.metrics import reduce_microbatch_metrics
@@ -113,6 +113,22 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Te
         g.mul_(coef.to(g.device, g.dtype))
 
 
+def use_r3(cfg: ModelConfig, batch: PackedBatch, r3: bool) -> bool:
+    """Whether a forward replays `batch.routed_experts` (R3): r3 on an MoE model, with routing of
+    the right shape and range (else ValueError)."""
+    if not r3 or not cfg.is_moe:
+        return False  # a dense model has no routing to replay
+    re = batch.routed_experts
+    if re is None:
+        raise ValueError("r3=True but PackedBatch.routed_experts is None")
+    want = (cfg.num_hidden_layers, cfg.num_experts_per_tok)
+    if re.ndim != 3 or tuple(re.shape[1:]) != want:
+        raise ValueError(f"PackedBatch.routed_experts has shape {tuple(re.shape)}, expected [T, {want[0]}, {want[1]}]")
+    if re.numel() and (int(re.min()) < 0 or int(re.max()) >= cfg.num_experts):
+        raise ValueError(f"PackedBatch.routed_experts holds expert ids outside [0, {cfg.num_experts})")
+    return True
+
+
 class TorchBackend:
     """`TrainBackend` over the embedded `Qwen3ForCausalLM`, in-process.
 
@@ -145,18 +161,7 @@ class TorchBackend:
         return micro_batches(batch, self.config.micro_batch_tokens, self.config.micro_batch_size)
 
     def _use_r3(self, batch: PackedBatch, r3: bool) -> bool:
-        cfg = self.model.config
-        if not r3 or not cfg.is_moe:
-            return False  # a dense model has no routing to replay
-        re = batch.routed_experts
-        if re is None:
-            raise ValueError("r3=True but PackedBatch.routed_experts is None")
-        want = (cfg.num_hidden_layers, cfg.num_experts_per_tok)
-        if re.ndim != 3 or tuple(re.shape[1:]) != want:
-            raise ValueError(f"PackedBatch.routed_experts has shape {tuple(re.shape)}, expected [T, {want[0]}, {want[1]}]")
-        if re.numel() and (int(re.min()) < 0 or int(re.max()) >= cfg.num_experts):
-            raise ValueError(f"PackedBatch.routed_experts holds expert ids outside [0, {cfg.num_experts})")
-        return True
+        return use_r3(self.model.config, batch, r3)
 
     def _run(self, mb: PackedBatch, r3: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Packed (logprobs, entropy, routing) [T_mb] of one micro-batch, on the model's device."""

@@ -1,0 +1,84 @@
+"""Build the SGLang rollout engine of a run from `rollout.sglang` (launch servers or connect)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from axrl.config import Config
+from axrl.inference.sglang.client import SGLangEngine
+from axrl.inference.sglang.launcher import SGLangLauncher
+from axrl.model import Qwen3ForCausalLM, hf_state_dict, save_hf
+from axrl.tokenizer import Tokenizer
+
+CPU_COMPAT = Path(__file__).with_name("cpu_compat.py")
+
+
+def server_command(cfg: Config) -> tuple[list[str], list[str]]:
+    """(argv prefix that starts one server, flags for every server) for `rollout.sglang`."""
+    s, r = cfg.rollout.sglang, cfg.rollout
+    if s.server == "axrl":
+        args = ["--max-running-requests", str(r.max_batch_size), "--context-length", str(r.max_context_len),
+                "--random-seed", str(cfg.seed), "--threads", str(cfg.runtime.threads), "--dtype", cfg.model.dtype]
+        return [sys.executable, "-m", "axrl.cli", "serve"], args
+    python = s.python or sys.executable
+    _check_sglang(python)
+    command = [python, str(CPU_COMPAT)] if s.cpu_compat else [python, "-m", "sglang.launch_server"]
+    # --dtype explicitly: with "auto" SGLang serves a float32 checkpoint in float16 (measured: 2e-3
+    # logprob mismatch instead of 5e-7).
+    return command, ["--random-seed", str(cfg.seed), "--context-length", str(r.max_context_len),
+                     "--max-running-requests", str(r.max_batch_size), "--dtype", cfg.model.dtype]
+
+
+def _check_sglang(python: str) -> None:
+    """Fail early, with what to do, when the chosen interpreter has no sglang."""
+    hint = ("install it (GPU: pip install 'axrl[sglang]'; CPU: scripts/sglang-cpu-env.sh DIR and "
+            "rollout.sglang.python=DIR/bin/python with rollout.sglang.cpu_compat=true), or set "
+            "rollout.sglang.server=axrl to serve with `axrl serve`")
+    if python == sys.executable:
+        if importlib.util.find_spec("sglang") is None:
+            raise ValueError(f"rollout.sglang.server=sglang but the sglang package is not installed here; {hint}")
+        return
+    if not Path(python).is_file():
+        raise ValueError(f"rollout.sglang.python={python!r} does not exist; {hint}")
+    probe = subprocess.run([python, "-c", "import importlib.util,sys; sys.exit(importlib.util.find_spec('sglang') is None)"],
+                           capture_output=True, timeout=60)
+    if probe.returncode != 0:
+        raise ValueError(f"rollout.sglang.python={python} has no sglang package; {hint}")
+
+
+def build_sglang_engine(cfg: Config, model: Qwen3ForCausalLM, tokenizer: Tokenizer) -> SGLangEngine:
+    """Launch (or connect to) the servers and return a client holding the run's initial weights."""
+    s = cfg.rollout.sglang
+    export = Path(s.export_dir) if s.export_dir else Path(tempfile.mkdtemp(prefix="axrl-sglang-"))
+    temporary = [] if s.export_dir else [export]
+    # Servers load an HF directory, so the run's initial model is exported first.
+    initial = save_hf(model, export / "initial", tokenizer=tokenizer)
+    routing = (model.config.num_hidden_layers, model.config.num_experts_per_tok) if model.config.is_moe else None
+    common = dict(max_concurrency=s.max_concurrency, timeout_s=s.timeout_s, retries=s.retries, backoff_s=s.backoff_s,
+                  weight_sync=s.weight_sync, sync_backend=s.sync_backend, export_dir=export / "sync",
+                  model_dir=initial, routing_shape=routing, vocab_size=model.config.vocab_size)
+    if s.urls:
+        engine = SGLangEngine(s.urls, **common)
+        engine.cleanup += temporary
+        # Servers started elsewhere hold their own weights: give them the run's.
+        engine.update_weights(hf_state_dict(model), version=0)
+        return engine
+    command, args = server_command(cfg)
+    if model.config.is_moe:
+        args.append("--enable-return-routed-experts")
+    launcher = SGLangLauncher(initial, num_servers=s.num_servers, base_port=s.base_port,
+                              server_args=[*args, *s.server_args], command=command,
+                              env={"OMP_NUM_THREADS": str(cfg.runtime.threads), "TOKENIZERS_PARALLELISM": "false"},
+                              startup_timeout_s=s.startup_timeout_s, log_dir=s.log_dir, watchdog_s=s.watchdog_s)
+    urls = launcher.start()
+    try:
+        engine = SGLangEngine(urls, launcher=launcher, **common)
+        engine.cleanup += temporary
+        return engine
+    except BaseException:
+        launcher.stop()
+        raise

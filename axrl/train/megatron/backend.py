@@ -1,0 +1,287 @@
+"""`MegatronBackend`: the `TrainBackend` protocol over megatron-core's `GPTModel`.
+
+The driver (this object) holds the public API, the learning-rate schedule, RNG state and
+checkpoints; the ranks (`rank.py`) hold the model shards and optimizer state — in this process
+at world size 1, in spawned worker processes for tensor / expert parallelism (`parallel.py`).
+Weights and optimizer moments leave the ranks in the Hugging Face layout (`convert.py`), so
+weight sync, `export_hf`, the trace fingerprint and checkpoints are the embedded backend's:
+a checkpoint written by one backend (or one parallel layout) loads into the other.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from axrl.model import ModelConfig, Qwen3ForCausalLM, hf_state_dict, load_weights_into, save_hf
+from axrl.train.determinism import capture_rng_state, restore_rng_state, set_determinism
+from axrl.train.fingerprint import weights_fingerprint
+from axrl.train.metrics import reduce_microbatch_metrics
+from axrl.train.protocol import ForwardResult, LossFn, PackedBatch, StepStats, TrainMetrics
+from axrl.train.torch_backend import TorchBackend, TorchBackendConfig, lr_at, use_r3
+
+INSTALL_HINT = "train.backend=megatron needs megatron-core: pip install 'axrl[megatron]'"
+DISPATCHERS = ("alltoall", "allgather")
+_slot_ids = itertools.count(1)
+
+
+def require_megatron() -> None:
+    """Raise ImportError with the install command when megatron-core is missing."""
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"{INSTALL_HINT} ({e})") from None
+
+
+@dataclass
+class MegatronBackendConfig(TorchBackendConfig):
+    """`TorchBackendConfig` (optimizer, schedule, micro-batching, determinism) + the parallel layout.
+
+    World size = tensor_parallel; expert_parallel divides it (experts fold into the TP ranks), so
+    data parallelism is never needed on one machine. Sequence parallelism is required with TP > 1
+    (MoE + TP training needs it in Megatron).
+    """
+
+    tensor_parallel: int = 1
+    expert_parallel: int = 1
+    sequence_parallel: bool = True      # used when tensor_parallel > 1
+    moe_dispatcher: str = "alltoall"    # alltoall | allgather
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("tensor_parallel", "expert_parallel"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        tp, ep = self.tensor_parallel, self.expert_parallel
+        if tp % ep:
+            raise ValueError(f"expert_parallel={ep} must divide tensor_parallel={tp}: the experts are spread "
+                             "over the tensor-parallel ranks (world size = tensor_parallel)")
+        if tp > 1 and not self.sequence_parallel:
+            raise ValueError("tensor_parallel > 1 needs sequence_parallel=true (Megatron's MoE + TP training requires it)")
+        if self.moe_dispatcher not in DISPATCHERS:
+            raise ValueError(f"moe_dispatcher must be one of {DISPATCHERS}, got {self.moe_dispatcher!r}")
+
+
+def check_parallel_fit(cfg: ModelConfig, c: MegatronBackendConfig) -> None:
+    """The model's head / expert counts must split evenly over the parallel sizes."""
+    tp, ep = c.tensor_parallel, c.expert_parallel
+    if cfg.num_key_value_heads % tp:
+        raise ValueError(f"train.megatron.tensor_parallel={tp} must divide the model's num_key_value_heads "
+                         f"({cfg.num_key_value_heads})")
+    if cfg.vocab_size % tp:
+        raise ValueError(f"train.megatron.tensor_parallel={tp} must divide vocab_size ({cfg.vocab_size})")
+    if torch.cuda.is_available() and tp > torch.cuda.device_count():
+        raise ValueError(f"train.megatron.tensor_parallel={tp} needs {tp} GPUs (one rank per GPU, NCCL); this "
+                         f"machine has {torch.cuda.device_count()}")
+    if ep > 1 and (not cfg.is_moe or cfg.num_experts % ep):
+        raise ValueError(f"train.megatron.expert_parallel={ep} must divide the model's num_experts ({cfg.num_experts})")
+
+
+class MegatronBackend:
+    """`TrainBackend` over megatron-core; built from an HF-layout `Qwen3ForCausalLM` (its initial weights).
+
+    Same semantics as `TorchBackend` — micro-batch order, loss normalisation, AdamW with decay on
+    matrices, clipping, skipped non-finite updates, LR schedule, checkpoint files — so the loop,
+    trace, mismatch analysis and replay use either unchanged. Call `close()` (or let the process
+    exit) to stop worker processes.
+    """
+
+    def __init__(self, model: Qwen3ForCausalLM, config: MegatronBackendConfig | None = None, tokenizer: Any = None) -> None:
+        require_megatron()
+        self.config = config = config or MegatronBackendConfig()
+        self.model_config: ModelConfig = model.config
+        self.tokenizer = tokenizer
+        self._slot = "main"
+        check_parallel_fit(model.config, config)
+        if config.deterministic:
+            set_determinism(config.seed, config.num_threads, deterministic=True)
+            from axrl.train.megatron.rank import relax_on_cuda
+            relax_on_cuda()
+        elif config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        from axrl.train.megatron.convert import to_megatron
+        from axrl.train.megatron.model import ParallelSizes
+        from axrl.train.megatron.parallel import InProcessGroup, WorkerGroup
+
+        sizes = ParallelSizes(config.tensor_parallel, config.expert_parallel,
+                              config.sequence_parallel and config.tensor_parallel > 1)
+        # fp32 weights on the ranks whatever the model dtype (bf16 runs autocast, see module doc)
+        weights = {k: v.detach().to("cpu", torch.float32)
+                   for k, v in to_megatron(hf_state_dict(model), model.config).items()}
+        group_cls = InProcessGroup if sizes.world_size == 1 else WorkerGroup
+        self._group = group_cls(model.config, sizes, config.moe_dispatcher, weights, config.seed,
+                                config.num_threads or torch.get_num_threads())
+        self._dtype = next(model.parameters()).dtype
+        self.scheduler_step = 0
+        self.skipped_steps = 0
+        self._has_grads = False
+        # Shared with `with_optimizer` siblings (same ranks): whoever changes the weights clears it.
+        self._cache: dict[str, dict[str, torch.Tensor] | None] = {"weights": None}
+
+    def with_optimizer(self, config: MegatronBackendConfig) -> "MegatronBackend":
+        """A backend on the same model (same ranks, same weights) with its own optimizer and
+        schedule — what a supervised warm-up before RL uses, like a second `TorchBackend` on one model."""
+        other = MegatronBackend.__new__(MegatronBackend)
+        other.__dict__.update(self.__dict__)
+        other.config, other._slot = config, f"extra-{next(_slot_ids)}"
+        other.scheduler_step = other.skipped_steps = 0
+        other._has_grads = False
+        return other
+
+    # ------------------------------------------------------------------ forward / backward
+    def _knobs(self) -> Any:
+        from axrl.train.megatron.rank import StepKnobs
+
+        c = self.config
+        return StepKnobs(dtype=c.dtype, micro_batch_tokens=c.micro_batch_tokens, micro_batch_size=c.micro_batch_size)
+
+    def _use_r3(self, batch: PackedBatch, r3: bool) -> bool:
+        return use_r3(self.model_config, batch, r3)
+
+    def forward(self, batch: PackedBatch, *, r3: bool = False) -> ForwardResult:
+        """No-grad logprobs/entropy [T] (fp32) and the routing [T, L, k] this forward used."""
+        logprobs, entropy, routing = self._group.call("forward", _cpu(batch), self._use_r3(batch, r3), self._knobs())[0]
+        dev = batch.input_ids.device
+        return ForwardResult(logprobs=logprobs.to(dev), entropy=entropy.to(dev),
+                             routed_experts=None if routing is None else routing.to(dev))
+
+    def forward_backward(self, batch: PackedBatch, loss_fn: LossFn, *, r3: bool = False) -> TrainMetrics:
+        """Accumulate grads of `loss_fn` micro-batch by micro-batch (fixed order, see micro_batch.py)."""
+        rows = self._group.call("forward_backward", _cpu(batch), loss_fn, self._use_r3(batch, r3), self._knobs())[0]
+        self._has_grads = True
+        return TrainMetrics(loss=sum(r["loss"] for r in rows), micro_batches=rows,
+                            metrics={**reduce_microbatch_metrics(rows), "num_micro_batches": float(len(rows))})
+
+    def optimizer_step(self) -> StepStats:
+        """Grad norm (before clipping), clip, AdamW step, schedule step, zero grads; a non-finite
+        norm skips the update and the schedule step."""
+        if not self._has_grads:
+            raise RuntimeError("optimizer_step() called without a forward_backward() since the last step")
+        c = self.config
+        lr = lr_at(c, self.scheduler_step)
+        norm = self._group.call("optimizer_step", self._slot, lr, c.grad_clip, c.betas, c.eps, c.weight_decay)[0]
+        if torch.isfinite(torch.tensor(norm)):
+            self.scheduler_step += 1
+            self._cache["weights"] = None
+        else:
+            self.skipped_steps += 1
+        self._has_grads = False
+        return StepStats(grad_norm=norm, lr=lr)
+
+    # ------------------------------------------------------------------ weights
+    def _hf_weights(self) -> dict[str, torch.Tensor]:
+        if self._cache["weights"] is None:
+            from axrl.train.megatron.convert import to_hf, unshard
+
+            full = unshard(self._group.call("local_weights"), num_experts=self.model_config.num_experts)
+            self._cache["weights"] = {k: v.to(self._dtype) for k, v in to_hf(full, self.model_config).items()}
+        return self._cache["weights"]
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Current weights under HF names (tied lm_head omitted), gathered from the ranks."""
+        return iter(self._hf_weights().items())
+
+    def fingerprint(self) -> str:
+        return weights_fingerprint(self.named_weights())
+
+    def hf_model(self) -> Qwen3ForCausalLM:
+        """A new embedded (HF-layout) model holding the current weights."""
+        model = Qwen3ForCausalLM(self.model_config).to(self._dtype)
+        load_weights_into(model, self._hf_weights(), source="Megatron backend weights")
+        return model
+
+    def export_hf(self, directory: str | Path) -> Path:
+        return save_hf(self.hf_model(), directory, self.tokenizer)
+
+    def close(self) -> None:
+        """Stop the worker processes (no-op at world size 1)."""
+        self._group.close()
+
+    # ------------------------------------------------------------------ state
+    def _optimizer_hf(self) -> dict[str, dict[str, torch.Tensor]]:
+        from axrl.train.megatron.convert import to_hf, unshard
+
+        parts = self._group.call("optimizer_state", self._slot)
+        if not parts[0][0]:
+            return {}
+        step = next(iter(parts[0][0].values()))["step"]
+        moments = {k: to_hf(unshard([({n: s[k] for n, s in st.items()}, r) for st, r in parts],
+                                    num_experts=self.model_config.num_experts), self.model_config)
+                   for k in ("exp_avg", "exp_avg_sq")}
+        return {name: {"step": step.clone(), "exp_avg": moments["exp_avg"][name].clone(),
+                       "exp_avg_sq": moments["exp_avg_sq"][name].clone()} for name in moments["exp_avg"]}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue bitwise, in the embedded backend's layout (HF names)."""
+        return {"model": {k: v.clone() for k, v in self._hf_weights().items()}, "optimizer": self._optimizer_hf(),
+                "scheduler_step": self.scheduler_step, "skipped_steps": self.skipped_steps,
+                "rng": capture_rng_state(), "config": self.config.to_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._load_state(state, sources={})
+
+    def _load_state(self, state: dict[str, Any], sources: dict[str, str]) -> None:
+        from axrl.train.megatron.convert import to_megatron
+
+        src = lambda key: sources.get(key, f"state dict['{key}']")  # noqa: E731
+        weights = self._hf_weights()
+        optim = state["optimizer"]
+        self._check_optimizer_state(optim, src("optimizer"))
+        if state.get("config") is not None:
+            self._warn_config_diff(state["config"], src("config"))
+        try:
+            restore_rng_state(state["rng"])
+        except ValueError as e:
+            raise ValueError(f"{src('rng')}: {e}") from e
+        model_sd = state["model"]
+        bad = sorted(set(weights) ^ (set(model_sd) - ({"lm_head.weight"} if self.model_config.tie_word_embeddings else set())))
+        if bad:
+            raise ValueError(f"{src('model')}: weight names do not match the model config ({bad[:5]})")
+        for name, t in model_sd.items():
+            if name in weights and tuple(t.shape) != tuple(weights[name].shape):
+                raise ValueError(f"{src('model')}: '{name}' has shape {tuple(t.shape)}, the model expects {tuple(weights[name].shape)}")
+        cfg = self.model_config
+        self._group.call("load_weights", {k: v.float() for k, v in to_megatron(model_sd, cfg).items()})
+        c = self.config
+        full = {}
+        step = 0.0
+        if optim:
+            step = float(next(iter(optim.values()))["step"])
+            moments = {k: to_megatron({n: s[k].float() for n, s in optim.items()}, cfg) for k in ("exp_avg", "exp_avg_sq")}
+            full = {n: {k: moments[k][n] for k in moments} for n in moments["exp_avg"]}
+        self._group.call("load_optimizer_state", self._slot, full, step, c.betas, c.eps, c.weight_decay)
+        self._group.call("zero_grad")
+        self.scheduler_step = int(state["scheduler_step"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self._has_grads = False
+        self._cache["weights"] = None
+
+    # The checkpoint files (safetensors + JSON, never pickle) and config-difference warning are the
+    # embedded backend's: same state layout, same validation.
+    @property
+    def _params(self) -> list[tuple[str, torch.Tensor]]:
+        """(HF name, weight) pairs: what the embedded backend's state checks compare against."""
+        return list(self._hf_weights().items())
+
+    _check_optimizer_state = TorchBackend._check_optimizer_state
+    _warn_config_diff = TorchBackend._warn_config_diff
+    save = TorchBackend.save
+    load = TorchBackend.load
+
+
+def _cpu(batch: PackedBatch) -> PackedBatch:
+    from dataclasses import fields, replace
+
+    if batch.input_ids.device.type == "cpu":
+        return batch
+    return replace(batch, **{f.name: getattr(batch, f.name).cpu() for f in fields(batch)
+                             if isinstance(getattr(batch, f.name), torch.Tensor)})
+
+
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+warnings.filterwarnings("ignore", message="Apex is not installed.*")

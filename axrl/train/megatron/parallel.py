@@ -1,0 +1,212 @@
+"""Where the ranks live: in the driver process (world size 1) or in worker processes that the
+backend spawns itself (tensor / expert parallel, gloo over localhost; NCCL on GPUs).
+
+Both expose `call(method, *args) -> [result of rank 0, rank 1, …]`: every rank runs the same
+`MegatronRank` method (collectives inside need all of them), in lockstep. Workers get batches and
+return results through pipes; an exception in any worker is re-raised in the driver with the
+worker's traceback, and every wait has a timeout so a wedged collective cannot hang the caller.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import secrets
+import subprocess
+import sys
+import time
+import traceback
+import weakref
+from multiprocessing.connection import Client, Listener, wait
+from typing import Any
+
+from axrl.model import ModelConfig
+from axrl.train.megatron.model import ParallelSizes
+
+#: seconds to wait for a rank's answer (start-up imports megatron-core: several seconds).
+CALL_TIMEOUT_S = float(os.environ.get("AXRL_MEGATRON_TIMEOUT", "600"))
+
+
+_in_process_users = 0  # live InProcessGroups: the last one to close tears the process group down
+
+
+class InProcessGroup:
+    """World size 1: the single rank in this process. The gloo world-1 process group and
+    Megatron's parallel state are process-global; they are destroyed when the last in-process
+    backend closes, so the process (e.g. a test session) can use torch.distributed afterwards."""
+
+    def __init__(self, model_cfg: ModelConfig, sizes: ParallelSizes, dispatcher: str, weights: dict[str, Any],
+                 seed: int, num_threads: int) -> None:
+        global _in_process_users
+        from axrl.train.megatron.rank import MegatronRank, free_port, init_distributed
+
+        init_distributed(0, 1, free_port(), sizes, seed)
+        _in_process_users += 1
+        self._open = True
+        try:
+            self.rank = MegatronRank(model_cfg, sizes, dispatcher, weights)
+        except BaseException:
+            self.close()
+            raise
+        self.world_size = 1
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        if not self._open:
+            raise RuntimeError("the Megatron backend is closed")
+        return [getattr(self.rank, method)(*args)]
+
+    def close(self) -> None:
+        global _in_process_users
+        if not self._open:
+            return
+        self._open = False
+        rank = getattr(self, "rank", None)
+        if rank is not None:
+            rank.release()
+        _in_process_users -= 1
+        if _in_process_users == 0:
+            import torch.distributed as dist
+            from megatron.core import parallel_state as ps
+
+            ps.destroy_model_parallel()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _send(conn: Any, obj: Any) -> None:
+    # Plain pickle bytes: Connection.send would use torch's shared-memory reductions, whose fd
+    # passing needs both processes to share multiprocessing's authkey. Copies are cheap here.
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn: Any) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+def _serve(conn: Any) -> None:
+    """Worker process main loop: receive the init tuple, build the rank, then serve
+    (method, args) messages until ("close",) or until the driver disappears."""
+    rank, world, port, model_cfg, sizes, dispatcher, weights, seed, num_threads = _recv(conn)
+    try:
+        from axrl.train.megatron.rank import MegatronRank, init_distributed, worker_setup
+
+        worker_setup(seed, num_threads)
+        init_distributed(rank, world, port, sizes, seed)
+        state = MegatronRank(model_cfg, sizes, dispatcher, weights)
+        _send(conn, ("ok", None))
+    except BaseException:  # noqa: BLE001 - reported to the driver, which raises
+        _send(conn, ("error", traceback.format_exc()))
+        return
+    while True:
+        try:
+            msg = _recv(conn)
+        except (EOFError, OSError):
+            return  # driver gone
+        if msg[0] == "close":
+            break
+        try:
+            _send(conn, ("ok", getattr(state, msg[0])(*msg[1])))
+        except BaseException:  # noqa: BLE001
+            _send(conn, ("error", traceback.format_exc()))
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class WorkerGroup:
+    """`sizes.world_size` worker processes, one rank each.
+
+    Workers are fresh interpreters (`python -m axrl.train.megatron.parallel`), not
+    multiprocessing children: a spawned child re-imports the caller's `__main__`, which breaks
+    scripts without a main guard. Each connects back over an authenticated localhost socket.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, sizes: ParallelSizes, dispatcher: str, weights: dict[str, Any],
+                 seed: int, num_threads: int) -> None:
+        from axrl.train.megatron.rank import free_port
+
+        self.world_size = sizes.world_size
+        authkey = secrets.token_bytes(16)
+        listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        env = {**os.environ, "AXRL_MEGATRON_ADDR": f"{listener.address[0]}:{listener.address[1]}",
+               "AXRL_MEGATRON_KEY": authkey.hex(), "OMP_NUM_THREADS": str(num_threads or 1),
+               "PYTHONWARNINGS": "ignore"}
+        self.procs = [subprocess.Popen([sys.executable, "-m", "axrl.train.megatron.parallel"], env=env)
+                      for _ in range(self.world_size)]
+        self.conns: list[Any] = []
+        self._closed = False
+        self._finalizer = weakref.finalize(self, WorkerGroup._shutdown, self.conns, self.procs)
+        try:
+            port = free_port()
+            listener._listener._socket.settimeout(CALL_TIMEOUT_S)  # accept() must not wait forever
+            for r in range(self.world_size):
+                try:
+                    conn = listener.accept()
+                except OSError as e:
+                    raise TimeoutError(f"Megatron worker {r} did not connect within {CALL_TIMEOUT_S:.0f} s ({e})") from None
+                self.conns.append(conn)
+                _send(conn, (r, self.world_size, port, model_cfg, sizes, dispatcher, weights, seed, num_threads or 1))
+            self._collect("start-up")
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            listener.close()
+
+    def _collect(self, what: str) -> list[Any]:
+        """Every rank's answer, waiting on all at once: a rank that fails stops the group at
+        once, even while the others sit in a collective waiting for it."""
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        pending = {conn: r for r, conn in enumerate(self.conns)}
+        while pending:
+            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self.close()
+                raise TimeoutError(f"Megatron rank(s) {sorted(pending.values())} gave no answer to {what} within "
+                                   f"{CALL_TIMEOUT_S:.0f} s (set AXRL_MEGATRON_TIMEOUT to wait longer); workers stopped")
+            for conn in ready:
+                r = pending.pop(conn)  # type: ignore[call-overload]
+                try:
+                    status, value = _recv(conn)
+                except (EOFError, OSError):
+                    self.close()
+                    raise RuntimeError(f"Megatron rank {r} died during {what}; workers stopped") from None
+                if status == "error":
+                    self.close()
+                    raise RuntimeError(f"Megatron rank {r} failed in {what}; workers stopped:\n{value}")
+                results[r] = value
+        return [results[r] for r in range(len(self.conns))]
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        if self._closed:
+            raise RuntimeError("the Megatron backend's workers are closed")
+        for conn in self.conns:
+            _send(conn, (method, args))
+        return self._collect(method)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._finalizer()
+
+    @staticmethod
+    def _shutdown(conns: list[Any], procs: list[subprocess.Popen]) -> None:
+        for conn in conns:
+            try:
+                _send(conn, ("close",))
+            except OSError:
+                pass
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+        for conn in conns:
+            conn.close()
+
+
+if __name__ == "__main__":
+    host, _, port_s = os.environ["AXRL_MEGATRON_ADDR"].rpartition(":")
+    _serve(Client((host, int(port_s)), authkey=bytes.fromhex(os.environ["AXRL_MEGATRON_KEY"])))

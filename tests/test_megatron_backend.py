@@ -1,0 +1,341 @@
+"""The Megatron-core train backend against the embedded torch backend: weight conversion, logprob
+and training parity at world size 1 and with TP=2 / EP=2 worker processes, R3 through
+Megatron's RouterReplay, checkpoints, errors. Runs real megatron-core on CPU (gloo)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from axrl.model import build_model, hf_state_dict, preset_config
+from axrl.train import TorchBackend, TorchBackendConfig
+from axrl.train.megatron.convert import shard, to_hf, to_megatron, unshard
+from tests.test_train_backend import make_batch, pg_loss
+
+pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install 'axrl[megatron]')")
+
+from axrl.train.megatron import MegatronBackend, MegatronBackendConfig  # noqa: E402
+
+torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parents[1]
+TOL = 1e-5
+
+
+def torch_backend(seed: int = 0, preset: str = "micro-moe", **cfg) -> TorchBackend:
+    return TorchBackend(build_model(preset_config(preset), seed=seed),
+                        TorchBackendConfig(**{"lr": 1e-2, "num_threads": 1, **cfg}))
+
+
+@pytest.fixture
+def megatron():
+    """Factory for Megatron backends that are all closed after the test (worker processes,
+    the in-process gloo group)."""
+    made: list[MegatronBackend] = []
+
+    def make(seed: int = 0, preset: str = "micro-moe", **cfg) -> MegatronBackend:
+        b = MegatronBackend(build_model(preset_config(preset), seed=seed),
+                            MegatronBackendConfig(**{"lr": 1e-2, "num_threads": 1, **cfg}))
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.close()
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+def weights_diff(a, b) -> float:
+    wa, wb = dict(a.named_weights()), dict(b.named_weights())
+    assert set(wa) == set(wb)
+    return max(max_diff(wa[k], wb[k]) for k in wa)
+
+
+# ---------------------------------------------------------------- conversion (no megatron needed)
+
+@pytest.mark.parametrize("preset", ["micro-moe", "tiny-dense"])
+def test_hf_megatron_roundtrip_is_bitwise(preset):
+    cfg = preset_config(preset)
+    hf = hf_state_dict(build_model(cfg, seed=1))
+    full = to_megatron(hf, cfg)
+    # q/k/v are fused per KV group: group g holds its query heads, then k_g, v_g
+    qkv = full["decoder.layers.0.self_attention.linear_qkv.weight"]
+    d, per = cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
+    g1 = qkv[(per + 2) * d:(per + 2) * 2 * d]
+    assert torch.equal(g1[:per * d], hf["model.layers.0.self_attn.q_proj.weight"][per * d:2 * per * d])
+    assert torch.equal(g1[per * d:(per + 1) * d], hf["model.layers.0.self_attn.k_proj.weight"][d:2 * d])
+    back = to_hf(full, cfg)
+    assert set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 1), (2, 2), (4, 2)])
+def test_shard_unshard_roundtrip(tp, ep):
+    cfg = preset_config("micro-moe", num_attention_heads=8, num_key_value_heads=4)
+    full = to_megatron(hf_state_dict(build_model(cfg, seed=2)), cfg)
+    parts = []
+    for r in range(tp):
+        ranks = dict(tp_rank=r, tp_size=tp, ep_rank=r // (tp // ep), ep_size=ep, etp_rank=0, etp_size=1)
+        local = shard(full, num_experts=cfg.num_experts, **ranks)
+        # each rank holds num_experts / ep experts, renumbered from 0; gate and up sliced separately
+        assert f"decoder.layers.0.mlp.experts.local_experts.{cfg.num_experts // ep}.linear_fc1.weight" not in local
+        assert local["decoder.layers.0.self_attention.linear_qkv.weight"].shape[0] == full[
+            "decoder.layers.0.self_attention.linear_qkv.weight"].shape[0] // tp
+        parts.append((local, ranks))
+    back = unshard(parts, num_experts=cfg.num_experts)
+    assert set(back) == set(full) and all(torch.equal(back[k], full[k]) for k in full)
+
+
+# ---------------------------------------------------------------- world size 1 parity
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_embedded_backend(megatron, temperature):
+    batch = make_batch(temperature=temperature)
+    ref = torch_backend(seed=3, micro_batch_tokens=16).forward(batch)
+    mb = megatron(seed=3, micro_batch_tokens=16)
+    assert mb.fingerprint() == torch_backend(seed=3).fingerprint()  # same HF weights after the round trip
+    out = mb.forward(batch)
+    assert max_diff(out.logprobs, ref.logprobs) < TOL
+    assert max_diff(out.entropy, ref.entropy) < TOL
+    assert torch.equal(out.routed_experts, ref.routed_experts)
+    assert out.logprobs[batch.offsets[:-1]].eq(0).all()
+
+
+def test_dense_model_matches(megatron):
+    batch = make_batch()
+    ref = torch_backend(seed=1, preset="tiny-dense").forward(batch)
+    out = megatron(seed=1, preset="tiny-dense").forward(batch)
+    assert out.routed_experts is None and max_diff(out.logprobs, ref.logprobs) < TOL
+
+
+def test_training_updates_match_embedded_backend(megatron):
+    batch = make_batch()
+    tb = torch_backend(seed=4, micro_batch_tokens=16, weight_decay=0.01)
+    mb = megatron(seed=4, micro_batch_tokens=16, weight_decay=0.01)
+    for _ in range(3):
+        m1, m2 = tb.forward_backward(batch, pg_loss), mb.forward_backward(batch, pg_loss)
+        s1, s2 = tb.optimizer_step(), mb.optimizer_step()
+        assert len(m2.micro_batches) == len(m1.micro_batches) > 1
+        assert abs(m1.loss - m2.loss) < TOL and abs(m1.metrics["entropy"] - m2.metrics["entropy"]) < TOL
+        assert abs(s1.grad_norm - s2.grad_norm) < TOL * max(1.0, s1.grad_norm) and s1.lr == s2.lr
+    assert weights_diff(tb, mb) < 1e-4
+    assert max_diff(tb.forward(batch).logprobs, mb.forward(batch).logprobs) < 1e-4
+
+
+def test_r3_restores_rollout_routing_and_router_still_learns(megatron):
+    batch = make_batch(lengths=[20, 25, 18, 30])
+    mb = megatron(seed=5, lr=0.3, weight_decay=0.0)
+    recorded = mb.forward(batch).routed_experts  # "rollout" routing under the initial weights
+    for _ in range(4):  # large steps: the trainer's own routing moves away from the recorded one
+        mb.forward_backward(batch, pg_loss)
+        mb.optimizer_step()
+    drifted = mb.forward(batch)
+    assert (drifted.routed_experts == recorded).float().mean() < 0.99
+    replay_batch = dataclasses.replace(batch, routed_experts=recorded)
+    replayed = mb.forward(replay_batch, r3=True)
+    assert torch.equal(replayed.routed_experts, recorded)
+    # The routing really was replayed: the logprobs are the embedded model's with forced experts.
+    ref = TorchBackend(mb.hf_model(), TorchBackendConfig(num_threads=1)).forward(replay_batch, r3=True)
+    # (large weights after lr=0.3 steps: logprobs reach -45, so fp32 rounding is relative)
+    assert torch.allclose(replayed.logprobs, ref.logprobs, rtol=1e-6, atol=TOL)
+    assert max_diff(replayed.logprobs, drifted.logprobs) > 1e-3
+    # Gradients still reach the router through the replayed experts' probabilities.
+    before = dict(mb.named_weights())
+    mb.forward_backward(replay_batch, pg_loss, r3=True)
+    mb.optimizer_step()
+    after = dict(mb.named_weights())
+    for i in range(2):
+        assert not torch.equal(before[f"model.layers.{i}.mlp.gate.weight"], after[f"model.layers.{i}.mlp.gate.weight"])
+
+
+def test_r3_rejects_bad_routing(megatron):
+    mb = megatron()
+    batch = make_batch()
+    with pytest.raises(ValueError, match="routed_experts is None"):
+        mb.forward(batch, r3=True)
+    bad = dataclasses.replace(batch, routed_experts=torch.full((batch.num_tokens, 2, 2), 9))
+    with pytest.raises(ValueError, match="outside"):
+        mb.forward(bad, r3=True)
+
+
+def test_bfloat16_trains(megatron):
+    batch = make_batch()
+    mb = megatron(dtype="bfloat16", lr=3e-2)
+    first = mb.forward_backward(batch, pg_loss).loss
+    mb.optimizer_step()
+    for _ in range(4):
+        last = mb.forward_backward(batch, pg_loss).loss
+        mb.optimizer_step()
+    assert torch.isfinite(torch.tensor(last)) and last < first
+    # fp32 master weights, bf16 compute: close to the fp32 forward, not equal
+    lp16 = mb.forward(batch).logprobs
+    mb.config = dataclasses.replace(mb.config, dtype="float32")
+    assert 0 < max_diff(lp16, mb.forward(batch).logprobs) < 0.1
+
+
+# ---------------------------------------------------------------- state
+
+def test_save_load_continues_bitwise(megatron, tmp_path):
+    batch = make_batch()
+    a = megatron(seed=6)
+    a.forward_backward(batch, pg_loss)
+    a.optimizer_step()
+    a.save(tmp_path / "ck")
+    losses_a = []
+    for _ in range(2):
+        losses_a.append(a.forward_backward(batch, pg_loss).loss)
+        a.optimizer_step()
+    b = megatron(seed=99)  # other initial weights: everything must come from the checkpoint
+    b.load(tmp_path / "ck")
+    losses_b = []
+    for _ in range(2):
+        losses_b.append(b.forward_backward(batch, pg_loss).loss)
+        b.optimizer_step()
+    assert losses_a == losses_b and a.fingerprint() == b.fingerprint() and b.scheduler_step == 3
+
+
+def test_checkpoints_move_between_backends(megatron, tmp_path):
+    """Both backends save HF-named weights and moments: a torch checkpoint continues on Megatron."""
+    batch = make_batch()
+    tb = torch_backend(seed=7)
+    tb.forward_backward(batch, pg_loss)
+    tb.optimizer_step()
+    tb.save(tmp_path / "ck")
+    mb = megatron(seed=0)
+    with pytest.warns(UserWarning, match="config differs"):
+        mb.load(tmp_path / "ck")
+    assert mb.fingerprint() == tb.fingerprint()
+    for b in (tb, mb):
+        b.forward_backward(batch, pg_loss)
+        b.optimizer_step()
+    assert weights_diff(tb, mb) < 1e-5
+
+
+def test_export_hf_and_warmup_sibling(megatron, tmp_path):
+    from axrl.model import load_hf
+
+    mb = megatron(seed=8)
+    sibling = mb.with_optimizer(dataclasses.replace(mb.config, lr=0.1))
+    sibling.forward_backward(make_batch(), pg_loss)
+    sibling.optimizer_step()
+    assert mb.scheduler_step == 0 and sibling.scheduler_step == 1
+    # the sibling trains the same weights, and the main backend sees them
+    model = load_hf(mb.export_hf(tmp_path / "hf"))
+    assert weights_diff(TorchBackend(model, TorchBackendConfig(num_threads=1)), sibling) == 0.0
+    assert mb.state_dict()["optimizer"] == {}  # the RL optimizer is untouched
+
+
+# ---------------------------------------------------------------- errors and packaging
+
+def test_config_validation():
+    from axrl.config import ConfigError, load_config
+    from axrl.train.megatron import check_parallel_fit
+
+    with pytest.raises(ConfigError, match="expert_parallel=4 must divide tensor_parallel=2"):
+        load_config(None, ["train.megatron.tensor_parallel=2", "train.megatron.expert_parallel=4"])
+    with pytest.raises(ConfigError, match="sequence_parallel"):
+        load_config(None, ["train.megatron.tensor_parallel=2", "train.megatron.sequence_parallel=false"])
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        check_parallel_fit(preset_config("micro-moe"), MegatronBackendConfig(tensor_parallel=4))
+    with pytest.raises(ValueError, match="num_experts"):
+        check_parallel_fit(preset_config("micro-moe", num_attention_heads=8, num_key_value_heads=8),
+                           MegatronBackendConfig(tensor_parallel=8, expert_parallel=8))
+
+
+def test_untested_megatron_version_is_refused(monkeypatch):
+    from axrl.train.megatron import cpu_compat
+
+    monkeypatch.setattr(cpu_compat, "_applied", False)
+    monkeypatch.setattr(cpu_compat, "megatron_version", lambda: "0.99.0")
+    with pytest.raises(RuntimeError, match=r"tested with 0\.16\.1, but 0\.99\.0 is installed"):
+        cpu_compat.apply()
+
+
+def test_import_is_lazy_and_missing_package_error_is_clear():
+    code = (
+        "import sys, axrl, axrl.runtime.loop, axrl.train.megatron\n"
+        "assert not any(m.startswith('megatron') for m in sys.modules), 'megatron imported eagerly'\n"
+        "sys.modules['megatron'] = None\n"  # as if megatron-core were not installed
+        "from axrl.config import load_config\n"
+        "from axrl.runtime.loop import make_train_backend\n"
+        "from axrl.tokenizer import Tokenizer\n"
+        "try:\n"
+        "    make_train_backend(load_config(None, ['train.backend=megatron']), Tokenizer.default())\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "train.backend=megatron needs megatron-core: pip install 'axrl[megatron]'" in out.stdout
+
+
+# ---------------------------------------------------------------- tensor / expert parallel workers
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,ep,dispatcher", [(2, 1, "allgather"), (2, 2, "alltoall")])
+def test_tensor_and_expert_parallel_match_world_size_1(megatron, tp, ep, dispatcher):
+    batch = make_batch(lengths=[5, 9, 3, 12, 8])  # odd lengths: sequence parallel pads to even
+    ref = megatron(seed=9, micro_batch_tokens=16)
+    par = megatron(seed=9, micro_batch_tokens=16, tensor_parallel=tp, expert_parallel=ep, moe_dispatcher=dispatcher)
+    assert par.fingerprint() == ref.fingerprint()
+    a, b = ref.forward(batch), par.forward(batch)
+    assert max_diff(a.logprobs, b.logprobs) < TOL and max_diff(a.entropy, b.entropy) < TOL
+    assert torch.equal(a.routed_experts, b.routed_experts)
+    for _ in range(2):
+        m1, m2 = ref.forward_backward(batch, pg_loss), par.forward_backward(batch, pg_loss)
+        s1, s2 = ref.optimizer_step(), par.optimizer_step()
+        assert abs(m1.loss - m2.loss) < TOL and abs(s1.grad_norm - s2.grad_norm) < TOL * max(1.0, s1.grad_norm)
+    # Adam divides by sqrt of tiny second moments, which amplifies last-bit gradient differences
+    assert weights_diff(ref, par) < 1e-4
+    # R3 across sequence-parallel shards: same replayed forward as world size 1
+    replay = dataclasses.replace(batch, routed_experts=a.routed_experts)
+    assert max_diff(ref.forward(replay, r3=True).logprobs, par.forward(replay, r3=True).logprobs) < TOL
+    # optimizer moments gathered from the ranks move to world size 1 and continue identically
+    ref.load_state_dict(par.state_dict())
+    assert ref.fingerprint() == par.fingerprint()
+    ref.forward_backward(batch, pg_loss), par.forward_backward(batch, pg_loss)
+    ref.optimizer_step(), par.optimizer_step()
+    assert weights_diff(ref, par) < 1e-4
+    # a worker-side failure surfaces in the driver and stops the workers
+    with pytest.raises(RuntimeError, match="failed in no_such_method; workers stopped"):
+        par._group.call("no_such_method")
+    with pytest.raises(RuntimeError, match="closed"):
+        par.forward(batch)
+
+
+# ---------------------------------------------------------------- end to end
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [[], ["train.megatron.tensor_parallel=2", "train.megatron.expert_parallel=2"]],
+                         ids=["ws1", "tp2-ep2"])
+def test_axrl_train_megatron_then_mismatch_and_replay(tmp_path, layout):
+    """The default example on Megatron (world size 1, and TP2 + EP2 worker processes that the
+    backend launches itself): the trace analyses, and replay in a new process is bitwise."""
+    run = tmp_path / "run"
+    env = {"OMP_NUM_THREADS": "1", "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"}
+    train = [sys.executable, "-m", "axrl.cli", "train", "examples/quickstart.yaml", "--run-dir", str(run),
+             "--set", "train.backend=megatron", "--set", "steps=2", "--set", "warmup.steps=20",
+             "--set", "eval.every=0", "--set", "data.prompts_per_step=4", "--set", "rollout.group_size=4",
+             # an entropy bonus: gradients even when every group's rewards tie (zero advantages)
+             "--set", "algo.entropy_coef=0.01"] + [a for kv in layout for a in ("--set", kv)]
+    out = subprocess.run(train, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert (run / "trace" / "step_000001.h5").is_file()
+    debug = [sys.executable, "-m", "axrl_debug.cli"]
+    mm = subprocess.run(debug + ["mismatch", str(run)], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert mm.returncode == 0, mm.stderr[-2000:]
+    assert "mean |Δ|" in mm.stdout
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    step = max(rows, key=lambda r: r["grad_norm"])["step"]  # a step that changed the weights
+    assert rows[step]["grad_norm"] > 0
+    rp = subprocess.run(debug + ["replay", str(run), "--step", str(step)], cwd=REPO, capture_output=True, text=True,
+                        timeout=200, env=env)
+    assert rp.returncode == 0, rp.stdout[-2000:] + rp.stderr[-2000:]
+    assert "bitwise-equal" in rp.stdout

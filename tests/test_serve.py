@@ -1,0 +1,254 @@
+"""`axrl serve` over real HTTP: a server subprocess on a free localhost port, checked against the
+in-process EmbeddedEngine on the same weights (tokens, logprobs, routed experts), plus SSE
+streaming, the OpenAI endpoints, abort, weight updates from disk and errors that name the field."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from axrl.inference import GenerateRequest, SamplingParams
+from axrl.model import hf_state_dict, load_hf, save_hf
+from axrl.tokenizer import Tokenizer
+from serve_util import launch, make_model_dir, perturbed, reference
+
+torch.set_num_threads(1)
+
+PROMPTS = [[5, 17, 300, 42, 9], [100, 200, 300, 400, 500, 600, 700, 800, 900, 1000, 11], [7], [64, 65, 66]]
+LOGPROB_TOL = 1e-5  # measured: 0 (the server runs the same engine code on the same weights)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    model_dir = make_model_dir(tmp_path_factory.mktemp("serve") / "model")
+    launcher = launch(model_dir, num_servers=1)
+    ref = reference(model_dir)
+    client = httpx.Client(base_url=launcher.urls[0], timeout=60)
+    yield {"dir": model_dir, "launcher": launcher, "ref": ref, "http": client}
+    client.close()
+    launcher.stop()
+    ref.shutdown()
+
+
+def _body(ids, max_new=12, temperature=0.0, **extra):
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": temperature,
+                                                  "ignore_eos": True}, "return_logprob": True, **extra}
+
+
+def _req(ids, max_new=12, temperature=0.0, seed=None, routed=False, start=0):
+    return GenerateRequest(input_ids=list(ids), return_logprob=True, return_routed_experts=routed,
+                           routed_experts_start_len=start,
+                           sampling_params=SamplingParams(max_new_tokens=max_new, temperature=temperature,
+                                                          ignore_eos=True, seed=seed))
+
+
+def _routing(meta, rows):
+    flat = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype="<i4")
+    return flat.reshape(rows, 4, 2)
+
+
+def _logprobs(out):
+    return [t[0] for t in out["meta_info"]["output_token_logprobs"]]
+
+
+def test_generate_matches_embedded_engine(setup):
+    http, ref = setup["http"], setup["ref"]
+    # One batched call is admitted at once, like submit_many in-process: the same schedule, same bits.
+    batch = http.post("/generate", json={"input_ids": PROMPTS, "return_logprob": True,
+                                         "sampling_params": {"max_new_tokens": 12, "temperature": 0.0,
+                                                             "ignore_eos": True}})
+    assert batch.status_code == 200, batch.text
+    expected = ref.generate_batch([_req(p) for p in PROMPTS])
+    worst = 0.0
+    for out, exp in zip(batch.json(), expected):
+        assert out["output_ids"] == exp.output_ids
+        assert [t[1] for t in out["meta_info"]["output_token_logprobs"]] == exp.output_ids
+        worst = max(worst, max(abs(a - b) for a, b in zip(_logprobs(out), exp.output_logprobs)))
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+        assert out["meta_info"]["prompt_tokens"] == exp.prompt_tokens
+        assert out["meta_info"]["weight_version"] == "0"
+    # Single requests one after another.
+    for p in PROMPTS[:2]:
+        out = http.post("/generate", json=_body(p)).json()
+        (exp,) = ref.generate_batch([_req(p)])
+        assert out["output_ids"] == exp.output_ids
+        worst = max(worst, max(abs(a - b) for a, b in zip(_logprobs(out), exp.output_logprobs)))
+    print(f"max |logprob(axrl serve) - logprob(in-process engine)| = {worst:.3g}")
+    assert worst <= LOGPROB_TOL
+
+
+def test_seeded_sampling_matches_embedded_engine(setup):
+    http, ref = setup["http"], setup["ref"]
+    body = _body(PROMPTS[1], max_new=16, temperature=0.8)
+    body["sampling_params"]["sampling_seed"] = 1234
+    out = http.post("/generate", json=body).json()
+    (exp,) = ref.generate_batch([_req(PROMPTS[1], 16, 0.8, seed=1234)])
+    assert out["output_ids"] == exp.output_ids
+    assert np.allclose(_logprobs(out), exp.output_logprobs, atol=LOGPROB_TOL, rtol=0)
+
+
+def test_routed_experts_and_multi_turn_start_len(setup):
+    http, ref = setup["http"], setup["ref"]
+    prompt = PROMPTS[1]
+    first = http.post("/generate", json=_body(prompt, 6, return_routed_experts=True)).json()
+    rows1 = len(prompt) + 6 - 1
+    got1 = _routing(first["meta_info"], rows1)
+    (exp1,) = ref.generate_batch([_req(prompt, 6, routed=True)])
+    assert got1.shape == (rows1, 4, 2) and np.array_equal(got1, exp1.routed_experts)
+    assert got1.min() >= 0 and got1.max() < 8
+    # Turn 2: the whole stream so far + an observation; ask only for the rows not held yet.
+    turn2 = prompt + first["output_ids"] + [33, 34, 35]
+    second = http.post("/generate", json=_body(turn2, 5, return_routed_experts=True,
+                                               routed_experts_start_len=rows1)).json()
+    rows2 = len(turn2) + 5 - 1 - rows1
+    got2 = _routing(second["meta_info"], rows2)
+    (full,) = ref.generate_batch([_req(turn2, 5, routed=True)])
+    assert np.array_equal(got2, full.routed_experts[rows1:])
+    # The rows the first turn returned are the same tokens' routing in the second turn's forward.
+    assert np.array_equal(full.routed_experts[:rows1], got1)
+
+
+def test_stream_sends_cumulative_chunks_then_done(setup):
+    http = setup["http"]
+    final = http.post("/generate", json=_body(PROMPTS[0], 20)).json()
+    chunks, done = [], False
+    with http.stream("POST", "/generate", json=_body(PROMPTS[0], 20, stream=True)) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                continue
+            chunks.append(json.loads(line[6:]))
+    assert done and len(chunks) >= 2
+    for a, b in zip(chunks, chunks[1:]):  # cumulative: each chunk extends the previous one
+        assert b["output_ids"][:len(a["output_ids"])] == a["output_ids"]
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["output_ids"] == final["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 20}
+    assert _logprobs(chunks[-1]) == _logprobs(final)
+
+
+def test_openai_endpoints(setup):
+    http = setup["http"]
+    tok = Tokenizer.from_dir(setup["dir"])
+    native = http.post("/generate", json=_body(PROMPTS[1], 8)).json()
+    comp = http.post("/v1/completions", json={"model": "m", "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0,
+                                              "ignore_eos": True, "logprobs": 1, "return_token_ids": True}).json()
+    choice = comp["choices"][0]
+    assert comp["object"] == "text_completion"
+    assert choice["response_token_ids"] == native["output_ids"] and choice["prompt_token_ids"] == PROMPTS[1]
+    assert choice["logprobs"]["token_logprobs"] == _logprobs(native)
+    assert choice["finish_reason"] == "length"
+    assert comp["usage"] == {"prompt_tokens": len(PROMPTS[1]), "completion_tokens": 8,
+                             "total_tokens": len(PROMPTS[1]) + 8}
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2 + 2?"}]
+    chat = http.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 6,
+                                                   "temperature": 0, "logprobs": True, "return_token_ids": True,
+                                                   "return_meta_info": True}).json()
+    c = chat["choices"][0]
+    assert chat["object"] == "chat.completion" and c["message"]["role"] == "assistant"
+    assert c["prompt_token_ids"] == tok.apply_chat_template(messages, add_generation_prompt=True)
+    assert len(c["logprobs"]["content"]) == len(c["response_token_ids"])
+    assert c["meta_info"]["output_token_logprobs"][0][1] == c["response_token_ids"][0]
+    # Pre-tokenized chat input, as SGLang accepts: the same reply.
+    again = http.post("/v1/chat/completions", json={"input_ids": c["prompt_token_ids"], "max_tokens": 6,
+                                                    "temperature": 0, "return_token_ids": True}).json()
+    assert again["choices"][0]["response_token_ids"] == c["response_token_ids"]
+    assert http.get("/v1/models").json()["data"][0]["max_model_len"] == 1024
+
+
+def test_abort_request_by_rid(setup):
+    http = setup["http"]
+    out: dict = {}
+    body = _body(PROMPTS[0], 1000, rid="long-one")
+    worker = threading.Thread(target=lambda: out.update(http.post("/generate", json=body).json()))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while http.get("/get_server_info").json()["running"] < 1:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.01)
+    assert http.post("/abort_request", json={"rid": "long-one"}).status_code == 200
+    worker.join(30)
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort", reason
+    assert 0 < len(out["output_ids"]) < 1000
+    assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
+
+
+@pytest.mark.parametrize("body, field", [
+    (_body([1, 2], temperature=-1.0), "sampling_params.temperature"),
+    (_body([1, 10 ** 6]), "input_ids"),
+    ({**_body([1, 2]), "foo": 1}, "foo"),
+    ({"input_ids": [1, 2], "sampling_params": {"stop": ["x"]}}, "sampling_params.stop"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "ten"}}, "sampling_params.max_new_tokens"),
+    (_body([1, 2], return_routed_experts=True, routed_experts_start_len=5), "routed_experts_start_len"),
+    ({"input_ids": [[1, 2], [3]], "rid": "one"}, "rid"),
+    ({"sampling_params": {}}, "input_ids"),
+])
+def test_bad_requests_are_400_naming_the_field(setup, body, field):
+    resp = setup["http"].post("/generate", json=body)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()
+    assert err["object"] == "error" and err["code"] == 400
+    assert field in err["message"], err["message"]
+
+
+def test_control_errors_name_the_field(setup):
+    http = setup["http"]
+    assert http.post("/generate", content=b"{not json").status_code == 400
+    resp = http.post("/update_weights_from_disk", json={})
+    assert resp.status_code == 400 and "model_path" in resp.json()["message"]
+    resp = http.post("/update_weights_from_disk", json={"model_path": "/nonexistent/dir"})
+    assert resp.status_code == 400 and resp.json()["success"] is False and "config.json" in resp.json()["message"]
+    resp = http.post("/update_weights_from_distributed", json={"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]})
+    assert resp.status_code == 400 and "init_weights_update_group" in resp.json()["message"]
+    resp = http.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": 1,
+                                                         "rank_offset": 1, "world_size": 2, "backend": "nccl"})
+    assert resp.status_code == 400 and "backend" in resp.json()["message"]
+
+
+def test_info_and_health(setup):
+    http = setup["http"]
+    assert http.get("/health").status_code == 200
+    assert http.get("/health_generate").status_code == 200
+    info = http.get("/get_model_info").json()
+    assert info["is_generation"] and info["weight_version"] == http.get("/get_weight_version").json()["weight_version"]
+    assert (info["num_hidden_layers"], info["num_experts_per_tok"]) == (4, 2)
+    assert http.post("/flush_cache").status_code == 200
+
+
+def test_update_weights_from_disk_changes_outputs_and_version(setup, tmp_path):
+    http, ref, model_dir = setup["http"], setup["ref"], setup["dir"]
+    original = hf_state_dict(load_hf(model_dir))
+    new_dir = tmp_path / "v3"
+    model = load_hf(model_dir)
+    model.load_state_dict({**model.state_dict(), **perturbed(original, 1)})
+    save_hf(model, new_dir)
+    before = http.post("/generate", json=_body(PROMPTS[1])).json()
+    resp = http.post("/update_weights_from_disk", json={"model_path": str(new_dir), "weight_version": "3"})
+    assert resp.status_code == 200 and resp.json()["success"], resp.text
+    after = http.post("/generate", json=_body(PROMPTS[1])).json()
+    assert after["meta_info"]["weight_version"] == "3"
+    assert _logprobs(after) != _logprobs(before)
+    ref.update_weights(new_dir, version=3)
+    (exp,) = ref.generate_batch([_req(PROMPTS[1])])
+    assert after["output_ids"] == exp.output_ids and _logprobs(after) == exp.output_logprobs
+    name = "model.layers.0.mlp.experts.0.up_proj.weight"
+    served = http.post("/get_weights_by_name", json={"name": name, "truncate_size": 10 ** 9}).json()
+    assert torch.equal(torch.tensor(served, dtype=torch.float32), hf_state_dict(load_hf(new_dir))[name].reshape(-1))
+    # A non-numeric label is kept as the served version; the engine's integer version moves on.
+    http.post("/update_weight_version", json={"new_version": "run-a"})
+    assert http.get("/get_weight_version").json()["weight_version"] == "run-a"
+    # Back to the start weights for the other tests of this module.
+    assert http.post("/update_weights_from_disk", json={"model_path": str(model_dir), "weight_version": "0"}).json()["success"]
+    ref.update_weights(model_dir, version=0)
+    assert http.post("/generate", json=_body(PROMPTS[1])).json()["output_ids"] == before["output_ids"]
