@@ -6,6 +6,7 @@ values stop `axrl train` before any work starts, with the dotted key path in the
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -98,18 +99,23 @@ class AlgoSection(Section):
 
 
 class MegatronSection(Section):
-    """`train.backend: megatron` layout (docs/megatron.md); world size = tensor_parallel, on one machine."""
+    """`train.backend: megatron` layout (docs/megatron.md): world size = tensor_parallel ×
+    data_parallel worker processes on one machine (one in-process rank when 1)."""
 
-    tensor_parallel: int = Field(1, ge=1, description="TP ranks (worker processes when > 1)")
-    expert_parallel: int = Field(1, ge=1, description="EP size; must divide tensor_parallel")
+    tensor_parallel: int = Field(1, ge=1, description="TP size (sequence parallel within it)")
+    expert_parallel: int = Field(1, ge=1, description="EP size; must divide tensor_parallel × data_parallel")
+    data_parallel: int = Field(0, ge=0, description="DP size; 0 = the smallest that fits expert_parallel: "
+                                                    "EP / gcd(TP, EP)")
     sequence_parallel: bool = Field(True, description="required when tensor_parallel > 1")
     moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
 
     @model_validator(mode="after")
     def _layout(self) -> "MegatronSection":
-        if self.tensor_parallel % self.expert_parallel:
-            raise ValueError(f"expert_parallel={self.expert_parallel} must divide tensor_parallel="
-                             f"{self.tensor_parallel} (experts are spread over the TP ranks)")
+        tp, ep, dp = self.tensor_parallel, self.expert_parallel, self.data_parallel
+        if dp and (tp * dp) % ep:  # Megatron's rule (expert TP 1): EP divides the world size
+            raise ValueError(f"expert_parallel={ep} must divide tensor_parallel × data_parallel = {tp} × {dp} "
+                             f"(the world size); set data_parallel to a multiple of {ep // math.gcd(tp, ep)}, "
+                             "or 0 to derive it")
         if self.tensor_parallel > 1 and not self.sequence_parallel:
             raise ValueError("tensor_parallel > 1 needs sequence_parallel: true (Megatron MoE + TP training)")
         return self

@@ -5,11 +5,13 @@ batch (`--samples` sequences of `--min-len`..`--max-len` tokens with a PPO-style
 settings (fp32, AdamW, grad clipping, `--micro-batch-tokens`, 1 torch thread per process). One
 step = `forward_backward` + `optimizer_step`, as an RL update runs it. The backends take turns
 (round-robin, `--repeats` rounds) so machine noise hits all of them alike; each figure is the
-median. Backends: `torch`, `megatron` (world size 1, in-process) and, with `--tp 2`,
-`megatron_tp2_ep2` (tensor + expert parallel: 2 worker processes with 1 thread each: twice the cores of the others, so its
-ratio is not a like-for-like efficiency figure on a 2-core machine).
+median. Backends: `torch`, `megatron` (world size 1, in-process) and, with `--tp` / `--ep`, one
+parallel layout `megatron_tp{T}_ep{E}` (`--tp 2`: tensor + expert parallel 2; `--ep 2`: TP 1,
+experts over 2 data-parallel ranks; world size = TP × DP worker processes with 1 thread each:
+more cores than the others, so its ratio is not a like-for-like efficiency figure on a 2-core
+machine).
 
-    python bench/train_backends.py [--preset tiny-moe] [--samples 16] [--repeats 15] [--tp 2]
+    python bench/train_backends.py [--preset tiny-moe] [--samples 16] [--repeats 15] [--tp 2] [--ep 2]
 
 Before timing it prints parity from the identical initial state: max |Δ| of logprobs and
 entropy, routing agreement, and after one update the loss, grad-norm and weight differences
@@ -59,7 +61,10 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=160)
     ap.add_argument("--micro-batch-tokens", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--tp", type=int, default=0, help="also time tensor parallel (with expert parallel = tp)")
+    ap.add_argument("--tp", type=int, default=0, help="also time tensor parallel (with expert parallel = tp "
+                    "unless --ep is given)")
+    ap.add_argument("--ep", type=int, default=0, help="also time expert parallel (data parallel derived: "
+                    "world = TP x DP with EP dividing it)")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -71,9 +76,12 @@ def main() -> None:
     common = dict(lr=1e-5, micro_batch_tokens=args.micro_batch_tokens, num_threads=1)
     backends = {"torch": TorchBackend(build_model(cfg, seed=0), TorchBackendConfig(**common)),
                 "megatron": MegatronBackend(build_model(cfg, seed=0), MegatronBackendConfig(**common))}
-    if args.tp > 1:
-        backends[f"megatron_tp{args.tp}_ep{args.tp}"] = MegatronBackend(build_model(cfg, seed=0), MegatronBackendConfig(
-            **common, tensor_parallel=args.tp, expert_parallel=args.tp if cfg.is_moe else 1))
+    tp = max(args.tp, 1)
+    ep = args.ep or (tp if cfg.is_moe else 1)
+    parallel = f"megatron_tp{tp}_ep{ep}" if tp * ep > 1 else None
+    if parallel:
+        backends[parallel] = MegatronBackend(build_model(cfg, seed=0), MegatronBackendConfig(
+            **common, tensor_parallel=tp, expert_parallel=ep))
     times: dict[str, list[float]] = {name: [] for name in backends}
     losses: dict[str, float] = {}
     parity: dict[str, float] = {}
@@ -122,9 +130,8 @@ def main() -> None:
            **{f"{name}_step_s": round(v, 4) for name, v in med.items()},
            "megatron_vs_torch_ratio": round(med["megatron"] / med["torch"], 3),
            **{k: float(f"{v:.3g}") for k, v in parity.items() if "logprob" in k or "grad_norm" in k}}
-    if args.tp > 1:
-        name = f"megatron_tp{args.tp}_ep{args.tp}"
-        out[f"{name}_vs_torch_ratio"] = round(med[name] / med["torch"], 3)
+    if parallel:
+        out[f"{parallel}_vs_torch_ratio"] = round(med[parallel] / med["torch"], 3)
     print(json.dumps(out))
 
 

@@ -1,6 +1,6 @@
 """The Megatron-core train backend against the embedded torch backend: weight conversion, logprob
-and training parity at world size 1 and with TP=2 / EP=2 worker processes, R3 through
-Megatron's RouterReplay, checkpoints, errors. Runs real megatron-core on CPU (gloo)."""
+and training parity at world size 1 and with TP=2 / EP=2 / data-parallel worker processes, R3
+through Megatron's RouterReplay, checkpoints, errors. Runs real megatron-core on CPU (gloo)."""
 
 from __future__ import annotations
 
@@ -238,8 +238,17 @@ def test_config_validation():
     from axrl.config import ConfigError, load_config
     from axrl.train.megatron import check_parallel_fit
 
-    with pytest.raises(ConfigError, match="expert_parallel=4 must divide tensor_parallel=2"):
-        load_config(None, ["train.megatron.tensor_parallel=2", "train.megatron.expert_parallel=4"])
+    with pytest.raises(ConfigError, match=r"expert_parallel=4 must divide tensor_parallel × data_parallel = 2 × 1"):
+        load_config(None, ["train.megatron.tensor_parallel=2", "train.megatron.expert_parallel=4",
+                           "train.megatron.data_parallel=1"])
+    with pytest.raises(ValueError, match=r"data_parallel to a multiple of 2"):
+        MegatronBackendConfig(tensor_parallel=2, expert_parallel=4, data_parallel=3)
+    # data_parallel 0 derives Megatron's smallest layout: world = TP × DP with EP dividing it
+    for (tp, ep), dp in {(1, 1): 1, (2, 1): 1, (2, 2): 1, (1, 2): 2, (2, 4): 2, (1, 4): 4}.items():
+        c = MegatronBackendConfig(tensor_parallel=tp, expert_parallel=ep)
+        assert (c.data_parallel_size, c.world_size) == (dp, tp * dp)
+        load_config(None, [f"train.megatron.tensor_parallel={tp}", f"train.megatron.expert_parallel={ep}"])
+    assert MegatronBackendConfig(data_parallel=2).world_size == 2  # plain data parallel
     with pytest.raises(ConfigError, match="sequence_parallel"):
         load_config(None, ["train.megatron.tensor_parallel=2", "train.megatron.sequence_parallel=false"])
     with pytest.raises(ValueError, match="num_key_value_heads"):
@@ -247,6 +256,16 @@ def test_config_validation():
     with pytest.raises(ValueError, match="num_experts"):
         check_parallel_fit(preset_config("micro-moe", num_attention_heads=8, num_key_value_heads=8),
                            MegatronBackendConfig(tensor_parallel=8, expert_parallel=8))
+
+
+def test_data_parallel_shares_are_contiguous_and_balanced():
+    from axrl.train.megatron.rank import share_bounds
+
+    for n in range(7):
+        for dp in (1, 2, 3, 4):
+            shares = [share_bounds(n, dp, r) for r in range(dp)]
+            assert [i for s in shares for i in s] == list(range(n))  # concatenated in rank order = sample order
+            assert max(map(len, shares)) - min(map(len, shares)) <= 1
 
 
 def test_untested_megatron_version_is_refused(monkeypatch):
@@ -279,24 +298,38 @@ def test_import_is_lazy_and_missing_package_error_is_clear():
 # ---------------------------------------------------------------- tensor / expert parallel workers
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,ep,dispatcher", [(2, 1, "allgather"), (2, 2, "alltoall")])
+@pytest.mark.parametrize("tp,ep,dispatcher", [(2, 1, "allgather"), (2, 2, "alltoall"), (1, 2, "allgather")],
+                         ids=["tp2", "tp2-ep2", "ep2-dp2"])
 def test_tensor_and_expert_parallel_match_world_size_1(megatron, tp, ep, dispatcher):
+    """ep2-dp2: TP 1 with EP 2 derives data parallel 2 — each rank runs half of every micro-batch,
+    dense grads are summed over DP, experts get their tokens through the EP dispatch. The last
+    micro-batch ([8]) has one sample, so one DP rank runs only padding."""
     batch = make_batch(lengths=[5, 9, 3, 12, 8])  # odd lengths: sequence parallel pads to even
     ref = megatron(seed=9, micro_batch_tokens=16)
     par = megatron(seed=9, micro_batch_tokens=16, tensor_parallel=tp, expert_parallel=ep, moe_dispatcher=dispatcher)
-    assert par.fingerprint() == ref.fingerprint()
+    assert par.config.world_size == 2 and par.fingerprint() == ref.fingerprint()
     a, b = ref.forward(batch), par.forward(batch)
     assert max_diff(a.logprobs, b.logprobs) < TOL and max_diff(a.entropy, b.entropy) < TOL
     assert torch.equal(a.routed_experts, b.routed_experts)
     for _ in range(2):
         m1, m2 = ref.forward_backward(batch, pg_loss), par.forward_backward(batch, pg_loss)
         s1, s2 = ref.optimizer_step(), par.optimizer_step()
+        assert len(m1.micro_batches) == len(m2.micro_batches) == 3
         assert abs(m1.loss - m2.loss) < TOL and abs(s1.grad_norm - s2.grad_norm) < TOL * max(1.0, s1.grad_norm)
+        assert abs(m1.metrics["num_loss_tokens"] - m2.metrics["num_loss_tokens"]) == 0
     # Adam divides by sqrt of tiny second moments, which amplifies last-bit gradient differences
     assert weights_diff(ref, par) < 1e-4
-    # R3 across sequence-parallel shards: same replayed forward as world size 1
-    replay = dataclasses.replace(batch, routed_experts=a.routed_experts)
-    assert max_diff(ref.forward(replay, r3=True).logprobs, par.forward(replay, r3=True).logprobs) < TOL
+    # R3 across sequence-parallel / data-parallel shards: an arbitrary routing (not what the
+    # routers would choose) is followed on every rank, as at world size 1
+    g = torch.Generator().manual_seed(0)
+    forced = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(batch.num_tokens * 2)]).view(-1, 2, 2)
+    replay = dataclasses.replace(batch, routed_experts=forced)
+    r_ref, r_par = ref.forward(replay, r3=True), par.forward(replay, r3=True)
+    assert torch.equal(r_par.routed_experts, forced)
+    assert max_diff(r_ref.logprobs, r_par.logprobs) < TOL and max_diff(r_par.logprobs, b.logprobs) > 1e-3
+    m1, m2 = ref.forward_backward(replay, pg_loss, r3=True), par.forward_backward(replay, pg_loss, r3=True)
+    s1, s2 = ref.optimizer_step(), par.optimizer_step()
+    assert abs(m1.loss - m2.loss) < TOL and abs(s1.grad_norm - s2.grad_norm) < TOL * max(1.0, s1.grad_norm)
     # optimizer moments gathered from the ranks move to world size 1 and continue identically
     ref.load_state_dict(par.state_dict())
     assert ref.fingerprint() == par.fingerprint()
@@ -313,11 +346,12 @@ def test_tensor_and_expert_parallel_match_world_size_1(megatron, tp, ep, dispatc
 # ---------------------------------------------------------------- end to end
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [[], ["train.megatron.tensor_parallel=2", "train.megatron.expert_parallel=2"]],
-                         ids=["ws1", "tp2-ep2"])
+@pytest.mark.parametrize("layout", [[], ["train.megatron.tensor_parallel=2", "train.megatron.expert_parallel=2"],
+                                    ["train.megatron.expert_parallel=2"]], ids=["ws1", "tp2-ep2", "ep2-dp2"])
 def test_axrl_train_megatron_then_mismatch_and_replay(tmp_path, layout):
-    """The default example on Megatron (world size 1, and TP2 + EP2 worker processes that the
-    backend launches itself): the trace analyses, and replay in a new process is bitwise."""
+    """The default example on Megatron (world size 1; TP2 + EP2 and EP2 with derived DP2: worker
+    processes that the backend launches itself): the trace analyses, and replay in a new process
+    is bitwise."""
     run = tmp_path / "run"
     env = {"OMP_NUM_THREADS": "1", "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"}
     train = [sys.executable, "-m", "axrl.cli", "train", "examples/quickstart.yaml", "--run-dir", str(run),

@@ -583,3 +583,35 @@ def test_truncate_after(tmp_path):
     assert [r["step"] for r in run.read_metrics()] == [0, 1, 2, 3]
     run.truncate_after(-1)
     assert run.completed_steps() == [] and run.read_metrics() == []
+
+
+def test_compiled_fletcher32_reads_what_hdf5_reads(tmp_path):
+    """The analysis path verifies raw chunks itself (axrl/trace/checksum.py): same data as HDF5's
+    read for row-chunked datasets of every shape the trace uses (edge chunks, odd byte counts,
+    [T, L, k] rows), and a flipped byte in any chunk is a ChecksumError naming that chunk."""
+    from axrl.trace.checksum import ChecksumError, checksummed_raw, padded_bytes, read_checksummed
+
+    rng = np.random.default_rng(3)
+    path = tmp_path / "c.h5"
+    specs = [((1000, ), np.float32, 96), ((333, 4, 2), np.uint8, 50), ((7,), np.int16, 3),
+             ((1001,), np.uint8, 333), ((5,), np.float64, 2), ((64, 3, 3), np.uint16, 64)]
+    with h5py.File(path, "w") as f:
+        for i, (shape, dt, rows) in enumerate(specs):
+            f.create_dataset(f"d{i}", data=(rng.random(shape) * 200).astype(dt), chunks=(rows, *shape[1:]),
+                             fletcher32=True)
+        f.create_dataset("gz", data=np.arange(10), chunks=(5,), fletcher32=True, compression="gzip")
+    with h5py.File(path, "r") as f:
+        assert not checksummed_raw(f["gz"])
+        for i in range(len(specs)):
+            ds = f[f"d{i}"]
+            assert checksummed_raw(ds)
+            got = read_checksummed(ds, np.empty(padded_bytes(ds), np.uint8))
+            np.testing.assert_array_equal(got, ds[()])
+            assert got.dtype == ds.dtype and got.shape == ds.shape
+        info = f["d3"].id.get_chunk_info(2)
+    with open(path, "r+b") as fh:
+        fh.seek(info.byte_offset + 7)
+        fh.write(bytes([fh.read(1)[0] ^ 0x10]))
+    with h5py.File(path, "r") as f:
+        with pytest.raises(ChecksumError, match="chunk 2"):
+            read_checksummed(f["d3"], np.empty(padded_bytes(f["d3"]), np.uint8))

@@ -354,6 +354,7 @@ _NO_BYTES = np.zeros(1, np.uint8)
 _NO_FLAGS = np.zeros(1, bool)
 _NO_ROUTING = np.zeros((1, 0, 1), np.uint8)
 _LOG_PROB_INNER_F32_ARR = np.asarray(_LOG_PROB_INNER_F32, dtype=np.float32)
+assert len(_LOG_PROB_INNER) == 5, "kernels.breakdown_block unrolls five rollout-prob edges"
 
 
 def _kernels() -> Any:

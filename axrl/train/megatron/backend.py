@@ -2,7 +2,7 @@
 
 The driver (this object) holds the public API, the learning-rate schedule, RNG state and
 checkpoints; the ranks (`rank.py`) hold the model shards and optimizer state — in this process
-at world size 1, in spawned worker processes for tensor / expert parallelism (`parallel.py`).
+at world size 1, in spawned worker processes for tensor / expert / data parallelism (`parallel.py`).
 Weights and optimizer moments leave the ranks in the Hugging Face layout (`convert.py`), so
 weight sync, `export_hf`, the trace fingerprint and checkpoints are the embedded backend's:
 a checkpoint written by one backend (or one parallel layout) loads into the other.
@@ -11,6 +11,7 @@ a checkpoint written by one backend (or one parallel layout) loads into the othe
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,46 +39,70 @@ def require_megatron() -> None:
         raise ImportError(f"{INSTALL_HINT} ({e})") from None
 
 
+def auto_data_parallel(tensor_parallel: int, expert_parallel: int) -> int:
+    """The smallest data-parallel size whose world (TP × DP) the experts can be spread over:
+    EP / gcd(TP, EP) — 1 when EP divides TP (experts fold into the TP ranks), 2 for TP 1 / EP 2."""
+    return expert_parallel // math.gcd(tensor_parallel, expert_parallel)
+
+
+def check_layout(tensor_parallel: int, expert_parallel: int, data_parallel: int, sequence_parallel: bool) -> None:
+    """Megatron's layout rules (`initialize_model_parallel` with expert TP 1): world = TP × DP and
+    EP divides it. `data_parallel` 0 = `auto_data_parallel`. Raises ValueError naming the field."""
+    tp, ep, dp = tensor_parallel, expert_parallel, data_parallel
+    for name, v, low in (("tensor_parallel", tp, 1), ("expert_parallel", ep, 1), ("data_parallel", dp, 0)):
+        if v < low:
+            raise ValueError(f"{name} must be >= {low}, got {v}")
+    if dp and (tp * dp) % ep:
+        raise ValueError(f"expert_parallel={ep} must divide tensor_parallel × data_parallel = {tp} × {dp} (the world "
+                         f"size: experts are spread over all ranks); set data_parallel to a multiple of "
+                         f"{auto_data_parallel(tp, ep)}, or 0 to derive it")
+    if tp > 1 and not sequence_parallel:
+        raise ValueError("tensor_parallel > 1 needs sequence_parallel=true (Megatron's MoE + TP training requires it)")
+
+
 @dataclass
 class MegatronBackendConfig(TorchBackendConfig):
     """`TorchBackendConfig` (optimizer, schedule, micro-batching, determinism) + the parallel layout.
 
-    World size = tensor_parallel; expert_parallel divides it (experts fold into the TP ranks), so
-    data parallelism is never needed on one machine. Sequence parallelism is required with TP > 1
-    (MoE + TP training needs it in Megatron).
+    World size = tensor_parallel × data_parallel (Megatron's layout, one machine); expert_parallel
+    divides it. data_parallel 0 (default) derives the smallest that fits: EP / gcd(TP, EP), i.e.
+    1 when EP divides TP (experts fold into the TP ranks), 2 for TP 1 / EP 2. Sequence parallelism
+    is required with TP > 1 (MoE + TP training needs it in Megatron).
     """
 
     tensor_parallel: int = 1
     expert_parallel: int = 1
     sequence_parallel: bool = True      # used when tensor_parallel > 1
     moe_dispatcher: str = "alltoall"    # alltoall | allgather
+    data_parallel: int = 0              # 0 = auto_data_parallel(tensor_parallel, expert_parallel)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("tensor_parallel", "expert_parallel"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        tp, ep = self.tensor_parallel, self.expert_parallel
-        if tp % ep:
-            raise ValueError(f"expert_parallel={ep} must divide tensor_parallel={tp}: the experts are spread "
-                             "over the tensor-parallel ranks (world size = tensor_parallel)")
-        if tp > 1 and not self.sequence_parallel:
-            raise ValueError("tensor_parallel > 1 needs sequence_parallel=true (Megatron's MoE + TP training requires it)")
+        check_layout(self.tensor_parallel, self.expert_parallel, self.data_parallel, self.sequence_parallel)
         if self.moe_dispatcher not in DISPATCHERS:
             raise ValueError(f"moe_dispatcher must be one of {DISPATCHERS}, got {self.moe_dispatcher!r}")
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The data-parallel size in use (`data_parallel`, or derived when 0)."""
+        return self.data_parallel or auto_data_parallel(self.tensor_parallel, self.expert_parallel)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel * self.data_parallel_size
 
 
 def check_parallel_fit(cfg: ModelConfig, c: MegatronBackendConfig) -> None:
     """The model's head / expert counts must split evenly over the parallel sizes."""
-    tp, ep = c.tensor_parallel, c.expert_parallel
+    tp, ep, world = c.tensor_parallel, c.expert_parallel, c.world_size
     if cfg.num_key_value_heads % tp:
         raise ValueError(f"train.megatron.tensor_parallel={tp} must divide the model's num_key_value_heads "
                          f"({cfg.num_key_value_heads})")
     if cfg.vocab_size % tp:
         raise ValueError(f"train.megatron.tensor_parallel={tp} must divide vocab_size ({cfg.vocab_size})")
-    if torch.cuda.is_available() and tp > torch.cuda.device_count():
-        raise ValueError(f"train.megatron.tensor_parallel={tp} needs {tp} GPUs (one rank per GPU, NCCL); this "
-                         f"machine has {torch.cuda.device_count()}")
+    if torch.cuda.is_available() and world > torch.cuda.device_count():
+        raise ValueError(f"train.megatron: world size {world} (tensor_parallel × data_parallel) needs {world} GPUs "
+                         f"(one rank per GPU, NCCL); this machine has {torch.cuda.device_count()}")
     if ep > 1 and (not cfg.is_moe or cfg.num_experts % ep):
         raise ValueError(f"train.megatron.expert_parallel={ep} must divide the model's num_experts ({cfg.num_experts})")
 
@@ -109,7 +134,7 @@ class MegatronBackend:
         from axrl.train.megatron.parallel import InProcessGroup, WorkerGroup
 
         sizes = ParallelSizes(config.tensor_parallel, config.expert_parallel,
-                              config.sequence_parallel and config.tensor_parallel > 1)
+                              config.sequence_parallel and config.tensor_parallel > 1, config.data_parallel_size)
         # fp32 weights on the ranks whatever the model dtype (bf16 runs autocast, see module doc)
         weights = {k: v.detach().to("cpu", torch.float32)
                    for k, v in to_megatron(hf_state_dict(model), model.config).items()}
@@ -145,14 +170,22 @@ class MegatronBackend:
 
     def forward(self, batch: PackedBatch, *, r3: bool = False) -> ForwardResult:
         """No-grad logprobs/entropy [T] (fp32) and the routing [T, L, k] this forward used."""
-        logprobs, entropy, routing = self._group.call("forward", _cpu(batch), self._use_r3(batch, r3), self._knobs())[0]
+        per_mb = _by_micro_batch(self._group.call("forward", _cpu(batch), self._use_r3(batch, r3), self._knobs()))
+        # micro-batches in order, each one's DP shares in order: the batch's sample order
+        cat = lambda i: None if per_mb[0][0][i] is None else torch.cat(  # noqa: E731
+            [share[i] for shares in per_mb for share in shares])
+        logprobs, entropy, routing = cat(0), cat(1), cat(2)
         dev = batch.input_ids.device
         return ForwardResult(logprobs=logprobs.to(dev), entropy=entropy.to(dev),
                              routed_experts=None if routing is None else routing.to(dev))
 
     def forward_backward(self, batch: PackedBatch, loss_fn: LossFn, *, r3: bool = False) -> TrainMetrics:
         """Accumulate grads of `loss_fn` micro-batch by micro-batch (fixed order, see micro_batch.py)."""
-        rows = self._group.call("forward_backward", _cpu(batch), loss_fn, self._use_r3(batch, r3), self._knobs())[0]
+        per_mb = _by_micro_batch(self._group.call("forward_backward", _cpu(batch), loss_fn, self._use_r3(batch, r3),
+                                                  self._knobs()))
+        # one row per micro-batch, as the embedded backend reports; DP shares combine like micro-batches
+        rows = [shares[0] if len(shares) == 1 else reduce_microbatch_metrics(shares)
+                for shares in ([r for r in mb if r is not None] for mb in per_mb)]
         self._has_grads = True
         return TrainMetrics(loss=sum(r["loss"] for r in rows), micro_batches=rows,
                             metrics={**reduce_microbatch_metrics(rows), "num_micro_batches": float(len(rows))})
@@ -272,6 +305,13 @@ class MegatronBackend:
     _warn_config_diff = TorchBackend._warn_config_diff
     save = TorchBackend.save
     load = TorchBackend.load
+
+
+def _by_micro_batch(answers: list[Any]) -> list[list[Any]]:
+    """Rank answers [(dp_rank, [result per micro-batch]) or None] → per micro-batch, the DP
+    shares' results in dp_rank order (= sample order: shares are contiguous runs of samples)."""
+    shares = sorted((a for a in answers if a is not None), key=lambda a: a[0])
+    return [list(mb) for mb in zip(*(parts for _, parts in shares))]
 
 
 def _cpu(batch: PackedBatch) -> PackedBatch:

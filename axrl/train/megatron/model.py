@@ -15,28 +15,28 @@ from axrl.model import ModelConfig
 
 @dataclass(frozen=True)
 class ParallelSizes:
-    """Model-parallel layout of one process group (data parallel size is always 1)."""
+    """Parallel layout of one process group, Megatron's: world = tensor_parallel × data_parallel
+    (no pipeline / context parallel); expert_parallel divides the world size."""
 
     tensor_parallel: int = 1
     expert_parallel: int = 1
     sequence_parallel: bool = False
+    data_parallel: int = 1
 
     @property
     def world_size(self) -> int:
-        # Experts fold into the TP ranks (Megatron's "MoE parallel folding"), so the dense part
-        # never needs data parallelism: world = TP, and EP divides it.
-        return self.tensor_parallel
+        return self.tensor_parallel * self.data_parallel
 
     @property
     def expert_tensor_parallel(self) -> int:
         # Experts are never TP-sliced: gloo's all-gather cannot take the uneven token counts an
-        # expert-TP dispatch gathers. With EP < TP the experts are replicated over
-        # `expert_data_parallel` ranks, each routing its own sequence shard.
+        # expert-TP dispatch gathers. With EP < world size the experts are replicated over
+        # `expert_data_parallel` ranks, each routing its own tokens.
         return 1
 
     @property
     def expert_data_parallel(self) -> int:
-        return self.tensor_parallel // self.expert_parallel
+        return self.world_size // self.expert_parallel
 
 
 def transformer_config(cfg: ModelConfig, sizes: ParallelSizes, *, dispatcher: str = "alltoall",

@@ -1,5 +1,5 @@
 """Where the ranks live: in the driver process (world size 1) or in worker processes that the
-backend spawns itself (tensor / expert parallel, gloo over localhost; NCCL on GPUs).
+backend spawns itself (world size TP × DP > 1, gloo over localhost; NCCL on GPUs).
 
 Both expose `call(method, *args) -> [result of rank 0, rank 1, …]`: every rank runs the same
 `MegatronRank` method (collectives inside need all of them), in lockstep. Workers get batches and

@@ -1,7 +1,13 @@
 """One rank of the Megatron backend: its shard of the `GPTModel`, its optimizer, and the
 forward / backward / step of a packed batch. Runs in the driver process at world size 1 and in
-each worker process otherwise (`parallel.py`); every rank gets the whole batch and computes the
-whole batch's logprobs (logits are gathered over TP), so any rank's answer is the answer.
+each worker process otherwise (`parallel.py`).
+
+Every rank gets the whole batch and cuts it into the embedded backend's micro-batches. Under data
+parallelism each DP rank then runs a contiguous share of every micro-batch's samples
+(`share_bounds`), padded to the same [rows, S] shape on all ranks (the MoE dispatchers' collectives
+and gloo's all-gather need equal token counts; a rank whose share is empty runs padding only); the
+TP ranks of one DP rank run the same share and gather its logits over TP. Results leave the ranks
+with tp_rank 0, tagged with their dp_rank, and the driver puts them back in sample order.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from axrl.train.megatron import cpu_compat
 from axrl.train.megatron.convert import EXPERT_NAME, split_rule, shard
 from axrl.train.determinism import set_determinism
 from axrl.train.megatron.model import ParallelSizes, build_gpt_model
-from axrl.train.micro_batch import micro_batches, next_token_logprobs, pad_micro_batch, unpad
+from axrl.train.micro_batch import PaddedMicroBatch, micro_batches, next_token_logprobs, pad_micro_batch, unpad
 from axrl.train.protocol import LossContext, LossFn, PackedBatch
 from axrl.train.torch_backend import clip_grads_
 
@@ -33,6 +39,14 @@ class StepKnobs:
     dtype: str = "float32"
     micro_batch_tokens: int = 0
     micro_batch_size: int = 0
+
+
+def share_bounds(num_samples: int, parts: int, index: int) -> range:
+    """Samples of share `index` when `num_samples` consecutive samples are cut into `parts`
+    contiguous shares, the first `num_samples % parts` one sample larger (some may be empty)."""
+    q, r = divmod(num_samples, parts)
+    start = index * q + min(index, r)
+    return range(start, start + q + (index < r))
 
 
 def free_port() -> int:
@@ -86,6 +100,9 @@ class MegatronRank:
                           etp_rank=ps.get_expert_tensor_parallel_rank() if model_cfg.is_moe else 0,
                           etp_size=sizes.expert_tensor_parallel)
         self.tp_group = ps.get_tensor_model_parallel_group()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_group = ps.get_data_parallel_group()
+        self.tp_dp_group = ps.get_tensor_and_data_parallel_group()
         self.edp_group = ps.get_expert_data_parallel_group() if model_cfg.is_moe else None
         self.edp_rank = ps.get_expert_data_parallel_rank() if model_cfg.is_moe else 0
         self.params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -116,32 +133,55 @@ class MegatronRank:
                     raise ValueError(f"'{name}': shard shape {tuple(local[name].shape)}, the model expects {tuple(p.shape)}")
                 p.copy_(local[name].to(p.device, p.dtype))
 
+    def _reports(self, name: str) -> bool:
+        """Whether this rank sends `name` to the driver: one copy of each shard (DP / expert-DP
+        replicas hold the same bits)."""
+        return self.edp_rank == 0 if EXPERT_NAME.match(name) else self.dp_rank == 0
+
     def local_weights(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-        return {n: p.detach().cpu().clone() for n, p in self.params}, self.ranks
+        return {n: p.detach().cpu().clone() for n, p in self.params if self._reports(n)}, self.ranks
 
     # ------------------------------------------------------------------ forward
+    def _share(self, mb: PackedBatch, r3: bool) -> tuple[PaddedMicroBatch, int]:
+        """This DP rank's share of a micro-batch, right-padded ([b, S], S of the share), and the
+        row count every DP rank runs (the largest share)."""
+        dp = self.sizes.data_parallel
+        if dp == 1:
+            return pad_micro_batch(mb, with_routing=r3), mb.num_samples
+        share = share_bounds(mb.num_samples, dp, self.dp_rank)
+        rows = -(-mb.num_samples // dp)
+        if len(share):
+            return pad_micro_batch(mb.select(list(share)), with_routing=r3), rows
+        # An empty share (fewer samples than DP ranks) still runs a padding row: the MoE
+        # dispatch and the backward are collectives that every rank must join.
+        empty = torch.zeros(0, 1, dtype=torch.int64)
+        forced = torch.zeros(0, 1, *mb.routed_experts.shape[1:], dtype=torch.int64) if r3 else None
+        return PaddedMicroBatch(empty, empty, empty[:, 0], empty[:, 0], forced), rows
+
     def _run(self, mb: PackedBatch, r3: bool, dtype: str,
              routing_out: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Packed (logprobs, entropy, routing [T, L, k] or None) of one micro-batch; the routing
-        is the replayed one under R3 (as in the embedded backend), else what the routers chose."""
-        pm = pad_micro_batch(mb, with_routing=r3)
-        ids, b, S = pm.input_ids, pm.input_ids.shape[0], pm.input_ids.shape[1]
+        """Packed (logprobs, entropy, routing [T, L, k] or None) of this rank's share of one
+        micro-batch; the routing is the replayed one under R3 (as in the embedded backend), else
+        what the routers chose."""
+        pm, b_run = self._share(mb, r3)
+        b, S = pm.input_ids.shape
+        S_run = int(mb.lengths.max())  # the whole micro-batch's: the same on every DP rank
         tp = self.sizes.tensor_parallel if self.sizes.sequence_parallel else 1
-        S_pad = -(-S // tp) * tp  # sequence parallel splits the sequence evenly over TP ranks
-        if S_pad != S:
-            ids = torch.nn.functional.pad(ids, (0, S_pad - S))
-        position_ids = torch.arange(S_pad).expand(b, S_pad)
+        S_pad = -(-S_run // tp) * tp  # sequence parallel splits the sequence evenly over TP ranks
+        ids = torch.nn.functional.pad(pm.input_ids, (0, S_pad - S, 0, b_run - b))
+        position_ids = torch.arange(S_pad).expand(b_run, S_pad)
         # Megatron's mask marks what may NOT be attended; its default mask is built on "cuda".
         mask = ~torch.ones(S_pad, S_pad, dtype=torch.bool).tril()[None, None]
         moe = bool(self.routers)
         if moe:
             from megatron.core.transformer.moe.router_replay import RouterReplayAction
             if r3:
-                forced = torch.nn.functional.pad(pm.forced_experts, (0, 0, 0, 0, 0, S_pad - S))  # [b, S_pad, L, k]
-                n_local = S_pad * b // tp
+                # padding rows/positions replay expert 0, as pad_micro_batch pads them
+                forced = torch.nn.functional.pad(pm.forced_experts, (0, 0, 0, 0, 0, S_pad - S, 0, b_run - b))
+                n_local = S_pad * b_run // tp
                 lo = self.ranks["tp_rank"] * n_local if tp > 1 else 0
                 for router, layer in zip(self.routers, self.moe_layers):
-                    rows = forced[:, :, layer].transpose(0, 1).reshape(S_pad * b, -1)  # sequence-major
+                    rows = forced[:, :, layer].transpose(0, 1).reshape(S_pad * b_run, -1)  # sequence-major
                     router.clear_indices()
                     router.set_target_indices(rows[lo:lo + n_local].to(self.device))
                     router.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
@@ -152,12 +192,12 @@ class MegatronRank:
         dev = self.device
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
             logits = self.model(ids.to(dev), position_ids.to(dev), mask.to(dev))
-        logits = logits[:, :S]
+        logits = logits[:b, :S]
         logprobs, entropy = next_token_logprobs(logits, pm.input_ids.to(dev), mb.temperature)
         routing = None
         if moe:
             if routing_out:  # the gather is a TP collective per layer: skipped when training
-                routing = pm.forced_experts.to(dev) if r3 else self._gather_routing(b, S_pad)[:, :S]
+                routing = pm.forced_experts.to(dev) if r3 else self._gather_routing(b_run, S_pad)[:b, :S]
                 routing = unpad(routing, pm.rows.to(dev), pm.cols.to(dev))
             for router in self.routers:
                 router.clear_indices()  # REPLAY_FORWARD also queues indices for a recompute
@@ -179,28 +219,48 @@ class MegatronRank:
             out[:, :, layer] = rows.view(S_pad, b, k).transpose(0, 1)
         return out
 
-    def forward(self, batch: PackedBatch, r3: bool, knobs: StepKnobs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _answer(self, parts: list[Any]) -> tuple[int, list[Any]] | None:
+        """(dp_rank, per-micro-batch results of this rank's shares) from tp_rank 0; None from the
+        other TP ranks, which hold the same results (logits are gathered over TP)."""
+        return (self.dp_rank, parts) if self.ranks["tp_rank"] == 0 else None
+
+    def forward(self, batch: PackedBatch, r3: bool, knobs: StepKnobs) -> tuple[int, list[Any]] | None:
+        """Per micro-batch: (logprobs, entropy, routing or None) of this rank's share, on the host."""
         self.model.eval()
         with torch.no_grad():
-            parts = [self._run(mb, r3, knobs.dtype) for mb in micro_batches(batch, knobs.micro_batch_tokens, knobs.micro_batch_size)]
-        cat = lambda i: None if parts[0][i] is None else torch.cat([p[i] for p in parts]).cpu()  # noqa: E731
-        return cat(0), cat(1), cat(2)
+            parts = [tuple(None if t is None else t.cpu() for t in self._run(mb, r3, knobs.dtype))
+                     for mb in micro_batches(batch, knobs.micro_batch_tokens, knobs.micro_batch_size)]
+        return self._answer(parts)
 
-    def forward_backward(self, batch: PackedBatch, loss_fn: LossFn, r3: bool, knobs: StepKnobs) -> list[dict[str, float]]:
+    def forward_backward(self, batch: PackedBatch, loss_fn: LossFn, r3: bool,
+                         knobs: StepKnobs) -> tuple[int, list[dict[str, float] | None]] | None:
+        """Accumulate this rank's gradients; per micro-batch the metrics row of this rank's share
+        (None for an empty share). Loss normalisation uses the whole batch's `LossContext`, so the
+        shares' losses (and gradients) sum to the micro-batch's."""
         self.model.train()
         per_sample = torch.zeros(batch.num_samples).index_add_(0, batch.sample_index(), batch.loss_mask.float())
         ctx = LossContext(num_loss_tokens=int(batch.loss_mask.sum()), num_samples=batch.num_samples,
                           num_loss_samples=int((per_sample > 0).sum()))
-        rows: list[dict[str, float]] = []
+        dp = self.sizes.data_parallel
+        rows: list[dict[str, float] | None] = []
         for mb in micro_batches(batch, knobs.micro_batch_tokens, knobs.micro_batch_size):
             logprobs, entropy, _ = self._run(mb, r3, knobs.dtype, routing_out=False)
-            loss, metrics = loss_fn(logprobs, entropy, _to(mb, self.device), ctx)
+            share = range(mb.num_samples) if dp == 1 else share_bounds(mb.num_samples, dp, self.dp_rank)
+            if not len(share):
+                # every rank joins the backward's collectives (MoE dispatch, TP); zero gradients
+                (logprobs.sum() * 0.0).backward()
+                rows.append(None)
+                continue
+            part = mb if dp == 1 else mb.select(list(share))
+            loss, metrics = loss_fn(logprobs, entropy, _to(part, self.device), ctx)
             if loss.requires_grad:
                 loss.backward()
+            elif self.sizes.world_size > 1:
+                (logprobs.sum() * 0.0).backward()  # a constant loss: the other ranks still run a backward
             rows.append({"loss": float(loss.detach()), **{k: float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
                                                           for k, v in metrics.items()},
-                         "num_tokens": float(mb.num_tokens), "num_loss_tokens": float(mb.loss_mask.sum())})
-        return rows
+                         "num_tokens": float(part.num_tokens), "num_loss_tokens": float(part.loss_mask.sum())})
+        return self._answer(rows)
 
     # ------------------------------------------------------------------ optimizer
     def _optimizer(self, slot: str, betas: tuple[float, float], eps: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -213,22 +273,28 @@ class MegatronRank:
         return self.optimizers[slot]
 
     def _partial_group(self, name: str) -> Any:
-        """The group over which `name`'s gradient is split (None: complete on this rank).
+        """The group over which `name`'s gradient is split and summed (None: complete here).
 
-        TP-replicated dense params (norms, router: the rank's sequence shard under SP; q/k norms:
-        the rank's heads) are partial over TP; experts replicated over expert-data-parallel ranks
-        saw only their rank's tokens."""
+        Dense params saw only this DP rank's samples: partial over DP. TP-replicated dense params
+        (norms, router: the rank's sequence shard under SP; q/k norms: the rank's heads) are also
+        partial over TP, so over TP × DP. Experts saw every token routed to them through the EP
+        dispatch; when replicated over expert-data-parallel ranks, each copy saw only its ranks'
+        tokens."""
+        s = self.sizes
         if EXPERT_NAME.match(name):
-            return self.edp_group if self.sizes.expert_data_parallel > 1 else None
-        if self.sizes.tensor_parallel > 1 and split_rule(name)[0] is None:
+            return self.edp_group if s.expert_data_parallel > 1 else None
+        over_tp = s.tensor_parallel > 1 and split_rule(name)[0] is None
+        if over_tp and s.data_parallel > 1:
+            return self.tp_dp_group
+        if over_tp:
             return self.tp_group
-        return None
+        return self.dp_group if s.data_parallel > 1 else None
 
     def _owned(self, name: str) -> bool:
         """Whether this rank counts `name` in the global grad norm (each element exactly once)."""
         if EXPERT_NAME.match(name):
             return self.edp_rank == 0
-        return split_rule(name)[0] is not None or self.ranks["tp_rank"] == 0
+        return self.dp_rank == 0 and (split_rule(name)[0] is not None or self.ranks["tp_rank"] == 0)
 
     def optimizer_step(self, slot: str, lr: float, grad_clip: float, betas: tuple[float, float], eps: float,
                        weight_decay: float) -> float:
@@ -271,7 +337,7 @@ class MegatronRank:
         if opt is None:
             return {}, self.ranks
         return {n: {k: v.detach().cpu().clone() for k, v in opt.state[p].items()}
-                for n, p in self.params if p in opt.state}, self.ranks
+                for n, p in self.params if p in opt.state and self._reports(n)}, self.ranks
 
     def load_optimizer_state(self, slot: str, full: dict[str, dict[str, torch.Tensor]], step: float,
                              betas: tuple[float, float], eps: float, weight_decay: float) -> None:
@@ -314,4 +380,4 @@ def relax_on_cuda() -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-__all__ = ["MegatronRank", "StepKnobs", "free_port", "init_distributed", "relax_on_cuda", "worker_setup"]
+__all__ = ["MegatronRank", "StepKnobs", "free_port", "init_distributed", "relax_on_cuda", "share_bounds", "worker_setup"]
