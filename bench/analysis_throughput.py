@@ -184,7 +184,7 @@ def dir_bytes(paths) -> int:
     return sum(p.stat().st_size for p in paths)
 
 
-def time_fresh(run_dir: Path, workers: int) -> dict:
+def time_fresh(run_dir: Path, workers: int, compiled: bool = True) -> dict:
     """Time one `mismatch` answer in a new Python process, as `axrl-debug mismatch` runs: imports
     and the compiled kernels' one-time load are done first and timed apart; then a fresh
     `TraceReader` (scan and validation included) and the full report with decoded context.
@@ -196,10 +196,10 @@ def time_fresh(run_dir: Path, workers: int) -> dict:
         "t0 = time.perf_counter()\n"
         "from axrl.trace import TraceReader\n"
         "from axrl_debug.analysis.mismatch import MismatchConfig, _load_kernels, mismatch_report\n"
-        "cfg = MismatchConfig(clip_low=0.2, clip_high=0.28, tis_cap=2.0, top_k=10)\n"
+        f"cfg = MismatchConfig(clip_low=0.2, clip_high=0.28, tis_cap=2.0, top_k=10, compiled={compiled})\n"
         f"run = {str(run_dir)!r}\n"
         "t1 = time.perf_counter()\n"
-        "r = TraceReader(run); _load_kernels(r, r.steps[0], cfg)\n"
+        f"r = TraceReader(run); {compiled} and _load_kernels(r, r.steps[0], cfg)\n"
         "t2 = time.perf_counter()\n"
         "r = TraceReader(run)\n"
         f"res, _ = mismatch_report(r, r.steps, cfg, workers={workers})\n"
@@ -257,7 +257,15 @@ def main(argv: list[str] | None = None) -> int:
     workers = args.workers
     runs_h = [time_fresh(run_dir, workers) for _ in range(max(1, args.repeat))]
     runs_1 = [time_fresh(run_dir, 1) for _ in range(max(1, args.repeat))]   # the per-core rate
+    runs_np = [time_fresh(run_dir, workers, compiled=False) for _ in range(max(1, args.repeat))]
     times_h, t1 = [r["answer"] for r in runs_h], [r["answer"] for r in runs_1]
+    # The numpy path (chosen for small traces) skips the kernels' load; from how many tokens on do
+    # the compiled kernels answer sooner, start-up included?
+    t_np = min(r["answer"] for r in runs_np)
+    start_c = min(r["imports"] + r["kernels"] for r in runs_h)
+    start_np = min(r["imports"] + r["kernels"] for r in runs_np)
+    per_token_gain = t_np / gen_total - min(times_h) / gen_total
+    break_even = (start_c - start_np) / per_token_gain if per_token_gain > 0 else math.inf
     res_h = {"metrics": runs_h[0]["metrics"], "routing": {"agreement": runs_h[0]["agreement"]}}
     times_p = []
     res_p = None
@@ -286,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         ("HDF5 all tokens/s", f"{tok_total / th / 1e6:.1f} M", ""),
         ("  one-time cost per process", f"{min(r['imports'] for r in runs_h):.2f} s + "
                                         f"{min(r['kernels'] for r in runs_h):.2f} s", "imports + compiled kernels' load"),
+        ("numpy path generated tokens/s", f"{gen_total / t_np / 1e6:.1f} M",
+         f"best of {len(runs_np)}: {t_np:.2f} s; start-up {start_np:.2f} s (no numba)"),
+        ("compiled path pays off from", f"{break_even / 1e6:.1f} M tokens", "generated tokens per call, start-up included"),
         ("pickle time to same answer", f"{tp:.2f} s", f"best of {len(times_p)}: {', '.join(f'{x:.2f}' for x in times_p)}"),
         ("HDF5 speed-up vs pickle", f"{tp / th:.1f}x", "target >= 3x"),
         ("bytes on disk HDF5 / pickle", f"{bh / 1e6:.0f} MB / {bp / 1e6:.0f} MB", f"ratio {bh / bp:.2f}"),
@@ -306,7 +317,10 @@ def main(argv: list[str] | None = None) -> int:
         "hdf5_speedup_vs_pickle": round(tp / th, 2),
         "hdf5_vs_pickle_bytes_ratio": round(bh / bp, 4),
         "generated_tokens": gen_total,
-        "process_start_s": round(min(r["imports"] + r["kernels"] for r in runs_h), 3),
+        "process_start_s": round(start_c, 3),
+        "numpy_path_tokens_per_s": round(gen_total / t_np),
+        "numpy_path_process_start_s": round(start_np, 3),
+        "compiled_break_even_generated_tokens": round(break_even),
     }))
     return 0
 

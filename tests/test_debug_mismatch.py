@@ -18,6 +18,16 @@ from axrl_debug.analysis.mismatch import (ENTROPY_LABELS, POSITION_LABELS, PROB_
 from axrl_debug.synthetic import NAN, TinySample, TinyToken, gen, tiny_record, write_run
 
 CONFIG = {"algo": {"clip_low": 0.2, "clip_high": 0.28, "tis": True, "tis_cap": 1.2, "loss_agg": "token-mean"}}
+
+
+@pytest.fixture(autouse=True, params=["compiled", "numpy"])
+def analysis_path(request, monkeypatch):
+    """Every test runs on both paths of the analysis: the compiled passes (kernels.py, chosen for
+    large traces) and the numpy per-token path (small ones); they must give the same answers."""
+    from axrl_debug.analysis import mismatch
+
+    monkeypatch.setattr(mismatch, "COMPILED_MIN_BYTES", 0 if request.param == "compiled" else 1 << 62)
+    return request.param
 A, B = [0, 1], [2, 3]
 
 

@@ -157,7 +157,8 @@ class StepFile:
             raise KeyError(f"{self.path}: no dataset {name!r}")
         return self._read(name, ds)
 
-    def _read(self, name: str, ds: h5py.Dataset, buffers: dict[str, np.ndarray] | None = None) -> Any:
+    def _read(self, name: str, ds: h5py.Dataset, buffers: dict[str, np.ndarray] | None = None,
+              fast_checksums: bool = False) -> Any:
         try:
             dtype = ds.dtype
             if h5py.check_string_dtype(dtype) is not None:
@@ -166,7 +167,7 @@ class StepFile:
             shape = ds.shape
             if buffers is None or not shape or dtype.kind not in "biuf":
                 return ds[()]
-            if shape[0] and _checksum().checksummed_raw(ds):
+            if fast_checksums and shape[0] and _checksum().checksummed_raw(ds):
                 # the analysed columns: read the stored chunks and verify their Fletcher-32 here,
                 # at a third of the cost of HDF5's filter (axrl/trace/checksum.py)
                 need = _checksum().padded_bytes(ds)
@@ -199,7 +200,7 @@ class StepFile:
             raise CorruptStepError(f"{self.path}: cannot read {name}[{start}:{stop}] ({e})") from None
 
     def read_columns(self, names: Iterable[str], *, optional: Iterable[str] = (),
-                     buffers: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+                     buffers: dict[str, np.ndarray] | None = None, fast_checksums: bool = False) -> dict[str, Any]:
         """Several datasets at once, by absolute path: ``{path: array}``.
 
         Only the named datasets are read (the point of a lazy reader: an analysis that needs three
@@ -208,13 +209,16 @@ class StepFile:
 
         ``buffers`` (a dict, initially empty, kept by the caller across calls): numeric arrays are
         read into per-name buffers that are reused by the next call with the same dict, and the
-        result holds views of them — valid until that next call."""
+        result holds views of them — valid until that next call. With ``buffers``,
+        ``fast_checksums=True`` reads raw fletcher32 columns chunk by chunk and verifies the
+        checksums in compiled code (``checksum.py``: half the cost of HDF5's filter, but the first
+        use in a process loads numba, ~0.4 s)."""
         opt = set(optional)
         out: dict[str, Any] = {}
         for name in dict.fromkeys([*names, *opt]):
             ds = self._dataset(name)
             if ds is not None:
-                out[name] = self._read(name, ds, buffers)
+                out[name] = self._read(name, ds, buffers, fast_checksums)
             elif name not in opt:
                 raise KeyError(f"{self.path}: no dataset {name!r}")
         return out
@@ -446,17 +450,21 @@ class TraceReader:
             self._problems.append(prob)
 
     def iter_columns(self, names: Iterable[str], steps: Iterable[int] | None = None, *,
-                     optional: Iterable[str] = (), reuse_buffers: bool = False) -> Iterator[StepColumns]:
+                     optional: Iterable[str] = (), reuse_buffers: bool = False,
+                     fast_checksums: bool = False) -> Iterator[StepColumns]:
         """For each step (default: all valid steps, in order), read only ``names`` (+ ``optional``
         where present). A step whose data turns out unreadable (checksum failure, missing required
         dataset) is skipped and added to ``problems`` rather than ending the iteration.
 
         ``reuse_buffers=True`` reads every step into the same (growing) buffers, so the arrays of a
         step are only valid until the iteration moves on — for consumers that fold each step into
-        an aggregate (no fresh allocation and page faults per dataset and step)."""
+        an aggregate (no fresh allocation and page faults per dataset and step). With it,
+        ``fast_checksums=True`` verifies the raw columns' checksums in compiled code instead of
+        HDF5's filter (see ``read_columns``)."""
         names, optional = list(names), list(optional)
         buffers: dict[str, np.ndarray] | None = {} if reuse_buffers else None
-        return self._iter_steps(steps, lambda sf, path: sf.read_columns(names, optional=optional, buffers=buffers))
+        return self._iter_steps(steps, lambda sf, path: sf.read_columns(
+            names, optional=optional, buffers=buffers, fast_checksums=fast_checksums))
 
     def _iter_steps(self, steps: Iterable[int] | None,
                     read: Callable[[StepFile, Path], dict[str, Any]]) -> Iterator[StepColumns]:

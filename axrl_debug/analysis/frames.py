@@ -19,7 +19,7 @@ import pandas as pd
 
 from axrl.trace import TraceReader
 
-from .mismatch import MismatchAccumulator, MismatchConfig
+from .mismatch import MismatchAccumulator, MismatchConfig, resolve_compiled
 
 # metrics.jsonl key → step-table column, for the values the loop logs itself
 JSONL_METRICS = {"reward": "reward", "loss": "loss", "grad_norm": "grad_norm", "clipfrac": "clipfrac",
@@ -53,6 +53,7 @@ def step_table(reader: TraceReader, steps: Iterable[int] | None = None,
         cfg = MismatchConfig.from_run_config(reader.config)
     # per-step headlines only: no top-K, no global percentile buffer
     cfg = replace(cfg, top_k=0, keep_abs=False, plot_points=0, per_step_percentiles=True)
+    cfg = resolve_compiled(cfg, [reader.step_path(s) for s in (reader.steps if steps is None else steps)])
     acc = MismatchAccumulator(cfg)
     jsonl = {int(r["step"]): r for r in reader.metrics()}
     required, optional = cfg.columns()
@@ -60,7 +61,8 @@ def step_table(reader: TraceReader, steps: Iterable[int] | None = None,
     from_jsonl: dict[str, int] = {c: 0 for c in JSONL_METRICS.values()}
     # reused read buffers: nothing below keeps an array past its step
     for sc in reader.iter_columns(required + _STEP_EXTRA_COLUMNS, steps,
-                                  optional=optional + _STEP_OPTIONAL_COLUMNS, reuse_buffers=True):
+                                  optional=optional + _STEP_OPTIONAL_COLUMNS, reuse_buffers=True,
+                                  fast_checksums=bool(cfg.compiled)):
         pv = int(sc.attrs.get("policy_version", -1))
         head = acc.add_columns(sc.step, pv, sc.data)
         status = np.asarray(sc["/samples/status"], dtype=object)

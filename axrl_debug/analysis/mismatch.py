@@ -68,7 +68,8 @@ tokens are broken by (step, token) ascending.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -137,6 +138,9 @@ class MismatchConfig:
     keep_abs: bool = True            # keep every |Δ| (float32) for exact percentiles: 4 bytes per token
     plot_points: int = 0             # > 0: keep up to this many (rollout, trainer) prob pairs for plots
     per_step_percentiles: bool = False  # p50/p99 of each step too (step tables only)
+    # Compiled per-token passes (``kernels``, numba) or the numpy per-token path (``step_tokens`` +
+    # ``add``): the same answer. None: decided by ``resolve_compiled`` from the size of the steps.
+    compiled: bool | None = None
 
     @classmethod
     def from_run_config(cls, config: Mapping[str, Any] | None, **kw: Any) -> "MismatchConfig":
@@ -509,6 +513,28 @@ def step_tokens(step: int, policy_version: int, cols: Mapping[str, Any], cfg: Mi
 
 
 # ============================================================================ accumulation
+def _sumsq(a: np.ndarray) -> float:
+    """Σ a² without BLAS: np.dot hands 1-D vectors to a multi-threaded BLAS whose thread wake-ups
+    cost milliseconds per call on a busy machine; einsum's own loop is a single SIMD pass."""
+    return float(np.einsum("i,i->", a, a))
+
+
+def _moment_sums(d: np.ndarray, em1: np.ndarray, x: np.ndarray, y: np.ndarray, log_clip_high: float,
+                 log_clip_low: float, log_tis_cap: float) -> tuple[Any, ...]:
+    """``kernels.moment_sums`` in numpy reductions (the numpy path; no numba import): the same
+    sums, in numpy's pairwise summation order. Overwrites ``x`` and ``y`` (centred)."""
+    ad = np.abs(d)
+    mx, my = float(x.mean()), float(y.mean())
+    xc, yc = np.subtract(x, mx, out=x), np.subtract(y, my, out=y)
+    neg = d < 0
+    mult = np.where(neg, -em1 / (1.0 + em1), em1)            # expm1(|Δ|) = −(ρ − 1)/ρ for Δ < 0
+    return (float(ad.sum()), float(d.sum()), float(ad.max()), _sumsq(d), float((em1 - d).sum()),
+            float(em1.sum()), _sumsq(em1), float(mult.sum()), float(em1.min()), float(em1.max()),
+            int(np.count_nonzero(d > log_clip_high)), int(np.count_nonzero(d < log_clip_low)),
+            int(np.count_nonzero(d > log_tis_cap)), mx, my, _sumsq(xc), _sumsq(yc),
+            float(np.einsum("i,i->", xc, yc)))
+
+
 @dataclass
 class _Moments:
     """Sums over analysed tokens; merging two is adding (Chan's update for the correlation)."""
@@ -538,7 +564,8 @@ class _Moments:
             ws: _Scratch | None = None) -> None:
         """``d`` float64 Δ; ``r``, ``o`` the rollout / trainer logprobs (any float dtype: the
         probabilities are computed in float64 from their exact float64 values). The exponentials
-        are numpy's (SIMD); the sums one compiled pass (``kernels.moment_sums``)."""
+        are numpy's (SIMD); the sums one compiled pass (``kernels.moment_sums``), or numpy's
+        reductions (``_moment_sums``) on the numpy path."""
         n = d.size
         if n == 0:
             return
@@ -552,8 +579,8 @@ class _Moments:
         # compare in log space: ρ > 1 + ε  ⇔  Δ > log1p(ε)
         log_low = math.log1p(-cfg.clip_low) if cfg.clip_low < 1 else -math.inf
         (s_abs, s_d, max_abs, s_d2, s_k3, s_e, s_e2, s_mult, e_min, e_max, n_high, n_low, n_tis,
-         mx, my, sxx, syy, sxy) = _kernels().moment_sums(d, em1, x, y, math.log1p(cfg.clip_high), log_low,
-                                                        math.log(cfg.tis_cap))
+         mx, my, sxx, syy, sxy) = (_kernels().moment_sums if cfg.compiled is not False else _moment_sums)(
+            d, em1, x, y, math.log1p(cfg.clip_high), log_low, math.log(cfg.tis_cap))
         self.sum_abs += s_abs
         self.sum_d += s_d
         self.max_abs = max(self.max_abs, max_abs)
@@ -947,6 +974,8 @@ class MismatchAccumulator:
         The step is processed in blocks of whole samples of about ``_BLOCK_TOKENS`` tokens (every
         per-token quantity depends on its own sample only), so the work arrays stay a few tens of
         MB whatever the step size; see ``_block`` for the arithmetic."""
+        if self.cfg.compiled is False:
+            return self.add(step_tokens(step, policy_version, cols, self.cfg))
         off = np.asarray(cols["/samples/offsets"], dtype=np.int64)
         t = int(np.asarray(cols["/tokens/loss_mask"]).shape[0])
         ss = _StepSums(step)
@@ -1361,11 +1390,28 @@ def attach_context(reader: Any, top: list[dict[str, Any]], tokenizer: Any = None
                                   f"cannot read token context of step {step}: {e}")
 
 
+# Loading the compiled kernels costs a process ~0.45 s (importing numba, loading their cached
+# machine code); with two workers they then analyse ~27 M generated tokens/s against the numpy
+# path's ~15 M (bench/analysis_throughput.py: break-even ~16 M generated tokens, start-up included;
+# ~8 M with one worker). 512 MiB of step files hold ~15 M tokens at the default trace layout.
+COMPILED_MIN_BYTES = 512 << 20
+
+
+def resolve_compiled(cfg: MismatchConfig, paths: list[Any]) -> MismatchConfig:
+    """``cfg`` with ``compiled`` decided when it is None: compiled kernels when the step files
+    to analyse total at least ``COMPILED_MIN_BYTES``, else the numpy path (no numba import)."""
+    if cfg.compiled is not None:
+        return cfg
+    size = sum(Path(p).stat().st_size for p in paths)
+    return replace(cfg, compiled=size >= COMPILED_MIN_BYTES)
+
+
 def _read_steps(reader: Any, steps: list[int], cfg: MismatchConfig) -> MismatchAccumulator:
     """Stream ``steps`` of ``reader`` (only the datasets the analysis needs, read into buffers that
     are reused from step to step) into an accumulator."""
     required, optional = cfg.columns()
-    return analyse(reader.iter_columns(required, steps, optional=optional, reuse_buffers=True), cfg)
+    return analyse(reader.iter_columns(required, steps, optional=optional, reuse_buffers=True,
+                                       fast_checksums=cfg.compiled is not False), cfg)
 
 
 def _analyse_steps(run: str, steps: list[int], cfg: MismatchConfig) -> tuple["MismatchAccumulator", list[tuple[str, str]]]:
@@ -1553,11 +1599,12 @@ def mismatch_report(reader: Any, steps: list[int] | None, cfg: MismatchConfig, *
     keep_freed_memory()
     steps = list(reader.steps if steps is None else steps)
     paths = [reader.step_path(s) for s in steps]
+    cfg = resolve_compiled(cfg, paths)
     if workers == 0:
         workers = auto_workers(paths)
     groups = _partition(steps, [p.stat().st_size for p in paths], workers) if workers > 1 and len(steps) > 1 else [steps]
     children: list[_Forked] = []
-    if len(groups) > 1:
+    if len(groups) > 1 and cfg.compiled:
         _load_kernels(reader, groups[0][0], cfg)
     try:
         children += [_Forked(_worker, str(reader.path), g, cfg) for g in groups[1:]]
