@@ -58,10 +58,12 @@ that hold the needed order statistics, and only the values inside those bins are
 A step is processed in blocks of whole samples (``_BLOCK_TOKENS``, so that the work arrays stay
 small whatever the step size) whose sums are added (Chan's update for the correlation's centred
 moments). Breakdown sums are accumulated in joint histograms (every breakdown key plus the sign
-of Δ as the digits of one bin index), marginalised once at the end. The per-token loops (token
-selection, breakdown keys and histograms, routing comparison, moment sums) are compiled with numba
-(``kernels``); the moment sums may be vectorised (re-associated), so they equal the plain sums up to
-float summation order (~1e-13 relative; deterministic for a given machine). Ties among the worst
+of Δ as the digits of one bin index), marginalised once at the end. On large traces the per-token
+loops (token selection, breakdown keys and histograms, routing comparison, moment sums) run compiled
+with numba (``kernels``; ``MismatchConfig.compiled``, ``resolve_compiled``); smaller ones take the
+numpy path (``step_tokens`` + ``add``), which answers sooner there because it skips numba's
+start-up. The two agree up to float summation order (~1e-13 relative: the compiled moment sums
+are vectorised, i.e. re-associated; each is deterministic on a given machine). Ties among the worst
 tokens are broken by (step, token) ascending.
 """
 
