@@ -583,29 +583,11 @@ class _Moments:
         (s_abs, s_d, max_abs, s_d2, s_k3, s_e, s_e2, s_mult, e_min, e_max, n_high, n_low, n_tis,
          mx, my, sxx, syy, sxy) = (_kernels().moment_sums if cfg.compiled is not False else _moment_sums)(
             d, em1, x, y, math.log1p(cfg.clip_high), log_low, math.log(cfg.tis_cap))
-        self.sum_abs += s_abs
-        self.sum_d += s_d
-        self.max_abs = max(self.max_abs, max_abs)
-        self.sum_k2 += 0.5 * s_d2
-        self.sum_k3 += s_k3
-        self.sum_em1 += s_e
-        self.sum_em1_sq += s_e2
-        self.sum_mult += s_mult
-        self.rho_min = min(self.rho_min, e_min + 1.0)
-        self.rho_max = max(self.rho_max, e_max + 1.0)
-        self.n_clip_high += int(n_high)
-        self.n_clip_low += int(n_low)
-        self.n_tis += int(n_tis)
-        n0 = self.n
-        tot = n0 + n
-        dx, dy = mx - self.mx, my - self.my
-        f = n0 * n / tot
-        self.sxx += sxx + dx * dx * f
-        self.syy += syy + dy * dy * f
-        self.sxy += sxy + dx * dy * f
-        self.mx += dx * n / tot
-        self.my += dy * n / tot
-        self.n = tot
+        self.merge(_Moments(
+            n=n, sum_abs=s_abs, sum_d=s_d, max_abs=max_abs, sum_k2=0.5 * s_d2, sum_k3=s_k3, sum_em1=s_e,
+            sum_em1_sq=s_e2, sum_mult=s_mult, rho_min=e_min + 1.0, rho_max=e_max + 1.0,
+            n_clip_high=int(n_high), n_clip_low=int(n_low), n_tis=int(n_tis),
+            mx=mx, my=my, sxx=sxx, syy=syy, sxy=sxy))
 
     def merge(self, m: "_Moments") -> None:
         """Fold in the sums of other tokens (exact for counts and sums; Chan's update for the
