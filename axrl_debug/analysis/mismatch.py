@@ -122,7 +122,7 @@ def _ceil_f32(edge: float) -> np.float32:
     return f
 
 
-_LOG_PROB_INNER_F32 = [_ceil_f32(float(e)) for e in _LOG_PROB_INNER]
+_LOG_PROB_INNER_F32 = np.array([_ceil_f32(float(e)) for e in _LOG_PROB_INNER], dtype=np.float32)
 _ENT_DROP = len(ENTROPY_LABELS)        # digit of a non-finite entropy (left out of that breakdown)
 _ENT_LUT: np.ndarray | None = None     # float16 bit pattern -> entropy digit
 
@@ -359,7 +359,6 @@ _NO_INTS = np.zeros(1, np.int64)
 _NO_BYTES = np.zeros(1, np.uint8)
 _NO_FLAGS = np.zeros(1, bool)
 _NO_ROUTING = np.zeros((1, 0, 1), np.uint8)
-_LOG_PROB_INNER_F32_ARR = np.asarray(_LOG_PROB_INNER_F32, dtype=np.float32)
 assert len(_LOG_PROB_INNER) == 5, "kernels.breakdown_block unrolls five rollout-prob edges"
 
 
@@ -1020,6 +1019,9 @@ class MismatchAccumulator:
                 raise ValueError(f"step {step}: /routing/rollout {rr.shape} and /routing/train {rt.shape} "
                                  f"must both be [tokens={t}, layers, top_k]")
             vcol = cols.get("/routing/rollout_valid")
+            if vcol is not None:
+                vcol = np.asarray(vcol)
+                vcol = vcol.view(np.uint8) if vcol.dtype == bool else vcol
             sizes.append(len(ROUTING_DELTA_LABELS))
             names.append(("routing_delta", None))
         layer_agree = np.zeros(rr.shape[1], np.int64)
@@ -1039,9 +1041,8 @@ class MismatchAccumulator:
         sums = np.zeros(counts.shape, np.float64)
         if n or has_routing:
             ent_digit = _entropy_digits(ent, ws) if has_keys and groups else _NO_BYTES
-            prob_edges = _LOG_PROB_INNER_F32_ARR if lr.dtype == np.float32 else _LOG_PROB_INNER
-            valid = _NO_BYTES if vcol is None else np.asarray(vcol).view(np.uint8) if np.asarray(vcol).dtype == bool \
-                else np.asarray(vcol)
+            prob_edges = _LOG_PROB_INNER_F32 if lr.dtype == np.float32 else _LOG_PROB_INNER
+            valid = _NO_BYTES if vcol is None else vcol
             row_agree = ws("row_agree", t, bool) if has_routing else _NO_FLAGS
             if has_routing:
                 kern.routing_rows(rr, rt, valid, vcol is not None, row_agree, layer_agree, layer_hits)
