@@ -37,7 +37,10 @@ dataset is token t of the step file, row i of `/samples` is sample row i:
     /activations/norm_mean     float64 [U, A]  mean over trained-on and context tokens of the update
     /activations/norm_max      float64 [U, A]  max of the same
 
-Real tokens only (padding never counts). Groups absent when the backend has no torch model to hook.
+Real tokens only (padding never counts). /params, /activations, /router, /tokens/activation_norm and
+the per-sample gradient columns come from `TrainBackend.inspect` (absent, NaN, when the backend
+cannot inspect its model, e.g. Megatron's ranks). Activation norms and per-sample gradients are
+measured one sample at a time, so their last bits may differ from the update's micro-batched forward.
 """
 
 from __future__ import annotations
@@ -50,12 +53,10 @@ from typing import Any
 import h5py
 import numpy as np
 import torch
-from torch import nn
 
 from axrl.algo import PolicyLoss, aggregate_loss, kl_penalty, ppo_token_loss
 from axrl.trace import SCHEMA_VERSION
-from axrl.train.micro_batch import next_token_logprobs, pad_micro_batch, unpad
-from axrl.train.protocol import LossContext, PackedBatch, TrainBackend
+from axrl.train.protocol import Inspection, LossContext, PackedBatch, TrainBackend
 
 DUMP_FORMAT = "axrl-replay-dump"
 DUMP_VERSION = 1
@@ -81,168 +82,37 @@ def read_dump(path: str | os.PathLike) -> dict[str, Any]:
     return out
 
 
-def ctx_of(batch: PackedBatch) -> LossContext:
-    """Batch-wide counts, as `forward_backward` computes them for the whole update."""
-    per_sample = torch.zeros(batch.num_samples).index_add_(0, batch.sample_index(), batch.loss_mask.float().cpu())
-    return LossContext(num_loss_tokens=int(batch.loss_mask.sum()), num_samples=batch.num_samples,
-                       num_loss_samples=int((per_sample > 0).sum()))
-
-
 class DumpProbe:
     """`UpdateHooks` + a wrapping `LossFn` that record the dump of one step.
 
     Create it with the step's full batch and update splits, pass `probe.loss_fn` and the probe
-    (as hooks) to `run_updates`, then `probe.close()` and `probe.write(path, ...)`.
+    (as hooks) to `run_updates`, then `probe.close()` and `probe.write(path, ...)`. Model
+    internals (activations, router, per-sample gradients) come from `TrainBackend.inspect`,
+    called before each update on the weights that update's forward uses.
     """
 
     def __init__(self, backend: TrainBackend, loss_fn: PolicyLoss, batch: PackedBatch,
                  splits: list[list[int]], *, r3: bool) -> None:
         self.backend, self.inner, self.batch, self.splits, self.r3 = backend, loss_fn, batch, splits, r3
-        T, N, U = batch.num_tokens, batch.num_samples, len(splits)
+        T, N = batch.num_tokens, batch.num_samples
         nan = np.full(T, np.nan, np.float32)
         self.tok = {"update": np.full(T, -1, np.int32), "logprob": nan.copy(), "ratio": nan.copy(),
                     "tis_weight": nan.copy(), "pg_loss": np.zeros(T, np.float32),
                     "loss_contribution": np.zeros(T, np.float32), "clipped": np.zeros(T, np.uint8)}
         self.samples = {"update": np.full(N, -1, np.int32), "loss": np.zeros(N), "grad_norm": np.full(N, np.nan),
                         "grad_cosine": np.full(N, np.nan)}
-        self.model: nn.Module | None = getattr(backend, "model", None)
-        if not isinstance(self.model, nn.Module):
-            self.model = None
-        self.param_names: list[str] = []
-        self.param_grad_norm = np.zeros((U, 0))
-        self._handles: list[Any] = []
+        self.inspections: list[Inspection | None] = []
         self._active = False
         self._update = -1
         self._cursor = 0                   # next sample position inside the current update
-        self._pending: dict[str, torch.Tensor] = {}
-        self._real: torch.Tensor | None = None
-        self.act_names: list[str] = []
-        self.moe_layers: list[int] = []
-        if self.model is not None:
-            self._install(U)
-
-    # ------------------------------------------------------------------ hooks
-    def _install(self, U: int) -> None:
-        model = self.model
-        assert model is not None
-        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.param_names = [n for n, _ in self.params]
-        self.param_grad_norm = np.zeros((U, len(self.params)))
-        self._handles.append(model.register_forward_pre_hook(self._on_model_input, with_kwargs=True))
-        inner = getattr(model, "model", None)
-        layers = list(getattr(inner, "layers", []))
-        points: list[tuple[str, nn.Module]] = []
-        if hasattr(inner, "embed_tokens"):
-            points.append(("embed_tokens", inner.embed_tokens))
-        points += [(f"layers.{i}", layer) for i, layer in enumerate(layers)]
-        if hasattr(inner, "norm"):
-            points.append(("norm", inner.norm))
-        self.act_names = [n for n, _ in points]
-        for a, (name, module) in enumerate(points):
-            self._handles.append(module.register_forward_hook(self._activation_hook(a)))
-        self.moe_layers = [i for i, layer in enumerate(layers) if getattr(layer, "is_moe", False)]
-        E = int(getattr(getattr(model, "config", None), "num_experts", 0) or 0)
-        L = len(self.moe_layers)
-        self.router_tokens = np.zeros((U, L, E), np.int64)
-        self.router_entropy_sum = np.zeros((U, L))
-        self.router_count = np.zeros((U, L))
-        for j, i in enumerate(self.moe_layers):
-            block = layers[i].mlp
-            self._handles.append(block.register_forward_hook(self._experts_hook(j)))
-            self._handles.append(block.gate.register_forward_hook(self._gate_hook(j)))
-        A = len(points)
-        self.act_sum, self.act_max, self.act_count = np.zeros((U, A)), np.zeros((U, A)), np.zeros((U, A))
-        self.tok_act = np.full((self.batch.num_tokens, A), np.nan, np.float32)
-
-    def _on_model_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self._active:
-            return
-        mask = kwargs.get("attention_mask")
-        ids = args[0] if args else kwargs["input_ids"]
-        self._real = (torch.ones_like(ids) if mask is None else mask).bool()
-
-    def _activation_hook(self, a: int):
-        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
-            if not self._active or self._real is None:
-                return
-            x = output[0] if isinstance(output, tuple) else output
-            with torch.no_grad():
-                norms = x.detach()[self._real].float().norm(dim=-1)   # [T_mb], packed order
-            self._pending[f"act{a}"] = norms.cpu()
-            u = self._update
-            if norms.numel():
-                self.act_sum[u, a] += float(norms.double().sum())
-                self.act_max[u, a] = max(self.act_max[u, a], float(norms.max()))
-                self.act_count[u, a] += norms.numel()
-        return hook
-
-    def _experts_hook(self, j: int):
-        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
-            if not self._active or self._real is None:
-                return
-            experts = output[1].detach()[self._real.reshape(-1)]
-            counts = torch.bincount(experts.reshape(-1).cpu(), minlength=self.router_tokens.shape[2])
-            self.router_tokens[self._update, j] += counts.numpy()[: self.router_tokens.shape[2]]
-        return hook
-
-    def _gate_hook(self, j: int):
-        def hook(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
-            if not self._active or self._real is None:
-                return
-            with torch.no_grad():
-                logits = output.detach()[self._real.reshape(-1)].float()
-                logp = torch.log_softmax(logits, dim=-1)
-                ent = -(logp.exp() * logp).sum(-1)
-            self.router_entropy_sum[self._update, j] += float(ent.double().sum())
-            self.router_count[self._update, j] += ent.numel()
-        return hook
 
     # ------------------------------------------------------------------ UpdateHooks
     def before_update(self, index: int, batch: PackedBatch) -> None:
+        self.inspections.append(self.backend.inspect(batch, self.inner, r3=self.r3))
         self._update, self._cursor, self._active = index, 0, True
 
     def before_optimizer_step(self, index: int) -> None:
         self._active = False
-        if self.model is None:
-            return
-        grads = [p.grad for _, p in self.params]
-        self.param_grad_norm[index] = [0.0 if g is None else float(g.detach().double().norm()) for g in grads]
-        self._per_sample_grads(index, grads)
-
-    def _per_sample_grads(self, u: int, total: list[torch.Tensor | None]) -> None:
-        """‖∇ share_i‖ and its cosine with the update's gradient, one sample at a time, with
-        autograd.grad so the accumulated `.grad` (about to be stepped) is untouched."""
-        model = self.model
-        assert model is not None
-        sub = self.batch.select(self.splits[u])
-        ctx = ctx_of(sub)
-        params = [p for _, p in self.params]
-        total_sq = sum(float(g.double().pow(2).sum()) for g in total if g is not None)
-        dtype = getattr(getattr(self.backend, "config", None), "dtype", "float32")
-        use_r3 = self.r3 and bool(getattr(getattr(model, "config", None), "is_moe", False))
-        device = next(model.parameters()).device
-        for j, row in enumerate(self.splits[u]):
-            mb = sub.select([j])
-            pm = pad_micro_batch(mb, with_routing=use_r3, device=device)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
-                out = model(pm.input_ids, attention_mask=pm.attention_mask, forced_experts=pm.forced_experts)
-            lp, ent = next_token_logprobs(out.logits, pm.input_ids, mb.temperature)
-            loss, _ = self.inner(unpad(lp, pm.rows, pm.cols), unpad(ent, pm.rows, pm.cols), mb, ctx)
-            if not loss.requires_grad:
-                self.samples["grad_norm"][row], self.samples["grad_cosine"][row] = 0.0, np.nan
-                continue
-            gs = torch.autograd.grad(loss, params, allow_unused=True)
-            sq, dot = 0.0, 0.0
-            for g, G in zip(gs, total):
-                if g is None:
-                    continue
-                g = g.detach().double()
-                sq += float(g.pow(2).sum())
-                if G is not None:
-                    dot += float((g * G.detach().double()).sum())
-            self.samples["grad_norm"][row] = sq ** 0.5
-            denom = (sq * total_sq) ** 0.5
-            self.samples["grad_cosine"][row] = dot / denom if denom > 0 else np.nan
 
     # ------------------------------------------------------------------ LossFn
     def loss_fn(self, logprobs: torch.Tensor, entropy: torch.Tensor, mb: PackedBatch,
@@ -296,16 +166,9 @@ class DumpProbe:
         for k, r in enumerate(rows):
             self.samples["update"][r] = u
             self.samples["loss"][r] = float(contribution[sample_of == k].astype(np.float64).sum())
-        for name, norms in self._pending.items():
-            if norms.numel() == len(i):
-                self.tok_act[i, int(name[3:])] = norms.numpy()
-        self._pending.clear()
 
     # ------------------------------------------------------------------ output
     def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
         self._active = False
 
     def write(self, path: Path, *, updates: list[dict[str, float]], attrs: dict[str, Any]) -> Path:
@@ -313,6 +176,7 @@ class DumpProbe:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         str_dt = h5py.string_dtype("utf-8")
+        internals = self._inspection_datasets()
         with h5py.File(tmp, "w") as f:
             f.attrs.update({"format": DUMP_FORMAT, "version": DUMP_VERSION, "created_unix": time.time(),
                             "loss_agg": self.inner.cfg.loss_agg, "tis": self.inner.cfg.tis,
@@ -330,19 +194,36 @@ class DumpProbe:
                 f[f"samples/{k}"] = v
             for k in ("loss", "grad_norm", "lr"):
                 f[f"updates/{k}"] = np.asarray([row[k] for row in updates], np.float64)
-            if self.model is not None:
-                f["tokens/activation_norm"] = self.tok_act
-                f.create_dataset("params/names", data=np.asarray(self.param_names, dtype=object), dtype=str_dt)
-                f["params/grad_norm"] = self.param_grad_norm
-                f.create_dataset("activations/names", data=np.asarray(self.act_names, dtype=object), dtype=str_dt)
-                with np.errstate(invalid="ignore", divide="ignore"):
-                    f["activations/norm_mean"] = self.act_sum / self.act_count
-                    f["activations/norm_max"] = self.act_max
-                    if self.moe_layers:
-                        f["router/layers"] = np.asarray(self.moe_layers, np.int64)
-                        f["router/tokens"] = self.router_tokens
-                        totals = self.router_tokens.sum(-1, keepdims=True)
-                        f["router/load"] = self.router_tokens / np.where(totals > 0, totals, 1)
-                        f["router/entropy"] = self.router_entropy_sum / self.router_count
+            for name, v in internals.items():
+                f.create_dataset(name, data=v, dtype=str_dt if v.dtype == object else v.dtype)
         os.replace(tmp, path)
         return path
+
+    def _inspection_datasets(self) -> dict[str, np.ndarray]:
+        """The model-internals datasets, from one `Inspection` per update (rows mapped back to the
+        step's tokens and samples; fills the per-sample gradient columns); {} without them."""
+        if not self.inspections or any(x is None for x in self.inspections):
+            return {}
+        ins: list[Inspection] = self.inspections  # type: ignore[assignment]
+        first = ins[0]
+        T, A = self.batch.num_tokens, len(first.activation_names)
+        act = np.full((T, A), np.nan, np.float32)
+        mean, top = np.zeros((len(ins), A)), np.zeros((len(ins), A))
+        off = self.batch.offsets.numpy()
+        for u, (rows, x) in enumerate(zip(self.splits, ins)):
+            norms = x.activation_norm.numpy()
+            act[np.concatenate([np.arange(off[r], off[r + 1]) for r in rows])] = norms
+            mean[u], top[u] = norms.mean(axis=0), norms.max(axis=0)
+            self.samples["grad_norm"][rows] = x.sample_grad_norm.numpy()
+            self.samples["grad_cosine"][rows] = x.sample_grad_cosine.numpy()
+        out = {"tokens/activation_norm": act, "params/names": np.asarray(first.param_names, dtype=object),
+               "params/grad_norm": np.stack([x.param_grad_norm.numpy() for x in ins]),
+               "activations/names": np.asarray(first.activation_names, dtype=object),
+               "activations/norm_mean": mean, "activations/norm_max": top}
+        if first.moe_layers:
+            tokens = np.stack([x.router_tokens.numpy() for x in ins])
+            totals = tokens.sum(-1, keepdims=True)
+            out.update({"router/layers": np.asarray(first.moe_layers, np.int64), "router/tokens": tokens,
+                        "router/load": tokens / np.where(totals > 0, totals, 1),
+                        "router/entropy": np.stack([x.router_entropy.numpy() for x in ins])})
+        return out

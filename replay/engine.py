@@ -28,8 +28,8 @@ import torch
 from axrl.config import Config, ConfigError, load_config
 from axrl.runtime.checkpoint import load_checkpoint
 from axrl.runtime.faults import lr_scale
-from axrl.runtime.loop import make_train_backend
-from axrl.runtime.recorder import UpdateResult
+from axrl.runtime.components import make_tokenizer, make_train_backend
+from axrl.runtime.records import UpdateResult
 from axrl.runtime.updates import policy_loss, run_updates
 from axrl.tokenizer import Tokenizer
 from axrl.trace import TraceError
@@ -208,11 +208,20 @@ def _check_prepare(rec: RecordedStep, backend: TrainBackend, cfg: Config) -> lis
 def _replay(inv: RunInventory, cfg: Config, step: int, plan: ReplayPlan, parsed: list[Variant], *, dump: bool,
             dump_to: Path | None, say: Progress) -> ReplayResult:
     t0 = time.perf_counter()
-    tokenizer = Tokenizer.default()
+    tokenizer = make_tokenizer(cfg)
     try:
         backend = make_train_backend(cfg, tokenizer)  # exactly as `axrl train` builds it
     except (NotImplementedError, ValueError, OSError) as e:
         raise ReplayInputError(f"cannot build the trainer from {inv.run / 'config.yaml'}: {e}") from None
+    try:
+        return _replay_on(backend, tokenizer, inv, cfg, step, plan, parsed, dump=dump, dump_to=dump_to, say=say, t0=t0)
+    finally:
+        backend.close()
+
+
+def _replay_on(backend: TrainBackend, tokenizer: Tokenizer, inv: RunInventory, cfg: Config, step: int,
+               plan: ReplayPlan, parsed: list[Variant], *, dump: bool, dump_to: Path | None, say: Progress,
+               t0: float) -> ReplayResult:
     k0, ckpt, notes = _load_start(inv, plan, backend, step, say)
     timings: dict[str, float] = {"load_seconds": time.perf_counter() - t0}
     env = current_environment(cfg)

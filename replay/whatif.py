@@ -32,11 +32,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from axrl.algo import compute_advantages, token_advantages
 from axrl.config import Config, ConfigError, apply_overrides, load_config
 from axrl.runtime.faults import lr_scale
-from axrl.runtime.loop import make_train_backend
-from axrl.runtime.recorder import UpdateResult
+from axrl.runtime.components import make_train_backend
+from axrl.runtime.records import UpdateResult
 from axrl.runtime.updates import policy_loss, run_updates
 from axrl.tokenizer import Tokenizer
-from axrl.train.protocol import PackedBatch
+from axrl.train.protocol import PackedBatch, TrainBackend
 from replay.plan import ReplayInputError
 from replay.recorded import RecordedStep
 
@@ -171,16 +171,19 @@ def _get(cfg: Config, path: tuple[str, ...]) -> Any:
 def run_variant(variant: Variant, base_cfg: Config, rec: RecordedStep, state: dict[str, Any],
                 tokenizer: Tokenizer) -> VariantResult:
     """Re-run step `rec.step` under the variant from `state` (the backend state before the step)."""
-    cfg, knobs, notes = variant.cfg, variant.knobs, []
     try:
-        backend = make_train_backend(cfg, tokenizer)
+        backend = make_train_backend(variant.cfg, tokenizer, compute_dtype=variant.knobs.dtype)
     except (NotImplementedError, ValueError) as e:
         raise ReplayInputError(f"what-if {variant.label}: cannot build its trainer: {e}") from None
-    if knobs.dtype is not None:
-        config = getattr(backend, "config", None)
-        if config is None or not dataclasses.is_dataclass(config) or not hasattr(config, "dtype"):
-            raise ReplayInputError(f"replay.dtype: the {cfg.train.backend} backend has no compute-dtype setting")
-        backend.config = dataclasses.replace(config, dtype=knobs.dtype)  # type: ignore[attr-defined]
+    try:
+        return _run_on(backend, variant, base_cfg, rec, state)
+    finally:
+        backend.close()
+
+
+def _run_on(backend: TrainBackend, variant: Variant, base_cfg: Config, rec: RecordedStep,
+            state: dict[str, Any]) -> VariantResult:
+    cfg, knobs, notes = variant.cfg, variant.knobs, []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "checkpoint config differs": that is the point of a variant
         backend.load_state_dict(state)

@@ -117,7 +117,7 @@ class ScriptedEngine:
 def assert_well_formed(traj: Trajectory) -> None:
     """Invariants every trajectory satisfies, whatever the engine generated."""
     traj.check()
-    mask = np.array(traj.loss_mask)
+    mask = traj.loss_mask.astype(np.int64)
     versions = np.array(traj.policy_version)
     logprobs = np.array(traj.rollout_logprob)
     assert set(np.unique(mask)) <= {0, 1}
@@ -167,18 +167,18 @@ def test_stream_equals_chat_template_of_final_conversation(tok):
     # The stream is the template's rendering of the final conversation, minus the glue after
     # the last assistant turn (the newline after <|im_end|>) that nothing reads.
     full = tok.apply_chat_template(demo, tools=env.tools)
-    assert traj.token_ids == full[:-1] and full[-1:] == tok.encode("\n")
+    assert traj.token_ids.tolist() == full[:-1] and full[-1:] == tok.encode("\n")
     assert traj.info["messages"][-1] == {"role": "assistant", "content": final_text}
 
     opening = tok.apply_chat_template(env.reset(prompt), tools=env.tools, add_generation_prompt=True)
-    assert traj.prompt_len == len(opening) and traj.token_ids[:len(opening)] == opening
+    assert traj.prompt_len == len(opening) and traj.token_ids[:len(opening)].tolist() == opening
     gen1 = tok.encode(call_text) + [eos]
     glue = tok.encode("\n") + tok.encode_message(demo[-2]) + tok.generation_prompt_ids()
     gen2 = tok.encode(final_text) + [eos]
     P = len(opening)
-    assert traj.loss_mask == [0] * P + [1] * len(gen1) + [0] * len(glue) + [1] * len(gen2)
-    assert traj.turn == [0] * P + [1] * (len(gen1) + len(glue)) + [2] * len(gen2)
-    assert traj.policy_version == [-1] * P + [7] * len(gen1) + [-1] * len(glue) + [7] * len(gen2)
+    assert traj.loss_mask.tolist() == [0] * P + [1] * len(gen1) + [0] * len(glue) + [1] * len(gen2)
+    assert traj.turn.tolist() == [0] * P + [1] * (len(gen1) + len(glue)) + [2] * len(gen2)
+    assert traj.policy_version.tolist() == [-1] * P + [7] * len(gen1) + [-1] * len(glue) + [7] * len(gen2)
     gen = np.array(traj.loss_mask) == 1
     assert np.all(np.array(traj.rollout_logprob)[gen] == -0.5)
 
@@ -222,7 +222,7 @@ def test_per_token_versions_within_a_turn(tok):
     eng = ScriptedEngine([{"ids": ids, "versions": versions}], eos=eos)
     traj = episode(eng, tok, task.make_env(), prompt, max_new_tokens=64)
     assert_well_formed(traj)
-    assert traj.policy_version[traj.prompt_len:] == versions and traj.reward == 1.0
+    assert traj.policy_version[traj.prompt_len:].tolist() == versions and traj.reward == 1.0
 
 
 def test_truncated_turn_is_closed_with_masked_eos_and_length_finish(tok):
@@ -249,7 +249,7 @@ def test_abort_keeps_partial_turn(tok):
                          eos=eos)
     traj = episode(eng, tok, task.make_env(), prompt, return_routing=True)
     assert_well_formed(traj)
-    assert traj.finish_reason == "abort" and traj.num_turns == 2 and traj.token_ids[-2:] == [17, 18]
+    assert traj.finish_reason == "abort" and traj.num_turns == 2 and traj.token_ids[-2:].tolist() == [17, 18]
     assert traj.routed_experts.shape[0] == traj.num_tokens
 
 
@@ -366,7 +366,7 @@ def test_multi_turn_on_embedded_engine(engine, tok):
     # Same seeds -> same episode (per-request generators seeded from the sample seed and turn).
     again = episode(engine, tok, task.make_env(), prompts[0], max_new_tokens=6, seed=100, max_turns=10,
                     max_context_len=1024)
-    assert again.token_ids == trajs[0].token_ids
+    assert again.token_ids.tolist() == trajs[0].token_ids.tolist()
 
 
 def test_routing_on_embedded_engine_matches_full_forward(engine, tok, reference_model):
@@ -405,7 +405,7 @@ def test_thousand_turn_episode_scripted(tok):
                    return_routing=True)
     assert_well_formed(traj)
     assert (traj.finish_reason, traj.num_turns, traj.reward) == ("stop", turns, 1.0)
-    assert traj.token_ids == tok.apply_chat_template(task.demonstration(prompt))[:-1]
+    assert traj.token_ids.tolist() == tok.apply_chat_template(task.demonstration(prompt))[:-1]
     assert (traj.routed_experts[:-1, 0, 0] == np.arange(1, traj.num_tokens)).all()
 
 
@@ -531,7 +531,7 @@ def test_demonstration_through_the_agent_loop_gives_the_template_stream(tok):
     eos = tok.eos_token_id
     replies = [tok.encode(assistant_text(tok, m)) + [eos] for m in demo if m["role"] == "assistant"]
     traj = episode(ScriptedEngine(replies, eos=eos), tok, task.make_env(), prompt)
-    assert traj.reward == 1.0 and traj.token_ids == tok.apply_chat_template(demo)[:-1]
+    assert traj.reward == 1.0 and traj.token_ids.tolist() == tok.apply_chat_template(demo)[:-1]
 
 
 def test_task_prompts_are_deterministic_and_configurable():

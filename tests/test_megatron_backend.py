@@ -218,18 +218,43 @@ def test_checkpoints_move_between_backends(megatron, tmp_path):
     assert weights_diff(tb, mb) < 1e-5
 
 
-def test_export_hf_and_warmup_sibling(megatron, tmp_path):
+def test_forward_under_kept_weights(megatron):
+    from axrl.train.protocol import TrainBackend
+
+    mb = megatron(seed=3)
+    assert isinstance(mb, TrainBackend) and mb.inspect(make_batch(), pg_loss) is None
+    batch = make_batch()
+    before = mb.forward(batch).logprobs
+    mb.keep_weights("v0")
+    mb.forward_backward(batch, pg_loss)
+    mb.optimizer_step()
+    fp, after = mb.fingerprint(), mb.forward(batch).logprobs
+    assert torch.equal(mb.forward(batch, weights="v0").logprobs, before)
+    assert mb.fingerprint() == fp and torch.equal(mb.forward(batch).logprobs, after)
+    mb.forget_weights("v0")
+    with pytest.raises(KeyError, match="v0"):
+        mb.forward(batch, weights="v0")
+
+
+def test_export_hf_and_warmup_phase(megatron, tmp_path):
+    """A warm-up phase (fixed lr, then reset_optimizer) leaves trained weights and a fresh optimizer:
+    the next update is bit for bit that of a backend built on the warmed-up weights."""
     from axrl.model import load_hf
 
     mb = megatron(seed=8)
-    sibling = mb.with_optimizer(dataclasses.replace(mb.config, lr=0.1))
-    sibling.forward_backward(make_batch(), pg_loss)
-    sibling.optimizer_step()
-    assert mb.scheduler_step == 0 and sibling.scheduler_step == 1
-    # the sibling trains the same weights, and the main backend sees them
+    mb.forward_backward(make_batch(), pg_loss)
+    stats = mb.optimizer_step(lr=0.1)
+    assert stats.lr == 0.1 and mb.scheduler_step == 1
+    mb.reset_optimizer()
+    assert mb.scheduler_step == 0 and mb.state_dict()["optimizer"] == {}
     model = load_hf(mb.export_hf(tmp_path / "hf"))
-    assert weights_diff(TorchBackend(model, TorchBackendConfig(num_threads=1)), sibling) == 0.0
-    assert mb.state_dict()["optimizer"] == {}  # the RL optimizer is untouched
+    assert weights_diff(TorchBackend(model, TorchBackendConfig(num_threads=1)), mb) == 0.0
+    fresh = megatron(seed=0)
+    fresh.load_state_dict({**mb.state_dict(), "optimizer": {}})
+    for b in (fresh, mb):  # the next RL update starts from an empty AdamW on both
+        b.forward_backward(make_batch(), pg_loss)
+        b.optimizer_step()
+    assert weights_diff(fresh, mb) == 0.0
 
 
 # ---------------------------------------------------------------- errors and packaging
@@ -283,7 +308,7 @@ def test_import_is_lazy_and_missing_package_error_is_clear():
         "assert not any(m.startswith('megatron') for m in sys.modules), 'megatron imported eagerly'\n"
         "sys.modules['megatron'] = None\n"  # as if megatron-core were not installed
         "from axrl.config import load_config\n"
-        "from axrl.runtime.loop import make_train_backend\n"
+        "from axrl.runtime.components import make_train_backend\n"
         "from axrl.tokenizer import Tokenizer\n"
         "try:\n"
         "    make_train_backend(load_config(None, ['train.backend=megatron']), Tokenizer.default())\n"

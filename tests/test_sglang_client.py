@@ -285,19 +285,19 @@ def test_watchdog_restart_is_resynced_before_the_next_request(setup, tmp_path):
 def test_run_connects_to_given_urls_and_pushes_its_weights(setup, tmp_path):
     from axrl.config import load_config
     from axrl.inference.sglang.factory import build_sglang_engine
-    from axrl.runtime.loop import initial_model
+    from axrl.runtime.components import make_train_backend
     from axrl.tokenizer import Tokenizer
 
     launcher = setup["launcher"]
     cfg = load_config(None, ["rollout.engine=sglang", "model.init_seed=1", f"rollout.sglang.export_dir={tmp_path}",
                              "rollout.sglang.urls=[" + ",".join(launcher.urls) + "]"])
     tok = Tokenizer.default()
-    model = initial_model(cfg, tok)
-    engine = build_sglang_engine(cfg, model, tok)
+    backend = make_train_backend(cfg, tok)
+    engine = build_sglang_engine(cfg, backend, tok)
     try:
         assert engine.launcher is None and engine.weight_version == 0
         for url in launcher.urls:  # the servers now hold the run's (seed 1) weights, not their own
-            assert torch.equal(_served(url, CHECKED[1]), hf_state_dict(model)[CHECKED[1]].reshape(-1))
+            assert torch.equal(_served(url, CHECKED[1]), dict(backend.named_weights())[CHECKED[1]].reshape(-1))
     finally:
         engine.shutdown()
     assert all(launcher.alive(i) for i in range(2))  # servers it did not launch keep running

@@ -263,6 +263,69 @@ def test_optimizer_step_without_grads_is_an_error():
         make_backend().optimizer_step()
 
 
+def test_lr_override_and_scale():
+    be = make_backend(lr=1e-2, lr_schedule="cosine", total_steps=10)
+    be.forward_backward(make_batch(), pg_loss)
+    assert be.optimizer_step(lr=0.5).lr == 0.5          # a fixed-rate phase ignores the schedule
+    be.forward_backward(make_batch(), pg_loss)
+    assert be.optimizer_step(lr_scale=3.0).lr == pytest.approx(3 * lr_at(be.config, 1))
+    assert be.scheduler_step == 2
+
+
+def test_reset_optimizer_equals_a_fresh_backend():
+    """Warm-up then reset: the next update is bit for bit that of a backend built on the warmed-up
+    weights (what `axrl train` relies on between supervised warm-up and RL)."""
+    warm = make_backend()
+    for _ in range(3):
+        warm.forward_backward(make_batch(seed=1), pg_loss)
+        warm.optimizer_step(lr=0.05)
+    warm.reset_optimizer()
+    fresh = make_backend(model_seed=9)
+    fresh.load_state_dict({**warm.state_dict(), "optimizer": {}, "scheduler_step": 0})
+    for be in (warm, fresh):
+        be.forward_backward(make_batch(), pg_loss)
+        be.optimizer_step()
+    assert warm.fingerprint() == fresh.fingerprint() and warm.scheduler_step == 1
+
+
+def test_forward_under_kept_weights():
+    be = make_backend()
+    batch = make_batch()
+    before = be.forward(batch)
+    be.keep_weights("v0")
+    be.forward_backward(batch, pg_loss)
+    be.optimizer_step()
+    fp = be.fingerprint()
+    after = be.forward(batch)
+    assert not torch.equal(before.logprobs, after.logprobs)
+    kept = be.forward(batch, weights="v0")
+    assert torch.equal(kept.logprobs, before.logprobs) and torch.equal(kept.routed_experts, before.routed_experts)
+    assert be.fingerprint() == fp and torch.equal(be.forward(batch).logprobs, after.logprobs)  # untouched
+    be.forget_weights("v0")
+    with pytest.raises(KeyError, match="v0"):
+        be.forward(batch, weights="v0")
+
+
+def test_inspect_observes_without_changing_state():
+    be = make_backend()
+    batch = make_batch()
+    ins = be.inspect(batch, pg_loss)
+    T, N = batch.num_tokens, batch.num_samples
+    assert ins.activation_norm.shape == (T, len(ins.activation_names)) and torch.isfinite(ins.activation_norm).all()
+    assert ins.activation_names[0] == "embed_tokens" and ins.activation_names[-1] == "norm"
+    assert ins.router_tokens.sum(-1).tolist() == [T * 2] * len(ins.moe_layers)  # micro-moe: top-2
+    assert ins.sample_grad_norm.shape == (N,) and (ins.sample_grad_norm > 0).all()
+    assert all(p.grad is None for _, p in be.model.named_parameters())
+    # The per-sample gradients add up to the batch gradient the update uses.
+    be.forward_backward(batch, pg_loss)
+    actual = torch.tensor([float(p.grad.double().norm()) for _, p in be.model.named_parameters() if p.requires_grad])
+    assert torch.allclose(ins.param_grad_norm, actual.double(), rtol=1e-4, atol=1e-9)
+
+
+def test_backend_satisfies_the_protocol():
+    assert isinstance(make_backend(), TrainBackend)
+
+
 def test_bfloat16_autocast_trains():
     be = make_backend(dtype="bfloat16")
     ref = make_backend()

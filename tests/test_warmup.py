@@ -31,7 +31,7 @@ def test_warm_up_lowers_the_demonstration_loss():
     task = get_task("calculator", show_tool_schema=False)
     backend = TorchBackend(build_model(preset_config("micro-moe"), seed=0),
                            TorchBackendConfig(lr=1e-2, num_threads=1))
-    losses = warm_up(backend, tok, task, steps=20, batch_size=4, seed=0)
+    losses = warm_up(backend, tok, task, steps=20, batch_size=4, lr=1e-2, seed=0)
     assert len(losses) == 20 and losses[-1] < 0.6 * losses[0]
     batch = demonstration_batch(tok, task, [task.prompt(5, i) for i in range(3)])
     assert batch.num_samples == 3 and 0 < float(batch.loss_mask.sum()) < batch.num_tokens

@@ -57,18 +57,17 @@ class AlgorithmProcessor:
 
         lengths = torch.tensor([t.num_tokens for t in trajectories], dtype=torch.int64)
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-        loss_mask = torch.cat([torch.tensor(t.loss_mask, dtype=torch.float32) * float(t.status == "ok")
-                               for t in trajectories])
+        loss_mask = torch.from_numpy(np.concatenate([t.loss_mask.astype(np.float32) * float(t.status == "ok")
+                                                     for t in trajectories]))
         routed = None
         if all(t.routed_experts is not None for t in trajectories):
             routed = torch.from_numpy(np.concatenate([t.routed_experts for t in trajectories]).astype(np.int64))
         batch = PackedBatch(
-            input_ids=torch.cat([torch.tensor(t.token_ids, dtype=torch.int64) for t in trajectories]),
+            input_ids=torch.from_numpy(np.concatenate([t.token_ids for t in trajectories]).astype(np.int64)),
             offsets=offsets,
             loss_mask=loss_mask,
             advantages=token_advantages(adv, offsets, loss_mask),
-            rollout_logprobs=torch.cat([torch.tensor(t.rollout_logprob, dtype=torch.float32)
-                                        for t in trajectories]),
+            rollout_logprobs=torch.from_numpy(np.concatenate([t.rollout_logprob for t in trajectories])),
             routed_experts=routed,
             temperature=self.temperature,
         )

@@ -101,7 +101,7 @@ async def run_episode(
         room = max_context_len - traj.num_tokens  # >= 1: segments are appended only if they leave room
         held = sum(len(chunk) for chunk in routing)
         request = GenerateRequest(
-            input_ids=list(traj.token_ids),  # whole stream: the engine keeps no prefix cache
+            input_ids=traj.token_ids.tolist(),  # whole stream: the engine keeps no prefix cache
             sampling_params=dataclasses.replace(
                 sampling, max_new_tokens=min(sampling.max_new_tokens, room),
                 seed=turn_seed(sampling.seed, turn)),

@@ -2,35 +2,42 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 FINISH_REASONS = ("stop", "length", "context", "max_turns", "abort", "failed")
 
 
+_COLUMNS = {"token_ids": np.int32, "loss_mask": np.uint8, "turn": np.int32, "policy_version": np.int32,
+            "rollout_logprob": np.float32}
+
+
+def _empty(name: str) -> np.ndarray:
+    return np.zeros(0, _COLUMNS[name])
+
+
 @dataclass
 class Trajectory:
     """A whole multi-turn episode as one token stream.
 
-    Parallel per-token lists (length T): `loss_mask` is 1 only for tokens the policy generated;
-    `turn` is the agent turn a token belongs to (0 = the initial prompt); `policy_version` is the
-    weight version that generated it (−1 for prompt, tool and environment tokens);
-    `rollout_logprob` is the engine's logprob for generated tokens and NaN elsewhere.
-    `routed_experts` [T, L, k] holds the experts each token was routed to as input at rollout
-    (the final token never went through the model: its row is zeros).
+    Parallel per-token arrays (length T): `token_ids` (int32); `loss_mask` (uint8) is 1 only for
+    tokens the policy generated; `turn` (int32) is the agent turn a token belongs to (0 = the
+    initial prompt); `policy_version` (int32) is the weight version that generated it (−1 for
+    prompt, tool and environment tokens); `rollout_logprob` (float32) is the engine's logprob for
+    generated tokens and NaN elsewhere. `routed_experts` [T, L, k] holds the experts each token was
+    routed to as input at rollout (the final token never went through the model: its row is zeros).
     """
 
     sample_id: int
     group_id: int
     prompt_id: str
-    token_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    turn: list[int] = field(default_factory=list)
-    policy_version: list[int] = field(default_factory=list)
-    rollout_logprob: list[float] = field(default_factory=list)
+    token_ids: np.ndarray = field(default_factory=lambda: _empty("token_ids"))
+    loss_mask: np.ndarray = field(default_factory=lambda: _empty("loss_mask"))
+    turn: np.ndarray = field(default_factory=lambda: _empty("turn"))
+    policy_version: np.ndarray = field(default_factory=lambda: _empty("policy_version"))
+    rollout_logprob: np.ndarray = field(default_factory=lambda: _empty("rollout_logprob"))
     routed_experts: np.ndarray | None = None
     prompt_len: int = 0
     num_turns: int = 0
@@ -40,20 +47,22 @@ class Trajectory:
     error: str = ""
     info: dict[str, Any] = field(default_factory=dict)
 
-    def append(self, ids: list[int], *, generated: bool, turn: int, version: int = -1,
-               logprobs: list[float] | None = None) -> None:
+    def append(self, ids: Sequence[int], *, generated: bool, turn: int, version: int = -1,
+               logprobs: Sequence[float] | None = None) -> None:
         """Append a segment; generated segments carry the engine's logprobs and version."""
         n = len(ids)
-        self.token_ids.extend(ids)
-        self.loss_mask.extend([1 if generated else 0] * n)
-        self.turn.extend([turn] * n)
-        self.policy_version.extend(([version] if generated else [-1]) * n)
-        if generated:
-            if logprobs is None or len(logprobs) != n:
-                raise ValueError(f"generated segment of {n} tokens needs {n} logprobs")
-            self.rollout_logprob.extend(float(x) for x in logprobs)
-        else:
-            self.rollout_logprob.extend([math.nan] * n)
+        if generated and (logprobs is None or len(logprobs) != n):
+            raise ValueError(f"generated segment of {n} tokens needs {n} logprobs")
+        segment = {
+            "token_ids": np.asarray(ids, np.int32).reshape(n),
+            "loss_mask": np.full(n, int(generated), np.uint8),
+            "turn": np.full(n, turn, np.int32),
+            "policy_version": np.full(n, version if generated else -1, np.int32),
+            "rollout_logprob": (np.asarray(logprobs, np.float32).reshape(n) if generated
+                                else np.full(n, np.nan, np.float32)),
+        }
+        for name, values in segment.items():
+            setattr(self, name, np.concatenate([getattr(self, name), values]))
 
     @property
     def num_tokens(self) -> int:
@@ -61,12 +70,12 @@ class Trajectory:
 
     @property
     def num_generated(self) -> int:
-        return sum(self.loss_mask)
+        return int(self.loss_mask.sum())
 
     def check(self) -> None:
-        """Raise if the per-token lists disagree (a bug in an agent loop, never user input)."""
+        """Raise if the per-token arrays disagree (a bug in an agent loop, never user input)."""
         T = len(self.token_ids)
-        for name in ("loss_mask", "turn", "policy_version", "rollout_logprob"):
+        for name in _COLUMNS:
             if len(getattr(self, name)) != T:
                 raise AssertionError(f"trajectory {self.sample_id}: {name} has {len(getattr(self, name))} "
                                      f"entries for {T} tokens")

@@ -6,7 +6,8 @@ Each fault acts at one step and goes through the same code path in training and 
 
 * `lr_scale {step, factor}` — every optimizer update of `step` runs with `factor` × the
   scheduled learning rate (the trace's `/train/updates/lr` shows the scaled value).
-  Applied by `run_updates`, which replay calls too, so a replay reproduces the jump.
+  Applied by `run_updates` (as `optimizer_step(lr_scale=...)`), which replay calls too, so a
+  replay reproduces the jump.
 * `rollout_logprob_noise {step, std}` — Gaussian noise (seeded by run seed and step) is added to
   the rollout logprobs of the generated tokens of `step`, before the loss sees them. The trace
   records the noisy values, which is what the loss used, so replay needs nothing extra.
@@ -14,14 +15,12 @@ Each fault acts at one step and goes through the same code path in training and 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Iterator
 
 import torch
 
 from axrl.config import Config
-from axrl.train.protocol import PackedBatch, TrainBackend
+from axrl.train.protocol import PackedBatch
 
 
 def lr_scale(cfg: Config, step: int) -> float:
@@ -39,24 +38,3 @@ def perturb_batch(cfg: Config, step: int, batch: PackedBatch) -> PackedBatch:
     noise = torch.randn(batch.rollout_logprobs.shape, generator=gen, dtype=torch.float32) * f.std
     # NaN (prompt / env tokens) stays NaN: only what the engine generated is "corrupted".
     return dataclasses.replace(batch, rollout_logprobs=batch.rollout_logprobs + noise)
-
-
-@contextlib.contextmanager
-def scaled_lr(backend: TrainBackend, factor: float) -> Iterator[None]:
-    """Run the block with the backend's base learning rate × `factor`.
-
-    The TrainBackend protocol has no learning-rate knob, so this needs a backend whose schedule
-    reads a dataclass `config.lr` at each `optimizer_step` (the embedded torch backend does).
-    """
-    if factor == 1.0:
-        yield
-        return
-    config = getattr(backend, "config", None)
-    if config is None or not dataclasses.is_dataclass(config) or not hasattr(config, "lr"):
-        raise NotImplementedError(f"faults.lr_scale needs a backend with a dataclass `config.lr`; "
-                                  f"{type(backend).__name__} has none")
-    backend.config = dataclasses.replace(config, lr=config.lr * factor)  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        backend.config = config  # type: ignore[attr-defined]

@@ -19,19 +19,17 @@ from axrl.agents.tasks import Task, get_task
 from axrl.algo.processor import AlgorithmProcessor
 from axrl.config import Config, config_to_dict
 from axrl.data import PromptLoader
-from axrl.inference.embedded import EmbeddedEngine
 from axrl.inference.protocol import InferenceEngine, SamplingParams
-from axrl.model import Qwen3ForCausalLM, build_model, load_hf, preset_config
 from axrl.rollout.worker import RolloutSettings, RolloutWorker
+from axrl.runtime.components import make_engine, make_tokenizer, make_train_backend
 from axrl.runtime.checkpoint import clean_partial, latest_checkpoint, load_checkpoint, save_checkpoint
 from axrl.runtime.faults import lr_scale, perturb_batch
 from axrl.runtime.progress import PhaseTimer, TrainProgress
-from axrl.runtime.recorder import StepOutcome, step_metrics, step_record
+from axrl.runtime.records import TrainedStep, step_metrics, step_record
 from axrl.runtime.updates import policy_loss, run_updates
 from axrl.runtime.warmup import warm_up
 from axrl.tokenizer import Tokenizer
 from axrl.trace import RunDir
-from axrl.train import TorchBackend, TorchBackendConfig
 from axrl.train.protocol import TrainBackend
 
 
@@ -48,89 +46,26 @@ class Components:
     num_experts: int
 
 
-def initial_model(cfg: Config, tokenizer: Tokenizer) -> Qwen3ForCausalLM:
-    dtype = getattr(torch, cfg.model.dtype)
-    if cfg.model.path:
-        return load_hf(cfg.model.path, dtype=dtype)
-    model_cfg = preset_config(cfg.model.preset, vocab_size=tokenizer.vocab_size,
-                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    return build_model(model_cfg, seed=cfg.model.init_seed, dtype=dtype)
-
-
-def make_backend(cfg: Config, model: Qwen3ForCausalLM, tokenizer: Tokenizer, *, lr: float | None = None,
-                 total_updates: int = 0) -> TrainBackend:
-    t = cfg.train
-    common = dict(
-        lr=lr or t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-        lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=total_updates,
-        micro_batch_tokens=t.micro_batch_tokens, seed=cfg.seed, num_threads=cfg.runtime.threads,
-        deterministic=cfg.runtime.deterministic)
-    if t.backend == "megatron":
-        # Imported here: `import axrl` and the torch path never import megatron-core (2-6 s).
-        from axrl.train.megatron import MegatronBackend, MegatronBackendConfig
-
-        m = t.megatron
-        return MegatronBackend(model, MegatronBackendConfig(
-            **common, tensor_parallel=m.tensor_parallel, expert_parallel=m.expert_parallel,
-            sequence_parallel=m.sequence_parallel, moe_dispatcher=m.moe_dispatcher,
-            data_parallel=m.data_parallel), tokenizer=tokenizer)
-    return TorchBackend(model, TorchBackendConfig(**common), tokenizer=tokenizer)
-
-
-def policy_model(backend: TrainBackend) -> Qwen3ForCausalLM:
-    """The trainer's weights as an embedded (HF-layout) model, which the engine is built from:
-    the torch backend's own model, or a copy gathered from a backend that keeps another layout."""
-    model = getattr(backend, "model", None)
-    return model if isinstance(model, Qwen3ForCausalLM) else backend.hf_model()  # type: ignore[attr-defined]
-
-
-def warmup_backend(cfg: Config, c: "Components") -> TrainBackend:
-    """A trainer on the RL backend's model with its own optimizer at the warm-up learning rate."""
-    if cfg.train.backend == "megatron":
-        config = dataclasses.replace(c.backend.config, lr=cfg.warmup.lr, total_steps=0)  # type: ignore[attr-defined]
-        return c.backend.with_optimizer(config)  # type: ignore[attr-defined]
-    return make_backend(cfg, c.backend.model, c.tokenizer, lr=cfg.warmup.lr)  # type: ignore[attr-defined]
-
-
-def make_engine(cfg: Config, model: Qwen3ForCausalLM, tokenizer: Tokenizer) -> InferenceEngine:
-    if cfg.rollout.engine == "sglang":
-        # Launches (or connects to) SGLang / `axrl serve` servers holding an exported copy of the model.
-        from axrl.inference.sglang.factory import build_sglang_engine
-
-        return build_sglang_engine(cfg, model, tokenizer)
-    # The engine owns a separate copy of the weights, as a remote server would; weight sync copies into it.
-    engine_model = Qwen3ForCausalLM(model.config).to(next(model.parameters()).dtype)
-    engine_model.load_state_dict(model.state_dict())
-    return EmbeddedEngine(engine_model.eval(), max_batch_size=cfg.rollout.max_batch_size,
-                          max_seq_len=cfg.rollout.max_context_len, eos_token_id=tokenizer.eos_token_id)
-
-
-def make_train_backend(cfg: Config, tokenizer: Tokenizer) -> TrainBackend:
-    """The RL trainer of a run, before any state is loaded (replay builds it the same way)."""
-    model = initial_model(cfg, tokenizer)
-    return make_backend(cfg, model, tokenizer, total_updates=cfg.steps * cfg.train.updates_per_step)
-
-
 def build(cfg: Config) -> Components:
-    tokenizer = Tokenizer.default()
+    tokenizer = make_tokenizer(cfg)
     task = get_task(cfg.data.task, **cfg.data.task_args)
     loader = (PromptLoader.from_file(cfg.data.path, seed=cfg.seed) if cfg.data.path
               else PromptLoader.from_task(task, seed=cfg.seed))
     backend = make_train_backend(cfg, tokenizer)
-    model = policy_model(backend)
-    engine = make_engine(cfg, model, tokenizer)
+    engine = make_engine(cfg, backend, tokenizer)
+    model_config = backend.model_config
     r = cfg.rollout
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                               top_k=r.top_k, stop_token_ids=[tokenizer.eos_token_id])
     settings = RolloutSettings(group_size=r.group_size, sampling=sampling, max_turns=r.max_turns,
-                               max_context_len=r.max_context_len, return_routing=model.config.is_moe,
+                               max_context_len=r.max_context_len, return_routing=model_config.is_moe,
                                lockstep=cfg.runtime.deterministic)
     worker = RolloutWorker(engine, tokenizer, task, settings, seed=cfg.seed)
     evaluator = RolloutWorker(engine, tokenizer, task, dataclasses.replace(
         settings, group_size=cfg.eval.samples_per_prompt, return_routing=False), seed=cfg.seed + 2)
     processor = AlgorithmProcessor(cfg.algo.advantage, cfg.algo.normalize_std, temperature=r.temperature)
     return Components(tokenizer, task, loader, engine, backend, worker, evaluator, processor,
-                      model.config.num_experts)
+                      model_config.num_experts)
 
 
 def sync_weights(c: Components, version: int) -> None:
@@ -148,7 +83,7 @@ def rng_digest() -> str:
     return hashlib.blake2b(torch.get_rng_state().numpy().tobytes(), digest_size=8).hexdigest()
 
 
-def run_step(c: Components, cfg: Config, step: int, version: int, timer: PhaseTimer) -> StepOutcome:
+def run_step(c: Components, cfg: Config, step: int, version: int, timer: PhaseTimer) -> TrainedStep:
     """One RL step: rollout, old logprobs, `updates_per_step` optimizer updates, weight sync."""
     with timer("rollout"):
         trajectories = c.worker.rollout(c.loader.next_batch(cfg.data.prompts_per_step), step)
@@ -164,7 +99,7 @@ def run_step(c: Components, cfg: Config, step: int, version: int, timer: PhaseTi
                               policy_loss(cfg), r3=cfg.r3, lr_scale=lr_scale(cfg, step))
     with timer("sync"):
         sync_weights(c, version + 1)
-    return StepOutcome(step=step, policy_version=version, processed=processed, old=old, updates=updates,
+    return TrainedStep(step=step, policy_version=version, processed=processed, old=old, updates=updates,
                        fingerprint_before=fingerprint_before, fingerprint_after=updates[-1].fingerprint,
                        wall_times=timer.times, num_experts=c.num_experts)
 
@@ -192,9 +127,9 @@ def start(cfg: Config, c: Components, run: RunDir, resume: bool, progress: Train
                        threads=torch.get_num_threads(), extra={"task": c.task.name})
     if cfg.warmup.steps:
         progress.phase("warm-up")
-        warm_backend = warmup_backend(cfg, c)
-        losses = warm_up(warm_backend, c.tokenizer, c.task, steps=cfg.warmup.steps,
-                         batch_size=cfg.warmup.batch_size, seed=cfg.seed)
+        losses = warm_up(c.backend, c.tokenizer, c.task, steps=cfg.warmup.steps, batch_size=cfg.warmup.batch_size,
+                         lr=cfg.warmup.lr, seed=cfg.seed)
+        c.backend.reset_optimizer()  # RL starts with a fresh optimizer and schedule
         progress.log(f"warm-up: {cfg.warmup.steps} supervised steps, loss {losses[0]:.3f} → {losses[-1]:.3f}")
         sync_weights(c, 0)
     save_checkpoint(run.path, 0, c.backend, {"policy_version": 0, "data": c.loader.state()})
@@ -252,8 +187,6 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Path:
                 progress.step_done(metrics)
     finally:
         c.engine.shutdown()
-        close = getattr(c.backend, "close", None)  # the Megatron backend's worker processes
-        if close is not None:
-            close()
+        c.backend.close()
     return run_path
 

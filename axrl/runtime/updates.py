@@ -11,8 +11,7 @@ from typing import Protocol, Sequence
 
 from axrl.algo import PolicyLoss, PolicyLossConfig, make_policy_loss
 from axrl.config import Config
-from axrl.runtime.faults import scaled_lr
-from axrl.runtime.recorder import UpdateResult
+from axrl.runtime.records import UpdateResult
 from axrl.train.protocol import LossFn, PackedBatch, TrainBackend
 
 
@@ -43,15 +42,14 @@ def run_updates(backend: TrainBackend, batch: PackedBatch, splits: Sequence[Sequ
     optimizer_step, then a weights fingerprint — the order the trace records.
     """
     results = []
-    with scaled_lr(backend, lr_scale):
-        for u, samples in enumerate(splits):
-            samples = list(samples)
-            sub = batch.select(samples)
-            if hooks is not None:
-                hooks.before_update(u, sub)
-            metrics = backend.forward_backward(sub, loss_fn, r3=r3)
-            if hooks is not None:
-                hooks.before_optimizer_step(u)
-            stats = backend.optimizer_step()
-            results.append(UpdateResult(samples, metrics, stats, backend.fingerprint()))
+    for u, samples in enumerate(splits):
+        samples = list(samples)
+        sub = batch.select(samples)
+        if hooks is not None:
+            hooks.before_update(u, sub)
+        metrics = backend.forward_backward(sub, loss_fn, r3=r3)
+        if hooks is not None:
+            hooks.before_optimizer_step(u)
+        stats = backend.optimizer_step(lr_scale=lr_scale)
+        results.append(UpdateResult(samples, metrics, stats, backend.fingerprint()))
     return results

@@ -46,9 +46,10 @@ def demonstration_batch(tokenizer: Tokenizer, task: Task, prompts: list) -> Pack
     )
 
 
-def warm_up(backend: TrainBackend, tokenizer: Tokenizer, task: Task, *, steps: int, batch_size: int,
+def warm_up(backend: TrainBackend, tokenizer: Tokenizer, task: Task, *, steps: int, batch_size: int, lr: float,
             seed: int, on_step: Callable[[int, float], None] | None = None) -> list[float]:
-    """`steps` supervised updates on fresh demonstrations; returns the loss of each update.
+    """`steps` supervised updates at the fixed rate `lr` on fresh demonstrations; returns the loss
+    of each update. The caller resets the optimizer before RL (`TrainBackend.reset_optimizer`).
 
     Prompts come from a seed stream disjoint from RL's (seed + 1), so the warm-up does not
     rehearse the exact problems the RL run is later scored on.
@@ -57,7 +58,7 @@ def warm_up(backend: TrainBackend, tokenizer: Tokenizer, task: Task, *, steps: i
     for step in range(steps):
         prompts = [task.prompt(seed + 1, step * batch_size + i) for i in range(batch_size)]
         metrics = backend.forward_backward(demonstration_batch(tokenizer, task, prompts), nll_loss)
-        backend.optimizer_step()
+        backend.optimizer_step(lr=lr)
         losses.append(metrics.loss)
         if on_step:
             on_step(step, metrics.loss)

@@ -12,6 +12,8 @@ from typing import Any, Iterator, Protocol, runtime_checkable
 
 import torch
 
+from axrl.model.config import ModelConfig
+
 
 @dataclass
 class PackedBatch:
@@ -120,20 +122,66 @@ class StepStats:
     lr: float          # learning rate used by this step
 
 
+@dataclass
+class Inspection:
+    """What `TrainBackend.inspect` measured on one optimizer batch at the current weights (for
+    replay's deep dumps). Row t of the per-token arrays is token t of the batch; A hooked points,
+    L MoE layers, E experts, N samples, P parameter tensors."""
+
+    activation_names: list[str]          # [A]: embed_tokens, layers.0 … layers.{n-1}, norm
+    activation_norm: torch.Tensor        # float32 [T, A]  L2 norm of each token's hidden state
+    moe_layers: list[int]                # [L]: decoder layer index of each MoE layer
+    router_tokens: torch.Tensor          # int64 [L, E]  (token, top-k slot) assignments per expert
+    router_entropy: torch.Tensor         # float64 [L]  mean entropy (nats) of the router softmax
+    sample_grad_norm: torch.Tensor       # float64 [N]  ‖gradient of the sample's share of the loss‖
+    sample_grad_cosine: torch.Tensor     # float64 [N]  cosine with the batch's total gradient
+    param_names: list[str]               # [P]
+    param_grad_norm: torch.Tensor        # float64 [P]  per-tensor norm of the total gradient
+
+
 @runtime_checkable
 class TrainBackend(Protocol):
-    """Implemented by the embedded PyTorch backend and the Megatron-core backend."""
+    """Implemented by the embedded PyTorch backend and the Megatron-core backend.
 
-    def forward(self, batch: PackedBatch, *, r3: bool = False) -> ForwardResult:
-        """No-grad per-token logprobs, entropy and routing (e.g. old logprobs before an update)."""
+    Everything the loop, warm-up, replay and dumps need from a trainer is here, so a remote
+    stand-in (a Ray actor, an RPC client) can replace a backend unchanged. Run-time knobs are
+    parameters of the calls (`lr`, `lr_scale`, `weights`), never mutations of a config object.
+    """
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """Architecture of the trained model (what an inference engine is built from)."""
+        ...
+
+    def forward(self, batch: PackedBatch, *, r3: bool = False, weights: str | None = None) -> ForwardResult:
+        """No-grad per-token logprobs, entropy and routing (e.g. old logprobs before an update).
+
+        `weights` names a set kept with `keep_weights` to compute under instead of the current
+        weights (behaviour-policy or reference logprobs); the current weights are untouched."""
         ...
 
     def forward_backward(self, batch: PackedBatch, loss_fn: LossFn, *, r3: bool = False) -> TrainMetrics:
         """Accumulate gradients of `loss_fn` over the batch, micro-batch by micro-batch in a fixed order."""
         ...
 
-    def optimizer_step(self) -> StepStats:
-        """Clip, step the optimizer and LR schedule, zero the gradients."""
+    def optimizer_step(self, *, lr: float | None = None, lr_scale: float = 1.0) -> StepStats:
+        """Clip, step the optimizer and LR schedule, zero the gradients.
+
+        The learning rate is the schedule's, times `lr_scale`; `lr` replaces the schedule's value
+        (a phase with its own fixed rate, e.g. a supervised warm-up)."""
+        ...
+
+    def reset_optimizer(self) -> None:
+        """Forget the optimizer moments and the schedule position: the next update starts a new
+        phase as a freshly built backend would (RL after a supervised warm-up)."""
+        ...
+
+    def keep_weights(self, key: str) -> None:
+        """Keep a copy of the current weights under `key` (replacing an older one)."""
+        ...
+
+    def forget_weights(self, key: str) -> None:
+        """Drop the copy kept under `key` (no-op when there is none)."""
         ...
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -142,6 +190,12 @@ class TrainBackend(Protocol):
 
     def fingerprint(self) -> str:
         """Cheap deterministic digest of all parameters: equal iff the weights are bitwise equal."""
+        ...
+
+    def inspect(self, batch: PackedBatch, loss_fn: LossFn, *, r3: bool = False) -> Inspection | None:
+        """Costly diagnostics of one optimizer batch at the current weights (activation norms,
+        router load, per-sample gradients), without changing any state; None when the backend
+        cannot observe its model's internals."""
         ...
 
     def state_dict(self) -> dict[str, Any]:
@@ -159,4 +213,8 @@ class TrainBackend(Protocol):
 
     def export_hf(self, directory: str | Path) -> Path:
         """Write an HF model directory (config.json, model.safetensors, tokenizer files)."""
+        ...
+
+    def close(self) -> None:
+        """Release worker processes and devices; the backend is unusable afterwards."""
         ...

@@ -8,6 +8,7 @@ weights, as Megatron's bf16 mode does). Logprobs and entropy are always computed
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -24,7 +25,9 @@ from axrl.train.determinism import RngState, capture_rng_state, restore_rng_stat
 from axrl.train.fingerprint import weights_fingerprint
 from axrl.train.metrics import reduce_microbatch_metrics
 from axrl.train.micro_batch import micro_batches, next_token_logprobs, pad_micro_batch, unpad
-from axrl.train.protocol import ForwardResult, LossContext, LossFn, PackedBatch, StepStats, TrainMetrics
+from axrl.train.inspection import inspect_model
+from axrl.train.protocol import (ForwardResult, Inspection, LossContext, LossFn, PackedBatch, StepStats,
+                                 TrainMetrics)
 
 CHECKPOINT_FORMAT = "axrl-torch-backend"
 CHECKPOINT_VERSION = 1
@@ -155,6 +158,11 @@ class TorchBackend:
         self.scheduler_step = 0     # applied updates; skipped (non-finite) updates don't count
         self.skipped_steps = 0
         self._has_grads = False
+        self._kept: dict[str, dict[str, torch.Tensor]] = {}  # keep_weights copies, by key
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.model.config
 
     # ------------------------------------------------------------------ forward / backward
     def _micro_batches(self, batch: PackedBatch) -> list[PackedBatch]:
@@ -180,13 +188,14 @@ class TorchBackend:
                  if isinstance(getattr(mb, f.name), torch.Tensor)}
         return replace(mb, **moved)
 
-    def forward(self, batch: PackedBatch, *, r3: bool = False) -> ForwardResult:
-        """No-grad logprobs/entropy [T] (fp32) and the routing [T, L, k] this forward used."""
+    def forward(self, batch: PackedBatch, *, r3: bool = False, weights: str | None = None) -> ForwardResult:
+        """No-grad logprobs/entropy [T] (fp32) and the routing [T, L, k] this forward used; under
+        the weights kept as `weights` when given (see `keep_weights`)."""
         r3 = self._use_r3(batch, r3)
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._swapped(weights):
                 parts = [self._run(mb, r3) for mb in self._micro_batches(batch)]
         finally:
             self.model.train(was_training)
@@ -194,6 +203,37 @@ class TorchBackend:
         routing = None if parts[0][2] is None else torch.cat([p[2] for p in parts]).to(out_device)
         return ForwardResult(logprobs=torch.cat([p[0] for p in parts]).to(out_device),
                              entropy=torch.cat([p[1] for p in parts]).to(out_device), routed_experts=routing)
+
+    @contextlib.contextmanager
+    def _swapped(self, key: str | None) -> Iterator[None]:
+        """Run the block with the parameters' storage pointed at the kept copy `key`."""
+        if key is None:
+            yield
+            return
+        if key not in self._kept:
+            raise KeyError(f"no weights kept under {key!r} (kept: {sorted(self._kept)})")
+        kept = self._kept[key]
+        current = {name: p.data for name, p in self._params}
+        try:
+            for name, p in self._params:
+                p.data = kept[name]
+            yield
+        finally:
+            for name, p in self._params:
+                p.data = current[name]
+
+    def keep_weights(self, key: str) -> None:
+        self._kept[key] = {name: p.detach().clone() for name, p in self._params}
+
+    def forget_weights(self, key: str) -> None:
+        self._kept.pop(key, None)
+
+    def inspect(self, batch: PackedBatch, loss_fn: LossFn, *, r3: bool = False) -> Inspection:
+        return inspect_model(self.model, batch, loss_fn, use_r3=self._use_r3(batch, r3),
+                             autocast_bf16=self.config.dtype == "bfloat16")
+
+    def close(self) -> None:
+        """Nothing to release: the model lives in this process."""
 
     def forward_backward(self, batch: PackedBatch, loss_fn: LossFn, *, r3: bool = False) -> TrainMetrics:
         """Accumulate grads of `loss_fn` micro-batch by micro-batch (fixed order, see micro_batch.py).
@@ -218,8 +258,9 @@ class TorchBackend:
         return TrainMetrics(loss=sum(r["loss"] for r in rows), micro_batches=rows, metrics=_aggregate(rows))
 
     # ------------------------------------------------------------------ optimizer
-    def optimizer_step(self) -> StepStats:
-        """Grad norm (before clipping), clip, AdamW step, schedule step, zero grads.
+    def optimizer_step(self, *, lr: float | None = None, lr_scale: float = 1.0) -> StepStats:
+        """Grad norm (before clipping), clip, AdamW step, schedule step, zero grads. The rate is
+        `lr` when given, else the schedule's times `lr_scale`.
 
         A non-finite grad norm skips the update and the schedule step (as Megatron does), so
         the weights and optimizer moments stay intact; the nan/inf norm is reported.
@@ -233,7 +274,7 @@ class TorchBackend:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for _, p in self._params]
         norm = grad_norm(grads)
-        lr = lr_at(self.config, self.scheduler_step)
+        lr = lr_at(self.config, self.scheduler_step) * lr_scale if lr is None else lr
         if torch.isfinite(norm):
             if self.config.grad_clip > 0:
                 clip_grads_(grads, self.config.grad_clip, norm)
@@ -246,6 +287,12 @@ class TorchBackend:
         self.optimizer.zero_grad(set_to_none=True)
         self._has_grads = False
         return StepStats(grad_norm=float(norm), lr=lr)
+
+    def reset_optimizer(self) -> None:
+        self.optimizer.state.clear()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler_step = self.skipped_steps = 0
+        self._has_grads = False
 
     # ------------------------------------------------------------------ weights
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

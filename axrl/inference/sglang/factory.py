@@ -11,8 +11,8 @@ from pathlib import Path
 from axrl.config import Config
 from axrl.inference.sglang.client import SGLangEngine
 from axrl.inference.sglang.launcher import SGLangLauncher
-from axrl.model import Qwen3ForCausalLM, hf_state_dict, save_hf
 from axrl.tokenizer import Tokenizer
+from axrl.train.protocol import TrainBackend
 
 CPU_COMPAT = Path(__file__).with_name("cpu_compat.py")
 
@@ -50,25 +50,26 @@ def _check_sglang(python: str) -> None:
         raise ValueError(f"rollout.sglang.python={python} has no sglang package; {hint}")
 
 
-def build_sglang_engine(cfg: Config, model: Qwen3ForCausalLM, tokenizer: Tokenizer) -> SGLangEngine:
-    """Launch (or connect to) the servers and return a client holding the run's initial weights."""
+def build_sglang_engine(cfg: Config, backend: TrainBackend, tokenizer: Tokenizer) -> SGLangEngine:
+    """Launch (or connect to) the servers and return a client holding the trainer's current weights."""
     s = cfg.rollout.sglang
+    model_cfg = backend.model_config
     export = Path(s.export_dir) if s.export_dir else Path(tempfile.mkdtemp(prefix="axrl-sglang-"))
     temporary = [] if s.export_dir else [export]
     # Servers load an HF directory, so the run's initial model is exported first.
-    initial = save_hf(model, export / "initial", tokenizer=tokenizer)
-    routing = (model.config.num_hidden_layers, model.config.num_experts_per_tok) if model.config.is_moe else None
+    initial = backend.export_hf(export / "initial")
+    routing = (model_cfg.num_hidden_layers, model_cfg.num_experts_per_tok) if model_cfg.is_moe else None
     common = dict(max_concurrency=s.max_concurrency, timeout_s=s.timeout_s, retries=s.retries, backoff_s=s.backoff_s,
                   weight_sync=s.weight_sync, sync_backend=s.sync_backend, export_dir=export / "sync",
-                  model_dir=initial, routing_shape=routing, vocab_size=model.config.vocab_size)
+                  model_dir=initial, routing_shape=routing, vocab_size=model_cfg.vocab_size)
     if s.urls:
         engine = SGLangEngine(s.urls, **common)
         engine.cleanup += temporary
         # Servers started elsewhere hold their own weights: give them the run's.
-        engine.update_weights(hf_state_dict(model), version=0)
+        engine.update_weights(dict(backend.named_weights()), version=0)
         return engine
     command, args = server_command(cfg)
-    if model.config.is_moe:
+    if model_cfg.is_moe:
         args.append("--enable-return-routed-experts")
     launcher = SGLangLauncher(initial, num_servers=s.num_servers, base_port=s.base_port,
                               server_args=[*args, *s.server_args], command=command,

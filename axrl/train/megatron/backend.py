@@ -10,7 +10,6 @@ a checkpoint written by one backend (or one parallel layout) loads into the othe
 
 from __future__ import annotations
 
-import itertools
 import math
 import warnings
 from dataclasses import dataclass
@@ -23,12 +22,12 @@ from axrl.model import ModelConfig, Qwen3ForCausalLM, hf_state_dict, load_weight
 from axrl.train.determinism import capture_rng_state, restore_rng_state, set_determinism
 from axrl.train.fingerprint import weights_fingerprint
 from axrl.train.metrics import reduce_microbatch_metrics
-from axrl.train.protocol import ForwardResult, LossFn, PackedBatch, StepStats, TrainMetrics
+from axrl.train.protocol import ForwardResult, Inspection, LossFn, PackedBatch, StepStats, TrainMetrics
 from axrl.train.torch_backend import TorchBackend, TorchBackendConfig, lr_at, use_r3
 
 INSTALL_HINT = "train.backend=megatron needs megatron-core: pip install 'axrl[megatron]'"
 DISPATCHERS = ("alltoall", "allgather")
-_slot_ids = itertools.count(1)
+_SLOT = "main"  # the ranks' optimizer slot (reset_optimizer drops it for a fresh AdamW)
 
 
 def require_megatron() -> None:
@@ -121,7 +120,6 @@ class MegatronBackend:
         self.config = config = config or MegatronBackendConfig()
         self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer
-        self._slot = "main"
         check_parallel_fit(model.config, config)
         if config.deterministic:
             set_determinism(config.seed, config.num_threads, deterministic=True)
@@ -145,18 +143,8 @@ class MegatronBackend:
         self.scheduler_step = 0
         self.skipped_steps = 0
         self._has_grads = False
-        # Shared with `with_optimizer` siblings (same ranks): whoever changes the weights clears it.
-        self._cache: dict[str, dict[str, torch.Tensor] | None] = {"weights": None}
-
-    def with_optimizer(self, config: MegatronBackendConfig) -> "MegatronBackend":
-        """A backend on the same model (same ranks, same weights) with its own optimizer and
-        schedule — what a supervised warm-up before RL uses, like a second `TorchBackend` on one model."""
-        other = MegatronBackend.__new__(MegatronBackend)
-        other.__dict__.update(self.__dict__)
-        other.config, other._slot = config, f"extra-{next(_slot_ids)}"
-        other.scheduler_step = other.skipped_steps = 0
-        other._has_grads = False
-        return other
+        self._weights: dict[str, torch.Tensor] | None = None  # HF-layout gather, until the weights change
+        self._kept: set[str] = set()
 
     # ------------------------------------------------------------------ forward / backward
     def _knobs(self) -> Any:
@@ -168,9 +156,19 @@ class MegatronBackend:
     def _use_r3(self, batch: PackedBatch, r3: bool) -> bool:
         return use_r3(self.model_config, batch, r3)
 
-    def forward(self, batch: PackedBatch, *, r3: bool = False) -> ForwardResult:
-        """No-grad logprobs/entropy [T] (fp32) and the routing [T, L, k] this forward used."""
-        per_mb = _by_micro_batch(self._group.call("forward", _cpu(batch), self._use_r3(batch, r3), self._knobs()))
+    def forward(self, batch: PackedBatch, *, r3: bool = False, weights: str | None = None) -> ForwardResult:
+        """No-grad logprobs/entropy [T] (fp32) and the routing [T, L, k] this forward used; under
+        the weights kept as `weights` when given (the ranks swap them in and back)."""
+        if weights is not None and weights not in self._kept:
+            raise KeyError(f"no weights kept under {weights!r} (kept: {sorted(self._kept)})")
+        if weights is not None:
+            self._group.call("swap_weights", weights)
+        try:
+            answers = self._group.call("forward", _cpu(batch), self._use_r3(batch, r3), self._knobs())
+        finally:
+            if weights is not None:
+                self._group.call("swap_weights", weights)
+        per_mb = _by_micro_batch(answers)
         # micro-batches in order, each one's DP shares in order: the batch's sample order
         cat = lambda i: None if per_mb[0][0][i] is None else torch.cat(  # noqa: E731
             [share[i] for shares in per_mb for share in shares])
@@ -190,30 +188,49 @@ class MegatronBackend:
         return TrainMetrics(loss=sum(r["loss"] for r in rows), micro_batches=rows,
                             metrics={**reduce_microbatch_metrics(rows), "num_micro_batches": float(len(rows))})
 
-    def optimizer_step(self) -> StepStats:
+    def optimizer_step(self, *, lr: float | None = None, lr_scale: float = 1.0) -> StepStats:
         """Grad norm (before clipping), clip, AdamW step, schedule step, zero grads; a non-finite
-        norm skips the update and the schedule step."""
+        norm skips the update and the schedule step. The rate is `lr` when given, else the
+        schedule's times `lr_scale`."""
         if not self._has_grads:
             raise RuntimeError("optimizer_step() called without a forward_backward() since the last step")
         c = self.config
-        lr = lr_at(c, self.scheduler_step)
-        norm = self._group.call("optimizer_step", self._slot, lr, c.grad_clip, c.betas, c.eps, c.weight_decay)[0]
+        lr = lr_at(c, self.scheduler_step) * lr_scale if lr is None else lr
+        norm = self._group.call("optimizer_step", _SLOT, lr, c.grad_clip, c.betas, c.eps, c.weight_decay)[0]
         if torch.isfinite(torch.tensor(norm)):
             self.scheduler_step += 1
-            self._cache["weights"] = None
+            self._weights = None
         else:
             self.skipped_steps += 1
         self._has_grads = False
         return StepStats(grad_norm=norm, lr=lr)
 
+    def reset_optimizer(self) -> None:
+        self._group.call("drop_slot", _SLOT)  # the next step builds a fresh AdamW
+        self._group.call("zero_grad")
+        self.scheduler_step = self.skipped_steps = 0
+        self._has_grads = False
+
+    def keep_weights(self, key: str) -> None:
+        self._group.call("keep_weights", key)
+        self._kept.add(key)
+
+    def forget_weights(self, key: str) -> None:
+        self._group.call("forget_weights", key)
+        self._kept.discard(key)
+
+    def inspect(self, batch: PackedBatch, loss_fn: LossFn, *, r3: bool = False) -> Inspection | None:
+        """None: the ranks' GPTModel is not hooked (replay dumps leave those groups out)."""
+        return None
+
     # ------------------------------------------------------------------ weights
     def _hf_weights(self) -> dict[str, torch.Tensor]:
-        if self._cache["weights"] is None:
+        if self._weights is None:
             from axrl.train.megatron.convert import to_hf, unshard
 
             full = unshard(self._group.call("local_weights"), num_experts=self.model_config.num_experts)
-            self._cache["weights"] = {k: v.to(self._dtype) for k, v in to_hf(full, self.model_config).items()}
-        return self._cache["weights"]
+            self._weights = {k: v.to(self._dtype) for k, v in to_hf(full, self.model_config).items()}
+        return self._weights
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Current weights under HF names (tied lm_head omitted), gathered from the ranks."""
@@ -239,7 +256,7 @@ class MegatronBackend:
     def _optimizer_hf(self) -> dict[str, dict[str, torch.Tensor]]:
         from axrl.train.megatron.convert import to_hf, unshard
 
-        parts = self._group.call("optimizer_state", self._slot)
+        parts = self._group.call("optimizer_state", _SLOT)
         if not parts[0][0]:
             return {}
         step = next(iter(parts[0][0].values()))["step"]
@@ -287,12 +304,12 @@ class MegatronBackend:
             step = float(next(iter(optim.values()))["step"])
             moments = {k: to_megatron({n: s[k].float() for n, s in optim.items()}, cfg) for k in ("exp_avg", "exp_avg_sq")}
             full = {n: {k: moments[k][n] for k in moments} for n in moments["exp_avg"]}
-        self._group.call("load_optimizer_state", self._slot, full, step, c.betas, c.eps, c.weight_decay)
+        self._group.call("load_optimizer_state", _SLOT, full, step, c.betas, c.eps, c.weight_decay)
         self._group.call("zero_grad")
         self.scheduler_step = int(state["scheduler_step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self._has_grads = False
-        self._cache["weights"] = None
+        self._weights = None
 
     # The checkpoint files (safetensors + JSON, never pickle) and config-difference warning are the
     # embedded backend's: same state layout, same validation.

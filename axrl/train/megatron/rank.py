@@ -84,8 +84,8 @@ def init_distributed(rank: int, world_size: int, port: int, sizes: ParallelSizes
 
 
 class MegatronRank:
-    """This process's shard of the model and optimizer slots (one AdamW per slot: the RL run's
-    and, e.g., a supervised warm-up's, sharing the same weights)."""
+    """This process's shard of the model, its optimizer slots (AdamW per slot) and the weight
+    copies kept for forwards under other weights (behaviour / reference policies)."""
 
     def __init__(self, model_cfg: ModelConfig, sizes: ParallelSizes, dispatcher: str, full_weights: dict[str, torch.Tensor]) -> None:
         from megatron.core import parallel_state as ps
@@ -113,6 +113,7 @@ class MegatronRank:
                         if getattr(m, "router_replay", None) is not None and hasattr(m, "routing")]
         self.moe_layers = [i for i in range(model_cfg.num_hidden_layers) if model_cfg.is_moe_layer(i)]
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.kept: dict[str, list[torch.Tensor]] = {}
 
     def release(self) -> None:
         """Drop this model's routers from Megatron's process-global RouterReplay list."""
@@ -132,6 +133,19 @@ class MegatronRank:
                 if tuple(local[name].shape) != tuple(p.shape):
                     raise ValueError(f"'{name}': shard shape {tuple(local[name].shape)}, the model expects {tuple(p.shape)}")
                 p.copy_(local[name].to(p.device, p.dtype))
+
+    def keep_weights(self, key: str) -> None:
+        self.kept[key] = [p.detach().clone() for _, p in self.params]
+
+    def forget_weights(self, key: str) -> None:
+        self.kept.pop(key, None)
+
+    def swap_weights(self, key: str) -> None:
+        """Exchange the live weights with the copy kept under `key` (twice = back where it was);
+        exact, since nothing is converted."""
+        kept = self.kept[key]
+        for i, (_, p) in enumerate(self.params):
+            p.data, kept[i] = kept[i], p.data
 
     def _reports(self, name: str) -> bool:
         """Whether this rank sends `name` to the driver: one copy of each shard (DP / expert-DP

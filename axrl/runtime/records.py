@@ -1,4 +1,4 @@
-"""Recorder: turns one finished step into its trace file and its metrics.jsonl line."""
+"""Step records: what one trained step produced, turned into its trace record and its metrics.jsonl line."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class UpdateResult:
 
 
 @dataclass
-class StepOutcome:
+class TrainedStep:
     """Everything the loop learned in one step, in the order it happened."""
 
     step: int
@@ -43,7 +43,7 @@ def mismatch(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: t
     return float((old_logprobs[m] - rollout_logprobs[m]).abs().mean()) if bool(m.any()) else math.nan
 
 
-def step_metrics(o: StepOutcome) -> dict[str, Any]:
+def step_metrics(o: TrainedStep) -> dict[str, Any]:
     """The step's metrics.jsonl line."""
     trajs = o.processed.trajectories
     batch = o.processed.batch
@@ -92,7 +92,7 @@ def _routing(trajs: list, batch_routing: torch.Tensor | None) -> tuple[np.ndarra
     return batch_routing.numpy(), valid
 
 
-def step_record(o: StepOutcome, rng_digest: str = "", routing: bool = True) -> StepRecord:
+def step_record(o: TrainedStep, rng_digest: str = "", routing: bool = True) -> StepRecord:
     """The step's trace record (schema: docs/trace-format.md); `routing=False` leaves out /routing."""
     trajs = o.processed.trajectories
     batch = o.processed.batch
