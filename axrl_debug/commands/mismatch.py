@@ -1,6 +1,6 @@
 """`axrl-debug mismatch RUN [--step N | --steps A:B] [--top K] [--plot DIR]`: training–inference
 mismatch metrics, breakdowns, routing agreement and the worst tokens (definitions in
-``axrl_debug/analysis/mismatch.py`` and docs/debugging.md)."""
+``axrl_debug/analysis/mismatch/`` and docs/debugging.md)."""
 
 from __future__ import annotations
 
