@@ -13,7 +13,7 @@ import torch
 
 from axrl.runtime.recorder import mismatch as recorder_mismatch
 from axrl.trace import TraceReader
-from axrl.trace.quantities import analysed_mask, delta, mean_abs_delta
+from axrl.trace.quantities import analysed_mask, delta, mean_abs_delta, split_deltas, split_mask
 from axrl_debug.analysis.mismatch import MismatchAccumulator, MismatchConfig, mismatch_report, step_tokens
 from axrl_debug.synthetic import TinySample, TinyToken, tiny_record, write_run
 
@@ -39,6 +39,12 @@ def test_definitions_by_hand():
     assert analysed_mask(lm, r, o).tolist() == [True, False, False, False, True, True]
     assert mean_abs_delta(lm, r, o) == pytest.approx((0.5 + 0.25 + 1.0) / 3, rel=1e-12)
     assert math.isnan(mean_abs_delta(np.zeros(6, np.uint8), r, o))
+    b = np.array([-1.25, np.nan, np.nan, -0.5, np.nan, -2.0], np.float32)
+    assert split_mask(lm, r, o, b).tolist() == [True, False, False, False, False, True]
+    engine, stale = split_deltas(r, o, b)
+    assert engine[0] == -0.25 and stale[0] == -0.25 and engine[5] == 1.0 and stale[5] == 0.0
+    keep = split_mask(lm, r, o, b)
+    assert np.array_equal(engine[keep] + stale[keep], delta(r, o)[keep])
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -93,7 +99,7 @@ def test_compiled_selection_is_the_analysed_mask(dtype):
 
 def random_step(rng: np.random.Generator, n_samples: int, policy_version: int) -> dict[str, np.ndarray]:
     """A multi-turn step: prompts, two assistant turns around a tool output, tokens of several
-    versions, float16 entropies (some non-finite) and MoE routing."""
+    versions, float16 entropies (some non-finite), MoE routing and a behaviour_train logprob."""
     lengths = rng.integers(1, 80, n_samples)
     off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     t = int(off[-1])
@@ -109,9 +115,12 @@ def random_step(rng: np.random.Generator, n_samples: int, policy_version: int) -
     train = experts.copy()
     moved = rng.random((t, 2)) < 0.2
     train[moved] = np.argsort(rng.random((int(moved.sum()), 6)), axis=1)[:, :2]
+    behaviour = cols["/tokens/old_logprob"] - np.where(version < policy_version, 0.1, 0.0)
+    behaviour[rng.random(t) < 0.1] = np.nan
     cols.update({"/samples/offsets": off, "/tokens/turn": turn, "/tokens/policy_version": version.astype(np.int32),
                  "/tokens/entropy": ent, "/routing/rollout": experts, "/routing/train": train,
-                 "/routing/rollout_valid": (rng.random(t) < 0.9).astype(np.uint8)})
+                 "/routing/rollout_valid": (rng.random(t) < 0.9).astype(np.uint8),
+                 "/tokens/behaviour_train_logprob": behaviour.astype(np.float32)})
     return cols
 
 
@@ -126,7 +135,7 @@ def flat(doc, prefix=""):
 
 def test_compiled_keys_are_the_numpy_definitions_on_random_steps():
     """Every breakdown (position in the response segment, rollout prob, entropy, turn, version lag,
-    routing of the predicting row) and the worst tokens' fields: the compiled pass
+    routing of the predicting row), the Δ split and the worst tokens' fields: the compiled pass
     gives what the numpy definitions give, on steps cut into blocks of whole samples."""
     rng = np.random.default_rng(11)
     cfg = MismatchConfig(top_k=25)
@@ -139,4 +148,4 @@ def test_compiled_keys_are_the_numpy_definitions_on_random_steps():
             numpy_path.add(step_tokens(step, pv, cols, cfg))
         a, b = compiled.result(), numpy_path.result()
         assert flat(a) == pytest.approx(flat(b), rel=1e-12, nan_ok=True)
-        assert len(a["top"]) == 25
+        assert len(a["top"]) == 25 and "delta_split" in a and a["delta_split"]["tokens"] > 0

@@ -39,6 +39,14 @@ Breakdowns (count, mean |Δ|, mean Δ and share of total |Δ| per bucket)
 * ``entropy``: trainer entropy (nats) in [0, .01), [.01, .1), [.1, .5), [.5, 1), [1, 2), [2, 4), [4, 8), ≥ 8.
 * ``version_lag``: the step's ``policy_version`` attr − the token's ``/tokens/policy_version``.
 
+Engine mismatch vs staleness (traces with ``/tokens/behaviour_train_logprob``)
+-------------------------------------------------------------------------------
+Δ = Δ_engine + Δ_staleness with Δ_engine = behaviour_train − rollout (engine vs trainer at the
+generating weights) and Δ_staleness = old − behaviour_train (policy drift since those weights), on
+analysed tokens with a finite behaviour_train_logprob: count, mean |·| and mean of each part and its
+exact share of Σ|Δ| (``split``), overall (``delta_split``), per version-lag bucket and per step.
+Without the column the report is unchanged.
+
 Routing (MoE traces)
 --------------------
 Rows with ``/routing/rollout_valid == 1`` (all rows when it is absent) are compared with
@@ -70,7 +78,7 @@ tokens are broken by (step, token) ascending.
 The package, one job per module: ``config`` (columns, buckets, ``MismatchConfig``), ``keys``
 (breakdown keys per token: the numpy definitions), ``tokens`` (the numpy path), ``compiled`` +
 ``kernels`` (the compiled path), ``blocks`` (a block of whole samples, ``_StepView``: what either
-path hands the accumulator), ``breakdowns``, ``moments``, ``percentiles``, ``routing``,
+path hands the accumulator), ``breakdowns``, ``moments``, ``percentiles``, ``routing``, ``split``,
 ``top`` (the worst tokens), ``accumulator`` (``MismatchAccumulator``), ``context`` (decoded
 context), ``pool`` (forked workers), ``allocator``; this module: ``mismatch_report``, the entry
 point of ``axrl-debug mismatch``.
@@ -89,7 +97,7 @@ from axrl.trace.schema import TraceError
 from .accumulator import MismatchAccumulator, _read_steps, analyse
 from .allocator import keep_freed_memory
 from .config import (BREAKDOWN_COLUMNS, CORE_COLUMNS, ENTROPY_EDGES, ENTROPY_LABELS, POSITION_EDGES, POSITION_LABELS,
-                     PROB_EDGES, PROB_LABELS, ROUTING_COLUMNS, ROUTING_DELTA_LABELS, MismatchConfig)
+                     PROB_EDGES, PROB_LABELS, ROUTING_COLUMNS, ROUTING_DELTA_LABELS, SPLIT_COLUMN, MismatchConfig)
 from .context import attach_context
 from .moments import METRIC_NAMES
 from .percentiles import _abs_hist, _exact_percentiles, _percentile_bins
@@ -101,7 +109,7 @@ from .top import TopToken
 __all__ = [
     "BREAKDOWN_COLUMNS", "COMPILED_MIN_BYTES", "CORE_COLUMNS", "ENTROPY_EDGES", "ENTROPY_LABELS", "METRIC_NAMES",
     "POSITION_EDGES", "POSITION_LABELS", "PROB_EDGES", "PROB_LABELS", "ROUTING_COLUMNS", "ROUTING_DELTA_LABELS",
-    "MismatchAccumulator", "MismatchConfig", "StepRouting", "StepTokens", "TopToken", "analyse",
+    "SPLIT_COLUMN", "MismatchAccumulator", "MismatchConfig", "StepRouting", "StepTokens", "TopToken", "analyse",
     "attach_context", "auto_workers", "keep_freed_memory", "mismatch_report", "resolve_compiled",
     "routing_agreement", "step_tokens", "_abs_hist", "_exact_percentiles", "_load_kernels",
 ]

@@ -1,5 +1,5 @@
 """``MismatchAccumulator``: folds steps, block by block, into fixed-size sums (moments, breakdown
-histograms, routing counts, the worst tokens; every |Δ| only for the exact
+histograms, routing counts, the Δ split, the worst tokens; every |Δ| only for the exact
 percentiles) and turns them into the report (``result``)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from .config import ENTROPY_LABELS, POSITION_LABELS, PROB_LABELS, ROUTING_DELTA_
 from .moments import METRIC_NAMES, _Moments
 from .percentiles import _abs_hist, _exact_percentiles
 from .scratch import _Scratch
+from .split import SplitSums, split_figures, split_head
 from .tokens import StepTokens, numpy_view, step_tokens
 from .top import TopToken, _top_positions
 
@@ -32,6 +33,7 @@ class _StepSums:
     lag: list[Any] | None = None                              # [tokens, Σ lag (exact), max lag]
     routing: list[Any] | None = None                          # [rows, agree, hits]
     abs_parts: list[np.ndarray] = field(default_factory=list)  # |Δ| (per-step percentiles only)
+    split: np.ndarray | None = None                           # split sums, when the step has the column
 
 
 @dataclass
@@ -65,6 +67,7 @@ class MismatchAccumulator:
         self.plot_x: list[np.ndarray] = []
         self.plot_y: list[np.ndarray] = []
         self.steps: list[int] = []
+        self.split: SplitSums | None = None   # set by the first step with behaviour_train_logprob
         self._ws = _Scratch()
         self._block_tokens = _BLOCK_TOKENS
 
@@ -151,6 +154,11 @@ class MismatchAccumulator:
                 ss.routing = [0, np.zeros_like(agree), np.zeros_like(hits)]
             ss.routing[0] += rows
             ss.routing[1] += agree
+        if sv.split is not None:
+            if self.split is None:
+                self.split = SplitSums()
+            self.split.add(sv.split)
+            ss.split = sv.split[0].copy() if ss.split is None else ss.split + sv.split[0]
         if cfg.top_k > 0 and d.size:
             threshold = abs(self.top[-1].delta) if len(self.top) >= cfg.top_k else None
             sel = _top_positions(ad, cfg.top_k, threshold, ws)
@@ -181,6 +189,8 @@ class MismatchAccumulator:
         if ss.routing is not None:
             rows, agree, _ = ss.routing
             head["routing_agreement"] = float(agree.sum()) / (rows * agree.size) if rows else math.nan
+        if ss.split is not None:
+            head.update(split_head(ss.split))
         self.per_step.append(head)
         return head
 
@@ -243,6 +253,10 @@ class MismatchAccumulator:
         self.routing_delta.merge(other.routing_delta)
         if other.layer_agree is not None:
             self._add_routing(other.layer_rows, other.layer_agree, other.layer_hits, other.topk)
+        if other.split is not None:
+            if self.split is None:
+                self.split = SplitSums()
+            self.split.merge(other.split)
         self.top += other.top
         self._trim_top()
         self.plot_x += other.plot_x
@@ -265,9 +279,14 @@ class MismatchAccumulator:
             "tokens": {"total": self.num_tokens, "generated": self.num_generated, "analysed": self.total.n},
             "metrics": ordered,
         }
+        if self.split is not None:
+            out["delta_split"] = split_figures(self.split.total)
         total_abs = self.total.sum_abs
         if self.cfg.breakdowns:
             out["breakdowns"] = {name: b.rows(total_abs) for name, b in self.buckets.items()}
+            if self.split is not None:
+                for row in out["breakdowns"]["version_lag"]:
+                    row["delta_split"] = self.split.lag(row["bucket"])
         if self.layer_agree is not None:
             rows, k = self.layer_rows, max(self.topk, 1)
             layers = [{"layer": i, "rows": rows,

@@ -9,6 +9,7 @@ from typing import Callable
 import numpy as np
 
 from .breakdowns import _Sig
+from .split import BlockSplit
 from .top import TopToken
 
 
@@ -26,6 +27,7 @@ class _StepView:
     routing: tuple[int, np.ndarray, np.ndarray, int] | None   # valid rows, agree [L], hits [L], k
     top: Callable[[np.ndarray], list[TopToken]]               # analysed positions -> TopToken
     lag: tuple[int, int, int | None] | None = None            # (tokens, Σ lag, max lag) when recorded
+    split: BlockSplit | None = None        # ``split.split_sums`` when the step has behaviour_train_logprob
 
 
 _BLOCK_TOKENS = 1 << 18   # tokens per block of a step (work arrays ~200 B per token of a block)

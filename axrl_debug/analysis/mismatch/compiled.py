@@ -10,11 +10,12 @@ import numpy as np
 
 from .blocks import _StepView
 from .breakdowns import _group_dims
-from .config import ENTROPY_LABELS, POSITION_LABELS, PROB_LABELS, ROUTING_DELTA_LABELS, MismatchConfig
+from .config import ENTROPY_LABELS, POSITION_LABELS, PROB_LABELS, ROUTING_DELTA_LABELS, SPLIT_COLUMN, MismatchConfig
 from .keys import _LOG_PROB_INNER, _LOG_PROB_INNER_F32, _POS_LUT, _entropy_digits
 from .routing import token_routing_class
 from .scratch import _Scratch
-from .top import TopToken, token_position
+from .split import split_sums
+from .top import TopToken, split_fields, token_position
 
 # Stand-ins for absent columns, so the compiled kernels see arrays of fixed types.
 _NO_INTS = np.zeros(1, np.int64)
@@ -114,6 +115,12 @@ def compiled_block(cfg: MismatchConfig, ws: _Scratch, step: int, policy_version:
     if has_routing:
         rows = t if vcol is None else int(np.count_nonzero(vcol))
         routing = (rows, layer_agree, layer_hits, int(rr.shape[2]))
+    behaviour = cols.get(SPLIT_COLUMN)
+    split = None
+    if behaviour is not None:
+        behaviour = np.asarray(behaviour)
+        split = split_sums(d, r, o, behaviour[idx],
+                           policy_version - pver[idx].astype(np.int64) if has_keys else None)
 
     def top(sel: np.ndarray) -> list[TopToken]:
         tok = idx[sel]
@@ -129,8 +136,9 @@ def compiled_block(cfg: MismatchConfig, ws: _Scratch, step: int, policy_version:
                 lag=None if not has_keys else policy_version - int(pver[i]),
                 entropy=None if ent is None else float(np.float32(ent[i])),
                 routing=None if not has_routing else
-                ROUTING_DELTA_LABELS[token_routing_class(i, int(off[row]), rr, rt, vcol)]))
+                ROUTING_DELTA_LABELS[token_routing_class(i, int(off[row]), rr, rt, vcol)],
+                **({} if behaviour is None else split_fields(r[p], o[p], behaviour[i]))))
         return out
 
     return _StepView(num_tokens=t, num_generated=int(num_gen), d=d, r=r, o=o,
-                     joint=joint, routing=routing, top=top, lag=lag)
+                     joint=joint, routing=routing, top=top, lag=lag, split=split)

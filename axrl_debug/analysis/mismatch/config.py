@@ -10,6 +10,8 @@ from typing import Any, Mapping
 CORE_COLUMNS = ("/samples/offsets", "/tokens/loss_mask", "/tokens/rollout_logprob", "/tokens/old_logprob")
 BREAKDOWN_COLUMNS = ("/tokens/turn", "/tokens/policy_version", "/tokens/entropy")
 ROUTING_COLUMNS = ("/routing/rollout", "/routing/train", "/routing/rollout_valid")
+# Optional: the trainer's logprob under the generating weights, which splits Δ (``split``).
+SPLIT_COLUMN = "/tokens/behaviour_train_logprob"
 
 POSITION_EDGES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 PROB_EDGES = (0.0, 0.01, 0.1, 0.5, 0.9, 0.99)           # last bucket is [0.99, 1]
@@ -68,4 +70,4 @@ class MismatchConfig:
         required = list(CORE_COLUMNS)
         if self.breakdowns:
             required += list(BREAKDOWN_COLUMNS)
-        return required, (list(ROUTING_COLUMNS) if self.routing else [])
+        return required, (list(ROUTING_COLUMNS) if self.routing else []) + [SPLIT_COLUMN]

@@ -13,10 +13,11 @@ from axrl.trace.quantities import analysed_mask, delta
 
 from .blocks import _StepView
 from .breakdowns import _Dim, _joint_hist
-from .config import ENTROPY_LABELS, POSITION_LABELS, PROB_LABELS, ROUTING_DELTA_LABELS, MismatchConfig
+from .config import ENTROPY_LABELS, POSITION_LABELS, PROB_LABELS, ROUTING_DELTA_LABELS, SPLIT_COLUMN, MismatchConfig
 from .keys import _entropy_digits, _int_digits, _position_digits, _prob_digits, _sample_starts, _segment_positions
 from .routing import StepRouting, routing_agreement, routing_classes
-from .top import TopToken
+from .split import split_sums
+from .top import TopToken, split_fields
 
 
 @dataclass
@@ -38,6 +39,7 @@ class StepTokens:
     lag: np.ndarray | None = None
     entropy: np.ndarray | None = None     # float32
     routing: StepRouting | None = None
+    behaviour_lp: np.ndarray | None = None  # float64 behaviour_train_logprob (NaN: not computed)
 
 
 def step_tokens(step: int, policy_version: int, cols: Mapping[str, Any], cfg: MismatchConfig) -> StepTokens:
@@ -72,6 +74,8 @@ def step_tokens(step: int, policy_version: int, cols: Mapping[str, Any], cfg: Mi
         cls = routing_classes(idx, starts, np.logical_and.reduce(agree, axis=0), valid)
         st.routing = StepRouting(layer_rows=int(np.count_nonzero(valid)), layer_agree=layer_agree,
                                  layer_hits=layer_hits, topk=int(rr.shape[2]), token_class=cls)
+    if SPLIT_COLUMN in cols:
+        st.behaviour_lp = np.asarray(cols[SPLIT_COLUMN])[idx].astype(np.float64)
     return st
 
 
@@ -102,12 +106,16 @@ def numpy_view(st: StepTokens, cfg: MismatchConfig) -> _StepView:
     lag = None
     if st.lag is not None:
         lag = (int(st.lag.size), int(st.lag.sum()), int(st.lag.max()) if st.lag.size else None)
+    split = None
+    if st.behaviour_lp is not None:
+        split = split_sums(d, st.rollout_lp, st.old_lp, st.behaviour_lp, st.lag)
 
     def opt(a: np.ndarray | None, i: int, conv: Any) -> Any:
         return None if a is None else conv(a[i])
 
     def top(sel: np.ndarray) -> list[TopToken]:
         cls = st.routing.token_class if st.routing is not None else None
+        b = st.behaviour_lp
         # sample row: the last offset <= token (side="right" skips empty samples sharing an offset)
         rows = np.searchsorted(st.offsets, st.idx[sel], side="right") - 1
         return [TopToken(
@@ -116,9 +124,10 @@ def numpy_view(st: StepTokens, cfg: MismatchConfig) -> _StepView:
             position=opt(st.position, i, int), turn=opt(st.turn, i, int),
             policy_version=opt(st.token_version, i, int), lag=opt(st.lag, i, int),
             entropy=opt(st.entropy, i, float),
-            routing=None if cls is None else ROUTING_DELTA_LABELS[int(cls[i])])
+            routing=None if cls is None else ROUTING_DELTA_LABELS[int(cls[i])],
+            **({} if b is None else split_fields(st.rollout_lp[i], st.old_lp[i], b[i])))
             for i, row in zip(sel.tolist(), rows.tolist())]
 
     return _StepView(num_tokens=st.num_tokens, num_generated=st.num_generated, d=d, r=st.rollout_lp,
-                     o=st.old_lp, joint=joint, routing=routing, top=top, lag=lag)
+                     o=st.old_lp, joint=joint, routing=routing, top=top, lag=lag, split=split)
 

@@ -8,9 +8,13 @@ from typing import Any
 
 import numpy as np
 
+from axrl.trace.quantities import split_deltas
+
 from .keys import _segment_positions
 from .scratch import _Scratch
 
+# Filled only from traces with /tokens/behaviour_train_logprob; left out of ``as_dict`` otherwise.
+_SPLIT_FIELDS = ("engine_delta", "staleness_delta")
 
 
 @dataclass
@@ -33,9 +37,14 @@ class TopToken:
     text: str | None = None
     context: str | None = None
     sample_id: int | None = None
+    engine_delta: float | None = None       # behaviour_train − rollout (NaN: not computed)
+    staleness_delta: float | None = None    # old − behaviour_train
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
+        for name in _SPLIT_FIELDS:
+            if d[name] is None:
+                del d[name]
         d["abs_delta"] = abs(self.delta)
         d["rollout_prob"] = math.exp(self.rollout_logprob)
         d["trainer_prob"] = math.exp(self.old_logprob)
@@ -67,3 +76,8 @@ def token_position(i: int, s0: int, loss_mask: np.ndarray, turn: np.ndarray) -> 
     starts[0] = True
     return int(_segment_positions(loss_mask[s0:i + 1] != 0, starts, turn[s0:i + 1])[-1])
 
+
+def split_fields(rollout_lp: Any, old_lp: Any, behaviour_lp: Any) -> dict[str, float]:
+    """The ``engine_delta`` / ``staleness_delta`` fields of one worst token."""
+    engine, stale = split_deltas(rollout_lp, old_lp, behaviour_lp)
+    return {"engine_delta": float(engine), "staleness_delta": float(stale)}
