@@ -22,8 +22,10 @@ NAN = float("nan")
 
 @dataclass
 class TinyToken:
-    """One token. ``rollout`` / ``old`` are logprobs (NaN where not generated); ``route`` and
-    ``train_route`` are the per-layer expert lists (rollout / trainer) of the token *as input*."""
+    """One token. ``rollout`` / ``old`` are logprobs (NaN where not generated), ``behaviour`` the
+    trainer's logprob under the generating weights (``/tokens/behaviour_train_logprob``; NaN: not
+    computed); ``route`` and ``train_route`` are the per-layer expert lists (rollout / trainer) of
+    the token *as input*."""
 
     id: int = 5
     loss_mask: int = 0
@@ -36,6 +38,7 @@ class TinyToken:
     route: Sequence[Sequence[int]] | None = None
     train_route: Sequence[Sequence[int]] | None = None
     route_valid: int = 1
+    behaviour: float = NAN
 
 
 @dataclass
@@ -64,7 +67,8 @@ def tiny_record(step: int, policy_version: int, samples: Sequence[TinySample], *
                 fingerprint: str = "fp") -> StepRecord:
     """Concatenate samples into a StepRecord. Tokens without a route get experts (0, 1) per layer
     in both rollout and train. ``updates`` lists the sample rows of each update (default: one
-    update over all samples)."""
+    update over all samples). ``/tokens/behaviour_train_logprob`` is written when a token has a
+    ``behaviour`` logprob."""
     toks = [t for s in samples for t in s.tokens]
     lengths = [len(s.tokens) for s in samples]
     off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -91,6 +95,8 @@ def tiny_record(step: int, policy_version: int, samples: Sequence[TinySample], *
         token_policy_version=[t.version for t in toks], rollout_logprob=[t.rollout for t in toks],
         old_logprob=[t.old for t in toks], advantage=[t.advantage for t in toks],
         entropy=[t.entropy for t in toks],
+        behaviour_train_logprob=([t.behaviour for t in toks]
+                                 if any(math.isfinite(t.behaviour) for t in toks) else None),
         update_sample_offsets=np.concatenate([[0], np.cumsum([len(x) for x in updates])]),
         update_samples=[i for x in updates for i in x], update_metrics=metrics,
         weights_fingerprint_before=f"{fingerprint}-{step}", weights_fingerprint_after=f"{fingerprint}-{step + 1}",

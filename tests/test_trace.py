@@ -111,6 +111,7 @@ def make_record(step: int = 0, *, seed: int = 0, n_groups: int = 4, group_size: 
         token_policy_version=pver, rollout_logprob=rollout_lp, old_logprob=old_lp, advantage=adv,
         entropy=rng.random(t).astype(np.float16),
         logprob_ref=(old_lp - 0.01).astype(np.float32),
+        behaviour_train_logprob=np.where(loss_mask == 1, old_lp - 0.001 * (pver != step), np.nan).astype(np.float32),
         num_experts=num_experts, routing_rollout=routing_rollout, routing_rollout_valid=valid,
         routing_train=routing_train,
         update_sample_offsets=bounds, update_samples=perm.astype(np.int64),
@@ -395,6 +396,28 @@ def test_storage_layout_of_token_datasets(tmp_path):
         assert f["/tokens/old_logprob"].compression == "gzip"
         assert g["/tokens/ids"].chunks is None and not g["/tokens/ids"].fletcher32
         np.testing.assert_array_equal(f["/tokens/old_logprob"][()], g["/tokens/old_logprob"][()])
+
+
+def test_behaviour_train_logprob_round_trip(tmp_path):
+    """The optional /tokens/behaviour_train_logprob: stored raw and checksummed like old_logprob
+    (the analysis reads it per token), read back by HDF5's and the compiled reader's paths; absent
+    when not given; a wrong length is rejected naming the field."""
+    rec = make_record(n_groups=8, group_size=8, mean_len=400)
+    b = np.asarray(rec.behaviour_train_logprob)
+    run = RunDir(tmp_path / "run")
+    with h5py.File(run.write_step(rec), "r") as f:
+        ds = f["/tokens/behaviour_train_logprob"]
+        assert ds.dtype == np.float32 and ds.compression is None and ds.fletcher32
+    name = "/tokens/behaviour_train_logprob"
+    for fast in (False, True):
+        (sc,) = TraceReader(run.path).iter_columns([name], fast_checksums=fast)
+        np.testing.assert_array_equal(sc[name], b)
+    rec.behaviour_train_logprob = None
+    with StepFile(write_step(tmp_path / "bare", rec)) as sf:
+        assert name not in sf and sf.to_record().behaviour_train_logprob is None
+    rec.behaviour_train_logprob = b[:-1]
+    with pytest.raises(TraceValidationError, match="behaviour_train_logprob"):
+        write_step(tmp_path / "bad", rec)
 
 
 def test_iter_columns_reuses_buffers(tmp_path):

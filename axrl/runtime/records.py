@@ -12,6 +12,7 @@ import torch
 from axrl.algo.processor import ProcessedBatch
 from axrl.train.protocol import ForwardResult, StepStats, TrainMetrics
 from axrl.trace import StepRecord
+from axrl.trace.quantities import mean_abs_delta
 
 
 @dataclass
@@ -38,9 +39,9 @@ class TrainedStep:
 
 
 def mismatch(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
-    """Mean |trainer − rollout logprob| over trained tokens: the headline mismatch scalar."""
-    m = (mask > 0) & torch.isfinite(rollout_logprobs)
-    return float((old_logprobs[m] - rollout_logprobs[m]).abs().mean()) if bool(m.any()) else math.nan
+    """Mean |trainer − rollout logprob| over analysed tokens: the headline mismatch scalar, by the
+    definition ``axrl-debug`` reports as ``mean_abs`` (``axrl.trace.quantities.mean_abs_delta``)."""
+    return mean_abs_delta(mask.numpy(), rollout_logprobs.numpy(), old_logprobs.numpy())
 
 
 def step_metrics(o: TrainedStep) -> dict[str, Any]:

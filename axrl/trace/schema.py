@@ -159,6 +159,8 @@ DATASETS: tuple[DatasetSpec, ...] = (
                 "trainer entropy of the distribution that predicted token t"),
     DatasetSpec("/tokens/logprob_ref", "logprob_ref", "float32", ("T",), False,
                 "reference-policy logprob (KL penalty), same convention"),
+    DatasetSpec("/tokens/behaviour_train_logprob", "behaviour_train_logprob", "float32", ("T",), False,
+                "trainer logprob under the weights that generated the token (version /tokens/policy_version); NaN where not generated"),
     # --- routing
     DatasetSpec("/routing/rollout", "routing_rollout", ROUTING, ("T", "L", "k"), False,
                 "experts each token was routed to as *input* by the engine"),

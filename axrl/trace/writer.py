@@ -31,7 +31,7 @@ from .schema import TraceValidationError
 DEFAULT_COMPRESSION: str | None = "gzip"
 RAW_DATASETS = frozenset({
     "/tokens/loss_mask", "/tokens/rollout_logprob", "/tokens/old_logprob", "/tokens/turn",
-    "/tokens/policy_version", "/tokens/entropy",
+    "/tokens/policy_version", "/tokens/entropy", "/tokens/behaviour_train_logprob",
     "/routing/rollout", "/routing/train", "/routing/rollout_valid",
 })
 _CHUNK_BYTES = 1 << 20  # maximum chunk size of raw token datasets (read whole, in few calls)
@@ -91,6 +91,7 @@ class StepRecord:
     # ---- optional
     error: Sequence[str] | None = None       # str [N]; None = '' everywhere
     logprob_ref: Any = None                  # float32 [T]
+    behaviour_train_logprob: Any = None      # float32 [T]
     num_experts: int | None = None           # required when routing is given
     routing_rollout: Any = None              # [T, L, k] expert ids (as input), engine
     routing_rollout_valid: Any = None        # uint8 [T]; rows with 0 are stored as zeros

@@ -31,6 +31,10 @@ STEP_COLUMNS = ("step", "policy_version", "reward", "loss", "grad_norm", "clipfr
                 "routing_agreement", "version_lag_mean", "version_lag_max", "samples", "failed",
                 "tokens", "generated_tokens", "weights_fingerprint_after")
 
+# Columns of traces with /tokens/behaviour_train_logprob (the split of the mismatch, Δ = Δ_engine +
+# Δ_staleness: mean |Δ_engine| and mean |Δ_staleness| per step), placed after ``mismatch_p99``.
+SPLIT_STEP_COLUMNS = ("mismatch_engine", "mismatch_staleness")
+
 _STEP_EXTRA_COLUMNS = ["/samples/reward", "/samples/status", "/train/updates/loss", "/train/updates/grad_norm"]
 _STEP_OPTIONAL_COLUMNS = ["/train/updates/clipfrac", "/train/weights_fingerprint_after"]
 
@@ -91,13 +95,19 @@ def step_table(reader: TraceReader, steps: Iterable[int] | None = None,
             "generated_tokens": head["generated"],
             "weights_fingerprint_after": sc.get("/train/weights_fingerprint_after"),
         }
+        if "engine_mean_abs" in head:
+            row["mismatch_engine"], row["mismatch_staleness"] = head["engine_mean_abs"], head["staleness_mean_abs"]
         logged = jsonl.get(sc.step, {})
         for key, col in JSONL_METRICS.items():
             if _finite(logged.get(key)):
                 row[col] = float(logged[key])
                 from_jsonl[col] += 1
         rows.append(row)
-    df = pd.DataFrame(rows, columns=list(STEP_COLUMNS))
+    columns = list(STEP_COLUMNS)
+    if acc.split is not None:
+        at = columns.index("mismatch_p99") + 1
+        columns[at:at] = SPLIT_STEP_COLUMNS
+    df = pd.DataFrame(rows, columns=columns)
     if len(df):
         df["version_lag_max"] = df["version_lag_max"].astype("Float64").astype(np.float64)
     df.attrs["sources"] = {col: ("metrics.jsonl" if n == len(rows) and n else

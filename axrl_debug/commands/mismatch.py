@@ -1,6 +1,6 @@
 """`axrl-debug mismatch RUN [--step N | --steps A:B] [--top K] [--plot DIR]`: training–inference
 mismatch metrics, breakdowns, routing agreement and the worst tokens (definitions in
-``axrl_debug/analysis/mismatch.py`` and docs/debugging.md)."""
+``axrl_debug/analysis/mismatch/`` and docs/debugging.md)."""
 
 from __future__ import annotations
 
@@ -42,9 +42,45 @@ BREAKDOWN_TITLES = {"position": "by position in the response (per turn; 0 = firs
                     "entropy": "by trainer entropy (nats)", "version_lag": "by policy-version lag"}
 
 
+BREAKDOWN_COLUMNS = ["tokens", "mean |Δ|", "mean Δ", "share of Σ|Δ|"]
+SPLIT_PARTS = (("Δ", None, "old − rollout"),
+               ("Δ_engine", "engine", "behaviour_train − rollout (same weights)"),
+               ("Δ_staleness", "staleness", "old − behaviour_train (policy drift)"))
+
+
 def _breakdown_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
     return [[str(r["bucket"]), str(r["count"]), fmt(r["mean_abs"], 3), fmt(r["mean"], 3), pct(r["abs_share"])]
             for r in rows if r["count"]]
+
+
+def _signed(x: Any) -> str:
+    return "–" if x is None or math.isnan(x) else f"{x:+.3g}"
+
+
+def _split_table(split: dict[str, Any]) -> Any:
+    """Δ = Δ_engine + Δ_staleness over the tokens with a behaviour_train_logprob."""
+    rows = []
+    for label, key, meaning in SPLIT_PARTS:
+        part = split if key is None else split[key]
+        rows.append([label, fmt(part["mean_abs"], 7), fmt(part["mean"], 7),
+                     pct(1.0 if key is None else part["abs_share"]), meaning])
+    return simple_table(f"Δ = Δ_engine + Δ_staleness over {split['tokens']} split tokens "
+                        f"(share of Σ|Δ| = Σ sign(Δ)·part / Σ|Δ|)",
+                        ["part", "mean |·|", "mean", "share of Σ|Δ|", "meaning"], rows, justify_right=False)
+
+
+def _split_lag_table(rows: list[dict[str, Any]]) -> Any:
+    """The split per version-lag bucket (the ``delta_split`` of each ``version_lag`` row)."""
+    cells = []
+    for r in rows:
+        x = r["delta_split"]
+        if x["tokens"]:
+            cells.append([str(r["bucket"]), str(x["tokens"]), fmt(x["engine"]["mean_abs"], 3),
+                          fmt(x["staleness"]["mean_abs"], 3), pct(x["engine"]["abs_share"]),
+                          pct(x["staleness"]["abs_share"])])
+    return simple_table("Δ = Δ_engine + Δ_staleness by policy-version lag",
+                        ["version_lag", "split tokens", "mean |Δ_engine|", "mean |Δ_stale|", "engine share",
+                         "staleness share"], cells)
 
 
 def print_report(res: dict[str, Any]) -> None:
@@ -58,9 +94,12 @@ def print_report(res: dict[str, Any]) -> None:
     # 7 digits: ratio / ESS / token_mult_prob_error sit next to 1 and would all print as "1"
     rows = [[label, pct(m[key]) if key in PERCENT_KEYS else fmt(m[key], 7), note] for key, label, note in HEADLINE]
     show(simple_table(None, ["metric", "value", "meaning"], rows, justify_right=False))
+    if res.get("delta_split"):
+        show(_split_table(res["delta_split"]))
     for name, brows in (res.get("breakdowns") or {}).items():
-        show(simple_table(BREAKDOWN_TITLES.get(name, name), [name, "tokens", "mean |Δ|", "mean Δ", "share of Σ|Δ|"],
-                               _breakdown_rows(brows)))
+        show(simple_table(BREAKDOWN_TITLES.get(name, name), [name, *BREAKDOWN_COLUMNS], _breakdown_rows(brows)))
+        if name == "version_lag" and res.get("delta_split"):
+            show(_split_lag_table(brows))
     routing = res.get("routing")
     if routing:
         show(simple_table(
@@ -69,17 +108,18 @@ def print_report(res: dict[str, Any]) -> None:
             ["layer", "same expert set", "mean overlap"],
             [[str(r["layer"]), pct(r["agreement"]), pct(r["overlap"])] for r in routing["layers"]]))
         show(simple_table("|Δ| by routing of the predicting position (row t−1)",
-                               ["routing", "tokens", "mean |Δ|", "mean Δ", "share of Σ|Δ|"],
-                               _breakdown_rows(routing["delta"])))
+                               ["routing", *BREAKDOWN_COLUMNS], _breakdown_rows(routing["delta"])))
     if res.get("top"):
+        split = any("engine_delta" in t for t in res["top"])
         rows = []
         for i, t in enumerate(res["top"], 1):
             rows.append([str(i), str(t["step"]), str(t.get("sample_id", t["sample"])), fmt(t.get("position")),
                          fmt(t.get("turn")), fmt(t.get("policy_version")), f"{t['delta']:+.3g}",
+                         *([_signed(t.get("engine_delta")), _signed(t.get("staleness_delta"))] if split else []),
                          f"{t['rollout_prob']:.3g}", f"{t['trainer_prob']:.3g}", t.get("routing") or "–"])
         show(simple_table(f"top {len(res['top'])} tokens by |Δ|",
-                               ["#", "step", "sample", "pos", "turn", "ver", "Δ", "p_roll", "p_train", "routing"],
-                               rows))
+                          ["#", "step", "sample", "pos", "turn", "ver", "Δ", *(["Δ_eng", "Δ_stale"] if split else []),
+                           "p_roll", "p_train", "routing"], rows))
         for i, t in enumerate(res["top"], 1):
             # context on its own line: it needs the width more than the numbers do
             out.print(f"  #{i:<2} {t.get('context') or ''}", highlight=False, markup=False, soft_wrap=True)
@@ -100,7 +140,9 @@ def mismatch(
     rollout logprob: |Δ| stats, KL estimators k1/k2/k3 of KL(rollout ‖ trainer), χ², importance-
     ratio stats, clip-band / TIS-cap fractions, ESS, Pearson correlation; breakdowns by position,
     turn, rollout probability, trainer entropy, policy-version lag and (MoE) routing agreement; the
-    worst tokens with their decoded context. Default: all steps."""
+    worst tokens with their decoded context. With /tokens/behaviour_train_logprob (asynchronous
+    runs), Δ = Δ_engine + Δ_staleness: engine mismatch at the generating weights vs policy drift,
+    overall, per version lag and per worst token. Default: all steps."""
 
     def body() -> int:
         reader = open_run(run)

@@ -44,8 +44,9 @@ def summary(
     threshold: float = typer.Option(5.0, "--threshold", min=0.0, help="Spike flags: robust z threshold."),
     json_out: bool = JSON_OPTION,
 ) -> None:
-    """One row per step: reward, loss, grad norm, clip fraction, mismatch (mean and max |Δ|, k3 KL),
-    MoE routing agreement, policy-version lag and spike flags.
+    """One row per step: reward, loss, grad norm, clip fraction, mismatch (mean and max |Δ|, k3 KL;
+    with /tokens/behaviour_train_logprob also its engine and staleness parts), MoE routing
+    agreement, policy-version lag and spike flags.
 
     Scalars the training loop logged (reward, loss, grad_norm, clipfrac, mismatch) come from
     metrics.jsonl; the rest is computed from the step files."""
@@ -63,16 +64,18 @@ def summary(
                         "sources": df.attrs.get("sources", {}), "spikes": spikes, "worst": worst,
                         "problems": problems})
             return 0
+        split = "mismatch_engine" in flagged
         rows = []
         for r in flagged.itertuples(index=False):
             lag = r.version_lag_mean
             rows.append([str(r.step), fmt(r.reward, 3), fmt(r.loss, 3), fmt(r.grad_norm, 3), pct(r.clipfrac),
-                         fmt(r.mismatch, 3), fmt(r.kl_k3, 3), pct(r.routing_agreement),
-                         "–" if math.isnan(lag) else f"{lag:.2g}",
+                         fmt(r.mismatch, 3), *([fmt(r.mismatch_engine, 3), fmt(r.mismatch_staleness, 3)] if split else []),
+                         fmt(r.kl_k3, 3), pct(r.routing_agreement), "–" if math.isnan(lag) else f"{lag:.2g}",
                          f"[bold red]{r.spikes}[/]" if r.spikes else ""])
         show(simple_table(
             f"{reader.path} — {len(flagged)} steps (more columns: --json)",
-            ["step", "reward", "loss", "gnorm", "clip", "mean|Δ|", "k3", "routing", "lag", "spikes"], rows))
+            ["step", "reward", "loss", "gnorm", "clip", "mean|Δ|", *(["|Δ_eng|", "|Δ_stale|"] if split else []),
+             "k3", "routing", "lag", "spikes"], rows))
         if worst.get("mismatch"):
             w = worst["mismatch"]
             out.print(f"worst mismatch: step {w['step']} (mean |Δ| {fmt(w['value'], 3)}) — "

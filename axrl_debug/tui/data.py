@@ -325,7 +325,7 @@ def read_replay_tokens(path: Path, num_tokens: int, problems: list[str]) -> dict
 
 # ============================================================================ sample
 _TOKEN_COLS = ("ids", "loss_mask", "turn", "policy_version", "rollout_logprob", "old_logprob",
-               "advantage", "entropy")
+               "advantage", "entropy", "behaviour_train_logprob")
 
 
 @dataclass
@@ -343,6 +343,9 @@ class SampleTokens:
     routing_valid: np.ndarray | None = None     # bool [n]
     layer_agree: np.ndarray | None = None       # bool [n, L]
     replay: dict[str, np.ndarray] = field(default_factory=dict)
+    # Δ = Δ_engine + Δ_staleness (NaN where it does not split); None without behaviour_train_logprob
+    engine_delta: np.ndarray | None = None
+    staleness_delta: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -372,6 +375,10 @@ class SampleTokens:
         if rr is not None and rt is not None:
             tokens.layer_agree = M.layer_agreement(rr, rt)
         tokens.replay = {k: v[a:b] for k, v in step.replay_tokens.items()}
+        if "behaviour_train_logprob" in data:
+            tokens.engine_delta, tokens.staleness_delta = M.token_split(
+                data.get("loss_mask", np.zeros(n, np.uint8)), data.get("rollout_logprob", nan),
+                data.get("old_logprob", nan), data["behaviour_train_logprob"])
         return tokens
 
     # ---- derived, per token

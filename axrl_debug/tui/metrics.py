@@ -6,6 +6,8 @@ Everything builds on the analysis definitions instead of restating them:
 * Δ, "analysed token": ``axrl_debug.analysis.mismatch.step_tokens`` (Δ = old − rollout logprob on
   tokens with loss_mask = 1 and both logprobs finite).
 * routing agreement per (token, layer) as expert *sets*: ``analysis.mismatch.routing_agreement``.
+* Δ = Δ_engine + Δ_staleness where ``/tokens/behaviour_train_logprob`` is recorded:
+  ``axrl.trace.quantities.split_mask`` / ``split_deltas``.
 
 What is added here is only the grouping by sample (bincount over the CSR offsets) and the
 per-token views of one sample that the token screen colours and navigates.
@@ -19,6 +21,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from axrl.trace.quantities import split_deltas, split_mask
 from axrl_debug.analysis.mismatch import MismatchConfig, routing_agreement, step_tokens
 
 # Columns of a step file needed for the per-sample table (routing is optional: MoE only).
@@ -90,6 +93,15 @@ def token_delta(loss_mask: np.ndarray, rollout_lp: np.ndarray, old_lp: np.ndarra
     out = np.full(t, math.nan)
     out[st.idx] = st.delta
     return out
+
+
+def token_split(loss_mask: np.ndarray, rollout_lp: np.ndarray, old_lp: np.ndarray,
+                behaviour_lp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(Δ_engine, Δ_staleness) per token of one sample, NaN where Δ does not split (not analysed,
+    or no behaviour_train logprob)."""
+    keep = split_mask(loss_mask, rollout_lp, old_lp, behaviour_lp)
+    engine, stale = split_deltas(rollout_lp, old_lp, behaviour_lp)
+    return np.where(keep, engine, np.nan), np.where(keep, stale, np.nan)
 
 
 def layer_agreement(rollout: np.ndarray, train: np.ndarray) -> np.ndarray:

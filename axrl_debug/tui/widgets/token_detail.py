@@ -1,5 +1,6 @@
-"""What is known about the token under the cursor: logprobs, Δ, ratio, entropy, advantage,
-policy version, MoE experts per layer (rollout vs trainer) and the replay dump's contributions."""
+"""What is known about the token under the cursor: logprobs, Δ, ratio, its engine / staleness
+parts (traces with behaviour_train_logprob), entropy, advantage, policy version, MoE experts per
+layer (rollout vs trainer) and the replay dump's contributions."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ def _num(v: Any, digits: int = 5) -> str:
     if math.isnan(f):
         return "–"
     return f"{f:.{digits}g}"
+
+
+def _delta_style(d: float) -> str:
+    """Red from |Δ| ≥ 0.1 (a ratio beyond ~1.1, the edge of any clip band)."""
+    return DIFF if not math.isnan(d) and abs(d) >= 0.1 else ""
 
 
 def _experts(row: np.ndarray) -> str:
@@ -59,10 +65,12 @@ def detail_text(t: SampleTokens, i: int, note: str = "") -> Text:
     lr, lo, d = t.get("rollout_logprob", i), t.get("old_logprob", i), float(t.delta[i])
     out.append("rollout lp ", LABEL).append(_num(lr))
     out.append("  trainer lp ", LABEL).append(_num(lo))
-    out.append("  Δ ", LABEL).append(_num(d, 3), DIFF if not math.isnan(d) and abs(d) >= 0.1 else "")
+    out.append("  Δ ", LABEL).append(_num(d, 3), _delta_style(d))
     ratio = math.exp(d) if not math.isnan(d) else math.nan
     out.append("  ratio ", LABEL).append(_num(ratio))
     out.append("\n")
+    if t.engine_delta is not None:
+        _split(out, t, i)
     pv = int(t.get("policy_version", i, -1))
     out.append("entropy ", LABEL).append(_num(t.get("entropy", i), 4))
     out.append("  advantage ", LABEL).append(_num(t.get("advantage", i), 4))
@@ -81,6 +89,18 @@ def detail_text(t: SampleTokens, i: int, note: str = "") -> Text:
         out.append("\n")
     _routing(out, t, i)
     return out
+
+
+def _split(out: Text, t: SampleTokens, i: int) -> None:
+    """Δ = Δ_engine + Δ_staleness: which part of this token's mismatch is the engine's (at the
+    weights that generated it) and which the policy's drift since."""
+    engine, stale = float(t.engine_delta[i]), float(t.staleness_delta[i])
+    out.append("Δ engine ", LABEL).append(_num(engine, 3), _delta_style(engine))
+    out.append("  Δ staleness ", LABEL).append(_num(stale, 3), _delta_style(stale))
+    out.append("  behaviour lp ", LABEL).append(_num(t.get("behaviour_train_logprob", i)))
+    if math.isnan(engine):
+        out.append("  (not split: no behaviour_train lp)", "dim")
+    out.append("\n")
 
 
 def _routing(out: Text, t: SampleTokens, i: int) -> None:

@@ -1,12 +1,12 @@
 """Compiled per-token loops of the mismatch analysis (numba).
 
-``mismatch.py`` keeps the vectorised numpy code where numpy is fast (the SIMD ``exp``/``expm1``
+The package keeps the vectorised numpy code where numpy is fast (the SIMD ``exp``/``expm1``
 of the moments); the breakdown keys, their joint histograms and the routing comparison are one
 pass over a block's tokens here (two for MoE routing). In numpy they were ~15 whole-array passes (segment starts, six
 digit columns, a mixed-radix key, two bincounts, packed routing words): most of the time of
 ``axrl-debug mismatch`` besides reading the file.
 
-This module imports numba, so it is imported lazily (``mismatch._kernels``): the TUI and the
+This module imports numba, so it is imported lazily (``compiled._kernels``): the TUI and the
 commands that never run the analysis do not pay for it. Compiled code is cached next to this file
 (or in numba's user cache when that is read-only), so only the first run on a machine compiles.
 """
@@ -21,7 +21,8 @@ from numba import njit
 
 @njit(cache=True, nogil=True)
 def select_analysed(lm, lr, lt, pver, turn, has_keys, idx, d, r, o):  # pragma: no cover - compiled
-    """Compact the analysed tokens (loss_mask ≠ 0, both logprobs finite) of a block into ``idx``
+    """Compact the analysed tokens (loss_mask ≠ 0, both logprobs finite:
+    ``axrl.trace.quantities.analysed_mask``, which the tests hold this to) of a block into ``idx``
     (token index), ``d`` (float64 Δ = old − rollout, exact), ``r`` and ``o`` (stored dtypes).
 
     Returns (analysed, generated, version min, version max, Σ version, turn min, turn max); the
@@ -155,7 +156,7 @@ def breakdown_block(lm, lr, lt, off, turn, pver, ent_digit, has_keys, prob_edges
     ``has_keys`` — and 5 the routing class of row t − 1 (``row_agree`` from ``routing_rows``; 2 =
     unknown at a sample's first token or an invalid row) when ``has_routing``. Each analysed token
     adds 1 and its Δ to cell [Δ < 0] + Σ_slot digit·mult[g, slot] of histogram g
-    (``counts[g]``/``sums[g]``, the layout of ``mismatch._joint_hist``; a slot outside group g has
+    (``counts[g]``/``sums[g]``, the layout of ``breakdowns._joint_hist``; a slot outside group g has
     multiplier 0), in token order, so the sums are the ones ``np.bincount`` gives."""
     nt = lm.shape[0]
     ngroups = counts.shape[0]
