@@ -35,8 +35,12 @@ def train(
         if resume:
             if run_dir is None:
                 raise ConfigError("--resume needs --run-dir")
-            # A resumed run keeps its recorded config; --set still applies on top.
-            cfg = load_config(run_dir / "config.yaml" if (run_dir / "config.yaml").is_file() else config, set_)
+            from axrl.runtime.resume import resume_config
+
+            plan = resume_config(run_dir, config, set_)
+            for note in plan.notes:
+                console.print(note)
+            cfg = plan.cfg
         else:
             cfg = load_config(config, set_)
     except ConfigError as e:

@@ -76,6 +76,19 @@ class RolloutSection(Section):
     max_turns: int = Field(4, ge=1)
     max_context_len: int = Field(512, ge=8)
     max_batch_size: int = Field(64, ge=1, description="engine slots (concurrent sequences)")
+    # -- asynchronous runs (runtime.mode: async; docs/train.md "Asynchronous runs")
+    max_staleness: int = Field(1, ge=1, description="η: no trained token was generated more than η versions "
+                                                     "before the weights it is trained with (async)")
+    partial_rollout: Literal["continue", "recompute", "drop"] = Field(
+        "continue", description="episodes running at a weight update: keep decoding, re-prefill under the "
+                                "new weights, or drop their groups")
+    stale_policy: Literal["rerun", "drop"] = Field("rerun", description="a complete group too stale to train")
+    max_reruns: int = Field(2, ge=0, description="re-runs of a stale group before it is dropped")
+    max_live_episodes: int = Field(0, ge=0, description="episodes running at once (0 = max_batch_size); new "
+                                                        "groups start as places free up")
+    clock: Literal["auto", "iterations", "rounds"] = Field(
+        "auto", description="deterministic runs: schedule rollout by engine iterations (embedded engine) or by "
+                            "request rounds (any engine; auto picks iterations for embedded, rounds for sglang)")
 
     @model_validator(mode="after")
     def _top_k_not_zero(self) -> "RolloutSection":
@@ -159,11 +172,22 @@ class CheckpointSection(Section):
 class TraceSection(Section):
     enabled: bool = True
     routing: bool = True
+    behaviour_logprob: bool = Field(False, description="also record each token's trainer logprob under the "
+                                                       "weights that generated it (async: splits the mismatch "
+                                                       "into engine and staleness parts)")
+
+
+class LoggingSection(Section):
+    tensorboard: bool = Field(False, description="also write metrics as TensorBoard event files (RUN/tensorboard)")
 
 
 class RuntimeSection(Section):
     threads: int = Field(1, ge=1, description="torch threads per process")
-    deterministic: bool = True
+    deterministic: bool = Field(True, description="bitwise reproducible: fixed seeds and threads, and rollout "
+                                                  "scheduled by counts (decode steps, finished groups), "
+                                                  "never by wall time")
+    mode: Literal["sync", "async"] = Field("sync", description="sync: roll out, then train; async: the engine "
+                                                               "keeps generating while the trainer trains")
 
 
 class LrScaleFault(Section):
@@ -203,12 +227,29 @@ class Config(Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     trace: TraceSection = Field(default_factory=TraceSection)
     runtime: RuntimeSection = Field(default_factory=RuntimeSection)
+    logging: LoggingSection = Field(default_factory=LoggingSection)
     faults: FaultsSection = Field(default_factory=FaultsSection)
 
     @model_validator(mode="after")
     def _model_source(self) -> "Config":
         if not self.model.preset and not self.model.path:
             raise ValueError("model: set `preset` or `path`")
+        return self
+
+    @model_validator(mode="after")
+    def _clock(self) -> "Config":
+        if self.rollout.clock == "iterations" and self.rollout.engine == "sglang":
+            raise ValueError("rollout.clock: 'iterations' needs the embedded engine (an SGLang server schedules "
+                             "its own iterations); use 'rounds' or 'auto'")
+        return self
+
+    @model_validator(mode="after")
+    def _async_rollout(self) -> "Config":
+        if (self.runtime.mode == "async" and self.rollout.engine == "sglang" and not self.runtime.deterministic
+                and self.rollout.partial_rollout == "continue"):
+            raise ValueError("rollout.partial_rollout: 'continue' needs per-token weight versions, which SGLang does "
+                             "not report, when requests run across a weight update (runtime.deterministic: false); "
+                             "use 'recompute' (or 'drop') with rollout.engine=sglang")
         return self
 
 

@@ -9,6 +9,7 @@ test needs exact tokens (stream == chat template, glue, per-turn requests).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 from fractions import Fraction
 from typing import Any
@@ -95,6 +96,14 @@ class ScriptedEngine:
         return GenerateResult(rid=request.rid, output_ids=ids, output_logprobs=[-0.5] * len(ids),
                               routed_experts=rows, finish_reason=finish, weight_version=self.version,
                               output_weight_versions=versions, prompt_tokens=len(request.input_ids))
+
+    def submit_many(self, requests: list[GenerateRequest]) -> list[concurrent.futures.Future]:
+        futures = []
+        for r in requests:
+            f: concurrent.futures.Future = concurrent.futures.Future()
+            f.set_result(asyncio.run(self.generate(r)))
+            futures.append(f)
+        return futures
 
     def update_weights(self, source: Any, version: int | None = None) -> int:
         self.version = self.version + 1 if version is None else version

@@ -29,7 +29,7 @@ QUICKSTART = ROOT / "examples" / "quickstart.yaml"
 BASE_LR = 1e-4
 RUN_SETTINGS = [
     "steps=4", "model.preset=micro-moe", "warmup.steps=100", "data.task=echo", "data.task_args={}",
-    "data.prompts_per_step=2", "rollout.group_size=4", "checkpoint.every=2", "eval.every=0",
+    "data.prompts_per_step=2", "rollout.group_size=8", "checkpoint.every=2", "eval.every=0",
     "runtime.threads=1", f"train.lr={BASE_LR}", "train.micro_batch_tokens=120", "algo.loss_agg=token-mean",
     "faults.lr_scale={step: 1, factor: 30}", "faults.rollout_logprob_noise={step: 3, std: 1.0}",
 ]

@@ -1,7 +1,8 @@
 """`axrl train` with `rollout.engine=sglang`: the default example (shrunk) runs end to end on
 `axrl serve` processes launched by the loop, with weights synced through a gloo process group,
-and `axrl-debug mismatch` analyses its trace. The served engine admits each lock-step round as
-one batch, so every sample's tokens, rollout logprobs and routing equal an in-process run's."""
+and `axrl-debug mismatch` analyses its trace. A deterministic run clocks a server by request
+rounds, which the served engine admits as one batch, so every sample's tokens, rollout logprobs
+and routing equal an in-process run's on the same round schedule (`rollout.clock: rounds`)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def test_train_on_sglang_engine_end_to_end(tmp_path):
     print("axrl-debug mismatch on the sglang run:", json.dumps(report)[:600])
 
     embedded = tmp_path / "embedded"
-    train(load_config("examples/quickstart.yaml", SHRINK), embedded)
+    train(load_config("examples/quickstart.yaml", SHRINK + ["rollout.clock=rounds"]), embedded)
     for step in range(2):
         served, local = _samples(run, step), _samples(embedded, step)
         assert served.keys() == local.keys()

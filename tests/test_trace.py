@@ -123,6 +123,8 @@ def make_record(step: int = 0, *, seed: int = 0, n_groups: int = 4, group_size: 
         micro_batch_sample_offsets=np.array(mb_off, np.int64), micro_batch_samples=np.array(mb_samples, np.int64),
         update_fingerprints=[f"{u:064x}" for u in range(updates)],
         weights_fingerprint_before="f" * 64, weights_fingerprint_after=f"{updates - 1:064x}",
+        pool_dropped_group_id=np.array([7, 9], np.int64) + 10 * step, pool_dropped_reason=["stale", "partial_drop"],
+        pool_dropped_min_version=np.array([step - 3, -1], np.int32), pool_rerun_group_id=np.array([5], np.int64),
         wall_times={"rollout": 0.75, "advantages": 0.001, "train": 1.25, "sync": 0.01},
         rng_digest="0123456789abcdef",
         attrs={"temperature": 1.0, "engine": "embedded", "r3": True},
@@ -565,12 +567,15 @@ def test_run_dir_manifest_config_metrics(tmp_path):
     assert TraceReader(run.path).config == config
 
     run.append_metrics({"step": 0, "loss": 0.5, "grad_norm": np.float32(1.5), "n": np.int64(3)})
-    run.append_metrics({"step": np.int64(1), "loss": float("nan"), "reward": 0.25})
+    run.append_metrics({"step": np.int64(1), "loss": float("nan"), "reward": 0.25,
+                        "nested": {"x": float("inf"), "ok": [1.0, float("-inf")]}})
     lines = run.metrics_path.read_text().splitlines()
     assert len(lines) == 2
-    rows = run.read_metrics()
+    rows = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} is not JSON")) for line in lines]
+    assert rows == run.read_metrics()
     assert rows[0] == {"step": 0, "loss": 0.5, "grad_norm": 1.5, "n": 3}
-    assert rows[1]["step"] == 1 and math.isnan(rows[1]["loss"])
+    # strict JSON: what could not be measured is null, never NaN / Infinity
+    assert rows[1] == {"step": 1, "loss": None, "reward": 0.25, "nested": {"x": None, "ok": [1.0, None]}}
     with pytest.raises(ValueError, match="step"):
         run.append_metrics({"loss": 1.0})
     # a line cut by a crash is skipped and reported

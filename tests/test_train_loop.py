@@ -144,7 +144,7 @@ def test_resume_redoes_steps_after_the_checkpoint(tmp_path):
     import shutil
 
     shutil.rmtree(run / "checkpoints" / "step_000003")
-    result = _train_cli(run, "--resume", overrides=["steps=4"])
+    result = _train_cli(run, "--resume", overrides=SMALL + ["steps=4"])
     assert result.exit_code == 0, result.output
     assert TraceReader(run).steps == [0, 1, 2, 3]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -62,6 +62,7 @@ class PromptLoader:
         self._epoch = 0
         self._position = 0
         self._order = self._epoch_order(0) if rows is not None else None
+        self._cached_order: tuple[int, np.ndarray | None] = (-1, None)  # prompt_at's epoch permutation
         # Detects other data on resume (an edited file, other task options): the position would
         # then silently point at different prompts. A task stream is probed by its first prompt.
         self._digest = _digest(rows if rows is not None else [task.prompt(self.seed, 0)])
@@ -98,6 +99,13 @@ class PromptLoader:
         return self._task
 
     @property
+    def position(self) -> int:
+        """Stream position of the next prompt `next_batch` would return (across epochs)."""
+        if self._task is not None:
+            return self._index
+        return self._epoch * len(self) + self._position
+
+    @property
     def epoch(self) -> int:
         """0-based index of the epoch being read (always 0 for task streams, which never end)."""
         return self._epoch
@@ -107,6 +115,19 @@ class PromptLoader:
         if self._rows is None:
             raise TypeError("a task prompt stream has no length")
         return len(self._rows)
+
+    def prompt_at(self, position: int) -> Prompt:
+        """The prompt at stream position `position` (0-based, across epochs), whatever has been
+        read so far: a pure function of (data, seed, position)."""
+        if position < 0:
+            raise ValueError(f"stream position must be >= 0, got {position}")
+        if self._task is not None:
+            return self._task.prompt(self.seed, position)
+        assert self._rows is not None
+        epoch, row = divmod(position, len(self._rows))
+        if self._cached_order[0] != epoch:
+            self._cached_order = (epoch, self._epoch_order(epoch))
+        return copy.deepcopy(self._rows[self._cached_order[1][row]])  # callers may mutate
 
     def next_batch(self, n: int) -> list[Prompt]:
         """The next ``n`` prompts (files wrap into the next, reshuffled epoch as needed)."""

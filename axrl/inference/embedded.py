@@ -126,11 +126,14 @@ class EmbeddedEngine:
         decode_impl: "fused" (fast single-token path, `axrl.inference.decode`) or "model" (the
             model's own forward with the KV cache; a reference for debugging mismatches).
         max_prefill_tokens: padded tokens per prefill forward; bigger admissions are split.
+        clocked: no scheduler thread; the owner runs each iteration with `step()` (a
+            `ClockedEngine`), so the schedule is a function of what was submitted between steps.
     """
 
     def __init__(self, model: Qwen3ForCausalLM, *, max_batch_size: int = 64, max_seq_len: int = 1024,
                  eos_token_id: int | Sequence[int] | None = None, weight_version: int = 0, seed: int = 0,
-                 decode_impl: Literal["fused", "model"] = "fused", max_prefill_tokens: int = 8192) -> None:
+                 decode_impl: Literal["fused", "model"] = "fused", max_prefill_tokens: int = 8192,
+                 clocked: bool = False) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 2:
@@ -145,8 +148,19 @@ class EmbeddedEngine:
         self._expected_shapes = {k: tuple(v.shape) for k, v in hf_state_dict(model).items()}
         self._inbox = _Inbox()
         self._scheduler = _Scheduler(self, weight_version, decode_impl, max_prefill_tokens)
-        self._thread = threading.Thread(target=self._scheduler.run, name="axrl-embedded-engine", daemon=True)
-        self._thread.start()
+        self.clocked = clocked
+        self._thread: threading.Thread | None = None
+        if not clocked:
+            self._thread = threading.Thread(target=self._scheduler.run, name="axrl-embedded-engine", daemon=True)
+            self._thread.start()
+
+    def step(self) -> bool:
+        """One scheduler iteration in the caller's thread (clocked engines only); False when there
+        was nothing to do."""
+        if not self.clocked:
+            raise RuntimeError("step() drives a clocked engine; this one runs its own scheduler thread")
+        with torch.inference_mode():
+            return self._scheduler.iterate(block=False)
 
     # -- generation ------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> GenerateResult:
@@ -296,6 +310,9 @@ class EmbeddedEngine:
                 raise RuntimeError("EmbeddedEngine is shut down")
             self._inbox.control.append(_Control("weights", (state_dict, version), done))
             self._inbox.cv.notify()
+        if self.clocked:  # the caller owns the clock: apply now, between two of its steps
+            with torch.inference_mode():
+                self._scheduler.apply_pending_controls()
         return done.result()
 
     def _load_source(self, source: Any) -> dict[str, torch.Tensor]:
@@ -333,7 +350,8 @@ class EmbeddedEngine:
         s = self._scheduler
         with self._inbox.cv:
             waiting, stopping = len(self._inbox.waiting), self._inbox.stopping
-        return {"ok": self._thread.is_alive() and not stopping, "weight_version": s.version,
+        alive = self.clocked or (self._thread is not None and self._thread.is_alive())
+        return {"ok": alive and not stopping, "weight_version": s.version,
                 "running": s.num_running, "waiting": waiting, "max_batch_size": self.max_batch_size,
                 "max_seq_len": self.max_seq_len, "iterations": s.iterations,
                 "generated_tokens": s.generated_tokens, "last_error": s.last_error}
@@ -347,7 +365,9 @@ class EmbeddedEngine:
         with self._inbox.cv:
             self._inbox.stopping = True
             self._inbox.cv.notify()
-        if self._thread is not threading.current_thread():
+            if self.clocked:  # no thread to do it: finish everything here
+                self._scheduler.stop()
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
     def __enter__(self) -> "EmbeddedEngine":
@@ -388,19 +408,19 @@ class _Scheduler:
             while self.iterate():
                 pass
 
-    def iterate(self) -> bool:
-        """One scheduler iteration; returns False once the engine is shutting down."""
+    def iterate(self, block: bool = True) -> bool:
+        """One scheduler iteration; returns False once the engine is shutting down (or, with
+        `block=False`, when there was nothing to do)."""
         inbox = self.inbox
         with inbox.cv:
-            while not (inbox.waiting or inbox.control or inbox.stopping or self.num_running):
+            while block and not (inbox.waiting or inbox.control or inbox.stopping or self.num_running):
                 inbox.cv.wait()
             if inbox.stopping:
                 self.stop()
                 return False
-            control = list(inbox.control)
-            inbox.control.clear()
-        for op in control:
-            self.apply_control(op)
+            if not (inbox.waiting or inbox.control or self.num_running):
+                return False
+        self.apply_pending_controls()
         admitted = self.admit()
         try:
             if admitted:
@@ -414,6 +434,13 @@ class _Scheduler:
                 _resolve(seq.future, error=e)
         self.iterations += 1
         return True
+
+    def apply_pending_controls(self) -> None:
+        with self.inbox.cv:
+            control = list(self.inbox.control)
+            self.inbox.control.clear()
+        for op in control:
+            self.apply_control(op)
 
     def apply_control(self, op: _Control) -> None:
         if op.kind == "abort":

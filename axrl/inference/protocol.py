@@ -1,14 +1,15 @@
 """The rollout-side contract: token-in/token-out generation with SGLang's semantics.
 
-Field names follow SGLang's `/generate` API (see shared/ENGINES.md) so the SGLang HTTP client
+Field names follow SGLang's `/generate` API (docs/sglang.md) so the SGLang HTTP client
 and the embedded engine implement the same protocol and are interchangeable in the loop.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Iterable, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -82,6 +83,11 @@ class InferenceEngine(Protocol):
         """Run one request to completion (stop, length or abort)."""
         ...
 
+    def submit_many(self, requests: Iterable[GenerateRequest]) -> list[concurrent.futures.Future]:
+        """Submit several requests at once, in this order (admitted together where the engine
+        batches); each future resolves to its `GenerateResult`."""
+        ...
+
     def update_weights(self, source: Any, version: int | None = None) -> int:
         """Load new weights (an HF-named state dict or an exported HF directory); return the new
         weight version (`version` if given, else the previous one + 1)."""
@@ -102,4 +108,18 @@ class InferenceEngine(Protocol):
 
     def shutdown(self) -> None:
         """Stop background work; pending requests finish with an abort."""
+        ...
+
+
+@runtime_checkable
+class ClockedEngine(InferenceEngine, Protocol):
+    """An engine that advances only when told: one `step()` is one scheduler iteration (control
+    ops, admission + prefill, one decode step), run in the caller's thread. With the same
+    submissions between the same steps it computes the same bits, which is what makes a
+    deterministic (count-scheduled) rollout possible; see `axrl.rollout.clock`."""
+
+    clocked: bool  # built to be stepped (no scheduler thread of its own)
+
+    def step(self) -> bool:
+        """Run one iteration; False when there was nothing to do (no request, no control op)."""
         ...

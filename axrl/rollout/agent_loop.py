@@ -81,9 +81,7 @@ async def run_episode(
     routing: list[np.ndarray] = []  # row chunks in stream order; their total = rows already held
     reward = 0.0
     try:
-        conversation = list(env.reset(prompt))
-        prompt_ids = list(tokenizer.apply_chat_template(
-            conversation, tools=env.tools or None, add_generation_prompt=True))
+        conversation, prompt_ids = opening(tokenizer, env, prompt)
     except Exception as exc:
         return _failed(traj, exc, routing, [])
     traj.info["messages"] = conversation
@@ -111,6 +109,8 @@ async def run_episode(
             sticky_key=f"{group_id}:{sample_id}",  # one server per episode: its prefix stays cached
         )
         result = await engine.generate(request)
+        # Resumed after weight updates (partial_rollout: recompute), see axrl.rollout.episode_engine.
+        traj.continuations += int(result.meta.get("continuations", 0))
         _append_generated(traj, result, turn)
         _collect_routing(routing, request, result, held)
         traj.num_turns = turn
@@ -143,6 +143,14 @@ async def run_episode(
         traj.append(segment, generated=False, turn=turn)
         conversation.extend(outcome.observation)
     raise AssertionError("unreachable: the last turn returns max_turns")
+
+
+def opening(tokenizer: Tokenizer, env: Env, prompt: Prompt) -> tuple[list[Message], list[int]]:
+    """An episode's start: `env`'s reset messages for `prompt` and their rendering, up to the
+    assistant's generation prompt (what the first request sends)."""
+    conversation = list(env.reset(prompt))
+    return conversation, list(tokenizer.apply_chat_template(conversation, tools=env.tools or None,
+                                                            add_generation_prompt=True))
 
 
 def turn_seed(seed: int | None, turn: int) -> int | None:

@@ -45,6 +45,7 @@ class Trajectory:
     finish_reason: str = "stop"
     status: str = "ok"  # "ok" | "failed" (env/tool raised; kept in the trace, never trained on)
     error: str = ""
+    continuations: int = 0  # requests interrupted by a weight update and resumed under the new weights
     info: dict[str, Any] = field(default_factory=dict)
 
     def append(self, ids: Sequence[int], *, generated: bool, turn: int, version: int = -1,

@@ -1,75 +1,264 @@
-"""RolloutWorker: runs every sample of a step's prompts as concurrent agent episodes."""
+"""RolloutWorker: a long-lived producer that keeps the engine busy and the pool filled.
+
+It runs in its own thread with its own event loop, from the start of training to the end,
+and owns: which prompt starts next (admission, under the schedule's capacity rule), the episodes
+in flight (an `EpisodeRunner`), when new weights reach the engine and what happens then to
+episodes in flight (`rollout.partial_rollout`), and which complete groups form batch w
+(sealing, with stale groups dropped or re-run). The trainer only ever calls `pool.take(w)`.
+
+Identity: the prompt at stream position p is group p; its samples are p · G + j (G =
+`rollout.group_size`), each seeded from (run seed, sample id). A group keeps its identity when
+it is re-run (stale) or restarted after `--resume`, so ids stay unique and reruns reproducible.
+
+Partial rollout, at a weight update, for episodes still running:
+* continue — keep decoding under the new weights; each token records its own version;
+* recompute — abort the requests in flight and resume each turn from a re-prefill under the new
+  weights (`axrl.rollout.episode_engine`);
+* drop — abort them and drop their groups (recorded; the prompts are not retried).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import hashlib
-from dataclasses import dataclass
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
 
-from axrl.agents.tasks import Task
-from axrl.agents.env import Prompt
-from axrl.inference.protocol import InferenceEngine, SamplingParams
-from axrl.rollout.agent_loop import run_episode
-from axrl.rollout.lockstep import EpisodeEngine, LockstepEngine
-from axrl.rollout.pool import TrajectoryPool
+import torch
+
+from axrl.agents.env import Env
+from axrl.data import PromptLoader
+from axrl.inference.protocol import InferenceEngine
+from axrl.rollout.pool import Batch, Group, GroupFate, TrajectoryPool
+from axrl.rollout.runner import Clock, EpisodeRunner, EpisodeSpec, RolloutSettings, sample_seed
+from axrl.rollout.schedule import Schedule
 from axrl.rollout.trajectory import Trajectory
+from axrl.sync import WeightSync
 from axrl.tokenizer import Tokenizer
 
-
-def sample_seed(seed: int, step: int, sample_id: int) -> int:
-    """A sampling seed that depends only on (run seed, step, sample): reruns draw the same tokens
-    whatever order the engine happened to batch requests in."""
-    digest = hashlib.blake2b(f"{seed}:{step}:{sample_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
+PartialRollout = Literal["continue", "recompute", "drop"]
+StalePolicy = Literal["drop", "rerun"]
 
 
 @dataclass
-class RolloutSettings:
-    group_size: int
-    sampling: SamplingParams
-    max_turns: int
-    max_context_len: int
-    return_routing: bool
-    lockstep: bool = True  # deterministic batch composition (see axrl/rollout/lockstep.py)
+class _GroupLife:
+    reruns: int = 0
+    fate: tuple[str, int] | None = None   # ("sealed" | "dropped", batch index)
+
+
+@dataclass
+class RolloutCounters:
+    """Totals since the worker started (reported per step as deltas)."""
+
+    groups_started: int = 0
+    reruns: int = 0
+    dropped: int = 0
+    interrupted_requests: int = 0
+    weight_updates: int = 0
+
+
+@dataclass
+class RolloutPolicy:
+    """What the worker does with episodes caught by a weight update or by the staleness bound."""
+
+    partial_rollout: PartialRollout = "continue"
+    stale_policy: StalePolicy = "rerun"
+    max_reruns: int = 2
+    max_live_episodes: int = 64
 
 
 class RolloutWorker:
-    """Drives one engine: every prompt × group_size episodes in flight at once (the engine
-    batches them continuously), results into the TrajectoryPool as they finish."""
+    def __init__(self, engine: InferenceEngine, tokenizer: Tokenizer, make_env: Callable[[], Env],
+                 loader: PromptLoader, settings: RolloutSettings, schedule: Schedule, policy: RolloutPolicy,
+                 sync: WeightSync, pool: TrajectoryPool, *, clock: Clock, seed: int, threads: int = 1) -> None:
+        self.engine, self.tokenizer, self.make_env, self.loader, self.clock = engine, tokenizer, make_env, loader, clock
+        self.settings, self.schedule, self.policy, self.sync, self.pool = settings, schedule, policy, sync, pool
+        self.seed, self.threads = seed, threads
+        self.counters = RolloutCounters()
+        self._lock = threading.Lock()          # guards what `snapshot` reads
+        self._groups: dict[int, _GroupLife] = {}
+        self._open: set[int] = set()           # started (or queued to restart), not sealed or dropped
+        self._queue: deque[int] = deque()      # to (re)start before new prompts
+        self._dropping: dict[int, int] = {}    # partial-dropped group -> its episodes still finishing
+        self._next_position = 0
+        self._next_batch = 0
+        self._sealed = 0                       # groups sealed into batches, ever (resumes count earlier steps)
+        self._events_dropped: list[GroupFate] = []
+        self._events_reruns: list[int] = []
+        self._engine_version = engine.weight_version
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: EpisodeRunner | None = None
 
-    def __init__(self, engine: InferenceEngine, tokenizer: Tokenizer, task: Task, settings: RolloutSettings,
-                 seed: int) -> None:
-        self.engine, self.tokenizer, self.task, self.settings, self.seed = engine, tokenizer, task, settings, seed
+    # -- lifecycle (trainer thread) --------------------------------------------------------------
+    def start(self, first_step: int, state: dict[str, Any] | None = None) -> None:
+        """Start producing batches `first_step`, `first_step + 1`, …; `state` is a `snapshot`
+        from a checkpoint (its pending groups restart first, under their own identities)."""
+        self._next_batch = first_step
+        self._sealed = first_step * self.schedule.groups_per_step
+        self._engine_version = self.engine.weight_version
+        if state:
+            self._next_position = int(state["next_position"])
+            reruns = {int(k): int(v) for k, v in state.get("reruns", {}).items()}
+            for gid in sorted(int(g) for g in state["pending"]):
+                self._groups[gid] = _GroupLife(reruns=reruns.get(gid, 0))
+                self._open.add(gid)
+                self._queue.append(gid)
+        else:
+            self._next_position = first_step * self.schedule.groups_per_step
+        self._thread = threading.Thread(target=self._thread_main, name="axrl-rollout", daemon=True)
+        self._thread.start()
 
-    async def _episode(self, engine: InferenceEngine | EpisodeEngine, prompt: Prompt, step: int, sample_id: int,
-                       group_id: int, pool: TrajectoryPool) -> None:
-        s = self.settings
-        sampling = dataclasses.replace(s.sampling, seed=sample_seed(self.seed, step, sample_id))
+    def stop(self) -> None:
+        """Stop producing; episodes in flight are cancelled (the caller shuts the engine down)."""
+        self._stop = True
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    def snapshot(self, next_step: int) -> dict[str, Any]:
+        """The rollout state a checkpoint taken before `next_step` needs: every group started but
+        not trained (or dropped) in a step before `next_step` is pending and restarts on resume."""
+        with self._lock:
+            pending = sorted(g for g, life in self._groups.items()
+                             if life.fate is None or life.fate[1] >= next_step)
+            return {"next_position": self._next_position, "pending": pending,
+                    "reruns": {str(g): self._groups[g].reruns for g in pending if self._groups[g].reruns}}
+
+    # -- the worker thread -----------------------------------------------------------------------
+    def _thread_main(self) -> None:
+        torch.set_num_threads(self.threads)  # OpenMP thread counts are per thread
         try:
-            traj = await run_episode(engine, self.tokenizer, self.task.make_env(), prompt,
-                                     sample_id=sample_id, group_id=group_id, sampling=sampling,
-                                     max_turns=s.max_turns, max_context_len=s.max_context_len,
-                                     return_routing=s.return_routing)
+            asyncio.run(self._main())
+        except BaseException as e:  # noqa: BLE001 — hand it to the trainer waiting in take()
+            self.pool.fail(e)
+
+    def _wake(self) -> None:
+        loop, runner = self._loop, self._runner
+        if loop is not None and runner is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(runner.wake.set)
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        runner = self._runner = EpisodeRunner(self.engine, self.tokenizer, self.make_env, self.settings,
+                                              clock=self.clock,
+                                              on_done=self._on_done)
+        self.sync.subscribe(self._wake)
+        try:
+            while not self._stop:
+                changed = True
+                while changed and not self._stop:  # a fixed point of weights / admission / sealing
+                    changed = self._apply_posted() if not self.schedule.sync_at_seal else False
+                    changed |= self._admit()
+                    await runner.settle()
+                    changed |= await self._seal()
+                if runner.failure is not None:
+                    raise runner.failure
+                if not self._stop:
+                    await runner.advance()
         finally:
-            if isinstance(engine, EpisodeEngine):
-                engine.finished()
-        pool.add(traj)
+            await runner.cancel_all()
 
-    async def _rollout(self, prompts: list[Prompt], step: int, pool: TrajectoryPool) -> None:
-        n = self.settings.group_size
-        first_group = step * len(prompts)
-        lockstep = LockstepEngine(self.engine) if self.settings.lockstep else None
-        episodes = []
-        for g, prompt in enumerate(prompts):
-            for j in range(n):
-                sample_id = (first_group + g) * n + j
-                engine = lockstep.episode(sample_id) if lockstep else self.engine
-                episodes.append(self._episode(engine, prompt, step, sample_id, first_group + g, pool))
-        await asyncio.gather(*episodes)
+    # -- admission --------------------------------------------------------------------------------
+    def _admit(self) -> bool:
+        runner, G = self._runner, self.settings.group_size
+        started = False
+        while len(runner.live) + G <= max(self.policy.max_live_episodes, G):
+            if self._queue:
+                gid = self._queue.popleft()
+            elif self._sealed + len(self._open) < self.schedule.capacity(self._engine_version):
+                gid = self._next_position
+                with self._lock:
+                    self._next_position += 1
+                    self._groups[gid] = _GroupLife()
+                    self._open.add(gid)
+            else:
+                break
+            prompt = self.loader.prompt_at(gid)
+            for j in range(G):
+                sid = gid * G + j
+                runner.launch(EpisodeSpec(sid, gid, prompt, sample_seed(self.seed, sid)))
+            self.counters.groups_started += 1
+            started = True
+        return started
 
-    def rollout(self, prompts: list[Prompt], step: int) -> list[Trajectory]:
-        """All samples of the step's prompts, grouped and in a deterministic order."""
-        pool = TrajectoryPool(self.settings.group_size)
-        asyncio.run(self._rollout(prompts, step, pool))
-        return pool.pop_complete()
+    def _on_done(self, spec: EpisodeSpec, traj: Trajectory) -> None:
+        left = self._dropping.get(spec.group_id)
+        if left is not None:  # its group was dropped while it ran
+            if left == 1:
+                del self._dropping[spec.group_id]
+            else:
+                self._dropping[spec.group_id] = left - 1
+            return
+        self.pool.add(traj)
+
+    # -- sealing ----------------------------------------------------------------------------------
+    async def _seal(self) -> bool:
+        sealed_any = False
+        while not self._stop:
+            w = self._next_batch
+            batch, stale = self.pool.seal(w, self.schedule.groups_per_step,
+                                          lambda g: self.schedule.fresh(g.min_version, w))
+            for group in stale:
+                self._stale(group)
+            if batch is None:
+                return sealed_any
+            if self.schedule.sync_at_seal and self._engine_version < w:
+                # The engine waits here until the trainer has finished step w - 1.
+                await self.sync.wait_for(w, stop=lambda: self._stop)
+                if self._stop:
+                    return sealed_any
+                self._apply_posted()
+            batch.dropped, batch.reruns = self._events_dropped, self._events_reruns
+            self._events_dropped, self._events_reruns = [], []
+            with self._lock:
+                for gid in batch.group_ids:
+                    self._groups[gid].fate = ("sealed", w)
+                    self._open.discard(gid)
+                self._sealed += self.schedule.groups_per_step
+                self._next_batch += 1
+            self.pool.publish(batch)
+            sealed_any = True
+        return sealed_any
+
+    def _stale(self, group: Group) -> None:
+        life = self._groups[group.group_id]
+        if self.policy.stale_policy == "rerun" and life.reruns < self.policy.max_reruns:
+            life.reruns += 1
+            self.counters.reruns += 1
+            self._events_reruns.append(group.group_id)
+            self._queue.append(group.group_id)
+            return
+        reason = "stale" if self.policy.stale_policy == "drop" else "max_reruns"
+        mv = group.min_version
+        self._drop(group.group_id, GroupFate(group.group_id, reason, -1 if mv is None else mv))
+
+    def _drop(self, gid: int, fate: GroupFate) -> None:
+        self.counters.dropped += 1
+        self._events_dropped.append(fate)
+        with self._lock:
+            self._groups[gid].fate = ("dropped", self._next_batch)
+            self._open.discard(gid)
+
+    # -- weights ----------------------------------------------------------------------------------
+    def _apply_posted(self) -> bool:
+        """Load the newest posted weights into the engine if they are newer than its own."""
+        version, weights = self.sync.get()
+        if weights is None or version <= self._engine_version:
+            return False
+        runner = self._runner
+        if self.policy.partial_rollout == "recompute":
+            self.counters.interrupted_requests += runner.interrupt(resume=True)
+        elif self.policy.partial_rollout == "drop":
+            live_groups = {sid // self.settings.group_size for sid in runner.live}
+            for gid in sorted(live_groups):
+                self._dropping[gid] = sum(1 for sid in runner.live if sid // self.settings.group_size == gid)
+                self.pool.discard(gid)
+                self._drop(gid, GroupFate(gid, "partial_drop", -1))
+            self.counters.interrupted_requests += runner.interrupt(set(runner.live), resume=False)
+        self.engine.update_weights(weights, version=version)
+        self._engine_version = version
+        self.counters.weight_updates += 1
+        return True

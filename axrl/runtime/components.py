@@ -7,15 +7,113 @@ did — so replay imports this module, never the loop.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from axrl.config import Config
+from axrl.agents.tasks import Task, get_task
+from axrl.algo.processor import AlgorithmProcessor
+from axrl.config import Config, ConfigError
+from axrl.data import PromptLoader
 from axrl.inference.embedded import EmbeddedEngine
-from axrl.inference.protocol import InferenceEngine
+from axrl.inference.protocol import InferenceEngine, SamplingParams
 from axrl.model import Qwen3ForCausalLM, build_model, load_hf, load_weights_into, preset_config
+from axrl.rollout.agent_loop import opening
+from axrl.rollout.pool import TrajectoryPool
+from axrl.rollout.runner import Clock, RolloutSettings
+from axrl.rollout.schedule import Schedule
+from axrl.rollout.worker import RolloutPolicy, RolloutWorker
+from axrl.runtime.evaluator import Evaluator
+from axrl.runtime.train_worker import TrainWorker
+from axrl.sync import WeightSync
 from axrl.tokenizer import Tokenizer
 from axrl.train import TorchBackend, TorchBackendConfig
 from axrl.train.protocol import TrainBackend
+
+
+@dataclass
+class Components:
+    """The long-lived parts of a run (docs/architecture.md): data → rollout worker → pool →
+    train worker, with the weights going back through `sync`; plus the evaluator."""
+
+    tokenizer: Tokenizer
+    task: Task
+    loader: PromptLoader
+    backend: TrainBackend
+    engine: InferenceEngine
+    sync: WeightSync
+    pool: TrajectoryPool
+    rollout: RolloutWorker
+    trainer: TrainWorker
+    evaluator: Evaluator | None
+
+    def close(self) -> None:
+        """Stop the rollout worker, the engines and the trainer's workers (in that order)."""
+        try:
+            self.rollout.stop()
+        finally:
+            self.engine.shutdown()
+            if self.evaluator is not None:
+                self.evaluator.engine.shutdown()
+            self.backend.close()
+
+
+def rollout_clock(cfg: Config) -> Clock:
+    """How rollout is scheduled (`axrl.rollout.clock`): free-running unless `runtime.deterministic`;
+    then by engine iterations (the embedded engine, built clocked) or by request rounds (an SGLang
+    server, or the embedded engine with `rollout.clock: rounds`, e.g. to compare the two)."""
+    if not cfg.runtime.deterministic:
+        return "free"
+    if cfg.rollout.clock != "auto":
+        return cfg.rollout.clock
+    return "iterations" if cfg.rollout.engine == "embedded" else "rounds"
+
+
+def check_context(cfg: Config, tokenizer: Tokenizer, task: Task, loader: PromptLoader, probe: int = 16) -> None:
+    """Refuse a `rollout.max_context_len` that cannot hold the task's prompts with room to
+    generate (the run would train on nothing), naming the prompt and its length."""
+    r = cfg.rollout
+    longest, where = max((len(opening(tokenizer, task.make_env(), loader.prompt_at(i))[1]),
+                          loader.prompt_at(i).prompt_id) for i in range(probe))
+    if longest >= r.max_context_len:
+        raise ConfigError(f"rollout.max_context_len={r.max_context_len} cannot hold the task's prompts: prompt "
+                          f"{where!r} renders to {longest} tokens, leaving no room to generate; set "
+                          f"rollout.max_context_len to at least {longest + r.max_new_tokens} "
+                          f"(the prompt + rollout.max_new_tokens={r.max_new_tokens})")
+
+
+def build_components(cfg: Config) -> Components:
+    tokenizer = make_tokenizer(cfg)
+    task = get_task(cfg.data.task, **cfg.data.task_args)
+    loader = (PromptLoader.from_file(cfg.data.path, seed=cfg.seed) if cfg.data.path
+              else PromptLoader.from_task(task, seed=cfg.seed))
+    check_context(cfg, tokenizer, task, loader)
+    backend = make_train_backend(cfg, tokenizer)
+    engine = make_engine(cfg, backend, tokenizer)
+    model_config = backend.model_config
+    r = cfg.rollout
+    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                              top_k=r.top_k, stop_token_ids=[tokenizer.eos_token_id])
+    settings = RolloutSettings(group_size=r.group_size, sampling=sampling, max_turns=r.max_turns,
+                               max_context_len=r.max_context_len, return_routing=model_config.is_moe)
+    schedule = Schedule(cfg.runtime.mode, cfg.data.prompts_per_step, r.max_staleness, clocked=cfg.runtime.deterministic)
+    clock = rollout_clock(cfg)
+    policy = RolloutPolicy(partial_rollout=r.partial_rollout, stale_policy=r.stale_policy, max_reruns=r.max_reruns,
+                           max_live_episodes=r.max_live_episodes or r.max_batch_size)
+    sync = WeightSync(version=0)
+    pool = TrajectoryPool(r.group_size)
+    rollout = RolloutWorker(engine, tokenizer, task.make_env, loader, settings, schedule, policy, sync, pool,
+                            clock=clock, seed=cfg.seed, threads=cfg.runtime.threads)
+    processor = AlgorithmProcessor(cfg.algo.advantage, cfg.algo.normalize_std, temperature=r.temperature)
+    trainer = TrainWorker(backend, processor, cfg, sync, model_config.num_experts)
+    evaluator = None
+    if cfg.eval.every:
+        eval_settings = RolloutSettings(group_size=cfg.eval.samples_per_prompt, sampling=sampling,
+                                        max_turns=r.max_turns, max_context_len=r.max_context_len, return_routing=False)
+        eval_clock: Clock = "free" if clock == "free" else "iterations"
+        evaluator = Evaluator(make_embedded_engine(cfg, backend, tokenizer, clocked=eval_clock == "iterations"),
+                              tokenizer, task, eval_settings, prompts=cfg.eval.prompts, seed=cfg.seed, clock=eval_clock)
+    return Components(tokenizer, task, loader, backend, engine, sync, pool, rollout, trainer, evaluator)
 
 
 def make_tokenizer(cfg: Config) -> Tokenizer:
@@ -67,13 +165,14 @@ def make_engine(cfg: Config, backend: TrainBackend, tokenizer: Tokenizer) -> Inf
         from axrl.inference.sglang.factory import build_sglang_engine
 
         return build_sglang_engine(cfg, backend, tokenizer)
-    return make_embedded_engine(cfg, backend, tokenizer)
+    return make_embedded_engine(cfg, backend, tokenizer, clocked=rollout_clock(cfg) == "iterations")
 
 
-def make_embedded_engine(cfg: Config, backend: TrainBackend, tokenizer: Tokenizer) -> EmbeddedEngine:
+def make_embedded_engine(cfg: Config, backend: TrainBackend, tokenizer: Tokenizer, *, clocked: bool) -> EmbeddedEngine:
     """An in-process engine with its own copy of the trainer's weights, as a remote server would
-    hold; weight sync copies into it."""
+    hold; weight sync copies into it. A clocked engine is stepped by its rollout driver."""
     model = Qwen3ForCausalLM(backend.model_config).to(getattr(torch, cfg.model.dtype))
     load_weights_into(model, dict(backend.named_weights()), source="the trainer's weights")
     return EmbeddedEngine(model.eval(), max_batch_size=cfg.rollout.max_batch_size,
-                          max_seq_len=cfg.rollout.max_context_len, eos_token_id=tokenizer.eos_token_id)
+                          max_seq_len=cfg.rollout.max_context_len, eos_token_id=tokenizer.eos_token_id,
+                          clocked=clocked)

@@ -1,139 +1,95 @@
 """The training loop, in-process: rollout → pool → advantages → train → weight sync → record.
 
-Read top to bottom: `build()` wires the components from the config, `train()` runs the steps.
-Everything a step does goes through a small protocol (InferenceEngine, TrainBackend, LossFn),
-so the same loop drives the SGLang engine and the Megatron-core backend.
+Read top to bottom: `build_components()` wires the long-lived components from the config,
+`start()` prepares the run directory (warm-up, or resume), `train()` runs the steps. The
+rollout worker produces into the pool from its own thread for the whole run; each step here
+takes batch w from the pool, trains on it and posts the new weights. `runtime.mode` decides
+only *when* the worker may generate and sync (axrl/rollout/schedule.py): in a synchronous run
+batch w is generated after step w − 1 has synced; in an asynchronous one the engine keeps
+generating while the trainer trains, under the staleness bound. Everything goes through small
+protocols (InferenceEngine, TrainBackend, LossFn), so the same loop drives the SGLang engine
+and the Megatron-core backend.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import time
-from dataclasses import dataclass
+import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from axrl.agents.tasks import Task, get_task
-from axrl.algo.processor import AlgorithmProcessor
 from axrl.config import Config, config_to_dict
-from axrl.data import PromptLoader
-from axrl.inference.protocol import InferenceEngine, SamplingParams
-from axrl.rollout.worker import RolloutSettings, RolloutWorker
-from axrl.runtime.components import make_engine, make_tokenizer, make_train_backend
 from axrl.runtime.checkpoint import clean_partial, latest_checkpoint, load_checkpoint, save_checkpoint
-from axrl.runtime.faults import lr_scale, perturb_batch
+from axrl.runtime.components import Components, build_components, rollout_clock
+from axrl.runtime.metrics_log import MetricsLog
 from axrl.runtime.progress import PhaseTimer, TrainProgress
-from axrl.runtime.records import TrainedStep, step_metrics, step_record
-from axrl.runtime.updates import policy_loss, run_updates
+from axrl.runtime.records import step_metrics, step_record
 from axrl.runtime.warmup import warm_up
-from axrl.tokenizer import Tokenizer
 from axrl.trace import RunDir
-from axrl.train.protocol import TrainBackend
-
-
-@dataclass
-class Components:
-    tokenizer: Tokenizer
-    task: Task
-    loader: PromptLoader
-    engine: InferenceEngine
-    backend: TrainBackend
-    worker: RolloutWorker
-    evaluator: RolloutWorker
-    processor: AlgorithmProcessor
-    num_experts: int
-
-
-def build(cfg: Config) -> Components:
-    tokenizer = make_tokenizer(cfg)
-    task = get_task(cfg.data.task, **cfg.data.task_args)
-    loader = (PromptLoader.from_file(cfg.data.path, seed=cfg.seed) if cfg.data.path
-              else PromptLoader.from_task(task, seed=cfg.seed))
-    backend = make_train_backend(cfg, tokenizer)
-    engine = make_engine(cfg, backend, tokenizer)
-    model_config = backend.model_config
-    r = cfg.rollout
-    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, stop_token_ids=[tokenizer.eos_token_id])
-    settings = RolloutSettings(group_size=r.group_size, sampling=sampling, max_turns=r.max_turns,
-                               max_context_len=r.max_context_len, return_routing=model_config.is_moe,
-                               lockstep=cfg.runtime.deterministic)
-    worker = RolloutWorker(engine, tokenizer, task, settings, seed=cfg.seed)
-    evaluator = RolloutWorker(engine, tokenizer, task, dataclasses.replace(
-        settings, group_size=cfg.eval.samples_per_prompt, return_routing=False), seed=cfg.seed + 2)
-    processor = AlgorithmProcessor(cfg.algo.advantage, cfg.algo.normalize_std, temperature=r.temperature)
-    return Components(tokenizer, task, loader, engine, backend, worker, evaluator, processor,
-                      model_config.num_experts)
-
-
-def sync_weights(c: Components, version: int) -> None:
-    c.engine.update_weights({name: t.detach() for name, t in c.backend.named_weights()}, version=version)
-
-
-def evaluate(c: Components, cfg: Config) -> float:
-    """Mean reward on the held-out prompts (task stream seed + 2), with fixed sampling seeds."""
-    prompts = [c.task.prompt(cfg.seed + 2, i) for i in range(cfg.eval.prompts)]
-    trajectories = c.evaluator.rollout(prompts, step=0)
-    return sum(t.reward for t in trajectories) / len(trajectories)
 
 
 def rng_digest() -> str:
     return hashlib.blake2b(torch.get_rng_state().numpy().tobytes(), digest_size=8).hexdigest()
 
 
-def run_step(c: Components, cfg: Config, step: int, version: int, timer: PhaseTimer) -> TrainedStep:
-    """One RL step: rollout, old logprobs, `updates_per_step` optimizer updates, weight sync."""
-    with timer("rollout"):
-        trajectories = c.worker.rollout(c.loader.next_batch(cfg.data.prompts_per_step), step)
-    with timer("prepare"):
-        processed = c.processor(trajectories)
-        processed.batch = perturb_batch(cfg, step, processed.batch)  # faults.rollout_logprob_noise; no-op by default
-        old = c.backend.forward(processed.batch, r3=cfg.r3)
-        processed.batch = dataclasses.replace(processed.batch, old_logprobs=old.logprobs)
-    fingerprint_before = c.backend.fingerprint()
-    with timer("train"):
-        # Shared with replay/, which re-runs these updates from the trace (axrl/runtime/updates.py).
-        updates = run_updates(c.backend, processed.batch, processed.update_splits(cfg.train.updates_per_step),
-                              policy_loss(cfg), r3=cfg.r3, lr_scale=lr_scale(cfg, step))
-    with timer("sync"):
-        sync_weights(c, version + 1)
-    return TrainedStep(step=step, policy_version=version, processed=processed, old=old, updates=updates,
-                       fingerprint_before=fingerprint_before, fingerprint_after=updates[-1].fingerprint,
-                       wall_times=timer.times, num_experts=c.num_experts)
+def evaluate(c: Components, version: int) -> float:
+    """Mean held-out reward of the trainer's current weights (version `version`)."""
+    assert c.evaluator is not None
+    return c.evaluator.evaluate(dict(c.backend.named_weights()), version)
 
 
-def start(cfg: Config, c: Components, run: RunDir, resume: bool, progress: TrainProgress) -> tuple[int, int]:
-    """Prepare the run directory and the state to start from; returns (first step, policy version)."""
+def checkpoint_state(c: Components, next_step: int) -> dict[str, Any]:
+    """The loop's part of a checkpoint before `next_step`: versions, data identity, and the rollout
+    worker's groups in flight (they restart on resume, so none is lost or trained twice)."""
+    return {"policy_version": next_step, "data": c.loader.state(), "rollout": c.rollout.snapshot(next_step)}
+
+
+def start(cfg: Config, c: Components, run: RunDir, resume: bool, progress: TrainProgress) -> tuple[int, dict | None]:
+    """Prepare the run directory and the trainer state; load the engine with the weights the
+    first step's rollout uses. Returns (first step, rollout state to resume from)."""
     if resume:
         clean_partial(run.path)
         found = latest_checkpoint(run.path)
-        if found is None:
-            raise FileNotFoundError(f"--resume: no complete checkpoint in {run.path / 'checkpoints'}")
+        if found is None and run.completed_steps():
+            raise FileNotFoundError(f"--resume: {run.path} has recorded steps but no complete checkpoint in "
+                                    f"{run.path / 'checkpoints'}; it cannot be continued, start a new run")
+        if found is None:  # stopped before its first checkpoint (during the warm-up): nothing to keep
+            progress.log(f"--resume: {run.path} has no checkpoint yet (stopped during its warm-up?): "
+                         "starting it again from the beginning")
+            run.truncate_after(-1)
+            return start(cfg, c, run, False, progress)
         first, path = found
-        state = load_checkpoint(path, c.backend)
+        with warnings.catch_warnings():
+            # Config changes on resume were already reported, by key (axrl.runtime.resume).
+            warnings.filterwarnings("ignore", message=".*checkpoint config differs")
+            state = load_checkpoint(path, c.backend)
         c.loader.load_state(state["data"])
-        version = int(state["policy_version"])
-        sync_weights(c, version)
+        c.engine.update_weights(dict(c.backend.named_weights()), version=int(state["policy_version"]))
         _update_recorded_config(run, cfg)
         # Steps recorded after the checkpoint are discarded and redone, so each step is in the trace once.
         removed = run.truncate_after(first - 1)
         run.record_resume(first)
         progress.log(f"resumed from {path.name}: redoing {len(removed)} recorded step(s) after it")
-        return first, version
+        # Checkpoints of synchronous runs from before the rollout worker kept only the data position.
+        return first, state.get("rollout") or {"next_position": c.loader.position, "pending": []}
     run.write_config(config_to_dict(cfg))
     run.write_manifest(seed=cfg.seed, backend=cfg.train.backend, engine=cfg.rollout.engine,
-                       threads=torch.get_num_threads(), extra={"task": c.task.name})
+                       threads=torch.get_num_threads(),
+                       extra={"task": c.task.name, "mode": cfg.runtime.mode,
+                              "rollout_clock": rollout_clock(cfg)})
     if cfg.warmup.steps:
-        progress.phase("warm-up")
-        losses = warm_up(c.backend, c.tokenizer, c.task, steps=cfg.warmup.steps, batch_size=cfg.warmup.batch_size,
-                         lr=cfg.warmup.lr, seed=cfg.seed)
+        with progress.stage("warm-up", cfg.warmup.steps) as advance:
+            losses = warm_up(c.backend, c.tokenizer, c.task, steps=cfg.warmup.steps,
+                             batch_size=cfg.warmup.batch_size, lr=cfg.warmup.lr, seed=cfg.seed,
+                             on_step=lambda i, loss: advance(f"loss {loss:.3f}"))
         c.backend.reset_optimizer()  # RL starts with a fresh optimizer and schedule
         progress.log(f"warm-up: {cfg.warmup.steps} supervised steps, loss {losses[0]:.3f} → {losses[-1]:.3f}")
-        sync_weights(c, 0)
-    save_checkpoint(run.path, 0, c.backend, {"policy_version": 0, "data": c.loader.state()})
-    return 0, 0
+    c.engine.update_weights(dict(c.backend.named_weights()), version=0)
+    save_checkpoint(run.path, 0, c.backend, checkpoint_state(c, 0))
+    return 0, None
 
 
 def _update_recorded_config(run: RunDir, cfg: Config) -> None:
@@ -147,6 +103,30 @@ def _update_recorded_config(run: RunDir, cfg: Config) -> None:
     run.write_config(config_to_dict(cfg))
 
 
+def run_step(cfg: Config, c: Components, run: RunDir, step: int, progress: TrainProgress) -> dict[str, Any]:
+    """One step: take batch `step` from the pool, train on it, post the new weights, record it."""
+    eval_reward = None
+    if c.evaluator is not None and step % cfg.eval.every == 0:
+        progress.phase("eval")
+        eval_reward = evaluate(c, step)  # of the policy before this step
+    timer = PhaseTimer(progress)
+    with timer("rollout"):  # waiting for the batch: the rollout worker has been generating all along
+        batch = c.pool.take(step)
+    outcome = c.trainer.step(batch, step, timer)
+    metrics = step_metrics(outcome)
+    if eval_reward is not None:
+        metrics["eval_reward"] = eval_reward
+    if c.evaluator is not None and step + 1 == cfg.steps:
+        progress.phase("eval")
+        metrics["eval_reward_final"] = evaluate(c, step + 1)  # of the policy after the last step
+    if cfg.trace.enabled:
+        progress.phase("record")
+        t0 = time.perf_counter()
+        run.write_step(step_record(outcome, rng_digest(), routing=cfg.trace.routing))
+        metrics["time_record"] = time.perf_counter() - t0
+    return metrics
+
+
 def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Path:
     """Run (or resume) a training run; returns the run directory."""
     run_path = Path(run_dir)
@@ -155,38 +135,27 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Path:
                               "or choose another --run-dir")
     if resume and not (run_path / "config.yaml").is_file():
         raise FileNotFoundError(f"--resume: {run_path} is not a run directory (no config.yaml)")
-    run = RunDir(run_path)
-    c = build(cfg)
+    c = build_components(cfg)  # first: a config that cannot run fails before the run directory exists
+    try:
+        run = RunDir(run_path)
+        log = MetricsLog(run, tensorboard=cfg.logging.tensorboard)
+    except BaseException:
+        c.close()
+        raise
     try:
         with TrainProgress(cfg.steps) as progress:
-            first, version = start(cfg, c, run, resume, progress)
+            first, rollout_state = start(cfg, c, run, resume, progress)
             progress.progress.update(progress.task, completed=first)
+            c.rollout.start(first, rollout_state)
             for step in range(first, cfg.steps):
-                eval_reward = None
-                if cfg.eval.every and step % cfg.eval.every == 0:
-                    progress.phase("eval")
-                    eval_reward = evaluate(c, cfg)
-                outcome = run_step(c, cfg, step, version, PhaseTimer(progress))
-                version += 1
-                metrics = step_metrics(outcome)
-                if eval_reward is not None:
-                    metrics["eval_reward"] = eval_reward  # of the policy before this step
-                if cfg.eval.every and step + 1 == cfg.steps:
-                    progress.phase("eval")
-                    metrics["eval_reward_final"] = evaluate(c, cfg)  # of the policy after the last step
-                if cfg.trace.enabled:
-                    progress.phase("record")
-                    t0 = time.perf_counter()
-                    run.write_step(step_record(outcome, rng_digest(), routing=cfg.trace.routing))
-                    metrics["time_record"] = time.perf_counter() - t0
-                run.append_metrics(metrics)
+                metrics = run_step(cfg, c, run, step, progress)
+                log.write(metrics)
                 if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.steps:
                     progress.phase("checkpoint")
-                    save_checkpoint(run.path, step + 1, c.backend,
-                                    {"policy_version": version, "data": c.loader.state()}, keep=cfg.checkpoint.keep)
+                    save_checkpoint(run.path, step + 1, c.backend, checkpoint_state(c, step + 1),
+                                    keep=cfg.checkpoint.keep)
                 progress.step_done(metrics)
     finally:
-        c.engine.shutdown()
-        c.backend.close()
+        log.close()
+        c.close()
     return run_path
-

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -44,6 +45,19 @@ class TrainProgress:
 
     def phase(self, name: str) -> None:
         self.progress.update(self.task, phase=name)
+
+    @contextlib.contextmanager
+    def stage(self, name: str, total: int) -> Iterator[Callable[[str], None]]:
+        """A bar of its own for a stage before the steps (the warm-up): yields `advance(summary)`."""
+        self.phase(name)
+        task = self.progress.add_task(name, total=total, phase=name, summary="")
+
+        def advance(summary: str) -> None:
+            self.progress.update(task, advance=1, summary=summary)
+        try:
+            yield advance
+        finally:
+            self.progress.remove_task(task)
 
     def log(self, message: str) -> None:
         self.progress.console.print(message)

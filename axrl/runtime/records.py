@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from axrl.algo.processor import ProcessedBatch
+from axrl.rollout.pool import Batch
 from axrl.train.protocol import ForwardResult, StepStats, TrainMetrics
 from axrl.trace import StepRecord
 from axrl.trace.quantities import mean_abs_delta
@@ -29,11 +30,13 @@ class TrainedStep:
 
     step: int
     policy_version: int
+    batch: Batch                            # what the pool handed over (groups, drops, re-runs)
     processed: ProcessedBatch
     old: ForwardResult
     updates: list[UpdateResult]
     fingerprint_before: str
     fingerprint_after: str
+    behaviour: torch.Tensor | None = None   # float32 [T]: trainer logprob under each token's generating weights
     wall_times: dict[str, float] = field(default_factory=dict)
     num_experts: int = 0
 
@@ -49,8 +52,13 @@ def step_metrics(o: TrainedStep) -> dict[str, Any]:
     trajs = o.processed.trajectories
     batch = o.processed.batch
     ok = [t for t in trajs if t.status == "ok"]
-    rollout_s = o.wall_times.get("rollout", 0.0)
+    step_s = sum(o.wall_times.values())
     last = o.updates[-1]
+    lag = o.batch.version_lag()
+    split = {}
+    if o.behaviour is not None:
+        split = {"mismatch_engine": mismatch(o.behaviour, batch.rollout_logprobs, batch.loss_mask),
+                 "mismatch_staleness": mismatch(o.old.logprobs, o.behaviour, batch.loss_mask)}
     return {
         "step": o.step,
         "policy_version": o.policy_version,
@@ -61,14 +69,19 @@ def step_metrics(o: TrainedStep) -> dict[str, Any]:
         "lr": last.stats.lr,
         "clipfrac": float(np.mean([u.metrics.metrics.get("clipfrac", math.nan) for u in o.updates])),
         "mismatch": mismatch(o.old.logprobs, batch.rollout_logprobs, batch.loss_mask),
+        **split,
         "entropy": float((o.old.entropy * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1)),
         "samples": len(trajs),
         "failed": len(trajs) - len(ok),
         "tokens": batch.num_tokens,
         "generated_tokens": int(sum(t.num_generated for t in trajs)),
         "mean_turns": float(np.mean([t.num_turns for t in trajs])),
-        "tokens_per_s": sum(t.num_generated for t in trajs) / rollout_s if rollout_s > 0 else math.nan,
-        "step_time": sum(o.wall_times.values()),
+        "tokens_per_s": sum(t.num_generated for t in trajs) / step_s if step_s > 0 else math.nan,
+        "version_lag_mean": float(lag.mean()) if lag.size else math.nan,
+        "version_lag_max": int(lag.max()) if lag.size else 0,
+        "stale_dropped": len(o.batch.dropped),
+        "stale_reruns": len(o.batch.reruns),
+        "step_time": step_s,
         **{f"time_{k}": v for k, v in o.wall_times.items()},
         "finish_reasons": {r: sum(t.finish_reason == r for t in trajs) for r in sorted({t.finish_reason for t in trajs})},
     }
@@ -136,7 +149,22 @@ def step_record(o: TrainedStep, rng_digest: str = "", routing: bool = True) -> S
         routing_rollout=routing_rollout,
         routing_rollout_valid=routing_valid,
         routing_train=None if routing_train is None else routing_train.numpy(),
-        extra_samples={"advantage": o.processed.sample_advantages.numpy()},
+        behaviour_train_logprob=None if o.behaviour is None else o.behaviour.numpy(),
+        **_pool_columns(o.batch),
+        extra_samples={"advantage": o.processed.sample_advantages.numpy(),
+                       "continuations": np.asarray([t.continuations for t in trajs], np.int32)},
         wall_times=o.wall_times,
         rng_digest=rng_digest,
     )
+
+
+def _pool_columns(batch: Batch) -> dict[str, Any]:
+    """The /pool datasets of a step: only when something was dropped or re-run."""
+    out: dict[str, Any] = {}
+    if batch.dropped:
+        out.update(pool_dropped_group_id=[f.group_id for f in batch.dropped],
+                   pool_dropped_reason=[f.reason for f in batch.dropped],
+                   pool_dropped_min_version=[f.min_version for f in batch.dropped])
+    if batch.reruns:
+        out["pool_rerun_group_id"] = list(batch.reruns)
+    return out

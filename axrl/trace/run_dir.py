@@ -58,6 +58,17 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"{type(o).__name__} is not JSON serializable")
 
 
+def _finite_or_null(value: Any) -> Any:
+    """`value` with every NaN / ±Infinity (at any depth) replaced by None."""
+    if isinstance(value, float):
+        return value if np.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite_or_null(v) for v in value]
+    return value
+
+
 def list_step_files(trace_dir: Path) -> dict[int, Path]:
     """Final step files (``step_XXXXXX.h5``) in ``trace_dir`` by step number; ``*.tmp`` are ignored."""
     out: dict[int, Path] = {}
@@ -246,13 +257,13 @@ class RunDir:
     def append_metrics(self, metrics: Mapping[str, Any]) -> None:
         """Append one JSON line (must contain an int ``step``); flushed and fsynced before returning.
 
-        Non-finite floats are written as NaN / Infinity (Python's json convention)."""
+        Strict JSON: a non-finite float (a metric that could not be measured) is written as null."""
         step = metrics.get("step")
         if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
             raise ValueError(f"metrics need an int 'step', got {step!r}")
-        row = dict(metrics)
+        row = _finite_or_null(json.loads(json.dumps(dict(metrics), default=_json_default)))
         row["step"] = int(step)
-        line = json.dumps(row, default=_json_default, allow_nan=True)
+        line = json.dumps(row, allow_nan=False)
         if "\n" in line:  # pragma: no cover - json.dumps never emits raw newlines
             raise ValueError("metrics line contains a newline")
         with open(self.metrics_path, "a", encoding="utf-8") as fh:
@@ -296,7 +307,7 @@ class RunDir:
         self.clean_tmp()
         if self.metrics_path.exists():
             rows, _ = read_metrics_file(self.metrics_path)
-            kept = [json.dumps(r, allow_nan=True) + "\n" for r in rows if r["step"] <= step]
+            kept = [json.dumps(_finite_or_null(r), allow_nan=False) + "\n" for r in rows if r["step"] <= step]
             atomic_write_text(self.metrics_path, "".join(kept))
         removed = []
         for s, p in list_step_files(self.trace_dir).items():

@@ -16,6 +16,7 @@ U     optimizer updates taken in the step
 S     entries of ``/train/update_samples`` (sum of samples over updates)
 M     micro-batches over all updates
 MS    entries of ``/train/micro_batch_samples``
+D, R  groups dropped / re-run while the step's batch was filled (``/pool``)
 ====  =====================================================================
 """
 
@@ -100,6 +101,7 @@ G_ROUTING = "/routing"
 G_TRAIN = "/train"
 G_UPDATES = "/train/updates"
 G_MICRO_BATCHES = "/train/micro_batches"
+G_POOL = "/pool"
 
 STR = "str"          # dtype marker: variable-length UTF-8 string
 ROUTING = "routing"  # dtype marker: uint8 if num_experts <= 256 else uint16
@@ -183,6 +185,15 @@ DATASETS: tuple[DatasetSpec, ...] = (
                 "digest of all parameters before the step's first update"),
     DatasetSpec("/train/weights_fingerprint_after", "weights_fingerprint_after", STR, (), True,
                 "digest of all parameters after the step's last update"),
+    # --- pool: groups that were meant for this step but are not in it (asynchronous runs)
+    DatasetSpec("/pool/dropped_group_id", "pool_dropped_group_id", "int64", ("D",), False,
+                "groups dropped while this step's batch was filled"),
+    DatasetSpec("/pool/dropped_reason", "pool_dropped_reason", STR, ("D",), False,
+                "'stale' | 'max_reruns' (too stale to train) | 'partial_drop' (running at a weight update)"),
+    DatasetSpec("/pool/dropped_min_version", "pool_dropped_min_version", "int32", ("D",), False,
+                "oldest weight version among the dropped group's generated tokens (-1: none generated yet)"),
+    DatasetSpec("/pool/rerun_group_id", "pool_rerun_group_id", "int64", ("R",), False,
+                "groups found too stale while this step's batch was filled and started again"),
 )
 DATASETS_BY_PATH = {d.path: d for d in DATASETS}
 DATASETS_BY_FIELD = {d.field: d for d in DATASETS}

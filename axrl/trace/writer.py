@@ -100,6 +100,10 @@ class StepRecord:
     micro_batch_sample_offsets: Any = None   # int64 [M+1] CSR over micro_batch_samples
     micro_batch_samples: Any = None          # int64 [MS] row indices into the samples
     update_fingerprints: Sequence[str] | None = None  # str [U], fingerprint after each update
+    pool_dropped_group_id: Any = None        # int64 [D]   groups dropped while the batch was filled
+    pool_dropped_reason: Sequence[str] | None = None  # str [D]
+    pool_dropped_min_version: Any = None     # int32 [D]
+    pool_rerun_group_id: Any = None          # int64 [R]   groups re-run while the batch was filled
     wall_times: Mapping[str, float] = field(default_factory=dict)  # phase -> seconds
     rng_digest: str = ""
     attrs: Mapping[str, Any] = field(default_factory=dict)          # extra root attrs (scalars)
@@ -421,6 +425,24 @@ def prepare(record: StepRecord) -> _Prepared:
 
     ds["/train/weights_fingerprint_before"] = _as_str("weights_fingerprint_before", r.weights_fingerprint_before)
     ds["/train/weights_fingerprint_after"] = _as_str("weights_fingerprint_after", r.weights_fingerprint_after)
+
+    # ---- pool (optional; datasets of one symbolic dimension share its length)
+    lengths_of: dict[str, tuple[int, str]] = {}
+    for spec in S.DATASETS:
+        value = getattr(r, spec.field) if spec.path.startswith(S.G_POOL + "/") else None
+        if value is None:
+            continue
+        if spec.dtype == S.STR:
+            a = _as_str_array(spec.field, value)
+        else:
+            a = _as_int(spec.field, value, spec.np_dtype)
+        dim = spec.shape[0]
+        if a.ndim != 1:
+            raise _fail(spec.field, f"must be 1-D ({dim}), got shape {a.shape}")
+        if dim in lengths_of and lengths_of[dim][0] != a.size:
+            raise _fail(spec.field, f"has {a.size} entries, {lengths_of[dim][1]} has {lengths_of[dim][0]} ({dim})")
+        lengths_of.setdefault(dim, (a.size, spec.field))
+        ds[spec.path] = a
 
     # ---- extras
     for where, group, length, lname in (("extra_samples", S.G_SAMPLES, n, "N"),

@@ -21,9 +21,15 @@ WORDS = ("red", "blue", "green", "cat", "dog", "sun", "moon", "tree",
 
 @dataclass(frozen=True)
 class EchoConfig:
-    """Options of the echo task (``get_task("echo", **options)``)."""
+    """Options of the echo task (``get_task("echo", **options)``).
+
+    ``long_share`` of the prompts (drawn per prompt) ask for ``long_turns`` words instead of
+    ``turns``: a heavy tail of long episodes, as agentic tasks have (benchmarks of async rollout).
+    """
 
     turns: int = 3
+    long_turns: int = 0
+    long_share: float = 0.0
 
 
 class EchoEnv:
@@ -57,7 +63,10 @@ class EchoEnv:
 def make_prompt(seed: int, index: int, config: EchoConfig) -> Prompt:
     """Episode ``index`` of stream ``seed``: ``config.turns`` words drawn from :data:`WORDS`."""
     rng = prompt_rng(seed, index)
-    words = [WORDS[int(i)] for i in rng.integers(len(WORDS), size=config.turns)]
+    turns = config.turns
+    if config.long_share > 0:  # drawn only then, so plain echo streams are unchanged
+        turns = config.long_turns if rng.random() < config.long_share else config.turns
+    words = [WORDS[int(i)] for i in rng.integers(len(WORDS), size=turns)]
     return Prompt(prompt_id=f"{NAME}-{seed}-{index}", text=f"Repeat each word I say. {words[0]}",
                   fields={"words": words})
 
@@ -78,6 +87,10 @@ def make_task(**options: Any) -> Task:
     config = make_config(EchoConfig, NAME, options)
     if config.turns < 1:
         raise ValueError(f"task {NAME!r}: turns must be >= 1, got {config.turns}")
+    if not 0.0 <= config.long_share <= 1.0:
+        raise ValueError(f"task {NAME!r}: long_share must be in [0, 1], got {config.long_share}")
+    if config.long_share > 0 and config.long_turns < 1:
+        raise ValueError(f"task {NAME!r}: long_share > 0 needs long_turns >= 1, got {config.long_turns}")
     return Task(
         name=NAME,
         make_env=EchoEnv,

@@ -8,7 +8,7 @@ event loop (the rollout worker starts a new one each step) or none. Control call
 Routing: requests with the same `sticky_key` (one per episode, set by the agent loop) go to the
 same server, chosen by a stable hash of the key, so a trajectory's multi-turn prefix stays in
 that server's cache and a run routes the same way every time. Requests without a key go round
-robin. `submit_many` (used by lock-step rollouts) sends one batched `/generate` per server,
+robin. `submit_many` (used by rollouts clocked by rounds) sends one batched `/generate` per server,
 which `axrl serve` admits at once — as deterministic as the in-process engine.
 
 Failures: connection errors, timeouts and 5xx are retried `retries` times with exponential
@@ -304,7 +304,7 @@ class SGLangEngine:
                            futures: list[concurrent.futures.Future]) -> None:
         """Send the batches concurrently; resolve the futures only once all are back, in submission
         order, so that which server answered first never changes what the caller sees next (the
-        lock-step rollout's episode order, hence the trace, stays reproducible with many servers)."""
+        round-clocked rollout's episode order, hence the trace, stays reproducible with many servers)."""
         outcomes = await asyncio.gather(*(self._send(server, [reqs[k] for k in ks]) for server, ks in batches),
                                         return_exceptions=True)
         by_index: dict[int, Any] = {}
