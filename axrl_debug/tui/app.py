@@ -138,7 +138,7 @@ class DebugApp(App[None]):
             self._call_ui(self.notify, f"no background scan ({e})", severity="warning", timeout=8)
             return
         try:
-            self._call_ui(self._spikes_ready, helper.spikes(run.steps, run.spike_series()))
+            self._call_ui(self._spikes_ready, helper.spikes(run.steps, run.spike_series(), run.dtype))
             if self.scan:
                 pending = [s for s in run.steps if s in run.files and s not in run.scanned]
                 for i in range(0, len(pending), SCAN_CHUNK):
@@ -149,7 +149,7 @@ class DebugApp(App[None]):
                     if worker.is_cancelled or not self._call_ui(self._scan_progress, rows, chunk,
                                                                  i + len(chunk), len(pending)):
                         return
-                self._call_ui(self._spikes_ready, helper.spikes(run.steps, run.spike_series()))
+                self._call_ui(self._spikes_ready, helper.spikes(run.steps, run.spike_series(), run.dtype))
         except Exception as e:  # EOF after quit, or a helper error: the trace stays browsable
             if not worker.is_cancelled:
                 self._call_ui(self.notify, f"background scan stopped: {e}", severity="warning", timeout=8)
