@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from axrl.agents.tasks import Task, get_task
+from axrl.agents.tasks import Task
+from axrl.agents.tasks.resolve import resolve_task
 from axrl.algo.processor import AlgorithmProcessor
 from axrl.config import Config, config_to_dict
 from axrl.data import PromptLoader
@@ -29,7 +30,7 @@ from axrl.runtime.progress import PhaseTimer, TrainProgress
 from axrl.runtime.recorder import StepOutcome, step_metrics, step_record
 from axrl.runtime.updates import policy_loss, run_updates
 from axrl.runtime.warmup import warm_up
-from axrl.tokenizer import Tokenizer
+from axrl.tokenizer import Tokenizer, load_tokenizer
 from axrl.trace import RunDir
 from axrl.train import TorchBackend, TorchBackendConfig
 from axrl.train.protocol import TrainBackend
@@ -112,8 +113,8 @@ def make_train_backend(cfg: Config, tokenizer: Tokenizer) -> TrainBackend:
 
 
 def build(cfg: Config) -> Components:
-    tokenizer = Tokenizer.default()
-    task = get_task(cfg.data.task, **cfg.data.task_args)
+    tokenizer = load_tokenizer(cfg.model.path)
+    task = resolve_task(cfg.data, warmup=cfg.warmup.steps > 0, evaluate=cfg.eval.every > 0)
     loader = (PromptLoader.from_file(cfg.data.path, seed=cfg.seed) if cfg.data.path
               else PromptLoader.from_task(task, seed=cfg.seed))
     backend = make_train_backend(cfg, tokenizer)
@@ -121,7 +122,7 @@ def build(cfg: Config) -> Components:
     engine = make_engine(cfg, model, tokenizer)
     r = cfg.rollout
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, stop_token_ids=[tokenizer.eos_token_id])
+                              top_k=r.top_k, stop_token_ids=tokenizer.stop_token_ids)
     settings = RolloutSettings(group_size=r.group_size, sampling=sampling, max_turns=r.max_turns,
                                max_context_len=r.max_context_len, return_routing=model.config.is_moe,
                                lockstep=cfg.runtime.deterministic)

@@ -120,18 +120,16 @@ class RunModel:
 
     @property
     def tokenizer(self) -> Any:
-        """The run's tokenizer: the model directory's when the config names one, else the default."""
+        """The run's tokenizer: the model directory's when the config names one (and it is still
+        there), else the default."""
         if self._tokenizer is None:
-            from axrl.tokenizer import Tokenizer
+            from axrl.tokenizer import Tokenizer, load_tokenizer
 
             model_path = ((self.config.get("model") or {}).get("path")) if isinstance(self.config, dict) else None
-            tok = None
-            if model_path and (Path(model_path) / "tokenizer.json").is_file():
-                try:
-                    tok = Tokenizer.from_dir(model_path)
-                except Exception:
-                    tok = None
-            self._tokenizer = tok or Tokenizer.default()
+            try:
+                self._tokenizer = load_tokenizer(model_path)
+            except (OSError, ValueError):  # the model directory moved: ids still show, text may not
+                self._tokenizer = Tokenizer.default()
         return self._tokenizer
 
     def series(self, key: str, steps: Iterable[int] | None = None) -> np.ndarray:
