@@ -40,10 +40,9 @@ def make_prompt(seed: int, index: int) -> Prompt:
 class StockEnv:
     """Answers `stock` calls from the prompt's table; scores the first reply without a call."""
 
-    tools = [STOCK_TOOL]
-
-    def __init__(self, max_calls: int = 2) -> None:
+    def __init__(self, max_calls: int = 2, show_schema: bool = True) -> None:
         self.max_calls = max_calls
+        self.tools = [STOCK_TOOL] if show_schema else []  # the schema goes into the system prompt
 
     def reset(self, prompt: Prompt) -> list[Message]:
         self.fields, self.calls, self.looked_up = prompt.fields, 0, False
@@ -83,7 +82,7 @@ def demonstration(prompt: Prompt) -> list[Message]:
     ]
 
 
-def make_task(max_calls: int = 2) -> Task:
+def make_task(max_calls: int = 2, show_schema: bool = True) -> Task:
     """The entry point `data.task` names; `data.task_args` become its keyword arguments."""
-    return Task(name="stock", make_env=lambda: StockEnv(max_calls), prompt=make_prompt,
+    return Task(name="stock", make_env=lambda: StockEnv(max_calls, show_schema), prompt=make_prompt,
                 demonstration=demonstration, description="look an item's stock up, then answer")
