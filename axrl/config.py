@@ -30,18 +30,14 @@ class DataSection(Section):
                       "'package.module:make_task' (or 'file.py:make_task'), or an `axrl.tasks` entry point")
     path: str | None = Field(None, description="JSONL/Parquet prompt file; default: the task's generator")
     reward: str | None = Field(None, description="'package.module:score' scoring single-turn replies to the "
-                               "prompts of `path` (instead of a task)")
+                               "prompts of `path`; it replaces the task (`task` and `task_args` are not used)")
     prompts_per_step: int = Field(8, ge=1)
     task_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the task")
 
     @model_validator(mode="after")
     def _reward_needs_prompts(self) -> "DataSection":
-        if self.reward is not None:
-            if self.path is None:
-                raise ValueError("reward: a reward function scores the prompts of a file; set data.path")
-            if "task" in self.model_fields_set or self.task_args:
-                raise ValueError("reward: a reward function replaces the task; leave data.task and "
-                                 "data.task_args unset")
+        if self.reward is not None and self.path is None:
+            raise ValueError("reward: a reward function scores the prompts of a file; set data.path")
         return self
 
 

@@ -91,6 +91,17 @@ def installed_tasks() -> list[str]:
     return sorted(ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
 
 
+def _check_options(fn: Any, spec: str, options: dict[str, Any]) -> None:
+    """data.task_args must fit the signature (checked here: a TypeError from inside the user's
+    code must not be blamed on the config)."""
+    try:
+        inspect.signature(fn).bind(**options)
+    except TypeError as e:
+        raise ValueError(f"data.task_args {options}: {spec} does not take them ({e})") from None
+    except ValueError:  # no signature to check (a builtin): let the call decide
+        pass
+
+
 def _as_task(obj: Any, spec: str, options: dict[str, Any]) -> Task:
     if isinstance(obj, Task):
         if options:
@@ -99,11 +110,13 @@ def _as_task(obj: Any, spec: str, options: dict[str, Any]) -> Task:
         return obj
     if inspect.isclass(obj) and callable(getattr(obj, "reset", None)) and callable(getattr(obj, "step", None)):
         cls = obj
+        _check_options(cls, spec, options)
         env = cls(**options)  # built once now, so a bad option fails at start-up, not in a rollout
         if not isinstance(env, Env):
             raise ValueError(f"data.task {spec!r}: {cls.__name__} lacks the Env attribute 'tools'")
         return Task(name=spec, make_env=lambda: cls(**options), description=f"env {cls.__name__}")
     if callable(obj):
+        _check_options(obj, spec, options)
         task = obj(**options)
         if not isinstance(task, Task):
             raise ValueError(f"data.task {spec!r} returned {type(task).__name__}, not an "
