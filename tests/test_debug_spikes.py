@@ -144,13 +144,13 @@ def test_attribution_ranks_samples_tokens_and_weights(tmp_path):
     a = attribute(reader, 0, top=3)
     assert a["source"] == "proxy" and a["replay_dump"] is None
     # |contributions|: sample 1 → 1.0, sample 0 → 0.5, sample 2 → 0.5 (tie broken by row)
-    assert [s["sample"] for s in a["samples_by_loss"]] == [1, 0, 2]
+    assert [s["row"] for s in a["samples_by_loss"]] == [1, 0, 2]
     s1 = a["samples_by_loss"][0]
     assert s1["loss_contribution"] == pytest.approx(1.0) and s1["loss_share"] == pytest.approx(0.5)
     assert s1["policy_versions"] == [0] and s1["max_version_lag"] == 1 and s1["num_turns"] == 1
     assert [t["token"] for t in a["tokens_by_loss"]][:1] == [4]
     # importance weights: sample 1's Δ = 0.7 dominates; token ranking by |Δ|: 0.7, 0.05, 0.02
-    assert a["samples_by_weight"][0]["sample"] == 1
+    assert a["samples_by_weight"][0]["row"] == 1
     assert [t["token"] for t in a["tokens_by_weight"]] == [4, 8, 2]
     assert a["tokens_by_weight"][1]["turn"] == 2 and a["tokens_by_weight"][1]["position"] == 3
 
@@ -170,4 +170,4 @@ def test_replay_dump_replaces_the_proxy(tmp_path):
     top = a["tokens_by_loss"][0]
     assert top["token"] == 7 and top["loss_contribution"] == pytest.approx(4.0)
     assert top["ratio"] == pytest.approx(np.linspace(0.9, 1.1, 9)[7])
-    assert a["samples_by_loss"][0]["sample"] == 2
+    assert a["samples_by_loss"][0]["row"] == 2

@@ -292,7 +292,7 @@ def attribute(reader: TraceReader, step: int, *, top: int = 5) -> dict[str, Any]
     def sample_row(i: int) -> dict[str, Any]:
         a, b = int(off[i]), int(off[i + 1])
         versions = sorted({int(v) for v in np.unique(gen_v[a:b]) if v >= 0})
-        return {"sample": i, "sample_id": int(sid[i]), "group_id": int(gid[i]), "reward": float(reward[i]),
+        return {"sample_id": int(sid[i]), "row": i, "group_id": int(gid[i]), "reward": float(reward[i]),
                 "num_turns": int(nturns[i]), "tokens": b - a, "loss_tokens": int(lm[a:b].sum()),
                 "loss_contribution": float(s_contrib[i]),
                 "loss_share": float(s_abs[i]) / total_abs if total_abs > 0 else math.nan,
@@ -302,7 +302,7 @@ def attribute(reader: TraceReader, step: int, *, top: int = 5) -> dict[str, Any]
 
     def token_row(j: int) -> dict[str, Any]:
         i = int(sample_of[j])
-        row = {"token": j, "sample": i, "sample_id": int(sid[i]), "position": j - int(off[i]),
+        row = {"token": j, "sample_id": int(sid[i]), "row": i, "position": j - int(off[i]),
                "turn": int(turn[j]), "policy_version": int(tv[j]), "version_lag": pv - int(tv[j]),
                "advantage": float(adv[j]), "delta": float(delta[j]) if analysed[j] else math.nan,
                "loss_contribution": float(contrib[j]),

@@ -74,15 +74,23 @@ def print_report(res: dict[str, Any]) -> None:
     if res.get("top"):
         rows = []
         for i, t in enumerate(res["top"], 1):
-            rows.append([str(i), str(t["step"]), str(t.get("sample_id", t["sample"])), fmt(t.get("position")),
+            rows.append([str(i), str(t["step"]), fmt(t["sample_id"]), fmt(t.get("position")),
                          fmt(t.get("turn")), fmt(t.get("policy_version")), f"{t['delta']:+.3g}",
                          f"{t['rollout_prob']:.3g}", f"{t['trainer_prob']:.3g}", t.get("routing") or "–"])
         show(simple_table(f"top {len(res['top'])} tokens by |Δ|",
-                               ["#", "step", "sample", "pos", "turn", "ver", "Δ", "p_roll", "p_train", "routing"],
+                               ["#", "step", "sample_id", "pos", "turn", "ver", "Δ", "p_roll", "p_train", "routing"],
                                rows))
         for i, t in enumerate(res["top"], 1):
             # context on its own line: it needs the width more than the numbers do
             out.print(f"  #{i:<2} {t.get('context') or ''}", highlight=False, markup=False, soft_wrap=True)
+
+
+def public_token(t: dict[str, Any]) -> dict[str, Any]:
+    """A top token as commands show it: ``sample_id`` names its sample (what `tui --sample` takes),
+    ``row`` is only its row in the step file's /samples (the analysis calls that ``sample``)."""
+    out = {k: v for k, v in t.items() if k != "sample"}
+    out["row"] = t["sample"]
+    return out
 
 
 @app.command()
@@ -115,6 +123,7 @@ def mismatch(
             from axrl_debug.plots import mismatch_plots
             res["plots"] = [str(p) for p in mismatch_plots(acc, res, plot)]
         res["problems"] = report_problems(reader)
+        res["top"] = [public_token(t) for t in res.get("top") or []]
         if json_out:
             print_json(res)
             return 0
