@@ -7,9 +7,11 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-app = typer.Typer(help="AxRL: agentic RL post-training with a replayable trace.", no_args_is_help=True,
+from axrl.cli_help import Typer
+
+app = Typer(help="AxRL: agentic RL post-training with a replayable trace.", no_args_is_help=True,
                   add_completion=False)
-model_app = typer.Typer(help="Create, export and inspect models (Hugging Face format).", no_args_is_help=True)
+model_app = Typer(help="Create, export and inspect models (Hugging Face format).", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 console = Console(stderr=True)
 
