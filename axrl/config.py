@@ -14,6 +14,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
+# runtime.device: the device kinds the torch trainer and the embedded engine run on.
+DEVICE_PATTERN = r"^(cpu|cuda(:\d+)?)$"
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -173,6 +177,8 @@ class TraceSection(Section):
 class RuntimeSection(Section):
     threads: int = Field(1, ge=1, description="torch threads per process")
     deterministic: bool = True
+    device: str = Field("cpu", pattern=DEVICE_PATTERN, description="cpu, cuda or cuda:N: where the torch "
+                        "trainer and the embedded engine hold the model")
 
 
 class LrScaleFault(Section):
@@ -218,6 +224,9 @@ class Config(Section):
     def _model_source(self) -> "Config":
         if not self.model.preset and not self.model.path:
             raise ValueError("model: set `preset` or `path`")
+        if self.runtime.device != "cpu" and self.train.backend != "torch":
+            raise ValueError(f"runtime.device {self.runtime.device!r} places the torch backend and the embedded "
+                             "engine; train.backend: megatron places its ranks itself (docs/megatron.md)")
         return self
 
 

@@ -23,6 +23,7 @@ from axrl.data import PromptLoader
 from axrl.inference.embedded import EmbeddedEngine
 from axrl.inference.protocol import InferenceEngine, SamplingParams
 from axrl.model import Qwen3ForCausalLM, build_model, load_hf, preset_config
+from axrl.model.device import model_device, resolve_device
 from axrl.rollout.worker import RolloutSettings, RolloutWorker
 from axrl.runtime.checkpoint import clean_partial, latest_checkpoint, load_checkpoint, save_checkpoint
 from axrl.runtime.faults import lr_scale, perturb_batch
@@ -52,10 +53,10 @@ class Components:
 def initial_model(cfg: Config, tokenizer: Tokenizer) -> Qwen3ForCausalLM:
     dtype = getattr(torch, cfg.model.dtype)
     if cfg.model.path:
-        return load_hf(cfg.model.path, dtype=dtype)
+        return load_hf(cfg.model.path, dtype=dtype).to(resolve_device(cfg.runtime.device))
     model_cfg = preset_config(cfg.model.preset, vocab_size=tokenizer.vocab_size,
                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    return build_model(model_cfg, seed=cfg.model.init_seed, dtype=dtype)
+    return build_model(model_cfg, seed=cfg.model.init_seed, dtype=dtype).to(resolve_device(cfg.runtime.device))
 
 
 def make_backend(cfg: Config, model: Qwen3ForCausalLM, tokenizer: Tokenizer, *, lr: float | None = None,
@@ -100,7 +101,7 @@ def make_engine(cfg: Config, model: Qwen3ForCausalLM, tokenizer: Tokenizer) -> I
 
         return build_sglang_engine(cfg, model, tokenizer)
     # The engine owns a separate copy of the weights, as a remote server would; weight sync copies into it.
-    engine_model = Qwen3ForCausalLM(model.config).to(next(model.parameters()).dtype)
+    engine_model = Qwen3ForCausalLM(model.config).to(model_device(model), next(model.parameters()).dtype)
     engine_model.load_state_dict(model.state_dict())
     return EmbeddedEngine(engine_model.eval(), max_batch_size=cfg.rollout.max_batch_size,
                           max_seq_len=cfg.rollout.max_context_len, eos_token_id=tokenizer.eos_token_id)
