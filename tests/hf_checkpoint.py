@@ -141,3 +141,10 @@ def write_checkpoint(path: Path, *, moe: bool = True, seed: int = 0) -> Path:
                                                   pad_token="<|endoftext|>", chat_template=QWEN_STYLE_TEMPLATE)
     hf_tok.save_pretrained(path)
     return path
+
+
+if __name__ == "__main__":  # python tests/hf_checkpoint.py DIR [--dense]: a checkpoint to try things on
+    import sys
+
+    out = write_checkpoint(Path(sys.argv[1]), moe="--dense" not in sys.argv[2:])
+    print(f"wrote a random-init {'Qwen3' if '--dense' in sys.argv[2:] else 'Qwen3-MoE'} checkpoint to {out}")

@@ -174,3 +174,39 @@ def test_serve_on_a_checkpoint_directory_says_export(trained):
     result = cli(axrl_app, "serve", "--model-path", ckpt)
     text = " ".join(result.output.split())
     assert result.exit_code == 2 and f"axrl model export {trained} --step 2 --out DIR" in text
+
+
+def test_docs_models_commands_run(tmp_path, monkeypatch):
+    """docs/models.md's four commands, as written (from a scratch directory; the train command gets
+    a shorter warm-up appended), each checked."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from axrl.inference.sglang.launcher import free_port
+
+    doc = (ROOT / "docs" / "models.md").read_text()
+    block = doc[doc.index("## The whole path in four commands"):]
+    commands = block[block.index("```bash\n") + 8:].split("\n```", 1)[0].splitlines()
+    assert [c.split()[:2] for c in commands] == [["python", "tests/hf_checkpoint.py"], ["axrl", "train"],
+                                                 ["axrl", "model"], ["axrl", "serve"]]
+    monkeypatch.chdir(tmp_path)
+    local = lambda c: re.sub(r"(?<![\w/])(examples|tests)/", lambda m: f"{ROOT}/{m.group(1)}/", c)  # noqa: E731
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    made = subprocess.run([sys.executable, *local(commands[0]).split()[1:]], capture_output=True, text=True, env=env)
+    assert made.returncode == 0 and (tmp_path / "my-qwen3" / "config.json").is_file(), made.stderr
+    train = cli(axrl_app, *local(commands[1]).split()[1:], "--set", "warmup.steps=4", "--set", "eval.every=0",
+                "--set", "data.prompts_per_step=2", "--set", "runtime.threads=1")
+    assert train.exit_code == 0 and (tmp_path / "runs" / "mine" / "trace" / "step_000002.h5").is_file(), train.output
+    export = cli(axrl_app, *commands[2].split()[1:])
+    assert export.exit_code == 0 and (tmp_path / "exported" / "model.safetensors").is_file(), export.output
+    port = free_port()
+    serve = subprocess.Popen([sys.executable, "-m", "axrl.cli", *commands[3].split()[1:], "--port", str(port)],
+                             stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        started = serve.stderr.readline() + serve.stderr.readline()
+    finally:
+        serve.terminate()
+        serve.wait(30)
+    assert "model 'exported' from exported (qwen3_moe" in started and f"listening on http://127.0.0.1:{port}" in started
