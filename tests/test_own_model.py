@@ -210,3 +210,14 @@ def test_docs_models_commands_run(tmp_path, monkeypatch):
         serve.terminate()
         serve.wait(30)
     assert "model 'exported' from exported (qwen3_moe" in started and f"listening on http://127.0.0.1:{port}" in started
+
+
+def test_analysis_decodes_with_the_checkpoints_tokenizer(trained, checkpoint):
+    result = cli(debug_app, "mismatch", trained, "--top", 3, "--json")
+    assert result.exit_code == 0, result.output
+    tok, shipped = load_tokenizer(checkpoint), Tokenizer.default()
+    top = json.loads(result.stdout)["top"]
+    assert all(t["text"] == tok.decode([t["token_id"]]) for t in top)
+    assert any(t["text"] != shipped.decode([t["token_id"]]) for t in top)  # the shipped one reads other text
+    from axrl_debug.tui.data import RunModel
+    assert RunModel(trained).tokenizer.vocab_size == tok.vocab_size

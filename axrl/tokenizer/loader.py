@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from axrl.tokenizer.tokenizer import Tokenizer
 
@@ -29,3 +30,13 @@ def load_tokenizer(model_path: str | Path | None) -> Tokenizer:
                          f"{config} has vocab_size {vocab}: ids from {vocab} up have no embedding row")
     tokenizer.check_incremental()
     return tokenizer
+
+
+def run_tokenizer(config: dict[str, Any] | None) -> Tokenizer:
+    """The tokenizer a recorded run used, for decoding its trace: its ``model.path``'s own when the
+    directory is still there, else the shipped one (token ids stay right either way)."""
+    model = (config or {}).get("model") if isinstance(config, dict) else None
+    try:
+        return load_tokenizer((model or {}).get("path"))
+    except (OSError, ValueError):
+        return Tokenizer.default()

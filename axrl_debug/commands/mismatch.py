@@ -10,7 +10,8 @@ from typing import Any
 
 import typer
 
-from axrl_debug.analysis.mismatch import MismatchConfig, mismatch_report
+from axrl.tokenizer import run_tokenizer
+from axrl_debug.analysis.mismatch import MismatchConfig, attach_context, mismatch_report
 from axrl_debug.app import JSON_OPTION, BadInput, app, err, out, print_json, run_command
 from axrl_debug.commands._common import (STEP_OPTION_HELP, STEPS_OPTION_HELP, fmt, open_run, pct,
                                          report_problems, select_steps, show, simple_table)
@@ -115,7 +116,8 @@ def mismatch(
         chosen = select_steps(reader, step, steps)
         cfg = MismatchConfig.from_run_config(reader.config, top_k=top,
                                              plot_points=20000 if plot is not None else 0)
-        res, acc = mismatch_report(reader, chosen, cfg, workers=workers)
+        res, acc = mismatch_report(reader, chosen, cfg, workers=workers, context=False)
+        attach_context(reader, res["top"], tokenizer=run_tokenizer(reader.config))  # the run's own tokenizer
         if not res["steps"]:
             report_problems(reader)
             raise BadInput("every selected step file is damaged (see the warnings above)")

@@ -123,13 +123,9 @@ class RunModel:
         """The run's tokenizer: the model directory's when the config names one (and it is still
         there), else the default."""
         if self._tokenizer is None:
-            from axrl.tokenizer import Tokenizer, load_tokenizer
+            from axrl.tokenizer import run_tokenizer
 
-            model_path = ((self.config.get("model") or {}).get("path")) if isinstance(self.config, dict) else None
-            try:
-                self._tokenizer = load_tokenizer(model_path)
-            except (OSError, ValueError):  # the model directory moved: ids still show, text may not
-                self._tokenizer = Tokenizer.default()
+            self._tokenizer = run_tokenizer(self.config)
         return self._tokenizer
 
     def series(self, key: str, steps: Iterable[int] | None = None) -> np.ndarray:
