@@ -6,12 +6,8 @@
 # Needs a CUDA build of torch (install it first, then `pip install -e '.[test]'`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-.}"
-mkdir -p "$out"
-: > "$out/device-gpu.jsonl"
-python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name(0))" \
-  | tee "$out/device-gpu.log" || exit 2
-export OMP_NUM_THREADS=1 AXRL_GPU_REPORT="$out/device-gpu.jsonl"
+source scripts/gpu-check-lib.sh
+gpu_check_start device-gpu
 timeout 240 python -m pytest -q -s -p no:cacheprovider --timeout=200 tests/test_device_gpu.py 2>&1 | tee -a "$out/device-gpu.log"
 rc=${PIPESTATUS[0]}
 rm -rf "$out/quickstart-gpu"
