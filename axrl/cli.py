@@ -1,4 +1,4 @@
-"""The `axrl` command line: `axrl train`, and model utilities (`axrl model init|info`)."""
+"""The `axrl` command line: `axrl train`, `axrl serve`, and model utilities (`axrl model init|export|info`)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-app = typer.Typer(help="AxRL: agentic RL post-training with a replayable trace.", no_args_is_help=True,
+from axrl.cli_help import Typer
+
+app = Typer(help="AxRL: agentic RL post-training with a replayable trace.", no_args_is_help=True,
                   add_completion=False)
-model_app = typer.Typer(help="Create and inspect embedded models (Hugging Face format).", no_args_is_help=True)
+model_app = Typer(help="Create, export and inspect models (Hugging Face format).", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 console = Console(stderr=True)
 
@@ -76,8 +78,16 @@ def serve(
     log_level: str = typer.Option("warning", "--log-level"),
 ) -> None:
     """Serve a model over HTTP with SGLang's API subset and OpenAI endpoints (see docs/sglang.md)."""
+    from axrl.export import checkpoint_of
+
+    trained = checkpoint_of(model_path)
+    if trained is not None:
+        run, step = trained
+        raise fail(f"--model-path {model_path} is a training checkpoint, not a model directory: export it with "
+                   f"`axrl model export {run} --step {step} --out DIR` and serve DIR")
     if not (model_path / "config.json").is_file():
-        raise fail(f"--model-path {model_path}: no config.json (create one with `axrl model init`)")
+        raise fail(f"--model-path {model_path}: no config.json (a Hugging Face model directory: one written by "
+                   "`axrl model export RUN --out DIR`, `axrl model init` or transformers' save_pretrained)")
     if dtype not in ("float32", "bfloat16"):
         raise fail(f"--dtype {dtype!r}: choose float32 or bfloat16")
     if decode_impl not in ("fused", "model"):
@@ -122,6 +132,25 @@ def model_init(
     model = build_model(cfg, seed=seed, dtype=getattr(torch, dtype))
     save_hf(model, out, tokenizer=tokenizer)
     console.print(f"wrote {preset} ({model.num_parameters() / 1e6:.2f}M parameters, {cfg.model_type}) to {out}")
+
+
+@model_app.command("export")
+def model_export(
+    run: Path = typer.Argument(..., help="Run directory (from `axrl train`)."),
+    out: Path = typer.Option(..., "--out", help="Directory to write (config.json, model.safetensors, tokenizer)."),
+    step: int | None = typer.Option(None, "--step", help="Checkpoint to export: the policy after N RL steps "
+                                    "(default: the newest checkpoint)."),
+) -> None:
+    """Write a trained checkpoint as a Hugging Face directory that transformers, SGLang and
+    `axrl serve` load."""
+    from axrl.export import export_checkpoint
+
+    try:
+        done = export_checkpoint(run, out, step)
+    except (FileNotFoundError, FileExistsError, ValueError, NotImplementedError) as e:
+        raise fail(str(e))
+    console.print(f"wrote {done.checkpoint} (the policy after {done.step} RL steps) to {done.out}; "
+                  f"serve it with `axrl serve --model-path {done.out}`")
 
 
 @model_app.command("info")

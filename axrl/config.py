@@ -14,6 +14,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
+# runtime.device: the device kinds the torch trainer and the embedded engine run on.
+DEVICE_PATTERN = r"^(cpu|cuda(:\d+)?)$"
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -26,10 +30,19 @@ class ModelSection(Section):
 
 
 class DataSection(Section):
-    task: str = Field("calculator", description="built-in task: env, reward and demonstrations")
+    task: str = Field("calculator", description="env, reward and demonstrations: a built-in task, "
+                      "'package.module:make_task' (or 'file.py:make_task'), or an `axrl.tasks` entry point")
     path: str | None = Field(None, description="JSONL/Parquet prompt file; default: the task's generator")
+    reward: str | None = Field(None, description="'package.module:score' scoring single-turn replies to the "
+                               "prompts of `path`; it replaces the task (`task` and `task_args` are not used)")
     prompts_per_step: int = Field(8, ge=1)
     task_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the task")
+
+    @model_validator(mode="after")
+    def _reward_needs_prompts(self) -> "DataSection":
+        if self.reward is not None and self.path is None:
+            raise ValueError("reward: a reward function scores the prompts of a file; set data.path")
+        return self
 
 
 class SGLangSection(Section):
@@ -144,7 +157,7 @@ class TrainSection(Section):
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     updates_per_step: int = Field(1, ge=1, description="optimizer updates per step (mini-batches)")
-    micro_batch_tokens: int = Field(4096, ge=1)
+    micro_batch_tokens: int = Field(4096, ge=1, description="tokens per micro-batch counting padding (samples × longest)")
 
 
 class WarmupSection(Section):
@@ -188,6 +201,8 @@ class RuntimeSection(Section):
                                                   "never by wall time")
     mode: Literal["sync", "async"] = Field("sync", description="sync: roll out, then train; async: the engine "
                                                                "keeps generating while the trainer trains")
+    device: str = Field("cpu", pattern=DEVICE_PATTERN, description="cpu, cuda or cuda:N: where the torch "
+                        "trainer and the embedded engine hold the model")
 
 
 class LrScaleFault(Section):
@@ -234,6 +249,9 @@ class Config(Section):
     def _model_source(self) -> "Config":
         if not self.model.preset and not self.model.path:
             raise ValueError("model: set `preset` or `path`")
+        if self.runtime.device != "cpu" and self.train.backend != "torch":
+            raise ValueError(f"runtime.device {self.runtime.device!r} places the torch backend and the embedded "
+                             "engine; train.backend: megatron places its ranks itself (docs/megatron.md)")
         return self
 
     @model_validator(mode="after")

@@ -1,6 +1,6 @@
 """The `axrl-debug` Typer app and the conventions every command follows.
 
-Exit codes (DESIGN.md): 0 success, 1 a check failed or a replay diverged, 2 bad input.
+Exit codes: 0 success, 1 a check failed or a replay diverged, 2 bad input.
 Every non-interactive command takes `--json` and then prints exactly one JSON document on
 stdout (human-readable output goes to stderr or is suppressed).
 """
@@ -15,9 +15,11 @@ from typing import Any, Callable, NoReturn
 import typer
 from rich.console import Console
 
+from axrl.cli_help import Typer
+
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
-app = typer.Typer(help="Analyse, replay and gate AxRL training traces.", no_args_is_help=True,
+app = Typer(help="Analyse, replay and gate AxRL training traces.", no_args_is_help=True,
                   add_completion=False, pretty_exceptions_enable=False)
 
 

@@ -1,4 +1,4 @@
-"""Deterministic re-execution of recorded training steps (DESIGN §2, §4; docs/replay.md).
+"""Deterministic re-execution of recorded training steps (docs/design.md, docs/replay.md).
 
 Rebuild the trainer state before step N from a checkpoint plus the recorded batches, re-run
 step N and compare it bit for bit with the trace; optionally dump costly instrumentation of the

@@ -1,7 +1,7 @@
 """What bitwise re-execution requires, and how the current environment compares to the recording.
 
 Determinism holds only for the same backend, device kind, torch thread count, config and library
-versions as in `manifest.json` (DESIGN §4: on these CPUs 1 vs 2 threads already change gradients).
+versions as in `manifest.json` (docs/design.md: on these CPUs 1 vs 2 threads already change gradients).
 Replay still runs when something differs — the result is then evidence about *that* difference —
 but it warns first, so a divergence is not mistaken for a bug.
 """

@@ -1,5 +1,6 @@
 """What a replay of step N needs, checked before any work: the run, step N's file, a checkpoint at
-or before N, and every step file between them.
+or before N, and every step file between them — each file's datasets read back and their checksums
+verified, target first, so a damaged file is reported before any step is re-run.
 
 A step is *usable* (replayable) when some checkpoint K ≤ N exists and the step files K..N are all
 readable. Every bad-input error names the usable step nearest to the one asked for, so the user
@@ -12,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from axrl.runtime.checkpoint import list_checkpoints
-from axrl.trace import TraceError, TraceReader
+from axrl.trace import StepFile, TraceError, TraceReader
+from replay.recorded import REQUIRED
 
 
 class ReplayInputError(Exception):
@@ -88,6 +90,22 @@ class RunInventory:
     def mark_bad(self, step: int) -> None:
         self.bad.add(step)
 
+    def verify_data(self, step: int) -> None:
+        """Read every dataset of a step file (HDF5 verifies each chunk's checksum on read) and check
+        that it holds what re-execution needs; a damaged file is marked bad and reported."""
+        path = self.files[step]
+        try:
+            with StepFile(path) as sf:
+                missing = [name for name in REQUIRED if name not in sf]
+                sf.read_all()
+        except (TraceError, ValueError, OSError, KeyError) as e:
+            self.mark_bad(step)
+            raise ReplayInputError.for_step(f"step {step}'s file is damaged: {e}", self, step) from None
+        if missing:
+            self.mark_bad(step)
+            raise ReplayInputError.for_step(f"step {step}'s file {path} cannot be re-executed: it lacks "
+                                            f"{', '.join(missing)}", self, step)
+
     def plan(self, step: int) -> ReplayPlan:
         """The replay plan of `step`, or ReplayInputError naming the nearest usable step."""
         if step < 0 or step not in self.files:
@@ -96,6 +114,7 @@ class RunInventory:
         if not self.readable(step):
             why = self.problems.get(self.files[step].name, f"{self.files[step]}: unreadable")
             raise ReplayInputError.for_step(f"step {step}'s file is damaged: {why}", self, step)
+        self.verify_data(step)
         before = [c for c in self.checkpoints if c[0] <= step]
         if not before:
             have = ", ".join(str(k) for k, _ in self.checkpoints) or "none"
@@ -108,6 +127,12 @@ class RunInventory:
             state = "missing" if g not in self.files else "damaged"
             raise ReplayInputError.for_step(f"cannot rebuild the state before step {step}: step {g} (between "
                                             f"checkpoint {k} and step {step}) is {state}", self, step)
+        for s in range(step - 1, k - 1, -1):  # every file the catch-up reads, before it re-runs anything
+            try:
+                self.verify_data(s)
+            except ReplayInputError:
+                raise ReplayInputError.for_step(f"cannot rebuild the state before step {step}: step {s} (between "
+                                                f"checkpoint {k} and step {step}) is damaged", self, step) from None
         return ReplayPlan(run=self.run, step=step, checkpoint_step=k, checkpoint_path=path,
                           step_paths={s: self.files[s] for s in range(k, step + 1)},
                           older_checkpoints=list(reversed(before[:-1])))

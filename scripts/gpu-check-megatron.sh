@@ -6,12 +6,8 @@
 # megatron-core==0.16.1 (pip install -e '.[megatron,test]' after installing your CUDA torch).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-.}"
-mkdir -p "$out"
-: > "$out/megatron-gpu.jsonl"
-python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name(0))" \
-  | tee "$out/megatron-gpu.log" || exit 2
-export OMP_NUM_THREADS=1 AXRL_GPU_REPORT="$out/megatron-gpu.jsonl"
+source scripts/gpu-check-lib.sh
+gpu_check_start megatron-gpu
 timeout 540 python -m pytest -q -s -p no:cacheprovider --timeout=500 tests/test_megatron_gpu.py 2>&1 | tee -a "$out/megatron-gpu.log"
 rc=${PIPESTATUS[0]}
 echo "exit code $rc; figures in $out/megatron-gpu.jsonl"

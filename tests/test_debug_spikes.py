@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import h5py
 import numpy as np
 import pandas as pd
 import pytest
 
+from typer.testing import CliRunner
+
+from axrl.cli import app as axrl_app
 from axrl.trace import TraceReader
+from axrl_debug.cli import app as debug_app
 from axrl_debug.analysis.spikes import SpikeConfig, attribute, detect, loss_proxy, robust_z
 from axrl_debug.synthetic import TinySample, TinyToken, gen, tiny_record, write_run
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_robust_z_by_hand():
@@ -34,12 +42,65 @@ def test_flat_history_uses_the_relative_floor():
 def test_detect_flags_up_and_down():
     df = pd.DataFrame({"step": range(12),
                        "loss": [1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 1.0, 9.0, 1.0, 1.02, 0.98, 1.0],
-                       "reward": [0.5, 0.52, 0.48, 0.5, 0.51, 0.49, 0.5, 0.5, 0.5, 0.5, -3.0, 0.5]})
+                       "reward": [0.5, 0.52, 0.48, 0.5, 0.51, 0.49, 0.5, 0.5, 0.5, 0.5, -3.0, 0.5],
+                       "advantage_abs_mean": [0.8] * 12})
     out, spikes = detect(df, SpikeConfig(metrics=("loss", "reward"), window=6, threshold=5))
     assert [(s["step"], s["metric"], s["direction"]) for s in spikes] == [(7, "loss", "up"), (10, "reward", "down")]
     assert out.loc[7, "spikes"] == "loss" and out.loc[10, "spikes"] == "reward" and out.loc[8, "spikes"] == ""
     # the spike at 7 is inside step 8's window but barely moves the median: 8 is not flagged
     assert abs(out.loc[8, "loss_z"]) < 5
+
+
+QUICKSTART_STEPS = Path(__file__).parent / "data" / "quickstart_steps.json"
+
+
+def test_healthy_quickstart_has_no_spikes():
+    """The real 40-step quickstart (tests/data/quickstart_steps.json): its loss moves by ±8e-4
+    around 0 with z up to 14 and its mismatch is fp32 rounding (up to 1.1e-7 = 0.9 ulp), so a
+    z-score alone flagged 7 "spikes" on 6 steps; none is large in the quantity's own units."""
+    doc = json.loads(QUICKSTART_STEPS.read_text())
+    df = pd.DataFrame(doc["steps"])
+    cfg = SpikeConfig.for_run({"model": {"dtype": doc["model_dtype"]}})
+    assert detect(df, cfg)[1] == []
+    # what the z-score alone says about the same steps (the floors switched off)
+    loose = SpikeConfig(min_ratio=1.0, rounding_ulps=0.0, loss_floor=0.0)
+    assert {(s["step"], s["metric"]) for s in detect(df, loose)[1]} >= {(6, "loss"), (37, "loss"), (33, "mismatch")}
+
+
+def test_each_floor_is_what_stops_the_noise():
+    steps = range(12)
+    base = {"step": steps, "advantage_abs_mean": [0.5] * 12}
+    # loss: a z = 13 wiggle of 5e-4 around 0 is 0.1 % of E|A| = 0.5; 0.05 (10 %) is a spike
+    loss = [1e-5, -2e-5, 3e-5, -1e-5, 2e-5, 0.0, -3e-5, 1e-5, 5e-4, 0.0, 0.05, 0.0]
+    found = detect(pd.DataFrame({**base, "loss": loss}), SpikeConfig(metrics=("loss",)))[1]
+    assert [s["step"] for s in found] == [10]
+    # without the advantage scale (metrics.jsonl only) the loss is never flagged
+    assert detect(pd.DataFrame({"step": steps, "loss": loss}), SpikeConfig(metrics=("loss",)))[1] == []
+    # grad norm: 2.5× the baseline is unusual (z > 5) but not 3×; 4× is a spike
+    g = [0.50, 0.51, 0.49, 0.50, 0.52, 0.48, 0.50, 1.25, 0.50, 0.51, 2.0, 0.5]
+    found = detect(pd.DataFrame({**base, "grad_norm": g}), SpikeConfig(metrics=("grad_norm",)))[1]
+    assert [s["step"] for s in found] == [10]
+    # mismatch: 10× the baseline but 0.8 ulp of fp32 is rounding; 10 ulps is not
+    eps = 2.0 ** -23
+    m = [1e-8, 1.1e-8, 0.9e-8, 1e-8, 1e-8, 1.05e-8, 1e-8, 1e-7, 1e-8, 1e-8, 10 * eps, 1e-8]
+    cfg = SpikeConfig(metrics=("mismatch",))
+    assert [s["step"] for s in detect(pd.DataFrame({**base, "mismatch": m}), cfg)[1]] == [10]
+    # in a bf16 run the floor is 4 ulps of bf16 (0.031): the same 1.2e-6 is rounding there
+    assert detect(pd.DataFrame({**base, "mismatch": m}), SpikeConfig.for_run({"model": {"dtype": "bfloat16"}},
+                                                                             metrics=("mismatch",)))[1] == []
+
+
+def test_spike_lr_example_still_shows_its_spike(tmp_path):
+    """examples/spike_lr.yaml for real (~15 s): the 50× learning rate of step 8 shows as grad-norm
+    spikes at steps 8 and 9 and the reward collapse of step 9, and nothing before the fault."""
+    run = tmp_path / "spike"
+    result = CliRunner().invoke(axrl_app, ["train", str(ROOT / "examples" / "spike_lr.yaml"), "--run-dir", str(run)])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(debug_app, ["spikes", str(run), "--json"])
+    assert result.exit_code == 0, result.output
+    found = {(s["step"], s["metric"]) for s in json.loads(result.stdout)["spikes"]}
+    assert {(8, "grad_norm"), (9, "grad_norm"), (9, "reward")} <= found
+    assert min(step for step, _ in found) == 8
 
 
 def attribution_run(path, loss_agg="seq-mean-token-mean", tis=False):
@@ -83,13 +144,13 @@ def test_attribution_ranks_samples_tokens_and_weights(tmp_path):
     a = attribute(reader, 0, top=3)
     assert a["source"] == "proxy" and a["replay_dump"] is None
     # |contributions|: sample 1 → 1.0, sample 0 → 0.5, sample 2 → 0.5 (tie broken by row)
-    assert [s["sample"] for s in a["samples_by_loss"]] == [1, 0, 2]
+    assert [s["row"] for s in a["samples_by_loss"]] == [1, 0, 2]
     s1 = a["samples_by_loss"][0]
     assert s1["loss_contribution"] == pytest.approx(1.0) and s1["loss_share"] == pytest.approx(0.5)
     assert s1["policy_versions"] == [0] and s1["max_version_lag"] == 1 and s1["num_turns"] == 1
     assert [t["token"] for t in a["tokens_by_loss"]][:1] == [4]
     # importance weights: sample 1's Δ = 0.7 dominates; token ranking by |Δ|: 0.7, 0.05, 0.02
-    assert a["samples_by_weight"][0]["sample"] == 1
+    assert a["samples_by_weight"][0]["row"] == 1
     assert [t["token"] for t in a["tokens_by_weight"]] == [4, 8, 2]
     assert a["tokens_by_weight"][1]["turn"] == 2 and a["tokens_by_weight"][1]["position"] == 3
 
@@ -109,4 +170,4 @@ def test_replay_dump_replaces_the_proxy(tmp_path):
     top = a["tokens_by_loss"][0]
     assert top["token"] == 7 and top["loss_contribution"] == pytest.approx(4.0)
     assert top["ratio"] == pytest.approx(np.linspace(0.9, 1.1, 9)[7])
-    assert a["samples_by_loss"][0]["sample"] == 2
+    assert a["samples_by_loss"][0]["row"] == 2

@@ -181,7 +181,7 @@ def _corrupt_chunk(path: Path) -> None:
     (None, -1, "step -1 is not in the trace", 0),
     (lambda run: shutil.rmtree(run / "checkpoints" / "step_000000"), 1, "no checkpoint at or before step 1", 2),
     (lambda run: _truncate(step_file(run, 1)), 1, "step 1's file is damaged", 0),
-    (lambda run: _corrupt_chunk(step_file(run, 3)), 3, "is damaged or incomplete", 2),
+    (lambda run: _corrupt_chunk(step_file(run, 3)), 3, "step 3's file is damaged", 2),
     (lambda run: step_file(run, 0).unlink(), 1, "step 0 (between checkpoint 0 and step 1) is missing", 2),
 ])
 def test_bad_input_names_the_nearest_usable_step(copy, damage, step, needle, nearest):
@@ -191,6 +191,22 @@ def test_bad_input_names_the_nearest_usable_step(copy, damage, step, needle, nea
     text = " ".join(result.output.split())
     assert result.exit_code == 2, text
     assert needle in text and f"nearest usable step: {nearest}" in text
+
+
+def test_damaged_target_is_found_before_any_step_is_rerun(copy):
+    _corrupt_chunk(step_file(copy, 3))
+    result = replay_cli(copy, "--step", 3)
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "step 3's file is damaged" in text and "tokens/advantage" in text
+    assert "re-running step" not in text and "re-executing" not in text
+
+
+def test_damaged_step_before_the_target_is_found_before_any_step_is_rerun(copy):
+    _corrupt_chunk(step_file(copy, 2))        # replaying 3 starts from checkpoint 2: step 2 is re-run first
+    result = replay_cli(copy, "--step", 3)
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "step 2 (between checkpoint 2 and step 3) is damaged" in text
+    assert "re-running step" not in text and "nearest usable step: 1" in text
 
 
 @pytest.mark.parametrize("args,needle", [

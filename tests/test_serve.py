@@ -17,6 +17,7 @@ import torch
 from axrl.inference import GenerateRequest, SamplingParams
 from axrl.model import hf_state_dict, load_hf, save_hf
 from axrl.tokenizer import Tokenizer
+from serve_util import SERVE as SERVE_CMD
 from serve_util import launch, make_model_dir, perturbed, reference
 
 torch.set_num_threads(1)
@@ -141,7 +142,7 @@ def test_openai_endpoints(setup):
     http = setup["http"]
     tok = Tokenizer.from_dir(setup["dir"])
     native = http.post("/generate", json=_body(PROMPTS[1], 8)).json()
-    comp = http.post("/v1/completions", json={"model": "m", "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0,
+    comp = http.post("/v1/completions", json={"model": "model", "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0,
                                               "ignore_eos": True, "logprobs": 1, "return_token_ids": True}).json()
     choice = comp["choices"][0]
     assert comp["object"] == "text_completion"
@@ -151,7 +152,7 @@ def test_openai_endpoints(setup):
     assert comp["usage"] == {"prompt_tokens": len(PROMPTS[1]), "completion_tokens": 8,
                              "total_tokens": len(PROMPTS[1]) + 8}
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2 + 2?"}]
-    chat = http.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 6,
+    chat = http.post("/v1/chat/completions", json={"model": "model", "messages": messages, "max_tokens": 6,
                                                    "temperature": 0, "logprobs": True, "return_token_ids": True,
                                                    "return_meta_info": True}).json()
     c = chat["choices"][0]
@@ -252,3 +253,102 @@ def test_update_weights_from_disk_changes_outputs_and_version(setup, tmp_path):
     assert http.post("/update_weights_from_disk", json={"model_path": str(model_dir), "weight_version": "0"}).json()["success"]
     ref.update_weights(model_dir, version=0)
     assert http.post("/generate", json=_body(PROMPTS[1])).json()["output_ids"] == before["output_ids"]
+
+
+# ---------------------------------------------------------------------------- OpenAI: model, n, stop, stream
+CHAT = [{"role": "user", "content": "Tell me a story."}]
+
+
+def _sse_events(resp) -> tuple[list[dict], bool]:
+    events, done = [], False
+    for line in resp.iter_lines():
+        if line == "data: [DONE]":
+            done = True
+        elif line.startswith("data: "):
+            events.append(json.loads(line[6:]))
+    return events, done
+
+
+def test_openai_model_name_is_validated(setup):
+    http = setup["http"]
+    served = http.get("/v1/models").json()["data"][0]["id"]
+    resp = http.post("/v1/chat/completions", json={"model": "gpt-4o", "messages": CHAT, "max_tokens": 2})
+    assert resp.status_code == 404 and f"serves {served!r}" in resp.json()["message"]
+    assert http.post("/v1/completions", json={"model": served, "prompt": [5, 6], "max_tokens": 2}).status_code == 200
+
+
+def test_openai_n_choices(setup):
+    http = setup["http"]
+    body = {"model": "model", "prompt": PROMPTS[1], "max_tokens": 10, "temperature": 1.0, "seed": 7,
+            "ignore_eos": True, "return_token_ids": True}
+    one = http.post("/v1/completions", json=body).json()["choices"][0]
+    many = http.post("/v1/completions", json={**body, "n": 3}).json()
+    ids = [c["response_token_ids"] for c in many["choices"]]
+    assert [c["index"] for c in many["choices"]] == [0, 1, 2]
+    assert ids[0] == one["response_token_ids"]           # choice 0 samples with the request's own seed
+    assert len({tuple(i) for i in ids}) == 3              # the others with seeds derived from it
+    assert many["usage"]["prompt_tokens"] == len(PROMPTS[1]) and many["usage"]["completion_tokens"] == 30
+    chat = http.post("/v1/chat/completions", json={"model": "model", "messages": CHAT, "max_tokens": 4, "n": 2,
+                                                   "temperature": 1.0, "seed": 1}).json()
+    assert len(chat["choices"]) == 2
+    assert http.post("/v1/completions", json={**body, "n": 0}).status_code == 400
+    assert http.post("/v1/completions", json={**body, "n": 10 ** 4}).status_code == 400
+
+
+def test_openai_stop_strings_cut_text_and_tokens(setup):
+    http = setup["http"]
+    tok = Tokenizer.from_dir(setup["dir"])
+    body = {"model": "model", "prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "skip_special_tokens": False}
+    full = http.post("/v1/completions", json=body).json()["choices"][0]
+    text = full["text"]
+    stop = next(text[i:i + 2] for i in range(4, len(text) - 2) if text[i:i + 2].strip() and text[i:i + 2] not in text[:i])
+    cut = http.post("/v1/completions", json={**body, "stop": [stop, "never-there"]}).json()["choices"][0]
+    assert cut["text"] == text[:text.index(stop)]
+    assert (cut["finish_reason"], cut["matched_stop"]) == ("stop", stop)
+    kept = cut["response_token_ids"]
+    assert kept == full["response_token_ids"][:len(kept)]
+    assert stop not in tok.decode(kept) and stop in tok.decode(full["response_token_ids"][:len(kept) + 1])
+    # the same cut when streamed: the text arrives in pieces, never past the stop
+    with http.stream("POST", "/v1/completions", json={**body, "stop": stop, "stream": True}) as resp:
+        events, done = _sse_events(resp)
+    assert done and events[-1]["choices"][0]["finish_reason"] == "stop"
+    assert "".join(e["choices"][0]["text"] for e in events) == cut["text"]
+    assert events[-1]["choices"][0]["response_token_ids"] == kept
+
+
+def test_openai_chat_stream_matches_the_plain_reply(setup):
+    http = setup["http"]
+    body = {"model": "model", "messages": CHAT, "max_tokens": 160, "temperature": 0, "ignore_eos": True}
+    plain = http.post("/v1/chat/completions", json=body).json()
+    with http.stream("POST", "/v1/chat/completions",
+                     json={**body, "stream": True, "stream_options": {"include_usage": True}}) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events, done = _sse_events(resp)
+    assert done and all(e["object"] == "chat.completion.chunk" for e in events)
+    assert events[0]["choices"][0]["delta"] == {"content": "", "role": "assistant"}
+    deltas = [e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]]
+    assert len([d for d in deltas if d]) >= 2            # it really streams
+    assert "".join(deltas) == plain["choices"][0]["message"]["content"]
+    finals = [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert finals == ["length"]
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == plain["usage"]
+    assert http.post("/v1/chat/completions", json={**body, "stream": True, "logprobs": True}).status_code == 400
+
+
+def test_serve_prints_the_address_and_model_at_start(setup):
+    import subprocess
+
+    from axrl.inference.sglang.launcher import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([*SERVE_CMD, "--model-path", str(setup["dir"]), "--port", str(port)],
+                            stderr=subprocess.PIPE, text=True, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    try:
+        lines = [proc.stderr.readline() for _ in range(2)]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    text = "".join(lines)
+    assert f"model 'model' from {setup['dir']}" in text and "qwen3_moe, 4 layers, 8 experts top-2" in text
+    assert f"listening on http://127.0.0.1:{port}" in text and "/v1/chat/completions" in text

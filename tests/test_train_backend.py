@@ -58,7 +58,10 @@ def grads(backend: TorchBackend) -> dict[str, torch.Tensor]:
 def test_split_order_and_budgets():
     r = lambda *xs: [range(a, b) for a, b in xs]  # noqa: E731
     assert split_micro_batches([5, 9, 3, 12]) == r((0, 4))
-    assert split_micro_batches([5, 9, 3, 12], micro_batch_tokens=14) == r((0, 2), (2, 3), (3, 4))
+    # The budget counts padded tokens (samples × longest): [5, 9] would pad to 18 > 14.
+    assert split_micro_batches([5, 9, 3, 12], micro_batch_tokens=14) == r((0, 1), (1, 2), (2, 3), (3, 4))
+    assert split_micro_batches([5, 7, 3, 12], micro_batch_tokens=14) == r((0, 2), (2, 3), (3, 4))
+    assert split_micro_batches([4, 4, 4, 4, 30, 4], micro_batch_tokens=16) == r((0, 4), (4, 5), (5, 6))
     assert split_micro_batches([5, 9, 3, 12], micro_batch_size=3) == r((0, 3), (3, 4))
     # A sample longer than the budget sits alone; the budget counts real tokens.
     assert split_micro_batches([3, 20, 2, 4], micro_batch_tokens=10) == r((0, 1), (1, 2), (2, 4))

@@ -66,20 +66,33 @@ def test_steps_view_spikes_and_scan(known_run: Path) -> None:
 
 def test_sorting_keys_and_header_click(known_run: Path) -> None:
     async def body(app: DebugApp, pilot: Any) -> None:
+        from axrl_debug.tui.sort_menu import SortMenu
+
         table = app.steps_screen.table
         await pilot.press("down", "down")                                       # cursor on step 2
-        await pilot.press("s")                                                  # → spikes column
+        await pilot.press("s")                                                  # the sort menu
+        assert isinstance(app.screen, SortMenu)
+        await pilot.press("2")                                                  # → spikes column
         assert table.sort_key == "spikes" and table.order[0] == 5
-        assert table.current_key == 2                                           # cursor follows its row
-        await pilot.press("s")                                                  # → reward, biggest first
-        assert table.sort_key == "reward" and table.order == [5, 4, 3, 2, 1, 0]
+        assert table.cursor == 0 and table.current_key == 5                     # the cursor goes to the top
+        await pilot.press("s", "3")                                             # → reward, biggest first
+        assert table.sort_key == "reward" and table.order == [5, 4, 3, 2, 1, 0] and table.sort_desc
+        await pilot.press("down", "s", "3")                                     # the same column: reversed
+        assert table.order == [0, 1, 2, 3, 4, 5] and "reward↑" in table.sort_label() and table.cursor == 0
         await pilot.press("r")
-        assert table.order == [0, 1, 2, 3, 4, 5] and "reward↑" in table.sort_label()
+        assert table.order == [5, 4, 3, 2, 1, 0]
+        await pilot.press("s", "escape")                                        # esc: nothing changes
+        assert table.sort_key == "reward" and app.screen is app.steps_screen
+        # every column is two presses away: the last one too
+        last = table.spec[-1]
+        await pilot.press("s", "0" if len(table.spec) == 10 else "abcdefghijklmnop"[len(table.spec) - 11])
+        assert table.sort_key == last.key
         # mouse: click the "loss" header (x = left padding + start of the column), twice
         loss = next(i for i, c in enumerate(table.spec) if c.key == "loss")
         x = 1 + table._starts[loss] + 1
+        await pilot.press("down")
         await pilot.click(table, offset=(x, 0))
-        assert table.sort_key == "loss" and table.order[0] == 5 and table.sort_desc
+        assert table.sort_key == "loss" and table.order[0] == 5 and table.sort_desc and table.cursor == 0
         await pilot.click(table, offset=(x, 0))
         assert not table.sort_desc and table.order[0] == 2                      # smallest loss 0.49
 
@@ -221,7 +234,7 @@ def test_start_at_step_and_sample(known_run: Path) -> None:
         await pilot.pause()
         assert isinstance(app.screen, TokensScreen) and app.screen.model.step == 4 and app.screen.row == 2
 
-    drive(known_run, body, scan=False, step=4, sample=2)
+    drive(known_run, body, scan=False, step=4, sample=142)      # sample id 142 is row 2 of step 4
 
 
 def test_damaged_step_file_is_a_notification(tmp_path: Path) -> None:
@@ -258,3 +271,9 @@ def test_cli_bad_input_exits_2(tmp_path: Path, known_run: Path) -> None:
     assert res.exit_code == 2 and "nearest" in res.output
     res = runner.invoke(app, ["tui", str(known_run), "--sample", "1"])
     assert res.exit_code == 2
+    # --sample is a sample id (as everywhere a user types one), not a row number
+    res = runner.invoke(app, ["tui", str(known_run), "--step", "4", "--sample", "2"])
+    assert res.exit_code == 2 and "no sample id 2" in res.output and "140-142" in res.output
+    # a good command line, but no terminal: refused instead of drawing to nowhere
+    res = runner.invoke(app, ["tui", str(known_run), "--step", "4", "--sample", "142"])
+    assert res.exit_code == 2 and "needs a terminal" in res.output

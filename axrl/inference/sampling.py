@@ -48,19 +48,21 @@ def sample(logits: torch.Tensor, rows: list[RowParams]) -> tuple[torch.Tensor, l
     """
     logits = logits.float()
     n, vocab = logits.shape
+    dev = logits.device
     temps = [r.temperature for r in rows]
     sampled_idx = [i for i, t in enumerate(temps) if t > 0]
 
     if not sampled_idx:  # fast path: all greedy (the benchmark, and most evaluation)
         tokens_t = logits.argmax(dim=-1)
     else:
-        tokens_t = logits.argmax(dim=-1) if len(sampled_idx) < n else torch.empty(n, dtype=torch.long)
-        idx = torch.tensor(sampled_idx)
+        tokens_t = logits.argmax(dim=-1) if len(sampled_idx) < n else torch.empty(n, dtype=torch.long, device=dev)
+        idx = torch.tensor(sampled_idx, device=dev)
         sub = [rows[i] for i in sampled_idx]
-        t = torch.tensor([r.temperature for r in sub], dtype=torch.float32)[:, None]
+        t = torch.tensor([r.temperature for r in sub], dtype=torch.float32, device=dev)[:, None]
         probs = torch.softmax(logits[idx] / t, dim=-1)
         probs = _filter_top_k_top_p(probs, [r.top_k for r in sub], [r.top_p for r in sub])
-        noise = torch.stack([torch.empty(vocab).exponential_(generator=r.generator) for r in sub])
+        # Drawn on the CPU by each request's own generator, then moved: the same draws on any device.
+        noise = torch.stack([torch.empty(vocab).exponential_(generator=r.generator) for r in sub]).to(dev)
         noise.clamp_(min=torch.finfo(torch.float32).tiny)  # a 0 draw would give 0/0 on filtered tokens
         tokens_t[idx] = (probs / noise).argmax(dim=-1)
 
@@ -68,7 +70,7 @@ def sample(logits: torch.Tensor, rows: list[RowParams]) -> tuple[torch.Tensor, l
     if not any(r.want_logprob for r in rows):
         return tokens_t, tokens, None
     # Greedy rows use T = 1 (plain log_softmax), as SGLang does.
-    scale = torch.tensor([t if t > 0 else 1.0 for t in temps], dtype=torch.float32)[:, None]
+    scale = torch.tensor([t if t > 0 else 1.0 for t in temps], dtype=torch.float32, device=dev)[:, None]
     logprobs = torch.log_softmax(logits / scale, dim=-1).gather(1, tokens_t[:, None])[:, 0]
     return tokens_t, tokens, logprobs.tolist()
 
@@ -80,11 +82,11 @@ def _filter_top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float
     if all(k == vocab for k in ks) and all(p >= 1.0 for p in top_p):
         return probs
     sorted_p, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab)[None]
-    drop = rank >= torch.tensor(ks)[:, None]
+    rank = torch.arange(vocab, device=probs.device)[None]
+    drop = rank >= torch.tensor(ks, device=probs.device)[:, None]
     # Nucleus: drop a token if the mass strictly before it already reaches top_p.
     # top_p >= 1 means off (cumsum can exceed 1.0 by rounding, which must not drop the tail).
-    ps = torch.tensor([p if p < 1.0 else float("inf") for p in top_p], dtype=probs.dtype)
+    ps = torch.tensor([p if p < 1.0 else float("inf") for p in top_p], dtype=probs.dtype, device=probs.device)
     drop |= (sorted_p.cumsum(dim=-1) - sorted_p) > ps[:, None]
     drop[:, 0] = False
     sorted_p = sorted_p.masked_fill(drop, 0.0)

@@ -3,7 +3,7 @@
 The SGLang client (`axrl.inference.sglang`) drives this server and a real SGLang server the
 same way, so the two are interchangeable; black-box agents get the OpenAI endpoints.
 
-Endpoints (SGLang field names and semantics, see shared/ENGINES.md and `sglang.wire`):
+Endpoints (SGLang field names and semantics, see docs/sglang.md and `sglang.wire`):
 
 - `POST /generate` — one request, or a batch (list-valued `input_ids`; admitted together, so
   a batch is scheduled exactly as `EmbeddedEngine.submit_many` would be in-process); `stream`
@@ -29,271 +29,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
+import sys
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, AsyncIterator
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from axrl.inference.embedded import EmbeddedEngine
-from axrl.inference.protocol import GenerateRequest, GenerateResult
+from axrl.inference import openai_compat
+from axrl.inference.protocol import GenerateRequest
+from axrl.inference.serving import AxrlServer, BadRequest, ServeConfig, build_server, error_body
 from axrl.inference.sglang import weight_sync
-from axrl.inference.sglang.wire import WireError, parse_weight_version, result_to_wire, sampling_from_wire
-from axrl.model import hf_state_dict, load_hf
-from axrl.tokenizer import Tokenizer
+from axrl.inference.sglang.wire import WireError
+from axrl.model import hf_state_dict
 
-log = logging.getLogger("axrl.serve")
-
-# /generate fields accepted and ignored (scheduling hints and features that do not change ids).
-_IGNORED_GENERATE = {"log_metrics", "priority", "return_hidden_states", "lora_path", "custom_logit_processor",
-                     "image_data", "audio_data", "video_data", "modalities", "session_params", "bootstrap_host",
-                     "bootstrap_port", "bootstrap_room", "data_parallel_rank", "background", "extra_key", "no_logs"}
-_GENERATE_FIELDS = {"input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len",
-                    "top_logprobs_num", "return_text_in_logprobs", "stream", "rid", "return_routed_experts",
-                    "routed_experts_start_len"} | _IGNORED_GENERATE
-_STREAM_POLL_S = 0.02
-_DISCONNECT_POLL_S = 0.25
-
-
-@dataclass
-class ServeConfig:
-    """`axrl serve` settings; flag names follow `sglang.launch_server` where it has one."""
-
-    model_path: str
-    host: str = "127.0.0.1"
-    port: int = 30000
-    max_running_requests: int = 64     # engine slots (SGLang: --max-running-requests)
-    context_length: int = 1024         # longest prompt + output (SGLang: --context-length)
-    enable_return_routed_experts: bool = False
-    random_seed: int = 0
-    dtype: str = "float32"
-    served_model_name: str | None = None
-    weight_version: str = "0"
-    decode_impl: str = "fused"
-    threads: int = 1
-    log_level: str = "warning"
-
-
-class BadRequest(ValueError):
-    """Client error → HTTP 400 with this message."""
-
-
-def error_body(message: str, code: int = 400) -> dict[str, Any]:
-    """SGLang's (OpenAI-style) error object."""
-    return {"object": "error", "message": message, "type": "BadRequest" if code == 400 else "InternalServerError",
-            "code": code}
-
-
-class AxrlServer:
-    """State behind the HTTP app: the engine, its tokenizer and the weight-sync machinery."""
-
-    def __init__(self, engine: EmbeddedEngine, cfg: ServeConfig, tokenizer: Tokenizer | None) -> None:
-        self.engine, self.cfg, self.tokenizer = engine, cfg, tokenizer
-        self.model_name = cfg.served_model_name or Path(cfg.model_path).name or "axrl"
-        # SGLang's weight_version is a free string; a numeric one *is* the engine's int version.
-        self.version_label: str | None = None if parse_weight_version(cfg.weight_version) is not None \
-            else cfg.weight_version
-        self.shapes = {k: tuple(v.shape) for k, v in hf_state_dict(engine.model).items()}
-        self.live: set[str] = set()
-        self.groups: dict[str, Any] = {}
-        self.staged: dict[str, torch.Tensor] | None = None
-        self.staged_version: str | None = None
-        self.weights_lock = asyncio.Lock()
-
-    # -- versions ------------------------------------------------------------------------------
-    @property
-    def weight_version(self) -> str:
-        return self.version_label if self.version_label is not None else str(self.engine.weight_version)
-
-    def result_version(self, res: GenerateResult) -> str:
-        return self.version_label if self.version_label is not None else str(res.weight_version)
-
-    # -- requests ------------------------------------------------------------------------------
-    def parse_generate(self, body: Any) -> tuple[list[GenerateRequest], list[dict[str, Any]], bool]:
-        """Requests of a /generate body, per-request output options, and whether it was a batch."""
-        if not isinstance(body, dict):
-            raise BadRequest("the /generate body must be a JSON object")
-        unknown = sorted(set(body) - _GENERATE_FIELDS)
-        if unknown:
-            raise BadRequest(f"{unknown[0]}: unknown /generate field (supported: {sorted(_GENERATE_FIELDS - _IGNORED_GENERATE)})")
-        ids, text = body.get("input_ids"), body.get("text")
-        if ids is None and text is None:
-            raise BadRequest("input_ids: a request needs input_ids (or text)")
-        if ids is None:
-            ids = self.encode_text(text)
-        batched = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
-        prompts = ids if batched else [ids]
-        n = len(prompts)
-        if body.get("logprob_start_len") not in (None, -1) and not (isinstance(body["logprob_start_len"], list)
-                                                                     and set(body["logprob_start_len"]) <= {-1}):
-            raise BadRequest("logprob_start_len: only -1 (output tokens only) is supported by axrl serve")
-        if body.get("top_logprobs_num") not in (None, 0):
-            raise BadRequest("top_logprobs_num: top logprobs are not supported by axrl serve (use 0)")
-        routed = body.get("return_routed_experts", False)
-        if not isinstance(routed, bool):
-            raise BadRequest(f"return_routed_experts must be true or false, got {routed!r}")
-        if routed and not self.cfg.enable_return_routed_experts:
-            raise BadRequest("return_routed_experts: start the server with --enable-return-routed-experts")
-        sampling = self.per_request(body, "sampling_params", n, batched, default=None)
-        logprob = self.per_request(body, "return_logprob", n, batched, default=False)
-        starts = self.per_request(body, "routed_experts_start_len", n, batched, default=0)
-        rids = self.per_request(body, "rid", n, batched, default=None)
-        text_lp = bool(body.get("return_text_in_logprobs", False))
-        requests, options = [], []
-        for i in range(n):
-            at = f"[{i}]" if batched else ""
-            raw_sp = sampling[i] or {}
-            sp = sampling_from_wire(raw_sp, f"sampling_params{at}")
-            if not isinstance(logprob[i], bool):
-                raise BadRequest(f"return_logprob{at} must be true or false, got {logprob[i]!r}")
-            start = starts[i]
-            if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-                raise BadRequest(f"routed_experts_start_len{at} must be an int >= 0, got {start!r}")
-            if isinstance(prompts[i], list) and start > len(prompts[i]):
-                raise BadRequest(f"routed_experts_start_len{at}={start} is beyond the prompt's {len(prompts[i])} tokens")
-            rid = rids[i] if rids[i] is not None else uuid.uuid4().hex
-            if not isinstance(rid, str) or not rid:
-                raise BadRequest(f"rid{at} must be a non-empty string, got {rid!r}")
-            if not isinstance(prompts[i], list):
-                raise BadRequest(f"input_ids{at} must be a list of token ids")
-            requests.append(GenerateRequest(input_ids=prompts[i], sampling_params=sp, return_logprob=logprob[i],
-                                            return_routed_experts=routed, routed_experts_start_len=start, rid=rid))
-            options.append({"skip_special_tokens": bool(raw_sp.get("skip_special_tokens", True)),
-                            "text_in_logprobs": text_lp})
-        return requests, options, batched
-
-    @staticmethod
-    def per_request(body: dict[str, Any], key: str, n: int, batched: bool, default: Any) -> list[Any]:
-        value = body.get(key, default)
-        if batched and isinstance(value, list) and key != "input_ids":
-            if len(value) != n:
-                raise BadRequest(f"{key}: {len(value)} values for a batch of {n} requests")
-            return value
-        if isinstance(value, list) and key in ("rid", "routed_experts_start_len", "return_logprob"):
-            raise BadRequest(f"{key}: a list is only valid for a batch (list-valued input_ids)")
-        if batched and key == "rid" and value is not None:
-            raise BadRequest("rid: a batch needs one rid per request (a list)")
-        return [value] * n
-
-    def encode_text(self, text: Any) -> Any:
-        if self.tokenizer is None:
-            raise BadRequest(f"text: the model directory {self.cfg.model_path} has no tokenizer; send input_ids")
-        if isinstance(text, str):
-            return self.tokenizer.encode(text)
-        if isinstance(text, list) and all(isinstance(t, str) for t in text):
-            return [self.tokenizer.encode(t) for t in text]
-        raise BadRequest("text must be a string or a list of strings")
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) if self.tokenizer else ""
-
-    def to_wire(self, res: GenerateResult, req: GenerateRequest, opt: dict[str, Any]) -> dict[str, Any]:
-        texts = None
-        if opt["text_in_logprobs"] and self.tokenizer is not None:
-            texts = [self.tokenizer.decode([t]) for t in res.output_ids]
-        return result_to_wire(res, text=self.decode(res.output_ids, opt["skip_special_tokens"]),
-                              weight_version=self.result_version(res), return_logprob=req.return_logprob,
-                              id_texts=texts)
-
-    def submit(self, requests: list[GenerateRequest]) -> list[asyncio.Future]:
-        """Submit atomically (one admission, as in-process); ValueError → BadRequest."""
-        try:
-            futures = self.engine.submit_many(requests)
-        except ValueError as e:
-            raise BadRequest(str(e)) from None
-        for r in requests:
-            self.live.add(r.rid)
-        return [asyncio.wrap_future(f) for f in futures]
-
-    def done(self, requests: list[GenerateRequest]) -> None:
-        for r in requests:
-            self.live.discard(r.rid)
-
-    def abort_all(self) -> int:
-        return sum(self.engine.abort(rid) for rid in list(self.live))
-
-    async def run(self, requests: list[GenerateRequest], is_disconnected: Any) -> list[GenerateResult]:
-        """Run requests to completion; abort them if the HTTP client goes away meanwhile."""
-        futures = self.submit(requests)
-        try:
-            gathered = asyncio.gather(*futures)
-            while True:
-                done, _ = await asyncio.wait([gathered], timeout=_DISCONNECT_POLL_S)
-                if done:
-                    return gathered.result()
-                if await is_disconnected():
-                    for r in requests:
-                        self.engine.abort(r.rid)
-        finally:
-            self.done(requests)
-
-    async def stream(self, req: GenerateRequest, opt: dict[str, Any]) -> AsyncIterator[bytes]:
-        """SSE: cumulative chunks as tokens arrive, the final result, then [DONE]."""
-        (future,) = self.submit([req])
-        sent = -1
-        try:
-            while not future.done():
-                snap = self.engine.progress(req.rid)
-                if snap is not None and len(snap[0]) > sent:
-                    sent = len(snap[0])
-                    partial = GenerateResult(rid=req.rid, output_ids=snap[0], output_logprobs=snap[1],
-                                             routed_experts=None, finish_reason=None,  # type: ignore[arg-type]
-                                             weight_version=self.engine.weight_version,
-                                             prompt_tokens=len(req.input_ids))
-                    yield _sse(self.to_wire(partial, req, opt))
-                await asyncio.wait([future], timeout=_STREAM_POLL_S)
-            yield _sse(self.to_wire(future.result(), req, opt))
-            yield b"data: [DONE]\n\n"
-        except Exception as e:  # noqa: BLE001 — SGLang reports stream errors in-band
-            yield _sse({"error": {"message": f"{type(e).__name__}: {e}"}})
-            yield b"data: [DONE]\n\n"
-        finally:
-            if not future.done():  # the client went away mid-stream
-                self.engine.abort(req.rid)
-            self.done([req])
-
-    # -- weights -------------------------------------------------------------------------------
-    def engine_version(self, weight_version: Any) -> tuple[int, str | None]:
-        """(engine int version, label) for a requested SGLang weight_version (None: unchanged)."""
-        if weight_version is None:
-            return self.engine.weight_version, self.version_label
-        if not isinstance(weight_version, (str, int)) or isinstance(weight_version, bool):
-            raise BadRequest(f"weight_version must be a string, got {weight_version!r}")
-        parsed = parse_weight_version(weight_version)
-        if parsed is not None:
-            return parsed, None
-        return self.engine.weight_version + 1, str(weight_version)
-
-    def full_state(self, updates: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`updates` completed with the current values of every other weight (partial updates)."""
-        unknown = sorted(set(updates) - set(self.shapes) - {"lm_head.weight"})
-        if unknown:
-            raise BadRequest(f"names: {unknown[:5]} are not weights of this model")
-        for name, t in updates.items():
-            if name in self.shapes and tuple(t.shape) != self.shapes[name]:
-                raise BadRequest(f"shapes: '{name}' has shape {list(t.shape)}, the model's is {list(self.shapes[name])}")
-        current = hf_state_dict(self.engine.model)
-        return {**{k: v.clone() for k, v in current.items() if k not in updates}, **updates}
-
-    async def apply(self, updates: dict[str, torch.Tensor] | str, weight_version: Any) -> None:
-        """Load a state dict (possibly partial) or an HF directory into the engine, set the version."""
-        version, label = self.engine_version(weight_version)
-        source = updates if isinstance(updates, str) else self.full_state(updates)
-        try:
-            await asyncio.to_thread(self.engine.update_weights, source, version)
-        except (ValueError, FileNotFoundError) as e:
-            raise BadRequest(str(e)) from None
-        self.version_label = label
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+__all__ = ["AxrlServer", "BadRequest", "ServeConfig", "build_server", "create_app", "serve"]
 
 
 def _need(body: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
@@ -307,7 +59,6 @@ def _need(body: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
 
 def create_app(server: AxrlServer) -> FastAPI:
     """The FastAPI app for `server`."""
-    from axrl.inference import openai_compat
 
     @asynccontextmanager
     async def lifespan(_app: Any) -> AsyncIterator[None]:
@@ -331,7 +82,7 @@ def create_app(server: AxrlServer) -> FastAPI:
 
     @app.exception_handler(BadRequest)
     async def bad_request(_request: Request, exc: BadRequest) -> JSONResponse:
-        return JSONResponse(error_body(str(exc)), status_code=400)
+        return JSONResponse(error_body(str(exc), exc.code), status_code=exc.code)
 
     @app.exception_handler(WireError)
     async def bad_wire(_request: Request, exc: WireError) -> JSONResponse:
@@ -523,28 +274,21 @@ def create_app(server: AxrlServer) -> FastAPI:
         server.version_label = str(new)
         return JSONResponse({"success": True, "message": f"Weight version updated to {new}", "new_version": str(new)})
 
+    def openai_reply(reply: dict[str, Any] | AsyncIterator[bytes]) -> Response:
+        if isinstance(reply, dict):
+            return JSONResponse(reply)
+        return StreamingResponse(reply, media_type="text/event-stream")
+
     @app.post("/v1/completions")
-    async def completions(request: Request) -> JSONResponse:
-        return JSONResponse(await openai_compat.completions(server, await body_of(request), request.is_disconnected))
+    async def completions(request: Request) -> Response:
+        return openai_reply(await openai_compat.completions(server, await body_of(request), request.is_disconnected))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> JSONResponse:
-        return JSONResponse(await openai_compat.chat_completions(server, await body_of(request),
+    async def chat_completions(request: Request) -> Response:
+        return openai_reply(await openai_compat.chat_completions(server, await body_of(request),
                                                                  request.is_disconnected))
 
     return app
-
-
-def build_server(cfg: ServeConfig) -> AxrlServer:
-    """Load the model directory and start the engine behind the server."""
-    torch.set_num_threads(cfg.threads)
-    model = load_hf(cfg.model_path, dtype=getattr(torch, cfg.dtype))
-    tokenizer = Tokenizer.from_dir(cfg.model_path) if (Path(cfg.model_path) / "tokenizer.json").is_file() else None
-    version = parse_weight_version(cfg.weight_version)
-    engine = EmbeddedEngine(model, max_batch_size=cfg.max_running_requests, max_seq_len=cfg.context_length,
-                            weight_version=version if version is not None else 0, seed=cfg.random_seed,
-                            decode_impl=cfg.decode_impl)  # type: ignore[arg-type]
-    return AxrlServer(engine, cfg, tokenizer)
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -569,9 +313,23 @@ def serve(cfg: ServeConfig) -> None:
 
     if os.environ.get("AXRL_PARENT_PID", "").isdigit() and int(os.environ["AXRL_PARENT_PID"]) == os.getppid():
         _exit_with_parent(os.getppid())
-    server = build_server(cfg)
     started = time.perf_counter()
+    server = build_server(cfg)
     app = create_app(server)
-    log.info("axrl serve: %s on http://%s:%d (%.1f s to load)", cfg.model_path, cfg.host, cfg.port,
-             time.perf_counter() - started)
+    print(startup_message(server, time.perf_counter() - started), file=sys.stderr, flush=True)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False)
+
+
+def startup_message(server: AxrlServer, load_seconds: float) -> str:
+    """What `axrl serve` prints before it starts listening: the model, the address, the endpoints."""
+    cfg, model = server.cfg, server.engine.config
+    experts = f", {model.num_experts} experts top-{model.num_experts_per_tok}" if model.is_moe else ""
+    params = sum(t.numel() for t in hf_state_dict(server.engine.model).values()) / 1e6
+    tokenizer = ("its tokenizer and chat template" if server.tokenizer is not None
+                 else "no tokenizer (send token ids: input_ids / prompt as ids)")
+    base = f"http://{cfg.host}:{cfg.port}"
+    return (f"axrl serve: model {server.model_name!r} from {cfg.model_path} ({model.model_type}, "
+            f"{model.num_hidden_layers} layers{experts}, {params:.2f}M parameters, {cfg.dtype}; {tokenizer}; "
+            f"loaded in {load_seconds:.1f} s)\n"
+            f"  listening on {base}: OpenAI {base}/v1/chat/completions, {base}/v1/completions (model "
+            f"{server.model_name!r}), SGLang {base}/generate; Ctrl-C stops")

@@ -6,6 +6,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 _MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES.values())
 
 
 @dataclass
@@ -98,6 +99,10 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         """Parse an HF `config.json` dict of a Qwen3 or Qwen3-MoE model."""
+        arch = d.get("architectures")
+        if arch is not None and (not isinstance(arch, list) or not set(arch) <= set(SUPPORTED_ARCHITECTURES)):
+            raise ValueError(f"config.json 'architectures' is {arch!r}; AxRL's embedded model (trainer, engine, "
+                             f"trace) supports {list(SUPPORTED_ARCHITECTURES)}")
         model_type = d.get("model_type")
         if model_type not in _MODEL_TYPES:
             raise ValueError(f"config.json 'model_type' is {model_type!r}; AxRL's embedded model "

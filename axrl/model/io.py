@@ -16,7 +16,9 @@ if TYPE_CHECKING:
     from axrl.tokenizer import Tokenizer
 
 WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"  # sharded checkpoints (transformers' save_pretrained)
 CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
 
 
 def build_model(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
@@ -43,6 +45,9 @@ def save_hf(model: Qwen3ForCausalLM, out_dir: str | Path, tokenizer: "Tokenizer 
     if tokenizer is not None:
         cfg.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         tokenizer.save(out)
+        # What transformers' generate() and SGLang stop on: every eos token of the tokenizer.
+        generation = {"eos_token_id": tokenizer.stop_token_ids, "pad_token_id": tokenizer.pad_token_id}
+        (out / GENERATION_CONFIG_NAME).write_text(json.dumps(generation, indent=2) + "\n")
     (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     save_file(hf_state_dict(model), str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     return out
@@ -78,12 +83,34 @@ def load_weights_into(model: Qwen3ForCausalLM, state_dict: dict[str, torch.Tenso
             params[name].copy_(src.to(params[name].dtype))
 
 
+def read_weights(model_dir: str | Path) -> tuple[dict[str, torch.Tensor], str]:
+    """The safetensors weights of an HF directory (one file, or the shards an index names) and a
+    description of where they came from."""
+    d = Path(model_dir)
+    single, index = d / WEIGHTS_NAME, d / WEIGHTS_INDEX_NAME
+    if single.is_file():
+        return load_file(str(single)), str(single)
+    if not index.is_file():
+        if any(d.glob("*.bin")) or any(d.glob("*.pt")):
+            raise FileNotFoundError(f"{d} holds pickled PyTorch weights (*.bin/*.pt); AxRL reads safetensors only: "
+                                    "convert with transformers (from_pretrained(DIR).save_pretrained(DIR))")
+        raise FileNotFoundError(f"{single} not found (nor {WEIGHTS_INDEX_NAME} for sharded weights)")
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index}: not a safetensors index (needs a 'weight_map' object): {e}") from None
+    weights: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        if not (d / shard).is_file():
+            raise FileNotFoundError(f"{d / shard} not found ({index} names it)")
+        weights.update(load_file(str(d / shard)))
+    return weights, f"{index} ({len(shards)} shards)"
+
+
 def load_hf(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
     """Load an HF Qwen3 / Qwen3-MoE directory (e.g. one written by `save_hf` or by transformers)."""
     cfg = load_config(model_dir)
-    weights = Path(model_dir) / WEIGHTS_NAME
-    if not weights.is_file():
-        raise FileNotFoundError(f"{weights} not found (sharded checkpoints are not supported yet)")
+    weights, source = read_weights(model_dir)
     model = Qwen3ForCausalLM(cfg).to(dtype)
-    load_weights_into(model, load_file(str(weights)), source=str(weights))
+    load_weights_into(model, weights, source=source)
     return model

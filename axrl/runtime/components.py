@@ -11,13 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
-from axrl.agents.tasks import Task, get_task
+from axrl.agents.tasks import Task
+from axrl.agents.tasks.resolve import resolve_task
 from axrl.algo.processor import AlgorithmProcessor
 from axrl.config import Config, ConfigError
 from axrl.data import PromptLoader
 from axrl.inference.embedded import EmbeddedEngine
 from axrl.inference.protocol import InferenceEngine, SamplingParams
 from axrl.model import Qwen3ForCausalLM, build_model, load_hf, load_weights_into, preset_config
+from axrl.model.device import resolve_device
 from axrl.rollout.agent_loop import opening
 from axrl.rollout.pool import TrajectoryPool
 from axrl.rollout.runner import Clock, RolloutSettings
@@ -26,7 +28,7 @@ from axrl.rollout.worker import RolloutPolicy, RolloutWorker
 from axrl.runtime.evaluator import Evaluator
 from axrl.runtime.train_worker import TrainWorker
 from axrl.sync import WeightSync
-from axrl.tokenizer import Tokenizer
+from axrl.tokenizer import Tokenizer, load_tokenizer
 from axrl.train import TorchBackend, TorchBackendConfig
 from axrl.train.protocol import TrainBackend
 
@@ -84,7 +86,7 @@ def check_context(cfg: Config, tokenizer: Tokenizer, task: Task, loader: PromptL
 
 def build_components(cfg: Config) -> Components:
     tokenizer = make_tokenizer(cfg)
-    task = get_task(cfg.data.task, **cfg.data.task_args)
+    task = resolve_task(cfg.data, warmup=cfg.warmup.steps > 0, evaluate=cfg.eval.every > 0)
     loader = (PromptLoader.from_file(cfg.data.path, seed=cfg.seed) if cfg.data.path
               else PromptLoader.from_task(task, seed=cfg.seed))
     check_context(cfg, tokenizer, task, loader)
@@ -93,7 +95,7 @@ def build_components(cfg: Config) -> Components:
     model_config = backend.model_config
     r = cfg.rollout
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, stop_token_ids=[tokenizer.eos_token_id])
+                              top_k=r.top_k, stop_token_ids=tokenizer.stop_token_ids)
     settings = RolloutSettings(group_size=r.group_size, sampling=sampling, max_turns=r.max_turns,
                                max_context_len=r.max_context_len, return_routing=model_config.is_moe)
     schedule = Schedule(cfg.runtime.mode, cfg.data.prompts_per_step, r.max_staleness, clocked=cfg.runtime.deterministic)
@@ -117,18 +119,19 @@ def build_components(cfg: Config) -> Components:
 
 
 def make_tokenizer(cfg: Config) -> Tokenizer:
-    """The run's tokenizer and chat template."""
-    return Tokenizer.default()
+    """The run's tokenizer and chat template: `model.path`'s own, else the built-in one."""
+    return load_tokenizer(cfg.model.path)
 
 
 def initial_model(cfg: Config, tokenizer: Tokenizer) -> Qwen3ForCausalLM:
     """The policy before any training: `model.path` loaded, or a random-init `model.preset`."""
     dtype = getattr(torch, cfg.model.dtype)
+    device = resolve_device(cfg.runtime.device)
     if cfg.model.path:
-        return load_hf(cfg.model.path, dtype=dtype)
+        return load_hf(cfg.model.path, dtype=dtype).to(device)
     model_cfg = preset_config(cfg.model.preset, vocab_size=tokenizer.vocab_size,
                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    return build_model(model_cfg, seed=cfg.model.init_seed, dtype=dtype)
+    return build_model(model_cfg, seed=cfg.model.init_seed, dtype=dtype).to(device)
 
 
 def make_train_backend(cfg: Config, tokenizer: Tokenizer, *, compute_dtype: str | None = None) -> TrainBackend:
@@ -171,7 +174,7 @@ def make_engine(cfg: Config, backend: TrainBackend, tokenizer: Tokenizer) -> Inf
 def make_embedded_engine(cfg: Config, backend: TrainBackend, tokenizer: Tokenizer, *, clocked: bool) -> EmbeddedEngine:
     """An in-process engine with its own copy of the trainer's weights, as a remote server would
     hold; weight sync copies into it. A clocked engine is stepped by its rollout driver."""
-    model = Qwen3ForCausalLM(backend.model_config).to(getattr(torch, cfg.model.dtype))
+    model = Qwen3ForCausalLM(backend.model_config).to(resolve_device(cfg.runtime.device), getattr(torch, cfg.model.dtype))
     load_weights_into(model, dict(backend.named_weights()), source="the trainer's weights")
     return EmbeddedEngine(model.eval(), max_batch_size=cfg.rollout.max_batch_size,
                           max_seq_len=cfg.rollout.max_context_len, eos_token_id=tokenizer.eos_token_id,

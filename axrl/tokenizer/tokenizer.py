@@ -1,12 +1,25 @@
-"""AxRL's tokenizer: a thin wrapper over ``tokenizers.Tokenizer`` plus the ChatML template.
+"""AxRL's tokenizer: a thin wrapper over ``tokenizers.Tokenizer`` plus a Jinja chat template.
 
 Deliberately free of ``transformers``: rollout workers and the trainer only need token ids, and
 the HF-format files written by :meth:`Tokenizer.save` keep exported models loadable by HF.
+
+The same class serves the shipped tokenizer (``Tokenizer.default()``, ChatML) and a Hugging Face
+checkpoint's own (``Tokenizer.from_dir(model_dir)``): everything the agent loop needs is derived
+from the directory's files, not assumed —
+
+* the end-of-turn token (``eos_token_id``) is the token the chat template writes right after an
+  assistant message's text; it must be one of the checkpoint's eos tokens
+  (``tokenizer_config.json`` ``eos_token``, ``generation_config.json`` / ``config.json``
+  ``eos_token_id``), all of which are ``stop_token_ids``;
+* the generation prompt is what ``add_generation_prompt`` adds to a conversation;
+* the tool-call format is the text the template wraps around a call's JSON (Qwen and ChatML:
+  ``<tool_call>`` … ``</tool_call>``), see :attr:`Tokenizer.tool_call_tags`.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -14,8 +27,19 @@ from typing import Any
 from tokenizers import Tokenizer as _HFTokenizer
 
 from axrl.tokenizer import chat_template as _ct
+from axrl.tokenizer.tool_calls import TOOL_CALL_END, TOOL_CALL_START, parse_tool_calls
 
 Message = dict[str, Any]
+
+# Special-token strings transformers exposes to chat templates (`bos_token`, `eos_token`, …).
+TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+_MARK = "\x00"  # a character no template emits on its own
+# A conversation shaped like an agent episode: what incremental encoding must reproduce.
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "probe",
+                                                "parameters": {"type": "object", "properties": {}}}}
+_PROBE = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+          {"role": "assistant", "content": "", "tool_calls": [{"name": "probe", "arguments": {"x": 1}}]},
+          {"role": "tool", "content": "r"}, {"role": "assistant", "content": "a"}]
 
 
 class Tokenizer:
@@ -25,32 +49,74 @@ class Tokenizer:
     them unless asked otherwise, so ``decode(encode(text)) == text`` for any string.
     """
 
-    def __init__(self, tokenizer: _HFTokenizer, config: dict[str, Any]) -> None:
-        """Wrap a loaded ``tokenizers.Tokenizer`` and its ``tokenizer_config.json`` dict."""
+    def __init__(self, tokenizer: _HFTokenizer, config: dict[str, Any], *, eos_token_ids: list[int] | None = None,
+                 pad_token_id: int | None = None, source: str = "tokenizer") -> None:
+        """Wrap a loaded ``tokenizers.Tokenizer`` and its ``tokenizer_config.json`` dict.
+
+        ``eos_token_ids`` / ``pad_token_id``: what ``generation_config.json`` or ``config.json`` of
+        a model directory say (they complement the config's ``eos_token`` / ``pad_token``).
+        ``source`` names the directory in error messages.
+        """
         self._tok = tokenizer
         self.config = dict(config)
-        self.chat_template: str = self.config.get("chat_template") or _ct.CHAT_TEMPLATE
-        self.eos_token: str = self.config.get("eos_token") or _ct.IM_END
-        self.pad_token: str = self.config.get("pad_token") or _ct.PAD_TOKEN
-        self.eos_token_id: int = self._require_id(self.eos_token)
-        self.pad_token_id: int = self._require_id(self.pad_token)
-        self.im_start_id: int = self._require_id(_ct.IM_START)
-        self.im_end_id: int = self._require_id(_ct.IM_END)
+        self.source = source
+        self.chat_template: str = _pick_template(self.config.get("chat_template"), source)
+        # transformers renders templates with the special-token strings of the config.
+        self.template_tokens = {k: v for k in TEMPLATE_TOKENS if (v := _token_str(self.config.get(k)))}
+        self._generation_prompt = self._generation_prompt_text()
+        self.eos_token_id: int = self._turn_end_id()
+        self.eos_token: str = self._tok.id_to_token(self.eos_token_id)
+        named = {self._require_id(t) for k in ("eos_token",) if (t := self.template_tokens.get(k))}
+        declared = named | set(eos_token_ids or [])
+        if declared and self.eos_token_id not in declared:
+            raise ValueError(f"{source}: the chat template ends an assistant turn with {self.eos_token!r} "
+                             f"(id {self.eos_token_id}), which is not one of the eos tokens the directory declares "
+                             f"({sorted(declared)}: tokenizer_config.json eos_token, generation_config.json / "
+                             "config.json eos_token_id); generation would not stop at the end of a turn")
+        self.stop_token_ids: list[int] = sorted(declared | {self.eos_token_id})
+        pad = self.template_tokens.get("pad_token")
+        self.pad_token_id: int = self._require_id(pad) if pad else pad_token_id if pad_token_id is not None \
+            else self.eos_token_id
+        self.pad_token: str = self._tok.id_to_token(self.pad_token_id)
+        # ChatML markers, when the vocabulary has them (None otherwise).
+        self.im_start_id: int | None = self._tok.token_to_id(_ct.IM_START)
+        self.im_end_id: int | None = self._tok.token_to_id(_ct.IM_END)
+        self.tool_call_tags: tuple[str, str] | None = self._tool_call_tags()
 
     # -- loading / saving ---------------------------------------------------------------
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load ``tokenizer.json`` (+ ``tokenizer_config.json``, ``chat_template.jinja`` if any)."""
+        """Load a tokenizer directory or a Hugging Face model directory: ``tokenizer.json`` (the
+        `tokenizers` library's format) + ``tokenizer_config.json``, ``chat_template.jinja`` /
+        ``chat_template.json``, ``generation_config.json`` and ``config.json`` when present."""
         path = Path(path)
-        tok = _HFTokenizer.from_file(str(path / "tokenizer.json"))
-        cfg_file = path / "tokenizer_config.json"
-        config = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.exists() else {}
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"{tok_file} not found: AxRL reads fast tokenizers (tokenizer.json); write one "
+                                    "with transformers: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)")
+        try:
+            tok = _HFTokenizer.from_file(str(tok_file))
+        except Exception as e:  # the Rust side raises plain Exceptions for bad files
+            raise ValueError(f"{tok_file}: not a readable tokenizers file ({e})") from None
+        config = _read_json(path / "tokenizer_config.json")
         # transformers >= 4.43 saves the template as a separate file, which then takes precedence.
         jinja_file = path / "chat_template.jinja"
         if jinja_file.exists():
             config["chat_template"] = jinja_file.read_text(encoding="utf-8")
-        return cls(tok, config)
+        elif (path / "chat_template.json").is_file():
+            config["chat_template"] = _read_json(path / "chat_template.json").get("chat_template")
+        for key, value in _read_json(path / "special_tokens_map.json").items():
+            config.setdefault(key, value)
+        eos: list[int] = []
+        pad = None
+        for name in ("generation_config.json", "config.json"):
+            meta = _read_json(path / name)
+            ids = meta.get("eos_token_id")
+            eos += [int(i) for i in (ids if isinstance(ids, list) else [ids]) if isinstance(i, int)]
+            if pad is None and isinstance(meta.get("pad_token_id"), int):
+                pad = int(meta["pad_token_id"])
+        return cls(tok, config, eos_token_ids=eos, pad_token_id=pad, source=str(path))
 
     @classmethod
     def default(cls) -> Tokenizer:
@@ -64,11 +130,63 @@ class Tokenizer:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         config = {**self.config, "chat_template": self.chat_template}
-        special = {"eos_token": self.eos_token, "pad_token": self.pad_token}
+        special = {**self.template_tokens, "pad_token": self.pad_token}
         (path / "tokenizer.json").write_text(self._tok.to_str(pretty=True) + "\n", encoding="utf-8")
         (path / "tokenizer_config.json").write_text(dump_json(config), encoding="utf-8")
         (path / "special_tokens_map.json").write_text(dump_json(special), encoding="utf-8")
         return path
+
+    # -- what the template implies ------------------------------------------------------
+
+    def _render(self, messages: list[Message], **kw: Any) -> str:
+        try:
+            return self.apply_chat_template(messages, tokenize=False, **kw)  # type: ignore[return-value]
+        except Exception as e:  # a template that cannot render the basic shapes is unusable here
+            raise ValueError(f"{self.source}: the chat template cannot render {messages!r}: {e}") from None
+
+    def _turn_end_id(self) -> int:
+        text = self._render([{"role": "assistant", "content": _MARK}])
+        after = self.encode(text[text.rindex(_MARK) + 1:])
+        if not after or after[0] not in self.special_token_ids:
+            raise ValueError(f"{self.source}: the chat template does not close an assistant message with a special "
+                             f"token (it writes {text[text.rindex(_MARK) + 1:]!r} after the text); the agent loop "
+                             "needs one to know where a turn ends")
+        return after[0]
+
+    def _tool_call_tags(self) -> tuple[str, str] | None:
+        """The text the template puts before and after a tool call's JSON object, stripped; None
+        when the template renders no tool calls."""
+        call = {"name": "probe", "arguments": {"x": 1}}
+        text = self._render([{"role": "assistant", "content": "", "tool_calls": [call]}])
+        body = text[len(self.generation_prompt_text()) if text.startswith(self.generation_prompt_text()) else 0:
+                    text.rfind(self.eos_token)]
+        if "probe" not in body or "{" not in body:
+            return None
+        before, after = body[:body.index("{")].strip(), body[body.rindex("}") + 1:].strip()
+        return (before, after) if before and after else None
+
+    def incremental_mismatch(self, conversation: list[Message], tools: list[dict[str, Any]] | None = None) -> str | None:
+        """Where encoding ``conversation`` message by message (as the agent loop and the warm-up
+        do) differs from rendering it whole; None when they agree."""
+        whole = list(self.apply_chat_template(conversation, tools=tools, add_generation_prompt=True))
+        parts: list[int] = []
+        for i, m in enumerate(conversation):
+            parts += self.encode_message(m, tools=tools if i == 0 else None)
+        parts += self.generation_prompt_ids()
+        if parts == whole:
+            return None
+        k = next((i for i, (a, b) in enumerate(zip(parts, whole)) if a != b), min(len(parts), len(whole)))
+        return (f"token {k}: message by message gives {self.decode(parts[k:k + 8])!r}, "
+                f"the whole conversation {self.decode(whole[k:k + 8])!r}")
+
+    def check_incremental(self) -> None:
+        """Warn when the template renders an agent-shaped conversation differently message by
+        message than whole (e.g. merged tool results): the token stream the policy is trained on
+        then differs from what the template would render for the same chat (serving)."""
+        problem = self.incremental_mismatch(_PROBE, tools=[_PROBE_TOOL])
+        if problem:
+            warnings.warn(f"{self.source}: the chat template is not prefix-stable ({problem}); AxRL's episodes "
+                          "are built message by message", stacklevel=2)
 
     # -- vocabulary ---------------------------------------------------------------------
 
@@ -93,7 +211,7 @@ class Tokenizer:
     def _require_id(self, token: str) -> int:
         token_id = self._tok.token_to_id(token)
         if token_id is None:
-            raise ValueError(f"token {token!r} missing from the vocabulary")
+            raise ValueError(f"{self.source}: token {token!r} missing from the vocabulary")
         return token_id
 
     # -- text <-> ids -------------------------------------------------------------------
@@ -124,27 +242,75 @@ class Tokenizer:
         Same output as ``transformers``' ``apply_chat_template`` on the saved directory.
         """
         # transformers exposes the special-token strings to templates; mirror it for parity.
-        text = _ct.render(
-            self.chat_template, messages, tools=tools, add_generation_prompt=add_generation_prompt,
-            eos_token=self.eos_token, pad_token=self.pad_token,
-        )
+        text = _ct.render(self.chat_template, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                          **self.template_tokens)
         return self.encode(text) if tokenize else text
 
     def encode_message(self, message: Message, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Ids of one message as it appears inside a rendered conversation.
 
         Concatenating ``encode_message`` over a conversation, then ``generation_prompt_ids()``,
-        equals ``apply_chat_template(messages, tools, add_generation_prompt=True)``. Pass
-        ``tools`` with the first message only: the tools block is rendered in front of it.
+        equals ``apply_chat_template(messages, tools, add_generation_prompt=True)`` when the
+        template is prefix-stable (ChatML is; :meth:`check_incremental` tells). Pass ``tools`` with
+        the first message only: the tools block is rendered in front of it.
         """
         return self.apply_chat_template([message], tools=tools)
 
+    def generation_prompt_text(self) -> str:
+        """Text that opens an assistant turn (ChatML: ``<|im_start|>assistant\\n``)."""
+        return self._generation_prompt
+
+    def _generation_prompt_text(self) -> str:
+        # What add_generation_prompt appends to a conversation: templates may not render an empty one.
+        probe = [{"role": "user", "content": _MARK}]
+        with_prompt, without = self._render(probe, add_generation_prompt=True), self._render(probe)
+        if not with_prompt.startswith(without) or with_prompt == without:
+            raise ValueError(f"{self.source}: add_generation_prompt does not append an assistant opening to the "
+                             "rendered conversation")
+        return with_prompt[len(without):]
+
     def generation_prompt_ids(self) -> list[int]:
         """Ids that open an assistant turn (``<|im_start|>assistant\\n``)."""
-        return self.apply_chat_template([], add_generation_prompt=True)
+        return self.encode(self.generation_prompt_text())
+
+    def parse_tool_calls(self, text: str) -> list[dict[str, Any]]:
+        """The tool calls in assistant ``text``, in this template's format (see
+        :func:`axrl.tokenizer.parse_tool_calls`)."""
+        start, end = self.tool_call_tags or (TOOL_CALL_START, TOOL_CALL_END)
+        return parse_tool_calls(text, start=start, end=end)
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, eos={self.eos_token!r}, pad={self.pad_token!r})"
+
+
+def _pick_template(template: Any, source: str) -> str:
+    """The chat template of a config: a string, or transformers' list of named templates."""
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    if not isinstance(template, str) or not template.strip():
+        raise ValueError(f"{source}: no chat template (tokenizer_config.json 'chat_template' or chat_template.jinja); "
+                         "AxRL renders every episode with the model's own template")
+    return template
+
+
+def _token_str(value: Any) -> str | None:
+    """A special token as configured: a string or transformers' AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
 
 
 def dump_json(obj: Any) -> str:

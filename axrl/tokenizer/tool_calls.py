@@ -7,6 +7,7 @@ the environment can answer with an error message (and the reward can penalise it
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any
@@ -14,9 +15,13 @@ from typing import Any
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 
-# A block runs to the next end tag; a start tag with no end (generation hit max_new_tokens or
-# stopped early) runs to the end of the text so it is reported instead of silently dropped.
-_BLOCK = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)(" + re.escape(TOOL_CALL_END) + r"|$)", re.S)
+
+
+@functools.lru_cache(maxsize=8)
+def _block(start: str, end: str) -> re.Pattern[str]:
+    # A block runs to the next end tag; a start tag with no end (generation hit max_new_tokens or
+    # stopped early) runs to the end of the text so it is reported instead of silently dropped.
+    return re.compile(re.escape(start) + r"(.*?)(" + re.escape(end) + r"|$)", re.S)
 
 
 def _entry(raw: str, name: str | None = None, arguments: dict[str, Any] | None = None,
@@ -24,9 +29,9 @@ def _entry(raw: str, name: str | None = None, arguments: dict[str, Any] | None =
     return {"name": name, "arguments": arguments, "error": error, "raw": raw}
 
 
-def _parse_one(raw: str, closed: bool) -> dict[str, Any]:
+def _parse_one(raw: str, closed: bool, start: str) -> dict[str, Any]:
     if not closed:
-        return _entry(raw, error=f"unterminated {TOOL_CALL_START} block")
+        return _entry(raw, error=f"unterminated {start} block")
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -49,8 +54,9 @@ def _parse_one(raw: str, closed: bool) -> dict[str, Any]:
     return _entry(raw, name=name, arguments=args)
 
 
-def parse_tool_calls(text: str) -> list[dict[str, Any]]:
-    """Extract the tool calls from assistant text, in order.
+def parse_tool_calls(text: str, start: str = TOOL_CALL_START, end: str = TOOL_CALL_END) -> list[dict[str, Any]]:
+    """Extract the tool calls from assistant text, in order (blocks ``start`` … ``end``; a
+    tokenizer's :meth:`~axrl.tokenizer.Tokenizer.parse_tool_calls` passes its template's tags).
 
     Each entry is ``{"name", "arguments", "error", "raw"}``: on success ``error`` is None,
     ``name`` is a str and ``arguments`` a dict; on failure ``error`` says why (``name`` is
@@ -58,4 +64,5 @@ def parse_tool_calls(text: str) -> list[dict[str, Any]]:
     any ``<tool_call>`` yields ``[]``. Decode with ``skip_special_tokens=False`` so the tags
     survive.
     """
-    return [_parse_one(m.group(1).strip(), closed=bool(m.group(2))) for m in _BLOCK.finditer(text)]
+    return [_parse_one(m.group(1).strip(), closed=bool(m.group(2)), start=start)
+            for m in _block(start, end).finditer(text)]

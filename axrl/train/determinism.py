@@ -1,6 +1,6 @@
 """Deterministic mode and pickle-free RNG state capture.
 
-Deterministic mode (DESIGN §4) = fixed seeds + fixed thread count + deterministic algorithms.
+Deterministic mode (docs/design.md) = fixed seeds + fixed thread count + deterministic algorithms.
 RNG states are split into tensors (saved with safetensors) and plain JSON values, so a
 checkpoint never needs unpickling to be restored.
 """

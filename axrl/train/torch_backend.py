@@ -1,5 +1,5 @@
 """The embedded PyTorch train backend: micro-batched forward/backward, AdamW, LR schedule and
-pickle-free checkpoints, bitwise reproducible in deterministic mode (DESIGN §3, §4).
+pickle-free checkpoints, bitwise reproducible in deterministic mode (docs/design.md).
 
 Precision: parameters, gradients and optimizer state stay in the model's dtype (fp32 for
 `build_model`); `dtype="bfloat16"` runs the forward under CPU/CUDA autocast (fp32 master

@@ -29,13 +29,14 @@ JSONL_METRICS = {"reward": "reward", "loss": "loss", "grad_norm": "grad_norm", "
 STEP_COLUMNS = ("step", "policy_version", "reward", "loss", "grad_norm", "clipfrac", "mismatch",
                 "mismatch_max", "mismatch_p99", "kl_k3", "ratio_max", "frac_above_tis_cap",
                 "routing_agreement", "version_lag_mean", "version_lag_max", "samples", "failed",
-                "tokens", "generated_tokens", "weights_fingerprint_after")
+                "tokens", "generated_tokens", "advantage_abs_mean", "weights_fingerprint_after")
 
 # Columns of traces with /tokens/behaviour_train_logprob (the split of the mismatch, Δ = Δ_engine +
 # Δ_staleness: mean |Δ_engine| and mean |Δ_staleness| per step), placed after ``mismatch_p99``.
 SPLIT_STEP_COLUMNS = ("mismatch_engine", "mismatch_staleness")
 
-_STEP_EXTRA_COLUMNS = ["/samples/reward", "/samples/status", "/train/updates/loss", "/train/updates/grad_norm"]
+_STEP_EXTRA_COLUMNS = ["/samples/reward", "/samples/status", "/train/updates/loss", "/train/updates/grad_norm",
+                       "/tokens/advantage"]
 _STEP_OPTIONAL_COLUMNS = ["/train/updates/clipfrac", "/train/weights_fingerprint_after"]
 
 
@@ -93,6 +94,8 @@ def step_table(reader: TraceReader, steps: Iterable[int] | None = None,
             "failed": int((~ok).sum()),
             "tokens": head["tokens"],
             "generated_tokens": head["generated"],
+            # the loss's natural unit: the spike detector's loss floor scales with it
+            "advantage_abs_mean": _nanmean(np.abs(sc["/tokens/advantage"][np.asarray(sc["/tokens/loss_mask"]) != 0])),
             "weights_fingerprint_after": sc.get("/train/weights_fingerprint_after"),
         }
         if "engine_mean_abs" in head:

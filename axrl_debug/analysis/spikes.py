@@ -8,14 +8,29 @@ excluded, so a spike cannot hide itself):
 
     med_i   = median(window)          MAD_i = median(|window − med_i|)
     scale_i = max(1.4826 · MAD_i, rel_floor · |med_i|, abs_floor)
-    z_i     = (x_i − med_i) / scale_i           spike ⇔ |z_i| > threshold
+    z_i     = (x_i − med_i) / scale_i
 
 (for grad norm and the mismatch metrics only upward: z_i > threshold, unless ``two_sided``)
 
-1.4826·MAD is the normal-consistent robust standard deviation. The floors stop a perfectly flat
-history (MAD = 0, e.g. a loss that is exactly 0 while rewards are all equal) from turning every
-tiny wiggle into an infinite z. Steps with fewer than ``min_history`` finite values before them
-are never flagged.
+1.4826·MAD is the normal-consistent robust standard deviation. Steps with fewer than
+``min_history`` finite values before them are never flagged.
+
+A large z alone is not a spike: ten steps of a quantity that is almost constant give a tiny MAD,
+and then noise scores z = 13 (the healthy quickstart's loss moves by ±5e-4 around 0; its mismatch
+is fp32 rounding, 2e-8..1.1e-7). So a step is flagged only when |z_i| > threshold **and** the
+deviation is large in its own units:
+
+* positive scale metrics (grad norm, mismatch, ratio max, …, ``ONE_SIDED_UP``): x_i ≥ ``min_ratio``
+  × med_i (default 3: the quickstart's grad norm stays within 1.8× its trailing median; the
+  learning-rate fault of ``examples/spike_lr.yaml`` takes it to 3.9× then 11×);
+* the mismatch metrics (mean, p99 and max |Δ|) also x_i ≥ ``rounding_ulps`` · eps(dtype), eps
+  the machine epsilon of the run's ``model.dtype`` (fp32 1.19e-7, bf16 7.8e-3): a mean |Δ| below
+  4 ulps is rounding, not a disagreement (healthy fp32 runs measure 0.2–1.3 ulps);
+* the loss: |x_i − med_i| ≥ ``loss_floor`` · E|A|_i, E|A| the step's mean |advantage| over its
+  loss tokens (``advantage_abs_mean``). The PPO loss at ratio 1 is −E[w·A] ≈ 0 (advantages are
+  centred); what moves it is E[(ratio − 1)·A], so a deviation under 1 % of E|A| is a policy
+  change under 1 % per token — noise next to a 20 % clip band. Without the column (metrics.jsonl
+  only, before the TUI's scan) the loss is not flagged.
 
 Attribution
 -----------
@@ -62,6 +77,14 @@ ONE_SIDED_UP = frozenset({"grad_norm", "mismatch", "mismatch_max", "mismatch_p99
 MAD_TO_SIGMA = 1.4826
 
 
+# Machine epsilon of the dtypes a run may compute in (`model.dtype`).
+DTYPE_EPS = {"float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
+# |Δ| metrics whose values below a few ulps of the run's dtype are rounding.
+ROUNDING_METRICS = frozenset({"mismatch", "mismatch_p99", "mismatch_max"})
+# The step-table column that scales the loss floor.
+ADVANTAGE_SCALE = "advantage_abs_mean"
+
+
 @dataclass(frozen=True)
 class SpikeConfig:
     metrics: tuple[str, ...] = DEFAULT_SPIKE_METRICS
@@ -71,6 +94,21 @@ class SpikeConfig:
     rel_floor: float = 0.1
     abs_floor: float = 1e-12
     two_sided: bool = False       # True: flag drops of the ONE_SIDED_UP metrics too
+    min_ratio: float = 3.0        # ONE_SIDED_UP metrics: value ≥ min_ratio × baseline (or ≤ 1/min_ratio ×)
+    rounding_ulps: float = 4.0    # mismatch metrics: value ≥ rounding_ulps × eps(dtype)
+    loss_floor: float = 0.01      # loss: |value − baseline| ≥ loss_floor × mean |advantage| of the step
+    dtype: str = "float32"        # the run's model.dtype (``for_run`` reads it from config.yaml)
+
+    @classmethod
+    def for_run(cls, run_config: Mapping[str, Any] | None, **options: Any) -> "SpikeConfig":
+        """The config for a run: its ``model.dtype`` sets the rounding floor."""
+        dtype = ((run_config or {}).get("model") or {}).get("dtype") or "float32"
+        return cls(dtype=str(dtype), **options)
+
+    @property
+    def rounding_floor(self) -> float:
+        """The smallest mean |Δ| that is not rounding: ``rounding_ulps`` · eps(dtype)."""
+        return self.rounding_ulps * DTYPE_EPS.get(self.dtype, DTYPE_EPS["float32"])
 
 
 def robust_z(values: np.ndarray, cfg: SpikeConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -99,6 +137,22 @@ def robust_z(values: np.ndarray, cfg: SpikeConfig) -> tuple[np.ndarray, np.ndarr
     return med, scale, z
 
 
+def large_enough(metric: str, x: np.ndarray, med: np.ndarray, df: pd.DataFrame, cfg: SpikeConfig) -> np.ndarray:
+    """Whether each deviation x − med is large in the metric's own units (see the module docstring);
+    the robust z decides whether it is unusual."""
+    with np.errstate(invalid="ignore"):
+        ok = np.ones(x.shape, dtype=bool)
+        if metric in ONE_SIDED_UP:
+            up = x >= cfg.min_ratio * med
+            ok &= np.where(x >= med, up, x * cfg.min_ratio <= med) | (med <= 0)
+        if metric in ROUNDING_METRICS:
+            ok &= x >= cfg.rounding_floor
+        if metric == "loss":
+            scale = df[ADVANTAGE_SCALE].to_numpy(dtype=np.float64) if ADVANTAGE_SCALE in df else np.full(x.shape, np.nan)
+            ok &= np.abs(x - med) >= cfg.loss_floor * scale   # NaN scale: never a spike
+    return ok
+
+
 def detect(df: pd.DataFrame, cfg: SpikeConfig) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
     """Add ``spike_<metric>_z`` columns and a ``spikes`` column (comma-separated metric names) to a
     copy of the step table; return it and the list of spikes (one entry per step and metric)."""
@@ -112,8 +166,8 @@ def detect(df: pd.DataFrame, cfg: SpikeConfig) -> tuple[pd.DataFrame, list[dict[
         med, scale, z = robust_z(x, cfg)
         out[f"{metric}_z"] = z
         zz = np.nan_to_num(z, nan=0.0)
-        hit = zz > cfg.threshold if (metric in ONE_SIDED_UP and not cfg.two_sided) else np.abs(zz) > cfg.threshold
-        for i in np.flatnonzero(hit):
+        unusual = zz > cfg.threshold if (metric in ONE_SIDED_UP and not cfg.two_sided) else np.abs(zz) > cfg.threshold
+        for i in np.flatnonzero(unusual & large_enough(metric, x, med, out, cfg)):
             flagged[i].append(metric)
             spikes.append({"step": int(out["step"].iloc[i]), "metric": metric, "value": float(x[i]),
                            "baseline": float(med[i]), "scale": float(scale[i]), "z": float(z[i]),
@@ -238,7 +292,7 @@ def attribute(reader: TraceReader, step: int, *, top: int = 5) -> dict[str, Any]
     def sample_row(i: int) -> dict[str, Any]:
         a, b = int(off[i]), int(off[i + 1])
         versions = sorted({int(v) for v in np.unique(gen_v[a:b]) if v >= 0})
-        return {"sample": i, "sample_id": int(sid[i]), "group_id": int(gid[i]), "reward": float(reward[i]),
+        return {"sample_id": int(sid[i]), "row": i, "group_id": int(gid[i]), "reward": float(reward[i]),
                 "num_turns": int(nturns[i]), "tokens": b - a, "loss_tokens": int(lm[a:b].sum()),
                 "loss_contribution": float(s_contrib[i]),
                 "loss_share": float(s_abs[i]) / total_abs if total_abs > 0 else math.nan,
@@ -248,7 +302,7 @@ def attribute(reader: TraceReader, step: int, *, top: int = 5) -> dict[str, Any]
 
     def token_row(j: int) -> dict[str, Any]:
         i = int(sample_of[j])
-        row = {"token": j, "sample": i, "sample_id": int(sid[i]), "position": j - int(off[i]),
+        row = {"token": j, "sample_id": int(sid[i]), "row": i, "position": j - int(off[i]),
                "turn": int(turn[j]), "policy_version": int(tv[j]), "version_lag": pv - int(tv[j]),
                "advantage": float(adv[j]), "delta": float(delta[j]) if analysed[j] else math.nan,
                "loss_contribution": float(contrib[j]),

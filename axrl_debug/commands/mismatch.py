@@ -10,7 +10,8 @@ from typing import Any
 
 import typer
 
-from axrl_debug.analysis.mismatch import MismatchConfig, mismatch_report
+from axrl.tokenizer import run_tokenizer
+from axrl_debug.analysis.mismatch import MismatchConfig, attach_context, mismatch_report
 from axrl_debug.app import JSON_OPTION, BadInput, app, err, out, print_json, run_command
 from axrl_debug.commands._common import (STEP_OPTION_HELP, STEPS_OPTION_HELP, fmt, open_run, pct,
                                          report_problems, select_steps, show, simple_table)
@@ -113,16 +114,24 @@ def print_report(res: dict[str, Any]) -> None:
         split = any("engine_delta" in t for t in res["top"])
         rows = []
         for i, t in enumerate(res["top"], 1):
-            rows.append([str(i), str(t["step"]), str(t.get("sample_id", t["sample"])), fmt(t.get("position")),
+            rows.append([str(i), str(t["step"]), fmt(t["sample_id"]), fmt(t.get("position")),
                          fmt(t.get("turn")), fmt(t.get("policy_version")), f"{t['delta']:+.3g}",
                          *([_signed(t.get("engine_delta")), _signed(t.get("staleness_delta"))] if split else []),
                          f"{t['rollout_prob']:.3g}", f"{t['trainer_prob']:.3g}", t.get("routing") or "–"])
         show(simple_table(f"top {len(res['top'])} tokens by |Δ|",
-                          ["#", "step", "sample", "pos", "turn", "ver", "Δ", *(["Δ_eng", "Δ_stale"] if split else []),
+                          ["#", "step", "sample_id", "pos", "turn", "ver", "Δ", *(["Δ_eng", "Δ_stale"] if split else []),
                            "p_roll", "p_train", "routing"], rows))
         for i, t in enumerate(res["top"], 1):
             # context on its own line: it needs the width more than the numbers do
             out.print(f"  #{i:<2} {t.get('context') or ''}", highlight=False, markup=False, soft_wrap=True)
+
+
+def public_token(t: dict[str, Any]) -> dict[str, Any]:
+    """A top token as commands show it: ``sample_id`` names its sample (what `tui --sample` takes),
+    ``row`` is only its row in the step file's /samples (the analysis calls that ``sample``)."""
+    out = {k: v for k, v in t.items() if k != "sample"}
+    out["row"] = t["sample"]
+    return out
 
 
 @app.command()
@@ -149,7 +158,8 @@ def mismatch(
         chosen = select_steps(reader, step, steps)
         cfg = MismatchConfig.from_run_config(reader.config, top_k=top,
                                              plot_points=20000 if plot is not None else 0)
-        res, acc = mismatch_report(reader, chosen, cfg, workers=workers)
+        res, acc = mismatch_report(reader, chosen, cfg, workers=workers, context=False)
+        attach_context(reader, res["top"], tokenizer=run_tokenizer(reader.config))  # the run's own tokenizer
         if not res["steps"]:
             report_problems(reader)
             raise BadInput("every selected step file is damaged (see the warnings above)")
@@ -157,6 +167,7 @@ def mismatch(
             from axrl_debug.plots import mismatch_plots
             res["plots"] = [str(p) for p in mismatch_plots(acc, res, plot)]
         res["problems"] = report_problems(reader)
+        res["top"] = [public_token(t) for t in res.get("top") or []]
         if json_out:
             print_json(res)
             return 0

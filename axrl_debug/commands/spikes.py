@@ -53,6 +53,8 @@ def spikes(
                                     help="Finite values needed in the window before a step can be flagged."),
     rel_floor: float = typer.Option(0.1, "--rel-floor", min=0.0,
                                     help="Scale floor as a fraction of |median| (a flat history is not infinitely tight)."),
+    min_ratio: float = typer.Option(3.0, "--min-ratio", min=1.0,
+                                    help="Grad norm and mismatch metrics must also reach this multiple of the baseline."),
     top: int = typer.Option(5, "--top", min=1, help="Samples/tokens listed per spike."),
     two_sided: bool = typer.Option(False, "--two-sided", help="Also flag drops of grad norm and mismatch "
                                    "metrics (by default only rises; loss and reward are always two-sided)."),
@@ -61,7 +63,11 @@ def spikes(
     """Detect loss / grad-norm / mismatch / reward spikes against a rolling median/MAD baseline and
     attribute each spike step to the samples and tokens with the largest contribution to the loss
     (exact from RUN/replay/step_N.h5 when the replay tool dumped it, else the −A·w·g proxy) and to
-    the importance weights, with their turns and policy versions."""
+    the importance weights, with their turns and policy versions.
+
+    A spike must be unusual (robust z) and large in its own units: grad norm and mismatch at least
+    --min-ratio × the baseline, mismatch above 4 ulps of the run's dtype (rounding), the loss off its
+    baseline by at least 1 % of the step's mean |advantage|."""
 
     def body() -> int:
         reader = open_run(run)
@@ -71,8 +77,9 @@ def spikes(
         unknown = [m for m in names if m not in df.columns]
         if unknown:
             raise BadInput(f"unknown metric(s) {unknown}; choose from {[c for c in df.columns if c != 'step']}")
-        cfg = SpikeConfig(metrics=names, window=window, threshold=threshold, min_history=min_history,
-                          rel_floor=rel_floor, two_sided=two_sided)
+        cfg = SpikeConfig.for_run(reader.config, metrics=names, window=window, threshold=threshold,
+                                  min_history=min_history, rel_floor=rel_floor, two_sided=two_sided,
+                                  min_ratio=min_ratio)
         _, found = detect(df, cfg)
         spike_steps = sorted({s["step"] for s in found})
         attributions = {s: attribute(reader, s, top=top) for s in spike_steps}
@@ -83,8 +90,8 @@ def spikes(
                         "problems": problems})
             return 0
         if not found:
-            out.print(f"no spikes in {len(df)} steps (|robust z| ≤ {threshold:g} for {', '.join(names)}; "
-                      f"window {window})", highlight=False)
+            out.print(f"no spikes in {len(df)} steps ({', '.join(names)}: none with |robust z| > {threshold:g} "
+                      f"that is also above its noise floor; window {window})", highlight=False)
             return 0
         show(simple_table(
             f"{len(found)} spike(s) in {len(df)} steps (window {window}, |z| > {threshold:g})",

@@ -55,7 +55,7 @@ def summary(
         reader = open_run(run)
         chosen = select_steps(reader, None, steps)
         df = step_table(reader, chosen)
-        flagged, spikes = detect(df, SpikeConfig(window=window, threshold=threshold))
+        flagged, spikes = detect(df, SpikeConfig.for_run(reader.config, window=window, threshold=threshold))
         problems = report_problems(reader)
         worst = worst_steps(flagged)
         if json_out:

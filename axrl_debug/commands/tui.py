@@ -7,6 +7,7 @@ and the other commands do not pay for it.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
@@ -19,7 +20,8 @@ from axrl_debug.commands._common import describe_steps, nearest_steps
 def tui(
     run: Path = typer.Argument(..., help="Run directory (holds manifest.json, metrics.jsonl, trace/)."),
     step: int = typer.Option(None, "--step", help="Open this step's samples directly."),
-    sample: int = typer.Option(None, "--sample", help="With --step: open this sample row's tokens directly."),
+    sample: int = typer.Option(None, "--sample", help="With --step: open the tokens of the sample with this "
+                               "sample id (the id column of the samples table, `mismatch` and `spikes`)."),
     no_scan: bool = typer.Option(False, "--no-scan",
                                  help="Do not read every step file in the background for max |Δ|, k3, "
                                       "routing agreement and version lag (the metrics.jsonl columns stay)."),
@@ -44,9 +46,29 @@ def tui(
             near = nearest_steps(sorted(model.files), step)
             raise BadInput(f"step {step} has no step file in {model.reader.trace_dir} (nearest: "
                            f"{', '.join(map(str, near)) or 'none'}; available: {describe_steps(sorted(model.files))})")
+        if sample is not None:
+            ids = _sample_ids(model.files[step])
+            if sample not in ids:
+                near = nearest_steps(sorted(ids), sample)
+                raise BadInput(f"step {step} has no sample id {sample} (nearest: {', '.join(map(str, near))}; "
+                               f"its sample ids: {describe_steps(sorted(ids))})")
+        if not (sys.stdin.isatty() and sys.stdout.isatty()):
+            # Without a terminal Textual would draw to nowhere and poll its input at full speed.
+            raise BadInput("axrl-debug tui needs a terminal (stdin and stdout must be a TTY); in scripts use "
+                           "`axrl-debug summary|mismatch|spikes RUN --json`, or run it inside tmux/screen")
         from axrl_debug.tui.app import DebugApp
 
         DebugApp(model, scan=not no_scan, step=step, sample=sample).run()
         return 0
 
     run_command(body)
+
+
+def _sample_ids(path: Path) -> set[int]:
+    from axrl.trace import StepFile, TraceError
+
+    try:
+        with StepFile(path) as sf:
+            return {int(i) for i in sf["/samples/sample_id"]}
+    except (TraceError, OSError, KeyError) as e:
+        raise BadInput(f"{path}: cannot read its sample ids ({e})") from None

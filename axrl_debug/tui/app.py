@@ -36,6 +36,7 @@ class DebugApp(App[None]):
 
     def __init__(self, run: RunModel | str | Path, *, scan: bool = True, step: int | None = None,
                  sample: int | None = None) -> None:
+        """``step`` / ``sample``: open that step's samples, and that sample (by sample id) at start."""
         super().__init__()
         self.run_model = run if isinstance(run, RunModel) else RunModel(run)
         self.scan = scan
@@ -64,11 +65,12 @@ class DebugApp(App[None]):
         self.steps_screen.table.select_key(self.start_step)
         model = self.open_step(self.start_step, list(self.steps_screen.table.order))
         if model is not None and self.start_sample is not None:
-            if 0 <= self.start_sample < model.num_samples:
-                self.open_sample(model, self.start_sample, list(range(model.num_samples)))
+            rows = [int(i) for i in model.samples["sample_id"]]
+            if self.start_sample in rows:
+                self.open_sample(model, rows.index(self.start_sample), list(range(model.num_samples)))
             else:
-                self.notify(f"step {model.step} has samples 0..{model.num_samples - 1}, not {self.start_sample}",
-                            severity="error", timeout=8)
+                self.notify(f"step {model.step} has no sample id {self.start_sample} (its ids: "
+                            f"{min(rows, default='-')}..{max(rows, default='-')})", severity="error", timeout=8)
 
     # ---- navigation (called by the screens)
     def load_step(self, step: int) -> StepModel | None:
@@ -81,30 +83,40 @@ class DebugApp(App[None]):
 
     # The samples and tokens screens are built once and installed, then re-filled on each open:
     # composing a screen (header, footer, CSS) costs more than reading a step file.
+    # A key typed ahead (enter, enter) can ask for a screen that was pushed a moment ago and is not
+    # composed yet: it then gets the new model, shows it when it mounts, and is not pushed twice.
     def open_step(self, step: int, order: list[int]) -> StepModel | None:
         model = self.load_step(step)
         if model is None:
             return None
-        if self.samples_screen is None:
-            self.samples_screen = SamplesScreen(self.run_model, model, order)
-            self.install_screen(self.samples_screen, "samples")
+        screen = self.samples_screen
+        if screen is None:
+            screen = self.samples_screen = SamplesScreen(self.run_model, model, order)
+            self.install_screen(screen, "samples")
+        elif screen.is_mounted:
+            screen.step_order = order
+            screen.show_step(model)
         else:
-            self.samples_screen.step_order = order
-            self.samples_screen.show_step(model)
-        self.push_screen("samples")
+            screen.model, screen.step_order = model, order
+        if screen not in self.screen_stack:
+            self.push_screen("samples")
         return model
 
     def open_sample(self, model: StepModel, row: int, order: list[int]) -> None:
-        if self.tokens_screen is None:
-            self.tokens_screen = TokensScreen(self.run_model, model, row, order)
-            self.install_screen(self.tokens_screen, "tokens")
-        else:
-            previous = self.tokens_screen.model, self.tokens_screen.row_order
-            self.tokens_screen.model, self.tokens_screen.row_order = model, order
-            if not self.tokens_screen.show_sample(row):
-                self.tokens_screen.model, self.tokens_screen.row_order = previous
+        screen = self.tokens_screen
+        if screen is None:
+            screen = self.tokens_screen = TokensScreen(self.run_model, model, row, order)
+            self.install_screen(screen, "tokens")
+        elif screen.is_mounted:
+            previous = screen.model, screen.row_order
+            screen.model, screen.row_order = model, order
+            if not screen.show_sample(row):
+                screen.model, screen.row_order = previous
                 return
-        self.push_screen("tokens")
+        else:
+            screen.model, screen.row, screen.row_order = model, row, order
+        if screen not in self.screen_stack:
+            self.push_screen("tokens")
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
@@ -138,7 +150,7 @@ class DebugApp(App[None]):
             self._call_ui(self.notify, f"no background scan ({e})", severity="warning", timeout=8)
             return
         try:
-            self._call_ui(self._spikes_ready, helper.spikes(run.steps, run.spike_series()))
+            self._call_ui(self._spikes_ready, helper.spikes(run.steps, run.spike_series(), run.dtype))
             if self.scan:
                 pending = [s for s in run.steps if s in run.files and s not in run.scanned]
                 for i in range(0, len(pending), SCAN_CHUNK):
@@ -149,7 +161,7 @@ class DebugApp(App[None]):
                     if worker.is_cancelled or not self._call_ui(self._scan_progress, rows, chunk,
                                                                  i + len(chunk), len(pending)):
                         return
-                self._call_ui(self._spikes_ready, helper.spikes(run.steps, run.spike_series()))
+                self._call_ui(self._spikes_ready, helper.spikes(run.steps, run.spike_series(), run.dtype))
         except Exception as e:  # EOF after quit, or a helper error: the trace stays browsable
             if not worker.is_cancelled:
                 self._call_ui(self.notify, f"background scan stopped: {e}", severity="warning", timeout=8)

@@ -33,7 +33,7 @@ JSONL_KEYS = ("policy_version", "reward", "loss", "grad_norm", "clipfrac", "mism
               "samples", "failed", "generated_tokens")
 # Per-step metrics only the step files have (``analysis.frames.step_table`` columns, filled in by
 # the background scan) ...
-SCAN_ONLY = ("mismatch_max", "kl_k3", "routing_agreement", "version_lag_mean")
+SCAN_ONLY = ("mismatch_max", "kl_k3", "routing_agreement", "version_lag_mean", "advantage_abs_mean")
 # ... and every step_table column the TUI uses (the loop's own metrics.jsonl value wins when both exist).
 SCAN_KEYS = SCAN_ONLY + ("reward", "loss", "grad_norm", "clipfrac", "mismatch", "samples", "failed",
                          "generated_tokens", "policy_version")
@@ -113,19 +113,19 @@ class RunModel:
         return self._config
 
     @property
-    def tokenizer(self) -> Any:
-        """The run's tokenizer: the model directory's when the config names one, else the default."""
-        if self._tokenizer is None:
-            from axrl.tokenizer import Tokenizer
+    def dtype(self) -> str:
+        """The run's ``model.dtype`` (the spike detector's rounding floor depends on it)."""
+        model = self.config.get("model") if isinstance(self.config, dict) else None
+        return str((model or {}).get("dtype") or "float32")
 
-            model_path = ((self.config.get("model") or {}).get("path")) if isinstance(self.config, dict) else None
-            tok = None
-            if model_path and (Path(model_path) / "tokenizer.json").is_file():
-                try:
-                    tok = Tokenizer.from_dir(model_path)
-                except Exception:
-                    tok = None
-            self._tokenizer = tok or Tokenizer.default()
+    @property
+    def tokenizer(self) -> Any:
+        """The run's tokenizer: the model directory's when the config names one (and it is still
+        there), else the default."""
+        if self._tokenizer is None:
+            from axrl.tokenizer import run_tokenizer
+
+            self._tokenizer = run_tokenizer(self.config)
         return self._tokenizer
 
     def series(self, key: str, steps: Iterable[int] | None = None) -> np.ndarray:
@@ -163,7 +163,7 @@ class RunModel:
 
     def detect_spikes(self) -> dict[int, list[dict[str, Any]]]:
         """Spike flags over the per-step scalars, in this process (see ``detect_spikes``)."""
-        self.spikes = detect_spikes(self.steps, self.spike_series())
+        self.spikes = detect_spikes(self.steps, self.spike_series(), self.dtype)
         return self.spikes
 
     # ---- steps (lazy, cached)
@@ -208,15 +208,16 @@ def scan_steps(path: str, steps: list[int]) -> dict[int, dict[str, float]]:
             for rec in df.to_dict(orient="records")}
 
 
-def detect_spikes(steps: list[int], series: dict[str, list[float]]) -> dict[int, list[dict[str, Any]]]:
-    """Spike flags (``axrl_debug.analysis.spikes.detect`` with its default config, as ``summary``
-    uses it) by step: ``{step: [{metric, value, baseline, z, direction, ...}, ...]}``."""
+def detect_spikes(steps: list[int], series: dict[str, list[float]],
+                  dtype: str = "float32") -> dict[int, list[dict[str, Any]]]:
+    """Spike flags (``axrl_debug.analysis.spikes.detect`` with its default config for a run of
+    ``dtype``, as ``summary`` uses it) by step: ``{step: [{metric, value, baseline, z, direction, ...}]}``."""
     import pandas as pd
 
-    from axrl_debug.analysis.spikes import SpikeConfig, detect
+    from axrl_debug.analysis.spikes import ADVANTAGE_SCALE, SpikeConfig, detect
 
-    cfg = SpikeConfig()
-    df = pd.DataFrame({"step": steps, **{m: series[m] for m in cfg.metrics if m in series}})
+    cfg = SpikeConfig(dtype=dtype)
+    df = pd.DataFrame({"step": steps, **{m: series[m] for m in (*cfg.metrics, ADVANTAGE_SCALE) if m in series}})
     _, spikes = detect(df, cfg)
     by_step: dict[int, list[dict[str, Any]]] = {}
     for sp in spikes:

@@ -21,12 +21,12 @@ KEYS: list[tuple[str, list[tuple[str, str]]]] = [
     ("Steps", [
         ("↑ ↓ / j k, pgup pgdn", "move"),
         ("enter", "open the step's samples"),
-        ("s / r", "sort by the next column / reverse the sort"),
+        ("s / r", "sort menu: a key per column (the sorted one again reverses) / reverse the sort"),
         ("x / X", "next / previous step with a spike (red; L loss, G grad norm, Δ mismatch, R reward)"),
     ]),
     ("Samples of a step", [
         ("enter", "open the sample's tokens"),
-        ("s / r", "sort by the next column / reverse the sort"),
+        ("s / r", "sort menu: a key per column (the sorted one again reverses) / reverse the sort"),
         ("f", "filter: all → failed only → worst 10 by max |Δ| → all"),
         ("] / [", "next / previous step (in the steps table's order)"),
     ]),

@@ -6,7 +6,7 @@ and talks JSON lines over its stdin/stdout (one request, one reply), rather than
 ``multiprocessing``, whose spawn start method re-imports the caller's ``__main__`` (a user's
 unguarded script would start a second TUI).
 
-Requests: ``{"op": "spikes", "steps": [...], "series": {...}}`` → ``{"spikes": {step: [...]}}``;
+Requests: ``{"op": "spikes", "steps": [...], "series": {...}, "dtype": "float32"}`` → ``{"spikes": {step: [...]}}``;
 ``{"op": "scan", "path": RUN, "steps": [...]}`` → ``{"rows": {step: {...}}}``. Errors come back as
 ``{"error": "..."}``; end of stdin ends the process.
 """
@@ -26,7 +26,7 @@ from .data import detect_spikes, scan_steps
 def handle(request: dict[str, Any]) -> dict[str, Any]:
     op = request.get("op")
     if op == "spikes":
-        spikes = detect_spikes([int(s) for s in request["steps"]], request["series"])
+        spikes = detect_spikes([int(s) for s in request["steps"]], request["series"], request.get("dtype", "float32"))
         return {"spikes": {str(k): v for k, v in spikes.items()}}
     if op == "scan":
         rows = scan_steps(str(request["path"]), [int(s) for s in request["steps"]])
@@ -74,8 +74,10 @@ class Helper:
             raise RuntimeError(reply["error"])
         return reply
 
-    def spikes(self, steps: list[int], series: dict[str, list[float]]) -> dict[int, list[dict[str, Any]]]:
-        return {int(k): v for k, v in self.request(op="spikes", steps=steps, series=series)["spikes"].items()}
+    def spikes(self, steps: list[int], series: dict[str, list[float]],
+               dtype: str = "float32") -> dict[int, list[dict[str, Any]]]:
+        return {int(k): v for k, v in self.request(op="spikes", steps=steps, series=series,
+                                                   dtype=dtype)["spikes"].items()}
 
     def scan(self, path: str, steps: list[int]) -> dict[int, dict[str, float]]:
         return {int(k): v for k, v in self.request(op="scan", path=path, steps=steps)["rows"].items()}

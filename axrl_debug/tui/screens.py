@@ -77,7 +77,15 @@ class _TableView(_View):
             self.open_row(key, list(self.table.order))
 
     def action_sort(self) -> None:
-        self.table.cycle_sort()
+        """The sort menu: one key per column (the sorted one again: reverse)."""
+        from .sort_menu import SortMenu
+
+        def chosen(key: str | None) -> None:
+            if key is not None:
+                self.table.sort_by(key)
+            self.table.focus()
+
+        self.app.push_screen(SortMenu(self.table), chosen)
 
     def action_reverse(self) -> None:
         self.table.reverse_sort()

@@ -21,22 +21,26 @@ OPERATORS: dict[str, Callable[[int, int], int]] = {"+": operator.add, "-": opera
 
 @dataclass(frozen=True)
 class Task:
-    """A built-in task: how to make its env, its prompts and its ideal conversations.
+    """A task: how to make its env, its prompts and its ideal conversations.
 
     ``prompt(seed, index)`` is a pure function of its arguments, so a prompt stream can be
     resumed from an index. ``demonstration(prompt)`` is the full ideal conversation (the env's
     opening messages included) for a supervised warm-up; replaying it through a fresh env
-    earns the maximum reward (1.0).
+    earns the maximum reward (1.0). Either may be None for a task that only has an env (its
+    prompts then come from a file, ``data.path``, and there is no warm-up); what a run needs is
+    checked when the task is resolved (``axrl.agents.tasks.resolve_task``).
     """
 
     name: str
     make_env: Callable[[], Env]
-    prompt: Callable[[int, int], Prompt]
-    demonstration: Callable[[Prompt], list[Message]]
+    prompt: Callable[[int, int], Prompt] | None = None
+    demonstration: Callable[[Prompt], list[Message]] | None = None
     description: str = ""
 
     def prompts(self, seed: int, start: int = 0) -> Iterator[Prompt]:
         """The endless prompt stream ``prompt(seed, start), prompt(seed, start + 1), …``."""
+        if self.prompt is None:
+            raise ValueError(f"task {self.name!r} has no prompt generator; give prompts with data.path")
         index = start
         while True:
             yield self.prompt(seed, index)

@@ -2,7 +2,7 @@
 
 One module owns the JSON shape both ways (request ⇄ payload, result ⇄ response), so the client
 and the server cannot drift apart, and each field name matches SGLang's
-(`sglang/srt/managers/io_struct.py`; see shared/ENGINES.md):
+(`sglang/srt/managers/io_struct.py`; see docs/engine-facts.md):
 
 - request: `input_ids`, `sampling_params` {max_new_tokens, temperature, top_p, top_k,
   stop_token_ids, ignore_eos, no_stop_trim, sampling_seed}, `return_logprob`,

@@ -2,7 +2,7 @@
 
 Megatron-core is written for CUDA. On a machine without a CUDA device (debugging, CI) the
 obstacles below stop it; each patch was seen failing and then working on the pinned versions
-(shared/ENGINES.md, "Megatron-core on CPU with gloo"):
+(docs/engine-facts.md, "Megatron-core on CPU with gloo"):
 
 1. `torch.cuda.current_device()` is used as the device of ~175 allocations (attention buffers,
    router, rotary, TP collectives) → it returns "cpu".

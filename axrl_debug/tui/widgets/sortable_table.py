@@ -247,18 +247,14 @@ class SortableTable(ScrollView, can_focus=True):
 
     # ---- sorting / filtering
     def sort_by(self, key: str, descending: bool | None = None) -> None:
+        """Sort by column ``key``: ``descending`` as given, else the reverse of the current sort when
+        ``key`` is the sort column already, else the column's natural direction. Cursor to the top."""
         col = next(c for c in self.spec if c.key == key)
         if descending is None:
             descending = (not self.sort_desc) if key == self.sort_key else col.descending
         self.sort_key, self.sort_desc = key, descending
-        self._rebuild(self.current_key)
+        self._rebuild(None)  # the cursor goes to the top: a fresh sort is read from its first row
         self.post_message(self.SortChanged(self))
-
-    def cycle_sort(self) -> None:
-        """Next column as the sort key, in its natural direction."""
-        keys = [c.key for c in self.spec]
-        nxt = self.spec[(keys.index(self.sort_key) + 1) % len(keys)]
-        self.sort_by(nxt.key, nxt.descending)
 
     def reverse_sort(self) -> None:
         self.sort_by(self.sort_key, not self.sort_desc)

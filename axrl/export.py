@@ -1,0 +1,67 @@
+"""`axrl model export RUN [--step N] --out DIR`: a run's checkpoint as a Hugging Face directory.
+
+The trainer is rebuilt from the run's config.yaml exactly as `axrl train` (and replay) build it,
+the checkpoint is loaded into it through the TrainBackend protocol, and `export_hf` writes
+config.json, model.safetensors, generation_config.json and the run's tokenizer files: a
+directory that `transformers`, SGLang and `axrl serve` load. Either backend's checkpoints work.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from axrl.config import ConfigError, load_config
+from axrl.runtime.checkpoint import STATE_FILE, list_checkpoints, load_checkpoint
+from axrl.runtime.components import make_train_backend
+from axrl.tokenizer import load_tokenizer
+
+_CHECKPOINT_NAME = re.compile(r"^step_(\d{6,})$")
+
+
+@dataclass
+class Exported:
+    out: Path
+    step: int            # the checkpoint: the policy after `step` RL steps (0 = after the warm-up)
+    checkpoint: Path
+
+
+def checkpoint_of(path: str | Path) -> tuple[Path, int] | None:
+    """(run directory, step) when ``path`` is a run's checkpoint directory (``RUN/checkpoints/step_N``)."""
+    p = Path(path)
+    m = _CHECKPOINT_NAME.match(p.name)
+    if m and p.parent.name == "checkpoints" and (p / STATE_FILE).is_file():
+        return p.parent.parent, int(m.group(1))
+    return None
+
+
+def export_checkpoint(run: str | Path, out: str | Path, step: int | None = None) -> Exported:
+    """Write checkpoint ``step`` of ``run`` (default: the newest) to ``out`` as an HF directory.
+
+    Raises FileNotFoundError / ValueError with a message naming the run, the step or the file."""
+    run, out = Path(run), Path(out)
+    if not (run / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run} is not a run directory (no config.yaml)")
+    checkpoints = dict(list_checkpoints(run))
+    if not checkpoints:
+        raise FileNotFoundError(f"{run / 'checkpoints'}: no complete checkpoint to export")
+    if step is None:
+        step = max(checkpoints)
+    if step not in checkpoints:
+        raise ValueError(f"--step {step}: {run} has no checkpoint step_{step:06d}; checkpoints: "
+                         f"{', '.join(map(str, sorted(checkpoints)))} (step N = the policy after N RL steps)")
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"--out {out} exists and is not empty; choose a new directory")
+    try:
+        cfg = load_config(run / "config.yaml")
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
+    tokenizer = load_tokenizer(cfg.model.path)
+    backend = make_train_backend(cfg, tokenizer)
+    try:
+        load_checkpoint(checkpoints[step], backend)
+        backend.export_hf(out)
+    finally:
+        backend.close()
+    return Exported(out=out, step=step, checkpoint=checkpoints[step])
