@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from axrl.agents.tasks import Task, get_task
-from axrl.algo.processor import AlgorithmProcessor
+from axrl.algo.processor import AlgorithmProcessor, prompts_to_roll_out
 from axrl.config import Config, config_to_dict
 from axrl.data import PromptLoader
 from axrl.inference.protocol import InferenceEngine, SamplingParams
@@ -26,7 +26,9 @@ from axrl.runtime.checkpoint import clean_partial, latest_checkpoint, load_check
 from axrl.runtime.faults import lr_scale, perturb_batch
 from axrl.runtime.progress import PhaseTimer, TrainProgress
 from axrl.runtime.records import TrainedStep, step_metrics, step_record
-from axrl.runtime.updates import policy_loss, run_updates
+from axrl.runtime.reference import keep_reference, restore_reference, with_reference_logprobs
+from axrl.runtime.spike_trigger import SpikeTrigger
+from axrl.runtime.updates import policy_loss, routing_replay, run_updates
 from axrl.runtime.warmup import warm_up
 from axrl.tokenizer import Tokenizer
 from axrl.trace import RunDir
@@ -63,7 +65,7 @@ def build(cfg: Config) -> Components:
     worker = RolloutWorker(engine, tokenizer, task, settings, seed=cfg.seed)
     evaluator = RolloutWorker(engine, tokenizer, task, dataclasses.replace(
         settings, group_size=cfg.eval.samples_per_prompt, return_routing=False), seed=cfg.seed + 2)
-    processor = AlgorithmProcessor(cfg.algo.advantage, cfg.algo.normalize_std, temperature=r.temperature)
+    processor = AlgorithmProcessor.from_config(cfg)
     return Components(tokenizer, task, loader, engine, backend, worker, evaluator, processor,
                       model_config.num_experts)
 
@@ -86,17 +88,18 @@ def rng_digest() -> str:
 def run_step(c: Components, cfg: Config, step: int, version: int, timer: PhaseTimer) -> TrainedStep:
     """One RL step: rollout, old logprobs, `updates_per_step` optimizer updates, weight sync."""
     with timer("rollout"):
-        trajectories = c.worker.rollout(c.loader.next_batch(cfg.data.prompts_per_step), step)
+        trajectories = c.worker.rollout(c.loader.next_batch(prompts_to_roll_out(cfg)), step)
     with timer("prepare"):
         processed = c.processor(trajectories)
         processed.batch = perturb_batch(cfg, step, processed.batch)  # faults.rollout_logprob_noise; no-op by default
-        old = c.backend.forward(processed.batch, r3=cfg.r3)
+        old = c.backend.forward(processed.batch, r3=routing_replay(cfg))
         processed.batch = dataclasses.replace(processed.batch, old_logprobs=old.logprobs)
+        processed.batch = with_reference_logprobs(c.backend, processed.batch, cfg)  # algo.kl_coef > 0
     fingerprint_before = c.backend.fingerprint()
     with timer("train"):
         # Shared with replay/, which re-runs these updates from the trace (axrl/runtime/updates.py).
         updates = run_updates(c.backend, processed.batch, processed.update_splits(cfg.train.updates_per_step),
-                              policy_loss(cfg), r3=cfg.r3, lr_scale=lr_scale(cfg, step))
+                              policy_loss(cfg), r3=routing_replay(cfg), lr_scale=lr_scale(cfg, step))
     with timer("sync"):
         sync_weights(c, version + 1)
     return TrainedStep(step=step, policy_version=version, processed=processed, old=old, updates=updates,
@@ -112,6 +115,7 @@ def start(cfg: Config, c: Components, run: RunDir, resume: bool, progress: Train
         if found is None:
             raise FileNotFoundError(f"--resume: no complete checkpoint in {run.path / 'checkpoints'}")
         first, path = found
+        restore_reference(c.backend, run.path, cfg)  # algo.kl_coef > 0: the weights of step_000000
         state = load_checkpoint(path, c.backend)
         c.loader.load_state(state["data"])
         version = int(state["policy_version"])
@@ -132,6 +136,7 @@ def start(cfg: Config, c: Components, run: RunDir, resume: bool, progress: Train
         c.backend.reset_optimizer()  # RL starts with a fresh optimizer and schedule
         progress.log(f"warm-up: {cfg.warmup.steps} supervised steps, loss {losses[0]:.3f} → {losses[-1]:.3f}")
         sync_weights(c, 0)
+    keep_reference(c.backend, cfg)  # algo.kl_coef > 0: the reference policy is the state at RL start
     save_checkpoint(run.path, 0, c.backend, {"policy_version": 0, "data": c.loader.state()})
     return 0, 0
 
@@ -160,15 +165,18 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Path:
     try:
         with TrainProgress(cfg.steps) as progress:
             first, version = start(cfg, c, run, resume, progress)
+            trigger = SpikeTrigger.from_config(cfg, run.path)  # trace.spike_ratio (off by default)
             progress.progress.update(progress.task, completed=first)
             for step in range(first, cfg.steps):
                 eval_reward = None
                 if cfg.eval.every and step % cfg.eval.every == 0:
                     progress.phase("eval")
                     eval_reward = evaluate(c, cfg)
+                trigger.before_step(c.backend)
                 outcome = run_step(c, cfg, step, version, PhaseTimer(progress))
                 version += 1
                 metrics = step_metrics(outcome)
+                metrics.update(trigger.after_step(c.backend, cfg, outcome))
                 if eval_reward is not None:
                     metrics["eval_reward"] = eval_reward  # of the policy before this step
                 if cfg.eval.every and step + 1 == cfg.steps:

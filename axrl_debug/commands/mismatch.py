@@ -11,6 +11,7 @@ from typing import Any
 import typer
 
 from axrl_debug.analysis.mismatch import MismatchConfig, mismatch_report
+from axrl_debug.analysis.objective import objective_report
 from axrl_debug.app import JSON_OPTION, BadInput, app, err, out, print_json, run_command
 from axrl_debug.commands._common import (STEP_OPTION_HELP, STEPS_OPTION_HELP, fmt, open_run, pct,
                                          report_problems, select_steps, show, simple_table)
@@ -71,6 +72,7 @@ def print_report(res: dict[str, Any]) -> None:
         show(simple_table("|Δ| by routing of the predicting position (row t−1)",
                                ["routing", "tokens", "mean |Δ|", "mean Δ", "share of Σ|Δ|"],
                                _breakdown_rows(routing["delta"])))
+    _print_objective(res.get("objective"))
     if res.get("top"):
         rows = []
         for i, t in enumerate(res["top"], 1):
@@ -83,6 +85,19 @@ def print_report(res: dict[str, Any]) -> None:
         for i, t in enumerate(res["top"], 1):
             # context on its own line: it needs the width more than the numbers do
             out.print(f"  #{i:<2} {t.get('context') or ''}", highlight=False, markup=False, soft_wrap=True)
+
+
+def _print_objective(obj: dict[str, Any] | None) -> None:
+    """What the objective and corrections did to the analysed steps' loss tokens (analysis/objective.py)."""
+    if not obj or not obj["tokens"]:
+        return
+    w = obj["is_weight"]
+    rows = [[r["rule"], str(r["tokens"]), pct(r["frac"]), r["meaning"]] for r in obj["rules"] if r["tokens"]]
+    show(simple_table(f"objective and corrections over {obj['tokens']} loss tokens: hard-clipped "
+                      f"{pct(obj['clipped_frac'])}, masked (weight 0) {pct(obj['masked_frac'])}, correction weight "
+                      f"mean {fmt(w['mean'], 4)} [{fmt(w['min'], 3)}, {fmt(w['max'], 3)}]",
+                      ["rule", "tokens", "share", "meaning"], rows or [["–", "0", "0.0%", "no rule acted"]],
+                      justify_right=False))
 
 
 @app.command()
@@ -99,7 +114,8 @@ def mismatch(
     """Training–inference mismatch over generated tokens (loss_mask = 1), Δ = trainer old_logprob −
     rollout logprob: |Δ| stats, KL estimators k1/k2/k3 of KL(rollout ‖ trainer), χ², importance-
     ratio stats, clip-band / TIS-cap fractions, ESS, Pearson correlation; breakdowns by position,
-    turn, rollout probability, trainer entropy, policy-version lag and (MoE) routing agreement; the
+    turn, rollout probability, trainer entropy, policy-version lag and (MoE) routing agreement;
+    what the objective and corrections did (share of loss tokens per rule, correction weights); the
     worst tokens with their decoded context. Default: all steps."""
 
     def body() -> int:
@@ -114,6 +130,7 @@ def mismatch(
         if plot is not None:
             from axrl_debug.plots import mismatch_plots
             res["plots"] = [str(p) for p in mismatch_plots(acc, res, plot)]
+        res["objective"] = objective_report(reader, res["steps"])
         res["problems"] = report_problems(reader)
         if json_out:
             print_json(res)
