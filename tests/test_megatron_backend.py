@@ -449,3 +449,22 @@ def test_partial_r3_matches_embedded_backend(megatron):
         m1, m2 = tb.forward_backward(rb, pg_loss, r3=scope), mb.forward_backward(rb, pg_loss, r3=scope)
         s1, s2 = tb.optimizer_step(), mb.optimizer_step()
         assert abs(m1.loss - m2.loss) < TOL and abs(s1.grad_norm - s2.grad_norm) < TOL * max(1.0, s1.grad_norm)
+
+
+def test_reference_logprobs_in_the_prepare_phase(megatron):
+    """algo.kl_coef > 0 on Megatron: the reference kept at RL start gives the prepare phase's
+    reference logprobs after the policy moved, as on the embedded backend."""
+    from axrl.config import load_config
+    from axrl.runtime.reference import keep_reference, with_reference_logprobs
+
+    cfg = load_config(None, ["algo.kl_coef=0.1"])
+    batch = make_batch()
+    tb, mb = torch_backend(seed=2), megatron(seed=2)
+    for be in (tb, mb):
+        keep_reference(be, cfg)
+        be.forward_backward(batch, pg_loss)
+        be.optimizer_step()
+    a, b = with_reference_logprobs(tb, batch, cfg), with_reference_logprobs(mb, batch, cfg)
+    assert max_diff(a.ref_logprobs, b.ref_logprobs) < TOL
+    assert max_diff(b.ref_logprobs, mb.forward(batch).logprobs) > 1e-4        # the policy moved, the reference not
+    assert max_diff(b.ref_logprobs, torch_backend(seed=2).forward(batch).logprobs) < TOL

@@ -151,12 +151,17 @@ def random_routing(T: int, layers: int, k: int, num_experts: int, seed: int = 1)
     return torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(T * layers)]).view(T, layers, k)
 
 
-def test_r3_replays_forced_routing_and_router_still_learns():
-    be = make_backend(micro_batch_size=2)
+def forced_routing_batch(be: TorchBackend) -> tuple[PackedBatch, torch.Tensor, PackedBatch]:
+    """(batch, a random routing for it, the batch carrying that routing)."""
     cfg = be.model.config
     b = make_batch()
     forced = random_routing(b.num_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok, cfg.num_experts)
-    rb = replace(b, routed_experts=forced)
+    return b, forced, replace(b, routed_experts=forced)
+
+
+def test_r3_replays_forced_routing_and_router_still_learns():
+    be = make_backend(micro_batch_size=2)
+    b, forced, rb = forced_routing_batch(be)
     own = be.forward(rb)  # r3 off: the batch's routing is ignored
     replayed = be.forward(rb, r3=True)
     assert torch.equal(replayed.routed_experts, forced)
@@ -478,10 +483,7 @@ def test_partial_r3_replays_only_its_layers_and_loss_tokens():
     from axrl.train.protocol import R3Scope
 
     be = make_backend(micro_batch_size=2)
-    cfg = be.model.config
-    b = make_batch()
-    forced = random_routing(b.num_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok, cfg.num_experts)
-    rb = replace(b, routed_experts=forced)
+    b, forced, rb = forced_routing_batch(be)
     plain, full = be.forward(rb), be.forward(rb, r3=True)
     # a scope covering everything is full R3, bit for bit
     same = be.forward(rb, r3=R3Scope(layers=(0, 1)))

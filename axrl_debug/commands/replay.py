@@ -159,14 +159,12 @@ def _print_ranking(result: "ReplayResult") -> None:
               f"starting state, ranked by their largest update grad norm (Δ: change from the baseline's "
               f"{_g(g0, 6)}; update ‖Δθ‖ from {_g(u0, 6)})", highlight=False)
     table = Table(box=box.SIMPLE)
-    for col in ("rank", "what-if", "grad norm", "Δ", "update ‖Δθ‖", "Δ ", "loss"):
-        if col == "what-if":  # the assignments: wrapped, never cut
-            table.add_column(col, justify="left", overflow="fold", min_width=24, ratio=1)
-        else:
-            table.add_column(col, justify="right", no_wrap=True)
+    for col in ("rank", "grad norm", "Δ", "update ‖Δθ‖", "Δ ", "loss"):
+        table.add_column(col, justify="right", no_wrap=True)
+    table.add_column("what-if", justify="left", overflow="fold", min_width=20)  # last: wraps, never cut
     for r in result.ranking:
-        table.add_row(str(r.rank), r.label, _g(r.grad_norm, 6), _pct(r.grad_norm_change), _g(r.update_norm, 6),
-                      _pct(r.update_norm_change), _g(r.loss, 6))
+        table.add_row(str(r.rank), _g(r.grad_norm, 5), _pct(r.grad_norm_change), _g(r.update_norm, 4),
+                      _pct(r.update_norm_change), _g(r.loss, 4), r.label)
     out.print(table)
     notes = [(v.label, n) for v in result.variants for n in v.notes]
     for label, note in notes:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from axrl.algo.corrections.levels import check_band
 from axrl.algo.corrections.registry import correction
 from axrl.algo.terms import CorrectionInputs, CorrectionTerms, LossRule, flag
 
@@ -23,8 +24,7 @@ class IcePopParams(BaseModel):
 
     @model_validator(mode="after")
     def _band(self) -> "IcePopParams":
-        if not self.low < self.high:
-            raise ValueError(f"low ({self.low}) must be < high ({self.high})")
+        check_band(self.low, self.high, ("low", "high"))
         return self
 
 

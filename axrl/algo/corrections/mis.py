@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from axrl.algo.corrections.levels import Level
+from axrl.algo.corrections.levels import Level, check_band
 from axrl.algo.corrections.registry import correction
 from axrl.algo.terms import CorrectionInputs, CorrectionTerms, LossRule, flag
 
@@ -24,8 +24,7 @@ class MisParams(BaseModel):
 
     @model_validator(mode="after")
     def _band(self) -> "MisParams":
-        if not self.lower < self.upper:
-            raise ValueError(f"lower ({self.lower}) must be < upper ({self.upper})")
+        check_band(self.lower, self.upper, ("lower", "upper"))
         return self
 
 
