@@ -100,21 +100,25 @@ def _token_rows(offsets: np.ndarray, samples: list[int]) -> np.ndarray:
     return np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in samples]) if samples else np.zeros(0, int)
 
 
-def objective_columns(o: TrainedStep) -> dict[str, np.ndarray]:
+def objective_columns(o: TrainedStep) -> dict[str, np.ndarray | None]:
     """/tokens/is_weight and /tokens/loss_rule [T] from each update's per-token loss columns
-    (a token is trained by the update that holds its sample; NaN / 0 where not trained)."""
+    (a token is trained by the update that holds its sample; NaN / 0 where not trained); None
+    for a column the loss did not report in every update."""
     batch = o.processed.batch
     T = batch.num_tokens
     off = batch.offsets.numpy()
     trained = batch.loss_mask.numpy() > 0
-    out = {"is_weight": np.full(T, np.nan, np.float32), "loss_rule": np.zeros(T, np.uint16)}
-    for u in o.updates:
-        rows = _token_rows(off, u.samples)
-        for name, column in u.metrics.tokens.items():
-            if name in out and column.numel() == rows.size:
-                out[name][rows] = column.numpy().astype(out[name].dtype)
-    out["is_weight"][~trained] = np.nan
-    out["loss_rule"][~trained] = 0
+    empty = {"is_weight": (np.float32, np.nan), "loss_rule": (np.uint16, 0)}
+    out: dict[str, np.ndarray | None] = {}
+    for name, (dtype, fill) in empty.items():
+        if not o.updates or any(name not in u.metrics.tokens for u in o.updates):
+            out[name] = None
+            continue
+        col = np.full(T, fill, dtype)
+        for u in o.updates:
+            col[_token_rows(off, u.samples)] = u.metrics.tokens[name].numpy().astype(dtype)
+        col[~trained] = fill
+        out[name] = col
     return out
 
 
