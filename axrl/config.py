@@ -110,18 +110,66 @@ class RolloutSection(Section):
         return self
 
 
+class DynamicSamplingSection(Section):
+    """DAPO dynamic sampling: roll out more prompts than a step trains and keep the first
+    `data.prompts_per_step` groups whose rewards are not all equal (all-equal groups have zero
+    advantage and only dilute the loss)."""
+
+    enabled: bool = False
+    oversample: float = Field(2.0, ge=1.0, description="prompts rolled out = ceil(prompts_per_step × oversample)")
+
+
+class OverlongPenaltySection(Section):
+    """DAPO soft overlong punishment, added to the reward: 0 up to max_len − cache_len generated
+    tokens, then linearly down to −1 at max_len (and −1 beyond)."""
+
+    max_len: int = Field(..., ge=2, description="L_max: generated tokens at which the penalty reaches −1")
+    cache_len: int = Field(..., ge=1, description="L_cache: length of the linear ramp before max_len")
+
+    @model_validator(mode="after")
+    def _ramp(self) -> "OverlongPenaltySection":
+        if self.cache_len >= self.max_len:
+            raise ValueError(f"cache_len ({self.cache_len}) must be < max_len ({self.max_len})")
+        return self
+
+
 class AlgoSection(Section):
     advantage: Literal["grpo", "reinforce"] = "grpo"
     normalize_std: bool = True
-    clip_low: float = Field(0.2, ge=0)
+    loss: str = Field("ppo", description="policy objective (docs/algorithms.md): ppo, grpo2, gspo, gspo_token, "
+                                         "cispo, topr")
+    loss_args: dict[str, Any] = Field(default_factory=dict, description="the objective's own parameters")
+    correction: dict[str, dict[str, Any] | None] = Field(
+        default_factory=dict, description="rollout↔trainer corrections by name (tis, mis, veto, icepop) → "
+                                          "their parameters; null switches one off")
+    clip_low: float = Field(0.2, ge=0, le=1)
     clip_high: float = Field(0.28, ge=0)
     dual_clip: float | None = Field(None, gt=1)
-    tis: bool = True
+    tis: bool = Field(True, description="short form of correction.tis (token level, cap tis_cap)")
     tis_cap: float = Field(2.0, gt=0)
-    kl_coef: float = Field(0.0, ge=0)
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty against the frozen reference (the weights at RL start)")
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = Field(0.0, ge=0)
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    advantage_clip: float | None = Field(None, gt=0, description="clip sample advantages to [−c, c]")
+    advantage_balance: bool = Field(False, description="scale negative advantages so their token mass "
+                                                       "equals the positive mass")
+    dynamic_sampling: DynamicSamplingSection = Field(default_factory=DynamicSamplingSection)
+    overlong_penalty: OverlongPenaltySection | None = None
+
+    @model_validator(mode="after")
+    def _registered(self) -> "AlgoSection":
+        # imported here: the registries hold torch code; a config that is only read stays light
+        from axrl.algo.corrections import CORRECTIONS
+        from axrl.algo.objectives import OBJECTIVES
+
+        OBJECTIVES.params(self.loss, self.loss_args, "algo.loss_args")
+        for name, args in self.correction.items():
+            if args is not None:
+                CORRECTIONS.params(name, args, f"algo.correction.{name}")
+            else:
+                CORRECTIONS.get(name)
+        return self
 
 
 class MegatronSection(Section):
@@ -188,10 +236,24 @@ class TraceSection(Section):
     behaviour_logprob: bool = Field(False, description="also record each token's trainer logprob under the "
                                                        "weights that generated it (async: splits the mismatch "
                                                        "into engine and staleness parts)")
+    spike_ratio: float | None = Field(None, gt=1, description="online spike trigger: a step whose largest update "
+                                      "grad norm exceeds this × the rolling median gets its deep dump written "
+                                      "(RUN/replay/step_N.h5) at the time; null = off")
+    spike_window: int = Field(20, ge=1, description="steps in the spike trigger's rolling median")
+    spike_min_history: int = Field(3, ge=1, description="steps needed before the trigger can fire")
 
 
 class LoggingSection(Section):
     tensorboard: bool = Field(False, description="also write metrics as TensorBoard event files (RUN/tensorboard)")
+
+
+class R3ScopeSection(Section):
+    """Partial R3 (needs `r3: true`): replay the recorded routing only in some MoE layers and/or
+    only at the loss tokens; elsewhere the trainer's routers choose."""
+
+    layers: list[int] | None = Field(None, description="decoder layers that replay (null: every MoE layer)")
+    exclude_layers: list[int] = Field(default_factory=list, description="decoder layers that do not replay")
+    loss_tokens_only: bool = Field(False, description="replay only at loss tokens (generated tokens as inputs)")
 
 
 class RuntimeSection(Section):
@@ -232,6 +294,7 @@ class Config(Section):
     steps: int = Field(20, ge=1)
     seed: int = 0
     r3: bool = Field(False, description="replay rollout routing in the trainer (MoE only)")
+    r3_scope: R3ScopeSection | None = Field(None, description="partial R3: layers / loss tokens only")
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection = Field(default_factory=DataSection)
     rollout: RolloutSection = Field(default_factory=RolloutSection)
@@ -252,6 +315,9 @@ class Config(Section):
         if self.runtime.device != "cpu" and self.train.backend != "torch":
             raise ValueError(f"runtime.device {self.runtime.device!r} places the torch backend and the embedded "
                              "engine; train.backend: megatron places its ranks itself (docs/megatron.md)")
+        if self.r3_scope is not None and not self.r3:
+            raise ValueError("r3_scope: set only with r3: true (it narrows which routing R3 replays); "
+                             "remove r3_scope or set r3: true")
         return self
 
     @model_validator(mode="after")

@@ -15,10 +15,12 @@ from replay.engine import ReplayResult, StepReplay, replay_step
 from replay.environment import REQUIREMENTS, current_environment, environment_warnings
 from replay.plan import ReplayInputError, ReplayPlan, RunInventory
 from replay.recorded import RecordedStep, RecordedUpdate, load_recorded_step
+from replay.sweep import FAMILIES, Ranked, family_variants, rank_variants
 from replay.whatif import SUMMARY_KEYS, Variant, VariantResult, parse_variant, run_variant
 
 __all__ = [
-    "DUMP_FORMAT", "DUMP_VERSION", "Divergence", "DumpProbe", "REQUIREMENTS", "RecordedStep", "RecordedUpdate",
+    "DUMP_FORMAT", "DUMP_VERSION", "Divergence", "DumpProbe", "FAMILIES", "Ranked", "family_variants",
+    "rank_variants", "REQUIREMENTS", "RecordedStep", "RecordedUpdate",
     "ReplayInputError", "ReplayPlan", "ReplayResult", "RunInventory", "SUMMARY_KEYS", "StepReplay", "Variant",
     "VariantResult", "current_environment", "dump_path", "environment_warnings", "load_recorded_step",
     "parse_variant", "read_dump", "replay_step", "run_variant",

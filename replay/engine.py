@@ -30,16 +30,17 @@ from axrl.runtime.checkpoint import load_checkpoint
 from axrl.runtime.faults import lr_scale
 from axrl.runtime.components import make_tokenizer, make_train_backend
 from axrl.runtime.records import UpdateResult
-from axrl.runtime.updates import policy_loss, run_updates
+from axrl.runtime.updates import CombinedHooks, policy_loss, routing_replay, run_updates
 from axrl.tokenizer import Tokenizer
-from axrl.trace import TraceError
+from axrl.trace import StepFile, TraceError
 from axrl.train.protocol import TrainBackend
 from replay.compare import Divergence, compare_tensor, compare_updates, same_bits
 from replay.dump import DumpProbe, dump_path
 from replay.environment import REQUIREMENTS, current_environment, environment_warnings
 from replay.plan import ReplayInputError, ReplayPlan, RunInventory
 from replay.recorded import RecordedStep, load_recorded_step
-from replay.whatif import Variant, VariantResult, parse_variant, run_variant, summarize
+from replay.sweep import Ranked, family_variants, rank_variants
+from replay.whatif import UpdateSizes, Variant, VariantResult, parse_variant, run_variant, summarize
 
 Progress = Callable[[str], None]
 
@@ -103,6 +104,8 @@ class ReplayResult:
     dump_path: Path | None = None
     baseline: list[dict[str, float]] = field(default_factory=list)
     variants: list[VariantResult] = field(default_factory=list)
+    sweep: str | None = None                 # the family `--sweep` ran (its variants are `variants`)
+    ranking: list[Ranked] = field(default_factory=list)
 
     @property
     def mismatches(self) -> list[Divergence]:
@@ -133,6 +136,8 @@ class ReplayResult:
             "timings": self.timings,
             "dump": None if self.dump_path is None else str(self.dump_path),
             "baseline": self.baseline, "variants": [v.to_dict() for v in self.variants],
+            "sweep": None if self.sweep is None else {"family": self.sweep,
+                                                      "ranking": [r.to_dict() for r in self.ranking]},
         }
 
 
@@ -146,8 +151,10 @@ def _checkpoint_meta(path: Path) -> dict[str, Any] | None:
 
 
 def replay_step(run_dir: str | Path, step: int, *, dump: bool = False, dump_to: Path | None = None,
-                variants: Sequence[Sequence[str]] = (), progress: Progress | None = None) -> ReplayResult:
-    """Re-execute `step` of the run bit for bit, optionally dump it and run what-if variants.
+                variants: Sequence[Sequence[str]] = (), sweep: str | None = None,
+                progress: Progress | None = None) -> ReplayResult:
+    """Re-execute `step` of the run bit for bit, optionally dump it, run what-if variants and a
+    sweep family (`replay.sweep.FAMILIES`) ranked by how much each variant reduces the spike.
 
     Raises ReplayInputError (with the nearest usable step) when the input cannot be replayed.
     """
@@ -164,7 +171,7 @@ def replay_step(run_dir: str | Path, step: int, *, dump: bool = False, dump_to: 
     # caller its own back afterwards.
     threads_before = torch.get_num_threads()
     try:
-        return _replay(inv, cfg, step, plan, parsed, dump=dump, dump_to=dump_to, say=say)
+        return _replay(inv, cfg, step, plan, parsed, dump=dump, dump_to=dump_to, sweep=sweep, say=say)
     finally:
         torch.set_num_threads(threads_before)
 
@@ -193,7 +200,7 @@ def _load_start(inv: RunInventory, plan: ReplayPlan, backend: TrainBackend, step
 def _check_prepare(rec: RecordedStep, backend: TrainBackend, cfg: Config) -> list[Divergence]:
     """Redo the loop's prepare-phase forward (old logprobs, entropy, trainer routing) and compare.
     No-grad and stateless, so it changes nothing the updates depend on."""
-    old = backend.forward(dataclasses.replace(rec.batch, old_logprobs=None), r3=cfg.r3)
+    old = backend.forward(dataclasses.replace(rec.batch, old_logprobs=None), r3=routing_replay(cfg))
     out = []
     for name, recorded, replayed in (("old_logprob", rec.batch.old_logprobs.numpy(), old.logprobs),
                                      ("entropy", rec.entropy, old.entropy),
@@ -205,8 +212,19 @@ def _check_prepare(rec: RecordedStep, backend: TrainBackend, cfg: Config) -> lis
     return out
 
 
+def _sweep_variants(inv: RunInventory, cfg: Config, step: int, family: str, backend: TrainBackend) -> list[Variant]:
+    """The sweep family's variants for this run and step (validated before any work)."""
+    try:
+        with StepFile(inv.files[step]) as sf:
+            routing = "/routing/rollout" in sf
+    except (TraceError, OSError) as e:
+        raise ReplayInputError.for_step(f"step file {inv.files[step]} is unreadable: {e}", inv, step) from None
+    return [parse_variant(inv.run / "config.yaml", v)
+            for v in family_variants(family, cfg, backend.model_config, routing)]
+
+
 def _replay(inv: RunInventory, cfg: Config, step: int, plan: ReplayPlan, parsed: list[Variant], *, dump: bool,
-            dump_to: Path | None, say: Progress) -> ReplayResult:
+            dump_to: Path | None, sweep: str | None, say: Progress) -> ReplayResult:
     t0 = time.perf_counter()
     tokenizer = make_tokenizer(cfg)
     try:
@@ -214,9 +232,16 @@ def _replay(inv: RunInventory, cfg: Config, step: int, plan: ReplayPlan, parsed:
     except (NotImplementedError, ValueError, OSError) as e:
         raise ReplayInputError(f"cannot build the trainer from {inv.run / 'config.yaml'}: {e}") from None
     try:
-        return _replay_on(backend, tokenizer, inv, cfg, step, plan, parsed, dump=dump, dump_to=dump_to, say=say, t0=t0)
+        if sweep is not None:
+            parsed = parsed + _sweep_variants(inv, cfg, step, sweep, backend)
+        result = _replay_on(backend, tokenizer, inv, cfg, step, plan, parsed, dump=dump, dump_to=dump_to, say=say,
+                            t0=t0)
     finally:
         backend.close()
+    if sweep is not None:
+        result.sweep = sweep
+        result.ranking = rank_variants(result.baseline, result.variants)
+    return result
 
 
 def _replay_on(backend: TrainBackend, tokenizer: Tokenizer, inv: RunInventory, cfg: Config, step: int,
@@ -249,7 +274,8 @@ def _replay_on(backend: TrainBackend, tokenizer: Tokenizer, inv: RunInventory, c
             mismatches.append(Divergence(s, None, None, "weights_fingerprint_before", rec.fingerprint_before, fp,
                                          detail="the weights this step starts from differ from the recording"))
         loss_fn: Any = policy_loss(cfg)
-        hooks = None
+        hooks: Any = None
+        sizes = None
         old_s = None
         if s == step:
             timings["catch_up_seconds"] = time.perf_counter() - t_catch
@@ -260,13 +286,15 @@ def _replay_on(backend: TrainBackend, tokenizer: Tokenizer, inv: RunInventory, c
             mismatches += _check_prepare(rec, backend, cfg)
             old_s = time.perf_counter() - t_old
             if dump:
-                probe = DumpProbe(backend, loss_fn, rec.batch, rec.splits, r3=cfg.r3)
-                loss_fn, hooks = probe.loss_fn, probe
+                probe = DumpProbe(backend, loss_fn, rec.batch, rec.splits, r3=routing_replay(cfg))
+                loss_fn = probe.loss_fn
+            sizes = UpdateSizes(backend) if parsed else None  # what-ifs compare update sizes too
+            hooks = CombinedHooks(probe, sizes)
         else:
             say(f"re-running step {s} ({len(rec.updates)} update(s)) to rebuild the state before step {step}")
         t_up = time.perf_counter()
         try:
-            results = run_updates(backend, rec.batch, rec.splits, loss_fn, r3=cfg.r3, lr_scale=lr_scale(cfg, s),
+            results = run_updates(backend, rec.batch, rec.splits, loss_fn, r3=routing_replay(cfg), lr_scale=lr_scale(cfg, s),
                                   hooks=hooks)
         finally:
             if probe is not None:
@@ -289,15 +317,16 @@ def _replay_on(backend: TrainBackend, tokenizer: Tokenizer, inv: RunInventory, c
         timings["recorded_train_seconds"] = wt["train"]
         timings["recorded_step_seconds"] = wt["train"] + wt.get("prepare", 0.0)
     result = ReplayResult(run=inv.run, step=step, checkpoint_step=k0, steps=steps, warnings=warns,
-                          environment=env, timings=timings, baseline=summarize(target.results))
+                          environment=env, timings=timings,
+                          baseline=summarize(target.results, sizes.sizes if sizes is not None else ()))
     if probe is not None:
         first = result.first_divergence
         result.dump_path = probe.write(dump_to or dump_path(inv.run, step), updates=result.baseline, attrs={
-            "step": step, "run": str(inv.run), "verdict": result.verdict, "checkpoint_step": k0,
+            "step": step, "run": str(inv.run), "verdict": result.verdict, "checkpoint_step": k0, "source": "replay",
             "first_divergence": "" if first is None else first.describe()})
         say(f"wrote {result.dump_path}")
     for v in parsed:
         say(f"what-if: {v.label}")
         assert state_before is not None
-        result.variants.append(run_variant(v, cfg, target.recorded, state_before, tokenizer))
+        result.variants.append(run_variant(v, cfg, target.recorded, state_before, tokenizer, inv.run))
     return result

@@ -71,7 +71,7 @@ def load_recorded_step(path: Path, cfg: Config) -> RecordedStep:
             raise ValueError(f"{path}: cannot re-execute: missing {', '.join(missing)}")
         off = sf["/samples/offsets"].astype(np.int64)
         routing = sf.get("/routing/rollout")
-        ref = sf.get("/tokens/logprob_ref")
+        ref = sf.get("/tokens/ref_logprob")
         batch = PackedBatch(
             input_ids=torch.from_numpy(sf["/tokens/ids"].astype(np.int64)),
             offsets=torch.from_numpy(off),

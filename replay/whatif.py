@@ -2,18 +2,24 @@
 
 A variant is a list of `key=value` assignments (values parsed as YAML, as `axrl train --set`):
 
-* config keys that shape the training part of a step: `algo.*` (clip range, TIS and its cap,
-  dual clip, KL, entropy, loss aggregation, and `algo.advantage` / `algo.normalize_std`, which
-  recompute the advantages from the recorded rewards), `train.*` (lr, grad clip, micro-batch
-  size, updates per step, ...), `r3`, `rollout.temperature`, `runtime.*`, `faults.lr_scale*`;
+* config keys that shape the training part of a step: `algo.*` (the objective `algo.loss` and its
+  `loss_args`, the corrections `algo.correction.*`, clip range, TIS and its cap, dual clip, KL,
+  entropy, loss aggregation, and the reward-to-advantage pipeline — `algo.advantage`,
+  `normalize_std`, `advantage_clip`, `advantage_balance`, `overlong_penalty` — which recomputes
+  the advantages from the recorded rewards), `train.*` (lr, grad clip, micro-batch size, updates
+  per step, ...), `r3` and `r3_scope.*`, `rollout.temperature`, `runtime.*`, `faults.lr_scale*`;
 * replay-only knobs: `replay.dtype=bfloat16|float32` (the trainer's compute dtype, bf16 autocast
   with fp32 master weights) and `replay.drop_top_k=K` (drop from the loss the K loss tokens with
   the largest train/inference ratio exp(old_logprob − rollout_logprob), the weight TIS truncates).
 
-Keys that act before the training part (data, rollout sampling, model, seed, ...) cannot be
-varied: the replay feeds recorded rollouts. When a variant changes how the trainer's forward
-runs (r3, dtype, temperature, threads, micro-batch size) the old logprobs are recomputed under
-the variant, as the loop's prepare phase would have; otherwise the recorded ones are used.
+Keys that act before the training part (data, rollout sampling, dynamic sampling, model, seed, ...)
+cannot be varied: the replay feeds recorded rollouts. When a variant changes how the trainer's
+forward runs (r3, dtype, temperature, threads, micro-batch size) the old logprobs are recomputed
+under the variant, as the loop's prepare phase would have; otherwise the recorded ones are used.
+A variant with `algo.kl_coef > 0` on a step without recorded reference logprobs computes them
+under the run's reference policy (checkpoint `step_000000`). Each variant reports, per update,
+what the loss did (its own metrics, from the objective in the registry) and `update_norm`, the
+size ‖Δθ‖ of the update.
 """
 
 from __future__ import annotations
@@ -25,29 +31,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from axrl.algo import compute_advantages, token_advantages
+from axrl.algo import segment_sum, token_advantages
+from axrl.algo.processor import AdvantageSettings, update_splits
 from axrl.config import Config, ConfigError, apply_overrides, load_config
-from axrl.runtime.faults import lr_scale
 from axrl.runtime.components import make_train_backend
+from axrl.runtime.faults import lr_scale
 from axrl.runtime.records import UpdateResult
-from axrl.runtime.updates import policy_loss, run_updates
+from axrl.runtime.reference import needs_reference, restore_reference, with_reference_logprobs
+from axrl.runtime.updates import policy_loss, routing_replay, run_updates
 from axrl.tokenizer import Tokenizer
 from axrl.train.protocol import PackedBatch, TrainBackend
 from replay.plan import ReplayInputError
 from replay.recorded import RecordedStep
 
-VARIABLE_PREFIXES = ("algo.", "train.", "runtime.", "faults.lr_scale", "replay.")
+VARIABLE_PREFIXES = ("algo.", "train.", "runtime.", "faults.lr_scale", "replay.", "r3_scope")
 VARIABLE_KEYS = ("r3", "rollout.temperature")
+#: algo keys that act on the rollout side (refused like data.*).
+ROLLOUT_SIDE_PREFIXES = ("algo.dynamic_sampling",)
 #: config paths whose change alters the trainer forward (so the old logprobs are recomputed).
-FORWARD_PATHS = (("r3",), ("rollout", "temperature"), ("runtime", "threads"), ("runtime", "deterministic"),
-                 ("train", "micro_batch_tokens"))
-#: metrics shown per update, baseline vs variant (keys of the backend's aggregated metrics).
-SUMMARY_KEYS = ("loss", "grad_norm", "lr", "clipfrac", "ratio_mean", "ratio_min", "ratio_max", "approx_kl",
-                "tis_weight_mean", "tis_capped_frac", "entropy", "num_loss_tokens")
+FORWARD_PATHS = (("r3",), ("r3_scope",), ("rollout", "temperature"), ("runtime", "threads"),
+                 ("runtime", "deterministic"), ("train", "micro_batch_tokens"))
+#: metrics shown per update, baseline vs variant (keys of the backend's aggregated metrics, plus
+#: `update_norm` measured by the replay).
+SUMMARY_KEYS = ("loss", "grad_norm", "update_norm", "lr", "clipfrac", "ratio_mean", "ratio_min", "ratio_max",
+                "approx_kl", "is_weight_mean", "tis_weight_mean", "tis_capped_frac", "kl", "entropy",
+                "num_loss_tokens")
 
 
 class ReplayKnobs(BaseModel):
@@ -80,6 +91,8 @@ class VariantResult:
 
 
 def _allowed(key: str) -> bool:
+    if any(key.startswith(p) for p in ROLLOUT_SIDE_PREFIXES):
+        return False
     return key in VARIABLE_KEYS or any(key.startswith(p) for p in VARIABLE_PREFIXES)
 
 
@@ -96,8 +109,8 @@ def parse_variant(config_path: Path, assignments: Sequence[str]) -> Variant:
         if not _allowed(key):
             raise ReplayInputError(
                 f"--set {key}: cannot be varied in a replay (it acts before the training part of the step, "
-                f"whose rollouts are recorded); variable: algo.*, train.*, r3, rollout.temperature, runtime.*, "
-                f"faults.lr_scale, replay.dtype, replay.drop_top_k", None)
+                f"whose rollouts are recorded); variable: algo.* (not algo.dynamic_sampling), train.*, r3, "
+                f"r3_scope.*, rollout.temperature, runtime.*, faults.lr_scale, replay.dtype, replay.drop_top_k", None)
         (replay_keys if key.startswith("replay.") else config_keys).append(item)
     try:
         cfg = load_config(config_path, config_keys)
@@ -110,39 +123,43 @@ def parse_variant(config_path: Path, assignments: Sequence[str]) -> Variant:
     return Variant(label=" ".join(assignments), assignments=list(assignments), cfg=cfg, knobs=knobs)
 
 
-def summarize(results: Sequence[UpdateResult]) -> list[dict[str, float]]:
-    """Per update: loss, grad norm, lr, clip fraction, PPO ratio and TIS statistics."""
+class UpdateSizes:
+    """`UpdateHooks` that measure each update's size ‖θ_after − θ_before‖ (over every weight
+    tensor, in float64). Only reads the weights."""
+
+    def __init__(self, backend: TrainBackend) -> None:
+        self.backend = backend
+        self.sizes: list[float] = []
+        self._before: dict[str, torch.Tensor] = {}
+
+    def before_update(self, index: int, batch: PackedBatch) -> None:
+        self._before = {n: t.detach().clone() for n, t in self.backend.named_weights()}
+
+    def before_optimizer_step(self, index: int) -> None:
+        pass
+
+    def after_update(self, index: int, result: UpdateResult) -> None:
+        sq = sum(float((t.detach().double() - self._before[n].double()).pow(2).sum())
+                 for n, t in self.backend.named_weights())
+        self.sizes.append(math.sqrt(sq))
+        self._before = {}
+
+
+def summarize(results: Sequence[UpdateResult], sizes: Sequence[float] = ()) -> list[dict[str, float]]:
+    """Per update: loss, grad norm, update size, lr, clip fraction, ratio and correction statistics."""
     rows = []
-    for r in results:
+    for i, r in enumerate(results):
         m = {"loss": r.metrics.loss, "grad_norm": r.stats.grad_norm, "lr": r.stats.lr, **r.metrics.metrics}
+        if i < len(sizes):
+            m["update_norm"] = sizes[i]
         rows.append({k: float(m[k]) for k in SUMMARY_KEYS if k in m})
     return rows
 
 
-def split_updates(group_ids: np.ndarray, updates: int) -> list[list[int]]:
-    """Sample rows of each update: `updates` contiguous, near-equal chunks of whole groups —
-    the rule of `ProcessedBatch.update_splits`, over recorded group ids."""
-    groups: list[list[int]] = []
-    for i, g in enumerate(group_ids.tolist()):
-        if groups and group_ids[groups[-1][0]] == g:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    chunks = np.array_split(np.arange(len(groups)), min(updates, len(groups)))
-    return [[i for g in chunk for i in groups[g]] for chunk in chunks if len(chunk)]
-
-
 def recompute_advantages(rec: RecordedStep, cfg: Config) -> torch.Tensor:
-    """Token advantages from the recorded rewards, as `AlgorithmProcessor` computes them."""
-    estimator = cfg.algo.advantage
-    if estimator == "grpo" and not cfg.algo.normalize_std:
-        estimator = "dr_grpo"
-    ok = torch.from_numpy(rec.ok)
-    rewards = torch.from_numpy(rec.rewards).float()
-    groups = torch.from_numpy(rec.group_ids)
-    adv = torch.zeros(len(rewards), dtype=torch.float32)
-    if bool(ok.any()):
-        adv[ok] = compute_advantages(rewards[ok], groups[ok], estimator=estimator).float()
+    """Token advantages from the recorded rewards, by the pipeline `AlgorithmProcessor` runs."""
+    loss_tokens = segment_sum(rec.batch.loss_mask.double(), rec.batch.offsets).numpy()
+    adv = AdvantageSettings.from_algo(cfg.algo).sample_advantages(rec.rewards, rec.group_ids, rec.ok, loss_tokens)
     return token_advantages(adv, rec.batch.offsets, rec.batch.loss_mask)
 
 
@@ -169,35 +186,43 @@ def _get(cfg: Config, path: tuple[str, ...]) -> Any:
 
 
 def run_variant(variant: Variant, base_cfg: Config, rec: RecordedStep, state: dict[str, Any],
-                tokenizer: Tokenizer) -> VariantResult:
+                tokenizer: Tokenizer, run_dir: Path) -> VariantResult:
     """Re-run step `rec.step` under the variant from `state` (the backend state before the step)."""
     try:
         backend = make_train_backend(variant.cfg, tokenizer, compute_dtype=variant.knobs.dtype)
     except (NotImplementedError, ValueError) as e:
         raise ReplayInputError(f"what-if {variant.label}: cannot build its trainer: {e}") from None
     try:
-        return _run_on(backend, variant, base_cfg, rec, state)
+        return _run_on(backend, variant, base_cfg, rec, state, run_dir)
     finally:
         backend.close()
 
 
 def _run_on(backend: TrainBackend, variant: Variant, base_cfg: Config, rec: RecordedStep,
-            state: dict[str, Any]) -> VariantResult:
+            state: dict[str, Any], run_dir: Path) -> VariantResult:
     cfg, knobs, notes = variant.cfg, variant.knobs, []
+    needs_ref = needs_reference(cfg) and rec.batch.ref_logprobs is None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "checkpoint config differs": that is the point of a variant
+        if needs_ref:
+            try:
+                restore_reference(backend, run_dir, cfg)
+            except FileNotFoundError as e:
+                raise ReplayInputError(f"what-if {variant.label}: {e}") from None
         backend.load_state_dict(state)
     batch = dataclasses.replace(rec.batch, temperature=cfg.rollout.temperature)
-    if (cfg.algo.advantage, cfg.algo.normalize_std) != (base_cfg.algo.advantage, base_cfg.algo.normalize_std):
+    if AdvantageSettings.from_algo(cfg.algo) != AdvantageSettings.from_algo(base_cfg.algo):
         batch = dataclasses.replace(batch, advantages=recompute_advantages(rec, cfg))
-        notes.append(f"advantages recomputed from the recorded rewards ({cfg.algo.advantage}, "
-                     f"normalize_std={cfg.algo.normalize_std})")
+        notes.append(f"advantages recomputed from the recorded rewards ({AdvantageSettings.from_algo(cfg.algo).describe()})")
     forward_changed = (knobs.dtype not in (None, "float32")
                        or any(_get(cfg, p) != _get(base_cfg, p) for p in FORWARD_PATHS))
     if forward_changed:
-        old = backend.forward(dataclasses.replace(batch, old_logprobs=None), r3=cfg.r3)
+        old = backend.forward(dataclasses.replace(batch, old_logprobs=None), r3=routing_replay(cfg))
         batch = dataclasses.replace(batch, old_logprobs=old.logprobs)
         notes.append("old logprobs recomputed under the variant: its trainer forward differs")
+    if needs_ref:
+        batch = with_reference_logprobs(backend, batch, cfg)
+        notes.append("reference logprobs computed under the run's reference policy (checkpoint step_000000)")
     batch, dropped = drop_top_ratio(batch, knobs.drop_top_k)
     if dropped:
         shown = ", ".join(f"token {d['token']} (ratio {d['ratio']:.3g})" for d in dropped[:5])
@@ -205,10 +230,15 @@ def _run_on(backend: TrainBackend, variant: Variant, base_cfg: Config, rec: Reco
                      + (" …" if len(dropped) > 5 else ""))
     splits = rec.splits
     if cfg.train.updates_per_step != base_cfg.train.updates_per_step:
-        splits = split_updates(rec.group_ids, cfg.train.updates_per_step)
+        splits = update_splits(rec.group_ids, cfg.train.updates_per_step)
         notes.append(f"{len(splits)} update(s) instead of {len(rec.splits)}")
     if cfg.r3 and batch.routed_experts is None and not rec.dense(base_cfg):
         raise ReplayInputError(f"what-if r3=true: step {rec.step} has no /routing/rollout (trace.routing was off?)")
-    results = run_updates(backend, batch, splits, policy_loss(cfg), r3=cfg.r3, lr_scale=lr_scale(cfg, rec.step))
-    return VariantResult(label=variant.label, assignments=variant.assignments, updates=summarize(results),
+    sizes = UpdateSizes(backend)
+    try:
+        results = run_updates(backend, batch, splits, policy_loss(cfg), r3=routing_replay(cfg),
+                              lr_scale=lr_scale(cfg, rec.step), hooks=sizes)
+    except ValueError as e:  # e.g. an R3 scope naming layers the model does not have
+        raise ReplayInputError(f"what-if {variant.label}: {e}") from None
+    return VariantResult(label=variant.label, assignments=variant.assignments, updates=summarize(results, sizes.sizes),
                          notes=notes, fingerprint_after=results[-1].fingerprint)

@@ -125,7 +125,7 @@ def test_reader_column_helpers(tmp_path):
     reader = TraceReader(run)
     cols = reader.columns(["/tokens/loss_mask", "/tokens/ids"], steps=[1, 2])
     assert cols["step"].tolist() == [1] * 4 + [2] * 4 and cols["/tokens/ids"].dtype == np.int32
-    seen = [(sc.step, sorted(sc.data)) for sc in reader.iter_columns(["/tokens/ids"], optional=["/tokens/logprob_ref"])]
+    seen = [(sc.step, sorted(sc.data)) for sc in reader.iter_columns(["/tokens/ids"], optional=["/tokens/ref_logprob"])]
     assert seen == [(s, ["/tokens/ids"]) for s in range(3)]
     tf = reader.token_frame(columns=["ids", "entropy"])
     assert list(tf.columns) == ["step", "sample", "position", "entropy", "ids"] or \

@@ -5,6 +5,7 @@ through Megatron's RouterReplay, checkpoints, errors. Runs real megatron-core on
 from __future__ import annotations
 
 import dataclasses
+import math
 import json
 import subprocess
 import sys
@@ -342,6 +343,9 @@ def test_tensor_and_expert_parallel_match_world_size_1(megatron, tp, ep, dispatc
         assert len(m1.micro_batches) == len(m2.micro_batches) == 3
         assert abs(m1.loss - m2.loss) < TOL and abs(s1.grad_norm - s2.grad_norm) < TOL * max(1.0, s1.grad_norm)
         assert abs(m1.metrics["num_loss_tokens"] - m2.metrics["num_loss_tokens"]) == 0
+        # per-HF-tensor norms add up over TP shards / EP ranks and count replicas once
+        assert list(s2.param_grad_norm) == list(s1.param_grad_norm)
+        assert all(abs(s2.param_grad_norm[n] - v) < TOL * max(1.0, v) for n, v in s1.param_grad_norm.items())
     # Adam divides by sqrt of tiny second moments, which amplifies last-bit gradient differences
     assert weights_diff(ref, par) < 1e-4
     # R3 across sequence-parallel / data-parallel shards: an arbitrary routing (not what the
@@ -352,6 +356,10 @@ def test_tensor_and_expert_parallel_match_world_size_1(megatron, tp, ep, dispatc
     r_ref, r_par = ref.forward(replay, r3=True), par.forward(replay, r3=True)
     assert torch.equal(r_par.routed_experts, forced)
     assert max_diff(r_ref.logprobs, r_par.logprobs) < TOL and max_diff(r_par.logprobs, b.logprobs) > 1e-3
+    from axrl.train.protocol import R3Scope
+    scope = R3Scope(loss_tokens_only=True)  # partial replay across the sequence-parallel shards
+    p_ref, p_par = ref.forward(replay, r3=scope), par.forward(replay, r3=scope)
+    assert torch.equal(p_ref.routed_experts, p_par.routed_experts) and max_diff(p_ref.logprobs, p_par.logprobs) < TOL
     m1, m2 = ref.forward_backward(replay, pg_loss, r3=True), par.forward_backward(replay, pg_loss, r3=True)
     s1, s2 = ref.optimizer_step(), par.optimizer_step()
     assert abs(m1.loss - m2.loss) < TOL and abs(s1.grad_norm - s2.grad_norm) < TOL * max(1.0, s1.grad_norm)
@@ -398,3 +406,65 @@ def test_axrl_train_megatron_then_mismatch_and_replay(tmp_path, layout):
                         timeout=200, env=env)
     assert rp.returncode == 0, rp.stdout[-2000:] + rp.stderr[-2000:]
     assert "bitwise-equal" in rp.stdout
+
+
+# ---------------------------------------------------------------- objective columns, per-tensor grad norms, partial R3
+
+def test_per_tensor_grad_norms_and_token_columns_match_embedded_backend(megatron):
+    """Megatron's fused / sharded tensors are reported per HF tensor (linear_qkv → q/k/v_proj,
+    linear_fc1 → gate/up_proj), as the embedded backend reports them; the loss's per-token
+    columns come back in batch order."""
+    from axrl.algo import PolicyLossConfig, make_policy_loss
+
+    batch = make_batch()
+    tb, mb = torch_backend(seed=6, micro_batch_tokens=16), megatron(seed=6, micro_batch_tokens=16)
+    batch = dataclasses.replace(batch, old_logprobs=tb.forward(batch).logprobs - 0.2,
+                                rollout_logprobs=torch.where(batch.loss_mask > 0, tb.forward(batch).logprobs + 0.1,
+                                                             torch.nan))
+    loss = make_policy_loss(PolicyLossConfig(loss="grpo2", correction={"icepop": {"low": 0.95, "high": 1.05}}))
+    m1, m2 = tb.forward_backward(batch, loss), mb.forward_backward(batch, loss)
+    assert torch.equal(m1.tokens["loss_rule"], m2.tokens["loss_rule"])
+    assert max_diff(m1.tokens["is_weight"], m2.tokens["is_weight"]) == 0
+    s1, s2 = tb.optimizer_step(), mb.optimizer_step()
+    assert list(s2.param_grad_norm) == list(s1.param_grad_norm)
+    for name, v in s1.param_grad_norm.items():
+        assert abs(s2.param_grad_norm[name] - v) < TOL * max(1.0, v), name
+    assert math.sqrt(sum(v * v for v in s2.param_grad_norm.values())) == pytest.approx(s2.grad_norm, rel=1e-5)
+
+
+def test_partial_r3_matches_embedded_backend(megatron):
+    from axrl.train.protocol import R3Scope
+    from tests.test_train_backend import random_routing
+
+    batch = make_batch(lengths=[20, 25, 18, 30])
+    tb, mb = torch_backend(seed=5), megatron(seed=5)
+    cfg = tb.model.config
+    forced = random_routing(batch.num_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok, cfg.num_experts)
+    rb = dataclasses.replace(batch, routed_experts=forced)
+    for scope in (R3Scope(layers=(1,)), R3Scope(loss_tokens_only=True)):
+        a, b = tb.forward(rb, r3=scope), mb.forward(rb, r3=scope)
+        assert torch.equal(a.routed_experts, b.routed_experts), scope
+        assert max_diff(a.logprobs, b.logprobs) < TOL, scope
+        assert max_diff(a.logprobs, tb.forward(rb, r3=True).logprobs) > 1e-4  # really partial
+        m1, m2 = tb.forward_backward(rb, pg_loss, r3=scope), mb.forward_backward(rb, pg_loss, r3=scope)
+        s1, s2 = tb.optimizer_step(), mb.optimizer_step()
+        assert abs(m1.loss - m2.loss) < TOL and abs(s1.grad_norm - s2.grad_norm) < TOL * max(1.0, s1.grad_norm)
+
+
+def test_reference_logprobs_in_the_prepare_phase(megatron):
+    """algo.kl_coef > 0 on Megatron: the reference kept at RL start gives the prepare phase's
+    reference logprobs after the policy moved, as on the embedded backend."""
+    from axrl.config import load_config
+    from axrl.runtime.reference import keep_reference, with_reference_logprobs
+
+    cfg = load_config(None, ["algo.kl_coef=0.1"])
+    batch = make_batch()
+    tb, mb = torch_backend(seed=2), megatron(seed=2)
+    for be in (tb, mb):
+        keep_reference(be, cfg)
+        be.forward_backward(batch, pg_loss)
+        be.optimizer_step()
+    a, b = with_reference_logprobs(tb, batch, cfg), with_reference_logprobs(mb, batch, cfg)
+    assert max_diff(a.ref_logprobs, b.ref_logprobs) < TOL
+    assert max_diff(b.ref_logprobs, mb.forward(batch).logprobs) > 1e-4        # the policy moved, the reference not
+    assert max_diff(b.ref_logprobs, torch_backend(seed=2).forward(batch).logprobs) < TOL

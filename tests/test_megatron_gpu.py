@@ -103,6 +103,33 @@ def test_cuda_r3(dtype):
         mb.close()
 
 
+def test_cuda_partial_r3_and_per_tensor_norms(backends):
+    """Partial R3 (the per-router get_replay_topk replacement on device tensors) and the per-HF-
+    tensor gradient norms, against the embedded backend on CUDA (fp32)."""
+    from axrl.train.protocol import R3Scope
+    from tests.test_train_backend import random_routing
+
+    tb, mb = backends
+    mb.load_state_dict(tb.state_dict())
+    for b in (tb, mb):
+        b.config = dataclasses.replace(b.config, dtype="float32")
+    batch = make_batch(lengths=[40, 64, 17, 90])
+    cfg = tb.model.config
+    forced = random_routing(batch.num_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok, cfg.num_experts)
+    rb = dataclasses.replace(batch, routed_experts=forced)
+    for scope in (R3Scope(loss_tokens_only=True), R3Scope(exclude_layers=(0,))):
+        a, b = tb.forward(rb, r3=scope), mb.forward(rb, r3=scope)
+        diff = float((a.logprobs - b.logprobs).abs().max())
+        record(check=f"partial_r3_{'loss_tokens' if scope.loss_tokens_only else 'exclude_0'}", max_abs_diff=diff,
+               routing_equal=bool(torch.equal(a.routed_experts, b.routed_experts)))
+        assert torch.equal(a.routed_experts, b.routed_experts) and diff < 1e-5
+    tb.forward_backward(batch, pg_loss), mb.forward_backward(batch, pg_loss)
+    s1, s2 = tb.optimizer_step(), mb.optimizer_step()
+    worst = max(abs(s2.param_grad_norm[n] - v) / max(1.0, v) for n, v in s1.param_grad_norm.items())
+    record(check="param_grad_norm_fp32", max_rel_diff=worst, tensors=len(s1.param_grad_norm))
+    assert list(s1.param_grad_norm) == list(s2.param_grad_norm) and worst < 1e-5
+
+
 def test_cuda_short_training_run(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "axrl.cli", "train", "examples/quickstart.yaml", "--run-dir", str(run),

@@ -22,7 +22,8 @@ from axrl.cli import app as axrl_app
 from axrl.config import load_config
 from axrl_debug.cli import app as debug_app
 from replay import load_recorded_step, read_dump
-from replay.whatif import recompute_advantages, split_updates
+from axrl.algo.processor import update_splits
+from replay.whatif import recompute_advantages
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
@@ -105,7 +106,7 @@ def test_batches_are_rebuilt_exactly(run):
     cfg = load_config(run / "config.yaml")
     for step in range(4):
         rec = load_recorded_step(step_file(run, step), cfg)
-        assert split_updates(rec.group_ids, cfg.train.updates_per_step) == rec.splits
+        assert update_splits(rec.group_ids, cfg.train.updates_per_step) == rec.splits
         assert recompute_advantages(rec, cfg).numpy().tobytes() == rec.batch.advantages.numpy().tobytes()
 
 

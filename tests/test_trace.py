@@ -110,7 +110,11 @@ def make_record(step: int = 0, *, seed: int = 0, n_groups: int = 4, group_size: 
         token_ids=rng.integers(0, 151_000, t).astype(np.int32), loss_mask=loss_mask, turn=turn,
         token_policy_version=pver, rollout_logprob=rollout_lp, old_logprob=old_lp, advantage=adv,
         entropy=rng.random(t).astype(np.float16),
-        logprob_ref=(old_lp - 0.01).astype(np.float32),
+        ref_logprob=(old_lp - 0.01).astype(np.float32),
+        is_weight=np.where(loss_mask > 0, rng.random(t), np.nan).astype(np.float32),
+        loss_rule=np.where(loss_mask > 0, rng.integers(0, 1024, t), 0).astype(np.uint16),
+        param_names=["model.embed_tokens.weight", "model.layers.0.mlp.gate.weight", "lm_head.weight"],
+        param_grad_norm=rng.random((updates, 3)),
         behaviour_train_logprob=np.where(loss_mask == 1, old_lp - 0.001 * (pver != step), np.nan).astype(np.float32),
         num_experts=num_experts, routing_rollout=routing_rollout, routing_rollout_valid=valid,
         routing_train=routing_train,
@@ -228,10 +232,10 @@ def test_uint16_routing_and_minimal_record(tmp_path):
     with StepFile(write_step(tmp_path, bare)) as sf:
         back = sf.to_record()
         assert sf.attrs["num_updates"] == 0 and sf.attrs["num_micro_batches"] == 0
-        assert "/routing/rollout" not in sf and "/tokens/logprob_ref" not in sf
+        assert "/routing/rollout" not in sf and "/tokens/ref_logprob" not in sf
         assert list(sf["/samples/error"]) == ["", ""]
         assert sf["/train/updates/loss"].shape == (0,)
-    assert back.routing_rollout is None and back.num_experts is None and back.logprob_ref is None
+    assert back.routing_rollout is None and back.num_experts is None and back.ref_logprob is None
 
 
 def test_plain_h5py_without_axrl(tmp_path):

@@ -154,12 +154,17 @@ def random_routing(T: int, layers: int, k: int, num_experts: int, seed: int = 1)
     return torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(T * layers)]).view(T, layers, k)
 
 
-def test_r3_replays_forced_routing_and_router_still_learns():
-    be = make_backend(micro_batch_size=2)
+def forced_routing_batch(be: TorchBackend) -> tuple[PackedBatch, torch.Tensor, PackedBatch]:
+    """(batch, a random routing for it, the batch carrying that routing)."""
     cfg = be.model.config
     b = make_batch()
     forced = random_routing(b.num_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok, cfg.num_experts)
-    rb = replace(b, routed_experts=forced)
+    return b, forced, replace(b, routed_experts=forced)
+
+
+def test_r3_replays_forced_routing_and_router_still_learns():
+    be = make_backend(micro_batch_size=2)
+    b, forced, rb = forced_routing_batch(be)
     own = be.forward(rb)  # r3 off: the batch's routing is ignored
     replayed = be.forward(rb, r3=True)
     assert torch.equal(replayed.routed_experts, forced)
@@ -473,3 +478,67 @@ def test_two_processes_are_bitwise_identical(tmp_path):
     assert len({row[2] for row in first}) == 3  # weights changed every update
     # A third process resumes from the checkpoint the first wrote after update 1.
     assert result(start("resume")) == first[1:]
+
+
+# ---------------------------------------------------------------- partial R3, per-tensor grad norms, token columns
+
+def test_partial_r3_replays_only_its_layers_and_loss_tokens():
+    from axrl.train.protocol import R3Scope
+
+    be = make_backend(micro_batch_size=2)
+    b, forced, rb = forced_routing_batch(be)
+    plain, full = be.forward(rb), be.forward(rb, r3=True)
+    # a scope covering everything is full R3, bit for bit
+    same = be.forward(rb, r3=R3Scope(layers=(0, 1)))
+    assert torch.equal(same.logprobs, full.logprobs) and torch.equal(same.routed_experts, forced)
+    # layer 1 only: layer 0 routes as without R3 (nothing before it changed), layer 1 replays
+    only1 = be.forward(rb, r3=R3Scope(layers=(1,)))
+    assert torch.equal(only1.routed_experts[:, 0], plain.routed_experts[:, 0])
+    assert torch.equal(only1.routed_experts[:, 1], forced[:, 1])
+    assert torch.equal(be.forward(rb, r3=R3Scope(exclude_layers=(0,))).logprobs, only1.logprobs)
+    # loss tokens only: those rows replay, the others route on their own (layer 0 sees only embeddings)
+    loss_only = be.forward(rb, r3=R3Scope(loss_tokens_only=True))
+    m = b.loss_mask > 0
+    assert torch.equal(loss_only.routed_experts[m], forced[m])
+    assert torch.equal(loss_only.routed_experts[~m][:, 0], plain.routed_experts[~m][:, 0])
+    for lp in (only1.logprobs, loss_only.logprobs):
+        assert not torch.equal(lp, full.logprobs) and not torch.equal(lp, plain.logprobs)
+    # the train forward follows the same scope: gradients differ from full R3's
+    be.forward_backward(rb, pg_loss, r3=R3Scope(loss_tokens_only=True))
+    g_partial = grads(be)
+    be.optimizer.zero_grad(set_to_none=True)
+    be.forward_backward(rb, pg_loss, r3=True)
+    assert any(not torch.equal(g_partial[n], g) for n, g in grads(be).items())
+    with pytest.raises(ValueError, match="not MoE layers"):
+        be.forward(rb, r3=R3Scope(layers=(5,)))
+
+
+def test_per_tensor_grad_norms_make_up_the_total():
+    be = make_backend()
+    b = make_batch()
+    be.forward_backward(b, pg_loss)
+    want = {n: float(p.grad.float().norm()) for n, p in be.model.named_parameters() if p.grad is not None}
+    stats = be.optimizer_step()
+    assert list(stats.param_grad_norm) == [n for n, p in be.model.named_parameters() if p.requires_grad]
+    for n, v in want.items():
+        assert stats.param_grad_norm[n] == pytest.approx(v, rel=1e-6)
+    total = math.sqrt(sum(v * v for v in stats.param_grad_norm.values()))
+    assert total == pytest.approx(stats.grad_norm, rel=1e-6)
+
+
+def test_loss_token_columns_come_back_in_batch_order():
+    from axrl.algo import PolicyLossConfig, make_policy_loss
+
+    be = make_backend(micro_batch_tokens=16)
+    b = make_batch()
+    b = replace(b, old_logprobs=be.forward(b).logprobs + 0.3 * torch.randn(b.num_tokens),
+                rollout_logprobs=torch.where(b.loss_mask > 0, torch.randn(b.num_tokens) * 0.2 - 2, torch.nan))
+    loss = make_policy_loss(PolicyLossConfig(correction={"tis": {"cap": 1.1}}))
+    m = be.forward_backward(b, loss)
+    assert len(m.micro_batches) > 1 and set(m.tokens) == {"is_weight", "loss_rule"}
+    # the columns over the whole batch equal the loss evaluated on the whole batch at once
+    fwd = be.forward(b)
+    _, direct = loss(fwd.logprobs, fwd.entropy, b, LossContext(int(b.loss_mask.sum()), b.num_samples, b.num_samples))
+    torch.testing.assert_close(m.tokens["is_weight"], direct["tokens/is_weight"])
+    assert torch.equal(m.tokens["loss_rule"], direct["tokens/loss_rule"])
+    assert (m.tokens["is_weight"][b.loss_mask > 0] < 1.1 + 1e-6).all()

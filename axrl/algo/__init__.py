@@ -9,7 +9,9 @@ Public API::
     token_advantages(sample_advantages, offsets, loss_mask) -> [T]
     kl_penalty(logprobs, ref_logprobs, estimator="k3", *, log_ratio_clamp=None); kl_k1/k2/k3
     aggregate_loss(token_loss, loss_mask, offsets, ctx, mode="token-mean", norm_len=None)
-    PolicyLossConfig(...); PolicyLoss(cfg); make_policy_loss(cfg) -> LossFn
+    PolicyLossConfig(loss=..., correction=..., ...); PolicyLoss(cfg); make_policy_loss(cfg) -> LossFn
+    PolicyLoss.token_terms(logprobs, entropy, mb) -> LossTerms (the per-token pieces)
+    OBJECTIVES, CORRECTIONS: the registries behind `algo.loss` / `algo.correction`; LossRule codes
     reduce_microbatch_metrics(rows) -> dict
 """
 
@@ -21,9 +23,12 @@ from axrl.algo.advantages import (
     reinforce_advantages,
     token_advantages,
 )
-from axrl.algo.aggregation import LOSS_AGG_MODES, LossAgg, aggregate_loss, segment_sum
+from axrl.algo.aggregation import LOSS_AGG_MODES, LossAgg, aggregate_loss, aggregation_weights, segment_sum
 from axrl.algo.kl import KLEstimator, kl_k1, kl_k2, kl_k3, kl_penalty
-from axrl.algo.losses import PolicyLoss, PolicyLossConfig, PPOTokenTerms, make_policy_loss, ppo_token_loss
+from axrl.algo.corrections import CORRECTIONS
+from axrl.algo.losses import LossTerms, PolicyLoss, PolicyLossConfig, make_policy_loss
+from axrl.algo.objectives import OBJECTIVES
+from axrl.algo.terms import RULE_NAMES, LossRule
 from axrl.train.metrics import reduce_microbatch_metrics
 
 __all__ = [
@@ -36,16 +41,20 @@ __all__ = [
     "LOSS_AGG_MODES",
     "LossAgg",
     "aggregate_loss",
+    "aggregation_weights",
     "segment_sum",
     "KLEstimator",
     "kl_k1",
     "kl_k2",
     "kl_k3",
     "kl_penalty",
+    "CORRECTIONS",
+    "OBJECTIVES",
+    "LossRule",
+    "LossTerms",
+    "RULE_NAMES",
     "PolicyLoss",
     "PolicyLossConfig",
-    "PPOTokenTerms",
     "make_policy_loss",
-    "ppo_token_loss",
     "reduce_microbatch_metrics",
 ]

@@ -31,7 +31,7 @@ LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "se
 LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                                    "seq-mean-token-sum-norm")
 
-__all__ = ["LossAgg", "LOSS_AGG_MODES", "aggregate_loss", "segment_sum"]
+__all__ = ["LossAgg", "LOSS_AGG_MODES", "aggregate_loss", "aggregation_weights", "segment_sum"]
 
 
 def segment_sum(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -72,3 +72,17 @@ def aggregate_loss(token_loss: torch.Tensor, loss_mask: torch.Tensor, offsets: t
             raise ValueError("loss_agg 'seq-mean-token-sum-norm' needs a positive norm_len")
         return masked.sum() / (denom_samples * float(norm_len))
     raise ValueError(f"unknown loss_agg {mode!r}; expected one of {LOSS_AGG_MODES}")
+
+
+def aggregation_weights(loss_mask: torch.Tensor, offsets: torch.Tensor, ctx: LossContext,
+                        mode: LossAgg = "token-mean", norm_len: float | None = None) -> torch.Tensor:
+    """[T_mb]: each token's weight g_t in `aggregate_loss` (which is linear in the per-token
+    losses: aggregate = Σ_t g_t·ℓ_t), so g_t·ℓ_t is the token's share of the loss. Taken from the
+    aggregation itself (its gradient), not re-derived."""
+    with torch.enable_grad():
+        probe = torch.zeros(loss_mask.shape, dtype=torch.float64, device=loss_mask.device, requires_grad=True)
+        total = aggregate_loss(probe, loss_mask, offsets, ctx, mode, norm_len)
+        if not total.requires_grad:
+            return torch.zeros_like(probe).detach()
+        (weight,) = torch.autograd.grad(total, probe)
+    return weight

@@ -1,15 +1,128 @@
-"""AlgorithmProcessor: complete groups of trajectories → rewards → advantages → a packed batch."""
+"""AlgorithmProcessor: complete groups of trajectories → rewards → advantages → a packed batch.
+
+The reward-to-advantage pipeline (`AdvantageSettings.sample_advantages`) is shared with replay,
+which recomputes advantages from the recorded rewards for what-ifs:
+
+    reward  = task reward + overlong penalty (DAPO soft punishment, optional)
+    A_i     = estimator(reward, group)                  grpo | dr_grpo | reinforce
+    A_i     = clip(A_i, −c, c)                          algo.advantage_clip (optional)
+    A_i     = A_i · (M₊ / M₋) for A_i < 0               algo.advantage_balance: M± = Σ_i |A_i|·n_i over
+                                                        positive / negative samples (n_i loss tokens)
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from axrl.algo.advantages import compute_advantages, token_advantages
+from axrl.config import AlgoSection, Config
 from axrl.rollout.trajectory import Trajectory
 from axrl.train.protocol import PackedBatch
+
+__all__ = ["AdvantageSettings", "AlgorithmProcessor", "ProcessedBatch", "informative_groups", "overlong_penalty",
+           "prompts_to_roll_out", "update_splits"]
+
+
+def update_splits(group_ids: Sequence[int] | np.ndarray, updates: int) -> list[list[int]]:
+    """Sample rows of each optimizer update: `updates` contiguous, near-equal chunks of whole
+    groups (consecutive rows with one group id), in order — the fixed order replay relies on."""
+    ids = list(np.asarray(group_ids).tolist())
+    groups: list[list[int]] = []
+    for i, g in enumerate(ids):
+        if groups and ids[groups[-1][0]] == g:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    chunks = np.array_split(np.arange(len(groups)), min(updates, len(groups)))
+    return [[i for g in chunk for i in groups[g]] for chunk in chunks if len(chunk)]
+
+
+def overlong_penalty(generated: np.ndarray, max_len: int, cache_len: int) -> np.ndarray:
+    """DAPO soft overlong punishment per sample from its generated-token count |y|:
+    0 if |y| ≤ L_max − L_cache; (L_max − L_cache − |y|) / L_cache up to L_max; −1 beyond."""
+    y = np.asarray(generated, dtype=np.float64)
+    free = max_len - cache_len
+    return np.where(y <= free, 0.0, np.where(y <= max_len, (free - y) / cache_len, -1.0))
+
+
+def informative_groups(rewards: np.ndarray, group_ids: np.ndarray, ok: np.ndarray) -> np.ndarray:
+    """bool [N]: samples whose group's scored (ok) rewards are not all equal (DAPO dynamic
+    sampling keeps those: an all-equal group has zero advantage)."""
+    keep = np.zeros(len(rewards), dtype=bool)
+    for g in dict.fromkeys(np.asarray(group_ids).tolist()):
+        rows = np.flatnonzero(group_ids == g)
+        r = rewards[rows][ok[rows]]
+        keep[rows] = r.size > 1 and bool(np.ptp(r) > 0)
+    return keep
+
+
+def prompts_to_roll_out(cfg: Config) -> int:
+    """Prompts a step rolls out: `data.prompts_per_step`, more with dynamic sampling (its oversample)."""
+    ds = cfg.algo.dynamic_sampling
+    n = cfg.data.prompts_per_step
+    return math.ceil(n * ds.oversample) if ds.enabled else n
+
+
+@dataclass(frozen=True)
+class AdvantageSettings:
+    """How sample advantages come from rewards (the module docstring's pipeline)."""
+
+    estimator: str = "grpo"
+    advantage_clip: float | None = None
+    advantage_balance: bool = False
+    overlong: tuple[int, int] | None = None   # (max_len, cache_len)
+
+    @classmethod
+    def from_algo(cls, a: AlgoSection) -> "AdvantageSettings":
+        estimator = "dr_grpo" if a.advantage == "grpo" and not a.normalize_std else a.advantage
+        ol = a.overlong_penalty
+        return cls(estimator, a.advantage_clip, a.advantage_balance,
+                   None if ol is None else (ol.max_len, ol.cache_len))
+
+    def describe(self) -> str:
+        """e.g. "grpo, clipped to ±1, negative mass balanced" (for notes and logs)."""
+        parts = [self.estimator]
+        if self.advantage_clip is not None:
+            parts.append(f"clipped to ±{self.advantage_clip:g}")
+        if self.advantage_balance:
+            parts.append("negative mass balanced")
+        if self.overlong is not None:
+            parts.append(f"overlong penalty max_len {self.overlong[0]}, cache_len {self.overlong[1]}")
+        return ", ".join(parts)
+
+    def penalties(self, loss_tokens: np.ndarray) -> np.ndarray | None:
+        """The overlong penalty per sample (None when off)."""
+        if self.overlong is None:
+            return None
+        return overlong_penalty(loss_tokens, *self.overlong)
+
+    def sample_advantages(self, rewards: np.ndarray, group_ids: np.ndarray, ok: np.ndarray,
+                          loss_tokens: np.ndarray) -> torch.Tensor:
+        """float32 [N]: advantages of ok samples (0 for the others) from their task rewards."""
+        shaped = np.asarray(rewards, dtype=np.float64)
+        pen = self.penalties(loss_tokens)
+        if pen is not None:
+            shaped = shaped + pen
+        adv = torch.zeros(len(shaped), dtype=torch.float32)
+        okt = torch.from_numpy(np.asarray(ok, dtype=bool))
+        if bool(okt.any()):
+            r = torch.tensor(shaped, dtype=torch.float32)[okt]
+            g = torch.from_numpy(np.asarray(group_ids, dtype=np.int64))[okt]
+            adv[okt] = compute_advantages(r, g, estimator=self.estimator).float()
+        if self.advantage_clip is not None:
+            adv = adv.clamp(-self.advantage_clip, self.advantage_clip)
+        if self.advantage_balance:
+            n = torch.as_tensor(np.asarray(loss_tokens, dtype=np.float64))
+            pos = float((adv.double().clamp(min=0) * n).sum())
+            neg = float((-adv.double()).clamp(min=0).mul(n).sum())
+            if pos > 0 and neg > 0:
+                adv = torch.where(adv < 0, adv * (pos / neg), adv).float()
+        return adv
 
 
 @dataclass
@@ -17,43 +130,62 @@ class ProcessedBatch:
     batch: PackedBatch
     trajectories: list[Trajectory]
     sample_advantages: torch.Tensor   # float32 [N]
-    rewards: torch.Tensor             # float32 [N]
+    rewards: torch.Tensor             # float32 [N], the task rewards
+    penalties: np.ndarray | None = None   # float64 [N], overlong penalty added to the reward (None: off)
+    dropped_groups: int = 0           # dynamic sampling: groups rolled out but not trained
+    rolled_out_groups: int = 0
 
     def update_splits(self, updates: int) -> list[list[int]]:
-        """Sample indices of each optimizer update: `updates` contiguous, near-equal chunks of
-        whole groups, in order (the fixed order replay relies on)."""
-        groups: list[list[int]] = []
-        for i, t in enumerate(self.trajectories):
-            if groups and self.trajectories[groups[-1][0]].group_id == t.group_id:
-                groups[-1].append(i)
-            else:
-                groups.append([i])
-        chunks = np.array_split(np.arange(len(groups)), min(updates, len(groups)))
-        return [[i for g in chunk for i in groups[g]] for chunk in chunks if len(chunk)]
+        """Sample indices of each optimizer update (`update_splits` over the batch's group ids)."""
+        return update_splits([t.group_id for t in self.trajectories], updates)
 
 
 class AlgorithmProcessor:
     """Turns rollout groups into the trainer's batch.
 
     Failed trajectories (an env or tool raised) stay in the batch — and so in the trace — with an
-    all-zero loss mask, and are left out of their group's reward statistics.
+    all-zero loss mask, and are left out of their group's reward statistics. With `keep_groups`
+    (dynamic sampling) only the first `keep_groups` groups whose rewards differ are kept.
     """
 
-    def __init__(self, estimator: str = "grpo", normalize_std: bool = True, temperature: float = 1.0) -> None:
+    def __init__(self, estimator: str = "grpo", normalize_std: bool = True, temperature: float = 1.0, *,
+                 settings: AdvantageSettings | None = None, keep_groups: int | None = None) -> None:
         if estimator == "grpo" and not normalize_std:
             estimator = "dr_grpo"
-        self.estimator = estimator
+        self.settings = settings if settings is not None else AdvantageSettings(estimator)
+        self.estimator = self.settings.estimator
         self.temperature = temperature
+        self.keep_groups = keep_groups
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "AlgorithmProcessor":
+        a = cfg.algo
+        return cls(temperature=cfg.rollout.temperature, settings=AdvantageSettings.from_algo(a),
+                   keep_groups=cfg.data.prompts_per_step if a.dynamic_sampling.enabled else None)
+
+    def _dynamic_sampling(self, trajectories: list[Trajectory]) -> tuple[list[Trajectory], int, int]:
+        groups = list(dict.fromkeys(t.group_id for t in trajectories))
+        if self.keep_groups is None:
+            return trajectories, 0, len(groups)
+        rewards = np.asarray([t.reward for t in trajectories], dtype=np.float64)
+        gids = np.asarray([t.group_id for t in trajectories])
+        ok = np.asarray([t.status == "ok" for t in trajectories])
+        useful = informative_groups(rewards, gids, ok)
+        keep = [g for g in groups if useful[gids == g].all()][: self.keep_groups]
+        if not keep:  # nothing informative: train the first groups as rolled out (zero advantage)
+            keep = groups[: self.keep_groups]
+        chosen = set(keep)
+        return [t for t in trajectories if t.group_id in chosen], len(groups) - len(keep), len(groups)
 
     def __call__(self, trajectories: list[Trajectory]) -> ProcessedBatch:
         if not trajectories:
             raise ValueError("AlgorithmProcessor: no trajectories to process")
-        ok = torch.tensor([t.status == "ok" for t in trajectories])
-        rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-        groups = torch.tensor([t.group_id for t in trajectories], dtype=torch.int64)
-        adv = torch.zeros(len(trajectories), dtype=torch.float32)
-        if bool(ok.any()):
-            adv[ok] = compute_advantages(rewards[ok], groups[ok], estimator=self.estimator).float()
+        trajectories, dropped, rolled_out = self._dynamic_sampling(trajectories)
+        ok = np.asarray([t.status == "ok" for t in trajectories])
+        rewards = np.asarray([t.reward for t in trajectories], dtype=np.float64)
+        groups = np.asarray([t.group_id for t in trajectories], dtype=np.int64)
+        loss_tokens = np.asarray([t.num_generated * bool(t.status == "ok") for t in trajectories], dtype=np.float64)
+        adv = self.settings.sample_advantages(rewards, groups, ok, loss_tokens)
 
         lengths = torch.tensor([t.num_tokens for t in trajectories], dtype=torch.int64)
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
@@ -71,4 +203,7 @@ class AlgorithmProcessor:
             routed_experts=routed,
             temperature=self.temperature,
         )
-        return ProcessedBatch(batch=batch, trajectories=trajectories, sample_advantages=adv, rewards=rewards)
+        return ProcessedBatch(batch=batch, trajectories=trajectories, sample_advantages=adv,
+                              rewards=torch.tensor(rewards, dtype=torch.float32),
+                              penalties=self.settings.penalties(loss_tokens), dropped_groups=dropped,
+                              rolled_out_groups=rolled_out)

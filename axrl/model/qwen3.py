@@ -113,7 +113,8 @@ class SparseMoeBlock(nn.Module):
 
     With `forced_experts` (R3, rollout routing replay) the experts are exactly those given; their
     weights are still the router's softmax probabilities at those indices, so gradients keep
-    reaching the router through the chosen experts' logits.
+    reaching the router through the chosen experts' logits. A row of −1 routes that token freely
+    (partial R3: some tokens replayed, the others routed by the router).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -129,6 +130,10 @@ class SparseMoeBlock(nn.Module):
             weights, experts = torch.topk(probs, self.top_k, dim=-1)
         else:
             experts = forced_experts.long()
+            free = experts[:, 0] < 0
+            if bool(free.any()):
+                own = torch.topk(probs, self.top_k, dim=-1).indices
+                experts = torch.where(free[:, None], own, experts)
             weights = probs.gather(-1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -13,7 +13,7 @@ import torch
 
 from axrl.agents.tasks import Task
 from axrl.agents.tasks.resolve import resolve_task
-from axrl.algo.processor import AlgorithmProcessor
+from axrl.algo.processor import AlgorithmProcessor, prompts_to_roll_out
 from axrl.config import Config, ConfigError
 from axrl.data import PromptLoader
 from axrl.inference.embedded import EmbeddedEngine
@@ -98,7 +98,9 @@ def build_components(cfg: Config) -> Components:
                               top_k=r.top_k, stop_token_ids=tokenizer.stop_token_ids)
     settings = RolloutSettings(group_size=r.group_size, sampling=sampling, max_turns=r.max_turns,
                                max_context_len=r.max_context_len, return_routing=model_config.is_moe)
-    schedule = Schedule(cfg.runtime.mode, cfg.data.prompts_per_step, r.max_staleness, clocked=cfg.runtime.deterministic)
+    # Dynamic sampling (DAPO) rolls out more groups per step than it trains (the processor keeps
+    # the informative ones): batches are sealed at that size.
+    schedule = Schedule(cfg.runtime.mode, prompts_to_roll_out(cfg), r.max_staleness, clocked=cfg.runtime.deterministic)
     clock = rollout_clock(cfg)
     policy = RolloutPolicy(partial_rollout=r.partial_rollout, stale_policy=r.stale_policy, max_reruns=r.max_reruns,
                            max_live_episodes=r.max_live_episodes or r.max_batch_size)
@@ -106,7 +108,7 @@ def build_components(cfg: Config) -> Components:
     pool = TrajectoryPool(r.group_size)
     rollout = RolloutWorker(engine, tokenizer, task.make_env, loader, settings, schedule, policy, sync, pool,
                             clock=clock, seed=cfg.seed, threads=cfg.runtime.threads)
-    processor = AlgorithmProcessor(cfg.algo.advantage, cfg.algo.normalize_std, temperature=r.temperature)
+    processor = AlgorithmProcessor.from_config(cfg)
     trainer = TrainWorker(backend, processor, cfg, sync, model_config.num_experts)
     evaluator = None
     if cfg.eval.every:

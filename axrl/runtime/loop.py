@@ -27,6 +27,8 @@ from axrl.runtime.components import Components, build_components, rollout_clock
 from axrl.runtime.metrics_log import MetricsLog
 from axrl.runtime.progress import PhaseTimer, TrainProgress
 from axrl.runtime.records import step_metrics, step_record
+from axrl.runtime.reference import keep_reference, restore_reference
+from axrl.runtime.spike_trigger import SpikeTrigger
 from axrl.runtime.warmup import warm_up
 from axrl.trace import RunDir
 
@@ -65,6 +67,7 @@ def start(cfg: Config, c: Components, run: RunDir, resume: bool, progress: Train
         with warnings.catch_warnings():
             # Config changes on resume were already reported, by key (axrl.runtime.resume).
             warnings.filterwarnings("ignore", message=".*checkpoint config differs")
+            restore_reference(c.backend, run.path, cfg)  # algo.kl_coef > 0: the weights at RL start
             state = load_checkpoint(path, c.backend)
         c.loader.load_state(state["data"])
         c.engine.update_weights(dict(c.backend.named_weights()), version=int(state["policy_version"]))
@@ -88,6 +91,7 @@ def start(cfg: Config, c: Components, run: RunDir, resume: bool, progress: Train
         c.backend.reset_optimizer()  # RL starts with a fresh optimizer and schedule
         progress.log(f"warm-up: {cfg.warmup.steps} supervised steps, loss {losses[0]:.3f} → {losses[-1]:.3f}")
     c.engine.update_weights(dict(c.backend.named_weights()), version=0)
+    keep_reference(c.backend, cfg)  # algo.kl_coef > 0: the reference policy is the state at RL start
     save_checkpoint(run.path, 0, c.backend, checkpoint_state(c, 0))
     return 0, None
 
@@ -103,7 +107,8 @@ def _update_recorded_config(run: RunDir, cfg: Config) -> None:
     run.write_config(config_to_dict(cfg))
 
 
-def run_step(cfg: Config, c: Components, run: RunDir, step: int, progress: TrainProgress) -> dict[str, Any]:
+def run_step(cfg: Config, c: Components, run: RunDir, step: int, progress: TrainProgress,
+             trigger: SpikeTrigger) -> dict[str, Any]:
     """One step: take batch `step` from the pool, train on it, post the new weights, record it."""
     eval_reward = None
     if c.evaluator is not None and step % cfg.eval.every == 0:
@@ -112,8 +117,10 @@ def run_step(cfg: Config, c: Components, run: RunDir, step: int, progress: Train
     timer = PhaseTimer(progress)
     with timer("rollout"):  # waiting for the batch: the rollout worker has been generating all along
         batch = c.pool.take(step)
+    trigger.before_step(c.backend)
     outcome = c.trainer.step(batch, step, timer)
     metrics = step_metrics(outcome)
+    metrics.update(trigger.after_step(c.backend, cfg, outcome))  # trace.spike_ratio: the deep dump, now
     if eval_reward is not None:
         metrics["eval_reward"] = eval_reward
     if c.evaluator is not None and step + 1 == cfg.steps:
@@ -145,10 +152,11 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Path:
     try:
         with TrainProgress(cfg.steps) as progress:
             first, rollout_state = start(cfg, c, run, resume, progress)
+            trigger = SpikeTrigger.from_config(cfg, run.path)  # trace.spike_ratio (off by default)
             progress.progress.update(progress.task, completed=first)
             c.rollout.start(first, rollout_state)
             for step in range(first, cfg.steps):
-                metrics = run_step(cfg, c, run, step, progress)
+                metrics = run_step(cfg, c, run, step, progress, trigger)
                 log.write(metrics)
                 if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.steps:
                     progress.phase("checkpoint")

@@ -39,6 +39,7 @@ class TrainedStep:
     behaviour: torch.Tensor | None = None   # float32 [T]: trainer logprob under each token's generating weights
     wall_times: dict[str, float] = field(default_factory=dict)
     num_experts: int = 0
+    marks: dict[str, Any] = field(default_factory=dict)   # extra root attrs of the step file (e.g. spike)
 
 
 def mismatch(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
@@ -66,6 +67,7 @@ def step_metrics(o: TrainedStep) -> dict[str, Any]:
         "reward_max": float(max((t.reward for t in ok), default=math.nan)),
         "loss": float(np.mean([u.metrics.loss for u in o.updates])),
         "grad_norm": float(np.mean([u.stats.grad_norm for u in o.updates])),
+        "grad_norm_max": float(np.max([u.stats.grad_norm for u in o.updates])),
         "lr": last.stats.lr,
         "clipfrac": float(np.mean([u.metrics.metrics.get("clipfrac", math.nan) for u in o.updates])),
         "mismatch": mismatch(o.old.logprobs, batch.rollout_logprobs, batch.loss_mask),
@@ -84,6 +86,7 @@ def step_metrics(o: TrainedStep) -> dict[str, Any]:
         "step_time": step_s,
         **{f"time_{k}": v for k, v in o.wall_times.items()},
         "finish_reasons": {r: sum(t.finish_reason == r for t in trajs) for r in sorted({t.finish_reason for t in trajs})},
+        "dropped_groups": o.processed.dropped_groups,   # dynamic sampling (0 when off)
     }
 
 
@@ -106,6 +109,42 @@ def _routing(trajs: list, batch_routing: torch.Tensor | None) -> tuple[np.ndarra
     return batch_routing.numpy(), valid
 
 
+def _token_rows(offsets: np.ndarray, samples: list[int]) -> np.ndarray:
+    """Token indices of `samples` (rows of the step's batch), in that order."""
+    return np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in samples]) if samples else np.zeros(0, int)
+
+
+def objective_columns(o: TrainedStep) -> dict[str, np.ndarray | None]:
+    """/tokens/is_weight and /tokens/loss_rule [T] from each update's per-token loss columns
+    (a token is trained by the update that holds its sample; NaN / 0 where not trained); None
+    for a column the loss did not report in every update."""
+    batch = o.processed.batch
+    T = batch.num_tokens
+    off = batch.offsets.numpy()
+    trained = batch.loss_mask.numpy() > 0
+    empty = {"is_weight": (np.float32, np.nan), "loss_rule": (np.uint16, 0)}
+    out: dict[str, np.ndarray | None] = {}
+    for name, (dtype, fill) in empty.items():
+        if not o.updates or any(name not in u.metrics.tokens for u in o.updates):
+            out[name] = None
+            continue
+        col = np.full(T, fill, dtype)
+        for u in o.updates:
+            col[_token_rows(off, u.samples)] = u.metrics.tokens[name].numpy().astype(dtype)
+        col[~trained] = fill
+        out[name] = col
+    return out
+
+
+def param_grad_norms(updates: list[UpdateResult]) -> tuple[list[str] | None, np.ndarray | None]:
+    """(/train/param_names, /train/param_grad_norm [U, P]) from the updates' StepStats (None when
+    the backend reported none)."""
+    names = list(updates[0].stats.param_grad_norm) if updates else []
+    if not names or any(list(u.stats.param_grad_norm) != names for u in updates):
+        return None, None
+    return names, np.asarray([list(u.stats.param_grad_norm.values()) for u in updates], np.float64)
+
+
 def step_record(o: TrainedStep, rng_digest: str = "", routing: bool = True) -> StepRecord:
     """The step's trace record (schema: docs/trace-format.md); `routing=False` leaves out /routing."""
     trajs = o.processed.trajectories
@@ -117,6 +156,12 @@ def step_record(o: TrainedStep, rng_digest: str = "", routing: bool = True) -> S
     update_rows = [{"loss": u.metrics.loss, "grad_norm": u.stats.grad_norm, "lr": u.stats.lr,
                     **{k: v for k, v in u.metrics.metrics.items() if k != "loss"}} for u in o.updates]
     mb_rows = [{"update": ui, **row} for ui, u in enumerate(o.updates) for row in u.metrics.micro_batches]
+    objective = objective_columns(o)
+    param_names, param_norms = param_grad_norms(o.updates)
+    extra_samples = {"advantage": o.processed.sample_advantages.numpy(),
+                     "continuations": np.asarray([t.continuations for t in trajs], np.int32)}
+    if o.processed.penalties is not None:
+        extra_samples["overlong_penalty"] = o.processed.penalties
     return StepRecord(
         step=o.step,
         policy_version=o.policy_version,
@@ -138,6 +183,11 @@ def step_record(o: TrainedStep, rng_digest: str = "", routing: bool = True) -> S
         old_logprob=o.old.logprobs.numpy(),
         advantage=batch.advantages.numpy(),
         entropy=o.old.entropy.numpy(),
+        ref_logprob=None if batch.ref_logprobs is None else batch.ref_logprobs.numpy(),
+        is_weight=objective["is_weight"],
+        loss_rule=objective["loss_rule"],
+        param_names=param_names,
+        param_grad_norm=param_norms,
         update_sample_offsets=update_offsets,
         update_samples=update_samples,
         update_metrics=_columns(update_rows),
@@ -151,10 +201,10 @@ def step_record(o: TrainedStep, rng_digest: str = "", routing: bool = True) -> S
         routing_train=None if routing_train is None else routing_train.numpy(),
         behaviour_train_logprob=None if o.behaviour is None else o.behaviour.numpy(),
         **_pool_columns(o.batch),
-        extra_samples={"advantage": o.processed.sample_advantages.numpy(),
-                       "continuations": np.asarray([t.continuations for t in trajs], np.int32)},
+        extra_samples=extra_samples,
         wall_times=o.wall_times,
         rng_digest=rng_digest,
+        attrs=o.marks,
     )
 
 

@@ -22,7 +22,8 @@ from axrl.rollout.pool import Batch
 from axrl.runtime.faults import lr_scale, perturb_batch
 from axrl.runtime.progress import PhaseTimer
 from axrl.runtime.records import TrainedStep
-from axrl.runtime.updates import policy_loss, run_updates
+from axrl.runtime.reference import with_reference_logprobs
+from axrl.runtime.updates import policy_loss, routing_replay, run_updates
 from axrl.sync import WeightSync
 from axrl.train.protocol import ForwardResult, TrainBackend
 
@@ -46,8 +47,9 @@ class TrainWorker:
         with timer("prepare"):
             processed = self.processor(batch.trajectories)
             processed.batch = perturb_batch(cfg, step, processed.batch)  # faults.rollout_logprob_noise; no-op by default
-            old = backend.forward(processed.batch, r3=cfg.r3)
+            old = backend.forward(processed.batch, r3=routing_replay(cfg))
             processed.batch = dataclasses.replace(processed.batch, old_logprobs=old.logprobs)
+            processed.batch = with_reference_logprobs(backend, processed.batch, cfg)  # algo.kl_coef > 0
             behaviour = self.behaviour_logprobs(processed, old, step) if cfg.trace.behaviour_logprob else None
         if self.keep_versions:
             backend.keep_weights(version_key(step))
@@ -55,7 +57,7 @@ class TrainWorker:
         with timer("train"):
             # Shared with replay/, which re-runs these updates from the trace (axrl/runtime/updates.py).
             updates = run_updates(backend, processed.batch, processed.update_splits(cfg.train.updates_per_step),
-                                  policy_loss(cfg), r3=cfg.r3, lr_scale=lr_scale(cfg, step))
+                                  policy_loss(cfg), r3=routing_replay(cfg), lr_scale=lr_scale(cfg, step))
         with timer("sync"):
             self.sync.post(step + 1, dict(backend.named_weights()))
             if self.keep_versions:
@@ -76,7 +78,7 @@ class TrainWorker:
         for v in sorted(set(versions[(versions >= 0) & (versions != step)].tolist())):
             rows = sorted(set(sample_of[versions == v].tolist()))
             sub = batch.select(rows)
-            res = self.backend.forward(sub, r3=self.cfg.r3, weights=version_key(v))
+            res = self.backend.forward(sub, r3=routing_replay(self.cfg), weights=version_key(v))
             idx = torch.cat([torch.arange(int(batch.offsets[r]), int(batch.offsets[r + 1])) for r in rows])
             pick = versions[idx] == v
             out[idx[pick]] = res.logprobs[pick]

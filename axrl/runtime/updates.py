@@ -12,15 +12,25 @@ from typing import Protocol, Sequence
 from axrl.algo import PolicyLoss, PolicyLossConfig, make_policy_loss
 from axrl.config import Config
 from axrl.runtime.records import UpdateResult
-from axrl.train.protocol import LossFn, PackedBatch, TrainBackend
+from axrl.train.protocol import R3, LossFn, PackedBatch, R3Scope, TrainBackend
 
 
 def policy_loss(cfg: Config) -> PolicyLoss:
     """The step's `LossFn`, from the `algo` section."""
     a = cfg.algo
     return make_policy_loss(PolicyLossConfig(
+        loss=a.loss, loss_args=dict(a.loss_args), correction=dict(a.correction),
         clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, tis=a.tis, tis_cap=a.tis_cap,
         kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, loss_agg=a.loss_agg))
+
+
+def routing_replay(cfg: Config) -> R3:
+    """The backends' `r3` argument from `r3` and `r3_scope`: off, full or a partial `R3Scope`."""
+    s = cfg.r3_scope
+    if not cfg.r3 or s is None:
+        return cfg.r3
+    return R3Scope(layers=None if s.layers is None else tuple(s.layers), exclude_layers=tuple(s.exclude_layers),
+                   loss_tokens_only=s.loss_tokens_only)
 
 
 class UpdateHooks(Protocol):
@@ -33,9 +43,31 @@ class UpdateHooks(Protocol):
     def before_optimizer_step(self, index: int) -> None:
         """Called after forward_backward, while the accumulated gradients are still there."""
 
+    def after_update(self, index: int, result: UpdateResult) -> None:
+        """Called after the update's optimizer step, with what it did."""
+
+
+class CombinedHooks:
+    """Several `UpdateHooks` called in order."""
+
+    def __init__(self, *hooks: UpdateHooks | None) -> None:
+        self.hooks = [h for h in hooks if h is not None]
+
+    def before_update(self, index: int, batch: PackedBatch) -> None:
+        for h in self.hooks:
+            h.before_update(index, batch)
+
+    def before_optimizer_step(self, index: int) -> None:
+        for h in self.hooks:
+            h.before_optimizer_step(index)
+
+    def after_update(self, index: int, result: UpdateResult) -> None:
+        for h in self.hooks:
+            h.after_update(index, result)
+
 
 def run_updates(backend: TrainBackend, batch: PackedBatch, splits: Sequence[Sequence[int]], loss_fn: LossFn, *,
-                r3: bool, lr_scale: float = 1.0, hooks: UpdateHooks | None = None) -> list[UpdateResult]:
+                r3: R3, lr_scale: float = 1.0, hooks: UpdateHooks | None = None) -> list[UpdateResult]:
     """One optimizer update per entry of `splits` (sample rows of `batch`, in order).
 
     `batch` must carry the old logprobs. Each update is forward_backward over its samples, then
@@ -52,4 +84,6 @@ def run_updates(backend: TrainBackend, batch: PackedBatch, splits: Sequence[Sequ
             hooks.before_optimizer_step(u)
         stats = backend.optimizer_step(lr_scale=lr_scale)
         results.append(UpdateResult(samples, metrics, stats, backend.fingerprint()))
+        if hooks is not None:
+            hooks.after_update(u, results[-1])
     return results

@@ -16,6 +16,7 @@ U     optimizer updates taken in the step
 S     entries of ``/train/update_samples`` (sum of samples over updates)
 M     micro-batches over all updates
 MS    entries of ``/train/micro_batch_samples``
+P     parameter tensors (``/train/param_names``)
 D, R  groups dropped / re-run while the step's batch was filled (``/pool``)
 ====  =====================================================================
 """
@@ -159,8 +160,13 @@ DATASETS: tuple[DatasetSpec, ...] = (
                 "per-token advantage used by the loss"),
     DatasetSpec("/tokens/entropy", "entropy", "float16", ("T",), True,
                 "trainer entropy of the distribution that predicted token t"),
-    DatasetSpec("/tokens/logprob_ref", "logprob_ref", "float32", ("T",), False,
-                "reference-policy logprob (KL penalty), same convention"),
+    DatasetSpec("/tokens/ref_logprob", "ref_logprob", "float32", ("T",), False,
+                "frozen reference policy's logprob (the weights at RL start; KL penalty), same convention"),
+    DatasetSpec("/tokens/is_weight", "is_weight", "float32", ("T",), False,
+                "weight the rollout/trainer corrections applied to the token's policy loss "
+                "(1 = none, 0 = masked); NaN where not trained"),
+    DatasetSpec("/tokens/loss_rule", "loss_rule", "uint16", ("T",), False,
+                "bits of what the objective and corrections did to the token (LOSS_RULE_CODES); 0 = trained plainly"),
     DatasetSpec("/tokens/behaviour_train_logprob", "behaviour_train_logprob", "float32", ("T",), False,
                 "trainer logprob under the weights that generated the token (version /tokens/policy_version); NaN where not generated"),
     # --- routing
@@ -181,6 +187,10 @@ DATASETS: tuple[DatasetSpec, ...] = (
                 False, "CSR over /train/micro_batch_samples"),
     DatasetSpec("/train/updates/weights_fingerprint_after", "update_fingerprints", STR, ("U",), False,
                 "weights fingerprint after each update"),
+    DatasetSpec("/train/param_names", "param_names", STR, ("P",), False,
+                "parameter tensors (Hugging Face names) of /train/param_grad_norm's columns"),
+    DatasetSpec("/train/param_grad_norm", "param_grad_norm", "float64", ("U", "P"), False,
+                "L2 norm of each parameter tensor's gradient before clipping, per update"),
     DatasetSpec("/train/weights_fingerprint_before", "weights_fingerprint_before", STR, (), True,
                 "digest of all parameters before the step's first update"),
     DatasetSpec("/train/weights_fingerprint_after", "weights_fingerprint_after", STR, (), True,
@@ -206,6 +216,20 @@ UPDATE_RECOMMENDED = ("clipfrac", "kl", "entropy", "num_tokens", "num_samples")
 MICRO_BATCH_REQUIRED: dict[str, str] = {"update": "int32", "loss": "float64", "num_tokens": "int64"}
 UPDATE_RESERVED = frozenset({"sample_offsets", "weights_fingerprint_after"})
 MICRO_BATCH_RESERVED = frozenset({"sample_offsets"})
+
+# /tokens/loss_rule bits (axrl.algo.LossRule mirrors this table; numpy-only readers use this one).
+LOSS_RULE_CODES: dict[int, tuple[str, str]] = {
+    1: ("clip_high", "ratio above the band's top with A >= 0: no gradient (ppo, gspo, grpo2)"),
+    2: ("clip_low", "ratio below the band's floor with A < 0: no gradient (ppo, gspo, grpo2)"),
+    4: ("dual_clip", "dual-clip bound -c*A taken (ppo, A < 0): no gradient"),
+    8: ("soft_clip", "weight capped, gradient kept (grpo2 A < 0 above dual_soft_clip, cispo, topr)"),
+    16: ("ratio_clamp", "|log ratio| beyond log_ratio_clamp (ratio clamped)"),
+    32: ("tis_truncated", "train/rollout weight truncated at the TIS cap"),
+    64: ("mis_masked", "train/rollout weight outside [lower, upper]: masked (MIS)"),
+    128: ("veto", "sequence dropped: a token's train/rollout ratio below the veto threshold"),
+    256: ("icepop_masked", "train/rollout ratio outside [low, high]: masked (IcePop)"),
+    512: ("no_rollout", "loss token without a finite rollout logprob (corrections left it at weight 1)"),
+}
 
 # Which datasets get chunked + compressed (the large per-token ones).
 TOKEN_GROUPS = (G_TOKENS, G_ROUTING)

@@ -26,7 +26,7 @@ from .schema import TraceValidationError
 # for every token of a run (mismatch, summary, the TUI's step table) are stored raw: reading them
 # back costs a copy plus the checksum, where byte shuffle + gzip-1 cost ~6x more (~140 vs ~23 ns per
 # generated token for what `mismatch` reads; docs/trace-format.md "Cost"). The other token datasets
-# (ids, advantage, logprob_ref, extra columns) are byte-shuffled and compressed with
+# (ids, advantage, ref_logprob, is_weight, loss_rule, extra columns) are byte-shuffled and compressed with
 # DEFAULT_COMPRESSION (gzip level 1, built into every HDF5 library: h5dump, HDFView, Julia, C).
 DEFAULT_COMPRESSION: str | None = "gzip"
 RAW_DATASETS = frozenset({
@@ -90,7 +90,11 @@ class StepRecord:
     weights_fingerprint_after: str
     # ---- optional
     error: Sequence[str] | None = None       # str [N]; None = '' everywhere
-    logprob_ref: Any = None                  # float32 [T]
+    ref_logprob: Any = None                  # float32 [T], frozen reference policy
+    is_weight: Any = None                    # float32 [T], correction weight applied (NaN: not trained)
+    loss_rule: Any = None                    # uint16 [T], LOSS_RULE_CODES bits
+    param_names: Sequence[str] | None = None  # str [P]
+    param_grad_norm: Any = None              # float64 [U, P], per-tensor gradient norm per update
     behaviour_train_logprob: Any = None      # float32 [T]
     num_experts: int | None = None           # required when routing is given
     routing_rollout: Any = None              # [T, L, k] expert ids (as input), engine
@@ -384,6 +388,14 @@ def prepare(record: StepRecord) -> _Prepared:
             raise _fail("update_metrics", f"column name {k!r} is reserved")
         ds[f"{S.G_UPDATES}/{k}"] = _as_metric_column("update_metrics", k, v, u, "U = len(update_sample_offsets) - 1",
                                                      S.UPDATE_REQUIRED)
+    if (r.param_names is None) != (r.param_grad_norm is None):
+        raise _fail("param_grad_norm", "param_names and param_grad_norm go together")
+    if r.param_names is not None:
+        names = _as_str_array("param_names", r.param_names)
+        norms = _as_float("param_grad_norm", r.param_grad_norm, np.float64)
+        _check_shape("param_grad_norm", norms, (u, names.size), "[U, P = len(param_names)]")
+        ds["/train/param_names"] = names
+        ds["/train/param_grad_norm"] = norms
     if r.update_fingerprints is not None:
         fp = _as_str_array("update_fingerprints", r.update_fingerprints)
         _check_shape("update_fingerprints", fp, (u,), "U")

@@ -16,7 +16,7 @@ from torch import nn
 
 from axrl.model import Qwen3ForCausalLM
 from axrl.train.micro_batch import next_token_logprobs, pad_micro_batch, unpad
-from axrl.train.protocol import Inspection, LossContext, LossFn, PackedBatch
+from axrl.train.protocol import Inspection, LossContext, LossFn, PackedBatch, R3Scope
 
 
 def loss_context(batch: PackedBatch) -> LossContext:
@@ -76,7 +76,7 @@ class _Hooks:
             h.remove()
 
 
-def inspect_model(model: Qwen3ForCausalLM, batch: PackedBatch, loss_fn: LossFn, *, use_r3: bool,
+def inspect_model(model: Qwen3ForCausalLM, batch: PackedBatch, loss_fn: LossFn, *, r3: R3Scope | None,
                   autocast_bf16: bool = False) -> Inspection:
     """Activation norms, router load/entropy and per-sample gradients of `batch` (one optimizer
     batch, old logprobs set) under `loss_fn`, normalised as the whole batch (`LossContext`)."""
@@ -93,7 +93,7 @@ def inspect_model(model: Qwen3ForCausalLM, batch: PackedBatch, loss_fn: LossFn, 
         offsets = batch.offsets.tolist()
         for i in range(N):
             mb = batch.select([i])
-            pm = pad_micro_batch(mb, with_routing=use_r3, device=device)
+            pm = pad_micro_batch(mb, with_routing=r3 is not None, device=device, scope=r3)
             hooks.real = pm.attention_mask.bool()
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
                 out = model(pm.input_ids, attention_mask=pm.attention_mask, forced_experts=pm.forced_experts)

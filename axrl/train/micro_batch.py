@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from axrl.train.protocol import PackedBatch
+from axrl.train.protocol import PackedBatch, R3Scope
 
 
 def split_micro_batches(lengths: Sequence[int] | torch.Tensor, micro_batch_tokens: int = 0,
@@ -62,13 +62,16 @@ class PaddedMicroBatch:
     attention_mask: torch.Tensor           # int64 [b, S]; 1 = real token
     rows: torch.Tensor                     # int64 [T]: sample (row) of packed token t
     cols: torch.Tensor                     # int64 [T]: position of packed token t within its row
-    forced_experts: torch.Tensor | None    # int64 [b, S, L, k] (R3), padding rows = expert 0
+    forced_experts: torch.Tensor | None    # int64 [b, S, L, k] (R3), padding rows = expert 0; −1 = route freely
 
 
 def pad_micro_batch(mb: PackedBatch, *, pad_id: int = 0, with_routing: bool = False,
-                    device: torch.device | str | None = None) -> PaddedMicroBatch:
+                    device: torch.device | str | None = None, scope: R3Scope | None = None) -> PaddedMicroBatch:
     """Right-pad a micro-batch. Right padding keeps real tokens at positions 0..len-1, so causal
-    attention never sees a pad and rotary positions equal those of an unpadded forward."""
+    attention never sees a pad and rotary positions equal those of an unpadded forward.
+
+    With a partial R3 `scope`, the forced routing is −1 (route freely) in the layers it leaves out
+    and, with `loss_tokens_only`, at every row that is not a loss token."""
     lengths = mb.lengths
     b, S = mb.num_samples, int(lengths.max())
     rows = mb.sample_index()
@@ -84,9 +87,22 @@ def pad_micro_batch(mb: PackedBatch, *, pad_id: int = 0, with_routing: bool = Fa
         re = mb.routed_experts
         forced = torch.zeros(b, S, *re.shape[1:], dtype=torch.int64)
         forced[rows, cols] = re.long().cpu()
+        if scope is not None and not scope.full:
+            restrict_routing_(forced, scope, rows, cols, mb.loss_mask.cpu() > 0)
     to = (lambda t: t.to(device)) if device is not None else (lambda t: t)
     return PaddedMicroBatch(to(input_ids), to(attention_mask), to(rows), to(cols),
                             None if forced is None else to(forced))
+
+
+def restrict_routing_(forced: torch.Tensor, scope: R3Scope, rows: torch.Tensor, cols: torch.Tensor,
+                      loss_tokens: torch.Tensor) -> None:
+    """Set forced routing [b, S, L, k] to −1 (route freely) where `scope` does not replay."""
+    keep = torch.tensor([scope.replays_layer(i) for i in range(forced.shape[2])], dtype=torch.bool)
+    forced[:, :, ~keep] = -1
+    if scope.loss_tokens_only:
+        replayed = torch.zeros(forced.shape[:2], dtype=torch.bool)
+        replayed[rows, cols] = loss_tokens
+        forced[~replayed] = -1
 
 
 def unpad(padded: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:

@@ -89,15 +89,50 @@ class LossContext:
 
 
 class LossFn(Protocol):
-    """Loss over one micro-batch: returns (scalar loss to backprop, float metrics).
+    """Loss over one micro-batch: returns (scalar loss to backprop, metrics).
 
     logprobs/entropy [T_mb] follow PackedBatch's conventions and carry grad. The returned loss
-    must already be scaled to its share of the whole batch (see LossContext).
+    must already be scaled to its share of the whole batch (see LossContext). Metrics are floats
+    (or 0-d tensors), except keys starting with `axrl.train.metrics.TOKEN_COLUMN_PREFIX`
+    ("tokens/"): per-token columns [T_mb] of the micro-batch, which the backend concatenates in
+    batch order into `TrainMetrics.tokens` (what the objective did to each token).
     """
 
     def __call__(self, logprobs: torch.Tensor, entropy: torch.Tensor, mb: PackedBatch,
-                 ctx: LossContext) -> tuple[torch.Tensor, dict[str, float]]:
+                 ctx: LossContext) -> tuple[torch.Tensor, dict[str, Any]]:
         ...
+
+
+@dataclass(frozen=True)
+class R3Scope:
+    """Which part of the recorded routing a forward replays (R3, rollout routing replay).
+
+    `layers`: decoder-layer indices whose MoE routers replay (None: every MoE layer), minus
+    `exclude_layers`; the other layers route on their own. `loss_tokens_only`: replay only at the
+    rows of loss tokens (the generated tokens as inputs); prompt and tool tokens route on their
+    own. `R3Scope()` is full R3, the same as `r3=True`."""
+
+    layers: tuple[int, ...] | None = None
+    exclude_layers: tuple[int, ...] = ()
+    loss_tokens_only: bool = False
+
+    @property
+    def full(self) -> bool:
+        return self.layers is None and not self.exclude_layers and not self.loss_tokens_only
+
+    def replays_layer(self, layer: int) -> bool:
+        return (self.layers is None or layer in self.layers) and layer not in self.exclude_layers
+
+
+#: the `r3` argument of the backend calls: off (False), full (True) or a partial scope
+R3 = bool | R3Scope
+
+
+def r3_scope(r3: R3) -> R3Scope | None:
+    """The scope an `r3` argument asks for (None: no replay)."""
+    if isinstance(r3, R3Scope):
+        return r3
+    return R3Scope() if r3 else None
 
 
 @dataclass
@@ -109,17 +144,22 @@ class ForwardResult:
 
 @dataclass
 class TrainMetrics:
-    """What one `forward_backward` call measured: summed loss and one row per micro-batch."""
+    """What one `forward_backward` call measured: summed loss, one row per micro-batch, and the
+    loss function's per-token columns over the call's batch ([T], batch order)."""
 
     loss: float
     micro_batches: list[dict[str, float]] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    tokens: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
 class StepStats:
     grad_norm: float   # total L2 norm before clipping
     lr: float          # learning rate used by this step
+    # L2 norm of each parameter tensor's gradient before clipping, under Hugging Face names, in a
+    # fixed order (their root-sum-square is grad_norm); what the total norm was made of
+    param_grad_norm: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -153,14 +193,16 @@ class TrainBackend(Protocol):
         """Architecture of the trained model (what an inference engine is built from)."""
         ...
 
-    def forward(self, batch: PackedBatch, *, r3: bool = False, weights: str | None = None) -> ForwardResult:
+    def forward(self, batch: PackedBatch, *, r3: R3 = False, weights: str | None = None) -> ForwardResult:
         """No-grad per-token logprobs, entropy and routing (e.g. old logprobs before an update).
 
-        `weights` names a set kept with `keep_weights` to compute under instead of the current
-        weights (behaviour-policy or reference logprobs); the current weights are untouched."""
+        `r3` replays `batch.routed_experts` (True: fully; an `R3Scope`: some layers / loss tokens
+        only); the returned routing is the one the forward used. `weights` names a set kept with
+        `keep_weights` to compute under instead of the current weights (behaviour-policy or
+        reference logprobs); the current weights are untouched."""
         ...
 
-    def forward_backward(self, batch: PackedBatch, loss_fn: LossFn, *, r3: bool = False) -> TrainMetrics:
+    def forward_backward(self, batch: PackedBatch, loss_fn: LossFn, *, r3: R3 = False) -> TrainMetrics:
         """Accumulate gradients of `loss_fn` over the batch, micro-batch by micro-batch in a fixed order."""
         ...
 
@@ -192,7 +234,7 @@ class TrainBackend(Protocol):
         """Cheap deterministic digest of all parameters: equal iff the weights are bitwise equal."""
         ...
 
-    def inspect(self, batch: PackedBatch, loss_fn: LossFn, *, r3: bool = False) -> Inspection | None:
+    def inspect(self, batch: PackedBatch, loss_fn: LossFn, *, r3: R3 = False) -> Inspection | None:
         """Costly diagnostics of one optimizer batch at the current weights (activation norms,
         router load, per-sample gradients), without changing any state; None when the backend
         cannot observe its model's internals."""

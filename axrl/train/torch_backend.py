@@ -26,8 +26,9 @@ from axrl.train.fingerprint import weights_fingerprint
 from axrl.train.metrics import reduce_microbatch_metrics
 from axrl.train.micro_batch import micro_batches, next_token_logprobs, pad_micro_batch, unpad
 from axrl.train.inspection import inspect_model
-from axrl.train.protocol import (ForwardResult, Inspection, LossContext, LossFn, PackedBatch, StepStats,
-                                 TrainMetrics)
+from axrl.train.metrics import join_token_columns, split_token_columns
+from axrl.train.protocol import (R3, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, R3Scope, StepStats,
+                                 TrainMetrics, r3_scope)
 
 CHECKPOINT_FORMAT = "axrl-torch-backend"
 CHECKPOINT_VERSION = 1
@@ -101,12 +102,20 @@ def lr_at(config: TorchBackendConfig, step: int) -> float:
     return c.lr * (c.min_lr_ratio + (1.0 - c.min_lr_ratio) * decay)
 
 
-def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+def tensor_grad_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """fp32 [P]: the L2 norm of each gradient tensor, in order."""
+    if not grads:
+        return torch.zeros(0)
+    return torch.stack([g.detach().float().norm(2).cpu() for g in grads])
+
+
+def grad_norm(grads: list[torch.Tensor], per_tensor: torch.Tensor | None = None) -> torch.Tensor:
     """Total L2 norm (fp32 scalar) as the norm of per-tensor norms in a fixed order, like
-    `torch.nn.utils.clip_grad_norm_` without foreach: deterministic, no cross-thread reduction order."""
+    `torch.nn.utils.clip_grad_norm_` without foreach: deterministic, no cross-thread reduction order.
+    `per_tensor`: the `tensor_grad_norms` of `grads` when already computed."""
     if not grads:
         return torch.zeros(())
-    return torch.stack([g.detach().float().norm(2).cpu() for g in grads]).norm(2)
+    return (tensor_grad_norms(grads) if per_tensor is None else per_tensor).norm(2)
 
 
 def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
@@ -116,11 +125,12 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Te
         g.mul_(coef.to(g.device, g.dtype))
 
 
-def use_r3(cfg: ModelConfig, batch: PackedBatch, r3: bool) -> bool:
-    """Whether a forward replays `batch.routed_experts` (R3): r3 on an MoE model, with routing of
-    the right shape and range (else ValueError)."""
-    if not r3 or not cfg.is_moe:
-        return False  # a dense model has no routing to replay
+def use_r3(cfg: ModelConfig, batch: PackedBatch, r3: R3) -> R3Scope | None:
+    """The R3 scope a forward replays `batch.routed_experts` under (None: no replay): r3 on an MoE
+    model, with routing of the right shape and range and scope layers that exist (else ValueError)."""
+    scope = r3_scope(r3)
+    if scope is None or not cfg.is_moe:
+        return None  # a dense model has no routing to replay
     re = batch.routed_experts
     if re is None:
         raise ValueError("r3=True but PackedBatch.routed_experts is None")
@@ -129,7 +139,11 @@ def use_r3(cfg: ModelConfig, batch: PackedBatch, r3: bool) -> bool:
         raise ValueError(f"PackedBatch.routed_experts has shape {tuple(re.shape)}, expected [T, {want[0]}, {want[1]}]")
     if re.numel() and (int(re.min()) < 0 or int(re.max()) >= cfg.num_experts):
         raise ValueError(f"PackedBatch.routed_experts holds expert ids outside [0, {cfg.num_experts})")
-    return True
+    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    bad = [i for i in (scope.layers or ()) + scope.exclude_layers if i not in moe]
+    if bad:
+        raise ValueError(f"R3 scope layers {bad} are not MoE layers of the model (MoE layers: {moe})")
+    return scope
 
 
 class TorchBackend:
@@ -150,6 +164,7 @@ class TorchBackend:
         self.device = next(model.parameters()).device
         # One fixed parameter order drives grad norm, optimizer groups and checkpoints.
         self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._hf_names = [n for n, _ in self._params]  # the model's parameter names are HF names
         decay = [p for _, p in self._params if p.ndim >= 2]
         no_decay = [p for _, p in self._params if p.ndim < 2]
         self.optimizer = torch.optim.AdamW(
@@ -168,12 +183,12 @@ class TorchBackend:
     def _micro_batches(self, batch: PackedBatch) -> list[PackedBatch]:
         return micro_batches(batch, self.config.micro_batch_tokens, self.config.micro_batch_size)
 
-    def _use_r3(self, batch: PackedBatch, r3: bool) -> bool:
+    def _use_r3(self, batch: PackedBatch, r3: R3) -> R3Scope | None:
         return use_r3(self.model.config, batch, r3)
 
-    def _run(self, mb: PackedBatch, r3: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _run(self, mb: PackedBatch, r3: R3Scope | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Packed (logprobs, entropy, routing) [T_mb] of one micro-batch, on the model's device."""
-        pm = pad_micro_batch(mb, with_routing=r3, device=self.device)
+        pm = pad_micro_batch(mb, with_routing=r3 is not None, device=self.device, scope=r3)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.dtype == "bfloat16"):
             out = self.model(pm.input_ids, attention_mask=pm.attention_mask, forced_experts=pm.forced_experts,
                              return_routing=True)
@@ -188,7 +203,7 @@ class TorchBackend:
                  if isinstance(getattr(mb, f.name), torch.Tensor)}
         return replace(mb, **moved)
 
-    def forward(self, batch: PackedBatch, *, r3: bool = False, weights: str | None = None) -> ForwardResult:
+    def forward(self, batch: PackedBatch, *, r3: R3 = False, weights: str | None = None) -> ForwardResult:
         """No-grad logprobs/entropy [T] (fp32) and the routing [T, L, k] this forward used; under
         the weights kept as `weights` when given (see `keep_weights`)."""
         r3 = self._use_r3(batch, r3)
@@ -228,14 +243,14 @@ class TorchBackend:
     def forget_weights(self, key: str) -> None:
         self._kept.pop(key, None)
 
-    def inspect(self, batch: PackedBatch, loss_fn: LossFn, *, r3: bool = False) -> Inspection:
-        return inspect_model(self.model, batch, loss_fn, use_r3=self._use_r3(batch, r3),
+    def inspect(self, batch: PackedBatch, loss_fn: LossFn, *, r3: R3 = False) -> Inspection:
+        return inspect_model(self.model, batch, loss_fn, r3=self._use_r3(batch, r3),
                              autocast_bf16=self.config.dtype == "bfloat16")
 
     def close(self) -> None:
         """Nothing to release: the model lives in this process."""
 
-    def forward_backward(self, batch: PackedBatch, loss_fn: LossFn, *, r3: bool = False) -> TrainMetrics:
+    def forward_backward(self, batch: PackedBatch, loss_fn: LossFn, *, r3: R3 = False) -> TrainMetrics:
         """Accumulate grads of `loss_fn` micro-batch by micro-batch (fixed order, see micro_batch.py).
 
         `ctx` counts the whole `batch`; when one optimizer batch is fed through several calls,
@@ -247,15 +262,19 @@ class TorchBackend:
         ctx = LossContext(num_loss_tokens=int(batch.loss_mask.sum()), num_samples=batch.num_samples,
                           num_loss_samples=int((per_sample > 0).sum()))
         rows: list[dict[str, float]] = []
+        columns: list[dict[str, torch.Tensor]] = []
         for mb in self._micro_batches(batch):
             logprobs, entropy, _ = self._run(mb, r3)
             loss, metrics = loss_fn(logprobs, entropy, self._on_device(mb), ctx)
             if loss.requires_grad:
                 loss.backward()
             self._has_grads = True
-            rows.append({"loss": float(loss.detach()), **{k: _scalar(v) for k, v in metrics.items()},
+            scalars, cols = split_token_columns(metrics, mb.num_tokens)
+            columns.append(cols)
+            rows.append({"loss": float(loss.detach()), **scalars,
                          "num_tokens": float(mb.num_tokens), "num_loss_tokens": float(mb.loss_mask.sum())})
-        return TrainMetrics(loss=sum(r["loss"] for r in rows), micro_batches=rows, metrics=_aggregate(rows))
+        return TrainMetrics(loss=sum(r["loss"] for r in rows), micro_batches=rows, metrics=_aggregate(rows),
+                            tokens=join_token_columns(columns))
 
     # ------------------------------------------------------------------ optimizer
     def optimizer_step(self, *, lr: float | None = None, lr_scale: float = 1.0) -> StepStats:
@@ -273,7 +292,8 @@ class TorchBackend:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for _, p in self._params]
-        norm = grad_norm(grads)
+        per_tensor = tensor_grad_norms(grads)
+        norm = grad_norm(grads, per_tensor)
         lr = lr_at(self.config, self.scheduler_step) * lr_scale if lr is None else lr
         if torch.isfinite(norm):
             if self.config.grad_clip > 0:
@@ -286,7 +306,8 @@ class TorchBackend:
             self.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
         self._has_grads = False
-        return StepStats(grad_norm=float(norm), lr=lr)
+        return StepStats(grad_norm=float(norm), lr=lr,
+                         param_grad_norm=dict(zip(self._hf_names, per_tensor.tolist())))
 
     def reset_optimizer(self) -> None:
         self.optimizer.state.clear()
@@ -419,10 +440,6 @@ class TorchBackend:
              "rng": rng, "config": config},
             sources={"model": str(d / MODEL_FILE), "optimizer": str(d / OPTIMIZER_FILE),
                      "rng": f"{d / RNG_FILE} + {STATE_FILE}", "config": str(state_path)})
-
-
-def _scalar(v: Any) -> float:
-    return float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
 
 
 def _aggregate(rows: list[dict[str, float]]) -> dict[str, float]:

@@ -12,6 +12,7 @@ import typer
 
 from axrl.tokenizer import run_tokenizer
 from axrl_debug.analysis.mismatch import MismatchConfig, attach_context, mismatch_report
+from axrl_debug.analysis.objective import objective_report
 from axrl_debug.app import JSON_OPTION, BadInput, app, err, out, print_json, run_command
 from axrl_debug.commands._common import (STEP_OPTION_HELP, STEPS_OPTION_HELP, fmt, open_run, pct,
                                          report_problems, select_steps, show, simple_table)
@@ -110,6 +111,7 @@ def print_report(res: dict[str, Any]) -> None:
             [[str(r["layer"]), pct(r["agreement"]), pct(r["overlap"])] for r in routing["layers"]]))
         show(simple_table("|Δ| by routing of the predicting position (row t−1)",
                                ["routing", *BREAKDOWN_COLUMNS], _breakdown_rows(routing["delta"])))
+    _print_objective(res.get("objective"))
     if res.get("top"):
         split = any("engine_delta" in t for t in res["top"])
         rows = []
@@ -134,6 +136,19 @@ def public_token(t: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _print_objective(obj: dict[str, Any] | None) -> None:
+    """What the objective and corrections did to the analysed steps' loss tokens (analysis/objective.py)."""
+    if not obj or not obj["tokens"]:
+        return
+    w = obj["is_weight"]
+    rows = [[r["rule"], str(r["tokens"]), pct(r["frac"]), r["meaning"]] for r in obj["rules"] if r["tokens"]]
+    show(simple_table(f"objective and corrections over {obj['tokens']} loss tokens: hard-clipped "
+                      f"{pct(obj['clipped_frac'])}, masked (weight 0) {pct(obj['masked_frac'])}, correction weight "
+                      f"mean {fmt(w['mean'], 4)} [{fmt(w['min'], 3)}, {fmt(w['max'], 3)}]",
+                      ["rule", "tokens", "share", "meaning"], rows or [["–", "0", "0.0%", "no rule acted"]],
+                      justify_right=False))
+
+
 @app.command()
 def mismatch(
     run: Path = typer.Argument(..., help="Run directory."),
@@ -148,7 +163,8 @@ def mismatch(
     """Training–inference mismatch over generated tokens (loss_mask = 1), Δ = trainer old_logprob −
     rollout logprob: |Δ| stats, KL estimators k1/k2/k3 of KL(rollout ‖ trainer), χ², importance-
     ratio stats, clip-band / TIS-cap fractions, ESS, Pearson correlation; breakdowns by position,
-    turn, rollout probability, trainer entropy, policy-version lag and (MoE) routing agreement; the
+    turn, rollout probability, trainer entropy, policy-version lag and (MoE) routing agreement;
+    what the objective and corrections did (share of loss tokens per rule, correction weights); the
     worst tokens with their decoded context. With /tokens/behaviour_train_logprob (asynchronous
     runs), Δ = Δ_engine + Δ_staleness: engine mismatch at the generating weights vs policy drift,
     overall, per version lag and per worst token. Default: all steps."""
@@ -166,6 +182,7 @@ def mismatch(
         if plot is not None:
             from axrl_debug.plots import mismatch_plots
             res["plots"] = [str(p) for p in mismatch_plots(acc, res, plot)]
+        res["objective"] = objective_report(reader, res["steps"])
         res["problems"] = report_problems(reader)
         res["top"] = [public_token(t) for t in res.get("top") or []]
         if json_out:

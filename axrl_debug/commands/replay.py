@@ -35,7 +35,11 @@ def replay_command(
     set_: list[str] = typer.Option([], "--set", help="What-if: re-run the step with key=value changed "
                                    "(repeatable; all --set form one variant), e.g. --set algo.tis=false."),
     variant: list[str] = typer.Option([], "--variant", help="Another what-if variant as one string of "
-                                      "assignments, e.g. --variant 'algo.tis_cap=5 r3=true' (repeatable)."),
+                                      "assignments, e.g. --variant 'algo.loss=cispo' (repeatable)."),
+    sweep: bool = typer.Option(False, "--sweep", help="Run a family of mitigation what-ifs (--family) and rank "
+                               "them by how much each reduces the spike (largest update grad norm, update size)."),
+    family: str = typer.Option("mitigations", "--family", help="Sweep family: mitigations, tis_cap, r3, advantage, "
+                               "aggregation, objectives, corrections."),
     json_: bool = JSON_OPTION,
 ) -> None:
     """Re-execute step N from the newest checkpoint at or before it and compare bit for bit."""
@@ -48,7 +52,8 @@ def replay_command(
             raise BadInput("--variant: empty variant")
         say = None if json_ else (lambda msg: err.print(f"[dim]{msg}[/]", highlight=False))
         try:
-            result = replay_step(run, step, dump=dump, variants=variants, progress=say)
+            result = replay_step(run, step, dump=dump, variants=variants, sweep=family if sweep else None,
+                                 progress=say)
         except ReplayInputError as e:
             raise BadInput(str(e)) from None
         if json_:
@@ -104,7 +109,9 @@ def _print(result: "ReplayResult") -> None:
         out.print(f"  {len(result.mismatches)} recorded quantities differ in total; {timing}", highlight=False)
     if result.dump_path is not None:
         out.print(f"dump: {result.dump_path}", highlight=False)
-    if result.variants:
+    if result.sweep is not None:
+        _print_ranking(result)
+    elif result.variants:
         _print_variants(result)
 
 
@@ -136,3 +143,29 @@ def _print_variants(result: "ReplayResult") -> None:
             cells = [_g(v.updates[u].get(key), 6) if u < len(v.updates) else "—" for v in result.variants]
             table.add_row(key, str(u), _g(rows[u].get(key), 6), *cells)
     out.print(table)
+
+
+def _pct(change: float) -> str:
+    if change != change:
+        return "—"
+    return "0.0%" if abs(change) < 5e-4 else f"{change * 100:+.1f}%"
+
+
+def _print_ranking(result: "ReplayResult") -> None:
+    base = result.baseline
+    g0 = max((r["grad_norm"] for r in base if "grad_norm" in r), default=float("nan"))
+    u0 = max((r["update_norm"] for r in base if "update_norm" in r), default=float("nan"))
+    out.print(f"sweep '{result.sweep}' at step {result.step}: {len(result.ranking)} what-if(s) from the same "
+              f"starting state, ranked by their largest update grad norm (Δ: change from the baseline's "
+              f"{_g(g0, 6)}; update ‖Δθ‖ from {_g(u0, 6)})", highlight=False)
+    table = Table(box=box.SIMPLE)
+    for col in ("rank", "grad norm", "Δ", "update ‖Δθ‖", "Δ ", "loss"):
+        table.add_column(col, justify="right", no_wrap=True)
+    table.add_column("what-if", justify="left", overflow="fold", min_width=20)  # last: wraps, never cut
+    for r in result.ranking:
+        table.add_row(str(r.rank), _g(r.grad_norm, 5), _pct(r.grad_norm_change), _g(r.update_norm, 4),
+                      _pct(r.update_norm_change), _g(r.loss, 4), r.label)
+    out.print(table)
+    notes = [(v.label, n) for v in result.variants for n in v.notes]
+    for label, note in notes:
+        out.print(f"  ({label}: {note})", highlight=False)

@@ -10,6 +10,7 @@ from typing import Any
 import typer
 
 from axrl_debug.analysis.frames import step_table
+from axrl_debug.analysis.param_grads import gradient_attribution
 from axrl_debug.analysis.spikes import DEFAULT_SPIKE_METRICS, SpikeConfig, attribute, detect
 from axrl_debug.app import JSON_OPTION, BadInput, app, out, print_json, run_command
 from axrl_debug.commands._common import (STEPS_OPTION_HELP, fmt, open_run, pct, report_problems,
@@ -38,6 +39,15 @@ def _print_attribution(a: dict[str, Any]) -> None:
               str(t["version_lag"]), fmt(t["delta"], 3)] for t in a["tokens_by_weight"]]
     show(simple_table("  tokens by |log importance weight| = |Δ|",
                            ["sample_id", "pos", "turn", "version", "lag", "Δ"], wrows))
+    g = a.get("gradient")
+    if g:
+        for key, title in (("layers", "layers"), ("tensors", "parameter tensors")):
+            grows = [[r[key[:-1] if key == "layers" else "tensor"], fmt(r["grad_norm"], 3), fmt(r["baseline"], 3),
+                      "–" if r["ratio"] != r["ratio"] else f"{r['ratio']:.1f}×", pct(r["share"])] for r in g[key]]
+            show(simple_table(f"  {title} by gradient norm (largest update; baseline: median of the "
+                              f"{g['history_steps']} steps before)",
+                              [key[:-1] if key == "layers" else "tensor", "‖∇‖", "baseline", "ratio", "share of ‖∇‖²"],
+                              grows))
 
 
 @app.command()
@@ -83,6 +93,9 @@ def spikes(
         _, found = detect(df, cfg)
         spike_steps = sorted({s["step"] for s in found})
         attributions = {s: attribute(reader, s, top=top) for s in spike_steps}
+        for s in spike_steps:  # which layer's gradient carried it (per-tensor norms, when recorded)
+            if "error" not in attributions[s]:
+                attributions[s]["gradient"] = gradient_attribution(reader, s, window=window, top=top)
         problems = report_problems(reader)
         if json_out:
             print_json({"run": str(reader.path), "config": cfg.__dict__, "steps": len(df),

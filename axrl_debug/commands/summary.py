@@ -10,6 +10,7 @@ from typing import Any
 import typer
 
 from axrl_debug.analysis.frames import step_table
+from axrl_debug.analysis.objective import objective_by_step
 from axrl_debug.analysis.spikes import SpikeConfig, detect
 from axrl_debug.app import JSON_OPTION, app, out, print_json, run_command
 from axrl_debug.commands._common import (STEPS_OPTION_HELP, fmt, open_run, pct, report_problems,
@@ -44,9 +45,10 @@ def summary(
     threshold: float = typer.Option(5.0, "--threshold", min=0.0, help="Spike flags: robust z threshold."),
     json_out: bool = JSON_OPTION,
 ) -> None:
-    """One row per step: reward, loss, grad norm, clip fraction, mismatch (mean and max |Δ|, k3 KL;
-    with /tokens/behaviour_train_logprob also its engine and staleness parts), MoE routing
-    agreement, policy-version lag and spike flags.
+    """One row per step: reward, loss, grad norm, clip fraction, share of loss tokens the corrections
+    masked (when any did), mismatch (mean and max |Δ|, k3 KL; with /tokens/behaviour_train_logprob
+    also its engine and staleness parts), MoE routing agreement, policy-version lag and spike flags;
+    --json adds the share of loss tokens per objective/correction rule.
 
     Scalars the training loop logged (reward, loss, grad_norm, clipfrac, mismatch) come from
     metrics.jsonl; the rest is computed from the step files."""
@@ -55,6 +57,9 @@ def summary(
         reader = open_run(run)
         chosen = select_steps(reader, None, steps)
         df = step_table(reader, chosen)
+        objective = objective_by_step(reader, list(df["step"]))
+        for key in dict.fromkeys(k for row in objective.values() for k in row):
+            df[key] = [objective.get(int(s), {}).get(key, math.nan) for s in df["step"]]
         flagged, spikes = detect(df, SpikeConfig.for_run(reader.config, window=window, threshold=threshold))
         problems = report_problems(reader)
         worst = worst_steps(flagged)
@@ -66,16 +71,18 @@ def summary(
             return 0
         split = "mismatch_engine" in flagged
         rows = []
+        masked = "masked_frac" in flagged and bool((flagged["masked_frac"].fillna(0) > 0).any())
         for r in flagged.itertuples(index=False):
             lag = r.version_lag_mean
             rows.append([str(r.step), fmt(r.reward, 3), fmt(r.loss, 3), fmt(r.grad_norm, 3), pct(r.clipfrac),
+                         *([pct(r.masked_frac)] if masked else []),
                          fmt(r.mismatch, 3), *([fmt(r.mismatch_engine, 3), fmt(r.mismatch_staleness, 3)] if split else []),
                          fmt(r.kl_k3, 3), pct(r.routing_agreement), "–" if math.isnan(lag) else f"{lag:.2g}",
                          f"[bold red]{r.spikes}[/]" if r.spikes else ""])
         show(simple_table(
             f"{reader.path} — {len(flagged)} steps (more columns: --json)",
-            ["step", "reward", "loss", "gnorm", "clip", "mean|Δ|", *(["|Δ_eng|", "|Δ_stale|"] if split else []),
-             "k3", "routing", "lag", "spikes"], rows))
+            ["step", "reward", "loss", "gnorm", "clip", *(["masked"] if masked else []), "mean|Δ|",
+             *(["|Δ_eng|", "|Δ_stale|"] if split else []), "k3", "routing", "lag", "spikes"], rows))
         if worst.get("mismatch"):
             w = worst["mismatch"]
             out.print(f"worst mismatch: step {w['step']} (mean |Δ| {fmt(w['value'], 3)}) — "

@@ -326,7 +326,7 @@ def read_replay_tokens(path: Path, num_tokens: int, problems: list[str]) -> dict
 
 # ============================================================================ sample
 _TOKEN_COLS = ("ids", "loss_mask", "turn", "policy_version", "rollout_logprob", "old_logprob",
-               "advantage", "entropy", "behaviour_train_logprob")
+               "advantage", "entropy", "behaviour_train_logprob", "is_weight", "loss_rule")
 
 
 @dataclass
@@ -404,6 +404,16 @@ class SampleTokens:
         change = np.zeros(n, dtype=bool)
         change[1:] = (lm[1:] != lm[:-1]) | (turn[1:] != turn[:-1])
         return np.cumsum(change)
+
+    def objective_marks(self) -> tuple[np.ndarray, np.ndarray]:
+        """bool [n] pair (masked, clipped): loss tokens the corrections gave weight 0 (MIS, veto,
+        IcePop) and tokens the objective hard-clipped (`/tokens/loss_rule` bits 1 | 2 | 4)."""
+        n = self.n
+        rule = self.data.get("loss_rule")
+        weight = self.data.get("is_weight")
+        masked = np.zeros(n, dtype=bool) if weight is None else (np.asarray(weight) == 0)
+        clipped = np.zeros(n, dtype=bool) if rule is None else (np.asarray(rule).astype(np.int64) & 7) != 0
+        return masked, clipped & ~masked
 
     def segment_kind(self, i: int) -> str:
         """'prompt', 'assistant' (generated, trained) or 'tool/env' (inserted by the environment)."""

@@ -21,8 +21,8 @@ import torch
 from axrl.model import ModelConfig, Qwen3ForCausalLM, hf_state_dict, load_weights_into, save_hf
 from axrl.train.determinism import capture_rng_state, restore_rng_state, set_determinism
 from axrl.train.fingerprint import weights_fingerprint
-from axrl.train.metrics import reduce_microbatch_metrics
-from axrl.train.protocol import ForwardResult, Inspection, LossFn, PackedBatch, StepStats, TrainMetrics
+from axrl.train.metrics import TOKEN_COLUMN_PREFIX, join_token_columns, reduce_microbatch_metrics
+from axrl.train.protocol import R3, ForwardResult, Inspection, LossFn, PackedBatch, R3Scope, StepStats, TrainMetrics
 from axrl.train.torch_backend import TorchBackend, TorchBackendConfig, lr_at, use_r3
 
 INSTALL_HINT = "train.backend=megatron needs megatron-core: pip install 'axrl[megatron]'"
@@ -140,6 +140,7 @@ class MegatronBackend:
         self._group = group_cls(model.config, sizes, config.moe_dispatcher, weights, config.seed,
                                 config.num_threads or torch.get_num_threads())
         self._dtype = next(model.parameters()).dtype
+        self._hf_names = [n for n, p in model.named_parameters() if p.requires_grad]  # StepStats order
         self.scheduler_step = 0
         self.skipped_steps = 0
         self._has_grads = False
@@ -153,10 +154,10 @@ class MegatronBackend:
         c = self.config
         return StepKnobs(dtype=c.dtype, micro_batch_tokens=c.micro_batch_tokens, micro_batch_size=c.micro_batch_size)
 
-    def _use_r3(self, batch: PackedBatch, r3: bool) -> bool:
+    def _use_r3(self, batch: PackedBatch, r3: R3) -> R3Scope | None:
         return use_r3(self.model_config, batch, r3)
 
-    def forward(self, batch: PackedBatch, *, r3: bool = False, weights: str | None = None) -> ForwardResult:
+    def forward(self, batch: PackedBatch, *, r3: R3 = False, weights: str | None = None) -> ForwardResult:
         """No-grad logprobs/entropy [T] (fp32) and the routing [T, L, k] this forward used; under
         the weights kept as `weights` when given (the ranks swap them in and back)."""
         if weights is not None and weights not in self._kept:
@@ -177,16 +178,18 @@ class MegatronBackend:
         return ForwardResult(logprobs=logprobs.to(dev), entropy=entropy.to(dev),
                              routed_experts=None if routing is None else routing.to(dev))
 
-    def forward_backward(self, batch: PackedBatch, loss_fn: LossFn, *, r3: bool = False) -> TrainMetrics:
+    def forward_backward(self, batch: PackedBatch, loss_fn: LossFn, *, r3: R3 = False) -> TrainMetrics:
         """Accumulate grads of `loss_fn` micro-batch by micro-batch (fixed order, see micro_batch.py)."""
         per_mb = _by_micro_batch(self._group.call("forward_backward", _cpu(batch), loss_fn, self._use_r3(batch, r3),
                                                   self._knobs()))
+        # shares in dp order = sample order: their per-token columns concatenate into the batch's
+        shares = [[_split_columns(r) for r in mb if r is not None] for mb in per_mb]
         # one row per micro-batch, as the embedded backend reports; DP shares combine like micro-batches
-        rows = [shares[0] if len(shares) == 1 else reduce_microbatch_metrics(shares)
-                for shares in ([r for r in mb if r is not None] for mb in per_mb)]
+        rows = [parts[0][0] if len(parts) == 1 else reduce_microbatch_metrics([p[0] for p in parts]) for parts in shares]
         self._has_grads = True
         return TrainMetrics(loss=sum(r["loss"] for r in rows), micro_batches=rows,
-                            metrics={**reduce_microbatch_metrics(rows), "num_micro_batches": float(len(rows))})
+                            metrics={**reduce_microbatch_metrics(rows), "num_micro_batches": float(len(rows))},
+                            tokens=join_token_columns([p[1] for parts in shares for p in parts]))
 
     def optimizer_step(self, *, lr: float | None = None, lr_scale: float = 1.0) -> StepStats:
         """Grad norm (before clipping), clip, AdamW step, schedule step, zero grads; a non-finite
@@ -196,14 +199,20 @@ class MegatronBackend:
             raise RuntimeError("optimizer_step() called without a forward_backward() since the last step")
         c = self.config
         lr = lr_at(c, self.scheduler_step) * lr_scale if lr is None else lr
-        norm = self._group.call("optimizer_step", _SLOT, lr, c.grad_clip, c.betas, c.eps, c.weight_decay)[0]
+        answers = self._group.call("optimizer_step", _SLOT, lr, c.grad_clip, c.betas, c.eps, c.weight_decay)
+        norm = answers[0][0]
         if torch.isfinite(torch.tensor(norm)):
             self.scheduler_step += 1
             self._weights = None
         else:
             self.skipped_steps += 1
         self._has_grads = False
-        return StepStats(grad_norm=norm, lr=lr)
+        sq: dict[str, float] = {}
+        for _, pieces in answers:
+            for name, v in pieces.items():
+                sq[name] = sq.get(name, 0.0) + v
+        return StepStats(grad_norm=norm, lr=lr,
+                         param_grad_norm={n: math.sqrt(sq[n]) for n in self._hf_names if n in sq})
 
     def reset_optimizer(self) -> None:
         self._group.call("drop_slot", _SLOT)  # the next step builds a fresh AdamW
@@ -219,7 +228,7 @@ class MegatronBackend:
         self._group.call("forget_weights", key)
         self._kept.discard(key)
 
-    def inspect(self, batch: PackedBatch, loss_fn: LossFn, *, r3: bool = False) -> Inspection | None:
+    def inspect(self, batch: PackedBatch, loss_fn: LossFn, *, r3: R3 = False) -> Inspection | None:
         """None: the ranks' GPTModel is not hooked (replay dumps leave those groups out)."""
         return None
 
@@ -329,6 +338,13 @@ def _by_micro_batch(answers: list[Any]) -> list[list[Any]]:
     shares' results in dp_rank order (= sample order: shares are contiguous runs of samples)."""
     shares = sorted((a for a in answers if a is not None), key=lambda a: a[0])
     return [list(mb) for mb in zip(*(parts for _, parts in shares))]
+
+
+def _split_columns(row: dict[str, Any]) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """A rank's metrics row → (its scalars, its per-token columns without the prefix)."""
+    n = len(TOKEN_COLUMN_PREFIX)
+    return ({k: v for k, v in row.items() if not k.startswith(TOKEN_COLUMN_PREFIX)},
+            {k[n:]: v for k, v in row.items() if k.startswith(TOKEN_COLUMN_PREFIX)})
 
 
 def _cpu(batch: PackedBatch) -> PackedBatch:

@@ -136,6 +136,34 @@ def shard(full: dict[str, torch.Tensor], *, num_experts: int, tp_rank: int, tp_s
     return out
 
 
+def global_expert_name(name: str, ep_rank: int, per_rank: int) -> str:
+    """A rank-local expert parameter name under the expert's global id (other names unchanged)."""
+    m = EXPERT_NAME.match(name)
+    return name if m is None else f"{m.group(1)}{ep_rank * per_rank + int(m.group(2))}{m.group(3)}"
+
+
+def hf_slices(name: str, t: torch.Tensor, cfg: ModelConfig, tp_size: int) -> list[tuple[str, torch.Tensor]]:
+    """A Megatron tensor (full Megatron name with global expert ids; possibly this rank's TP
+    slice) → the slices of it that belong to each HF tensor, e.g. linear_qkv → q/k/v_proj parts,
+    linear_fc1 → gate/up parts. The layouts are `to_hf`'s; every element lands in exactly one slice."""
+    m = re.match(r"^decoder\.layers\.(\d+)\.", name)
+    if m is not None and name.endswith("self_attention.linear_qkv.weight"):
+        nq, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        group = nq // nkv
+        q, k, v = t.view(nkv // tp_size, (group + 2) * d, -1).split([group * d, d, d], dim=1)
+        h = f"model.layers.{m.group(1)}.self_attn."
+        return [(h + "q_proj.weight", q), (h + "k_proj.weight", k), (h + "v_proj.weight", v)]
+    if m is not None and name.endswith("linear_fc1.weight"):
+        prefix = dict(_fc1_pairs(cfg, int(m.group(1))))[name]
+        gate, up = t.chunk(2, dim=0)
+        return [(prefix + "gate_proj.weight", gate), (prefix + "up_proj.weight", up)]
+    if m is not None:
+        return [(dict(_layer_names(cfg, int(m.group(1))))[name], t)]
+    top = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+           "decoder.final_layernorm.weight": "model.norm.weight", "output_layer.weight": "lm_head.weight"}
+    return [(top[name], t)]
+
+
 def unshard(parts: list[tuple[dict[str, torch.Tensor], dict[str, int]]], *, num_experts: int) -> dict[str, torch.Tensor]:
     """Inverse of `shard`: `parts` holds each rank's weights with its ranks/sizes
     (keys tp_rank, tp_size, ep_rank, ep_size, etp_rank, etp_size as given to `shard`)."""
@@ -145,12 +173,10 @@ def unshard(parts: list[tuple[dict[str, torch.Tensor], dict[str, int]]], *, num_
     experts: dict[str, dict[int, torch.Tensor]] = {}
     for weights, r in parts:
         for name, t in weights.items():
-            m = EXPERT_NAME.match(name)
-            if m is None:
+            if EXPERT_NAME.match(name) is None:
                 dense.setdefault(name, {})[r["tp_rank"]] = t
             else:
-                glob = f"{m.group(1)}{r['ep_rank'] * per_rank + int(m.group(2))}{m.group(3)}"
-                experts.setdefault(glob, {})[r["etp_rank"]] = t
+                experts.setdefault(global_expert_name(name, r["ep_rank"], per_rank), {})[r["etp_rank"]] = t
     out = {}
     for name, by_rank in list(dense.items()) + list(experts.items()):
         dim, gated = split_rule(name)

@@ -21,11 +21,13 @@ import torch
 
 from axrl.model import ModelConfig
 from axrl.train.megatron import cpu_compat
-from axrl.train.megatron.convert import EXPERT_NAME, split_rule, shard
+from axrl.train.megatron.convert import EXPERT_NAME, global_expert_name, hf_slices, split_rule, shard
 from axrl.train.determinism import set_determinism
 from axrl.train.megatron.model import ParallelSizes, build_gpt_model
+from axrl.train.megatron.partial_replay import replay_rows, stop_partial
 from axrl.train.micro_batch import PaddedMicroBatch, micro_batches, next_token_logprobs, pad_micro_batch, unpad
-from axrl.train.protocol import LossContext, LossFn, PackedBatch
+from axrl.train.metrics import TOKEN_COLUMN_PREFIX, split_token_columns
+from axrl.train.protocol import LossContext, LossFn, PackedBatch, R3Scope
 from axrl.train.torch_backend import clip_grads_
 
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -156,27 +158,28 @@ class MegatronRank:
         return {n: p.detach().cpu().clone() for n, p in self.params if self._reports(n)}, self.ranks
 
     # ------------------------------------------------------------------ forward
-    def _share(self, mb: PackedBatch, r3: bool) -> tuple[PaddedMicroBatch, int]:
+    def _share(self, mb: PackedBatch, r3: R3Scope | None) -> tuple[PaddedMicroBatch, int]:
         """This DP rank's share of a micro-batch, right-padded ([b, S], S of the share), and the
         row count every DP rank runs (the largest share)."""
         dp = self.sizes.data_parallel
+        replay = r3 is not None
         if dp == 1:
-            return pad_micro_batch(mb, with_routing=r3), mb.num_samples
+            return pad_micro_batch(mb, with_routing=replay, scope=r3), mb.num_samples
         share = share_bounds(mb.num_samples, dp, self.dp_rank)
         rows = -(-mb.num_samples // dp)
         if len(share):
-            return pad_micro_batch(mb.select(list(share)), with_routing=r3), rows
+            return pad_micro_batch(mb.select(list(share)), with_routing=replay, scope=r3), rows
         # An empty share (fewer samples than DP ranks) still runs a padding row: the MoE
         # dispatch and the backward are collectives that every rank must join.
         empty = torch.zeros(0, 1, dtype=torch.int64)
-        forced = torch.zeros(0, 1, *mb.routed_experts.shape[1:], dtype=torch.int64) if r3 else None
+        forced = torch.zeros(0, 1, *mb.routed_experts.shape[1:], dtype=torch.int64) if replay else None
         return PaddedMicroBatch(empty, empty, empty[:, 0], empty[:, 0], forced), rows
 
-    def _run(self, mb: PackedBatch, r3: bool, dtype: str,
+    def _run(self, mb: PackedBatch, r3: R3Scope | None, dtype: str,
              routing_out: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Packed (logprobs, entropy, routing [T, L, k] or None) of this rank's share of one
-        micro-batch; the routing is the replayed one under R3 (as in the embedded backend), else
-        what the routers chose."""
+        micro-batch; the routing is the replayed one under full R3 (as in the embedded backend),
+        else what the routers used (chosen, or replayed on the rows a partial R3 scope covers)."""
         pm, b_run = self._share(mb, r3)
         b, S = pm.input_ids.shape
         S_run = int(mb.lengths.max())  # the whole micro-batch's: the same on every DP rank
@@ -187,18 +190,24 @@ class MegatronRank:
         # Megatron's mask marks what may NOT be attended; its default mask is built on "cuda".
         mask = ~torch.ones(S_pad, S_pad, dtype=torch.bool).tril()[None, None]
         moe = bool(self.routers)
+        partial = r3 is not None and not r3.full
         if moe:
             from megatron.core.transformer.moe.router_replay import RouterReplayAction
-            if r3:
+            if r3 is not None:
                 # padding rows/positions replay expert 0, as pad_micro_batch pads them
                 forced = torch.nn.functional.pad(pm.forced_experts, (0, 0, 0, 0, 0, S_pad - S, 0, b_run - b))
                 n_local = S_pad * b_run // tp
                 lo = self.ranks["tp_rank"] * n_local if tp > 1 else 0
                 for router, layer in zip(self.routers, self.moe_layers):
                     rows = forced[:, :, layer].transpose(0, 1).reshape(S_pad * b_run, -1)  # sequence-major
+                    rows = rows[lo:lo + n_local].to(self.device)
                     router.clear_indices()
-                    router.set_target_indices(rows[lo:lo + n_local].to(self.device))
-                    router.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+                    if partial:  # −1 rows route freely (pad_micro_batch's partial-scope marker)
+                        router.set_router_replay_action(RouterReplayAction.RECORD)
+                        replay_rows(router, rows.clamp_min(0), rows[:, 0] >= 0)
+                    else:
+                        router.set_target_indices(rows)
+                        router.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             else:
                 for router in self.routers:
                     router.clear_indices()
@@ -211,10 +220,12 @@ class MegatronRank:
         routing = None
         if moe:
             if routing_out:  # the gather is a TP collective per layer: skipped when training
-                routing = pm.forced_experts.to(dev) if r3 else self._gather_routing(b_run, S_pad)[:b, :S]
+                full_r3 = r3 is not None and not partial
+                routing = pm.forced_experts.to(dev) if full_r3 else self._gather_routing(b_run, S_pad)[:b, :S]
                 routing = unpad(routing, pm.rows.to(dev), pm.cols.to(dev))
             for router in self.routers:
                 router.clear_indices()  # REPLAY_FORWARD also queues indices for a recompute
+                stop_partial(router)
         return unpad(logprobs, pm.rows.to(dev), pm.cols.to(dev)), unpad(entropy, pm.rows.to(dev), pm.cols.to(dev)), routing
 
     def _gather_routing(self, b: int, S_pad: int) -> torch.Tensor:
@@ -238,7 +249,7 @@ class MegatronRank:
         other TP ranks, which hold the same results (logits are gathered over TP)."""
         return (self.dp_rank, parts) if self.ranks["tp_rank"] == 0 else None
 
-    def forward(self, batch: PackedBatch, r3: bool, knobs: StepKnobs) -> tuple[int, list[Any]] | None:
+    def forward(self, batch: PackedBatch, r3: R3Scope | None, knobs: StepKnobs) -> tuple[int, list[Any]] | None:
         """Per micro-batch: (logprobs, entropy, routing or None) of this rank's share, on the host."""
         self.model.eval()
         with torch.no_grad():
@@ -246,10 +257,11 @@ class MegatronRank:
                      for mb in micro_batches(batch, knobs.micro_batch_tokens, knobs.micro_batch_size)]
         return self._answer(parts)
 
-    def forward_backward(self, batch: PackedBatch, loss_fn: LossFn, r3: bool,
-                         knobs: StepKnobs) -> tuple[int, list[dict[str, float] | None]] | None:
+    def forward_backward(self, batch: PackedBatch, loss_fn: LossFn, r3: R3Scope | None,
+                         knobs: StepKnobs) -> tuple[int, list[dict[str, Any] | None]] | None:
         """Accumulate this rank's gradients; per micro-batch the metrics row of this rank's share
-        (None for an empty share). Loss normalisation uses the whole batch's `LossContext`, so the
+        (None for an empty share), its per-token columns as CPU tensors under their
+        `TOKEN_COLUMN_PREFIX` keys. Loss normalisation uses the whole batch's `LossContext`, so the
         shares' losses (and gradients) sum to the micro-batch's."""
         self.model.train()
         per_sample = torch.zeros(batch.num_samples).index_add_(0, batch.sample_index(), batch.loss_mask.float())
@@ -271,9 +283,10 @@ class MegatronRank:
                 loss.backward()
             elif self.sizes.world_size > 1:
                 (logprobs.sum() * 0.0).backward()  # a constant loss: the other ranks still run a backward
-            rows.append({"loss": float(loss.detach()), **{k: float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
-                                                          for k, v in metrics.items()},
-                         "num_tokens": float(part.num_tokens), "num_loss_tokens": float(part.loss_mask.sum())})
+            scalars, columns = split_token_columns(metrics, part.num_tokens)
+            rows.append({"loss": float(loss.detach()), **scalars,
+                         "num_tokens": float(part.num_tokens), "num_loss_tokens": float(part.loss_mask.sum()),
+                         **{TOKEN_COLUMN_PREFIX + k: v for k, v in columns.items()}})
         return self._answer(rows)
 
     # ------------------------------------------------------------------ optimizer
@@ -311,8 +324,10 @@ class MegatronRank:
         return self.dp_rank == 0 and (split_rule(name)[0] is not None or self.ranks["tp_rank"] == 0)
 
     def optimizer_step(self, slot: str, lr: float, grad_clip: float, betas: tuple[float, float], eps: float,
-                       weight_decay: float) -> float:
-        """All-reduce partial grads, global grad norm, clip, AdamW step (skipped if non-finite)."""
+                       weight_decay: float) -> tuple[float, dict[str, float]]:
+        """All-reduce partial grads, global grad norm, clip, AdamW step (skipped if non-finite).
+        Returns the norm and, per HF tensor, the squared norm of the parts this rank owns (the
+        driver sums them over ranks: TP shards add up, replicas are counted once)."""
         import torch.distributed as dist
 
         opt = self._optimizer(slot, betas, eps, weight_decay)
@@ -323,9 +338,14 @@ class MegatronRank:
             if group is not None:
                 dist.all_reduce(p.grad, group=group)
         sq = torch.zeros((), dtype=torch.float64)
+        pieces: dict[str, float] = {}
+        per_rank = self.cfg.num_experts // self.sizes.expert_parallel if self.cfg.num_experts else 0
         for name, p in self.params:
             if self._owned(name):
                 sq += p.grad.detach().float().norm(2).cpu().double() ** 2
+                full_name = global_expert_name(name, self.ranks["ep_rank"], per_rank)
+                for hf, part in hf_slices(full_name, p.grad.detach(), self.cfg, self.sizes.tensor_parallel):
+                    pieces[hf] = pieces.get(hf, 0.0) + float(part.float().norm(2).double() ** 2)
         if self.sizes.world_size > 1:
             sq = sq.to(self.device)  # NCCL reduces device tensors only
             dist.all_reduce(sq)
@@ -339,7 +359,7 @@ class MegatronRank:
                 group.update(lr=lr, betas=tuple(betas), eps=eps, weight_decay=decay)
             opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(norm)
+        return float(norm), pieces
 
     def zero_grad(self) -> None:
         for _, p in self.params:

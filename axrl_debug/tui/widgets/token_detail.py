@@ -13,11 +13,14 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
+from axrl.trace.schema import LOSS_RULE_CODES
+
 from ..data import SampleTokens, display_piece
 
 LABEL = "bold"
 # Replay dump columns (replay/dump.py) in the order a spike investigation reads them.
-REPLAY_ORDER = ("loss_contribution", "ratio", "pg_loss", "tis_weight", "clipped", "update", "logprob")
+REPLAY_ORDER = ("loss_contribution", "ratio", "pg_loss", "is_weight", "tis_weight", "clipped", "loss_rule", "update",
+                "logprob")
 DIFF = "bold red"
 
 
@@ -82,6 +85,7 @@ def detail_text(t: SampleTokens, i: int, note: str = "") -> Text:
     else:
         out.append("– (prompt / env token)")
     out.append("\n")
+    _objective(out, t, i)
     if t.replay:
         out.append("replay ", "bold magenta")
         names = [k for k in REPLAY_ORDER if k in t.replay] + sorted(k for k in t.replay if k not in REPLAY_ORDER)
@@ -100,6 +104,17 @@ def _split(out: Text, t: SampleTokens, i: int) -> None:
     out.append("  behaviour lp ", LABEL).append(_num(t.get("behaviour_train_logprob", i)))
     if math.isnan(engine):
         out.append("  (not split: no behaviour_train lp)", "dim")
+
+
+def _objective(out: Text, t: SampleTokens, i: int) -> None:
+    """What the objective and corrections did to a trained token (`/tokens/loss_rule`, `is_weight`)."""
+    if "loss_rule" not in t.data or not t.get("loss_mask", i, 0):
+        return
+    code = int(t.get("loss_rule", i, 0))
+    names = [name for bit, (name, _) in LOSS_RULE_CODES.items() if code & bit]
+    w = t.get("is_weight", i)
+    out.append("objective ", LABEL).append("weight ").append(_num(w, 4), DIFF if w == 0 else "")
+    out.append("  rules ").append(", ".join(names) if names else "none (trained plainly)", DIFF if names else "")
     out.append("\n")
 
 

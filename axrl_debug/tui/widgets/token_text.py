@@ -1,4 +1,5 @@
-"""The tokens of one sample in reading order, coloured by |Δ|, with a token cursor.
+"""The tokens of one sample in reading order, coloured by |Δ| (struck through where a correction
+masked the token, italic + overlined where the objective hard-clipped it), with a token cursor.
 
 Rendered with Textual's line API (``render_line``) over a layout computed here: the widget wraps
 the token pieces itself, so it knows which cell belongs to which token — what the cursor keys
@@ -40,6 +41,8 @@ PROMPT_STYLE = Style(color="grey58")
 ENV_STYLE = Style(color="#5fafd7", italic=True)        # tool / environment output
 UNSCORED_STYLE = Style(color="magenta")                # trained but no rollout logprob to compare
 DISAGREE_STYLE = Style(underline=True)                 # MoE routing differs (rollout vs trainer)
+MASKED_STYLE = Style(strike=True, dim=True)            # a correction gave the token weight 0 (MIS, veto, IcePop)
+CLIPPED_STYLE = Style(italic=True, overline=True)      # the objective hard-clipped it (no gradient)
 CURSOR_STYLE = Style(reverse=True, bold=True)
 HEADER_STYLES = {"prompt": Style(color="grey70", bgcolor="grey23", bold=True),
                  "assistant": Style(color="black", bgcolor="#87af87", bold=True),
@@ -137,6 +140,7 @@ class TokenText(ScrollView, can_focus=True):
         lm = t.data.get("loss_mask", np.zeros(t.n, np.uint8)) != 0
         turn = t.data.get("turn", np.zeros(t.n, np.int16))
         dis = t.disagrees()
+        masked, clipped = t.objective_marks()
         styles = []
         for i in range(t.n):
             if bins[i] >= 0:
@@ -147,6 +151,10 @@ class TokenText(ScrollView, can_focus=True):
                 s = PROMPT_STYLE
             else:
                 s = ENV_STYLE
+            if masked[i]:
+                s = s + MASKED_STYLE
+            elif clipped[i]:
+                s = s + CLIPPED_STYLE
             styles.append(s + DISAGREE_STYLE if dis[i] else s)
         self._styles = styles
 

@@ -1,0 +1,96 @@
+"""The reward-to-advantage pipeline and batch building of `AlgorithmProcessor`: DAPO's overlong
+penalty and dynamic sampling, advantage clipping and balancing — each against a hand computation —
+and the update splits replay shares."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from axrl.algo.processor import (AdvantageSettings, AlgorithmProcessor, informative_groups, overlong_penalty,
+                                 prompts_to_roll_out, update_splits)
+from axrl.config import load_config
+from axrl.rollout.trajectory import Trajectory
+
+torch.set_num_threads(1)
+
+
+def traj(sample_id: int, group_id: int, reward: float, generated: int, status: str = "ok") -> Trajectory:
+    t = Trajectory(sample_id=sample_id, group_id=group_id, prompt_id=f"p{group_id}", reward=reward, status=status)
+    t.append([1, 2, 3], generated=False, turn=0)
+    t.append(list(range(generated)), generated=True, turn=1, version=0, logprobs=[-0.5] * generated)
+    return t
+
+
+def test_overlong_penalty_by_hand():
+    # L_max 10, L_cache 4: free up to 6, then (6 − |y|)/4 down to −1 at 10, −1 beyond
+    got = overlong_penalty(np.array([0, 6, 7, 8, 10, 11, 40]), max_len=10, cache_len=4)
+    assert got.tolist() == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0, -1.0]
+
+
+def test_informative_groups_ignore_failed_samples():
+    rewards = np.array([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.0, 1.0])
+    groups = np.array([0, 0, 1, 1, 2, 2, 3, 3])
+    ok = np.array([True, True, True, True, True, True, True, False])
+    # group 3: only one scored sample → no spread → not informative
+    assert informative_groups(rewards, groups, ok).tolist() == [False, False, True, True, False, False, False, False]
+
+
+def test_dynamic_sampling_keeps_the_first_informative_groups():
+    cfg = load_config(None, ["data.prompts_per_step=2", "algo.dynamic_sampling={enabled: true, oversample: 2}"])
+    assert prompts_to_roll_out(cfg) == 4
+    trajs = [traj(0, 10, 1, 3), traj(1, 10, 1, 3),      # all equal: dropped
+             traj(2, 11, 0, 3), traj(3, 11, 1, 4),      # kept
+             traj(4, 12, 1, 2), traj(5, 12, 0, 5),      # kept
+             traj(6, 13, 0, 3), traj(7, 13, 1, 3)]      # informative but surplus
+    p = AlgorithmProcessor.from_config(cfg)(trajs)
+    assert [t.group_id for t in p.trajectories] == [11, 11, 12, 12]
+    assert p.dropped_groups == 2 and p.rolled_out_groups == 4
+    assert p.batch.num_samples == 4 and p.sample_advantages.abs().sum() > 0
+    off = load_config(None, ["data.prompts_per_step=2"])
+    assert prompts_to_roll_out(off) == 2 and AlgorithmProcessor.from_config(off)(trajs).batch.num_samples == 8
+
+
+def test_penalty_clip_and_balance_by_hand():
+    trajs = [traj(0, 0, 1.0, 2), traj(1, 0, 0.0, 9), traj(2, 0, 0.0, 4), traj(3, 1, 0.0, 3), traj(4, 1, 1.0, 3),
+             traj(5, 1, 1.0, 3, status="failed")]
+    rewards = np.array([t.reward for t in trajs])
+    n = np.array([t.num_generated for t in trajs], dtype=np.float64)
+    ok = np.array([t.status == "ok" for t in trajs])
+    groups = np.array([t.group_id for t in trajs])
+
+    def grpo(r: np.ndarray) -> np.ndarray:
+        out = np.zeros(len(r))
+        for g in (0, 1):
+            rows = np.flatnonzero((groups == g) & ok)
+            x = r[rows]
+            out[rows] = (x - x.mean()) / (x.std() + 1e-6)
+        return out
+
+    shaped = rewards + overlong_penalty(n, max_len=8, cache_len=4)   # sample 1 (9 tokens) gets −1
+    want = np.clip(grpo(shaped), -1.0, 1.0)
+    pos, neg = (np.clip(want, 0, None) * n * ok).sum(), (np.clip(-want, 0, None) * n * ok).sum()
+    want = np.where(want < 0, want * pos / neg, want)
+    settings = AdvantageSettings("grpo", advantage_clip=1.0, advantage_balance=True, overlong=(8, 4))
+    got = settings.sample_advantages(rewards, groups, ok, n * ok)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+    # balanced: negative token mass = positive token mass
+    g = got.numpy().astype(np.float64)
+    assert (np.clip(g, 0, None) * n * ok).sum() == pytest.approx((np.clip(-g, 0, None) * n * ok).sum(), rel=1e-5)
+    # the processor runs the same pipeline and records the penalty
+    cfg = load_config(None, ["algo.advantage_clip=1.0", "algo.advantage_balance=true",
+                             "algo.overlong_penalty={max_len: 8, cache_len: 4}"])
+    p = AlgorithmProcessor.from_config(cfg)(trajs)
+    assert torch.equal(p.sample_advantages, got)
+    assert p.penalties.tolist()[:2] == [0.0, -1.0]
+    with pytest.raises(Exception, match="cache_len"):
+        load_config(None, ["algo.overlong_penalty={max_len: 4, cache_len: 4}"])
+
+
+def test_update_splits_keep_groups_whole():
+    assert update_splits([0, 0, 1, 1, 1, 2, 3, 3], 2) == [[0, 1, 2, 3, 4], [5, 6, 7]]
+    assert update_splits([5, 5, 6], 4) == [[0, 1], [2]]
+    assert math.isclose(len(update_splits(list(range(9)), 3)[0]), 3)
