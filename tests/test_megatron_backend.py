@@ -331,8 +331,8 @@ def test_tensor_and_expert_parallel_match_world_size_1(megatron, tp, ep, dispatc
     dense grads are summed over DP, experts get their tokens through the EP dispatch. The last
     micro-batch ([8]) has one sample, so one DP rank runs only padding."""
     batch = make_batch(lengths=[5, 9, 3, 12, 8])  # odd lengths: sequence parallel pads to even
-    ref = megatron(seed=9, micro_batch_tokens=16)
-    par = megatron(seed=9, micro_batch_tokens=16, tensor_parallel=tp, expert_parallel=ep, moe_dispatcher=dispatcher)
+    ref = megatron(seed=9, micro_batch_tokens=24)
+    par = megatron(seed=9, micro_batch_tokens=24, tensor_parallel=tp, expert_parallel=ep, moe_dispatcher=dispatcher)
     assert par.config.world_size == 2 and par.fingerprint() == ref.fingerprint()
     a, b = ref.forward(batch), par.forward(batch)
     assert max_diff(a.logprobs, b.logprobs) < TOL and max_diff(a.entropy, b.entropy) < TOL
