@@ -1,9 +1,10 @@
 """Asynchronous vs synchronous training on a task with a heavy tail of long episodes.
 
-The task is `echo` with most prompts asking for one word and a share asking for many (`--tail`:
-those episodes are ~`long_turns`× longer than the median), the model the quickstart's tiny MoE,
-taught the format by a supervised warm-up done once and shared by every run (as an HF
-directory). Each mode then trains the same config from the same weights:
+The task is `echo` with most prompts asking for one word and a share (`--tail`) asking for
+`--long-turns` words; the model is the quickstart's tiny MoE at random init, which never ends a
+turn early — every turn runs to `rollout.max_new_tokens` — so a long episode is exactly
+`long_turns`× a short one: a controlled heavy tail (rewards are 0, the updates are computed in
+full all the same). Each mode trains the same config from the same weights:
 
 - `sync`: roll out a batch, wait for its slowest episode, train, sync;
 - `async` with η = 1 and η = 2 (`rollout.max_staleness`), deterministic (count-scheduled), and
@@ -14,9 +15,9 @@ engine full of new groups meanwhile and trains while the engine generates. Runs 
 another, never concurrently — asynchronous training needs both cores (engine thread + trainer
 thread) — and the modes alternate over `--rounds` so that machine noise hits them alike.
 Throughput = trained (generated, loss-masked) tokens per second of wall time over the steps
-after the first (the first fills the pipeline in every mode).
+after the first two (they fill the pipeline in every mode).
 
-    python bench/async_throughput.py [--rounds 2] [--steps 8]
+    python bench/async_throughput.py [--rounds 2] [--steps 10]
 
 Last line: JSON with `async_vs_sync_tokens_per_s_ratio` (the best η), the per-mode medians
 and staleness counts.
@@ -43,32 +44,13 @@ MODES = {
 }
 
 
-def base_settings(model: Path, steps: int, long_turns: int, share: float) -> list[str]:
-    return [f"steps={steps}", f"model.path={model}", "warmup.steps=0", "data.task=echo",
+def base_settings(steps: int, long_turns: int, share: float) -> list[str]:
+    return [f"steps={steps}", "model.preset=tiny-moe", "warmup.steps=0", "data.task=echo",
             "data.task_args=" + TASK_ARGS % (long_turns, share), "data.prompts_per_step=16", "rollout.group_size=8",
-            "rollout.max_new_tokens=16", f"rollout.max_turns={long_turns}", "rollout.max_context_len=512",
-            "rollout.max_batch_size=64", "rollout.partial_rollout=recompute", "train.updates_per_step=1",
-            "eval.every=0", "checkpoint.every=1000", "runtime.threads=1"]
-
-
-def warm_model(out: Path, long_turns: int, share: float) -> Path:
-    """The quickstart's tiny MoE after a supervised warm-up on the task (done once)."""
-    code = f"""
-import torch
-from axrl.agents.tasks import get_task
-from axrl.model import build_model, preset_config, save_hf
-from axrl.runtime.warmup import warm_up
-from axrl.tokenizer import Tokenizer
-from axrl.train import TorchBackend, TorchBackendConfig
-tok = Tokenizer.default()
-model = build_model(preset_config("tiny-moe", vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id,
-                                  pad_token_id=tok.pad_token_id), seed=0)
-task = get_task("echo", turns=1, long_turns={long_turns}, long_share={share})
-warm_up(TorchBackend(model, TorchBackendConfig(num_threads=1)), tok, task, steps=120, batch_size=16, lr=2e-3, seed=0)
-save_hf(model, {str(out)!r}, tok)
-"""
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return out
+            "rollout.temperature=1.0", "rollout.max_new_tokens=32", f"rollout.max_turns={long_turns}",
+            "rollout.max_context_len=512", "rollout.max_batch_size=64", "rollout.partial_rollout=recompute",
+            "algo.loss_agg=seq-mean-token-mean", "train.updates_per_step=1", "eval.every=0",
+            "checkpoint.every=1000", "runtime.threads=1"]
 
 
 def run_mode(run_dir: Path, settings: list[str]) -> dict:
@@ -78,7 +60,7 @@ def run_mode(run_dir: Path, settings: list[str]) -> dict:
     if done.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steady = rows[1:]
+    steady = rows[2:]
     seconds = sum(r["step_time"] + r.get("time_record", 0.0) for r in steady)
     tokens = sum(r["generated_tokens"] for r in steady)
     return {"tokens_per_s": tokens / seconds, "seconds": seconds, "tokens": tokens,
@@ -90,7 +72,7 @@ def run_mode(run_dir: Path, settings: list[str]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--long-turns", type=int, default=8, help="turns of a long episode (short ones have 1)")
     ap.add_argument("--tail", type=float, default=0.15, help="share of long episodes")
     ap.add_argument("--modes", default=",".join(MODES))
@@ -98,8 +80,7 @@ def main() -> None:
     modes = args.modes.split(",")
     results: dict[str, list[dict]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
-        model = warm_model(Path(tmp) / "model", args.long_turns, args.tail)
-        base = base_settings(model, args.steps, args.long_turns, args.tail)
+        base = base_settings(args.steps, args.long_turns, args.tail)
         for r in range(args.rounds):
             for m in modes:
                 res = run_mode(Path(tmp) / f"{m}-{r}", base + MODES[m])
