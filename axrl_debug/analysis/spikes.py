@@ -10,7 +10,10 @@ excluded, so a spike cannot hide itself):
     scale_i = max(1.4826 · MAD_i, rel_floor · |med_i|, abs_floor)
     z_i     = (x_i − med_i) / scale_i
 
-(for grad norm and the mismatch metrics only upward: z_i > threshold, unless ``two_sided``)
+(for grad norm and the mismatch metrics only upward: z_i > threshold, unless ``two_sided``).
+On a trace that splits the mismatch (``mismatch_engine`` / ``mismatch_staleness``, asynchronous
+runs) the watched mismatch is the engine part: stale tokens make the total move with the policy's
+own drift, which is no engine disagreement (watch ``mismatch_staleness`` explicitly for that).
 
 1.4826·MAD is the normal-consistent robust standard deviation. Steps with fewer than
 ``min_history`` finite values before them are never flagged.
@@ -21,8 +24,8 @@ is fp32 rounding, 2e-8..1.1e-7). So a step is flagged only when |z_i| > threshol
 deviation is large in its own units:
 
 * positive scale metrics (grad norm, mismatch, ratio max, …, ``ONE_SIDED_UP``): x_i ≥ ``min_ratio``
-  × med_i (default 3: the quickstart's grad norm stays within 1.8× its trailing median; the
-  learning-rate fault of ``examples/spike_lr.yaml`` takes it to 3.9× then 11×);
+  × med_i (default 3.5: the healthy quickstart's grad norm reaches 3.1× its trailing median once in
+  40 steps, with z = 5.3; the learning-rate fault of ``examples/spike_lr.yaml`` takes it to 4.2×);
 * the mismatch metrics (mean, p99 and max |Δ|) also x_i ≥ ``rounding_ulps`` · eps(dtype), eps
   the machine epsilon of the run's ``model.dtype`` (fp32 1.19e-7, bf16 7.8e-3): a mean |Δ| below
   4 ulps is rounding, not a disagreement (healthy fp32 runs measure 0.2–1.3 ulps);
@@ -72,15 +75,20 @@ from axrl.trace import TraceReader
 DEFAULT_SPIKE_METRICS = ("loss", "grad_norm", "mismatch", "reward")
 # Which deviations count by default: a grad norm or mismatch that *drops* is not a spike worth
 # attributing; loss (signed, either way can be a blow-up) and reward (a collapse matters) are two-sided.
-ONE_SIDED_UP = frozenset({"grad_norm", "mismatch", "mismatch_max", "mismatch_p99", "kl_k3", "ratio_max",
-                          "frac_above_tis_cap", "version_lag_mean", "version_lag_max"})
+ONE_SIDED_UP = frozenset({"grad_norm", "mismatch", "mismatch_max", "mismatch_p99", "mismatch_engine",
+                          "mismatch_staleness", "kl_k3", "ratio_max", "frac_above_tis_cap", "version_lag_mean",
+                          "version_lag_max"})
 MAD_TO_SIGMA = 1.4826
 
 
 # Machine epsilon of the dtypes a run may compute in (`model.dtype`).
 DTYPE_EPS = {"float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
 # |Δ| metrics whose values below a few ulps of the run's dtype are rounding.
-ROUNDING_METRICS = frozenset({"mismatch", "mismatch_p99", "mismatch_max"})
+ROUNDING_METRICS = frozenset({"mismatch", "mismatch_p99", "mismatch_max", "mismatch_engine"})
+# On a trace that splits the mismatch (asynchronous runs with /tokens/behaviour_train_logprob), the
+# watched "mismatch" is its engine part: the staleness part is policy drift the run asked for (how
+# far the weights moved since the tokens were generated), not an engine disagreeing with the trainer.
+SPLIT_MISMATCH = "mismatch_engine"
 # The step-table column that scales the loss floor.
 ADVANTAGE_SCALE = "advantage_abs_mean"
 
@@ -94,7 +102,7 @@ class SpikeConfig:
     rel_floor: float = 0.1
     abs_floor: float = 1e-12
     two_sided: bool = False       # True: flag drops of the ONE_SIDED_UP metrics too
-    min_ratio: float = 3.0        # ONE_SIDED_UP metrics: value ≥ min_ratio × baseline (or ≤ 1/min_ratio ×)
+    min_ratio: float = 3.5        # ONE_SIDED_UP metrics: value ≥ min_ratio × baseline (or ≤ 1/min_ratio ×)
     rounding_ulps: float = 4.0    # mismatch metrics: value ≥ rounding_ulps × eps(dtype)
     loss_floor: float = 0.01      # loss: |value − baseline| ≥ loss_floor × mean |advantage| of the step
     dtype: str = "float32"        # the run's model.dtype (``for_run`` reads it from config.yaml)
@@ -159,7 +167,8 @@ def detect(df: pd.DataFrame, cfg: SpikeConfig) -> tuple[pd.DataFrame, list[dict[
     out = df.sort_values("step").reset_index(drop=True).copy()
     flagged: list[list[str]] = [[] for _ in range(len(out))]
     spikes: list[dict[str, Any]] = []
-    for metric in cfg.metrics:
+    split = SPLIT_MISMATCH in out.columns and bool(out[SPLIT_MISMATCH].notna().any())
+    for metric in dict.fromkeys(SPLIT_MISMATCH if m == "mismatch" and split else m for m in cfg.metrics):
         if metric not in out.columns:
             continue
         x = out[metric].to_numpy(dtype=np.float64)
