@@ -51,7 +51,12 @@ def train(
 
     target = run_dir or Path("runs") / config.stem
     try:
-        out = run_training(cfg, target, resume=resume)
+        if cfg.runtime.executor == "ray":  # a lost train group resumes from its last checkpoint
+            from axrl.runtime.ray.recovery import train_with_recovery
+
+            out = train_with_recovery(cfg, target, resume, run_training)
+        else:
+            out = run_training(cfg, target, resume=resume)
     except (FileExistsError, FileNotFoundError, ValueError, NotImplementedError) as e:
         raise fail(str(e))
     console.print(f"[bold green]done[/]: trace, metrics and checkpoints in {out}  "

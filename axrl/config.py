@@ -256,7 +256,39 @@ class R3ScopeSection(Section):
     loss_tokens_only: bool = Field(False, description="replay only at loss tokens (generated tokens as inputs)")
 
 
+class RayPlacementSection(Section):
+    """Where the Ray actors go (docs/distributed.md). `colocated`: one placement group holding the
+    train ranks and the engine; `separate`: one group for the train ranks, one for the engine."""
+
+    mode: Literal["colocated", "separate"] = "colocated"
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="placement-group strategy of each group (Ray's names)")
+    train_cpus: float = Field(1.0, gt=0, description="CPUs reserved per train rank")
+    engine_cpus: float = Field(1.0, gt=0, description="CPUs reserved per engine actor")
+    timeout_s: float = Field(30.0, gt=0, description="wait this long for the placement groups before "
+                                                     "refusing the placement")
+
+
+class RaySection(Section):
+    """`runtime.executor: ray` (docs/distributed.md)."""
+
+    address: str | None = Field(None, description="connect to this cluster (host:port of the head, or 'auto'); "
+                                                  "null starts a local one")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of a local cluster started for the run")
+    train_ranks: int = Field(1, ge=1, description="data-parallel torch ranks, one actor each (gloo group)")
+    engine_restarts: int = Field(2, ge=0, description="restarts of a dead engine actor (its requests in "
+                                                      "flight are re-run) before the run fails")
+    train_restarts: int = Field(2, ge=0, description="restarts of the train group from the last checkpoint "
+                                                     "after a train actor died, before the run stops")
+    call_timeout_s: float = Field(600.0, gt=0, description="a call to an actor that takes longer fails the actor")
+    placement: RayPlacementSection = Field(default_factory=RayPlacementSection)
+
+
 class RuntimeSection(Section):
+    executor: Literal["local", "ray"] = Field("local", description="local: every component in this process; "
+                                              "ray: the engine and the train ranks as Ray actors "
+                                              "(pip install 'axrl[ray]')")
+    ray: RaySection = Field(default_factory=RaySection)
     threads: int = Field(1, ge=1, description="torch threads per process")
     deterministic: bool = Field(True, description="bitwise reproducible: fixed seeds and threads, and rollout "
                                                   "scheduled by counts (decode steps, finished groups), "
@@ -325,6 +357,21 @@ class Config(Section):
         if self.rollout.clock == "iterations" and self.rollout.engine == "sglang":
             raise ValueError("rollout.clock: 'iterations' needs the embedded engine (an SGLang server schedules "
                              "its own iterations); use 'rounds' or 'auto'")
+        return self
+
+    @model_validator(mode="after")
+    def _ray_scope(self) -> "Config":
+        if self.runtime.executor != "ray":
+            return self
+        if self.train.backend != "torch":
+            raise ValueError("runtime.executor: ray runs train.backend: torch ranks as actors; the megatron "
+                             "backend still launches its own ranks (use runtime.executor: local)")
+        if self.rollout.engine != "embedded":
+            raise ValueError("runtime.executor: ray runs the embedded engine as an actor; rollout.engine: sglang "
+                             "manages its own servers (use runtime.executor: local)")
+        if self.runtime.device != "cpu":
+            raise ValueError("runtime.executor: ray places CPU actors only (GPU actors are not implemented); "
+                             "keep runtime.device: cpu")
         return self
 
     @model_validator(mode="after")

@@ -7,7 +7,8 @@ did — so replay imports this module, never the loop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,6 +27,7 @@ from axrl.rollout.runner import Clock, RolloutSettings
 from axrl.rollout.schedule import Schedule
 from axrl.rollout.worker import RolloutPolicy, RolloutWorker
 from axrl.runtime.evaluator import Evaluator
+from axrl.runtime.events import EventLog
 from axrl.runtime.train_worker import TrainWorker
 from axrl.sync import WeightSync
 from axrl.tokenizer import Tokenizer, load_tokenizer
@@ -48,16 +50,22 @@ class Components:
     rollout: RolloutWorker
     trainer: TrainWorker
     evaluator: Evaluator | None
+    events: EventLog = field(default_factory=EventLog)   # faults and recoveries (RUN/events.jsonl)
+    executor: Any = None                                 # runtime.executor: ray — its RayExecutor
 
     def close(self) -> None:
         """Stop the rollout worker, the engines and the trainer's workers (in that order)."""
         try:
             self.rollout.stop()
         finally:
-            self.engine.shutdown()
-            if self.evaluator is not None:
-                self.evaluator.engine.shutdown()
-            self.backend.close()
+            try:
+                self.engine.shutdown()
+                if self.evaluator is not None:
+                    self.evaluator.engine.shutdown()
+                self.backend.close()
+            finally:
+                if self.executor is not None:
+                    self.executor.close()
 
 
 def rollout_clock(cfg: Config) -> Clock:
@@ -90,8 +98,21 @@ def build_components(cfg: Config) -> Components:
     loader = (PromptLoader.from_file(cfg.data.path, seed=cfg.seed) if cfg.data.path
               else PromptLoader.from_task(task, seed=cfg.seed))
     check_context(cfg, tokenizer, task, loader)
-    backend = make_train_backend(cfg, tokenizer)
-    engine = make_engine(cfg, backend, tokenizer)
+    events, executor = EventLog(), None
+    if cfg.runtime.executor == "ray":
+        # The same components as Ray actors behind the same protocols (axrl/runtime/ray/).
+        from axrl.runtime.ray.executor import RayExecutor
+
+        executor = RayExecutor(cfg, events)
+        try:
+            backend: TrainBackend = executor.start_train_group()
+            engine: InferenceEngine = executor.start_engine(clocked=rollout_clock(cfg) == "iterations")
+        except BaseException:
+            executor.close()
+            raise
+    else:
+        backend = make_train_backend(cfg, tokenizer)
+        engine = make_engine(cfg, backend, tokenizer)
     model_config = backend.model_config
     r = cfg.rollout
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
@@ -117,7 +138,8 @@ def build_components(cfg: Config) -> Components:
         eval_clock: Clock = "free" if clock == "free" else "iterations"
         evaluator = Evaluator(make_embedded_engine(cfg, backend, tokenizer, clocked=eval_clock == "iterations"),
                               tokenizer, task, eval_settings, prompts=cfg.eval.prompts, seed=cfg.seed, clock=eval_clock)
-    return Components(tokenizer, task, loader, backend, engine, sync, pool, rollout, trainer, evaluator)
+    return Components(tokenizer, task, loader, backend, engine, sync, pool, rollout, trainer, evaluator,
+                      events=events, executor=executor)
 
 
 def make_tokenizer(cfg: Config) -> Tokenizer:
@@ -178,6 +200,11 @@ def make_embedded_engine(cfg: Config, backend: TrainBackend, tokenizer: Tokenize
     hold; weight sync copies into it. A clocked engine is stepped by its rollout driver."""
     model = Qwen3ForCausalLM(backend.model_config).to(resolve_device(cfg.runtime.device), getattr(torch, cfg.model.dtype))
     load_weights_into(model, dict(backend.named_weights()), source="the trainer's weights")
+    return embedded_engine_for(cfg, model, tokenizer, clocked=clocked)
+
+
+def embedded_engine_for(cfg: Config, model: Qwen3ForCausalLM, tokenizer: Tokenizer, *, clocked: bool) -> EmbeddedEngine:
+    """The embedded engine of a run around `model` (also what a Ray engine actor builds)."""
     return EmbeddedEngine(model.eval(), max_batch_size=cfg.rollout.max_batch_size,
                           max_seq_len=cfg.rollout.max_context_len, eos_token_id=tokenizer.eos_token_id,
                           clocked=clocked)

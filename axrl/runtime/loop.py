@@ -70,7 +70,7 @@ def start(cfg: Config, c: Components, run: RunDir, resume: bool, progress: Train
             restore_reference(c.backend, run.path, cfg)  # algo.kl_coef > 0: the weights at RL start
             state = load_checkpoint(path, c.backend)
         c.loader.load_state(state["data"])
-        c.engine.update_weights(dict(c.backend.named_weights()), version=int(state["policy_version"]))
+        c.engine.update_weights(c.backend.sync_source(), version=int(state["policy_version"]))
         _update_recorded_config(run, cfg)
         # Steps recorded after the checkpoint are discarded and redone, so each step is in the trace once.
         removed = run.truncate_after(first - 1)
@@ -90,7 +90,7 @@ def start(cfg: Config, c: Components, run: RunDir, resume: bool, progress: Train
                              on_step=lambda i, loss: advance(f"loss {loss:.3f}"))
         c.backend.reset_optimizer()  # RL starts with a fresh optimizer and schedule
         progress.log(f"warm-up: {cfg.warmup.steps} supervised steps, loss {losses[0]:.3f} → {losses[-1]:.3f}")
-    c.engine.update_weights(dict(c.backend.named_weights()), version=0)
+    c.engine.update_weights(c.backend.sync_source(), version=0)
     keep_reference(c.backend, cfg)  # algo.kl_coef > 0: the reference policy is the state at RL start
     save_checkpoint(run.path, 0, c.backend, checkpoint_state(c, 0))
     return 0, None
@@ -145,6 +145,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Path:
     c = build_components(cfg)  # first: a config that cannot run fails before the run directory exists
     try:
         run = RunDir(run_path)
+        c.events.attach(run.path)  # faults and recoveries so far, then as they happen
         log = MetricsLog(run, tensorboard=cfg.logging.tensorboard)
     except BaseException:
         c.close()

@@ -59,7 +59,7 @@ class TrainWorker:
             updates = run_updates(backend, processed.batch, processed.update_splits(cfg.train.updates_per_step),
                                   policy_loss(cfg), r3=routing_replay(cfg), lr_scale=lr_scale(cfg, step))
         with timer("sync"):
-            self.sync.post(step + 1, dict(backend.named_weights()))
+            self.sync.post(step + 1, backend.sync_source())
             if self.keep_versions:
                 backend.forget_weights(version_key(step + 1 - self.keep_versions - 1))
         return TrainedStep(step=step, policy_version=step, batch=batch, processed=processed, old=old,

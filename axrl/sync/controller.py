@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -19,12 +19,14 @@ class WeightSync:
     def __init__(self, version: int = 0) -> None:
         self._cv = threading.Condition()
         self._version = version
-        self._weights: dict[str, torch.Tensor] | None = None
+        self._weights: dict[str, torch.Tensor] | Any = None
         self._listeners: list[Callable[[], None]] = []
 
-    def post(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
-        """Publish `version` (a detached copy of `weights` is taken here)."""
-        copy = {name: t.detach().clone() for name, t in weights.items()}
+    def post(self, version: int, weights: Mapping[str, torch.Tensor] | Any) -> None:
+        """Publish `version`: a detached copy of a state dict is taken here; anything else (a
+        remote train group's immutable snapshot handle, `TrainBackend.sync_source`) is kept as is."""
+        copy = ({name: t.detach().clone() for name, t in weights.items()} if isinstance(weights, Mapping)
+                else weights)
         with self._cv:
             if version <= self._version and self._weights is not None:
                 raise ValueError(f"weights version {version} posted after version {self._version}")
@@ -40,7 +42,7 @@ class WeightSync:
         with self._cv:
             return self._version
 
-    def get(self) -> tuple[int, dict[str, torch.Tensor] | None]:
+    def get(self) -> tuple[int, dict[str, torch.Tensor] | Any]:
         """(newest version, its weights — None when nothing was posted since construction)."""
         with self._cv:
             return self._version, self._weights

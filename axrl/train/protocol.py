@@ -230,6 +230,12 @@ class TrainBackend(Protocol):
         """Current weights under Hugging Face names (for weight sync to inference engines)."""
         ...
 
+    def sync_source(self) -> Any:
+        """The current weights as `InferenceEngine.update_weights` takes them, for weight sync: an
+        HF-named state dict in-process (`WeightSync` copies it), or a handle that a remote
+        engine resolves itself (a Ray train group's object-store snapshot, never via the driver)."""
+        ...
+
     def fingerprint(self) -> str:
         """Cheap deterministic digest of all parameters: equal iff the weights are bitwise equal."""
         ...

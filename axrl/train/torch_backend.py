@@ -320,6 +320,10 @@ class TorchBackend:
         """Current weights under HF names (tied lm_head omitted); views, not copies."""
         return iter(hf_state_dict(self.model).items())
 
+    def sync_source(self) -> dict[str, torch.Tensor]:
+        """The HF-named weights (views; `WeightSync.post` takes the copy)."""
+        return dict(self.named_weights())
+
     def fingerprint(self) -> str:
         return weights_fingerprint(self.named_weights())
 

@@ -245,6 +245,10 @@ class MegatronBackend:
         """Current weights under HF names (tied lm_head omitted), gathered from the ranks."""
         return iter(self._hf_weights().items())
 
+    def sync_source(self) -> dict[str, torch.Tensor]:
+        """The HF-named weights (views; `WeightSync.post` takes the copy)."""
+        return dict(self.named_weights())
+
     def fingerprint(self) -> str:
         return weights_fingerprint(self.named_weights())
 

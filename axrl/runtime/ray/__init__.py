@@ -1,0 +1,16 @@
+"""`runtime.executor: ray`: the same components as Ray actors behind the same protocols.
+
+* `cluster.py` — import Ray (or say which extra installs it), connect to / start a cluster,
+  checking the address before any work starts;
+* `placement.py` — placement groups for the train ranks and the engine (colocated / separate,
+  PACK / SPREAD), refused before work starts when the cluster cannot hold them;
+* `actors.py` — the actor classes: an embedded engine, a torch train rank;
+* `engine.py` — `RayEngine`, a `ClockedEngine` that calls the engine actor (and restarts it);
+* `train_group.py` — `RayTrainGroup`, a `TrainBackend` over N data-parallel rank actors;
+* `handles.py` — what moves by object reference (row shards of a batch, weight snapshots);
+* `activity.py` — what each actor is doing (its heartbeat);
+* `recovery.py` — a dead train group restarts the run from its last checkpoint;
+* `executor.py` — builds the Ray-side components for `axrl.runtime.components`.
+
+Nothing here is imported unless the executor is `ray`: `import axrl` never imports Ray.
+"""

@@ -1,0 +1,212 @@
+"""The actor classes of `runtime.executor: ray`. Plain classes: `executor.py` wraps them with
+`ray.remote` and the placement; they build their component from the run's config exactly as
+`axrl.runtime.components` does in-process, so a component behaves the same in either executor.
+
+Every method runs under the actor's `Activity` (what it does, since when), reported by
+`activity()` in its own concurrency group, so the monitor sees a busy actor as alive.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import os
+import socket
+import threading
+from typing import Any
+
+import torch
+
+from axrl.config import Config
+from axrl.inference.protocol import GenerateRequest, GenerateResult
+from axrl.runtime.ray.activity import Activity
+from axrl.runtime.ray.handles import WeightsHandle, payload_bytes
+from axrl.train.protocol import ForwardResult, LossContext, LossFn, PackedBatch, StepStats, TrainMetrics
+
+Finished = tuple[str, GenerateResult | None, BaseException | None]   # (rid, result, error)
+
+
+class EngineActor:
+    """An embedded engine in its own process. Finished requests are collected here and handed to
+    the caller with the next `step` (clocked) or `drain` (free-running) call."""
+
+    def __init__(self, cfg: dict[str, Any], clocked: bool) -> None:
+        from axrl.runtime.components import embedded_engine_for, initial_model, make_tokenizer
+
+        config = Config.model_validate(cfg)
+        torch.set_num_threads(config.runtime.threads)
+        tokenizer = make_tokenizer(config)
+        # The initial weights; the loop loads the trainer's before the first rollout.
+        self.engine = embedded_engine_for(config, initial_model(config, tokenizer), tokenizer, clocked=clocked)
+        self.activity_ = Activity("engine")
+        self._cv = threading.Condition()
+        self._finished: list[Finished] = []
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def _collect(self, rid: str, future: concurrent.futures.Future) -> None:
+        error = future.exception()
+        with self._cv:
+            self._finished.append((rid, None if error else future.result(), error))
+            self._cv.notify_all()
+        self.activity_.count("finished_requests")
+
+    def _take_finished(self) -> list[Finished]:
+        with self._cv:
+            out, self._finished = self._finished, []
+        return out
+
+    def submit_many(self, requests: list[GenerateRequest]) -> None:
+        with self.activity_.doing(f"submit {len(requests)}"):
+            futures = self.engine.submit_many(requests)
+            for req, f in zip(requests, futures):
+                f.add_done_callback(lambda f, rid=req.rid: self._collect(rid, f))
+
+    def step(self) -> tuple[bool, list[Finished]]:
+        with self.activity_.doing("step"):
+            with torch.inference_mode():
+                worked = self.engine.step()
+            self.activity_.count("iterations")
+            return worked, self._take_finished()
+
+    def drain(self, timeout_s: float) -> list[Finished]:
+        """Free-running engines: wait up to `timeout_s` for finished requests."""
+        with self._cv:
+            self._cv.wait_for(lambda: bool(self._finished), timeout_s)
+        return self._take_finished()
+
+    def update_weights(self, source: Any, version: int | None) -> int:
+        # A state dict arrives resolved from the object store: fetched here, not by the driver.
+        with self.activity_.doing(f"update_weights v{version}"):
+            self.activity_.count("weight_bytes", payload_bytes(source))
+            return self.engine.update_weights(source, version=version)
+
+    def abort(self, rid: str) -> tuple[bool, list[Finished]]:
+        found = self.engine.abort(rid)
+        return found, self._take_finished()
+
+    def health(self) -> dict[str, Any]:
+        return self.engine.health()
+
+    def activity(self) -> dict[str, Any]:
+        report = self.activity_.report()
+        report["engine"] = {k: v for k, v in self.engine.health().items() if k in ("weight_version", "running", "waiting")}
+        return report
+
+    def shutdown(self) -> list[Finished]:
+        self.engine.shutdown()
+        return self._take_finished()
+
+
+class GlobalContext:
+    """A loss function normalised by the whole optimizer batch's counts while a rank computes
+    only its rows: the ranks' gradients then sum to the full batch's (LossContext's contract)."""
+
+    def __init__(self, loss_fn: LossFn, ctx: LossContext) -> None:
+        self.loss_fn, self.ctx = loss_fn, ctx
+
+    def __call__(self, logprobs: torch.Tensor, entropy: torch.Tensor, mb: PackedBatch,
+                 ctx: LossContext) -> tuple[torch.Tensor, dict[str, Any]]:
+        return self.loss_fn(logprobs, entropy, mb, self.ctx)
+
+
+class TrainRankActor:
+    """One data-parallel rank of the torch backend. Ranks start from the same seed (identical
+    weights), compute their own rows, all-reduce the gradients (gloo) before each optimizer step,
+    and so stay identical; rank 0 answers for the group (weights, checkpoints, exports)."""
+
+    def __init__(self, cfg: dict[str, Any], rank: int, world: int) -> None:
+        from axrl.runtime.components import make_tokenizer, make_train_backend
+
+        config = Config.model_validate(cfg)
+        torch.set_num_threads(config.runtime.threads)
+        self.rank, self.world = rank, world
+        self.backend = make_train_backend(config, make_tokenizer(config))
+        self.activity_ = Activity(f"train rank {rank}")
+        self._fetched = 0
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def rendezvous(self) -> str:
+        """host:port for the process group (asked of rank 0): this node's address, a free port."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return f"{host}:{s.getsockname()[1]}"
+
+    def init_group(self, address: str, timeout_s: float = 120.0) -> None:
+        if self.world > 1:
+            torch.distributed.init_process_group("gloo", init_method=f"tcp://{address}", rank=self.rank,
+                                                 world_size=self.world, timeout=datetime.timedelta(seconds=timeout_s))
+
+    def _got(self, shard: PackedBatch) -> None:
+        n = payload_bytes(shard)
+        self._fetched += n
+        self.activity_.count("fetched_bytes", n)
+
+    def fetched_bytes(self) -> int:
+        return self._fetched
+
+    def model_config(self) -> Any:
+        return self.backend.model_config
+
+    def forward(self, shard: PackedBatch, r3: Any, weights: str | None) -> ForwardResult:
+        with self.activity_.doing("forward"):
+            self._got(shard)
+            return self.backend.forward(shard, r3=r3, weights=weights)
+
+    def forward_backward(self, shard: PackedBatch, loss_fn: LossFn, r3: Any, ctx: LossContext | None) -> TrainMetrics:
+        with self.activity_.doing("forward_backward"):
+            self._got(shard)
+            self.activity_.count("tokens", shard.num_tokens)
+            return self.backend.forward_backward(shard, loss_fn if ctx is None else GlobalContext(loss_fn, ctx), r3=r3)
+
+    def optimizer_step(self, lr: float | None, lr_scale: float) -> StepStats:
+        with self.activity_.doing("optimizer_step"):
+            if self.world > 1:
+                self._all_reduce_grads()
+            return self.backend.optimizer_step(lr=lr, lr_scale=lr_scale)
+
+    def _all_reduce_grads(self) -> None:
+        # One flat buffer: one collective per step. A parameter no token reached gets zeros (as the
+        # backend itself does), so every rank contributes the same layout.
+        params = [p for p in self.backend.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        torch.distributed.all_reduce(flat)
+        offset = 0
+        for p in params:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            offset += n
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The backend's small calls (reset_optimizer, keep/forget_weights, fingerprint, state, save…)."""
+        with self.activity_.doing(method):
+            return getattr(self.backend, method)(*args, **kwargs)
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        return {n: t.detach().clone() for n, t in self.backend.named_weights()}
+
+    def put_weights(self, version: int | None) -> list[WeightsHandle]:
+        """A snapshot of the weights in the object store, owned by this rank (list: the handle's
+        ref travels to the driver as a reference, not as the weights)."""
+        import ray
+
+        with self.activity_.doing("put_weights"):
+            weights = self.named_weights()
+            return [WeightsHandle(ray.put(weights), version, payload_bytes(weights))]
+
+    def activity(self) -> dict[str, Any]:
+        return self.activity_.report()
+
+    def close(self) -> None:
+        if self.world > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        self.backend.close()

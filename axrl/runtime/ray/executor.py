@@ -1,0 +1,76 @@
+"""The Ray side of `build_components`: connect, place, start the train group and the engine.
+
+Everything that can refuse the run does so here, before the run directory exists: a missing
+Ray (the extra), a bad `runtime.ray.address`, an impossible `runtime.ray.placement`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from axrl.config import Config, config_to_dict
+from axrl.runtime.events import EventLog
+from axrl.runtime.ray.actors import EngineActor, TrainRankActor
+from axrl.runtime.ray.cluster import connect, import_ray
+from axrl.runtime.ray.engine import RayEngine
+from axrl.runtime.ray.handles import DataPlane
+from axrl.runtime.ray.placement import place
+from axrl.runtime.ray.train_group import RayTrainGroup
+
+# Calls that must answer while an actor is busy (heartbeats) run in their own thread there.
+MONITOR_GROUPS = {"monitor": 1, "poll": 1}
+
+
+class RayExecutor:
+    """Owns the cluster connection and the placement groups of one run."""
+
+    def __init__(self, cfg: Config, events: EventLog) -> None:
+        ray = import_ray()
+        self.owns_cluster = not ray.is_initialized() and cfg.runtime.ray.address is None
+        self.ray = connect(cfg)
+        self.cfg, self.events, self.plane = cfg, events, DataPlane()
+        self.placement = place(self.ray, cfg)
+        self._cfg_dict = config_to_dict(cfg)
+        self.train_group: RayTrainGroup | None = None
+        self.engine: RayEngine | None = None
+
+    def start_train_group(self) -> RayTrainGroup:
+        world = self.cfg.runtime.ray.train_ranks
+        remote = self.ray.remote(concurrency_groups=MONITOR_GROUPS)(TrainRankActor)
+
+        def make_ranks() -> list[Any]:
+            return [remote.options(**slot.options())
+                    .remote(self._cfg_dict, rank, world) for rank, slot in enumerate(self.placement.train)]
+
+        self.train_group = RayTrainGroup(self.ray, make_ranks, events=self.events, plane=self.plane,
+                                         call_timeout_s=self.cfg.runtime.ray.call_timeout_s)
+        self.events.record("actors_started", component="train group", ranks=world, pids=self.train_group.pids)
+        return self.train_group
+
+    def start_engine(self, clocked: bool) -> RayEngine:
+        remote = self.ray.remote(concurrency_groups=MONITOR_GROUPS)(EngineActor)
+        slot = self.placement.engine
+
+        def make_actor() -> Any:
+            return remote.options(**slot.options()).remote(self._cfg_dict, clocked)
+
+        r = self.cfg.runtime.ray
+        self.engine = RayEngine(self.ray, make_actor, clocked=clocked, restarts=r.engine_restarts, events=self.events,
+                                plane=self.plane, call_timeout_s=r.call_timeout_s)
+        self.events.record("actors_started", component="engine", pid=self.engine.pid)
+        return self.engine
+
+    def actor_pids(self) -> dict[str, list[int]]:
+        """PIDs of the run's actors now (for tests and `axrl status`)."""
+        out: dict[str, list[int]] = {}
+        if self.train_group is not None:
+            out["train"] = list(self.train_group.pids)
+        if self.engine is not None:
+            out["engine"] = [self.engine.pid]
+        return out
+
+    def close(self) -> None:
+        """Release the placement groups; stop the local cluster this run started."""
+        self.placement.release(self.ray)
+        if self.owns_cluster:
+            self.ray.shutdown()

@@ -1,0 +1,86 @@
+"""What moves by object reference, and how big it is.
+
+A `Shard` is one train rank's rows of a packed batch, put in the object store once; the rank
+fetches only its own shard (never the whole batch). A `WeightsHandle` is a snapshot of the train
+group's weights that rank 0 put in the object store: engines fetch it themselves, so weight sync
+never passes through the driver. `payload_bytes` measures tensors and arrays inside any result,
+for the data-plane accounting (`DataPlane`, read by bench/ray_data_plane.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from axrl.train.protocol import PackedBatch
+
+
+def payload_bytes(obj: Any) -> int:
+    """Bytes of the tensors and arrays in `obj` (dataclasses, mappings and sequences walked)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, np.ndarray):
+        return int(obj.nbytes)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return sum(payload_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    if isinstance(obj, dict):
+        return sum(payload_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(payload_bytes(v) for v in obj) if obj and not isinstance(obj[0], (int, float)) else 8 * len(obj)
+    return 0
+
+
+def shard_rows(batch: PackedBatch, ranks: int) -> list[list[int]]:
+    """Contiguous sample ranges, one per rank, balanced by tokens: sample i goes to the rank whose
+    share of the token stream holds its midpoint. Batch order is kept, so the ranks' per-token
+    outputs concatenate back into the batch's order. A rank may get no sample."""
+    lengths = batch.lengths.tolist()
+    total = max(sum(lengths), 1)
+    out: list[list[int]] = [[] for _ in range(ranks)]
+    before = 0
+    for i, n in enumerate(lengths):
+        out[min(ranks - 1, int((before + n / 2) * ranks // total))].append(i)
+        before += n
+    return out
+
+
+@dataclass
+class WeightsHandle:
+    """Weights version `version` of the train group, in the object store (HF names). Engines
+    resolve `ref` themselves; the driver only passes it on."""
+
+    ref: Any
+    version: int | None = None
+    nbytes: int = 0
+
+
+@dataclass
+class DataPlane:
+    """Bytes per category that passed through the driver (serialised by it or returned to it)
+    and that moved between actors by reference. Thread-safe."""
+
+    driver: dict[str, int] = field(default_factory=dict)
+    by_ref: dict[str, int] = field(default_factory=dict)
+    rank_fetched: dict[int, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def through_driver(self, category: str, nbytes: int) -> None:
+        with self._lock:
+            self.driver[category] = self.driver.get(category, 0) + nbytes
+
+    def by_reference(self, category: str, nbytes: int) -> None:
+        with self._lock:
+            self.by_ref[category] = self.by_ref.get(category, 0) + nbytes
+
+    def fetched(self, rank: int, nbytes: int) -> None:
+        with self._lock:
+            self.rank_fetched[rank] = self.rank_fetched.get(rank, 0) + nbytes
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {"driver": dict(self.driver), "by_ref": dict(self.by_ref), "rank_fetched": dict(self.rank_fetched)}

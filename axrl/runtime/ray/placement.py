@@ -1,0 +1,86 @@
+"""Placement groups for a run's actors (`runtime.ray.placement`).
+
+`colocated`: one group whose bundles are the train ranks and the engine, so that PACK puts them
+on as few nodes as fit; `separate`: one group for the train ranks and one for the engine, each
+with the strategy, so the two sides can take different nodes. A placement the cluster cannot
+hold is refused before any actor starts, naming the keys: at once when the cluster's CPUs
+cannot cover it, otherwise when the groups are not ready within `placement.timeout_s`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+from axrl.config import Config, ConfigError
+
+
+@dataclass
+class Slot:
+    """Where one actor goes: a placement group and a bundle index in it."""
+
+    group: Any
+    bundle: int
+    cpus: float
+
+    def options(self) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {"num_cpus": self.cpus, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=self.group, placement_group_bundle_index=self.bundle)}
+
+
+@dataclass
+class Placement:
+    train: list[Slot]
+    engine: Slot
+    groups: list[Any] = field(default_factory=list)
+
+    def release(self, ray: ModuleType) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for g in self.groups:
+            try:
+                remove_placement_group(g)
+            except Exception:  # noqa: BLE001 — the cluster may already be gone at shutdown
+                pass
+        self.groups = []
+
+
+def _describe(cfg: Config) -> str:
+    r, p = cfg.runtime.ray, cfg.runtime.ray.placement
+    return (f"runtime.ray.placement (mode {p.mode}, strategy {p.strategy}): {r.train_ranks} train rank(s) × "
+            f"train_cpus={p.train_cpus} + 1 engine × engine_cpus={p.engine_cpus}")
+
+
+def place(ray: ModuleType, cfg: Config) -> Placement:
+    """Reserve the run's placement groups, or raise ConfigError naming the keys."""
+    from ray.util.placement_group import placement_group
+
+    r, p = cfg.runtime.ray, cfg.runtime.ray.placement
+    need = r.train_ranks * p.train_cpus + p.engine_cpus
+    have = float(ray.cluster_resources().get("CPU", 0.0))
+    if need > have:
+        raise ConfigError(f"{_describe(cfg)} needs {need:g} CPUs; the cluster has {have:g} "
+                          "(lower runtime.ray.train_ranks or the *_cpus, or add nodes)")
+    train_bundles = [{"CPU": p.train_cpus} for _ in range(r.train_ranks)]
+    engine_bundle = {"CPU": p.engine_cpus}
+    if p.mode == "colocated":
+        groups = [placement_group(train_bundles + [engine_bundle], strategy=p.strategy)]
+    else:
+        groups = [placement_group(train_bundles, strategy=p.strategy), placement_group([engine_bundle], strategy=p.strategy)]
+    placement = Placement(train=[], engine=Slot(None, 0, p.engine_cpus), groups=groups)
+    ready = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=p.timeout_s)[0]
+    if len(ready) < len(groups):
+        placement.release(ray)
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        per_node = sorted((float(n["Resources"].get("CPU", 0)) for n in nodes), reverse=True)
+        raise ConfigError(f"{_describe(cfg)} cannot be placed within runtime.ray.placement.timeout_s="
+                          f"{p.timeout_s:g} s on {len(nodes)} node(s) with CPUs {per_node} (STRICT_PACK needs one "
+                          "node holding every bundle, STRICT_SPREAD one node per bundle; free CPUs may be taken "
+                          "by other work)")
+    placement.train = [Slot(groups[0], i, p.train_cpus) for i in range(r.train_ranks)]
+    placement.engine = (Slot(groups[0], r.train_ranks, p.engine_cpus) if p.mode == "colocated"
+                        else Slot(groups[1], 0, p.engine_cpus))
+    return placement

@@ -1,0 +1,204 @@
+"""RayTrainGroup: the `TrainBackend` protocol over N data-parallel torch ranks, one actor each.
+
+Each call shards the packed batch by samples (contiguous, balanced by tokens), puts every shard
+in the object store once and sends each rank only the reference to its own shard; per-token
+outputs come back in rank order, which is batch order. `forward_backward` hands every rank the
+whole batch's `LossContext`, so the ranks' gradients sum to the full batch's; `optimizer_step`
+all-reduces them inside the group (gloo), so the ranks stay identical and rank 0 answers for
+the group. With one rank every call is the in-process backend's own call on the same batch —
+the same bits as `runtime.executor: local`.
+
+A dead rank fails the call with `TrainGroupLost`; `recovery.py` restarts the run from its last
+checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from axrl.model.config import ModelConfig
+from axrl.runtime.events import EventLog
+from axrl.runtime.ray.handles import DataPlane, WeightsHandle, payload_bytes, shard_rows
+from axrl.train.metrics import reduce_microbatch_metrics
+from axrl.train.protocol import (R3, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, StepStats,
+                                 TrainMetrics)
+
+
+class TrainGroupLost(RuntimeError):
+    """A train rank died; the group's state is gone (restart from a checkpoint)."""
+
+
+def loss_context(batch: PackedBatch) -> LossContext:
+    """The whole batch's counts, as the in-process backend computes them."""
+    per_sample = torch.zeros(batch.num_samples).index_add_(0, batch.sample_index(), batch.loss_mask.float().cpu())
+    return LossContext(num_loss_tokens=int(batch.loss_mask.sum()), num_samples=batch.num_samples,
+                       num_loss_samples=int((per_sample > 0).sum()))
+
+
+def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    return None if any(p is None for p in parts) else torch.cat(parts)  # type: ignore[arg-type]
+
+
+class RayTrainGroup:
+    def __init__(self, ray: Any, make_ranks: Callable[[], list[Any]], *, events: EventLog, plane: DataPlane,
+                 call_timeout_s: float = 600.0) -> None:
+        self._ray, self._events, self._plane, self._timeout = ray, events, plane, call_timeout_s
+        self.lost = False
+        self.ranks = make_ranks()
+        self.world = len(self.ranks)
+        self.pids = self._all("pid")
+        if self.world > 1:
+            address = self._get(self.ranks[0].rendezvous.remote())
+            self._get([r.init_group.remote(address) for r in self.ranks])
+        self._model_config: ModelConfig = self._get(self.ranks[0].model_config.remote())
+        self._closed = False
+
+    # -- calls -----------------------------------------------------------------------------------
+    def _get(self, refs: Any) -> Any:
+        """Results of one call or of one call per rank, failing fast: when a rank dies the others
+        may be blocked in a collective with it, so its error is raised as soon as it is known."""
+        ex = self._ray.exceptions
+        try:
+            if not isinstance(refs, list):
+                return self._ray.get(refs, timeout=self._timeout)
+            pending = list(refs)
+            while pending:
+                ready, pending = self._ray.wait(pending, num_returns=1, timeout=self._timeout)
+                if not ready:
+                    raise ex.GetTimeoutError(f"no train rank answered within {self._timeout} s "
+                                             "(runtime.ray.call_timeout_s)")
+                self._ray.get(ready)  # raises the rank's error
+            return self._ray.get(refs)
+        except (ex.RayActorError, ex.ActorUnavailableError, ex.GetTimeoutError) as e:
+            self.lost = True
+            self._events.record("actor_failed", component="train group", pids=self.pids,
+                                reason=f"{type(e).__name__}: {str(e)[:200]}")
+            raise TrainGroupLost(f"a train rank died ({type(e).__name__}); the train group restarts from the last "
+                                 "checkpoint (runtime.ray.train_restarts)") from e
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        return self._get([getattr(r, method).remote(*args) for r in self.ranks])
+
+    def _call_all(self, method: str, *args: Any) -> Any:
+        """A backend call every rank makes (state changes); rank 0's answer."""
+        return self._get([r.call.remote(method, *args) for r in self.ranks])[0]
+
+    def _shards(self, batch: PackedBatch) -> list[tuple[Any, PackedBatch]]:
+        """(object ref, shard) per rank; the whole batch as one shard on a single rank."""
+        if self.world == 1:
+            shards = [batch]
+        else:
+            rows = shard_rows(batch, self.world)
+            if any(not r for r in rows):
+                raise ValueError(f"a batch of {batch.num_samples} samples cannot give each of the "
+                                 f"{self.world} train ranks (runtime.ray.train_ranks) a sample")
+            shards = [batch.select(r) for r in rows]
+        out = []
+        for i, s in enumerate(shards):
+            n = payload_bytes(s)
+            self._plane.through_driver("batch", n)
+            self._plane.fetched(i, n)
+            out.append((self._ray.put(s), s))
+        return out
+
+    # -- TrainBackend ----------------------------------------------------------------------------
+    @property
+    def model_config(self) -> ModelConfig:
+        return self._model_config
+
+    def forward(self, batch: PackedBatch, *, r3: R3 = False, weights: str | None = None) -> ForwardResult:
+        shards = self._shards(batch)
+        parts: list[ForwardResult] = self._get([r.forward.remote(ref, r3, weights)
+                                                for r, (ref, _) in zip(self.ranks, shards)])
+        self._plane.through_driver("forward_results", sum(payload_bytes(p) for p in parts))
+        if len(parts) == 1:
+            return parts[0]
+        return ForwardResult(logprobs=torch.cat([p.logprobs for p in parts]),
+                             entropy=torch.cat([p.entropy for p in parts]),
+                             routed_experts=_cat([p.routed_experts for p in parts]))
+
+    def forward_backward(self, batch: PackedBatch, loss_fn: LossFn, *, r3: R3 = False) -> TrainMetrics:
+        shards = self._shards(batch)
+        ctx = None if self.world == 1 else loss_context(batch)
+        parts: list[TrainMetrics] = self._get([r.forward_backward.remote(ref, loss_fn, r3, ctx)
+                                               for r, (ref, _) in zip(self.ranks, shards)])
+        self._plane.through_driver("train_metrics", sum(payload_bytes(p) for p in parts))
+        if len(parts) == 1:
+            return parts[0]
+        rows = [row for p in parts for row in p.micro_batches]
+        keys = set().union(*(p.tokens for p in parts))
+        tokens = {k: torch.cat([p.tokens[k] for p in parts]) for k in keys if all(k in p.tokens for p in parts)}
+        return TrainMetrics(loss=sum(r["loss"] for r in rows), micro_batches=rows,
+                            metrics={**reduce_microbatch_metrics(rows), "num_micro_batches": float(len(rows))},
+                            tokens=tokens)
+
+    def optimizer_step(self, *, lr: float | None = None, lr_scale: float = 1.0) -> StepStats:
+        return self._all("optimizer_step", lr, lr_scale)[0]
+
+    def reset_optimizer(self) -> None:
+        self._call_all("reset_optimizer")
+
+    def keep_weights(self, key: str) -> None:
+        self._call_all("keep_weights", key)
+
+    def forget_weights(self, key: str) -> None:
+        self._call_all("forget_weights", key)
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        weights = self._get(self.ranks[0].named_weights.remote())
+        self._plane.through_driver("weights_to_driver", payload_bytes(weights))
+        return iter(weights.items())
+
+    def sync_source(self) -> WeightsHandle:
+        """A snapshot in rank 0's object store: the engines fetch it, the driver only sees the handle."""
+        return self._get(self.ranks[0].put_weights.remote(None))[0]
+
+    def fingerprint(self) -> str:
+        return self._get(self.ranks[0].call.remote("fingerprint"))
+
+    def fingerprints(self) -> list[str]:
+        """Every rank's fingerprint (equal while the group is healthy)."""
+        return self._get([r.call.remote("fingerprint") for r in self.ranks])
+
+    def inspect(self, batch: PackedBatch, loss_fn: LossFn, *, r3: R3 = False) -> Inspection | None:
+        return self._get(self.ranks[0].call.remote("inspect", batch, loss_fn, r3=r3))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._get(self.ranks[0].call.remote("state_dict"))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._call_all("load_state_dict", state)
+
+    def save(self, directory: str | Path) -> None:
+        # The ranks are identical: rank 0 writes (on its node's disk: the run directory must be shared).
+        self._get(self.ranks[0].call.remote("save", str(directory)))
+
+    def load(self, directory: str | Path) -> None:
+        self._call_all("load", str(directory))
+
+    def export_hf(self, directory: str | Path) -> Path:
+        return Path(self._get(self.ranks[0].call.remote("export_hf", str(directory))))
+
+    def activity(self) -> list[dict[str, Any]]:
+        return self._all("activity")
+
+    def fetched_bytes(self) -> list[int]:
+        return self._all("fetched_bytes")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for r in self.ranks:
+            try:
+                if not self.lost:  # survivors of a lost group may be stuck in a collective: just kill them
+                    self._ray.get(r.close.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 — a dead rank has nothing to release
+                pass
+            try:
+                self._ray.kill(r, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
