@@ -51,11 +51,12 @@ def connect(cfg: Config) -> ModuleType:
     joined, e.g. in tests). Returns the `ray` module."""
     ray = import_ray()
     r = cfg.runtime.ray
+    if r.address is not None:
+        check_address(r.address)  # also when this process already joined a cluster: the key must be right
     if ray.is_initialized():
         return ray
     env = {"env_vars": worker_env()}
     if r.address is not None:
-        check_address(r.address)
         try:
             ray.init(address=r.address, runtime_env=env, logging_level="warning", log_to_driver=False)
         except Exception as e:  # noqa: BLE001 — Ray raises several types here; all mean the same to the user

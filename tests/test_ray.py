@@ -1,0 +1,201 @@
+"""runtime.executor: ray on a real local Ray cluster (2 CPUs, 127.0.0.1), started and stopped here.
+
+The ray runs drive the same loop as local ones; the engine and the train ranks are actors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from axrl.config import ConfigError, load_config  # noqa: E402
+from axrl.runtime.events import read_events  # noqa: E402
+from axrl.runtime.loop import train  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(600)
+# A tiny run whose every step really changes the weights (the entropy bonus gives a gradient even
+# when an untrained policy earns no reward), with a checkpoint after every step.
+TINY = ["steps=3", "model.preset=micro-moe", "warmup.steps=0", "data.task=echo", "data.task_args={turns: 1}",
+        "data.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8", "rollout.max_turns=2",
+        "rollout.max_context_len=128", "rollout.max_batch_size=8", "eval.every=0", "checkpoint.every=1",
+        "runtime.threads=1", "algo.entropy_coef=0.05", "train.lr=1e-2", "algo.loss_agg=token-mean"]
+# Fractions of a CPU: two train ranks and the engine fit a 2-CPU cluster.
+SMALL = ["runtime.ray.placement.train_cpus=0.5", "runtime.ray.placement.engine_cpus=0.5"]
+
+
+def cfg(*extra: str):
+    return load_config(ROOT / "examples" / "quickstart.yaml", [*TINY, *extra])
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="warning",
+             log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    yield ray
+    ray.shutdown()
+
+
+def datasets(run_dir: Path) -> dict:
+    out = {}
+    for f in sorted((run_dir / "trace").glob("step_*.h5")):
+        with h5py.File(f) as h:
+            h.visititems(lambda name, obj: out.__setitem__((f.name, name), obj[()])
+                         if isinstance(obj, h5py.Dataset) else None)
+    return out
+
+
+def differing(a: dict, b: dict) -> list:
+    def same(x, y) -> bool:
+        x, y = np.asarray(x), np.asarray(y)
+        return x.tolist() == y.tolist() if x.dtype == object else x.shape == y.shape and x.tobytes() == y.tobytes()
+    return sorted(set(a) ^ set(b)) + [k for k in a if k in b and not same(a[k], b[k])]
+
+
+def sample_ids(run_dir: Path) -> list[list[int]]:
+    out = []
+    for f in sorted((run_dir / "trace").glob("step_*.h5")):
+        with h5py.File(f) as h:
+            out.append(h["samples/sample_id"][()].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("local") / "run"
+    train(cfg(), out)
+    return out
+
+
+def test_ray_sync_run_writes_the_local_trace_bit_for_bit(cluster, local_run, tmp_path):
+    out = train(cfg("runtime.executor=ray"), tmp_path / "ray")
+    a, b = datasets(local_run), datasets(out)
+    assert len(a) > 50
+    assert not differing(a, b)
+    # Training really moved the weights: the fingerprints of successive steps differ.
+    with h5py.File(out / "trace" / "step_000002.h5") as h:
+        assert h["train/weights_fingerprint_before"][()] != h["train/weights_fingerprint_after"][()]
+    events = read_events(out)
+    assert [e["component"] for e in events if e["event"] == "actors_started"] == ["train group", "engine"]
+
+
+def expected_ids(steps: int, prompts: int = 2, group: int = 2) -> list[list[int]]:
+    """Sync runs train groups w·P … w·P + P − 1 at step w: every sample once, none lost."""
+    return [list(range(w * prompts * group, (w + 1) * prompts * group)) for w in range(steps)]
+
+
+def test_two_data_parallel_ranks_train_like_one_process(cluster, local_run, tmp_path):
+    out = train(cfg("runtime.executor=ray", "runtime.ray.train_ranks=2", *SMALL), tmp_path / "dp2")
+    a, b = datasets(local_run), datasets(out)
+    assert a.keys() == b.keys()
+    # The same samples; logprobs and losses agree to float rounding (the ranks sum the gradient in
+    # another order than one process accumulating its micro-batches).
+    for key in a:
+        if key[1] in ("samples/sample_id", "tokens/input_ids", "tokens/loss_mask"):
+            assert np.array_equal(a[key], b[key]), key
+        if key[1] in ("tokens/old_logprob", "tokens/rollout_logprob"):
+            np.testing.assert_allclose(a[key], b[key], atol=2e-4, equal_nan=True)
+    events = read_events(out)
+    started = next(e for e in events if e["event"] == "actors_started" and e["component"] == "train group")
+    assert started["ranks"] == 2 and len(set(started["pids"])) == 2
+
+
+def test_async_ray_run_honours_the_staleness_bound(cluster, tmp_path):
+    out = train(cfg("runtime.executor=ray", "runtime.mode=async", "rollout.max_staleness=1", "steps=4"),
+                tmp_path / "async")
+    for f in sorted((out / "trace").glob("step_*.h5")):
+        with h5py.File(f) as h:
+            step = int(h.attrs["step"]) if "step" in h.attrs else int(f.stem.split("_")[1])
+            versions = h["tokens/policy_version"][()][h["tokens/loss_mask"][()] > 0]
+            assert versions.size and step - versions.min() <= 1
+    assert len(list((out / "trace").glob("step_*.h5"))) == 4
+
+
+def test_bad_address_fails_before_work_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="runtime.ray.address"):
+        train(cfg("runtime.executor=ray", "runtime.ray.address=127.0.0.1:1"), tmp_path / "bad")
+    with pytest.raises(ConfigError, match="runtime.ray.address"):
+        train(cfg("runtime.executor=ray", "runtime.ray.address=not-an-address"), tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_impossible_placement_fails_before_work_naming_the_key(cluster, tmp_path):
+    with pytest.raises(ConfigError, match="runtime.ray.placement.*needs 9 CPUs; the cluster has 2"):
+        train(cfg("runtime.executor=ray", "runtime.ray.train_ranks=8"), tmp_path / "big")
+    # Fits the cluster's total but not one node: STRICT_SPREAD needs a node per bundle.
+    with pytest.raises(ConfigError, match="cannot be placed within runtime.ray.placement.timeout_s"):
+        train(cfg("runtime.executor=ray", "runtime.ray.placement.strategy=STRICT_SPREAD", *SMALL,
+                  "runtime.ray.placement.timeout_s=3"), tmp_path / "spread")
+    assert not (tmp_path / "big").exists() and not (tmp_path / "spread").exists()
+    assert ray.util.placement_group_table() and all(
+        g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())
+
+
+def test_without_ray_the_error_names_the_extra(monkeypatch):
+    import builtins
+
+    from axrl.runtime.ray.cluster import import_ray
+
+    real = builtins.__import__
+    def no_ray(name, *args, **kwargs):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError("No module named 'ray'")
+        return real(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    with pytest.raises(ConfigError, match=r"pip install 'axrl\[ray\]'"):
+        import_ray()
+
+
+def kill_when(run_dir: Path, component: str, after_steps: int, killed: list) -> None:
+    """Kill (SIGKILL, by PID) the actor of `component` once `after_steps` steps are recorded."""
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        events = read_events(run_dir) if run_dir.exists() else []
+        started = [e for e in events if e["event"] == "actors_started" and e["component"] == component]
+        if started and len(list((run_dir / "trace").glob("step_*.h5"))) >= after_steps:
+            pid = (started[-1].get("pids") or [started[-1].get("pid")])[-1]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            return
+        time.sleep(0.01)
+
+
+def run_with_kill(tmp_path: Path, component: str, *extra: str) -> tuple[Path, list]:
+    import threading
+
+    from axrl.runtime.ray.recovery import train_with_recovery
+
+    out, killed = tmp_path / "run", []
+    killer = threading.Thread(target=kill_when, args=(out, component, 1, killed), daemon=True)
+    killer.start()
+    train_with_recovery(cfg("runtime.executor=ray", "steps=5", *extra), out, False, train)
+    killer.join(timeout=5)
+    return out, killed
+
+
+def test_killed_engine_actor_is_restarted_and_no_sample_is_lost_or_duplicated(cluster, tmp_path):
+    out, killed = run_with_kill(tmp_path, "engine")
+    assert killed
+    assert sample_ids(out) == expected_ids(5)
+    restarts = [e for e in read_events(out) if e["event"] == "actor_restarted"]
+    assert len(restarts) == 1 and restarts[0]["component"] == "engine" and restarts[0]["old_pid"] == killed[0]
+
+
+def test_killed_train_actor_restarts_the_group_from_the_last_checkpoint(cluster, tmp_path):
+    out, killed = run_with_kill(tmp_path, "train group")
+    assert killed
+    assert sample_ids(out) == expected_ids(5)   # every step recorded once, each with its own groups
+    events = read_events(out)
+    assert [e["event"] for e in events if e["event"] in ("actor_failed", "train_group_restart")] == [
+        "actor_failed", "train_group_restart"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert len(manifest["resumes"]) == 1
