@@ -63,6 +63,43 @@ def train(
                   f"(inspect with `axrl-debug summary {out}`)")
 
 
+@app.command("status")
+def status(
+    run_dir: Path = typer.Argument(..., help="A run directory."),
+    events: int = typer.Option(10, "--events", help="How many of the latest events to show."),
+) -> None:
+    """Show a run's actors (state, heartbeat, current work, errors) and its fault/recovery events."""
+    from rich.table import Table
+
+    from axrl.runtime.events import read_events
+    from axrl.runtime.ray.monitor import read_status
+
+    if not (run_dir / "config.yaml").is_file():
+        raise fail(f"{run_dir} is not a run directory (no config.yaml)")
+    out = Console() if Console().is_terminal else Console(width=140)
+    snapshot = read_status(run_dir)
+    if snapshot is None:
+        out.print("no actor heartbeats (RUN/status.json): a runtime.executor: local run, or not started yet")
+    else:
+        import time
+
+        table = Table(title=f"actors, {time.time() - snapshot['time']:.0f} s ago")
+        for col in ("component", "state", "pid", "heartbeat", "work", "since", "calls", "errors", "last error"):
+            table.add_column(col)
+        for a in snapshot["actors"]:
+            beat = a.get("heartbeat")
+            table.add_row(str(a.get("component")), str(a.get("state")), str(a.get("pid", "")),
+                          "—" if beat is None else f"{max(0.0, snapshot['time'] - beat):.1f} s before",
+                          str(a.get("work") or ""), f"{a.get('since_s', 0):.1f} s" if a.get("work") else "",
+                          str(a.get("calls", "")), str(a.get("errors", "")), str(a.get("last_error") or ""))
+        out.print(table)
+    recorded = read_events(run_dir)
+    out.print(f"events: {len(recorded)}" + (f" (latest {events})" if len(recorded) > events else ""))
+    for e in recorded[-events:]:
+        details = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("time", "event", "component", "reason"))
+        out.print(f"  {e['time'][:19]}  {e['event']:<20} {e.get('component', '')}  {details}")
+
+
 @app.command("serve")
 def serve(
     model_path: Path = typer.Option(..., "--model-path", help="HF model directory (e.g. from `axrl model init`)."),

@@ -281,6 +281,8 @@ class RaySection(Section):
     train_restarts: int = Field(2, ge=0, description="restarts of the train group from the last checkpoint "
                                                      "after a train actor died, before the run stops")
     call_timeout_s: float = Field(600.0, gt=0, description="a call to an actor that takes longer fails the actor")
+    heartbeat_s: float = Field(2.0, gt=0, description="how often the driver polls every actor's heartbeat "
+                                                      "into RUN/status.json (`axrl status RUN`)")
     placement: RayPlacementSection = Field(default_factory=RayPlacementSection)
 
 

@@ -156,17 +156,21 @@ def test_without_ray_the_error_names_the_extra(monkeypatch):
 
 
 def kill_when(run_dir: Path, component: str, after_steps: int, killed: list) -> None:
-    """Kill (SIGKILL, by PID) the actor of `component` once `after_steps` steps are recorded."""
+    """Kill (SIGKILL, by PID) the actor of `component` once `after_steps` steps are recorded and
+    the run's health table (RUN/status.json) shows its PID (the engine's with requests in flight)."""
+    from axrl.runtime.ray.monitor import read_status
+
     deadline = time.time() + 300
     while time.time() < deadline:
-        events = read_events(run_dir) if run_dir.exists() else []
-        started = [e for e in events if e["event"] == "actors_started" and e["component"] == component]
-        if started and len(list((run_dir / "trace").glob("step_*.h5"))) >= after_steps:
-            pid = (started[-1].get("pids") or [started[-1].get("pid")])[-1]
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-            return
-        time.sleep(0.01)
+        status = read_status(run_dir) if (run_dir / "status.json").exists() else None
+        if status and len(list((run_dir / "trace").glob("step_*.h5"))) >= after_steps:
+            rows = [a for a in status["actors"] if str(a.get("component", "")).startswith(component)]
+            busy = [a for a in rows if a.get("pid") and (component != "engine" or a.get("in_flight", 0) > 0)]
+            if busy:
+                os.kill(busy[0]["pid"], signal.SIGKILL)
+                killed.append(busy[0]["pid"])
+                return
+        time.sleep(0.002)
 
 
 def run_with_kill(tmp_path: Path, component: str, *extra: str) -> tuple[Path, list]:
@@ -177,7 +181,9 @@ def run_with_kill(tmp_path: Path, component: str, *extra: str) -> tuple[Path, li
     out, killed = tmp_path / "run", []
     killer = threading.Thread(target=kill_when, args=(out, component, 1, killed), daemon=True)
     killer.start()
-    train_with_recovery(cfg("runtime.executor=ray", "steps=5", *extra), out, False, train)
+    # Longer turns than TINY's, and a fast heartbeat, so the kill lands on work in flight.
+    train_with_recovery(cfg("runtime.executor=ray", "steps=5", "rollout.max_new_tokens=48", "rollout.group_size=4",
+                            "data.prompts_per_step=4", "runtime.ray.heartbeat_s=0.05", *extra), out, False, train)
     killer.join(timeout=5)
     return out, killed
 
@@ -185,15 +191,16 @@ def run_with_kill(tmp_path: Path, component: str, *extra: str) -> tuple[Path, li
 def test_killed_engine_actor_is_restarted_and_no_sample_is_lost_or_duplicated(cluster, tmp_path):
     out, killed = run_with_kill(tmp_path, "engine")
     assert killed
-    assert sample_ids(out) == expected_ids(5)
+    assert sample_ids(out) == expected_ids(5, prompts=4, group=4)
     restarts = [e for e in read_events(out) if e["event"] == "actor_restarted"]
     assert len(restarts) == 1 and restarts[0]["component"] == "engine" and restarts[0]["old_pid"] == killed[0]
+    assert restarts[0]["requeued_requests"] > 0   # it died with requests in flight; they were re-run
 
 
 def test_killed_train_actor_restarts_the_group_from_the_last_checkpoint(cluster, tmp_path):
-    out, killed = run_with_kill(tmp_path, "train group")
+    out, killed = run_with_kill(tmp_path, "train rank")
     assert killed
-    assert sample_ids(out) == expected_ids(5)   # every step recorded once, each with its own groups
+    assert sample_ids(out) == expected_ids(5, prompts=4, group=4)   # every step recorded once, each with its own groups
     events = read_events(out)
     assert [e["event"] for e in events if e["event"] in ("actor_failed", "train_group_restart")] == [
         "actor_failed", "train_group_restart"]

@@ -107,6 +107,7 @@ def build_components(cfg: Config) -> Components:
         try:
             backend: TrainBackend = executor.start_train_group()
             engine: InferenceEngine = executor.start_engine(clocked=rollout_clock(cfg) == "iterations")
+            executor.start_monitor()
         except BaseException:
             executor.close()
             raise

@@ -45,6 +45,12 @@ class EventLog:
             fh.flush()
 
     @property
+    def run_path(self) -> Path | None:
+        """The run directory once attached."""
+        with self._lock:
+            return None if self._path is None else self._path.parent
+
+    @property
     def events(self) -> list[dict[str, Any]]:
         with self._lock:
             return list(self._events)

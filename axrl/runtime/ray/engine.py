@@ -106,17 +106,25 @@ class RayEngine:
                 entry[1].set_result(result)
 
     def _poll(self) -> None:
+        """Free-running engines: collect finished requests (in the actor's own poll thread, so
+        submissions are never queued behind the wait); a dead actor is restarted like on a call."""
         while not self._closed:
+            actor = self._actor
             try:
-                self._resolve(self._call("drain", 0.2))
-            except Exception as e:  # noqa: BLE001 — fail what is in flight rather than hang
+                self._resolve(self._get(actor.drain.options(concurrency_group="poll").remote(0.2)))
+            except Exception as e:  # noqa: BLE001
                 if self._closed:
                     return
-                with self._lock:
-                    pending, self._pending = list(self._pending.values()), OrderedDict()
-                for _, future in pending:
-                    future.set_exception(e)
-                return
+                try:
+                    if not self._dead(e):
+                        raise
+                    self._restart(actor, f"drain: {type(e).__name__}")
+                except Exception as fatal:  # noqa: BLE001 — fail what is in flight rather than hang
+                    with self._lock:
+                        pending, self._pending = list(self._pending.values()), OrderedDict()
+                    for _, future in pending:
+                        future.set_exception(fatal)
+                    return
 
     # -- InferenceEngine -------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> GenerateResult:
@@ -174,8 +182,12 @@ class RayEngine:
             return {"ok": False, "weight_version": self._version, "running": 0, "waiting": len(self._pending),
                     "error": f"{type(e).__name__}: {e}", "pid": self.pid, "restarts": self.restarts}
 
-    def activity(self) -> dict[str, Any]:
-        return self._get(self._actor.activity.remote())
+    def activity(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """The actor's heartbeat (answered by its monitor thread even while it works), with the
+        driver's count of requests in flight and the restarts so far."""
+        report = self._ray.get(self._actor.activity.options(concurrency_group="monitor").remote(), timeout=timeout_s)
+        with self._lock:
+            return {**report, "in_flight": len(self._pending), "restarts": self.restarts}
 
     @property
     def weight_version(self) -> int:

@@ -14,6 +14,7 @@ from axrl.runtime.ray.actors import EngineActor, TrainRankActor
 from axrl.runtime.ray.cluster import connect, import_ray
 from axrl.runtime.ray.engine import RayEngine
 from axrl.runtime.ray.handles import DataPlane
+from axrl.runtime.ray.monitor import Monitor
 from axrl.runtime.ray.placement import place
 from axrl.runtime.ray.train_group import RayTrainGroup
 
@@ -33,6 +34,7 @@ class RayExecutor:
         self._cfg_dict = config_to_dict(cfg)
         self.train_group: RayTrainGroup | None = None
         self.engine: RayEngine | None = None
+        self.monitor: Monitor | None = None
 
     def start_train_group(self) -> RayTrainGroup:
         world = self.cfg.runtime.ray.train_ranks
@@ -60,6 +62,16 @@ class RayExecutor:
         self.events.record("actors_started", component="engine", pid=self.engine.pid)
         return self.engine
 
+    def start_monitor(self) -> Monitor:
+        """Heartbeats of every actor into RUN/status.json every `runtime.ray.heartbeat_s`."""
+        sources = {}
+        if self.train_group is not None:
+            sources["train group"] = self.train_group.activity
+        if self.engine is not None:
+            sources["engine"] = self.engine.activity
+        self.monitor = Monitor(sources, self.events, self.cfg.runtime.ray.heartbeat_s).start()
+        return self.monitor
+
     def actor_pids(self) -> dict[str, list[int]]:
         """PIDs of the run's actors now (for tests and `axrl status`)."""
         out: dict[str, list[int]] = {}
@@ -71,6 +83,8 @@ class RayExecutor:
 
     def close(self) -> None:
         """Release the placement groups; stop the local cluster this run started."""
+        if self.monitor is not None:
+            self.monitor.stop()
         self.placement.release(self.ray)
         if self.owns_cluster:
             self.ray.shutdown()

@@ -182,8 +182,10 @@ class RayTrainGroup:
     def export_hf(self, directory: str | Path) -> Path:
         return Path(self._get(self.ranks[0].call.remote("export_hf", str(directory))))
 
-    def activity(self) -> list[dict[str, Any]]:
-        return self._all("activity")
+    def activity(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+        """Every rank's heartbeat (answered by its monitor thread even while it trains)."""
+        return self._ray.get([r.activity.options(concurrency_group="monitor").remote() for r in self.ranks],
+                             timeout=timeout_s)
 
     def fetched_bytes(self) -> list[int]:
         return self._all("fetched_bytes")
