@@ -9,6 +9,7 @@ from typing import Any
 
 import typer
 
+from axrl.runtime.events import read_events
 from axrl_debug.analysis.frames import step_table
 from axrl_debug.analysis.objective import objective_by_step
 from axrl_debug.analysis.spikes import SpikeConfig, detect
@@ -63,11 +64,13 @@ def summary(
         flagged, spikes = detect(df, SpikeConfig.for_run(reader.config, window=window, threshold=threshold))
         problems = report_problems(reader)
         worst = worst_steps(flagged)
+        # Faults and recoveries (RUN/events.jsonl: actor deaths, restarts, train-group resumes).
+        faults = [e for e in read_events(reader.path) if e["event"] not in ("actors_started",)]
         if json_out:
             cols = [c for c in flagged.columns if not c.endswith("_z")]
             print_json({"run": str(reader.path), "steps": records(flagged[cols]),
                         "sources": df.attrs.get("sources", {}), "spikes": spikes, "worst": worst,
-                        "problems": problems})
+                        "problems": problems, **({"events": faults} if faults else {})})
             return 0
         split = "mismatch_engine" in flagged
         rows = []
@@ -87,6 +90,10 @@ def summary(
             w = worst["mismatch"]
             out.print(f"worst mismatch: step {w['step']} (mean |Δ| {fmt(w['value'], 3)}) — "
                       f"explain it with `axrl-debug mismatch {run} --step {w['step']}`", highlight=False)
+        for e in faults:
+            out.print(f"{e['time'][:19]} {e['event']}: {e.get('component', '')} "
+                      f"{', '.join(f'{k}={v}' for k, v in e.items() if k in ('old_pid', 'new_pid', 'requeued_requests', 'restart', 'pids'))}",
+                      highlight=False)
         if spikes:
             out.print(f"{len(spikes)} spike(s) on {len({s['step'] for s in spikes})} step(s) — "
                       f"attribute them with `axrl-debug spikes {run}`", highlight=False)

@@ -45,6 +45,12 @@ class EngineActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def node(self) -> str:
+        """The Ray node this actor runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def _collect(self, rid: str, future: concurrent.futures.Future) -> None:
         error = future.exception()
         with self._cv:
@@ -128,6 +134,12 @@ class TrainRankActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node(self) -> str:
+        """The Ray node this actor runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def rendezvous(self) -> str:
         """host:port for the process group (asked of rank 0): this node's address, a free port."""

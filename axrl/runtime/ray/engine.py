@@ -189,6 +189,10 @@ class RayEngine:
         with self._lock:
             return {**report, "in_flight": len(self._pending), "restarts": self.restarts}
 
+    def node(self) -> Any:
+        """Object ref of the Ray node id the actor runs on."""
+        return self._actor.node.options(concurrency_group="monitor").remote()
+
     @property
     def weight_version(self) -> int:
         return self._version

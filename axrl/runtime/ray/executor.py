@@ -6,6 +6,7 @@ Ray (the extra), a bad `runtime.ray.address`, an impossible `runtime.ray.placeme
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from axrl.config import Config, config_to_dict
@@ -17,6 +18,9 @@ from axrl.runtime.ray.handles import DataPlane
 from axrl.runtime.ray.monitor import Monitor
 from axrl.runtime.ray.placement import place
 from axrl.runtime.ray.train_group import RayTrainGroup
+from axrl.trace.run_dir import atomic_write_text
+
+DATA_PLANE_FILE = "data_plane.json"
 
 # Calls that must answer while an actor is busy (heartbeats) run in their own thread there.
 MONITOR_GROUPS = {"monitor": 1, "poll": 1}
@@ -46,7 +50,9 @@ class RayExecutor:
 
         self.train_group = RayTrainGroup(self.ray, make_ranks, events=self.events, plane=self.plane,
                                          call_timeout_s=self.cfg.runtime.ray.call_timeout_s)
-        self.events.record("actors_started", component="train group", ranks=world, pids=self.train_group.pids)
+        nodes = self.ray.get([r.node.remote() for r in self.train_group.ranks])
+        self.events.record("actors_started", component="train group", ranks=world, pids=self.train_group.pids,
+                           nodes=nodes)
         return self.train_group
 
     def start_engine(self, clocked: bool) -> RayEngine:
@@ -59,7 +65,8 @@ class RayExecutor:
         r = self.cfg.runtime.ray
         self.engine = RayEngine(self.ray, make_actor, clocked=clocked, restarts=r.engine_restarts, events=self.events,
                                 plane=self.plane, call_timeout_s=r.call_timeout_s)
-        self.events.record("actors_started", component="engine", pid=self.engine.pid)
+        self.events.record("actors_started", component="engine", pid=self.engine.pid,
+                           nodes=[self.ray.get(self.engine.node())])
         return self.engine
 
     def start_monitor(self) -> Monitor:
@@ -85,6 +92,9 @@ class RayExecutor:
         """Release the placement groups; stop the local cluster this run started."""
         if self.monitor is not None:
             self.monitor.stop()
+        if self.events.run_path is not None:  # what moved through the driver and what by reference
+            atomic_write_text(self.events.run_path / DATA_PLANE_FILE,
+                              json.dumps(self.plane.snapshot(), indent=1, sort_keys=True) + "\n")
         self.placement.release(self.ray)
         if self.owns_cluster:
             self.ray.shutdown()

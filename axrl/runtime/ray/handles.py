@@ -66,7 +66,8 @@ class DataPlane:
 
     driver: dict[str, int] = field(default_factory=dict)
     by_ref: dict[str, int] = field(default_factory=dict)
-    rank_fetched: dict[int, int] = field(default_factory=dict)
+    rank_fetched: dict[int, int] = field(default_factory=dict)     # what the driver sent each rank (its share)
+    rank_reported: dict[int, int] = field(default_factory=dict)    # what each rank says it fetched
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def through_driver(self, category: str, nbytes: int) -> None:
@@ -81,6 +82,12 @@ class DataPlane:
         with self._lock:
             self.rank_fetched[rank] = self.rank_fetched.get(rank, 0) + nbytes
 
+    def reported(self, rank: int, nbytes: int) -> None:
+        with self._lock:
+            self.rank_reported[rank] = nbytes
+
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            return {"driver": dict(self.driver), "by_ref": dict(self.by_ref), "rank_fetched": dict(self.rank_fetched)}
+            return {"driver": dict(self.driver), "by_ref": dict(self.by_ref),
+                    "rank_share": {str(k): v for k, v in self.rank_fetched.items()},
+                    "rank_fetched": {str(k): v for k, v in self.rank_reported.items()}}

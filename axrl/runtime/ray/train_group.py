@@ -194,6 +194,12 @@ class RayTrainGroup:
         if self._closed:
             return
         self._closed = True
+        if not self.lost:
+            try:
+                for rank, n in enumerate(self._ray.get([r.fetched_bytes.remote() for r in self.ranks], timeout=30)):
+                    self._plane.reported(rank, n)
+            except Exception:  # noqa: BLE001 — accounting only
+                pass
         for r in self.ranks:
             try:
                 if not self.lost:  # survivors of a lost group may be stuck in a collective: just kill them

@@ -1,0 +1,86 @@
+"""`runtime.executor: ray`: what passes through the driver per step, and Ray's step-time overhead.
+
+Runs the quickstart config (tiny MoE at random init, no warm-up, no eval: every turn runs long,
+so the byte counts are an upper bound) on a local 2-CPU Ray cluster at two batch shapes — the
+quickstart's 16 prompts × 8 samples, and 10× the prompts with two data-parallel train ranks —
+plus the same quickstart shape with `runtime.executor: local` for the step-time ratio. Each ray
+run writes RUN/data_plane.json (axrl/runtime/ray/handles.py: `DataPlane`): the bytes of every
+payload the driver serialised or received, by category, and the bytes that moved between actors
+by object reference (weight snapshots: train rank 0 → engine), plus what each train rank
+fetched against its share.
+
+    python bench/ray_data_plane.py [--steps 3] [--big-steps 2]
+
+Last line: JSON with `driver_bytes_fraction` (driver bytes / payload bytes, the larger of the
+two shapes), the per-shape breakdowns, per-rank fetched vs share, and `ray_vs_local_step_time`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ["warmup.steps=0", "eval.every=0", "checkpoint.every=100", "runtime.threads=1"]
+
+
+def run(run_dir: Path, steps: int, *extra: str) -> Path:
+    cmd = [sys.executable, "-m", "axrl.cli", "train", str(ROOT / "examples" / "quickstart.yaml"), "--run-dir",
+           str(run_dir), "--set", f"steps={steps}", *[a for s in [*BASE, *extra] for a in ("--set", s)]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return run_dir
+
+
+def step_times(run_dir: Path) -> list[float]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [m["step_time"] for m in lines]
+
+
+def plane(run_dir: Path, steps: int) -> dict:
+    p = json.loads((run_dir / "data_plane.json").read_text())
+    driver, by_ref = sum(p["driver"].values()), sum(p["by_ref"].values())
+    return {"steps": steps, "driver_bytes_per_step": driver / steps, "payload_bytes_per_step": (driver + by_ref) / steps,
+            "driver_bytes_fraction": driver / (driver + by_ref),
+            "driver_by_category_per_step": {k: v / steps for k, v in sorted(p["driver"].items())},
+            "by_reference_per_step": {k: v / steps for k, v in sorted(p["by_ref"].items())},
+            "rank_fetched_bytes": p["rank_fetched"], "rank_share_bytes": p["rank_share"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=3, help="steps of the quickstart-shape runs")
+    ap.add_argument("--big-steps", type=int, default=2, help="steps of the 10x-batch run")
+    args = ap.parse_args()
+    ray_args = ["runtime.executor=ray", "runtime.ray.num_cpus=2", "runtime.ray.placement.train_cpus=0.5",
+                "runtime.ray.placement.engine_cpus=0.5"]
+    with tempfile.TemporaryDirectory() as tmp:
+        t = Path(tmp)
+        local = run(t / "local", args.steps)
+        quick = run(t / "ray", args.steps, *ray_args)
+        big = run(t / "ray_10x", args.big_steps, *ray_args, "data.prompts_per_step=160", "runtime.ray.train_ranks=2",
+                  "rollout.max_batch_size=128")
+        shapes = {"quickstart_16x8": plane(quick, args.steps), "batch_10x_160x8_dp2": plane(big, args.big_steps)}
+        # Steady state: the first step includes start-up (cluster, actors, first sync).
+        local_t, ray_t = statistics.median(step_times(local)[1:]), statistics.median(step_times(quick)[1:])
+    for name, s in shapes.items():
+        print(f"{name}: driver {s['driver_bytes_per_step'] / 1e6:.2f} MB/step of payload "
+              f"{s['payload_bytes_per_step'] / 1e6:.2f} MB/step ({100 * s['driver_bytes_fraction']:.1f} %); "
+              f"driver: {', '.join(f'{k} {v / 1e6:.2f} MB' for k, v in s['driver_by_category_per_step'].items())}; "
+              f"by reference: {', '.join(f'{k} {v / 1e6:.2f} MB' for k, v in s['by_reference_per_step'].items())}")
+        print(f"  per rank fetched {s['rank_fetched_bytes']} vs share {s['rank_share_bytes']}")
+    print(f"step time (median after step 0): local {local_t:.2f} s, ray {ray_t:.2f} s")
+    print(json.dumps({"driver_bytes_fraction": max(s["driver_bytes_fraction"] for s in shapes.values()),
+                      "target_driver_bytes_fraction": 0.01, "shapes": shapes,
+                      "step_time_local_s": local_t, "step_time_ray_s": ray_t,
+                      "ray_vs_local_step_time": ray_t / local_t}))
+
+
+if __name__ == "__main__":
+    main()
