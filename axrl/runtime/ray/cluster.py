@@ -63,6 +63,7 @@ def connect(cfg: Config) -> ModuleType:
             raise ConfigError(f"runtime.ray.address: cannot join the Ray cluster at {r.address}: "
                               f"{type(e).__name__}: {e}") from e
         return ray
-    ray.init(num_cpus=r.num_cpus, include_dashboard=False, runtime_env=env, logging_level="warning",
+    # address="local": always a new cluster of its own, never one found running on this host.
+    ray.init(address="local", num_cpus=r.num_cpus, include_dashboard=False, runtime_env=env, logging_level="warning",
              log_to_driver=False, _node_ip_address="127.0.0.1")
     return ray

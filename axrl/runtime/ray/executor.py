@@ -16,7 +16,8 @@ from axrl.runtime.ray.cluster import connect, import_ray
 from axrl.runtime.ray.engine import RayEngine
 from axrl.runtime.ray.handles import DataPlane
 from axrl.runtime.ray.monitor import Monitor
-from axrl.runtime.ray.placement import place
+from axrl.runtime.ray.placement import Placement, place
+from axrl.runtime.ray.reaper import start_reaper
 from axrl.runtime.ray.train_group import RayTrainGroup
 from axrl.trace.run_dir import atomic_write_text
 
@@ -33,12 +34,19 @@ class RayExecutor:
         ray = import_ray()
         self.owns_cluster = not ray.is_initialized() and cfg.runtime.ray.address is None
         self.ray = connect(cfg)
+        # A local cluster of this run's own: reaped with the driver, however the driver ends.
+        self.reaper = start_reaper() if self.owns_cluster else None
         self.cfg, self.events, self.plane = cfg, events, DataPlane()
-        self.placement = place(self.ray, cfg)
         self._cfg_dict = config_to_dict(cfg)
         self.train_group: RayTrainGroup | None = None
         self.engine: RayEngine | None = None
         self.monitor: Monitor | None = None
+        self.placement: Placement | None = None
+        try:
+            self.placement = place(self.ray, cfg)
+        except BaseException:
+            self.close()
+            raise
 
     def start_train_group(self) -> RayTrainGroup:
         world = self.cfg.runtime.ray.train_ranks
@@ -95,6 +103,10 @@ class RayExecutor:
         if self.events.run_path is not None:  # what moved through the driver and what by reference
             atomic_write_text(self.events.run_path / DATA_PLANE_FILE,
                               json.dumps(self.plane.snapshot(), indent=1, sort_keys=True) + "\n")
-        self.placement.release(self.ray)
+        if self.placement is not None:
+            self.placement.release(self.ray)
         if self.owns_cluster:
             self.ray.shutdown()
+        if self.reaper is not None:
+            self.reaper.stdin.close()  # reap what shutdown left (agents that exit late)
+            self.reaper.wait(timeout=30)
