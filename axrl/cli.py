@@ -96,7 +96,9 @@ def status(
     recorded = read_events(run_dir)
     out.print(f"events: {len(recorded)}" + (f" (latest {events})" if len(recorded) > events else ""))
     for e in recorded[-events:]:
-        details = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("time", "event", "component", "reason"))
+        shown = {k: ([str(n)[:8] for n in v] if k == "nodes" else v) for k, v in e.items()
+                 if k not in ("time", "event", "component", "reason", "requeued_rids")}
+        details = ", ".join(f"{k}={v}" for k, v in shown.items())
         out.print(f"  {e['time'][:19]}  {e['event']:<20} {e.get('component', '')}  {details}")
 
 

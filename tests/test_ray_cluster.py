@@ -43,6 +43,52 @@ def axrl_train(run_dir: Path, *extra: str) -> list[str]:
     return args + [a for s in [*TINY, *extra] for a in ("--set", s)]
 
 
+def processes_of(pids: set[int]) -> set[int]:
+    return {p for p in pids if Path(f"/proc/{p}").exists()
+            and "zombie" not in Path(f"/proc/{p}/status").read_text().lower()}
+
+
+def ray_processes_started_after(t0: float) -> set[int]:
+    """PIDs of ray processes (gcs, raylet, workers) of this user started after `t0`."""
+    out = set()
+    ticks, boot = os.sysconf("SC_CLK_TCK"), float(Path("/proc/stat").read_text().split("btime ")[1].split()[0])
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            start = boot + int((d / "stat").read_text().rsplit(")", 1)[1].split()[19]) / ticks
+        except (OSError, IndexError, ValueError):
+            continue
+        if start >= t0 - 1 and ("ray" in cmd and ("gcs_server" in cmd or "raylet" in cmd or "default_worker" in cmd
+                                                 or "ray::" in cmd)):
+            out.add(int(d.name))
+    return out
+
+
+def test_a_killed_driver_leaves_no_orphan_process(tmp_path):
+    if ray.is_initialized():
+        ray.shutdown()
+    run_dir, t0 = tmp_path / "run", time.time()
+    proc = subprocess.Popen(axrl_train(run_dir, "steps=50", "runtime.ray.num_cpus=2", "runtime.ray.heartbeat_s=0.2"),
+                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 240
+    while time.time() < deadline and len(list((run_dir / "trace").glob("step_*.h5"))) < 1:
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        time.sleep(0.1)
+    status = json.loads((run_dir / "status.json").read_text())
+    actors = {a["pid"] for a in status["actors"]}
+    started = ray_processes_started_after(t0)
+    assert actors and actors <= started
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    # Ray's agents alone would linger about a minute; the run's reaper kills them at once.
+    deadline = time.time() + 15
+    while time.time() < deadline and processes_of(started):
+        time.sleep(0.5)
+    assert not processes_of(started), [Path(f"/proc/{p}/cmdline").read_bytes()[:100] for p in processes_of(started)]
+
+
 def start_node(args: list[str]) -> subprocess.Popen:
     # --block: the node's processes live as long as this one, so the test stops them by its PID.
     return subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats", *args], env=ENV,
@@ -112,47 +158,3 @@ def test_one_node_too_small_for_strict_pack_fails_naming_the_key(two_nodes, tmp_
     assert not run_dir.exists()
 
 
-def processes_of(pids: set[int]) -> set[int]:
-    return {p for p in pids if Path(f"/proc/{p}").exists()
-            and "zombie" not in Path(f"/proc/{p}/status").read_text().lower()}
-
-
-def ray_processes_started_after(t0: float) -> set[int]:
-    """PIDs of ray processes (gcs, raylet, workers) of this user started after `t0`."""
-    out = set()
-    ticks, boot = os.sysconf("SC_CLK_TCK"), float(Path("/proc/stat").read_text().split("btime ")[1].split()[0])
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            start = boot + int((d / "stat").read_text().rsplit(")", 1)[1].split()[19]) / ticks
-        except (OSError, IndexError, ValueError):
-            continue
-        if start >= t0 - 1 and ("ray" in cmd and ("gcs_server" in cmd or "raylet" in cmd or "default_worker" in cmd
-                                                 or "ray::" in cmd)):
-            out.add(int(d.name))
-    return out
-
-
-def test_a_killed_driver_leaves_no_orphan_process(tmp_path):
-    if ray.is_initialized():
-        ray.shutdown()
-    run_dir, t0 = tmp_path / "run", time.time()
-    proc = subprocess.Popen(axrl_train(run_dir, "steps=50", "runtime.ray.num_cpus=2", "runtime.ray.heartbeat_s=0.2"),
-                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 240
-    while time.time() < deadline and len(list((run_dir / "trace").glob("step_*.h5"))) < 1:
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-        time.sleep(0.1)
-    status = json.loads((run_dir / "status.json").read_text())
-    actors = {a["pid"] for a in status["actors"]}
-    started = ray_processes_started_after(t0)
-    assert actors and actors <= started
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=10)
-    # Ray's agents alone would linger about a minute; the run's reaper kills them at once.
-    deadline = time.time() + 15
-    while time.time() < deadline and processes_of(started):
-        time.sleep(0.5)
-    assert not processes_of(started), [Path(f"/proc/{p}/cmdline").read_bytes()[:100] for p in processes_of(started)]
