@@ -9,7 +9,7 @@ payload the driver serialised or received, by category, and the bytes that moved
 by object reference (weight snapshots: train rank 0 → engine), plus what each train rank
 fetched against its share.
 
-    python bench/ray_data_plane.py [--steps 3] [--big-steps 2]
+    python bench/ray_data_plane.py [--steps 3] [--big-steps 2] [--rounds 2]
 
 Last line: JSON with `driver_bytes_fraction` (driver bytes / payload bytes, the larger of the
 two shapes), the per-shape breakdowns, per-rank fetched vs share, and `ray_vs_local_step_time`.
@@ -57,28 +57,35 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3, help="steps of the quickstart-shape runs")
     ap.add_argument("--big-steps", type=int, default=2, help="steps of the 10x-batch run")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating local / ray runs for the step time")
     args = ap.parse_args()
     ray_args = ["runtime.executor=ray", "runtime.ray.num_cpus=2", "runtime.ray.placement.train_cpus=0.5",
                 "runtime.ray.placement.engine_cpus=0.5"]
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
-        local = run(t / "local", args.steps)
-        quick = run(t / "ray", args.steps, *ray_args)
+        # Local and ray runs alternate over the rounds, so machine noise hits both alike.
+        local_times, ray_times = [], []
+        for i in range(args.rounds):
+            local_times += step_times(run(t / f"local{i}", args.steps))[1:]
+            quick = run(t / f"ray{i}", args.steps, *ray_args)
+            ray_times += step_times(quick)[1:]
         big = run(t / "ray_10x", args.big_steps, *ray_args, "data.prompts_per_step=160", "runtime.ray.train_ranks=2",
                   "rollout.max_batch_size=128")
         shapes = {"quickstart_16x8": plane(quick, args.steps), "batch_10x_160x8_dp2": plane(big, args.big_steps)}
-        # Steady state: the first step includes start-up (cluster, actors, first sync).
-        local_t, ray_t = statistics.median(step_times(local)[1:]), statistics.median(step_times(quick)[1:])
+        # Steady state: the first step of each run includes start-up (cluster, actors, first sync).
+        local_t, ray_t = statistics.median(local_times), statistics.median(ray_times)
     for name, s in shapes.items():
         print(f"{name}: driver {s['driver_bytes_per_step'] / 1e6:.2f} MB/step of payload "
               f"{s['payload_bytes_per_step'] / 1e6:.2f} MB/step ({100 * s['driver_bytes_fraction']:.1f} %); "
               f"driver: {', '.join(f'{k} {v / 1e6:.2f} MB' for k, v in s['driver_by_category_per_step'].items())}; "
               f"by reference: {', '.join(f'{k} {v / 1e6:.2f} MB' for k, v in s['by_reference_per_step'].items())}")
         print(f"  per rank fetched {s['rank_fetched_bytes']} vs share {s['rank_share_bytes']}")
-    print(f"step time (median after step 0): local {local_t:.2f} s, ray {ray_t:.2f} s")
+    print(f"step time (median of steps after the first, {args.rounds} alternating rounds): local {local_t:.2f} s "
+          f"{sorted(round(x, 2) for x in local_times)}, ray {ray_t:.2f} s {sorted(round(x, 2) for x in ray_times)}")
     print(json.dumps({"driver_bytes_fraction": max(s["driver_bytes_fraction"] for s in shapes.values()),
                       "target_driver_bytes_fraction": 0.01, "shapes": shapes,
                       "step_time_local_s": local_t, "step_time_ray_s": ray_t,
+                      "step_times_local_s": local_times, "step_times_ray_s": ray_times,
                       "ray_vs_local_step_time": ray_t / local_t}))
 
 
