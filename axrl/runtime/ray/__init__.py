@@ -8,8 +8,10 @@
 * `engine.py` — `RayEngine`, a `ClockedEngine` that calls the engine actor (and restarts it);
 * `train_group.py` — `RayTrainGroup`, a `TrainBackend` over N data-parallel rank actors;
 * `handles.py` — what moves by object reference (row shards of a batch, weight snapshots);
-* `activity.py` — what each actor is doing (its heartbeat);
+* `activity.py` — what each actor is doing (its heartbeat); `monitor.py` — the heartbeats of every
+  actor polled into RUN/status.json (`axrl status RUN`);
 * `recovery.py` — a dead train group restarts the run from its last checkpoint;
+* `reaper.py` — a local cluster never outlives its driver;
 * `executor.py` — builds the Ray-side components for `axrl.runtime.components`.
 
 Nothing here is imported unless the executor is `ray`: `import axrl` never imports Ray.
