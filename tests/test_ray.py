@@ -120,6 +120,17 @@ def test_async_ray_run_honours_the_staleness_bound(cluster, tmp_path):
     assert len(list((out / "trace").glob("step_*.h5"))) == 4
 
 
+def test_free_running_ray_run_with_warm_up_and_eval(cluster, tmp_path):
+    """runtime.deterministic: false drives the engine actor free-running (its own scheduler thread,
+    finished requests collected by the proxy's poller); warm-up and eval go through the protocols too."""
+    out = train(cfg("runtime.executor=ray", "runtime.deterministic=false", "steps=2", "warmup.steps=2",
+                    "eval.every=2", "eval.prompts=2"), tmp_path / "free")
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1]
+    assert "eval_reward" in metrics[0] and "eval_reward_final" in metrics[1]
+    assert sample_ids(out) == expected_ids(2)
+
+
 def test_bad_address_fails_before_work_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match="runtime.ray.address"):
         train(cfg("runtime.executor=ray", "runtime.ray.address=127.0.0.1:1"), tmp_path / "bad")
