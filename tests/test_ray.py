@@ -206,6 +206,19 @@ def test_killed_engine_actor_is_restarted_and_no_sample_is_lost_or_duplicated(cl
     restarts = [e for e in read_events(out) if e["event"] == "actor_restarted"]
     assert len(restarts) == 1 and restarts[0]["component"] == "engine" and restarts[0]["old_pid"] == killed[0]
     assert restarts[0]["requeued_requests"] > 0   # it died with requests in flight; they were re-run
+    # The story is in the run directory: `axrl status` and `axrl-debug summary` show it.
+    from typer.testing import CliRunner
+
+    from axrl.cli import app
+    from axrl_debug.cli import app as debug_app
+
+    status = CliRunner().invoke(app, ["status", str(out)])
+    assert status.exit_code == 0 and "train rank 0" in status.output and "actor_restarted" in status.output
+    assert f"old_pid={killed[0]}" in status.output
+    summary = CliRunner().invoke(debug_app, ["summary", str(out)])
+    assert summary.exit_code == 0 and "actor_restarted: engine" in summary.output
+    summary_json = json.loads(CliRunner().invoke(debug_app, ["summary", str(out), "--json"]).output)
+    assert [e["event"] for e in summary_json["events"]] == ["actor_restarted"]
 
 
 def test_killed_train_actor_restarts_the_group_from_the_last_checkpoint(cluster, tmp_path):
