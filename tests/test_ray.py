@@ -230,3 +230,32 @@ def test_killed_train_actor_restarts_the_group_from_the_last_checkpoint(cluster,
         "actor_failed", "train_group_restart"]
     manifest = json.loads((out / "manifest.json").read_text())
     assert len(manifest["resumes"]) == 1
+
+
+def test_train_restarts_are_bounded_then_the_run_stops_naming_the_key(tmp_path):
+    from axrl.runtime.ray.recovery import TrainGroupFailed, train_with_recovery
+    from axrl.runtime.ray.train_group import TrainGroupLost
+
+    calls = []
+    def dies(cfg, run_dir, resume):
+        calls.append(resume)
+        Path(run_dir).mkdir(exist_ok=True)
+        raise TrainGroupLost("a train rank died (ActorDiedError)")
+    with pytest.raises(TrainGroupFailed, match=r"runtime.ray.train_restarts=1"):
+        train_with_recovery(cfg("runtime.executor=ray", "runtime.ray.train_restarts=1"), tmp_path / "r", False, dies)
+    assert calls == [False, True]   # the first attempt, then one resume from the checkpoint
+    assert [e["event"] for e in read_events(tmp_path / "r")] == ["train_group_restart", "run_stopped"]
+
+
+def test_an_engine_that_keeps_dying_stops_the_run_naming_the_key(cluster, tmp_path):
+    from axrl.rollout.pool import PoolFailure
+
+    out, killed = tmp_path / "run", []
+    import threading
+
+    killer = threading.Thread(target=kill_when, args=(out, "engine", 1, killed), daemon=True)
+    killer.start()
+    with pytest.raises(PoolFailure, match=r"runtime.ray.engine_restarts=0"):
+        train(cfg("runtime.executor=ray", "steps=5", "rollout.max_new_tokens=48", "rollout.group_size=4",
+                  "data.prompts_per_step=4", "runtime.ray.heartbeat_s=0.05", "runtime.ray.engine_restarts=0"), out)
+    assert killed and [e["event"] for e in read_events(out)][-1] == "actor_failed"
