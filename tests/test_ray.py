@@ -259,3 +259,47 @@ def test_an_engine_that_keeps_dying_stops_the_run_naming_the_key(cluster, tmp_pa
         train(cfg("runtime.executor=ray", "steps=5", "rollout.max_new_tokens=48", "rollout.group_size=4",
                   "data.prompts_per_step=4", "runtime.ray.heartbeat_s=0.05", "runtime.ray.engine_restarts=0"), out)
     assert killed and [e["event"] for e in read_events(out)][-1] == "actor_failed"
+
+
+def test_data_parallel_ranks_sum_to_the_one_process_gradient_and_stay_identical(cluster):
+    """Two ranks, each with half the samples, against one in-process backend on the whole batch:
+    the same grad norm and the same weights after the update (to rounding), identical ranks."""
+    import torch
+
+    from axrl.runtime.components import make_tokenizer, make_train_backend
+    from axrl.runtime.events import EventLog
+    from axrl.runtime.ray.executor import RayExecutor
+    from axrl.runtime.updates import policy_loss
+    from axrl.train.protocol import PackedBatch
+
+    c = cfg("runtime.executor=ray", "runtime.ray.train_ranks=2", *SMALL, "train.lr=1e-2")
+    local = make_train_backend(c, make_tokenizer(c))
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 9, 3, 7, 4, 8]
+    T = sum(lengths)
+    offsets = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64)
+    mask = torch.ones(T)
+    mask[offsets[:-1]] = 0
+    batch = PackedBatch(input_ids=torch.randint(0, 200, (T,), generator=g), offsets=offsets, loss_mask=mask,
+                        advantages=torch.randn(T, generator=g))
+    old = local.forward(batch).logprobs
+    batch = PackedBatch(**{**batch.__dict__, "old_logprobs": old, "rollout_logprobs": old})
+    executor = RayExecutor(c, EventLog())
+    try:
+        group = executor.start_train_group()
+        before = group.fingerprint()
+        assert group.fingerprint() == local.fingerprint()
+        stats = []
+        for backend in (local, group):
+            backend.forward_backward(batch, policy_loss(c))
+            stats.append(backend.optimizer_step())
+        assert stats[0].grad_norm > 0 and stats[1].grad_norm == pytest.approx(stats[0].grad_norm, rel=1e-5)
+        ranks = group.fingerprints()
+        assert ranks[0] == ranks[1] != before
+        after_local, after_group = local.forward(batch).logprobs, group.forward(batch).logprobs
+        assert (after_local - old).abs().max() > 1e-3           # the update moved the policy …
+        torch.testing.assert_close(after_group, after_local, atol=1e-5, rtol=0)   # … the same way
+        assert group.fetched_bytes()[0] < sum(group.fetched_bytes())   # each rank got a share only
+    finally:
+        executor.train_group.close()
+        executor.close()
