@@ -176,7 +176,9 @@ def kill_when(run_dir: Path, component: str, after_steps: int, killed: list) -> 
         status = read_status(run_dir) if (run_dir / "status.json").exists() else None
         if status and len(list((run_dir / "trace").glob("step_*.h5"))) >= after_steps:
             rows = [a for a in status["actors"] if str(a.get("component", "")).startswith(component)]
-            busy = [a for a in rows if a.get("pid") and (component != "engine" or a.get("in_flight", 0) > 0)]
+            # The engine with all 8 live episodes (rollout.max_batch_size) in flight: early in a turn, so the kill lands
+            # before they finish.
+            busy = [a for a in rows if a.get("pid") and (component != "engine" or a.get("in_flight", 0) >= 8)]
             if busy:
                 os.kill(busy[0]["pid"], signal.SIGKILL)
                 killed.append(busy[0]["pid"])
@@ -212,10 +214,10 @@ def test_killed_engine_actor_is_restarted_and_no_sample_is_lost_or_duplicated(cl
     from axrl.cli import app
     from axrl_debug.cli import app as debug_app
 
-    status = CliRunner().invoke(app, ["status", str(out)])
+    status = CliRunner().invoke(app, ["status", str(out)], env={"COLUMNS": "250"})
     assert status.exit_code == 0 and "train rank 0" in status.output and "actor_restarted" in status.output
     assert f"old_pid={killed[0]}" in status.output
-    summary = CliRunner().invoke(debug_app, ["summary", str(out)])
+    summary = CliRunner().invoke(debug_app, ["summary", str(out)], env={"COLUMNS": "250"})
     assert summary.exit_code == 0 and "actor_restarted: engine" in summary.output
     summary_json = json.loads(CliRunner().invoke(debug_app, ["summary", str(out), "--json"]).output)
     assert [e["event"] for e in summary_json["events"]] == ["actor_restarted"]
