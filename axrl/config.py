@@ -206,6 +206,9 @@ class TrainSection(Section):
     warmup_steps: int = Field(0, ge=0)
     updates_per_step: int = Field(1, ge=1, description="optimizer updates per step (mini-batches)")
     micro_batch_tokens: int = Field(4096, ge=1, description="tokens per micro-batch counting padding (samples × longest)")
+    prefix_merge: bool = Field(False, description="train each micro-batch as one prefix tree: shared prefixes "
+                                                  "computed once (docs/prefix-merge.md); the budget then counts "
+                                                  "real tokens")
 
 
 class WarmupSection(Section):

@@ -160,7 +160,7 @@ def make_train_backend(cfg: Config, tokenizer: Tokenizer, *, compute_dtype: str 
             **common, tensor_parallel=m.tensor_parallel, expert_parallel=m.expert_parallel,
             sequence_parallel=m.sequence_parallel, moe_dispatcher=m.moe_dispatcher,
             data_parallel=m.data_parallel), tokenizer=tokenizer)
-    return TorchBackend(model, TorchBackendConfig(**common), tokenizer=tokenizer)
+    return TorchBackend(model, TorchBackendConfig(**common, prefix_merge=t.prefix_merge), tokenizer=tokenizer)
 
 
 def make_engine(cfg: Config, backend: TrainBackend, tokenizer: Tokenizer) -> InferenceEngine:
