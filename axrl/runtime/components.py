@@ -180,4 +180,5 @@ def make_embedded_engine(cfg: Config, backend: TrainBackend, tokenizer: Tokenize
     load_weights_into(model, dict(backend.named_weights()), source="the trainer's weights")
     return EmbeddedEngine(model.eval(), max_batch_size=cfg.rollout.max_batch_size,
                           max_seq_len=cfg.rollout.max_context_len, eos_token_id=tokenizer.eos_token_id,
-                          clocked=clocked)
+                          clocked=clocked, prefix_cache=cfg.rollout.prefix_cache,
+                          prefix_cache_tokens=cfg.rollout.prefix_cache_tokens)
