@@ -148,7 +148,7 @@ def make_train_backend(cfg: Config, tokenizer: Tokenizer, *, compute_dtype: str 
         lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
         lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=cfg.steps * t.updates_per_step,
         micro_batch_tokens=t.micro_batch_tokens, seed=cfg.seed, num_threads=cfg.runtime.threads,
-        deterministic=cfg.runtime.deterministic)
+        deterministic=cfg.runtime.deterministic, prefix_merge=t.prefix_merge)
     if compute_dtype is not None:
         common["dtype"] = compute_dtype
     if t.backend == "megatron":
@@ -160,7 +160,7 @@ def make_train_backend(cfg: Config, tokenizer: Tokenizer, *, compute_dtype: str 
             **common, tensor_parallel=m.tensor_parallel, expert_parallel=m.expert_parallel,
             sequence_parallel=m.sequence_parallel, moe_dispatcher=m.moe_dispatcher,
             data_parallel=m.data_parallel), tokenizer=tokenizer)
-    return TorchBackend(model, TorchBackendConfig(**common, prefix_merge=t.prefix_merge), tokenizer=tokenizer)
+    return TorchBackend(model, TorchBackendConfig(**common), tokenizer=tokenizer)
 
 
 def make_engine(cfg: Config, backend: TrainBackend, tokenizer: Tokenizer) -> InferenceEngine:
