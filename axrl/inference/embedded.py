@@ -242,7 +242,7 @@ class EmbeddedEngine:
                 raise ValueError(f"sampling_params: {e}") from None
         vocab = self.config.vocab_size
         try:
-            prompt = [operator.index(t) for t in req.input_ids]
+            prompt = list(map(operator.index, req.input_ids))  # C-level loop: ~3x the comprehension
         except TypeError:
             raise ValueError("input_ids must be a sequence of integer token ids") from None
         if not prompt:
@@ -411,6 +411,8 @@ class _Scheduler:
         self.device = weight.device
         self.max_prefill_tokens = max_prefill_tokens
         self.prefix_cache: PrefixCache | None = None
+        # Tokens whose K/V (current weights) each free slot still holds from its last request.
+        self.slot_tokens: list[list[int]] = [[] for _ in range(engine.max_batch_size)]
         if prefix_cache is not None:
             tokens, block = prefix_cache
             self.prefix_cache = PrefixCache(
@@ -486,6 +488,7 @@ class _Scheduler:
         self.version = self.version + 1 if version is None else version
         if self.prefix_cache is not None:  # K/V of the old weights must not be reused
             self.prefix_cache.clear()
+            self.slot_tokens = [[] for _ in self.slots]
         _resolve(op.future, self.version)
 
     def admit(self) -> list[_Sequence]:
@@ -512,7 +515,7 @@ class _Scheduler:
         if self.prefix_cache is None:
             self.prefill_chunks(seqs)
             return
-        first, after = self.split_shared(seqs)
+        first, after = self.split_shared(seqs) if len(seqs) > 1 else (seqs, [])
         for group in (first, after):
             for seq in group:
                 self.take_cached_prefix(seq)
@@ -548,7 +551,12 @@ class _Scheduler:
         pc = self.prefix_cache
         m = pc.match(seq.prompt, need_routing=self.is_moe and seq.wants_routing)
         seq.cache_match, seq.cached_tokens = m, m.num_tokens
-        pc.load(m, seq.slot)
+        held, self.slot_tokens[seq.slot] = self.slot_tokens[seq.slot], []
+        c = m.num_tokens
+        # The slot may still hold these tokens' K/V from its previous request (the last turn of
+        # the same episode, usually): then there is nothing to copy.
+        if not (len(held) >= c and held[:c] == seq.prompt[:c]):
+            pc.load(m, seq.slot)
         if m.num_tokens and self.is_moe and seq.wants_routing:
             seq.routing.append(pc.routing_of(m))
 
@@ -563,7 +571,7 @@ class _Scheduler:
             routing = np.concatenate(seq.routing)[:len(tokens)]
             if len(routing) < len(tokens):
                 routing = None
-        pc.insert(tokens, seq.slot, routing)
+        pc.insert(tokens, seq.slot, routing, owner=m)
 
     def prefill_chunks(self, seqs: list[_Sequence]) -> None:
         chunk: list[_Sequence] = []
@@ -703,7 +711,11 @@ class _Scheduler:
 
     def finish(self, seq: _Sequence, reason: dict[str, Any]) -> None:
         # Its slot holds K/V for the prompt and every output token but the last (never fed).
-        self.cache_sequence(seq, seq.prompt + seq.output_ids[:-1])
+        held = seq.prompt + seq.output_ids[:-1]
+        self.cache_sequence(seq, held)
+        m = seq.cache_match
+        if m is not None and m.generation == self.prefix_cache.generation and 0 <= seq.slot:
+            self.slot_tokens[seq.slot] = held  # still valid K/V until the slot's next request writes
         self.release(seq)
         _resolve(seq.future, self.result(seq, reason))
 

@@ -93,9 +93,10 @@ class PrefixCache:
     def num_cached_tokens(self) -> int:
         return len(self.nodes) * self.block_size
 
-    def _blocks(self, tokens: list[int], n: int) -> list[tuple[int, ...]]:
+    def _blocks(self, tokens: list[int], n: int, first: int = 0) -> list[tuple[int, ...]]:
+        """The whole blocks of tokens[:n] from block `first` on, as tree keys."""
         B = self.block_size
-        return [tuple(tokens[i:i + B]) for i in range(0, n - n % B, B)]
+        return [tuple(tokens[i:i + B]) for i in range(first * B, n - n % B, B)]
 
     def match(self, tokens: list[int], *, need_routing: bool) -> CacheMatch:
         """Lock and return the longest cached prefix of `tokens` that leaves at least one token
@@ -130,15 +131,20 @@ class PrefixCache:
                 n.ref -= 1
         m.nodes = []
 
-    def insert(self, tokens: list[int], slot: int, routing: np.ndarray | None) -> None:
+    def insert(self, tokens: list[int], slot: int, routing: np.ndarray | None, owner: CacheMatch | None = None) -> None:
         """Cache the whole blocks of `tokens`, whose K/V are columns [0, len(tokens)) of `slot` in
         the engine's KV cache (routing: their rows [len, layers, top_k], or None). Blocks already
         cached are only touched; a full pool evicts LRU unlocked leaves, and when nothing can be
-        evicted the rest is not cached."""
+        evicted the rest is not cached.
+
+        `owner`: the match of the request inserting (its nodes spell a prefix of `tokens`); the
+        walk starts below it and the new nodes join it, locked until the request is released."""
         self.clock += 1
-        node, added = self.root, []
+        node, added, first = self.root, [], 0
+        if owner is not None and owner.generation == self.generation and owner.nodes:
+            node, first = owner.nodes[-1], len(owner.nodes)
         try:
-            for i, key in enumerate(self._blocks(tokens, len(tokens))):
+            for i, key in enumerate(self._blocks(tokens, len(tokens), first), start=first):
                 child = node.children.get(key)
                 if child is None:
                     block = self._allocate()
@@ -156,8 +162,11 @@ class PrefixCache:
                 added.append(child)
                 node = child
         finally:
-            for n in added:
-                n.ref -= 1
+            if owner is not None and owner.generation == self.generation:
+                owner.nodes.extend(added)  # stay locked with the request's own prefix
+            else:
+                for n in added:
+                    n.ref -= 1
 
     def _allocate(self) -> int:
         if self.free:
