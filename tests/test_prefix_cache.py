@@ -183,3 +183,27 @@ def test_model_decode_path_refuses_the_cache(model):
         EmbeddedEngine(model, decode_impl="model", prefix_cache=True)
     with EmbeddedEngine(model, decode_impl="model", max_seq_len=64) as eng:  # default: off there
         assert eng.health()["prefix_cache"] is None
+
+
+def test_free_slot_between_running_ones_is_not_reused_stale(model):
+    """A free slot inside [0, n) is fed a dummy token at position 0 by every decode step: the K/V
+    it held from its last request are then stale and must come from the cache again."""
+    rnd = random.Random(4)
+    prompts = [[rnd.randrange(1, 1000) for _ in range(40)] for _ in range(3)]
+    lengths = [40, 3, 40]
+    outs = {}
+    for cache in (True, False):
+        with engine(model, prefix_cache=cache, clocked=True) as eng:
+            futs = [eng.submit(req(p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)))
+                    for p, n in zip(prompts, lengths)]
+            while not futs[1].done():
+                eng.step()
+            for _ in range(5):  # slot 1 idles between two running slots
+                eng.step()
+            nxt = prompts[1] + futs[1].result().output_ids + [5, 6, 7]
+            f = eng.submit(req(nxt))
+            while not (f.done() and all(x.done() for x in futs)):
+                eng.step()
+            outs[cache] = f.result()
+    assert outs[True].meta["cached_tokens"] > 0
+    assert_same(outs[True], outs[False])

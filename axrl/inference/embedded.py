@@ -647,8 +647,12 @@ class _Scheduler:
         else:
             n = max(i for i, s in enumerate(self.slots) if s is not None) + 1
             running = [s for s in self.slots[:n] if s is not None]
-            # Idle rows in [0, n) get token 0 at position 0 of their own (free) slot: harmless.
+            # Idle rows in [0, n) get token 0 at position 0 of their own (free) slot: harmless,
+            # except that the K/V such a slot kept from its last request are stale from now on.
             tokens = [s.output_ids[-1] if s is not None else 0 for s in self.slots[:n]]
+            for i in range(n) if len(running) < n else ():
+                if self.slots[i] is None:
+                    self.slot_tokens[i] = []
             positions = [len(s.prompt) + len(s.output_ids) - 1 if s is not None else 0 for s in self.slots[:n]]
             kv_len = max(positions) + 1
             tokens_t = torch.tensor(tokens, device=self.device)
