@@ -212,7 +212,7 @@ class TrainSection(Section):
     micro_batch_tokens: int = Field(4096, ge=1, description="tokens per micro-batch counting padding (samples × longest)")
     prefix_merge: bool = Field(False, description="train each micro-batch as one prefix tree: shared prefixes "
                                                   "computed once (docs/prefix-merge.md); the budget then counts "
-                                                  "real tokens")
+                                                  "tree slots")
 
 
 class WarmupSection(Section):

@@ -86,7 +86,7 @@ def loss_fn(logprobs, entropy, mb: PackedBatch, ctx: LossContext):
 
 
 def tokens_computed(batch: PackedBatch, merged: bool, budget: int) -> int:
-    mbs = micro_batches(batch, budget, padded=not merged)
+    mbs = micro_batches(batch, budget, merged=merged)
     if merged:
         return sum(build_prefix_tree(mb).num_slots for mb in mbs)
     return sum(mb.num_samples * int(mb.lengths.max()) for mb in mbs)

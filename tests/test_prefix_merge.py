@@ -10,7 +10,7 @@ import torch
 
 from axrl.model import build_model, preset_config
 from axrl.train import LossContext, PackedBatch, TorchBackend, TorchBackendConfig
-from axrl.train.micro_batch import split_micro_batches
+from axrl.train.micro_batch import micro_batches, shared_with_previous, split_micro_batches
 from axrl.train.prefix_tree import build_prefix_tree
 from axrl.train.protocol import R3Scope
 
@@ -125,8 +125,15 @@ def test_merged_equals_unmerged(seed, preset):
         assert (ga[name] - gb[name]).abs().max() < 1e-5 * max(1.0, float(ga[name].abs().max())), name
 
 
-def test_merged_fewer_micro_batches_count_real_tokens():
-    assert split_micro_batches([10, 10, 10], micro_batch_tokens=25, padded=False) == [range(0, 2), range(2, 3)]
+def test_merged_budget_counts_tree_slots():
+    # Three samples sharing 8 tokens: 10 + 3 + 3 slots at most (the fork token is duplicated).
+    assert split_micro_batches([10, 10, 10], micro_batch_tokens=16, shared=[0, 8, 8]) == [range(0, 3)]
+    assert split_micro_batches([10, 10, 10], micro_batch_tokens=15, shared=[0, 8, 8]) == [range(0, 2), range(2, 3)]
+    batch = pack([[1, 2, 3, 4, 5], [1, 2, 3, 9], [7, 8], [7, 8, 9]])
+    assert shared_with_previous(batch) == [0, 3, 0, 2]
+    for mb in micro_batches(batch, micro_batch_tokens=8, merged=True):
+        assert build_prefix_tree(mb).num_slots <= 8
+    assert len(micro_batches(batch, micro_batch_tokens=8, merged=True)) < len(micro_batches(batch, 8))
 
 
 def test_r3_at_shared_slots_replays_the_training_path():

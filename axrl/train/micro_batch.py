@@ -27,33 +27,56 @@ from axrl.train.protocol import PackedBatch, R3Scope
 
 
 def split_micro_batches(lengths: Sequence[int] | torch.Tensor, micro_batch_tokens: int = 0,
-                        micro_batch_size: int = 0, *, padded: bool = True) -> list[range]:
+                        micro_batch_size: int = 0, *, shared: Sequence[int] | None = None) -> list[range]:
     """Sample-index ranges [start, end) of each micro-batch, in order (see the module doc).
 
-    `padded=False` counts real tokens instead of samples × longest: a prefix-merged forward
-    (`axrl.train.prefix_tree`) pads nothing and computes at most the real tokens."""
+    `shared[i]` (a prefix-merged forward, `axrl.train.prefix_tree`): how many leading tokens
+    sample i shares with sample i - 1. The budget then counts tree slots instead of samples ×
+    longest — a sample costs its length in a new micro-batch and length − shared + 1 after its
+    predecessor (the fork token is duplicated; length if nothing is shared), an upper bound of
+    what the tree computes."""
     if micro_batch_tokens < 0 or micro_batch_size < 0:
         raise ValueError("micro_batch_tokens and micro_batch_size must be >= 0 (0 = no limit)")
     lengths = [int(n) for n in lengths]
     ranges: list[range] = []
-    start, longest, total = 0, 0, 0
+    start, longest, slots = 0, 0, 0
     for i, n in enumerate(lengths):
-        cost = (i - start + 1) * max(longest, n) if padded else total + n
+        added = n if shared is None or i == start else n - max(int(shared[i]) - 1, 0)
+        cost = (i - start + 1) * max(longest, n) if shared is None else slots + added
         full = (micro_batch_tokens and cost > micro_batch_tokens) or \
                (micro_batch_size and i - start >= micro_batch_size)
         if i > start and full:
             ranges.append(range(start, i))
-            start, longest, total = i, 0, 0
-        longest, total = max(longest, n), total + n
+            start, longest, slots, added = i, 0, 0, n
+        longest, slots = max(longest, n), slots + added
     if lengths:
         ranges.append(range(start, len(lengths)))
     return ranges
 
 
+def shared_with_previous(batch: PackedBatch) -> list[int]:
+    """[N]: how many leading tokens sample i shares with sample i - 1 (0 for the first)."""
+    ids, off = batch.input_ids.tolist(), batch.offsets.tolist()
+    out = [0]
+    for i in range(1, len(off) - 1):
+        a, b = ids[off[i - 1]:off[i]], ids[off[i]:off[i + 1]]
+        lo, hi = 0, min(len(a), len(b))  # binary search on C-level list comparisons
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if a[:mid] == b[:mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        out.append(lo)
+    return out
+
+
 def micro_batches(batch: PackedBatch, micro_batch_tokens: int = 0, micro_batch_size: int = 0, *,
-                  padded: bool = True) -> list[PackedBatch]:
-    """The batch cut into consecutive micro-batches (a single one is the batch itself)."""
-    ranges = split_micro_batches(batch.lengths, micro_batch_tokens, micro_batch_size, padded=padded)
+                  merged: bool = False) -> list[PackedBatch]:
+    """The batch cut into consecutive micro-batches (a single one is the batch itself); `merged`:
+    the budget counts prefix-tree slots (see `split_micro_batches`)."""
+    shared = shared_with_previous(batch) if merged and micro_batch_tokens else None
+    ranges = split_micro_batches(batch.lengths, micro_batch_tokens, micro_batch_size, shared=shared)
     if len(ranges) == 1:
         return [batch]
     return [batch.select(list(r)) for r in ranges]

@@ -185,7 +185,7 @@ class TorchBackend:
     # ------------------------------------------------------------------ forward / backward
     def _micro_batches(self, batch: PackedBatch) -> list[PackedBatch]:
         return micro_batches(batch, self.config.micro_batch_tokens, self.config.micro_batch_size,
-                             padded=not self.config.prefix_merge)
+                             merged=self.config.prefix_merge)
 
     def _use_r3(self, batch: PackedBatch, r3: R3) -> R3Scope | None:
         return use_r3(self.model.config, batch, r3)

@@ -46,7 +46,7 @@ class StepKnobs:
     prefix_merge: bool = False  # each share of a micro-batch as one prefix tree (train/prefix_tree.py)
 
     def micro_batches(self, batch: PackedBatch) -> list[PackedBatch]:
-        return micro_batches(batch, self.micro_batch_tokens, self.micro_batch_size, padded=not self.prefix_merge)
+        return micro_batches(batch, self.micro_batch_tokens, self.micro_batch_size, merged=self.prefix_merge)
 
 
 def share_bounds(num_samples: int, parts: int, index: int) -> range:
