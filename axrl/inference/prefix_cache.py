@@ -29,6 +29,8 @@ requests that do not ask for routing either; routing is stored per token as int3
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -87,6 +89,10 @@ class PrefixCache:
         self.root = _Node(key=(), parent=None)
         self.free = list(range(self.num_blocks - 1, -1, -1))
         self.nodes: set[_Node] = set()
+        # Eviction candidates (unlocked leaves) by last use, checked lazily when popped: an entry
+        # is stale once its node was touched, locked, given a child or evicted since the push.
+        self.lru: list[tuple[int, int, _Node]] = []
+        self._order = itertools.count()
         self.generation += 1
 
     @property
@@ -128,7 +134,7 @@ class PrefixCache:
         """Unlock a match (its request finished); a match from before a `clear` is just dropped."""
         if m.generation == self.generation:
             for n in m.nodes:
-                n.ref -= 1
+                self._unlock(n)
         m.nodes = []
 
     def insert(self, tokens: list[int], slot: int, routing: np.ndarray | None, owner: CacheMatch | None = None) -> None:
@@ -166,19 +172,41 @@ class PrefixCache:
                 owner.nodes.extend(added)  # stay locked with the request's own prefix
             else:
                 for n in added:
-                    n.ref -= 1
+                    self._unlock(n)
+
+    def _unlock(self, n: _Node) -> None:
+        n.ref -= 1
+        if n.ref == 0:
+            self._candidate(n)
+
+    def _candidate(self, n: _Node) -> None:
+        """Queue `n` for eviction if it is an unlocked leaf (at its current last use)."""
+        if n.ref == 0 and not n.children and n.parent is not None:
+            heapq.heappush(self.lru, (n.last_used, next(self._order), n))
+            if len(self.lru) > 4 * len(self.nodes) + 1024:  # drop the stale entries
+                self.lru = [e for e in self.lru if self._evictable(e)]
+                heapq.heapify(self.lru)
+
+    def _evictable(self, entry: tuple[int, int, _Node]) -> bool:
+        used, _, n = entry
+        return n in self.nodes and n.ref == 0 and not n.children and n.last_used == used
 
     def _allocate(self) -> int:
+        """A free pool block, or the least recently used unlocked leaf's (−1: none)."""
         if self.free:
             return self.free.pop()
-        leaves = [n for n in self.nodes if not n.children and n.ref == 0]
-        if not leaves:
-            return -1
-        victim = min(leaves, key=lambda n: n.last_used)
-        del victim.parent.children[victim.key]
-        self.nodes.discard(victim)
-        self.evictions += 1
-        return victim.block
+        while self.lru:
+            entry = heapq.heappop(self.lru)
+            if not self._evictable(entry):
+                continue
+            victim = entry[2]
+            parent = victim.parent
+            del parent.children[victim.key]
+            self.nodes.discard(victim)
+            self.evictions += 1
+            self._candidate(parent)  # may have become a leaf
+            return victim.block
+        return -1
 
     # -- data movement ----------------------------------------------------------------------------
     def _store(self, block: int, slot: int, start: int) -> None:
