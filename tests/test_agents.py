@@ -418,7 +418,7 @@ def test_thousand_turn_episode_scripted(tok):
     assert (traj.routed_experts[:-1, 0, 0] == np.arange(1, traj.num_tokens)).all()
 
 
-# ~1 s on one CPU thread with the engine's prefix cache (each turn prefills only its new tokens,
+# ~1.5 s on one CPU thread with the engine's prefix cache (each turn prefills only its new tokens,
 # linear in turns); ~45 s without it, re-prefilling the whole stream every turn (bench/engine_prefix_cache.py).
 def test_three_hundred_turn_episode(engine, tok):
     turns = 300
