@@ -416,6 +416,8 @@ class TorchBackend:
         # The current config wins (a resume may change e.g. lr on purpose), but a silent change
         # breaks bitwise continuation, so say so.
         current = self.config.to_dict()
+        # A field the checkpoint predates (e.g. prefix_merge) had its default then.
+        saved = {**type(self.config)().to_dict(), **saved}
         diff = {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)}
         if diff:
             warnings.warn(f"{source}: checkpoint config differs from the current one (saved, current): {diff}",
