@@ -190,8 +190,9 @@ class TorchBackend:
     def _use_r3(self, batch: PackedBatch, r3: R3) -> R3Scope | None:
         return use_r3(self.model.config, batch, r3)
 
-    def _run(self, mb: PackedBatch, r3: R3Scope | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Packed (logprobs, entropy, routing) [T_mb] of one micro-batch, on the model's device."""
+    def _run(self, mb: PackedBatch, r3: R3Scope | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+        """Packed (logprobs, entropy, routing) [T_mb] of one micro-batch, on the model's device, and
+        how many positions the forward computed (samples × longest; tree slots when merged)."""
         if self.config.prefix_merge:
             return self._run_merged(mb, r3)
         pm = pad_micro_batch(mb, with_routing=r3 is not None, device=self.device, scope=r3)
@@ -200,9 +201,9 @@ class TorchBackend:
                              return_routing=True)
         logprobs, entropy = next_token_logprobs(out.logits, pm.input_ids, mb.temperature)
         routing = None if out.routed_experts is None else unpad(out.routed_experts, pm.rows, pm.cols)
-        return unpad(logprobs, pm.rows, pm.cols), unpad(entropy, pm.rows, pm.cols), routing
+        return unpad(logprobs, pm.rows, pm.cols), unpad(entropy, pm.rows, pm.cols), routing, pm.input_ids.numel()
 
-    def _run_merged(self, mb: PackedBatch, r3: R3Scope | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _run_merged(self, mb: PackedBatch, r3: R3Scope | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
         """`_run` over the micro-batch's prefix tree: one [1, S] forward with the tree attention
         mask (dense bool, SDPA; exact on CPU), unpacked to the micro-batch's tokens."""
         tree = build_prefix_tree(mb)
@@ -224,7 +225,7 @@ class TorchBackend:
                              forced_experts=forced, return_routing=True)
         logprobs, entropy = label_logprobs(out.logits[0], tree.labels.to(dev), mb.temperature)
         routing = None if out.routed_experts is None else tree.unpack(out.routed_experts[0])
-        return tree.unpack_predictions(logprobs), tree.unpack_predictions(entropy), routing
+        return tree.unpack_predictions(logprobs), tree.unpack_predictions(entropy), routing, tree.num_slots
 
     def _on_device(self, mb: PackedBatch) -> PackedBatch:
         if self.device.type == "cpu":
@@ -294,7 +295,7 @@ class TorchBackend:
         rows: list[dict[str, float]] = []
         columns: list[dict[str, torch.Tensor]] = []
         for mb in self._micro_batches(batch):
-            logprobs, entropy, _ = self._run(mb, r3)
+            logprobs, entropy, _, computed = self._run(mb, r3)
             loss, metrics = loss_fn(logprobs, entropy, self._on_device(mb), ctx)
             if loss.requires_grad:
                 loss.backward()
@@ -302,7 +303,8 @@ class TorchBackend:
             scalars, cols = split_token_columns(metrics, mb.num_tokens)
             columns.append(cols)
             rows.append({"loss": float(loss.detach()), **scalars,
-                         "num_tokens": float(mb.num_tokens), "num_loss_tokens": float(mb.loss_mask.sum())})
+                         "num_tokens": float(mb.num_tokens), "num_loss_tokens": float(mb.loss_mask.sum()),
+                         "num_computed": float(computed)})
         return TrainMetrics(loss=sum(r["loss"] for r in rows), micro_batches=rows, metrics=_aggregate(rows),
                             tokens=join_token_columns(columns))
 
@@ -416,8 +418,9 @@ class TorchBackend:
         # The current config wins (a resume may change e.g. lr on purpose), but a silent change
         # breaks bitwise continuation, so say so.
         current = self.config.to_dict()
-        # A field the checkpoint predates (e.g. prefix_merge) had its default then.
-        saved = {**type(self.config)().to_dict(), **saved}
+        # A common field the checkpoint predates (e.g. prefix_merge) had its default then; fields
+        # of one backend only (Megatron's layout) still show up when moving between backends.
+        saved = {**TorchBackendConfig().to_dict(), **saved}
         diff = {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)}
         if diff:
             warnings.warn(f"{source}: checkpoint config differs from the current one (saved, current): {diff}",

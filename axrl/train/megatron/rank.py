@@ -201,9 +201,10 @@ class MegatronRank:
         return tree, forced, S_run
 
     def _run(self, mb: PackedBatch, r3: R3Scope | None, dtype: str,
-             routing_out: bool = True, merge: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+             routing_out: bool = True, merge: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
         """Packed (logprobs, entropy, routing [T, L, k] or None) of this rank's share of one
-        micro-batch; the routing is the replayed one under full R3 (as in the embedded backend),
+        micro-batch, and the positions its forward computed (padding to the ranks' common shape
+        included); the routing is the replayed one under full R3 (as in the embedded backend),
         else what the routers used (chosen, or replayed on the rows a partial R3 scope covers).
 
         `merge`: the share runs as one prefix tree ([1, S] slots, tree attention through
@@ -237,11 +238,12 @@ class MegatronRank:
                 routing = pm.forced_experts.to(dev) if full_r3 else self._gather_routing(b_run, S_pad)[:b, :S]
                 routing = unpad(routing, pm.rows.to(dev), pm.cols.to(dev))
             self._clear_routers()
-        return unpad(logprobs, pm.rows.to(dev), pm.cols.to(dev)), unpad(entropy, pm.rows.to(dev), pm.cols.to(dev)), routing
+        return (unpad(logprobs, pm.rows.to(dev), pm.cols.to(dev)), unpad(entropy, pm.rows.to(dev), pm.cols.to(dev)),
+                routing, b_run * S_pad)
 
 
     def _run_merged(self, mb: PackedBatch, r3: R3Scope | None, dtype: str,
-                    routing_out: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                    routing_out: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
         """`_run` over this rank's share as a prefix tree (see `_run`)."""
         tree, forced, S_run = self._tree_share(mb, r3)
         tp = self.sizes.tensor_parallel if self.sizes.sequence_parallel else 1
@@ -275,9 +277,9 @@ class MegatronRank:
             self._clear_routers()
         if tree is None:  # an empty share: nothing to return, but the graph reaches the weights
             empty = logits.sum() * 0.0
-            return empty.reshape(1)[:0], empty.reshape(1)[:0], routing
+            return empty.reshape(1)[:0], empty.reshape(1)[:0], routing, S_pad
         logprobs, entropy = label_logprobs(logits[0, :S], tree.labels.to(dev), mb.temperature)
-        return tree.unpack_predictions(logprobs), tree.unpack_predictions(entropy), routing
+        return tree.unpack_predictions(logprobs), tree.unpack_predictions(entropy), routing, S_pad
 
     def _set_routers(self, r3: R3Scope | None, forced: torch.Tensor | None, S_pad: int, b_run: int, tp: int) -> None:
         """Point every MoE router at this forward: replay `forced` [b_run, S_pad, L, k] (R3;
@@ -335,7 +337,7 @@ class MegatronRank:
         self.model.eval()
         with torch.no_grad():
             parts = [tuple(None if t is None else t.cpu() for t in self._run(mb, r3, knobs.dtype,
-                                                                             merge=knobs.prefix_merge))
+                                                                             merge=knobs.prefix_merge)[:3])
                      for mb in knobs.micro_batches(batch)]
         return self._answer(parts)
 
@@ -352,7 +354,7 @@ class MegatronRank:
         dp = self.sizes.data_parallel
         rows: list[dict[str, float] | None] = []
         for mb in knobs.micro_batches(batch):
-            logprobs, entropy, _ = self._run(mb, r3, knobs.dtype, routing_out=False, merge=knobs.prefix_merge)
+            logprobs, entropy, _, computed = self._run(mb, r3, knobs.dtype, routing_out=False, merge=knobs.prefix_merge)
             share = range(mb.num_samples) if dp == 1 else share_bounds(mb.num_samples, dp, self.dp_rank)
             if not len(share):
                 # every rank joins the backward's collectives (MoE dispatch, TP); zero gradients
@@ -368,6 +370,7 @@ class MegatronRank:
             scalars, columns = split_token_columns(metrics, part.num_tokens)
             rows.append({"loss": float(loss.detach()), **scalars,
                          "num_tokens": float(part.num_tokens), "num_loss_tokens": float(part.loss_mask.sum()),
+                         "num_computed": float(computed),
                          **{TOKEN_COLUMN_PREFIX + k: v for k, v in columns.items()}})
         return self._answer(rows)
 
