@@ -117,9 +117,12 @@ def test_merged_equals_unmerged(seed, preset):
     assert torch.equal(a.logprobs[batch.offsets[:-1]], torch.zeros(batch.num_samples))
     if a.routed_experts is not None:  # free routing: same experts chosen (no near-ties at this size)
         assert torch.equal(a.routed_experts, b.routed_experts)
-    la = flat.forward_backward(batch, pg_loss).loss
-    lb = merged.forward_backward(batch, pg_loss).loss
+    ma, mb = flat.forward_backward(batch, pg_loss), merged.forward_backward(batch, pg_loss)
+    la, lb = ma.loss, mb.loss
     assert abs(la - lb) < TOL
+    # /train/micro_batches/num_computed: padded positions unmerged, tree slots merged
+    assert ma.metrics["num_computed"] == batch.num_samples * int(batch.lengths.max())
+    assert mb.metrics["num_computed"] == build_prefix_tree(batch).num_slots < batch.num_tokens
     ga, gb = grads(flat), grads(merged)
     for name in ga:
         assert (ga[name] - gb[name]).abs().max() < 1e-5 * max(1.0, float(ga[name].abs().max())), name
