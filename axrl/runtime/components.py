@@ -148,7 +148,7 @@ def make_train_backend(cfg: Config, tokenizer: Tokenizer, *, compute_dtype: str 
         lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
         lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=cfg.steps * t.updates_per_step,
         micro_batch_tokens=t.micro_batch_tokens, seed=cfg.seed, num_threads=cfg.runtime.threads,
-        deterministic=cfg.runtime.deterministic)
+        deterministic=cfg.runtime.deterministic, prefix_merge=t.prefix_merge)
     if compute_dtype is not None:
         common["dtype"] = compute_dtype
     if t.backend == "megatron":
@@ -180,4 +180,5 @@ def make_embedded_engine(cfg: Config, backend: TrainBackend, tokenizer: Tokenize
     load_weights_into(model, dict(backend.named_weights()), source="the trainer's weights")
     return EmbeddedEngine(model.eval(), max_batch_size=cfg.rollout.max_batch_size,
                           max_seq_len=cfg.rollout.max_context_len, eos_token_id=tokenizer.eos_token_id,
-                          clocked=clocked)
+                          clocked=clocked, prefix_cache=cfg.rollout.prefix_cache,
+                          prefix_cache_tokens=cfg.rollout.prefix_cache_tokens)

@@ -152,7 +152,8 @@ class MegatronBackend:
         from axrl.train.megatron.rank import StepKnobs
 
         c = self.config
-        return StepKnobs(dtype=c.dtype, micro_batch_tokens=c.micro_batch_tokens, micro_batch_size=c.micro_batch_size)
+        return StepKnobs(dtype=c.dtype, micro_batch_tokens=c.micro_batch_tokens, micro_batch_size=c.micro_batch_size,
+                         prefix_merge=c.prefix_merge)
 
     def _use_r3(self, batch: PackedBatch, r3: R3) -> R3Scope | None:
         return use_r3(self.model_config, batch, r3)
