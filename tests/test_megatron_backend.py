@@ -144,8 +144,10 @@ def test_r3_restores_rollout_routing_and_router_still_learns(megatron):
     assert torch.equal(replayed.routed_experts, recorded)
     # The routing really was replayed: the logprobs are the embedded model's with forced experts.
     ref = TorchBackend(mb.hf_model(), TorchBackendConfig(num_threads=1)).forward(replay_batch, r3=True)
-    # (large weights after lr=0.3 steps: logprobs reach -45, so fp32 rounding is relative)
-    assert torch.allclose(replayed.logprobs, ref.logprobs, rtol=1e-6, atol=TOL)
+    # (large weights after lr=0.3 steps: logprobs reach -45, so fp32 rounding is relative; two
+    # implementations on the CPU's own kernels differ by up to ~1e-4 on some CPUs — still 10x below
+    # the drifted routing's gap asserted next)
+    assert torch.allclose(replayed.logprobs, ref.logprobs, rtol=1e-5, atol=1e-4)
     assert max_diff(replayed.logprobs, drifted.logprobs) > 1e-3
     # Gradients still reach the router through the replayed experts' probabilities.
     before = dict(mb.named_weights())
