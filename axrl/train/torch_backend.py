@@ -24,10 +24,10 @@ from axrl.model import ModelConfig, Qwen3ForCausalLM, hf_state_dict, load_weight
 from axrl.train.determinism import RngState, capture_rng_state, restore_rng_state, set_determinism
 from axrl.train.fingerprint import weights_fingerprint
 from axrl.train.metrics import reduce_microbatch_metrics
-from axrl.train.micro_batch import micro_batches, next_token_logprobs, pad_micro_batch, unpad
+from axrl.train.micro_batch import micro_batches, next_token_logprobs, pad_micro_batch, split_micro_batches, unpad
 from axrl.train.inspection import inspect_model
 from axrl.train.metrics import join_token_columns, split_token_columns
-from axrl.train.protocol import (R3, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, R3Scope, StepStats,
+from axrl.train.protocol import (R3, ForwardProbe, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, R3Scope, StepStats,
                                  TrainMetrics, r3_scope)
 
 CHECKPOINT_FORMAT = "axrl-torch-backend"
@@ -186,12 +186,16 @@ class TorchBackend:
     def _use_r3(self, batch: PackedBatch, r3: R3) -> R3Scope | None:
         return use_r3(self.model.config, batch, r3)
 
-    def _run(self, mb: PackedBatch, r3: R3Scope | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Packed (logprobs, entropy, routing) [T_mb] of one micro-batch, on the model's device."""
+    def _run(self, mb: PackedBatch, r3: R3Scope | None, probe: ForwardProbe | None = None,
+             samples: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Packed (logprobs, entropy, routing) [T_mb] of one micro-batch, on the model's device
+        (`probe`: see `probe_forward`; `samples` are the micro-batch's rows in the whole batch)."""
         pm = pad_micro_batch(mb, with_routing=r3 is not None, device=self.device, scope=r3)
+        if probe is not None:
+            probe.begin(samples or [], pm.rows, pm.cols)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.dtype == "bfloat16"):
             out = self.model(pm.input_ids, attention_mask=pm.attention_mask, forced_experts=pm.forced_experts,
-                             return_routing=True)
+                             return_routing=True, probe=probe)
         logprobs, entropy = next_token_logprobs(out.logits, pm.input_ids, mb.temperature)
         routing = None if out.routed_experts is None else unpad(out.routed_experts, pm.rows, pm.cols)
         return unpad(logprobs, pm.rows, pm.cols), unpad(entropy, pm.rows, pm.cols), routing
@@ -242,6 +246,22 @@ class TorchBackend:
 
     def forget_weights(self, key: str) -> None:
         self._kept.pop(key, None)
+
+    def probe_forward(self, batch: PackedBatch, probe: ForwardProbe, *, r3: R3 = False) -> ForwardResult:
+        """`forward` (current weights) with `probe` on the model's hook points, same micro-batches."""
+        scope = self._use_r3(batch, r3)
+        ranges = split_micro_batches(batch.lengths, self.config.micro_batch_tokens, self.config.micro_batch_size)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                parts = [self._run(mb, scope, probe, list(rng)) for rng, mb in zip(ranges, self._micro_batches(batch))]
+        finally:
+            self.model.train(was_training)
+        out_device = batch.input_ids.device
+        routing = None if parts[0][2] is None else torch.cat([p[2] for p in parts]).to(out_device)
+        return ForwardResult(logprobs=torch.cat([p[0] for p in parts]).to(out_device),
+                             entropy=torch.cat([p[1] for p in parts]).to(out_device), routed_experts=routing)
 
     def inspect(self, batch: PackedBatch, loss_fn: LossFn, *, r3: R3 = False) -> Inspection:
         return inspect_model(self.model, batch, loss_fn, r3=self._use_r3(batch, r3),
