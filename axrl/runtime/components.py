@@ -86,9 +86,7 @@ def check_context(cfg: Config, tokenizer: Tokenizer, task: Task, loader: PromptL
 
 def build_components(cfg: Config) -> Components:
     tokenizer = make_tokenizer(cfg)
-    task = resolve_task(cfg.data, warmup=cfg.warmup.steps > 0, evaluate=cfg.eval.every > 0)
-    loader = (PromptLoader.from_file(cfg.data.path, seed=cfg.seed) if cfg.data.path
-              else PromptLoader.from_task(task, seed=cfg.seed))
+    task, loader = make_data(cfg)
     check_context(cfg, tokenizer, task, loader)
     backend = make_train_backend(cfg, tokenizer)
     engine = make_engine(cfg, backend, tokenizer)
@@ -126,6 +124,14 @@ def make_rollout(cfg: Config, tokenizer: Tokenizer, task: Task, loader: PromptLo
     rollout = RolloutWorker(engine, tokenizer, task.make_env, loader, settings, schedule, policy, sync, pool,
                             clock=rollout_clock(cfg), seed=cfg.seed, threads=cfg.runtime.threads)
     return rollout, sync, pool
+
+
+def make_data(cfg: Config) -> tuple[Task, PromptLoader]:
+    """The run's task and its prompt stream (position p = group p)."""
+    task = resolve_task(cfg.data, warmup=cfg.warmup.steps > 0, evaluate=cfg.eval.every > 0)
+    loader = (PromptLoader.from_file(cfg.data.path, seed=cfg.seed) if cfg.data.path
+              else PromptLoader.from_task(task, seed=cfg.seed))
+    return task, loader
 
 
 def make_tokenizer(cfg: Config) -> Tokenizer:
@@ -181,11 +187,17 @@ def make_engine(cfg: Config, backend: TrainBackend, tokenizer: Tokenizer) -> Inf
     return make_embedded_engine(cfg, backend, tokenizer, clocked=rollout_clock(cfg) == "iterations")
 
 
+def make_engine_model(cfg: Config, model_config: ModelConfig, weights: dict[str, torch.Tensor]) -> Qwen3ForCausalLM:
+    """The embedded engine's own copy of the policy (device and dtype of the run), holding `weights`."""
+    model = Qwen3ForCausalLM(model_config).to(resolve_device(cfg.runtime.device), getattr(torch, cfg.model.dtype))
+    load_weights_into(model, weights, source="the trainer's weights")
+    return model.eval()
+
+
 def make_embedded_engine(cfg: Config, backend: TrainBackend, tokenizer: Tokenizer, *, clocked: bool) -> EmbeddedEngine:
     """An in-process engine with its own copy of the trainer's weights, as a remote server would
     hold; weight sync copies into it. A clocked engine is stepped by its rollout driver."""
-    model = Qwen3ForCausalLM(backend.model_config).to(resolve_device(cfg.runtime.device), getattr(torch, cfg.model.dtype))
-    load_weights_into(model, dict(backend.named_weights()), source="the trainer's weights")
-    return EmbeddedEngine(model.eval(), max_batch_size=cfg.rollout.max_batch_size,
+    model = make_engine_model(cfg, backend.model_config, dict(backend.named_weights()))
+    return EmbeddedEngine(model, max_batch_size=cfg.rollout.max_batch_size,
                           max_seq_len=cfg.rollout.max_context_len, eos_token_id=tokenizer.eos_token_id,
                           clocked=clocked)
