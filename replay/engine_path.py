@@ -65,8 +65,8 @@ class _Capture:
     """The engine-side `ActivationProbe`: copies every hook point's rows into per-context buffers
     [end, dim] by position (the forward's own dtype, so a patch substitutes exactly these bits)."""
 
-    def __init__(self, contexts: list[Context]) -> None:
-        self.contexts = contexts
+    def __init__(self, contexts: list[Context], wanted: set[int] | None) -> None:
+        self.contexts, self.wanted = contexts, wanted
         self.buffers: list[dict[tuple[str, int], torch.Tensor]] = [{} for _ in contexts]
         self.rows: list[tuple[int, int] | None] = []        # row -> (context, position)
         self.final_rows: list[tuple[int, int] | None] = []  # the same for the "final" point
@@ -77,7 +77,8 @@ class _Capture:
             if where is None:
                 continue
             c, pos = where
-            self._store(c, (point, layer), pos, x[r])
+            if self.wanted is None or c in self.wanted:
+                self._store(c, (point, layer), pos, x[r])
         return x
 
     def _store(self, c: int, key: tuple[str, int], pos: int, row: torch.Tensor) -> None:
@@ -88,7 +89,8 @@ class _Capture:
         buf[pos] = row.detach().cpu()
 
     def logits(self, c: int, pos: int, row: torch.Tensor) -> None:
-        self._store(c, ("logits", -1), pos, row)
+        if self.wanted is None or c in self.wanted:
+            self._store(c, ("logits", -1), pos, row)
 
 
 @dataclass
@@ -114,10 +116,12 @@ class EnginePath:
 
 
 def run_engine_path(model: Qwen3ForCausalLM, contexts: list[Context], *, temperature: float, max_seq_len: int,
-                    max_batch_size: int, capture: bool = False,
+                    max_batch_size: int, capture: bool | set[int] = False,
                     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS) -> EnginePath:
-    """Teacher-force `contexts` through the engine's fused prefill and decode (see the module doc)."""
-    probe = _Capture(contexts) if capture else None
+    """Teacher-force `contexts` through the engine's fused prefill and decode (see the module doc).
+    `capture`: True keeps every hook point of every context (`EnginePath.states`), a set of context
+    indices only theirs."""
+    probe = _Capture(contexts, None if capture is True else set(capture)) if capture else None
     logprob = [np.full(c.end, np.nan, dtype=np.float32) for c in contexts]
     routing: list[np.ndarray | None] = [None] * len(contexts)
     model = model.eval()
