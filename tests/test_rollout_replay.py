@@ -125,5 +125,6 @@ def test_teacher_forced_check_sets_three_logprobs_side_by_side(sync_run):
     result = teacher_forced_check(sync_run, 1, top=3)
     s = result.summary
     assert result.tokens > 0 and len(result.rows) == 3
-    assert s["mean_abs_trainer_vs_embedded"] == pytest.approx(s["mean_abs_trainer_vs_recorded"])
+    assert s["mean_abs_trainer_vs_embedded"] == pytest.approx(s["mean_abs_trainer_vs_recorded"], rel=0.2)
+    assert s["mean_abs_embedded_vs_recorded"] < s["mean_abs_trainer_vs_recorded"]
     assert {"recorded", "embedded", "trainer"} <= set(result.rows[0])
