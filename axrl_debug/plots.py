@@ -124,7 +124,7 @@ def explain_plot(token: dict[str, Any], out_dir: Path | str, step: int) -> Path:
     names = [r["name"] for r in rows]
     x = np.arange(len(rows))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    norms = list(token["hidden_norms"].values())
+    norms = [v for k, v in token["hidden_norms"].items() if k != "logits"]  # residual stream only
     ax1.plot(x[:len(norms)], [n[0] for n in norms], "o-", label="engine ‖h‖", color="tab:orange")
     ax1.plot(x[:len(norms)], [n[1] for n in norms], "s--", label="trainer ‖h‖", color="tab:blue")
     ax1.set_ylabel("hidden-state norm after the component", fontsize=8)
