@@ -114,3 +114,36 @@ def test_cli_json_png_and_bad_input(run, tmp_path):
     assert bad.exit_code == 2 and "generated tokens at" in bad.output
     with pytest.raises(ReplayInputError, match="not a sample"):
         explain_step(run, 1, tokens=[(10 ** 6, 1)])
+
+
+def test_tui_token_detail_explain_action(run):
+    import asyncio
+
+    pytest.importorskip("textual")
+    from axrl_debug.tui.app import DebugApp
+    from axrl_debug.tui.screens import ExplainScreen, TokensScreen
+
+    app = DebugApp(run, scan=False)
+
+    async def main() -> None:
+        async with app.run_test(size=(140, 40)) as pilot:
+            for _ in range(600):
+                if app.background_done:
+                    break
+                await pilot.pause(0.05)
+            await pilot.press("down", "enter", "enter")      # step 1 → its first sample's tokens
+            assert isinstance(app.screen, TokensScreen)
+            await pilot.press("w")                           # the worst token: a generated one
+            await pilot.press("e")
+            for _ in range(1200):                           # ≤ 60 s: rebuild + both paths
+                if isinstance(app.screen, ExplainScreen):
+                    break
+                await pilot.pause(0.05)
+            assert isinstance(app.screen, ExplainScreen)
+            tok = app.screen.doc["tokens"][0]
+            assert tok["token"] == app.screen_stack[-2].text.cursor
+            assert tok["rows"][-1]["remaining_gap"] == 0.0
+            await pilot.press("escape")
+            assert isinstance(app.screen, TokensScreen)
+
+    asyncio.run(main())
