@@ -27,11 +27,9 @@ layer 0's input, then after each layer's attention ("mid") and after the layer (
 norm, the logits — so each component's **share** of the gap is (gap(before it) − gap(after it)) /
 gap; the component with the largest share is named, and `removed_at` is the first point from which
 the remaining gap stays below 10 %. Patching the logits leaves the log-softmax alone: the gap is
-then exactly 0 (the method's sanity check). Routing: the MoE router logits of one layer are patched
-on their own (the engine's experts and gate weights there), and the trainer's forward is run under
-R3 with the engine's routing in every MoE layer: "with R3 this token's gap would be X". A routing
-flip is named when the two top-k sets differ at a position of the request in a layer whose router
-patch removes at least half of the gap.
+then exactly 0 (the method's sanity check). Routing: the trainer's forward is run under R3 with the engine's routing, in every MoE layer ("with R3 this
+token's gap would be X") and in each MoE layer alone. A routing flip is named when the two top-k
+sets differ at a position of the request in a layer whose R3 alone removes at least half of the gap.
 
 Imports `axrl` only, never `axrl_debug`.
 """
@@ -51,7 +49,7 @@ from axrl.runtime.components import make_engine_model
 from axrl.runtime.updates import routing_replay
 from axrl.trace import StepFile
 from axrl.train.micro_batch import split_micro_batches
-from axrl.train.protocol import PackedBatch
+from axrl.train.protocol import PackedBatch, R3Scope
 from replay.engine_path import Context, EnginePath, contexts_of, run_engine_path
 from replay.plan import ReplayInputError
 from replay.policy import PolicyState, policy_before
@@ -332,8 +330,7 @@ def _trainer_side(state: PolicyState, st: _Step, sub: PackedBatch, rows: list[in
         keys = [key for key in chosen if contexts[of_token[key]].turn == k]
         toks = [(sub_row[r], t) for r, t in keys]
         eng = {key: engine_lp[key] for key in keys}
-        experiments = [(p, None) for p in points] + [(("router", layer), layer) for layer in sorted(moe)]
-        for point, router_layer in experiments:
+        for point in points:
             values = {}
             for (r, t) in keys:
                 c = of_token[(r, t)]
@@ -341,12 +338,11 @@ def _trainer_side(state: PolicyState, st: _Step, sub: PackedBatch, rows: list[in
                 if buf is not None:
                     values[sub_row[r]] = buf[:contexts[c].end - 1]  # positions the engine computed
             res = backend.probe_forward(sub, _TrainerProbe(patch=point, patch_values=values), r3=r3)
-            gaps = _gap_at(res.logprobs, sub, toks, eng)
-            target = router_gap.setdefault(router_layer, {}) if router_layer is not None else \
-                remaining.setdefault(point, {})
-            target.update(gaps)
-    # R3 with the engine's routing (rows from the first request that computed each position).
+            remaining.setdefault(point, {}).update(_gap_at(res.logprobs, sub, toks, eng))
+    # R3 with the engine's routing (rows from the first request that computed each position): in
+    # every MoE layer, and in each one alone (does that layer's expert choice carry the gap?).
     r3_gap = {key: float("nan") for key in chosen}
+    router_gap: dict[int, dict] = {layer: dict(r3_gap) for layer in moe}
     if moe and sub.routed_experts is not None:
         routed = sub.routed_experts.clone()
         for c, rt in zip(contexts, ep.routing):
@@ -356,8 +352,11 @@ def _trainer_side(state: PolicyState, st: _Step, sub: PackedBatch, rows: list[in
             earlier = [o for o in contexts if o.sample == c.sample and o.turn < c.turn]
             first = max([o.end - 1 for o in earlier], default=0)
             routed[a + first:a + rt.shape[0]] = torch.from_numpy(rt[first:].astype(np.int64))
-        under_r3 = backend.forward(dataclasses.replace(sub, routed_experts=routed), r3=True)
-        r3_gap = _gap_at(under_r3.logprobs, sub, sub_tokens, engine_lp)
+        forced = dataclasses.replace(sub, routed_experts=routed)
+        r3_gap = _gap_at(backend.forward(forced, r3=True).logprobs, sub, sub_tokens, engine_lp)
+        for layer in sorted(moe):
+            res = backend.forward(forced, r3=R3Scope(layers=(layer,)))
+            router_gap[layer] = _gap_at(res.logprobs, sub, sub_tokens, engine_lp)
     tok = state.tokenizer
     out = []
     for key in chosen:
@@ -389,7 +388,7 @@ def _trainer_side(state: PolicyState, st: _Step, sub: PackedBatch, rows: list[in
             router = None
             if point[0] == "out" and point[1] in moe:
                 router = _router(est, tst, point[1], p, ctx.end - 1, mcfg.num_experts_per_tok)
-                router["patched_gap"] = router_gap[point[1]][key]
+                router["r3_layer_gap"] = router_gap[point[1]][key]
             rows_out.append(LayerRow(name, rel, mx, g, _share(g0, prev, g), router))
             norms[f"{point[0]} {point[1]}" if point[1] >= 0 else point[0]] = [_norm(e_now), _norm(t_now)]
             prev, prev_point = g, point
@@ -470,8 +469,8 @@ def _removed_at(rows: list[LayerRow], g0: float) -> str | None:
 
 
 def _flip(rows: list[LayerRow], g0: float, r3_gap: float) -> str | None:
-    """The routing flip that explains the gap: flipped positions in a layer whose router patch
-    removes at least half of the gap (the strongest such layer)."""
+    """The routing flip that explains the gap: flipped positions in a layer where forcing the
+    engine's experts (R3 on that layer alone) removes at least half of the gap (the strongest)."""
     if g0 == 0:
         return None
     best = None
@@ -479,7 +478,7 @@ def _flip(rows: list[LayerRow], g0: float, r3_gap: float) -> str | None:
         rt = row.router
         if rt is None or not rt["flipped_positions"]:
             continue
-        removed = 1 - abs(rt["patched_gap"]) / abs(g0)
+        removed = 1 - abs(rt["r3_layer_gap"]) / abs(g0)
         if removed >= 0.5 and (best is None or removed > best[0]):
             best = (removed, row.name, rt)
     if best is None:
@@ -487,5 +486,6 @@ def _flip(rows: list[LayerRow], g0: float, r3_gap: float) -> str | None:
     removed, name, rt = best
     where = "at the predicting position" if rt["flip"] else f"at {len(rt['flipped_positions'])} earlier position(s)"
     return (f"{name.replace(' moe', '')} routing flip {where} (engine {rt['engine_experts']} vs trainer "
-            f"{rt['trainer_experts']}, trainer margin {rt['trainer_margin']:.3g}): patching that router removes "
-            f"{removed:.0%} of the gap; with R3 this token's gap would be {r3_gap:+.3g} (now {g0:+.3g})")
+            f"{rt['trainer_experts']}, trainer margin {rt['trainer_margin']:.3g}): the engine's experts in that layer "
+            f"remove {removed:.0%} of the gap ({rt['r3_layer_gap']:+.3g} left); with R3 this token's gap would be "
+            f"{r3_gap:+.3g} (now {g0:+.3g})")

@@ -79,7 +79,7 @@ def test_forced_router_flip_is_named_with_its_r3_gap(run):
         assert tok.named == "layer 0 moe", (tok.named, [(r.name, r.share) for r in tok.rows])
         router = next(r.router for r in tok.rows if r.name == "layer 0 moe")
         assert router["flipped_positions"]
-        assert abs(router["patched_gap"]) < 0.5 * abs(tok.gap)
+        assert abs(router["r3_layer_gap"]) < 0.5 * abs(tok.gap)
         assert tok.flip is not None and tok.flip.startswith("layer 0 routing flip")
         assert "with R3 this token's gap would be" in tok.flip
         assert tok.r3_gap == tok.r3_gap and tok.r3_gap != tok.gap  # computed, and R3 changes it

@@ -29,7 +29,7 @@ def _router_cell(rt: dict[str, Any] | None) -> str:
     sets = f"{rt['trainer_experts']}" if not rt["flip"] else f"FLIP {rt['engine_experts']}≠{rt['trainer_experts']}"
     flips = len(rt["flipped_positions"])
     return (f"{sets} margin {rt['trainer_margin']:.2g}" + (f", {flips} flipped pos." if flips else "")
-            + f"; patched → {rt['patched_gap']:+.3g}")
+            + f"; R3 here → {rt['r3_layer_gap']:+.3g}")
 
 
 def token_table(tok: dict[str, Any]) -> Table:
