@@ -179,7 +179,6 @@ class Inspection:
     param_grad_norm: torch.Tensor        # float64 [P]  per-tensor norm of the total gradient
 
 
-@runtime_checkable
 class ForwardProbe(Protocol):
     """An `axrl.model.ActivationProbe` that also learns the layout of each micro-batch it sees."""
 
@@ -192,6 +191,7 @@ class ForwardProbe(Protocol):
         ...
 
 
+@runtime_checkable
 class TrainBackend(Protocol):
     """Implemented by the embedded PyTorch backend and the Megatron-core backend.
 
