@@ -68,8 +68,8 @@ def patch_points(num_layers: int) -> list[tuple[str, int]]:
     return points + [("final", -1), ("logits", -1)]
 
 
-def component_name(before: tuple[str, int], after: tuple[str, int], moe: set[int]) -> str:
-    """The computation between two consecutive patch points."""
+def component_name(after: tuple[str, int], moe: set[int]) -> str:
+    """The computation that ends at patch point `after` (the one before it in depth order)."""
     point, layer = after
     if point == "mid":
         return f"layer {layer} attention"
@@ -222,6 +222,25 @@ def select_tokens(st: _Step, tokens: list[tuple[int, int]] | None, top: int | No
     pick = analysed[np.argsort(-delta, kind="stable")[:top or 10]]
     rows = np.searchsorted(st.off, pick, side="right") - 1
     return [(int(r), int(p - st.off[r])) for r, p in zip(rows, pick)]
+
+
+def token_index(run_dir: str | Path, step: int, sample_id: int, turn: int, position: int) -> int:
+    """The stream index of the `position`-th generated token of `turn` in sample `sample_id` (the
+    `pos` and `turn` columns of `axrl-debug mismatch`'s top tokens)."""
+    from replay.plan import RunInventory
+
+    inv = RunInventory(run_dir)
+    if step not in inv.files:
+        raise ReplayInputError.for_step(f"step {step} is not in the trace of {inv.run}", inv, step)
+    st = _read(inv.files[step])
+    rows = np.flatnonzero(st.sids == sample_id)
+    if rows.size == 0:
+        raise ReplayInputError(f"--sample {sample_id}: not a sample of step {step}")
+    a, b = int(st.off[rows[0]]), int(st.off[rows[0] + 1])
+    gen = np.flatnonzero(np.isfinite(st.rollout[a:b]) & (st.turn[a:b] == turn))
+    if not 0 <= position < gen.size:
+        raise ReplayInputError(f"--pos {position}: turn {turn} of sample {sample_id} has {gen.size} generated tokens")
+    return int(gen[position])
 
 
 def _ranges(idx: np.ndarray) -> str:
@@ -386,7 +405,7 @@ def _trainer_side(state: PolicyState, st: _Step, sub: PackedBatch, rows: list[in
         prev = remaining[("in", 0)][key]
         norms["in 0"] = [_norm(est[("in", 0)][p]), _norm(tst[("in", 0)][p])]
         for point in points[1:]:
-            name = component_name(prev_point, point, moe)
+            name = component_name(point, moe)
             e_now, t_now = _state(est, point, p), _state(tst, point, p)
             if point[0] in ("mid", "out"):  # the component's own output: the residual update it made
                 e_out, t_out = e_now - _state(est, prev_point, p), t_now - _state(tst, prev_point, p)

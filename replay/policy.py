@@ -20,7 +20,7 @@ from axrl.tokenizer import Tokenizer
 from axrl.trace import TraceError
 from axrl.train.protocol import TrainBackend
 from replay.compare import Divergence, compare_updates
-from replay.engine import _load_start
+from replay.engine import load_start
 from replay.plan import ReplayInputError, RunInventory
 from replay.recorded import RecordedStep, load_recorded_step
 
@@ -96,7 +96,7 @@ def policy_before(run_dir: str | Path, step: int, *, start_at: int | None = None
                 raise ReplayInputError(f"no checkpoint at or before step {start_at} in {inv.run}")
             plan.checkpoint_step, plan.checkpoint_path = fallbacks[0]
             plan.older_checkpoints = fallbacks[1:]
-        k0, _, notes = _load_start(inv, plan, backend, target, say)
+        k0, _, notes = load_start(inv, plan, backend, target, say)
         state = PolicyState(inv, cfg, tokenizer, backend, k0, k0, notes=notes)
         while state.step < target:
             say(f"re-running step {state.step} to rebuild the policy of step {target}")

@@ -97,7 +97,6 @@ def test_bf16_engine_beside_fp32_trainer_diverges_in_every_layer_and_patching_al
 
 def test_cli_json_png_and_bad_input(run, tmp_path):
     from replay.explain import _read, select_tokens
-    from axrl.trace import StepFile  # noqa: F401
 
     st = _read(run / "trace" / "step_000001.h5")
     (row, token), = select_tokens(st, None, 1)
@@ -114,6 +113,15 @@ def test_cli_json_png_and_bad_input(run, tmp_path):
     assert bad.exit_code == 2 and "generated tokens at" in bad.output
     with pytest.raises(ReplayInputError, match="not a sample"):
         explain_step(run, 1, tokens=[(10 ** 6, 1)])
+    # --turn/--pos (the columns of `mismatch`'s top tokens) name the same token.
+    from replay.explain import token_index
+
+    a = int(st.off[row])
+    turn = int(st.turn[a + token])
+    gen = [i for i in range(int(st.off[row + 1]) - a) if st.turn[a + i] == turn and st.rollout[a + i] == st.rollout[a + i]]
+    assert token_index(run, 1, sid, turn, gen.index(token)) == token
+    with pytest.raises(ReplayInputError, match="generated tokens"):
+        token_index(run, 1, sid, turn, 10 ** 4)
 
 
 def test_tui_token_detail_explain_action(run):

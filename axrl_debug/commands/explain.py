@@ -69,6 +69,9 @@ def explain_command(
     step: int = typer.Option(..., "--step", help="Step whose tokens to explain."),
     sample: int | None = typer.Option(None, "--sample", help="Sample id of the token (with --token)."),
     token: int | None = typer.Option(None, "--token", help="Token index in the sample's stream (a generated token)."),
+    turn: int | None = typer.Option(None, "--turn", help="Instead of --token: the turn of the token (with --pos)."),
+    pos: int | None = typer.Option(None, "--pos", help="Instead of --token: its position in the turn's response "
+                                   "(the `pos` and `turn` columns of `axrl-debug mismatch`)."),
     top: int = typer.Option(0, "--top", help="Explain the K tokens with the largest |old − rollout| (default 5)."),
     plot: Path | None = typer.Option(None, "--plot", help="Write one PNG per token to this directory."),
     json_: bool = JSON_OPTION,
@@ -80,15 +83,29 @@ def explain_command(
         from replay import ReplayInputError
         from replay.explain import explain_step
 
-        if (sample is None) != (token is None):
-            raise BadInput("--sample and --token go together")
+        from replay.explain import token_index
+
+        if (turn is None) != (pos is None):
+            raise BadInput("--turn and --pos go together")
+        if turn is not None and token is not None:
+            raise BadInput("--token: not with --turn/--pos")
+        index = token
+        if turn is not None:
+            if sample is None:
+                raise BadInput("--turn/--pos need --sample")
+            try:
+                index = token_index(run, step, sample, turn, pos)
+            except ReplayInputError as e:
+                raise BadInput(str(e)) from None
+        if (sample is None) != (index is None):
+            raise BadInput("--sample and --token (or --turn and --pos) go together")
         if sample is not None and top:
             raise BadInput("--top: not with --sample/--token")
         if top < 0:
             raise BadInput(f"--top: must be >= 1, got {top}")
         say = None if json_ else (lambda msg: err.print(f"[dim]{msg}[/]", highlight=False))
         try:
-            result = explain_step(run, step, tokens=None if sample is None else [(sample, token)], top=top or 5,
+            result = explain_step(run, step, tokens=None if sample is None else [(sample, index)], top=top or 5,
                                   progress=say)
         except ReplayInputError as e:
             raise BadInput(str(e)) from None
