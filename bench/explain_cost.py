@@ -69,7 +69,9 @@ def main() -> None:
             res = explain_step(run, args.step, top=k)
             wall = time.perf_counter() - t0
             rows.append((k, wall, res.timings))
-        print(f"step {args.step}: {samples} samples, {tokens} tokens; recorded train phase {train_s:.3f} s")
+        f = res.fidelity["engine_path_vs_rollout_logprob"]
+        print(f"step {args.step}: {samples} samples, {tokens} tokens; recorded train phase {train_s:.3f} s; the engine "
+              f"path reproduces {f['bitwise_equal']} of {f['tokens']} rollout logprobs bit for bit")
         print(f"{'tokens':>6}  {'explain s':>9}  {'rebuild':>7}  {'engine':>6}  {'trainer':>7}  {'ratio':>6}")
         for k, wall, t in rows:
             print(f"{k:>6}  {wall:>9.2f}  {t['rebuild_seconds']:>7.2f}  {t['engine_seconds']:>6.2f}  "

@@ -8,9 +8,15 @@ the fused prefill over packed prompts, one `FusedDecoder.step` per iteration ove
 `log_softmax(logits.float() / T)` at the recorded token. Contexts of the same turn run as one
 batch (the clock submits them together), so the GEMM shapes are those of a batch admitted at once.
 
-What it cannot reproduce: requests admitted into slots freed mid-batch (a turn-2 request joining
-while other turn-1 requests still decode) and continuations of requests interrupted by a weight
-update. `EnginePath.fidelity` says how far the re-computed logprobs are from the recorded ones.
+With a `ClockSchedule` (a synchronous deterministic run) the batching is the clock's own, replayed
+iteration by iteration: the step's episodes are admitted group by group under the worker's
+`max_live_episodes` rule, each turn's request is submitted after the iteration that finished the
+previous turn (all submissions between two iterations in sample-id order), the engine admits them
+into the lowest free slots, prefills them and decodes slots [0, n) — so every GEMM has the shape it
+had. Without one, the requests of one turn run as one batch (an approximation). Neither covers
+continuations of requests interrupted by a weight update (asynchronous runs) or groups the
+processor dropped before the trace (dynamic sampling). `EnginePath.fidelity` says how far the
+re-computed logprobs are from the recorded ones.
 
 Used by mismatch attribution (replay/explain.py, with an `ActivationProbe` capturing every hook
 point) and by the teacher-forced rollout check of SGLang runs (replay/rollout.py).
@@ -94,6 +100,16 @@ class _Capture:
 
 
 @dataclass
+class ClockSchedule:
+    """How a synchronous deterministic run's rollout admitted its episodes (axrl/rollout/worker.py)."""
+
+    groups: list[list[int]]        # sample rows of each group, in stream (admission) order
+    sample_ids: list[int]          # sample id of each row (the clock's submission key)
+    group_size: int
+    max_live_episodes: int
+
+
+@dataclass
 class EnginePath:
     """The engine's re-computation of some contexts."""
 
@@ -116,7 +132,7 @@ class EnginePath:
 
 
 def run_engine_path(model: Qwen3ForCausalLM, contexts: list[Context], *, temperature: float, max_seq_len: int,
-                    max_batch_size: int, capture: bool | set[int] = False,
+                    max_batch_size: int, capture: bool | set[int] = False, schedule: ClockSchedule | None = None,
                     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS) -> EnginePath:
     """Teacher-force `contexts` through the engine's fused prefill and decode (see the module doc).
     `capture`: True keeps every hook point of every context (`EnginePath.states`), a set of context
@@ -139,9 +155,13 @@ def run_engine_path(model: Qwen3ForCausalLM, contexts: list[Context], *, tempera
         else:
             batches.append([i])
     with torch.inference_mode():
-        for batch in batches:
-            _run_batch(model, decoder, cache, contexts, batch, scale, probe, logprob, routing, cfg.is_moe,
-                       max_prefill_tokens)
+        if schedule is not None:
+            _Clocked(model, decoder, cache, contexts, scale, probe, logprob, routing, cfg.is_moe, max_prefill_tokens,
+                     max_batch_size).run(schedule)
+        else:
+            for batch in batches:
+                _run_batch(model, decoder, cache, contexts, batch, scale, probe, logprob, routing, cfg.is_moe,
+                           max_prefill_tokens)
     return EnginePath(contexts, logprob, routing, probe.buffers if probe is not None else [])
 
 
@@ -223,3 +243,148 @@ def _run_batch(model: Qwen3ForCausalLM, decoder: FusedDecoder, cache: StaticKVCa
     for c in batch:
         if route_rows[c]:
             routing[c] = np.concatenate(route_rows[c])
+
+
+class _Clocked:
+    """The engine clock and scheduler of a synchronous step, teacher-forced (see the module doc).
+
+    Mirrors `RolloutWorker._main` / `EngineClock` / `_Scheduler.iterate`: after each engine
+    iteration the worker admits groups with the live count it had *before* the iteration's finished
+    episodes left (their tasks run only in the settle that follows), again with the fresh count if
+    that admitted anything; then everything requested is submitted in sample-id order; the next
+    iteration admits FIFO into the lowest free slots, prefills (chunked as the engine chunks), samples
+    each admitted request's first token, then decodes every running slot."""
+
+    def __init__(self, model: Qwen3ForCausalLM, decoder: FusedDecoder, cache: StaticKVCache, contexts: list[Context],
+                 scale: float, probe: _Capture | None, logprob: list[np.ndarray], routing: list[np.ndarray | None],
+                 is_moe: bool, max_prefill_tokens: int, max_batch_size: int) -> None:
+        self.model, self.decoder, self.cache, self.contexts = model, decoder, cache, contexts
+        self.scale, self.probe, self.logprob, self.routing = scale, probe, logprob, routing
+        self.is_moe, self.max_prefill_tokens = is_moe, max_prefill_tokens
+        self.slots: list[int | None] = [None] * max_batch_size
+        self.n_out: dict[int, int] = {}
+        self.rows: dict[int, list[np.ndarray]] = {}
+        self.dev = model.lm_head.weight.device
+
+    def run(self, sch: ClockSchedule) -> None:
+        by_sample: dict[int, list[int]] = {}
+        for i, c in enumerate(self.contexts):
+            by_sample.setdefault(c.sample, []).append(i)
+        for v in by_sample.values():
+            v.sort(key=lambda i: self.contexts[i].turn)
+        next_turn = {r: 0 for r in by_sample}
+        groups = list(sch.groups)
+        live: set[int] = set()
+        room = max(sch.max_live_episodes, sch.group_size)
+        pending: list[int] = []             # samples whose next request is submitted before the next iteration
+        waiting: list[int] = []             # the engine's inbox (context indices, FIFO)
+
+        def admit_groups(count: int) -> bool:
+            admitted = False
+            while groups and count + sch.group_size <= room:
+                group = groups.pop(0)
+                live.update(group)
+                count += sch.group_size
+                pending.extend(r for r in group if r in by_sample)  # an episode without a request ends at once
+                live.difference_update(r for r in group if r not in by_sample)
+                admitted = True
+            return admitted
+
+        admit_groups(len(live))
+        while pending or waiting or any(s is not None for s in self.slots) or groups:
+            for r in sorted(pending, key=lambda r: sch.sample_ids[r]):
+                waiting.append(by_sample[r][next_turn[r]])
+                next_turn[r] += 1
+            pending.clear()
+            finished = self.iterate(waiting)
+            done = [self.contexts[c].sample for c in finished]
+            stale = len(live)
+            ended = [r for r in done if next_turn[r] >= len(by_sample[r])]
+            pending.extend(r for r in done if next_turn[r] < len(by_sample[r]))
+            if admit_groups(stale):
+                live.difference_update(ended)
+                admit_groups(len(live))
+            else:
+                live.difference_update(ended)
+            if not (pending or waiting or any(s is not None for s in self.slots)) and groups:
+                admit_groups(len(live))  # nothing in flight: the worker's next pass admits
+        for c, rows in self.rows.items():
+            if rows:
+                self.routing[c] = np.concatenate(rows)
+
+    def iterate(self, waiting: list[int]) -> list[int]:
+        """One scheduler iteration; returns the contexts whose request finished in it."""
+        finished: list[int] = []
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        admitted = []
+        while free and waiting:
+            c = waiting.pop(0)
+            self.slots[free.pop(0)] = c
+            admitted.append(c)
+            self.n_out[c] = 0
+            self.rows[c] = []
+        if admitted:
+            chunk: list[int] = []
+            for c in admitted:
+                longest = max([self.contexts[i].start for i in chunk] + [self.contexts[c].start])
+                if chunk and longest * (len(chunk) + 1) > self.max_prefill_tokens:
+                    self.prefill(chunk, finished)
+                    chunk = []
+                chunk.append(c)
+            if chunk:
+                self.prefill(chunk, finished)
+        if any(s is not None for s in self.slots):
+            self.decode(finished)
+        return finished
+
+    def slot_of(self, c: int) -> int:
+        return self.slots.index(c)
+
+    def emit(self, cs: list[int], hidden: torch.Tensor, finished: list[int]) -> None:
+        """Logprobs of each context's next token from its final hidden row; finish those at their end."""
+        ctx = self.contexts
+        where = [(c, ctx[c].start + self.n_out[c] - 1) for c in cs]
+        targets = [int(ctx[c].tokens[ctx[c].start + self.n_out[c]]) for c in cs]
+        lps = _logprobs(self.model, hidden, self.scale, targets, self.probe, where)
+        for c, lp in zip(cs, lps):
+            self.logprob[c][ctx[c].start + self.n_out[c]] = lp
+            self.n_out[c] += 1
+            if ctx[c].start + self.n_out[c] >= ctx[c].end:
+                self.slots[self.slot_of(c)] = None
+                finished.append(c)
+
+    def prefill(self, chunk: list[int], finished: list[int]) -> None:
+        ctx, probe = self.contexts, self.probe
+        if probe is not None:
+            probe.rows = [(c, p) for c in chunk for p in range(ctx[c].start)]
+            probe.final_rows = [(c, ctx[c].start - 1) for c in chunk]
+        hidden, rows = self.decoder.prefill([ctx[c].tokens[:ctx[c].start].tolist() for c in chunk],
+                                            [self.slot_of(c) for c in chunk], self.cache, self.is_moe, probe)
+        if rows is not None:
+            start = 0
+            for c in chunk:
+                self.rows[c].append(rows[start:start + ctx[c].start].to(torch.int32).cpu().numpy())
+                start += ctx[c].start
+        self.emit(chunk, hidden, finished)
+
+    def decode(self, finished: list[int]) -> None:
+        ctx, probe = self.contexts, self.probe
+        n = max(i for i, s in enumerate(self.slots) if s is not None) + 1
+        by_slot = self.slots[:n]
+        live = [c for c in by_slot if c is not None]
+        pos = {c: ctx[c].start + self.n_out[c] - 1 for c in live}  # the last output token's position
+        tokens = [int(ctx[c].tokens[pos[c]]) if c is not None else 0 for c in by_slot]
+        positions = [pos[c] if c is not None else 0 for c in by_slot]
+        if probe is not None:
+            probe.rows = [(c, pos[c]) if c is not None else None for c in by_slot]
+            probe.final_rows = probe.rows
+        hidden, rows = self.decoder.step(torch.tensor(tokens, device=self.dev), torch.tensor(positions, device=self.dev),
+                                         self.cache, max(positions) + 1, self.is_moe, probe)
+        if len(live) < n:
+            hidden = hidden[torch.tensor([i for i, c in enumerate(by_slot) if c is not None], device=self.dev)]
+        if rows is not None:
+            np_rows = rows.to(torch.int32).cpu().numpy()
+            for i, c in enumerate(by_slot):
+                if c is not None:
+                    self.rows[c].append(np_rows[i][None])
+        self.emit(live, hidden, finished)

@@ -53,6 +53,7 @@ from axrl.train.protocol import PackedBatch, R3Scope
 from replay.engine_path import Context, EnginePath, contexts_of, run_engine_path
 from replay.plan import ReplayInputError
 from replay.policy import PolicyState, policy_before
+from replay.rollout import clock_schedule
 
 Progress = Callable[[str], None]
 WeightsHook = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
@@ -182,6 +183,7 @@ class ExplainResult:
 class _Step:
     off: np.ndarray
     sids: np.ndarray
+    gids: np.ndarray
     ids: np.ndarray
     turn: np.ndarray
     rollout: np.ndarray
@@ -193,6 +195,7 @@ class _Step:
 def _read(path: Path) -> _Step:
     with StepFile(path) as sf:
         return _Step(sf["/samples/offsets"].astype(np.int64), sf["/samples/sample_id"].astype(np.int64),
+                     sf["/samples/group_id"].astype(np.int64),
                      sf["/tokens/ids"].astype(np.int64), sf["/tokens/turn"].astype(np.int64),
                      sf["/tokens/rollout_logprob"], sf["/tokens/old_logprob"], sf["/tokens/loss_mask"],
                      sf.get("/routing/rollout"))
@@ -306,7 +309,8 @@ def _explain(state: PolicyState, step: int, tokens: list[tuple[int, int]] | None
     t1 = time.perf_counter()
     say(f"engine path: {len(contexts)} request(s), prefill + KV-cache decode")
     ep = run_engine_path(model, contexts, temperature=cfg.rollout.temperature, max_seq_len=cfg.rollout.max_context_len,
-                         max_batch_size=cfg.rollout.max_batch_size, capture=wanted)
+                         max_batch_size=cfg.rollout.max_batch_size, capture=wanted,
+                         schedule=clock_schedule(cfg, st.sids, st.gids))
     timings["engine_seconds"] = time.perf_counter() - t1
     # Trainer path: the consecutive micro-batches (as trained) that hold the chosen tokens.
     ranges = split_micro_batches(rec.batch.lengths, cfg.train.micro_batch_tokens)

@@ -40,7 +40,7 @@ from axrl.rollout.trajectory import Trajectory
 from axrl.runtime.components import make_data, make_embedded_engine, make_engine_model, make_rollout, rollout_clock
 from axrl.trace import StepFile
 from replay.compare import Divergence
-from replay.engine_path import contexts_of, run_engine_path
+from replay.engine_path import ClockSchedule, contexts_of, run_engine_path
 from replay.plan import ReplayInputError
 from replay.policy import PolicyState, load_run_config, policy_before
 
@@ -139,6 +139,20 @@ def replayability(cfg: Config) -> str | None:
         return (f"rollout.clock={cfg.rollout.clock}: requests were clocked by rounds, not engine iterations; "
                 "rollout replay re-runs the iteration-clocked schedule only")
     return None
+
+
+def clock_schedule(cfg: Config, sample_ids: np.ndarray, group_ids: np.ndarray) -> ClockSchedule | None:
+    """The engine-clock schedule of a step's rollout, for the teacher-forced engine path: only for a
+    synchronous run that rollout replay could re-run bitwise (its step is a rollout of its own)."""
+    if cfg.runtime.mode != "sync" or replayability(cfg) is not None:
+        return None
+    order = np.lexsort((sample_ids, group_ids))
+    groups: dict[int, list[int]] = {}
+    for r in order:
+        groups.setdefault(int(group_ids[r]), []).append(int(r))
+    r = cfg.rollout
+    return ClockSchedule(groups=[groups[g] for g in sorted(groups)], sample_ids=[int(s) for s in sample_ids],
+                         group_size=r.group_size, max_live_episodes=r.max_live_episodes or r.max_batch_size)
 
 
 # ------------------------------------------------------------------------------------------ replay
@@ -303,12 +317,14 @@ def teacher_forced_check(run_dir: str | Path, step: int, *, top: int = 10,
             ids, turn = sf["/tokens/ids"], sf["/tokens/turn"]
             rec, old, ver = sf["/tokens/rollout_logprob"], sf["/tokens/old_logprob"], sf["/tokens/policy_version"]
             sids = sf["/samples/sample_id"].astype(np.int64)
+            gids = sf["/samples/group_id"].astype(np.int64)
         generated = np.isfinite(rec) & (ver == step)
         contexts = contexts_of(off, ids, turn, generated)
         model = make_engine_model(cfg, state.backend.model_config, dict(state.backend.named_weights()))
         say(f"teacher-forcing {len(contexts)} request(s) through the embedded engine's decode path")
         path = run_engine_path(model, contexts, temperature=cfg.rollout.temperature,
-                               max_seq_len=cfg.rollout.max_context_len, max_batch_size=cfg.rollout.max_batch_size)
+                               max_seq_len=cfg.rollout.max_context_len, max_batch_size=cfg.rollout.max_batch_size,
+                               schedule=clock_schedule(cfg, sids, gids))
         emb = np.full(len(ids), np.nan, np.float32)
         for c, lp in zip(contexts, path.logprob):
             a = int(off[c.sample])

@@ -51,6 +51,9 @@ def test_unperturbed_paths_reproduce_the_recording_and_patching_the_logits_close
                                              "layer 1 moe", "final norm", "lm head"]
         assert tok.rows[-1].remaining_gap == 0.0
     assert result.fidelity["trainer_path_reproduces_old_logprob"]
+    f = result.fidelity["engine_path_vs_rollout_logprob"]
+    assert f["bitwise_equal"] == f["tokens"] > 0  # the engine path is the recorded engine, bit for bit
+    assert all(tok.engine_reproduces_rollout for tok in result.tokens)
 
 
 def test_attention_perturbed_in_the_engine_only_is_named(run):
