@@ -5,8 +5,7 @@ turn's first generated token) is prefilled, then the turn's recorded tokens are 
 step at a time, exactly as the engine's scheduler does (`axrl.inference.embedded._Scheduler`):
 the fused prefill over packed prompts, one `FusedDecoder.step` per iteration over slots [0, n)
 (idle rows fed token 0 at position 0), `lm_head` on the running rows, and the sampler's logprob
-`log_softmax(logits.float() / T)` at the recorded token. Contexts of the same turn run as one
-batch (the clock submits them together), so the GEMM shapes are those of a batch admitted at once.
+`log_softmax(logits.float() / T)` at the recorded token.
 
 With a `ClockSchedule` (a synchronous deterministic run) the batching is the clock's own, replayed
 iteration by iteration: the step's episodes are admitted group by group under the worker's

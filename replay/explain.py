@@ -8,9 +8,9 @@ For each chosen token (a generated token t of some sample) two computations of l
 run with hooks on the model's explicit hook points (`axrl.model.ActivationProbe`):
 
 * the **engine path** — the embedded engine's prefill of the turn's request and its KV-cache decode
-  steps, teacher-forced with the recorded tokens, batched as the clock submitted them
-  (replay/engine_path.py); it reproduces the recorded rollout logprob (bit for bit on the
-  embedded engine, reported as `engine_reproduces_rollout`);
+  steps, teacher-forced with the recorded tokens, in the batches the engine ran them in (the
+  clock's schedule replayed on synchronous deterministic runs; replay/engine_path.py); it
+  reproduces the recorded rollout logprob (bit for bit there, reported as `engine_reproduces_rollout`);
 * the **trainer path** — the packed micro-batch as trained, through `TrainBackend.probe_forward`
   (the same split and padding as the prepare-phase forward; reproduces `old_logprob`).
 
