@@ -353,13 +353,19 @@ def _trainer_side(state: PolicyState, st: _Step, sub: PackedBatch, rows: list[in
     if base is None:
         raise ReplayInputError("the run's train backend cannot hook its model (explain needs train.backend: torch)")
     gap0 = _gap_at(base.logprobs, sub, sub_tokens, engine_lp)
-    # Patches: one forward per (turn, point), each substituting the engine's states of that turn's
-    # requests for the samples whose chosen tokens lie in it.
+    # Patches: one forward per (pass, point). A sample's chosen tokens of one turn share that turn's
+    # request (one set of engine states); pass j patches every sample with its j-th such request, so
+    # there are as many passes as the most turns any one sample has chosen tokens in.
     remaining: dict[tuple[str, int], dict] = {}
     router_gap: dict[int, dict] = {}
-    turns = sorted({contexts[of_token[k]].turn for k in chosen})
-    for k in turns:
-        keys = [key for key in chosen if contexts[of_token[key]].turn == k]
+    per_sample: dict[int, list[int]] = {}
+    for r, t in chosen:
+        c = of_token[(r, t)]
+        if c not in per_sample.setdefault(r, []):
+            per_sample[r].append(c)
+    for j in range(max(len(v) for v in per_sample.values())):
+        in_pass = {v[j] for v in per_sample.values() if j < len(v)}
+        keys = [key for key in chosen if of_token[key] in in_pass]
         toks = [(sub_row[r], t) for r, t in keys]
         eng = {key: engine_lp[key] for key in keys}
         for point in points:
