@@ -375,6 +375,10 @@ def _trainer_side(state: PolicyState, st: _Step, sub: PackedBatch, rows: list[in
                 buf = ep.states[c].get(point)
                 if buf is not None:
                     values[sub_row[r]] = buf[:contexts[c].end - 1]  # positions the engine computed
+            if all(_same_states(v, base_probe.states[i].get(point)) for i, v in values.items()):
+                # The engine's states equal the trainer's there: the patched forward is the baseline.
+                remaining.setdefault(point, {}).update({key: gap0[key] for key in keys})
+                continue
             res = backend.probe_forward(sub, _TrainerProbe(patch=point, patch_values=values), r3=r3)
             remaining.setdefault(point, {}).update(_gap_at(res.logprobs, sub, toks, eng))
     # R3 with the engine's routing (rows from the first request that computed each position): in
@@ -391,8 +395,17 @@ def _trainer_side(state: PolicyState, st: _Step, sub: PackedBatch, rows: list[in
             first = max([o.end - 1 for o in earlier], default=0)
             routed[a + first:a + rt.shape[0]] = torch.from_numpy(rt[first:].astype(np.int64))
         forced = dataclasses.replace(sub, routed_experts=routed)
-        r3_gap = _gap_at(backend.forward(forced, r3=True).logprobs, sub, sub_tokens, engine_lp)
+        # A layer where the engine chose exactly the baseline's experts (same order) at every position
+        # of the chosen samples replays nothing new: R3 there is the baseline, no forward needed.
+        spans = [(int(sub.offsets[sub_row[r]]), int(sub.offsets[sub_row[r] + 1])) for r in {r for r, _ in chosen}]
+        differs = {layer for layer in moe if any(not torch.equal(routed[a:b, layer], base.routed_experts[a:b, layer])
+                                                for a, b in spans)} if base.routed_experts is not None else set(moe)
+        r3_gap = (_gap_at(backend.forward(forced, r3=True).logprobs, sub, sub_tokens, engine_lp) if differs
+                  else dict(gap0))
         for layer in sorted(moe):
+            if layer not in differs:
+                router_gap[layer] = dict(gap0)
+                continue
             res = backend.forward(forced, r3=R3Scope(layers=(layer,)))
             router_gap[layer] = _gap_at(res.logprobs, sub, sub_tokens, engine_lp)
     tok = state.tokenizer
@@ -447,6 +460,15 @@ def _trainer_side(state: PolicyState, st: _Step, sub: PackedBatch, rows: list[in
             rows=rows_out, r3_gap=r3_gap[key], named=named, token_logit=[e_logit, t_logit], logit_ulp=ulp,
             removed_at=removed_at, flip=flip, hidden_norms=norms))
     return out
+
+
+def _same_states(engine: torch.Tensor, trainer: torch.Tensor | None) -> bool:
+    """Whether the engine's rows (NaN where it computed none: those are not patched) equal the trainer's."""
+    if trainer is None:
+        return False
+    have = torch.isfinite(engine.float()).all(-1)
+    t = trainer[:engine.shape[0]]
+    return bool(torch.equal(engine[have], t[have].to(engine.dtype))) if t.dtype == engine.dtype else False
 
 
 def _state(states: dict, point: tuple[str, int], p: int) -> torch.Tensor:
