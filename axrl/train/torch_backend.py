@@ -27,8 +27,8 @@ from axrl.train.metrics import reduce_microbatch_metrics
 from axrl.train.micro_batch import micro_batches, next_token_logprobs, pad_micro_batch, split_micro_batches, unpad
 from axrl.train.inspection import inspect_model
 from axrl.train.metrics import join_token_columns, split_token_columns
-from axrl.train.protocol import (R3, ForwardProbe, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, R3Scope, StepStats,
-                                 TrainMetrics, r3_scope)
+from axrl.train.protocol import (R3, ForwardProbe, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, R3Scope,
+                                 StepStats, TrainMetrics, r3_scope)
 
 CHECKPOINT_FORMAT = "axrl-torch-backend"
 CHECKPOINT_VERSION = 1
@@ -210,12 +210,18 @@ class TorchBackend:
     def forward(self, batch: PackedBatch, *, r3: R3 = False, weights: str | None = None) -> ForwardResult:
         """No-grad logprobs/entropy [T] (fp32) and the routing [T, L, k] this forward used; under
         the weights kept as `weights` when given (see `keep_weights`)."""
+        return self._no_grad_forward(batch, r3, weights=weights)
+
+    def _no_grad_forward(self, batch: PackedBatch, r3: R3, *, weights: str | None = None,
+                         probe: ForwardProbe | None = None) -> ForwardResult:
         r3 = self._use_r3(batch, r3)
+        # The micro-batches' rows in the batch: the probe is told which samples each one holds.
+        ranges = split_micro_batches(batch.lengths, self.config.micro_batch_tokens, self.config.micro_batch_size)
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad(), self._swapped(weights):
-                parts = [self._run(mb, r3) for mb in self._micro_batches(batch)]
+                parts = [self._run(mb, r3, probe, list(rng)) for rng, mb in zip(ranges, self._micro_batches(batch))]
         finally:
             self.model.train(was_training)
         out_device = batch.input_ids.device
@@ -249,19 +255,7 @@ class TorchBackend:
 
     def probe_forward(self, batch: PackedBatch, probe: ForwardProbe, *, r3: R3 = False) -> ForwardResult:
         """`forward` (current weights) with `probe` on the model's hook points, same micro-batches."""
-        scope = self._use_r3(batch, r3)
-        ranges = split_micro_batches(batch.lengths, self.config.micro_batch_tokens, self.config.micro_batch_size)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                parts = [self._run(mb, scope, probe, list(rng)) for rng, mb in zip(ranges, self._micro_batches(batch))]
-        finally:
-            self.model.train(was_training)
-        out_device = batch.input_ids.device
-        routing = None if parts[0][2] is None else torch.cat([p[2] for p in parts]).to(out_device)
-        return ForwardResult(logprobs=torch.cat([p[0] for p in parts]).to(out_device),
-                             entropy=torch.cat([p[1] for p in parts]).to(out_device), routed_experts=routing)
+        return self._no_grad_forward(batch, r3, probe=probe)
 
     def inspect(self, batch: PackedBatch, loss_fn: LossFn, *, r3: R3 = False) -> Inspection:
         return inspect_model(self.model, batch, loss_fn, r3=self._use_r3(batch, r3),
