@@ -18,7 +18,7 @@ from axrl.config import Config, ConfigError
 from axrl.data import PromptLoader
 from axrl.inference.embedded import EmbeddedEngine
 from axrl.inference.protocol import InferenceEngine, SamplingParams
-from axrl.model import Qwen3ForCausalLM, build_model, load_hf, load_weights_into, preset_config
+from axrl.model import ModelConfig, Qwen3ForCausalLM, build_model, load_hf, load_weights_into, preset_config
 from axrl.model.device import resolve_device
 from axrl.rollout.agent_loop import opening
 from axrl.rollout.pool import TrajectoryPool
@@ -86,28 +86,13 @@ def check_context(cfg: Config, tokenizer: Tokenizer, task: Task, loader: PromptL
 
 def build_components(cfg: Config) -> Components:
     tokenizer = make_tokenizer(cfg)
-    task = resolve_task(cfg.data, warmup=cfg.warmup.steps > 0, evaluate=cfg.eval.every > 0)
-    loader = (PromptLoader.from_file(cfg.data.path, seed=cfg.seed) if cfg.data.path
-              else PromptLoader.from_task(task, seed=cfg.seed))
+    task, loader = make_data(cfg)
     check_context(cfg, tokenizer, task, loader)
     backend = make_train_backend(cfg, tokenizer)
     engine = make_engine(cfg, backend, tokenizer)
     model_config = backend.model_config
-    r = cfg.rollout
-    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, stop_token_ids=tokenizer.stop_token_ids)
-    settings = RolloutSettings(group_size=r.group_size, sampling=sampling, max_turns=r.max_turns,
-                               max_context_len=r.max_context_len, return_routing=model_config.is_moe)
-    # Dynamic sampling (DAPO) rolls out more groups per step than it trains (the processor keeps
-    # the informative ones): batches are sealed at that size.
-    schedule = Schedule(cfg.runtime.mode, prompts_to_roll_out(cfg), r.max_staleness, clocked=cfg.runtime.deterministic)
-    clock = rollout_clock(cfg)
-    policy = RolloutPolicy(partial_rollout=r.partial_rollout, stale_policy=r.stale_policy, max_reruns=r.max_reruns,
-                           max_live_episodes=r.max_live_episodes or r.max_batch_size)
-    sync = WeightSync(version=0)
-    pool = TrajectoryPool(r.group_size)
-    rollout = RolloutWorker(engine, tokenizer, task.make_env, loader, settings, schedule, policy, sync, pool,
-                            clock=clock, seed=cfg.seed, threads=cfg.runtime.threads)
+    rollout, sync, pool = make_rollout(cfg, tokenizer, task, loader, engine, model_config)
+    r, clock, sampling = cfg.rollout, rollout_clock(cfg), rollout.settings.sampling
     processor = AlgorithmProcessor.from_config(cfg)
     trainer = TrainWorker(backend, processor, cfg, sync, model_config.num_experts)
     evaluator = None
@@ -118,6 +103,35 @@ def build_components(cfg: Config) -> Components:
         evaluator = Evaluator(make_embedded_engine(cfg, backend, tokenizer, clocked=eval_clock == "iterations"),
                               tokenizer, task, eval_settings, prompts=cfg.eval.prompts, seed=cfg.seed, clock=eval_clock)
     return Components(tokenizer, task, loader, backend, engine, sync, pool, rollout, trainer, evaluator)
+
+
+def make_rollout(cfg: Config, tokenizer: Tokenizer, task: Task, loader: PromptLoader, engine: InferenceEngine,
+                 model_config: ModelConfig) -> tuple[RolloutWorker, WeightSync, TrajectoryPool]:
+    """The rollout worker of a run on `engine`, with the weight sync it listens to and the pool it
+    fills (rollout replay builds them the same way)."""
+    r = cfg.rollout
+    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                              top_k=r.top_k, stop_token_ids=tokenizer.stop_token_ids)
+    settings = RolloutSettings(group_size=r.group_size, sampling=sampling, max_turns=r.max_turns,
+                               max_context_len=r.max_context_len, return_routing=model_config.is_moe)
+    # Dynamic sampling (DAPO) rolls out more groups per step than it trains (the processor keeps
+    # the informative ones): batches are sealed at that size.
+    schedule = Schedule(cfg.runtime.mode, prompts_to_roll_out(cfg), r.max_staleness, clocked=cfg.runtime.deterministic)
+    policy = RolloutPolicy(partial_rollout=r.partial_rollout, stale_policy=r.stale_policy, max_reruns=r.max_reruns,
+                           max_live_episodes=r.max_live_episodes or r.max_batch_size)
+    sync = WeightSync(version=0)
+    pool = TrajectoryPool(r.group_size)
+    rollout = RolloutWorker(engine, tokenizer, task.make_env, loader, settings, schedule, policy, sync, pool,
+                            clock=rollout_clock(cfg), seed=cfg.seed, threads=cfg.runtime.threads)
+    return rollout, sync, pool
+
+
+def make_data(cfg: Config) -> tuple[Task, PromptLoader]:
+    """The run's task and its prompt stream (position p = group p)."""
+    task = resolve_task(cfg.data, warmup=cfg.warmup.steps > 0, evaluate=cfg.eval.every > 0)
+    loader = (PromptLoader.from_file(cfg.data.path, seed=cfg.seed) if cfg.data.path
+              else PromptLoader.from_task(task, seed=cfg.seed))
+    return task, loader
 
 
 def make_tokenizer(cfg: Config) -> Tokenizer:
@@ -173,12 +187,18 @@ def make_engine(cfg: Config, backend: TrainBackend, tokenizer: Tokenizer) -> Inf
     return make_embedded_engine(cfg, backend, tokenizer, clocked=rollout_clock(cfg) == "iterations")
 
 
+def make_engine_model(cfg: Config, model_config: ModelConfig, weights: dict[str, torch.Tensor]) -> Qwen3ForCausalLM:
+    """The embedded engine's own copy of the policy (device and dtype of the run), holding `weights`."""
+    model = Qwen3ForCausalLM(model_config).to(resolve_device(cfg.runtime.device), getattr(torch, cfg.model.dtype))
+    load_weights_into(model, weights, source="the trainer's weights")
+    return model.eval()
+
+
 def make_embedded_engine(cfg: Config, backend: TrainBackend, tokenizer: Tokenizer, *, clocked: bool) -> EmbeddedEngine:
     """An in-process engine with its own copy of the trainer's weights, as a remote server would
     hold; weight sync copies into it. A clocked engine is stepped by its rollout driver."""
-    model = Qwen3ForCausalLM(backend.model_config).to(resolve_device(cfg.runtime.device), getattr(torch, cfg.model.dtype))
-    load_weights_into(model, dict(backend.named_weights()), source="the trainer's weights")
-    return EmbeddedEngine(model.eval(), max_batch_size=cfg.rollout.max_batch_size,
+    model = make_engine_model(cfg, backend.model_config, dict(backend.named_weights()))
+    return EmbeddedEngine(model, max_batch_size=cfg.rollout.max_batch_size,
                           max_seq_len=cfg.rollout.max_context_len, eos_token_id=tokenizer.eos_token_id,
                           clocked=clocked, prefix_cache=cfg.rollout.prefix_cache,
                           prefix_cache_tokens=cfg.rollout.prefix_cache_tokens)

@@ -71,12 +71,18 @@ def shared_with_previous(batch: PackedBatch) -> list[int]:
     return out
 
 
+def micro_batch_ranges(batch: PackedBatch, micro_batch_tokens: int = 0, micro_batch_size: int = 0, *,
+                       merged: bool = False) -> list[range]:
+    """The sample ranges of `micro_batches(batch, ...)`; `merged`: the budget counts prefix-tree
+    slots (see `split_micro_batches`)."""
+    shared = shared_with_previous(batch) if merged and micro_batch_tokens else None
+    return split_micro_batches(batch.lengths, micro_batch_tokens, micro_batch_size, shared=shared)
+
+
 def micro_batches(batch: PackedBatch, micro_batch_tokens: int = 0, micro_batch_size: int = 0, *,
                   merged: bool = False) -> list[PackedBatch]:
-    """The batch cut into consecutive micro-batches (a single one is the batch itself); `merged`:
-    the budget counts prefix-tree slots (see `split_micro_batches`)."""
-    shared = shared_with_previous(batch) if merged and micro_batch_tokens else None
-    ranges = split_micro_batches(batch.lengths, micro_batch_tokens, micro_batch_size, shared=shared)
+    """The batch cut into consecutive micro-batches (a single one is the batch itself)."""
+    ranges = micro_batch_ranges(batch, micro_batch_tokens, micro_batch_size, merged=merged)
     if len(ranges) == 1:
         return [batch]
     return [batch.select(list(r)) for r in ranges]

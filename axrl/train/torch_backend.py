@@ -24,13 +24,13 @@ from axrl.model import ModelConfig, Qwen3ForCausalLM, hf_state_dict, load_weight
 from axrl.train.determinism import RngState, capture_rng_state, restore_rng_state, set_determinism
 from axrl.train.fingerprint import weights_fingerprint
 from axrl.train.metrics import reduce_microbatch_metrics
-from axrl.train.micro_batch import (label_logprobs, micro_batches, next_token_logprobs, pad_micro_batch,
+from axrl.train.micro_batch import (label_logprobs, micro_batch_ranges, next_token_logprobs, pad_micro_batch,
                                     restrict_routing_, unpad)
 from axrl.train.prefix_tree import build_prefix_tree
 from axrl.train.inspection import inspect_model
 from axrl.train.metrics import join_token_columns, split_token_columns
-from axrl.train.protocol import (R3, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, R3Scope, StepStats,
-                                 TrainMetrics, r3_scope)
+from axrl.train.protocol import (R3, ForwardProbe, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, R3Scope,
+                                 StepStats, TrainMetrics, r3_scope)
 
 CHECKPOINT_FORMAT = "axrl-torch-backend"
 CHECKPOINT_VERSION = 1
@@ -183,22 +183,31 @@ class TorchBackend:
         return self.model.config
 
     # ------------------------------------------------------------------ forward / backward
+    def _micro_batch_ranges(self, batch: PackedBatch) -> list[range]:
+        return micro_batch_ranges(batch, self.config.micro_batch_tokens, self.config.micro_batch_size,
+                                  merged=self.config.prefix_merge)
+
     def _micro_batches(self, batch: PackedBatch) -> list[PackedBatch]:
-        return micro_batches(batch, self.config.micro_batch_tokens, self.config.micro_batch_size,
-                             merged=self.config.prefix_merge)
+        ranges = self._micro_batch_ranges(batch)
+        return [batch] if len(ranges) == 1 else [batch.select(list(r)) for r in ranges]
 
     def _use_r3(self, batch: PackedBatch, r3: R3) -> R3Scope | None:
         return use_r3(self.model.config, batch, r3)
 
-    def _run(self, mb: PackedBatch, r3: R3Scope | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    def _run(self, mb: PackedBatch, r3: R3Scope | None, probe: ForwardProbe | None = None,
+             samples: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
         """Packed (logprobs, entropy, routing) [T_mb] of one micro-batch, on the model's device, and
-        how many positions the forward computed (samples × longest; tree slots when merged)."""
-        if self.config.prefix_merge:
+        how many positions the forward computed (samples × longest; tree slots when merged).
+        `probe`: see `probe_forward` (its hook points sit on the padded layout, so a probed forward
+        is the unmerged one); `samples` are the micro-batch's rows in the whole batch."""
+        if self.config.prefix_merge and probe is None:
             return self._run_merged(mb, r3)
         pm = pad_micro_batch(mb, with_routing=r3 is not None, device=self.device, scope=r3)
+        if probe is not None:
+            probe.begin(samples or [], pm.rows, pm.cols)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.dtype == "bfloat16"):
             out = self.model(pm.input_ids, attention_mask=pm.attention_mask, forced_experts=pm.forced_experts,
-                             return_routing=True)
+                             return_routing=True, probe=probe)
         logprobs, entropy = next_token_logprobs(out.logits, pm.input_ids, mb.temperature)
         routing = None if out.routed_experts is None else unpad(out.routed_experts, pm.rows, pm.cols)
         return unpad(logprobs, pm.rows, pm.cols), unpad(entropy, pm.rows, pm.cols), routing, pm.input_ids.numel()
@@ -237,12 +246,18 @@ class TorchBackend:
     def forward(self, batch: PackedBatch, *, r3: R3 = False, weights: str | None = None) -> ForwardResult:
         """No-grad logprobs/entropy [T] (fp32) and the routing [T, L, k] this forward used; under
         the weights kept as `weights` when given (see `keep_weights`)."""
+        return self._no_grad_forward(batch, r3, weights=weights)
+
+    def _no_grad_forward(self, batch: PackedBatch, r3: R3, *, weights: str | None = None,
+                         probe: ForwardProbe | None = None) -> ForwardResult:
         r3 = self._use_r3(batch, r3)
+        # The micro-batches' rows in the batch: the probe is told which samples each one holds.
+        ranges = self._micro_batch_ranges(batch)
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad(), self._swapped(weights):
-                parts = [self._run(mb, r3) for mb in self._micro_batches(batch)]
+                parts = [self._run(mb, r3, probe, list(rng)) for rng, mb in zip(ranges, self._micro_batches(batch))]
         finally:
             self.model.train(was_training)
         out_device = batch.input_ids.device
@@ -273,6 +288,10 @@ class TorchBackend:
 
     def forget_weights(self, key: str) -> None:
         self._kept.pop(key, None)
+
+    def probe_forward(self, batch: PackedBatch, probe: ForwardProbe, *, r3: R3 = False) -> ForwardResult:
+        """`forward` (current weights) with `probe` on the model's hook points, same micro-batches."""
+        return self._no_grad_forward(batch, r3, probe=probe)
 
     def inspect(self, batch: PackedBatch, loss_fn: LossFn, *, r3: R3 = False) -> Inspection:
         return inspect_model(self.model, batch, loss_fn, r3=self._use_r3(batch, r3),

@@ -233,6 +233,10 @@ class MegatronBackend:
         """None: the ranks' GPTModel is not hooked (replay dumps leave those groups out)."""
         return None
 
+    def probe_forward(self, batch: PackedBatch, probe: Any, *, r3: R3 = False) -> ForwardResult | None:
+        """None: the ranks' GPTModel has no hook points (mismatch attribution needs the torch backend)."""
+        return None
+
     # ------------------------------------------------------------------ weights
     def _hf_weights(self) -> dict[str, torch.Tensor]:
         if self._weights is None:
