@@ -201,8 +201,8 @@ class FusedDecoder:
 
     # -- prefill -----------------------------------------------------------------------------------
     def prefill(self, prompts: list[list[int]], slots: list[int], cache: StaticKVCache,
-                need_routing: bool, starts: list[int] | None = None,
-                probe: ActivationProbe | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                need_routing: bool, probe: ActivationProbe | None = None, *,
+                starts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed whole prompts into the given cache slots; returns the final-norm hidden state of each
         prompt's last token [B, hidden] and, if asked on an MoE model, routing for every prompt token
         [sum(lens), layers, top_k] (int64, prompts concatenated).
