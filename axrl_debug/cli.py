@@ -18,6 +18,7 @@ COMMANDS = {
     "golden": "golden",
     "check": "check",
     "replay": "replay",
+    "explain": "explain",
     "tui": "tui",
 }
 

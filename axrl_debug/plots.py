@@ -110,3 +110,43 @@ def mismatch_plots(acc: Any, res: dict[str, Any], out_dir: Path | str) -> list[P
         ax.legend(fontsize=7)
         save(fig, "mismatch_per_step.png")
     return written
+
+
+def explain_plot(token: dict[str, Any], out_dir: Path | str, step: int) -> Path:
+    """``axrl-debug explain --plot DIR``: one figure per token, `explain_step{N}_sample{S}_token{T}.png`.
+    Left: the hidden-state norm at the predicting position after each hook point, both paths, and
+    their relative distance per component. Right: the logprob gap left after patching the engine's
+    state at each point (the activation-patching curve; 0 at the logits by construction)."""
+    plt = _plt()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = token["rows"]
+    names = [r["name"] for r in rows]
+    x = np.arange(len(rows))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    norms = [v for k, v in token["hidden_norms"].items() if k != "logits"]  # residual stream only
+    ax1.plot(x[:len(norms)], [n[0] for n in norms], "o-", label="engine ‖h‖", color="tab:orange")
+    ax1.plot(x[:len(norms)], [n[1] for n in norms], "s--", label="trainer ‖h‖", color="tab:blue")
+    ax1.set_ylabel("hidden-state norm after the component", fontsize=8)
+    twin = ax1.twinx()
+    twin.bar(x, [max(r["rel_diff"], 1e-12) for r in rows], alpha=0.3, color="tab:red", label="rel. distance")
+    twin.set_yscale("log")
+    twin.set_ylabel("‖engine − trainer‖ / ‖trainer‖ of its output", fontsize=8)
+    ax1.set_xticks(x, names, rotation=45, ha="right", fontsize=7)
+    ax1.legend(fontsize=7, loc="upper left")
+    ax1.set_title("divergence by layer (predicting position)", fontsize=9)
+    ax2.axhline(0, color="gray", lw=0.5)
+    ax2.plot(x, [r["remaining_gap"] for r in rows], "o-", color="tab:purple")
+    ax2.axhline(token["gap"], color="tab:red", ls=":", lw=1, label=f"gap {token['gap']:+.3g}")
+    if token["r3_gap"] == token["r3_gap"]:
+        ax2.axhline(token["r3_gap"], color="tab:green", ls="--", lw=1, label=f"with R3 {token['r3_gap']:+.3g}")
+    ax2.set_xticks(x, names, rotation=45, ha="right", fontsize=7)
+    ax2.set_ylabel("trainer − engine logprob after patching", fontsize=8)
+    ax2.legend(fontsize=7)
+    ax2.set_title(f"activation patching: named {token['named']}", fontsize=9)
+    fig.suptitle(f"step {step}, sample {token['sample_id']}, token {token['token']} {token['text']!r}", fontsize=10)
+    fig.tight_layout()
+    path = out_dir / f"explain_step{step}_sample{token['sample_id']}_token{token['token']}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -176,7 +176,7 @@ def replay_step(run_dir: str | Path, step: int, *, dump: bool = False, dump_to: 
         torch.set_num_threads(threads_before)
 
 
-def _load_start(inv: RunInventory, plan: ReplayPlan, backend: TrainBackend, step: int,
+def load_start(inv: RunInventory, plan: ReplayPlan, backend: TrainBackend, step: int,
                 say: Progress) -> tuple[int, Path, list[str]]:
     """Load the newest loadable checkpoint ≤ step (older ones when it is damaged); returns its step,
     path and notes (fall-backs taken, the backend's own warnings such as a config difference)."""
@@ -247,7 +247,7 @@ def _replay(inv: RunInventory, cfg: Config, step: int, plan: ReplayPlan, parsed:
 def _replay_on(backend: TrainBackend, tokenizer: Tokenizer, inv: RunInventory, cfg: Config, step: int,
                plan: ReplayPlan, parsed: list[Variant], *, dump: bool, dump_to: Path | None, say: Progress,
                t0: float) -> ReplayResult:
-    k0, ckpt, notes = _load_start(inv, plan, backend, step, say)
+    k0, ckpt, notes = load_start(inv, plan, backend, step, say)
     timings: dict[str, float] = {"load_seconds": time.perf_counter() - t0}
     env = current_environment(cfg)
     warns = environment_warnings(inv.reader.manifest, env, _checkpoint_meta(ckpt)) + notes

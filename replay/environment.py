@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from axrl.config import Config
+from axrl.trace.run_dir import cpu_facts
 
 REQUIREMENTS = ("same train backend and device kind, same torch thread count, the recorded config.yaml, "
                 "and the same torch / python / numpy versions (and axrl source) as in manifest.json")
@@ -34,18 +35,6 @@ def _git_sha(where: str) -> str | None:
     return res.stdout.strip() or None
 
 
-def cpu_model() -> str | None:
-    """The CPU model name (Linux /proc/cpuinfo), else platform.processor()."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
-
-
 def current_environment(cfg: Config, device: str = "cpu") -> dict[str, Any]:
     """The facts of this process that decide whether a re-execution can be bitwise."""
     import axrl
@@ -59,7 +48,7 @@ def current_environment(cfg: Config, device: str = "cpu") -> dict[str, Any]:
         "host": socket.gethostname(),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
-        "cpu_model": cpu_model(),
+        **cpu_facts(),
         "git_sha": _git_sha(os.path.dirname(axrl.__file__)),
         "deterministic": cfg.runtime.deterministic,
         "python_executable": sys.executable,
@@ -91,8 +80,11 @@ def environment_warnings(manifest: dict[str, Any], current: dict[str, Any],
         if manifest.get(key) is not None and manifest[key] != current[key]:
             warn.append(f"{label} differs: recorded {manifest[key]}, now {current[key]} "
                         "(other CPU kernels can round differently)")
-    if manifest.get("cpu_model") is not None and manifest["cpu_model"] != current["cpu_model"]:
-        warn.append(f"CPU model differs: recorded {manifest['cpu_model']}, now {current['cpu_model']}")
+    for key, label in (("cpu_model", "CPU model"), ("cpu_capability", "torch CPU dispatch level"),
+                       ("cpu_flags", "CPU instruction-set flags (digest)")):
+        if manifest.get(key) is not None and manifest[key] != current[key]:
+            warn.append(f"{label} differs: recorded {manifest[key]}, now {current[key]} "
+                        "(other CPU kernels round differently)")
     if manifest.get("git_sha") and current.get("git_sha") and manifest["git_sha"] != current["git_sha"]:
         warn.append(f"axrl source differs: recorded at git {manifest['git_sha'][:12]}, "
                     f"now {current['git_sha'][:12]}")

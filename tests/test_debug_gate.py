@@ -130,6 +130,26 @@ def test_repo_ci_gate(tmp_path):
     proc = subprocess.run([sys.executable, "-c", "from axrl.cli import app; app()", "train", str(GATE_CONFIG),
                            "--run-dir", str(run)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    r = invoke("check", run, "--golden", GATE_GOLDEN, "--junit", tmp_path / "gate.xml")
+    r = invoke("check", run, "--golden", GATE_GOLDEN, "--junit", tmp_path / "gate.xml",
+               *cross_cpu_tolerances(golden["source"]))
     assert r.exit_code == 0, r.stdout + r.stderr
     assert ET.parse(tmp_path / "gate.xml").getroot().get("failures") == "0"
+
+
+# Bits are a property of the CPU as well as of torch and the thread count: another instruction set
+# (or microarchitecture) runs other kernels. Measured between two CI machines with the same torch
+# build: identical tokens, loss and grad norm within 5e-5 relative, the ~2e-7 mismatch off by 10 %.
+# On another CPU the gate still requires the same tokens, rewards and routing (exact) and the
+# optimiser numbers to 1e-3; the kernel-noise metrics only to fp32 noise.
+CROSS_CPU_TOL = ("loss=1e-3,1e-9", "grad_norm=1e-3,1e-9", "mismatch=0,1e-6", "mismatch_max=0,1e-5",
+                 "kl_k3=0,1e-11")
+
+
+def cross_cpu_tolerances(source: dict) -> list[str]:
+    """`--tol` options for a golden file recorded on a CPU that dispatches to other kernels."""
+    from axrl.trace.run_dir import cpu_facts
+
+    here = cpu_facts()
+    if all(source.get(k) == here[k] for k in ("cpu_capability", "cpu_flags")):
+        return []
+    return [a for t in CROSS_CPU_TOL for a in ("--tol", t)]

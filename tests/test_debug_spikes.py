@@ -93,16 +93,18 @@ def test_each_floor_is_what_stops_the_noise():
 
 
 def test_spike_lr_example_still_shows_its_spike(tmp_path):
-    """examples/spike_lr.yaml for real (~25 s): the 50× learning rate of step 8 shows as the grad-norm
-    spike and reward collapse of step 9 (step 8's own updates move the loss), and nothing before
-    the fault."""
+    """examples/spike_lr.yaml for real (~25 s): the 50× learning rate of step 8 shows as the reward
+    collapse of step 9 and a grad-norm spike right after it (step 9 or 10: the exact step depends
+    on the CPU's kernels, docs/debugging.md), step 8's own updates move the loss, and nothing is
+    flagged before the fault."""
     run = tmp_path / "spike"
     result = CliRunner().invoke(axrl_app, ["train", str(ROOT / "examples" / "spike_lr.yaml"), "--run-dir", str(run)])
     assert result.exit_code == 0, result.output
     result = CliRunner().invoke(debug_app, ["spikes", str(run), "--json"])
     assert result.exit_code == 0, result.output
     found = {(s["step"], s["metric"]) for s in json.loads(result.stdout)["spikes"]}
-    assert {(9, "grad_norm"), (9, "reward")} <= found
+    assert (9, "reward") in found
+    assert {(9, "grad_norm"), (10, "grad_norm")} & found
     assert min(step for step, _ in found) == 8
 
 

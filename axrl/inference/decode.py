@@ -23,6 +23,12 @@ in any KV-cache decode); tests check tokens, logprobs and routing against a plai
 and the engine can run the model's own forward instead (`decode_impl="model"`) as a reference.
 
 Packed weights are copies: call `repack()` after the model's weights change.
+
+Both passes take an optional `probe` (`axrl.model.ActivationProbe`): the same hook points as the
+model's forward ("in", "mid", "router", "out" per layer, then "final"), on the packed rows [N, ...]
+this path computes (prefill: the final norm only at each prompt's last token). Mismatch
+attribution (replay/explain.py) reads the engine's activations through it; without one nothing
+changes.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from axrl.inference.kv_cache import StaticKVCache
-from axrl.model import Qwen3ForCausalLM
+from axrl.model import ActivationProbe, Qwen3ForCausalLM
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -147,7 +153,7 @@ class FusedDecoder:
 
     # -- decode ------------------------------------------------------------------------------------
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache, kv_len: int,
-             need_routing: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+             need_routing: bool, probe: ActivationProbe | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed tokens [n] at positions [n] for slots [0, n); returns the final-norm hidden states
         [n, hidden] and, if asked on an MoE model, routing [n, layers, top_k] (int64)."""
         n = tokens.shape[0]
@@ -172,6 +178,8 @@ class FusedDecoder:
             mask = (self.key_range[0, :kv_len] <= positions[:, None])[:, None, None, :]
         routing: list[torch.Tensor] = []
         for li, w in enumerate(self.layers):
+            if probe is not None:
+                x = probe.at("in", li, x)
             q, k, v = self._qkv(x, w, cos, sin)
             cache.write_rows(li, cache_rows, k.reshape(n * KV, D), v.reshape(n * KV, D))
             k_all, v_all = cache.view(li, n, kv_len)  # [n, KV, K, D] views
@@ -185,22 +193,31 @@ class FusedDecoder:
             else:
                 attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=D ** -0.5)
             x = torch.addmm(x, attn.reshape(n, H * D), w.w_o_t)
-            x = self._ffn(x, w, routing if need_routing else None)
+            x = self._layer_rest(x, w, li, routing if need_routing else None, probe)
         hidden = _norm(x, self.final_norm, self.final_eps)
+        if probe is not None:
+            hidden = probe.at("final", -1, hidden)
         return hidden, (torch.stack(routing, dim=1) if routing else None)
 
     # -- prefill -----------------------------------------------------------------------------------
     def prefill(self, prompts: list[list[int]], slots: list[int], cache: StaticKVCache,
-                need_routing: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                need_routing: bool, probe: ActivationProbe | None = None, *,
+                starts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed whole prompts into the given cache slots; returns the final-norm hidden state of each
         prompt's last token [B, hidden] and, if asked on an MoE model, routing for every prompt token
         [sum(lens), layers, top_k] (int64, prompts concatenated).
+
+        `starts[i]` > 0: the slot already holds K/V for the prompt's first starts[i] tokens (a
+        prefix-cache hit, `prefix_cache.py`); only the rest is computed, attending over all of it,
+        and the routing covers only the computed tokens.
 
         The same math as the model's forward over a right-padded batch, but the row-wise work
         (GEMMs, norms, RoPE, MoE) runs on the packed real tokens only — the bench's prompts are 25%
         padding. Attention alone uses a padded [B, S] layout: causal SDPA, with keys and values read
         back from the cache slots; no real query sees a pad position, and pad queries are dropped.
         """
+        if starts is not None and any(starts):
+            return self._prefill_after(prompts, slots, cache, need_routing, starts, probe)
         dev = self.embed.device
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         lens = [len(p) for p in prompts]
@@ -216,6 +233,8 @@ class FusedDecoder:
         x = F.embedding(tokens, self.embed)
         routing: list[torch.Tensor] = []
         for li, w in enumerate(self.layers):
+            if probe is not None:
+                x = probe.at("in", li, x)
             q, k, v = self._qkv(x, w, cos, sin)
             cache.write_rows(li, cache_rows, k.reshape(N * KV, D), v.reshape(N * KV, D))
             k_cache, v_cache = cache.k[li], cache.v[li]
@@ -230,9 +249,59 @@ class FusedDecoder:
                                                   is_causal=True, scale=D ** -0.5, enable_gqa=True)
             attn = attn.transpose(1, 2)[seq_of, positions]  # [N, H, D]: the real queries
             x = torch.addmm(x, attn.reshape(N, H * D), w.w_o_t)
-            x = self._ffn(x, w, routing if need_routing else None)
+            x = self._layer_rest(x, w, li, routing if need_routing else None, probe)
         last = torch.tensor(lens, device=dev).cumsum(0) - 1
         hidden = _norm(x[last], self.final_norm, self.final_eps)
+        if probe is not None:
+            hidden = probe.at("final", -1, hidden)
+        return hidden, (torch.stack(routing, dim=1) if routing else None)
+
+    def _prefill_after(self, prompts: list[list[int]], slots: list[int], cache: StaticKVCache,
+                       need_routing: bool, starts: list[int],
+                       probe: ActivationProbe | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`prefill` of prompts[i][starts[i]:] over slots that hold the first starts[i] tokens:
+        the same row-wise work on the new tokens; attention in a padded [B, new] × [B, K] layout
+        with an explicit mask (key j visible to the query at position p iff j <= p)."""
+        dev = self.embed.device
+        H, KV, D = self.n_heads, self.n_kv, self.head_dim
+        lens = [len(p) for p in prompts]
+        new = [n - s for n, s in zip(lens, starts)]
+        B, Q, K, N = len(prompts), max(new), max(lens), sum(new)
+        tokens = torch.tensor([t for p, s in zip(prompts, starts) for t in p[s:]], device=dev)
+        local = torch.tensor([i for n in new for i in range(n)], device=dev)
+        seq_of = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(new, device=dev))
+        positions = local + torch.tensor(starts, device=dev)[seq_of]
+        slot_t = torch.tensor(slots, device=dev)
+        cache_rows = cache.rows(slot_t[seq_of], positions)
+        padded_rows = seq_of * Q + local
+        contiguous_slots = slots == list(range(slots[0], slots[0] + B))
+        q_pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(Q, device=dev)[None]  # [B, Q]
+        # key j visible to the query at position p iff j <= p (SDPA with a bool mask: measured faster
+        # here than baddbmm/softmax/bmm, unlike decode's one-query case)
+        mask = (torch.arange(K, device=dev)[None, None] <= q_pos[:, :, None])[:, None]         # [B, 1, Q, K]
+        cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]
+        x = F.embedding(tokens, self.embed)
+        routing: list[torch.Tensor] = []
+        for li, w in enumerate(self.layers):
+            if probe is not None:
+                x = probe.at("in", li, x)
+            q, k, v = self._qkv(x, w, cos, sin)
+            cache.write_rows(li, cache_rows, k.reshape(N * KV, D), v.reshape(N * KV, D))
+            if contiguous_slots:  # views, as in `prefill`
+                k_pad, v_pad = cache.k[li][slots[0]:slots[0] + B, :, :K], cache.v[li][slots[0]:slots[0] + B, :, :K]
+            else:
+                k_pad, v_pad = cache.k[li][slot_t, :, :K], cache.v[li][slot_t, :, :K]
+            q_pad = q.new_zeros(B * Q, H, D)  # pad query rows see key 0 at least: no NaN, never read
+            q_pad[padded_rows] = q
+            attn = F.scaled_dot_product_attention(q_pad.view(B, Q, H, D).transpose(1, 2), k_pad, v_pad,
+                                                  attn_mask=mask, scale=D ** -0.5, enable_gqa=True)
+            attn = attn.transpose(1, 2)[seq_of, local]
+            x = torch.addmm(x, attn.reshape(N, H * D), w.w_o_t)
+            x = self._layer_rest(x, w, li, routing if need_routing else None, probe)
+        last = torch.tensor(new, device=dev).cumsum(0) - 1
+        hidden = _norm(x[last], self.final_norm, self.final_eps)
+        if probe is not None:
+            hidden = probe.at("final", -1, hidden)
         return hidden, (torch.stack(routing, dim=1) if routing else None)
 
     # -- shared layer halves -----------------------------------------------------------------------
@@ -246,7 +315,16 @@ class FusedDecoder:
         qk = qk * cos + qk.roll(D // 2, dims=-1) * sin  # RoPE on q and k at once
         return qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D:].view(N, KV, D)
 
-    def _ffn(self, x: torch.Tensor, w: _LayerWeights, routing: list[torch.Tensor] | None) -> torch.Tensor:
+    def _layer_rest(self, x: torch.Tensor, w: _LayerWeights, li: int, routing: list[torch.Tensor] | None,
+                    probe: ActivationProbe | None) -> torch.Tensor:
+        """The layer after its attention: the probe's "mid" and "out" points around `_ffn`."""
+        if probe is None:
+            return self._ffn(x, w, routing)
+        x = probe.at("mid", li, x)
+        return probe.at("out", li, self._ffn(x, w, routing, probe, li))
+
+    def _ffn(self, x: torch.Tensor, w: _LayerWeights, routing: list[torch.Tensor] | None,
+             probe: ActivationProbe | None = None, li: int = -1) -> torch.Tensor:
         """x + MLP(post_norm(x)) for rows x [N, hidden] (x is owned here and may be updated in place);
         appends the layer's expert choices [N, top_k] to `routing` when given."""
         h = _norm(x, w.post_norm, w.eps)
@@ -255,7 +333,10 @@ class FusedDecoder:
             if routing is not None and self.is_moe:  # dense layer inside an MoE model: zeros, as the model does
                 routing.append(torch.zeros(x.shape[0], self.top_k, dtype=torch.long, device=x.device))
             return torch.addmm(x, F.silu(gu[:, :w.inter]) * gu[:, w.inter:], w.w_down_t)
-        probs = F.softmax(F.linear(h, w.w_router), dim=-1, dtype=torch.float32)
+        logits = F.linear(h, w.w_router)
+        if probe is not None:
+            logits = probe.at("router", li, logits)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, w.top_k, dim=-1)
         if w.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)

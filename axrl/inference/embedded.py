@@ -48,6 +48,7 @@ from safetensors.torch import load_file
 
 from axrl.inference.decode import FusedDecoder
 from axrl.inference.kv_cache import StaticKVCache
+from axrl.inference.prefix_cache import CacheMatch, PrefixCache
 from axrl.inference.protocol import GenerateRequest, GenerateResult, SamplingParams
 from axrl.inference.sampling import RowParams, derive_seed, sample
 from axrl.model import ModelConfig, Qwen3ForCausalLM, hf_state_dict, load_config, load_weights_into
@@ -74,6 +75,8 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     routing: list[np.ndarray] = field(default_factory=list)  # int32 chunks [rows, layers, top_k]
+    cache_match: CacheMatch | None = None  # its prefix in the prefix cache (locked while running)
+    cached_tokens: int = 0                 # prompt tokens taken from the prefix cache (SGLang's cached_tokens)
 
     @property
     def wants_routing(self) -> bool:
@@ -128,18 +131,30 @@ class EmbeddedEngine:
         max_prefill_tokens: padded tokens per prefill forward; bigger admissions are split.
         clocked: no scheduler thread; the owner runs each iteration with `step()` (a
             `ClockedEngine`), so the schedule is a function of what was submitted between steps.
+        prefix_cache: reuse the K/V of cached prompt prefixes (`prefix_cache.py`: earlier turns of
+            an episode, a GRPO group's shared prompt); None = on with decode_impl="fused" (the
+            only path that supports it).
+        prefix_cache_tokens: pool size of the prefix cache in tokens; 0 = as many as the KV
+            cache's slots hold (max_batch_size × max_seq_len).
+        prefix_cache_block: tokens per cached block (prefixes are reused in whole blocks).
     """
 
     def __init__(self, model: Qwen3ForCausalLM, *, max_batch_size: int = 64, max_seq_len: int = 1024,
                  eos_token_id: int | Sequence[int] | None = None, weight_version: int = 0, seed: int = 0,
                  decode_impl: Literal["fused", "model"] = "fused", max_prefill_tokens: int = 8192,
-                 clocked: bool = False) -> None:
+                 clocked: bool = False, prefix_cache: bool | None = None, prefix_cache_tokens: int = 0,
+                 prefix_cache_block: int = 16) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
         if decode_impl not in ("fused", "model"):
             raise ValueError(f"decode_impl must be 'fused' or 'model', got {decode_impl!r}")
+        if prefix_cache and decode_impl != "fused":
+            raise ValueError("prefix_cache needs decode_impl='fused' (the model's own forward has no suffix prefill)")
+        if prefix_cache_tokens < 0 or prefix_cache_block < 1:
+            raise ValueError(f"prefix_cache_tokens must be >= 0 and prefix_cache_block >= 1, "
+                             f"got {prefix_cache_tokens}, {prefix_cache_block}")
         self.model = model.eval()
         self.config: ModelConfig = model.config
         self.max_batch_size, self.max_seq_len, self.seed = max_batch_size, max_seq_len, seed
@@ -147,7 +162,10 @@ class EmbeddedEngine:
         self.eos_token_ids = frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
         self._expected_shapes = {k: tuple(v.shape) for k, v in hf_state_dict(model).items()}
         self._inbox = _Inbox()
-        self._scheduler = _Scheduler(self, weight_version, decode_impl, max_prefill_tokens)
+        use_cache = decode_impl == "fused" if prefix_cache is None else prefix_cache
+        cache_tokens = prefix_cache_tokens or max_batch_size * max_seq_len
+        self._scheduler = _Scheduler(self, weight_version, decode_impl, max_prefill_tokens,
+                                     (cache_tokens, prefix_cache_block) if use_cache else None)
         self.clocked = clocked
         self._thread: threading.Thread | None = None
         if not clocked:
@@ -224,7 +242,7 @@ class EmbeddedEngine:
                 raise ValueError(f"sampling_params: {e}") from None
         vocab = self.config.vocab_size
         try:
-            prompt = [operator.index(t) for t in req.input_ids]
+            prompt = list(map(operator.index, req.input_ids))  # C-level loop: ~3x the comprehension
         except TypeError:
             raise ValueError("input_ids must be a sequence of integer token ids") from None
         if not prompt:
@@ -354,7 +372,8 @@ class EmbeddedEngine:
         return {"ok": alive and not stopping, "weight_version": s.version,
                 "running": s.num_running, "waiting": waiting, "max_batch_size": self.max_batch_size,
                 "max_seq_len": self.max_seq_len, "iterations": s.iterations,
-                "generated_tokens": s.generated_tokens, "last_error": s.last_error}
+                "generated_tokens": s.generated_tokens, "last_error": s.last_error,
+                "prefix_cache": None if s.prefix_cache is None else s.prefix_cache.stats()}
 
     @property
     def weight_version(self) -> int:
@@ -380,7 +399,8 @@ class EmbeddedEngine:
 class _Scheduler:
     """The loop on the engine thread: owns the model, the KV cache and the slots."""
 
-    def __init__(self, engine: EmbeddedEngine, version: int, decode_impl: str, max_prefill_tokens: int) -> None:
+    def __init__(self, engine: EmbeddedEngine, version: int, decode_impl: str, max_prefill_tokens: int,
+                 prefix_cache: tuple[int, int] | None = None) -> None:
         self.engine, self.inbox, self.model = engine, engine._inbox, engine.model
         cfg = engine.config
         self.is_moe = cfg.is_moe
@@ -390,6 +410,14 @@ class _Scheduler:
         self.decoder = FusedDecoder(self.model, engine.max_seq_len, engine.max_batch_size) if decode_impl == "fused" else None
         self.device = weight.device
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefix_cache: PrefixCache | None = None
+        # Tokens whose K/V (current weights) each free slot still holds from its last request.
+        self.slot_tokens: list[list[int]] = [[] for _ in range(engine.max_batch_size)]
+        if prefix_cache is not None:
+            tokens, block = prefix_cache
+            self.prefix_cache = PrefixCache(
+                self.cache, num_blocks=max(1, tokens // block), block_size=block,
+                routing_shape=(cfg.num_hidden_layers, cfg.num_experts_per_tok) if self.is_moe else None)
         self.slots: list[_Sequence | None] = [None] * engine.max_batch_size
         # Bumped whenever a slot is taken or freed; the next decode step's inputs are reused only
         # while it stands still (see `decode_step`).
@@ -458,6 +486,9 @@ class _Scheduler:
             _resolve(op.future, error=e)
             return
         self.version = self.version + 1 if version is None else version
+        if self.prefix_cache is not None:  # K/V of the old weights must not be reused
+            self.prefix_cache.clear()
+            self.slot_tokens = [[] for _ in self.slots]
         _resolve(op.future, self.version)
 
     def admit(self) -> list[_Sequence]:
@@ -476,10 +507,76 @@ class _Scheduler:
 
     # -- forward passes ----------------------------------------------------------------------------
     def prefill(self, seqs: list[_Sequence]) -> None:
-        """Prefill newly admitted requests in padded chunks of at most `max_prefill_tokens`."""
+        """Prefill newly admitted requests in padded chunks of at most `max_prefill_tokens`.
+
+        With the prefix cache: each request first takes its cached prefix; a request sharing a
+        longer prefix with an earlier one of this admission (a GRPO group) waits for that one's
+        prefill, which inserts its prompt, and is prefilled right after in the same iteration."""
+        if self.prefix_cache is None:
+            self.prefill_chunks(seqs)
+            return
+        first, after = self.split_shared(seqs) if len(seqs) > 1 else (seqs, [])
+        for group in (first, after):
+            for seq in group:
+                self.take_cached_prefix(seq)
+            self.prefill_chunks(group)
+
+    def split_shared(self, seqs: list[_Sequence]) -> tuple[list[_Sequence], list[_Sequence]]:
+        """(prefill now, prefill after them): a request goes second when an earlier first-round
+        request of this admission shares more whole blocks of its prompt than the cache holds."""
+        pc = self.prefix_cache
+        B = pc.block_size
+        trie: dict = {}
+        first, after = [], []
+        for seq in seqs:
+            need = self.is_moe and seq.wants_routing
+            cached = pc.match_length(seq.prompt, need_routing=need)
+            node, shared = trie, 0
+            for i in range(0, len(seq.prompt) - 1 - (len(seq.prompt) - 1) % B, B):
+                node = node.get(tuple(seq.prompt[i:i + B]))
+                if node is None:
+                    break
+                shared += B
+            if shared > cached:
+                after.append(seq)
+                continue
+            first.append(seq)
+            node = trie
+            for i in range(0, len(seq.prompt) - 1 - (len(seq.prompt) - 1) % B, B):
+                node = node.setdefault(tuple(seq.prompt[i:i + B]), {})
+        return first, after
+
+    def take_cached_prefix(self, seq: _Sequence) -> None:
+        """Lock the request's cached prefix and copy its K/V (and routing rows) into its slot."""
+        pc = self.prefix_cache
+        m = pc.match(seq.prompt, need_routing=self.is_moe and seq.wants_routing)
+        seq.cache_match, seq.cached_tokens = m, m.num_tokens
+        held, self.slot_tokens[seq.slot] = self.slot_tokens[seq.slot], []
+        c = m.num_tokens
+        # The slot may still hold these tokens' K/V from its previous request (the last turn of
+        # the same episode, usually): then there is nothing to copy.
+        if not (len(held) >= c and held[:c] == seq.prompt[:c]):
+            pc.load(m, seq.slot)
+        if m.num_tokens and self.is_moe and seq.wants_routing:
+            seq.routing.append(pc.routing_of(m))
+
+    def cache_sequence(self, seq: _Sequence, tokens: list[int]) -> None:
+        """Insert `tokens` (a prefix of what the request's slot holds K/V for) into the prefix
+        cache, unless the weights changed since the request was admitted."""
+        pc, m = self.prefix_cache, seq.cache_match
+        if pc is None or m is None or m.generation != pc.generation:
+            return
+        routing = None
+        if self.is_moe and seq.wants_routing and seq.routing:
+            routing = np.concatenate(seq.routing)[:len(tokens)]
+            if len(routing) < len(tokens):
+                routing = None
+        pc.insert(tokens, seq.slot, routing, owner=m)
+
+    def prefill_chunks(self, seqs: list[_Sequence]) -> None:
         chunk: list[_Sequence] = []
         for seq in seqs:
-            longest = max([len(s.prompt) for s in chunk] + [len(seq.prompt)])
+            longest = max([len(s.prompt) - s.cached_tokens for s in chunk] + [len(seq.prompt) - seq.cached_tokens])
             if chunk and longest * (len(chunk) + 1) > self.max_prefill_tokens:
                 self.prefill_chunk(chunk)
                 chunk = []
@@ -497,14 +594,17 @@ class _Scheduler:
     def prefill_chunk_fused(self, seqs: list[_Sequence]) -> None:
         want_routing = self.is_moe and any(s.wants_routing for s in seqs)
         hidden, routing = self.decoder.prefill([s.prompt for s in seqs], [s.slot for s in seqs], self.cache,
-                                               want_routing)
+                                               want_routing, starts=[s.cached_tokens for s in seqs])
         if routing is not None:
             routing = routing.to(torch.int32).cpu().numpy()
             start = 0
             for seq in seqs:
+                computed = len(seq.prompt) - seq.cached_tokens
                 if seq.wants_routing:
-                    seq.routing.append(routing[start:start + len(seq.prompt)].copy())
-                start += len(seq.prompt)
+                    seq.routing.append(routing[start:start + computed].copy())
+                start += computed
+        for seq in seqs:  # the other samples of a group (or a retry) reuse this prefill
+            self.cache_sequence(seq, seq.prompt)
         self.start_decoding(seqs, hidden)
 
     def start_decoding(self, seqs: list[_Sequence], hidden: torch.Tensor) -> None:
@@ -547,8 +647,12 @@ class _Scheduler:
         else:
             n = max(i for i, s in enumerate(self.slots) if s is not None) + 1
             running = [s for s in self.slots[:n] if s is not None]
-            # Idle rows in [0, n) get token 0 at position 0 of their own (free) slot: harmless.
+            # Idle rows in [0, n) get token 0 at position 0 of their own (free) slot: harmless,
+            # except that the K/V such a slot kept from its last request are stale from now on.
             tokens = [s.output_ids[-1] if s is not None else 0 for s in self.slots[:n]]
+            for i in range(n) if len(running) < n else ():
+                if self.slots[i] is None:
+                    self.slot_tokens[i] = []
             positions = [len(s.prompt) + len(s.output_ids) - 1 if s is not None else 0 for s in self.slots[:n]]
             kv_len = max(positions) + 1
             tokens_t = torch.tensor(tokens, device=self.device)
@@ -598,7 +702,10 @@ class _Scheduler:
         return tokens_t
 
     def release(self, seq: _Sequence) -> None:
-        """Free the request's slot and forget it."""
+        """Free the request's slot (and its lock on the prefix cache) and forget it."""
+        if seq.cache_match is not None:
+            self.prefix_cache.release(seq.cache_match)
+            seq.cache_match = None
         if seq.slot >= 0 and self.slots[seq.slot] is seq:
             self.slots[seq.slot] = None
             self.num_running -= 1
@@ -607,6 +714,12 @@ class _Scheduler:
             self.inbox.live.pop(seq.req.rid, None)
 
     def finish(self, seq: _Sequence, reason: dict[str, Any]) -> None:
+        # Its slot holds K/V for the prompt and every output token but the last (never fed).
+        held = seq.prompt + seq.output_ids[:-1]
+        self.cache_sequence(seq, held)
+        m = seq.cache_match
+        if m is not None and m.generation == self.prefix_cache.generation and 0 <= seq.slot:
+            self.slot_tokens[seq.slot] = held  # still valid K/V until the slot's next request writes
         self.release(seq)
         _resolve(seq.future, self.result(seq, reason))
 
@@ -620,7 +733,7 @@ class _Scheduler:
             rid=seq.req.rid, output_ids=list(seq.output_ids), output_logprobs=list(seq.logprobs),
             routed_experts=routed, finish_reason=reason, weight_version=self.version,
             output_weight_versions=list(seq.versions), prompt_tokens=len(seq.prompt),
-            meta={"completion_tokens": len(seq.output_ids), "cached_tokens": 0,
+            meta={"completion_tokens": len(seq.output_ids), "cached_tokens": seq.cached_tokens,
                   "e2e_latency": time.perf_counter() - seq.submitted_at})
 
     def stop(self) -> None:

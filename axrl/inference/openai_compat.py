@@ -201,7 +201,11 @@ def _usage(call: _Call, results: list[GenerateResult]) -> dict[str, int]:
     n = int(call.body.get("n", 1))
     prompt = sum(len(r.input_ids) for r in call.requests[::n])
     completion = sum(len(r.output_ids) for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    # OpenAI's (and SGLang's) prompt_tokens_details.cached_tokens: prompt tokens served from the
+    # engine's prefix cache, counted once per prompt as prompt_tokens is
+    cached = sum(int(r.meta.get("cached_tokens", 0)) for r in results[::n])
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _tool_calls(server: AxrlServer, body: dict[str, Any], text: str) -> tuple[str | None, list[dict[str, Any]]]:

@@ -25,6 +25,22 @@ class KVCache(Protocol):
         ...
 
 
+class ActivationProbe(Protocol):
+    """Explicit hook points of a forward, for mismatch attribution (replay/explain.py).
+
+    `at(point, layer, x)` is called with the activation at each point and returns the tensor the
+    forward continues with: `x` itself to observe, another tensor of the same shape and dtype to
+    patch. Points: "in" (the residual stream entering decoder layer `layer`), "mid" (after its
+    attention's residual add), "router" (its MoE router logits, rows flattened [B*S, E]), "out"
+    (the layer's output), then "final" (after the final norm) and "logits", both with layer −1.
+    The forward may modify `x` in place afterwards: copy what you keep. Without a probe the
+    forward runs exactly as before (no extra ops).
+    """
+
+    def at(self, point: str, layer: int, x: torch.Tensor) -> torch.Tensor:
+        ...
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -123,9 +139,14 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
 
-    def forward(self, x: torch.Tensor, forced_experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, H] → (out [N, H], chosen expert indices [N, top_k])."""
-        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+    def forward(self, x: torch.Tensor, forced_experts: torch.Tensor | None = None, probe: ActivationProbe | None = None,
+                layer: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] → (out [N, H], chosen expert indices [N, top_k]); `probe` sees the router
+        logits as point "router" of `layer`."""
+        logits = self.gate(x)
+        if probe is not None:
+            logits = probe.at("router", layer, logits)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         if forced_experts is None:
             weights, experts = torch.topk(probs, self.top_k, dim=-1)
         else:
@@ -158,14 +179,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                kv_cache: KVCache | None, forced_experts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                kv_cache: KVCache | None, forced_experts: torch.Tensor | None,
+                probe: ActivationProbe | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache)
+        if probe is not None:
+            x = probe.at("mid", self.self_attn.layer_idx, x)
         h = self.post_attention_layernorm(x)
         if not self.is_moe:
             return x + self.mlp(h), None
         B, S, H = h.shape
         forced = None if forced_experts is None else forced_experts.reshape(B * S, -1)
-        out, experts = self.mlp(h.reshape(B * S, H), forced)
+        out, experts = self.mlp(h.reshape(B * S, H), forced, probe, self.self_attn.layer_idx)
         return x + out.view(B, S, H), experts.view(B, S, -1)
 
 
@@ -226,13 +250,15 @@ class Qwen3ForCausalLM(nn.Module):
         forced_experts: torch.Tensor | None = None,
         return_routing: bool = False,
         compute_logits: bool = True,
+        probe: ActivationProbe | None = None,
     ) -> ModelOutput:
         """Run the decoder.
 
         input_ids [B, S]; position_ids default to 0..S-1; attention_mask [B, S] marks real tokens
         (right or left padding); `mask` overrides the attention mask entirely ([B, 1, S, K] bool,
         needed when a KV cache returns more keys than the S new tokens). forced_experts [B, S, L, top_k] replays routing (R3);
-        its rows for dense layers are ignored. Routing is returned in the same layout.
+        its rows for dense layers are ignored. Routing is returned in the same layout. `probe`
+        observes or patches the hook points of `ActivationProbe`.
         """
         B, S = input_ids.shape
         if position_ids is None:
@@ -244,14 +270,23 @@ class Qwen3ForCausalLM(nn.Module):
         routing: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):
             forced = None if forced_experts is None or not layer.is_moe else forced_experts[:, :, i]
-            x, experts = layer(x, cos, sin, mask, kv_cache, forced)
+            if probe is not None:
+                x = probe.at("in", i, x)
+            x, experts = layer(x, cos, sin, mask, kv_cache, forced, probe)
+            if probe is not None:
+                x = probe.at("out", i, x)
             if return_routing and self.config.is_moe:
                 routing.append(experts if experts is not None
                                else torch.zeros(B, S, self.config.num_experts_per_tok, dtype=torch.long,
                                                  device=x.device))
         hidden = self.model.norm(x)
+        if probe is not None:
+            hidden = probe.at("final", -1, hidden)
+        logits = self.lm_head(hidden) if compute_logits else None
+        if probe is not None and logits is not None:
+            logits = probe.at("logits", -1, logits)
         return ModelOutput(
-            logits=self.lm_head(hidden) if compute_logits else None,
+            logits=logits,
             hidden=hidden,
             routed_experts=torch.stack(routing, dim=2) if routing else None,
         )

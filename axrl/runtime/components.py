@@ -19,7 +19,7 @@ from axrl.config import Config, ConfigError
 from axrl.data import PromptLoader
 from axrl.inference.embedded import EmbeddedEngine
 from axrl.inference.protocol import InferenceEngine, SamplingParams
-from axrl.model import Qwen3ForCausalLM, build_model, load_hf, load_weights_into, preset_config
+from axrl.model import ModelConfig, Qwen3ForCausalLM, build_model, load_hf, load_weights_into, preset_config
 from axrl.model.device import resolve_device
 from axrl.rollout.agent_loop import opening
 from axrl.rollout.pool import TrajectoryPool
@@ -94,9 +94,7 @@ def check_context(cfg: Config, tokenizer: Tokenizer, task: Task, loader: PromptL
 
 def build_components(cfg: Config) -> Components:
     tokenizer = make_tokenizer(cfg)
-    task = resolve_task(cfg.data, warmup=cfg.warmup.steps > 0, evaluate=cfg.eval.every > 0)
-    loader = (PromptLoader.from_file(cfg.data.path, seed=cfg.seed) if cfg.data.path
-              else PromptLoader.from_task(task, seed=cfg.seed))
+    task, loader = make_data(cfg)
     check_context(cfg, tokenizer, task, loader)
     events, executor = EventLog(), None
     if cfg.runtime.executor == "ray":
@@ -115,21 +113,8 @@ def build_components(cfg: Config) -> Components:
         backend = make_train_backend(cfg, tokenizer)
         engine = make_engine(cfg, backend, tokenizer)
     model_config = backend.model_config
-    r = cfg.rollout
-    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, stop_token_ids=tokenizer.stop_token_ids)
-    settings = RolloutSettings(group_size=r.group_size, sampling=sampling, max_turns=r.max_turns,
-                               max_context_len=r.max_context_len, return_routing=model_config.is_moe)
-    # Dynamic sampling (DAPO) rolls out more groups per step than it trains (the processor keeps
-    # the informative ones): batches are sealed at that size.
-    schedule = Schedule(cfg.runtime.mode, prompts_to_roll_out(cfg), r.max_staleness, clocked=cfg.runtime.deterministic)
-    clock = rollout_clock(cfg)
-    policy = RolloutPolicy(partial_rollout=r.partial_rollout, stale_policy=r.stale_policy, max_reruns=r.max_reruns,
-                           max_live_episodes=r.max_live_episodes or r.max_batch_size)
-    sync = WeightSync(version=0)
-    pool = TrajectoryPool(r.group_size)
-    rollout = RolloutWorker(engine, tokenizer, task.make_env, loader, settings, schedule, policy, sync, pool,
-                            clock=clock, seed=cfg.seed, threads=cfg.runtime.threads)
+    rollout, sync, pool = make_rollout(cfg, tokenizer, task, loader, engine, model_config)
+    r, clock, sampling = cfg.rollout, rollout_clock(cfg), rollout.settings.sampling
     processor = AlgorithmProcessor.from_config(cfg)
     trainer = TrainWorker(backend, processor, cfg, sync, model_config.num_experts)
     evaluator = None
@@ -141,6 +126,35 @@ def build_components(cfg: Config) -> Components:
                               tokenizer, task, eval_settings, prompts=cfg.eval.prompts, seed=cfg.seed, clock=eval_clock)
     return Components(tokenizer, task, loader, backend, engine, sync, pool, rollout, trainer, evaluator,
                       events=events, executor=executor)
+
+
+def make_rollout(cfg: Config, tokenizer: Tokenizer, task: Task, loader: PromptLoader, engine: InferenceEngine,
+                 model_config: ModelConfig) -> tuple[RolloutWorker, WeightSync, TrajectoryPool]:
+    """The rollout worker of a run on `engine`, with the weight sync it listens to and the pool it
+    fills (rollout replay builds them the same way)."""
+    r = cfg.rollout
+    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                              top_k=r.top_k, stop_token_ids=tokenizer.stop_token_ids)
+    settings = RolloutSettings(group_size=r.group_size, sampling=sampling, max_turns=r.max_turns,
+                               max_context_len=r.max_context_len, return_routing=model_config.is_moe)
+    # Dynamic sampling (DAPO) rolls out more groups per step than it trains (the processor keeps
+    # the informative ones): batches are sealed at that size.
+    schedule = Schedule(cfg.runtime.mode, prompts_to_roll_out(cfg), r.max_staleness, clocked=cfg.runtime.deterministic)
+    policy = RolloutPolicy(partial_rollout=r.partial_rollout, stale_policy=r.stale_policy, max_reruns=r.max_reruns,
+                           max_live_episodes=r.max_live_episodes or r.max_batch_size)
+    sync = WeightSync(version=0)
+    pool = TrajectoryPool(r.group_size)
+    rollout = RolloutWorker(engine, tokenizer, task.make_env, loader, settings, schedule, policy, sync, pool,
+                            clock=rollout_clock(cfg), seed=cfg.seed, threads=cfg.runtime.threads)
+    return rollout, sync, pool
+
+
+def make_data(cfg: Config) -> tuple[Task, PromptLoader]:
+    """The run's task and its prompt stream (position p = group p)."""
+    task = resolve_task(cfg.data, warmup=cfg.warmup.steps > 0, evaluate=cfg.eval.every > 0)
+    loader = (PromptLoader.from_file(cfg.data.path, seed=cfg.seed) if cfg.data.path
+              else PromptLoader.from_task(task, seed=cfg.seed))
+    return task, loader
 
 
 def make_tokenizer(cfg: Config) -> Tokenizer:
@@ -171,7 +185,7 @@ def make_train_backend(cfg: Config, tokenizer: Tokenizer, *, compute_dtype: str 
         lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
         lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=cfg.steps * t.updates_per_step,
         micro_batch_tokens=t.micro_batch_tokens, seed=cfg.seed, num_threads=cfg.runtime.threads,
-        deterministic=cfg.runtime.deterministic)
+        deterministic=cfg.runtime.deterministic, prefix_merge=t.prefix_merge)
     if compute_dtype is not None:
         common["dtype"] = compute_dtype
     if t.backend == "megatron":
@@ -196,11 +210,17 @@ def make_engine(cfg: Config, backend: TrainBackend, tokenizer: Tokenizer) -> Inf
     return make_embedded_engine(cfg, backend, tokenizer, clocked=rollout_clock(cfg) == "iterations")
 
 
+def make_engine_model(cfg: Config, model_config: ModelConfig, weights: dict[str, torch.Tensor]) -> Qwen3ForCausalLM:
+    """The embedded engine's own copy of the policy (device and dtype of the run), holding `weights`."""
+    model = Qwen3ForCausalLM(model_config).to(resolve_device(cfg.runtime.device), getattr(torch, cfg.model.dtype))
+    load_weights_into(model, weights, source="the trainer's weights")
+    return model.eval()
+
+
 def make_embedded_engine(cfg: Config, backend: TrainBackend, tokenizer: Tokenizer, *, clocked: bool) -> EmbeddedEngine:
     """An in-process engine with its own copy of the trainer's weights, as a remote server would
     hold; weight sync copies into it. A clocked engine is stepped by its rollout driver."""
-    model = Qwen3ForCausalLM(backend.model_config).to(resolve_device(cfg.runtime.device), getattr(torch, cfg.model.dtype))
-    load_weights_into(model, dict(backend.named_weights()), source="the trainer's weights")
+    model = make_engine_model(cfg, backend.model_config, dict(backend.named_weights()))
     return embedded_engine_for(cfg, model, tokenizer, clocked=clocked)
 
 
@@ -208,4 +228,5 @@ def embedded_engine_for(cfg: Config, model: Qwen3ForCausalLM, tokenizer: Tokeniz
     """The embedded engine of a run around `model` (also what a Ray engine actor builds)."""
     return EmbeddedEngine(model.eval(), max_batch_size=cfg.rollout.max_batch_size,
                           max_seq_len=cfg.rollout.max_context_len, eos_token_id=tokenizer.eos_token_id,
-                          clocked=clocked)
+                          clocked=clocked, prefix_cache=cfg.rollout.prefix_cache,
+                          prefix_cache_tokens=cfg.rollout.prefix_cache_tokens)

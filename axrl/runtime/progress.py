@@ -66,7 +66,8 @@ class TrainProgress:
         """Print the step's row and advance the bar."""
         table = Table(show_header=not self._header_printed, box=None, pad_edge=False)
         for _, header, _ in _COLUMNS:
-            table.add_column(header, justify="right", min_width=7)
+            # every row is its own table: a fixed width per column keeps the rows aligned under the header
+            table.add_column(header, justify="right", min_width=max(7, len(header)))
         table.add_row(*(_fmt(m.get(key), spec) for key, _, spec in _COLUMNS))
         self._header_printed = True
         self.progress.console.print(table)

@@ -13,6 +13,7 @@ metrics lines are appended, flushed and fsynced one at a time.
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -32,6 +33,31 @@ from .writer import StepRecord, fsync_dir, write_step
 
 
 # ============================================================================ helpers
+def cpu_facts() -> dict[str, Any]:
+    """What decides which CPU kernels torch runs, hence the rounding of every float op.
+
+    The same torch build, thread count and config give the same bits only on CPUs that dispatch
+    to the same kernels: the model name alone is not enough (VMs report a generic "Xeon"), so the
+    instruction-set flags are recorded as a digest, with torch's own dispatch level.
+    """
+    model, flags = None, ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                key = key.strip().lower()
+                if key == "model name" and model is None:
+                    model = value.strip()
+                elif key == "flags" and not flags:
+                    flags = " ".join(sorted(value.split()))
+    except OSError:
+        pass
+    torch = sys.modules.get("torch")
+    return {"cpu_model": model or platform.processor() or None,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability() if torch is not None else None,
+            "cpu_flags": hashlib.sha1(flags.encode()).hexdigest()[:12] if flags else None}
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` via ``path.tmp`` + fsync + os.replace + directory fsync."""
     path = Path(path)
@@ -209,6 +235,7 @@ class RunDir:
             "host": socket.gethostname(),
             "platform": platform.platform(),
             "cpu_count": os.cpu_count(),
+            **cpu_facts(),
             "threads": threads,
             "thread_env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
                            if k in os.environ},

@@ -27,28 +27,62 @@ from axrl.train.protocol import PackedBatch, R3Scope
 
 
 def split_micro_batches(lengths: Sequence[int] | torch.Tensor, micro_batch_tokens: int = 0,
-                        micro_batch_size: int = 0) -> list[range]:
-    """Sample-index ranges [start, end) of each micro-batch, in order (see the module doc)."""
+                        micro_batch_size: int = 0, *, shared: Sequence[int] | None = None) -> list[range]:
+    """Sample-index ranges [start, end) of each micro-batch, in order (see the module doc).
+
+    `shared[i]` (a prefix-merged forward, `axrl.train.prefix_tree`): how many leading tokens
+    sample i shares with sample i - 1. The budget then counts tree slots instead of samples ×
+    longest — a sample costs its length in a new micro-batch and length − shared + 1 after its
+    predecessor (the fork token is duplicated; length if nothing is shared), an upper bound of
+    what the tree computes."""
     if micro_batch_tokens < 0 or micro_batch_size < 0:
         raise ValueError("micro_batch_tokens and micro_batch_size must be >= 0 (0 = no limit)")
     lengths = [int(n) for n in lengths]
     ranges: list[range] = []
-    start, longest = 0, 0
+    start, longest, slots = 0, 0, 0
     for i, n in enumerate(lengths):
-        full = (micro_batch_tokens and (i - start + 1) * max(longest, n) > micro_batch_tokens) or \
+        added = n if shared is None or i == start else n - max(int(shared[i]) - 1, 0)
+        cost = (i - start + 1) * max(longest, n) if shared is None else slots + added
+        full = (micro_batch_tokens and cost > micro_batch_tokens) or \
                (micro_batch_size and i - start >= micro_batch_size)
         if i > start and full:
             ranges.append(range(start, i))
-            start, longest = i, 0
-        longest = max(longest, n)
+            start, longest, slots, added = i, 0, 0, n
+        longest, slots = max(longest, n), slots + added
     if lengths:
         ranges.append(range(start, len(lengths)))
     return ranges
 
 
-def micro_batches(batch: PackedBatch, micro_batch_tokens: int = 0, micro_batch_size: int = 0) -> list[PackedBatch]:
+def shared_with_previous(batch: PackedBatch) -> list[int]:
+    """[N]: how many leading tokens sample i shares with sample i - 1 (0 for the first)."""
+    ids, off = batch.input_ids.tolist(), batch.offsets.tolist()
+    out = [0]
+    for i in range(1, len(off) - 1):
+        a, b = ids[off[i - 1]:off[i]], ids[off[i]:off[i + 1]]
+        lo, hi = 0, min(len(a), len(b))  # binary search on C-level list comparisons
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if a[:mid] == b[:mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        out.append(lo)
+    return out
+
+
+def micro_batch_ranges(batch: PackedBatch, micro_batch_tokens: int = 0, micro_batch_size: int = 0, *,
+                       merged: bool = False) -> list[range]:
+    """The sample ranges of `micro_batches(batch, ...)`; `merged`: the budget counts prefix-tree
+    slots (see `split_micro_batches`)."""
+    shared = shared_with_previous(batch) if merged and micro_batch_tokens else None
+    return split_micro_batches(batch.lengths, micro_batch_tokens, micro_batch_size, shared=shared)
+
+
+def micro_batches(batch: PackedBatch, micro_batch_tokens: int = 0, micro_batch_size: int = 0, *,
+                  merged: bool = False) -> list[PackedBatch]:
     """The batch cut into consecutive micro-batches (a single one is the batch itself)."""
-    ranges = split_micro_batches(batch.lengths, micro_batch_tokens, micro_batch_size)
+    ranges = micro_batch_ranges(batch, micro_batch_tokens, micro_batch_size, merged=merged)
     if len(ranges) == 1:
         return [batch]
     return [batch.select(list(r)) for r in ranges]
@@ -117,8 +151,18 @@ def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
     logprob[:, s] = log_softmax(logits[:, s-1] / T)[input_ids[:, s]], entropy[:, s] = entropy of
     that same distribution; column 0 is 0.0. Computed in float32 whatever the logits dtype.
     """
-    logp = F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    lp = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(-1)
+    lp, ent = label_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
     zero = lp.new_zeros(lp.shape[0], 1)
     return torch.cat([zero, lp], dim=1), torch.cat([zero, ent], dim=1)
+
+
+def label_logprobs(logits: torch.Tensor, labels: torch.Tensor,
+                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log_softmax(logits / T)[label], entropy of that distribution), float32 [...], for logits
+    [..., V] and labels [...]; a label of −1 (nothing to predict) gets logprob 0.0."""
+    logp = F.log_softmax(logits.float() / temperature, dim=-1)
+    lp = logp.gather(-1, labels.clamp_min(0)[..., None]).squeeze(-1)
+    if bool((labels < 0).any()):
+        lp = torch.where(labels >= 0, lp, torch.zeros_like(lp))
+    ent = -(logp.exp() * logp).sum(-1)
+    return lp, ent

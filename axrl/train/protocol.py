@@ -179,6 +179,18 @@ class Inspection:
     param_grad_norm: torch.Tensor        # float64 [P]  per-tensor norm of the total gradient
 
 
+class ForwardProbe(Protocol):
+    """An `axrl.model.ActivationProbe` that also learns the layout of each micro-batch it sees."""
+
+    def begin(self, samples: list[int], rows: torch.Tensor, cols: torch.Tensor) -> None:
+        """The next micro-batch holds batch samples `samples` (in row order); packed token t of it
+        sits at padded position (rows[t], cols[t])."""
+        ...
+
+    def at(self, point: str, layer: int, x: torch.Tensor) -> torch.Tensor:
+        ...
+
+
 @runtime_checkable
 class TrainBackend(Protocol):
     """Implemented by the embedded PyTorch backend and the Megatron-core backend.
@@ -244,6 +256,14 @@ class TrainBackend(Protocol):
         """Costly diagnostics of one optimizer batch at the current weights (activation norms,
         router load, per-sample gradients), without changing any state; None when the backend
         cannot observe its model's internals."""
+        ...
+
+    def probe_forward(self, batch: PackedBatch, probe: "ForwardProbe", *, r3: R3 = False) -> ForwardResult | None:
+        """`forward` with `probe` on the model's hook points (`axrl.model.ActivationProbe`), micro-batch by
+        micro-batch exactly as `forward` splits and pads the batch (mismatch attribution observes and
+        patches the trainer's computation as it ran); before each micro-batch `probe.begin` says which
+        samples it holds and where each packed token sits in the padded layout. An observing probe
+        leaves the result bitwise equal to `forward`'s. None when the backend cannot hook its model."""
         ...
 
     def state_dict(self) -> dict[str, Any]:

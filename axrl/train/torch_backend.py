@@ -24,11 +24,13 @@ from axrl.model import ModelConfig, Qwen3ForCausalLM, hf_state_dict, load_weight
 from axrl.train.determinism import RngState, capture_rng_state, restore_rng_state, set_determinism
 from axrl.train.fingerprint import weights_fingerprint
 from axrl.train.metrics import reduce_microbatch_metrics
-from axrl.train.micro_batch import micro_batches, next_token_logprobs, pad_micro_batch, unpad
+from axrl.train.micro_batch import (label_logprobs, micro_batch_ranges, next_token_logprobs, pad_micro_batch,
+                                    restrict_routing_, unpad)
+from axrl.train.prefix_tree import build_prefix_tree
 from axrl.train.inspection import inspect_model
 from axrl.train.metrics import join_token_columns, split_token_columns
-from axrl.train.protocol import (R3, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, R3Scope, StepStats,
-                                 TrainMetrics, r3_scope)
+from axrl.train.protocol import (R3, ForwardProbe, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, R3Scope,
+                                 StepStats, TrainMetrics, r3_scope)
 
 CHECKPOINT_FORMAT = "axrl-torch-backend"
 CHECKPOINT_VERSION = 1
@@ -56,6 +58,7 @@ class TorchBackendConfig:
     seed: int = 0
     num_threads: int = 0                # torch intra-op threads; 0 = keep the current count
     deterministic: bool = True
+    prefix_merge: bool = False          # one forward over each micro-batch's prefix tree (train/prefix_tree.py)
 
     def __post_init__(self) -> None:
         self.betas = (float(self.betas[0]), float(self.betas[1]))  # JSON gives a list back
@@ -180,21 +183,58 @@ class TorchBackend:
         return self.model.config
 
     # ------------------------------------------------------------------ forward / backward
+    def _micro_batch_ranges(self, batch: PackedBatch) -> list[range]:
+        return micro_batch_ranges(batch, self.config.micro_batch_tokens, self.config.micro_batch_size,
+                                  merged=self.config.prefix_merge)
+
     def _micro_batches(self, batch: PackedBatch) -> list[PackedBatch]:
-        return micro_batches(batch, self.config.micro_batch_tokens, self.config.micro_batch_size)
+        ranges = self._micro_batch_ranges(batch)
+        return [batch] if len(ranges) == 1 else [batch.select(list(r)) for r in ranges]
 
     def _use_r3(self, batch: PackedBatch, r3: R3) -> R3Scope | None:
         return use_r3(self.model.config, batch, r3)
 
-    def _run(self, mb: PackedBatch, r3: R3Scope | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Packed (logprobs, entropy, routing) [T_mb] of one micro-batch, on the model's device."""
+    def _run(self, mb: PackedBatch, r3: R3Scope | None, probe: ForwardProbe | None = None,
+             samples: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+        """Packed (logprobs, entropy, routing) [T_mb] of one micro-batch, on the model's device, and
+        how many positions the forward computed (samples × longest; tree slots when merged).
+        `probe`: see `probe_forward` (its hook points sit on the padded layout, so a probed forward
+        is the unmerged one); `samples` are the micro-batch's rows in the whole batch."""
+        if self.config.prefix_merge and probe is None:
+            return self._run_merged(mb, r3)
         pm = pad_micro_batch(mb, with_routing=r3 is not None, device=self.device, scope=r3)
+        if probe is not None:
+            probe.begin(samples or [], pm.rows, pm.cols)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.dtype == "bfloat16"):
             out = self.model(pm.input_ids, attention_mask=pm.attention_mask, forced_experts=pm.forced_experts,
-                             return_routing=True)
+                             return_routing=True, probe=probe)
         logprobs, entropy = next_token_logprobs(out.logits, pm.input_ids, mb.temperature)
         routing = None if out.routed_experts is None else unpad(out.routed_experts, pm.rows, pm.cols)
-        return unpad(logprobs, pm.rows, pm.cols), unpad(entropy, pm.rows, pm.cols), routing
+        return unpad(logprobs, pm.rows, pm.cols), unpad(entropy, pm.rows, pm.cols), routing, pm.input_ids.numel()
+
+    def _run_merged(self, mb: PackedBatch, r3: R3Scope | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+        """`_run` over the micro-batch's prefix tree: one [1, S] forward with the tree attention
+        mask (dense bool, SDPA; exact on CPU), unpacked to the micro-batch's tokens."""
+        tree = build_prefix_tree(mb)
+        dev = self.device
+        forced = None
+        if r3 is not None:
+            if mb.routed_experts is None:
+                raise ValueError("R3 needs PackedBatch.routed_experts, but the batch has none")
+            # A shared slot replays its training path's routing (PrefixTree.routing_source).
+            forced = mb.routed_experts.long().cpu()[tree.routing_source][None]
+            if not r3.full:
+                slots = torch.arange(tree.num_slots)
+                loss_rows = mb.loss_mask.cpu()[tree.routing_source] > 0
+                restrict_routing_(forced, r3, torch.zeros_like(slots), slots, loss_rows)
+            forced = forced.to(dev)
+        mask = tree.attention_mask(dev)[None, None]
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.config.dtype == "bfloat16"):
+            out = self.model(tree.input_ids[None].to(dev), position_ids=tree.position_ids[None].to(dev), mask=mask,
+                             forced_experts=forced, return_routing=True)
+        logprobs, entropy = label_logprobs(out.logits[0], tree.labels.to(dev), mb.temperature)
+        routing = None if out.routed_experts is None else tree.unpack(out.routed_experts[0])
+        return tree.unpack_predictions(logprobs), tree.unpack_predictions(entropy), routing, tree.num_slots
 
     def _on_device(self, mb: PackedBatch) -> PackedBatch:
         if self.device.type == "cpu":
@@ -206,12 +246,18 @@ class TorchBackend:
     def forward(self, batch: PackedBatch, *, r3: R3 = False, weights: str | None = None) -> ForwardResult:
         """No-grad logprobs/entropy [T] (fp32) and the routing [T, L, k] this forward used; under
         the weights kept as `weights` when given (see `keep_weights`)."""
+        return self._no_grad_forward(batch, r3, weights=weights)
+
+    def _no_grad_forward(self, batch: PackedBatch, r3: R3, *, weights: str | None = None,
+                         probe: ForwardProbe | None = None) -> ForwardResult:
         r3 = self._use_r3(batch, r3)
+        # The micro-batches' rows in the batch: the probe is told which samples each one holds.
+        ranges = self._micro_batch_ranges(batch)
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad(), self._swapped(weights):
-                parts = [self._run(mb, r3) for mb in self._micro_batches(batch)]
+                parts = [self._run(mb, r3, probe, list(rng)) for rng, mb in zip(ranges, self._micro_batches(batch))]
         finally:
             self.model.train(was_training)
         out_device = batch.input_ids.device
@@ -243,6 +289,10 @@ class TorchBackend:
     def forget_weights(self, key: str) -> None:
         self._kept.pop(key, None)
 
+    def probe_forward(self, batch: PackedBatch, probe: ForwardProbe, *, r3: R3 = False) -> ForwardResult:
+        """`forward` (current weights) with `probe` on the model's hook points, same micro-batches."""
+        return self._no_grad_forward(batch, r3, probe=probe)
+
     def inspect(self, batch: PackedBatch, loss_fn: LossFn, *, r3: R3 = False) -> Inspection:
         return inspect_model(self.model, batch, loss_fn, r3=self._use_r3(batch, r3),
                              autocast_bf16=self.config.dtype == "bfloat16")
@@ -264,7 +314,7 @@ class TorchBackend:
         rows: list[dict[str, float]] = []
         columns: list[dict[str, torch.Tensor]] = []
         for mb in self._micro_batches(batch):
-            logprobs, entropy, _ = self._run(mb, r3)
+            logprobs, entropy, _, computed = self._run(mb, r3)
             loss, metrics = loss_fn(logprobs, entropy, self._on_device(mb), ctx)
             if loss.requires_grad:
                 loss.backward()
@@ -272,7 +322,8 @@ class TorchBackend:
             scalars, cols = split_token_columns(metrics, mb.num_tokens)
             columns.append(cols)
             rows.append({"loss": float(loss.detach()), **scalars,
-                         "num_tokens": float(mb.num_tokens), "num_loss_tokens": float(mb.loss_mask.sum())})
+                         "num_tokens": float(mb.num_tokens), "num_loss_tokens": float(mb.loss_mask.sum()),
+                         "num_computed": float(computed)})
         return TrainMetrics(loss=sum(r["loss"] for r in rows), micro_batches=rows, metrics=_aggregate(rows),
                             tokens=join_token_columns(columns))
 
@@ -390,6 +441,9 @@ class TorchBackend:
         # The current config wins (a resume may change e.g. lr on purpose), but a silent change
         # breaks bitwise continuation, so say so.
         current = self.config.to_dict()
+        # A common field the checkpoint predates (e.g. prefix_merge) had its default then; fields
+        # of one backend only (Megatron's layout) still show up when moving between backends.
+        saved = {**TorchBackendConfig().to_dict(), **saved}
         diff = {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)}
         if diff:
             warnings.warn(f"{source}: checkpoint config differs from the current one (saved, current): {diff}",

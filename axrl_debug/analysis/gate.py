@@ -61,7 +61,9 @@ def make_golden(df: pd.DataFrame, *, run: str, manifest: Mapping[str, Any] | Non
     source = {"git_sha": man.get("git_sha"), "git_dirty": man.get("git_dirty"),
               "axrl_version": man.get("axrl_version"), "torch": versions.get("torch"),
               "numpy": versions.get("numpy"), "platform": man.get("platform") or platform.platform(),
-              "machine": platform.machine(), "threads": man.get("threads"), "seed": man.get("seed"),
+              "machine": platform.machine(), "cpu_model": man.get("cpu_model"),
+              "cpu_capability": man.get("cpu_capability"), "cpu_flags": man.get("cpu_flags"),
+              "threads": man.get("threads"), "seed": man.get("seed"),
               "backend": man.get("backend"), "engine": man.get("engine")}
     return {
         "format": GOLDEN_FORMAT, "version": GOLDEN_VERSION,

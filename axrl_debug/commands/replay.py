@@ -18,6 +18,7 @@ from axrl_debug.app import EXIT_FAILED, EXIT_OK, JSON_OPTION, BadInput, app, err
 
 if TYPE_CHECKING:  # the replay library (and torch) load only when the command runs
     from replay import ReplayResult
+    from replay.rollout import RolloutReplayResult, TeacherForcedResult
 
 
 def _g(v: float | None, digits: int = 10) -> str:
@@ -40,12 +41,27 @@ def replay_command(
                                "them by how much each reduces the spike (largest update grad norm, update size)."),
     family: str = typer.Option("mitigations", "--family", help="Sweep family: mitigations, tis_cap, r3, advantage, "
                                "aggregation, objectives, corrections."),
+    rollout: bool = typer.Option(False, "--rollout", help="Re-run the step's rollout instead (the policy of step N "
+                                 "on the embedded engine, recorded prompts, seeds and batch composition) and "
+                                 "compare token ids, rollout logprobs and routing bit for bit."),
+    engine: str = typer.Option("", "--engine", help="With --rollout: 'embedded' re-runs the recorded token streams "
+                               "through the embedded engine's decode path (teacher-forced) and compares its "
+                               "logprobs with the recorded engine's and the trainer's (SGLang or free-running runs)."),
     json_: bool = JSON_OPTION,
 ) -> None:
     """Re-execute step N from the newest checkpoint at or before it and compare bit for bit."""
 
     def body() -> int:
         from replay import ReplayInputError, replay_step
+
+        if engine and not rollout:
+            raise BadInput("--engine: only with --rollout")
+        if engine not in ("", "embedded"):
+            raise BadInput(f"--engine: 'embedded' is the only engine a rollout can be re-run on, got {engine!r}")
+        if rollout:
+            if dump or set_ or variant or sweep:
+                raise BadInput("--rollout: --dump, --set, --variant and --sweep act on the training part of a step")
+            return _rollout(run, step, engine == "embedded", json_)
 
         variants = ([list(set_)] if set_ else []) + [shlex.split(v) for v in variant]
         if any(not v for v in variants):
@@ -63,6 +79,75 @@ def replay_command(
         return EXIT_OK if result.verdict == "bitwise-equal" else EXIT_FAILED
 
     run_command(body)
+
+
+def _rollout(run: Path, step: int, teacher_forced: bool, json_: bool) -> int:
+    from replay import ReplayInputError
+    from replay.rollout import replay_rollout, teacher_forced_check
+
+    say = None if json_ else (lambda msg: err.print(f"[dim]{msg}[/]", highlight=False))
+    try:
+        result = teacher_forced_check(run, step, progress=say) if teacher_forced else replay_rollout(run, step,
+                                                                                                     progress=say)
+    except ReplayInputError as e:
+        raise BadInput(str(e)) from None
+    if json_:
+        print_json(result.to_dict())
+    elif teacher_forced:
+        _print_teacher_forced(result)
+    else:
+        _print_rollout(result)
+    if teacher_forced:
+        return EXIT_OK if not result.train_mismatches else EXIT_FAILED
+    return EXIT_OK if result.verdict == "bitwise-equal" else EXIT_FAILED
+
+
+def _print_rollout(result: "RolloutReplayResult") -> None:
+    steps = [s.step for s in result.steps]
+    out.print(f"[bold]rollout replay[/] {result.run}  step {result.step} ({result.mode}): policy from checkpoint "
+              f"step_{result.checkpoint_step:06d}, rollout re-run for step(s) {steps[0]}..{steps[-1]}", highlight=False)
+    for note in result.notes:
+        out.print(f"  note: {note}", highlight=False)
+    table = Table(box=box.SIMPLE)
+    for col in ("step", "samples", "tokens", "differing samples", ""):
+        table.add_column(col, justify="right", no_wrap=True)
+    for s in result.steps:
+        table.add_row(str(s.step), str(s.samples), str(s.tokens), str(len(s.differing_samples)),
+                      _eq(s.first is None))
+    out.print(table)
+    if result.train_mismatches:
+        out.print(f"[red]training re-execution diverged[/] on the way: {result.train_mismatches[0].describe()}",
+                  highlight=False)
+    first = result.first_divergence
+    if first is None and not result.train_mismatches:
+        out.print(f"[bold green]bitwise-equal[/]: every sample's token ids, rollout logprobs, policy versions and "
+                  f"routing match the trace; re-run in {result.seconds:.2f} s", highlight=False)
+    elif first is not None:
+        out.print(f"[bold red]DIVERGED[/] at {first.describe()}", highlight=False)
+
+
+def _print_teacher_forced(result: "TeacherForcedResult") -> None:
+    s, f = result.summary, result.fidelity
+    out.print(f"[bold]teacher-forced rollout check[/] {result.run}  step {result.step}: {result.tokens} generated "
+              f"tokens of the {result.engine} rollout re-run through the embedded engine's decode path", highlight=False)
+    table = Table(box=box.SIMPLE)
+    for col in ("difference", "mean |·|", "max |·|"):
+        table.add_column(col, justify="left" if col == "difference" else "right", no_wrap=True)
+    for label, key in (("embedded decode − recorded engine", "embedded_vs_recorded"),
+                       ("trainer − embedded decode", "trainer_vs_embedded"),
+                       ("trainer − recorded engine", "trainer_vs_recorded")):
+        table.add_row(label, _g(s[f"mean_abs_{key}"], 4), _g(s[f"max_abs_{key}"], 4))
+    out.print(table)
+    out.print(f"embedded decode path reproduces {f['bitwise_equal']} of {f['tokens']} recorded logprobs bit for bit",
+              highlight=False)
+    worst = Table(title="worst tokens by |trainer − recorded|", title_justify="left", box=box.SIMPLE)
+    for col in ("sample_id", "token", "turn", "recorded", "embedded", "trainer"):
+        worst.add_column(col, justify="right", no_wrap=True)
+    for r in result.rows:
+        worst.add_row(str(r["sample_id"]), str(r["token"]), str(r["turn"]), _g(r["recorded"], 6),
+                      _g(r["embedded"], 6), _g(r["trainer"], 6))
+    out.print(worst)
+    out.print(f"whose mismatch: {result.verdict}", highlight=False)
 
 
 def _print(result: "ReplayResult") -> None:

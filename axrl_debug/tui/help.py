@@ -39,6 +39,8 @@ KEYS: list[tuple[str, list[tuple[str, str]]]] = [
         ("t / T", "next / previous segment: prompt, assistant turn, tool/env output"),
         ("c", "colour scale: absolute |Δ| ↔ relative to the sample's max |Δ|"),
         ("] / [", "next / previous sample (in the samples table's order)"),
+        ("e", "explain the token: where engine and trainer part ways, per layer and component "
+              "(`axrl-debug explain`; takes seconds)"),
     ]),
 ]
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Hashable
 
+import numpy as np
+
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Container
-from textual.screen import Screen
+from textual.containers import Container, VerticalScroll
+from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Header, Static
 
 from axrl.trace import TraceError
@@ -301,6 +303,7 @@ class TokensScreen(_View):
     BINDINGS = [
         Binding("right_square_bracket", "sample(1)", "next sample"),
         Binding("left_square_bracket", "sample(-1)", "prev sample", show=False),
+        Binding("e", "explain", "explain"),
         Binding("escape,backspace", "back", "back"),
     ]
 
@@ -373,6 +376,35 @@ class TokensScreen(_View):
             self.detail.show(self.tokens, event.index, event.note)
             self.query_one("#legend", Static).update(legend(self.text.scale))
 
+    def action_explain(self) -> None:
+        """Attribute the token under the cursor (`axrl-debug explain`): rebuilds the step's policy and
+        runs both paths with patches, in a worker thread (seconds), then shows the same table."""
+        t = self.tokens
+        if t is None or t.n == 0:
+            return
+        index = self.text.cursor
+        rollout = t.data.get("rollout_logprob")
+        if rollout is None or not np.isfinite(rollout[index]):
+            self.notify("explain: pick a generated token (one with a rollout logprob)", timeout=4)
+            return
+        rec = self.model.samples
+        sample_id = int(rec["sample_id"][self.row]) if "sample_id" in rec else self.row
+        step, run_path = self.model.step, self.run.path
+        self.notify(f"explaining sample {sample_id}, token {index} of step {step}…", timeout=4)
+
+        def work() -> None:
+            from replay import ReplayInputError
+            from replay.explain import explain_step
+
+            try:
+                doc = explain_step(run_path, step, tokens=[(sample_id, index)]).to_dict()
+            except (ReplayInputError, OSError, ValueError) as e:
+                self.app.call_from_thread(self.notify, f"explain: {e}", severity="error", timeout=10)
+                return
+            self.app.call_from_thread(self.app.push_screen, ExplainScreen(doc))
+
+        self.run_worker(work, thread=True, exclusive=True, group="explain")
+
     def action_sample(self, direction: int) -> None:
         order = self.row_order
         if self.row not in order:
@@ -382,3 +414,27 @@ class TokensScreen(_View):
             self.notify("first sample" if direction < 0 else "last sample", timeout=2)
             return
         self.show_sample(order[i])
+
+
+class ExplainScreen(ModalScreen[None]):
+    """The token's attribution table (`axrl-debug explain`'s); esc closes it."""
+
+    BINDINGS = [Binding("escape,e", "close", "close")]
+
+    def __init__(self, doc: dict) -> None:
+        super().__init__()
+        self.doc = doc
+
+    def compose(self) -> ComposeResult:
+        from rich.console import Group
+
+        from axrl_debug.commands.explain import token_summary, token_table
+
+        tok = self.doc["tokens"][0]
+        lines = token_summary(tok)
+        body = Group(*[Text(line) for line in lines[:3]], token_table(tok), *[Text(line) for line in lines[3:]])
+        with VerticalScroll(id="explain-box"):
+            yield Static(body, id="explain-body")
+
+    def action_close(self) -> None:
+        self.dismiss(None)

@@ -166,6 +166,11 @@ class RayTrainGroup:
     def inspect(self, batch: PackedBatch, loss_fn: LossFn, *, r3: R3 = False) -> Inspection | None:
         return self._get(self.ranks[0].call.remote("inspect", batch, loss_fn, r3=r3))
 
+    def probe_forward(self, batch: PackedBatch, probe: Any, *, r3: R3 = False) -> ForwardResult | None:
+        """None: a probe observes and patches the model in its own process, and the model lives
+        in the ranks (replay, which probes, builds an in-process backend)."""
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         return self._get(self.ranks[0].call.remote("state_dict"))
 

@@ -152,7 +152,8 @@ class MegatronBackend:
         from axrl.train.megatron.rank import StepKnobs
 
         c = self.config
-        return StepKnobs(dtype=c.dtype, micro_batch_tokens=c.micro_batch_tokens, micro_batch_size=c.micro_batch_size)
+        return StepKnobs(dtype=c.dtype, micro_batch_tokens=c.micro_batch_tokens, micro_batch_size=c.micro_batch_size,
+                         prefix_merge=c.prefix_merge)
 
     def _use_r3(self, batch: PackedBatch, r3: R3) -> R3Scope | None:
         return use_r3(self.model_config, batch, r3)
@@ -230,6 +231,10 @@ class MegatronBackend:
 
     def inspect(self, batch: PackedBatch, loss_fn: LossFn, *, r3: R3 = False) -> Inspection | None:
         """None: the ranks' GPTModel is not hooked (replay dumps leave those groups out)."""
+        return None
+
+    def probe_forward(self, batch: PackedBatch, probe: Any, *, r3: R3 = False) -> ForwardResult | None:
+        """None: the ranks' GPTModel has no hook points (mismatch attribution needs the torch backend)."""
         return None
 
     # ------------------------------------------------------------------ weights

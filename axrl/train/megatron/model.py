@@ -3,9 +3,10 @@ architecture of an axrl/Hugging Face Qwen3 or Qwen3-MoE `ModelConfig`."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -119,3 +120,21 @@ def _router_outside_autocast(model: torch.nn.Module) -> None:
                     return _inner(x)
 
             module.gating = gating
+
+
+@contextlib.contextmanager
+def rope_positions(model: torch.nn.Module, positions: torch.Tensor) -> Iterator[None]:
+    """Run the block with RoPE at the given per-token positions [S] instead of 0..S-1.
+
+    megatron-core's `GPTModel` builds its rotary embedding from the sequence length alone and
+    ignores `position_ids` under RoPE (0.16.1, `GPTModel._preprocess`). A prefix-merged forward
+    (`axrl/train/prefix_tree.py`) needs each slot rotated by its depth on its own path, so the
+    model's `RotaryEmbedding` returns its own table indexed by `positions` for this call (with
+    sequence parallel the table covers the whole sequence, as Megatron's does)."""
+    rope = model.rotary_pos_emb
+    table = rope.get_emb(int(positions.max()) + 1)  # [P, 1, 1, dim], Megatron's own computation
+    rope.forward = lambda *args, **kwargs: table[positions]
+    try:
+        yield
+    finally:
+        del rope.forward  # back to the class's (cached) forward

@@ -23,9 +23,11 @@ from axrl.model import ModelConfig
 from axrl.train.megatron import cpu_compat
 from axrl.train.megatron.convert import EXPERT_NAME, global_expert_name, hf_slices, split_rule, shard
 from axrl.train.determinism import set_determinism
-from axrl.train.megatron.model import ParallelSizes, build_gpt_model
+from axrl.train.megatron.model import ParallelSizes, build_gpt_model, rope_positions
 from axrl.train.megatron.partial_replay import replay_rows, stop_partial
-from axrl.train.micro_batch import PaddedMicroBatch, micro_batches, next_token_logprobs, pad_micro_batch, unpad
+from axrl.train.micro_batch import (PaddedMicroBatch, label_logprobs, micro_batches, next_token_logprobs,
+                                    pad_micro_batch, restrict_routing_, unpad)
+from axrl.train.prefix_tree import PrefixTree, build_prefix_tree
 from axrl.train.metrics import TOKEN_COLUMN_PREFIX, split_token_columns
 from axrl.train.protocol import LossContext, LossFn, PackedBatch, R3Scope
 from axrl.train.torch_backend import clip_grads_
@@ -41,6 +43,10 @@ class StepKnobs:
     dtype: str = "float32"
     micro_batch_tokens: int = 0
     micro_batch_size: int = 0
+    prefix_merge: bool = False  # each share of a micro-batch as one prefix tree (train/prefix_tree.py)
+
+    def micro_batches(self, batch: PackedBatch) -> list[PackedBatch]:
+        return micro_batches(batch, self.micro_batch_tokens, self.micro_batch_size, merged=self.prefix_merge)
 
 
 def share_bounds(num_samples: int, parts: int, index: int) -> range:
@@ -175,11 +181,37 @@ class MegatronRank:
         forced = torch.zeros(0, 1, *mb.routed_experts.shape[1:], dtype=torch.int64) if replay else None
         return PaddedMicroBatch(empty, empty, empty[:, 0], empty[:, 0], forced), rows
 
+    def _tree_share(self, mb: PackedBatch, r3: R3Scope | None) -> tuple[PrefixTree | None, torch.Tensor | None, int]:
+        """Prefix-merged layout of this rank's share: its tree (None for an empty share), the
+        forced routing per slot [S, L, k] (R3) and the slot count every DP rank runs (the largest
+        share's tree: the collectives need equal token counts)."""
+        dp = self.sizes.data_parallel
+        shares = [range(mb.num_samples)] if dp == 1 else [share_bounds(mb.num_samples, dp, i) for i in range(dp)]
+        trees = [build_prefix_tree(mb.select(list(sh))) if len(sh) else None for sh in shares]
+        S_run = max(t.num_slots for t in trees if t is not None)
+        mine = 0 if dp == 1 else self.dp_rank
+        tree, forced = trees[mine], None
+        if tree is not None and r3 is not None:
+            part = mb.select(list(shares[mine]))
+            forced = part.routed_experts.long()[tree.routing_source]  # a shared slot: its training path's
+            if not r3.full:
+                slots = torch.arange(tree.num_slots)
+                restrict_routing_(forced[None], r3, torch.zeros_like(slots), slots,
+                                  part.loss_mask[tree.routing_source] > 0)
+        return tree, forced, S_run
+
     def _run(self, mb: PackedBatch, r3: R3Scope | None, dtype: str,
-             routing_out: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+             routing_out: bool = True, merge: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
         """Packed (logprobs, entropy, routing [T, L, k] or None) of this rank's share of one
-        micro-batch; the routing is the replayed one under full R3 (as in the embedded backend),
-        else what the routers used (chosen, or replayed on the rows a partial R3 scope covers)."""
+        micro-batch, and the positions its forward computed (padding to the ranks' common shape
+        included); the routing is the replayed one under full R3 (as in the embedded backend),
+        else what the routers used (chosen, or replayed on the rows a partial R3 scope covers).
+
+        `merge`: the share runs as one prefix tree ([1, S] slots, tree attention through
+        Megatron's attention-mask input, each slot's RoPE position its depth), unpacked to the
+        share's tokens exactly as the torch backend does."""
+        if merge:
+            return self._run_merged(mb, r3, dtype, routing_out)
         pm, b_run = self._share(mb, r3)
         b, S = pm.input_ids.shape
         S_run = int(mb.lengths.max())  # the whole micro-batch's: the same on every DP rank
@@ -189,44 +221,95 @@ class MegatronRank:
         position_ids = torch.arange(S_pad).expand(b_run, S_pad)
         # Megatron's mask marks what may NOT be attended; its default mask is built on "cuda".
         mask = ~torch.ones(S_pad, S_pad, dtype=torch.bool).tril()[None, None]
-        moe = bool(self.routers)
-        partial = r3 is not None and not r3.full
-        if moe:
-            from megatron.core.transformer.moe.router_replay import RouterReplayAction
-            if r3 is not None:
-                # padding rows/positions replay expert 0, as pad_micro_batch pads them
-                forced = torch.nn.functional.pad(pm.forced_experts, (0, 0, 0, 0, 0, S_pad - S, 0, b_run - b))
-                n_local = S_pad * b_run // tp
-                lo = self.ranks["tp_rank"] * n_local if tp > 1 else 0
-                for router, layer in zip(self.routers, self.moe_layers):
-                    rows = forced[:, :, layer].transpose(0, 1).reshape(S_pad * b_run, -1)  # sequence-major
-                    rows = rows[lo:lo + n_local].to(self.device)
-                    router.clear_indices()
-                    if partial:  # −1 rows route freely (pad_micro_batch's partial-scope marker)
-                        router.set_router_replay_action(RouterReplayAction.RECORD)
-                        replay_rows(router, rows.clamp_min(0), rows[:, 0] >= 0)
-                    else:
-                        router.set_target_indices(rows)
-                        router.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-            else:
-                for router in self.routers:
-                    router.clear_indices()
-                    router.set_router_replay_action(RouterReplayAction.RECORD)
+        forced = None
+        if r3 is not None and self.routers:
+            # padding rows/positions replay expert 0, as pad_micro_batch pads them
+            forced = torch.nn.functional.pad(pm.forced_experts, (0, 0, 0, 0, 0, S_pad - S, 0, b_run - b))
+        self._set_routers(r3, forced, S_pad, b_run, tp)
         dev = self.device
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
             logits = self.model(ids.to(dev), position_ids.to(dev), mask.to(dev))
         logits = logits[:b, :S]
         logprobs, entropy = next_token_logprobs(logits, pm.input_ids.to(dev), mb.temperature)
         routing = None
-        if moe:
+        if self.routers:
             if routing_out:  # the gather is a TP collective per layer: skipped when training
-                full_r3 = r3 is not None and not partial
+                full_r3 = r3 is not None and r3.full
                 routing = pm.forced_experts.to(dev) if full_r3 else self._gather_routing(b_run, S_pad)[:b, :S]
                 routing = unpad(routing, pm.rows.to(dev), pm.cols.to(dev))
+            self._clear_routers()
+        return (unpad(logprobs, pm.rows.to(dev), pm.cols.to(dev)), unpad(entropy, pm.rows.to(dev), pm.cols.to(dev)),
+                routing, b_run * S_pad)
+
+
+    def _run_merged(self, mb: PackedBatch, r3: R3Scope | None, dtype: str,
+                    routing_out: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+        """`_run` over this rank's share as a prefix tree (see `_run`)."""
+        tree, forced, S_run = self._tree_share(mb, r3)
+        tp = self.sizes.tensor_parallel if self.sizes.sequence_parallel else 1
+        S_pad = -(-S_run // tp) * tp
+        S = 0 if tree is None else tree.num_slots
+        ids = torch.zeros(1, S_pad, dtype=torch.int64)
+        positions = torch.zeros(S_pad, dtype=torch.int64)
+        allowed = torch.eye(S_pad, dtype=torch.bool)  # padding slots attend only to themselves
+        if tree is not None:
+            ids[0, :S], positions[:S] = tree.input_ids, tree.position_ids
+            allowed[:S, :S] = tree.attention_mask()
+        mask = ~allowed[None, None]  # Megatron's mask marks what may NOT be attended
+        if forced is not None or (r3 is not None and self.routers):
+            full = torch.zeros(1, S_pad, self.cfg.num_hidden_layers, self.cfg.num_experts_per_tok, dtype=torch.int64)
+            if forced is not None:
+                full[0, :S] = forced
+            forced = full
+        self._set_routers(r3, forced, S_pad, 1, tp)
+        dev = self.device
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"), \
+                rope_positions(self.model, positions.to(dev)):
+            logits = self.model(ids.to(dev), positions[None].to(dev), mask.to(dev))
+        routing = None
+        if self.routers:
+            if routing_out and tree is not None:
+                full_r3 = r3 is not None and r3.full
+                per_slot = forced[0, :S].to(dev) if full_r3 else self._gather_routing(1, S_pad)[0, :S]
+                routing = tree.unpack(per_slot)
+            elif routing_out:
+                self._gather_routing(1, S_pad)  # a TP collective: every rank joins
+            self._clear_routers()
+        if tree is None:  # an empty share: nothing to return, but the graph reaches the weights
+            empty = logits.sum() * 0.0
+            return empty.reshape(1)[:0], empty.reshape(1)[:0], routing, S_pad
+        logprobs, entropy = label_logprobs(logits[0, :S], tree.labels.to(dev), mb.temperature)
+        return tree.unpack_predictions(logprobs), tree.unpack_predictions(entropy), routing, S_pad
+
+    def _set_routers(self, r3: R3Scope | None, forced: torch.Tensor | None, S_pad: int, b_run: int, tp: int) -> None:
+        """Point every MoE router at this forward: replay `forced` [b_run, S_pad, L, k] (R3;
+        partial scopes replay only rows >= 0) or record what it chooses."""
+        if not self.routers:
+            return
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+        partial = r3 is not None and not r3.full
+        if r3 is not None:
+            n_local = S_pad * b_run // tp
+            lo = self.ranks["tp_rank"] * n_local if tp > 1 else 0
+            for router, layer in zip(self.routers, self.moe_layers):
+                rows = forced[:, :, layer].transpose(0, 1).reshape(S_pad * b_run, -1)  # sequence-major
+                rows = rows[lo:lo + n_local].to(self.device)
+                router.clear_indices()
+                if partial:  # −1 rows route freely (pad_micro_batch's partial-scope marker)
+                    router.set_router_replay_action(RouterReplayAction.RECORD)
+                    replay_rows(router, rows.clamp_min(0), rows[:, 0] >= 0)
+                else:
+                    router.set_target_indices(rows)
+                    router.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        else:
             for router in self.routers:
-                router.clear_indices()  # REPLAY_FORWARD also queues indices for a recompute
-                stop_partial(router)
-        return unpad(logprobs, pm.rows.to(dev), pm.cols.to(dev)), unpad(entropy, pm.rows.to(dev), pm.cols.to(dev)), routing
+                router.clear_indices()
+                router.set_router_replay_action(RouterReplayAction.RECORD)
+
+    def _clear_routers(self) -> None:
+        for router in self.routers:
+            router.clear_indices()  # REPLAY_FORWARD also queues indices for a recompute
+            stop_partial(router)
 
     def _gather_routing(self, b: int, S_pad: int) -> torch.Tensor:
         """[b, S_pad, L, k] from the routers' recorded sequence-major [S*b/TP, k] shards."""
@@ -253,8 +336,9 @@ class MegatronRank:
         """Per micro-batch: (logprobs, entropy, routing or None) of this rank's share, on the host."""
         self.model.eval()
         with torch.no_grad():
-            parts = [tuple(None if t is None else t.cpu() for t in self._run(mb, r3, knobs.dtype))
-                     for mb in micro_batches(batch, knobs.micro_batch_tokens, knobs.micro_batch_size)]
+            parts = [tuple(None if t is None else t.cpu() for t in self._run(mb, r3, knobs.dtype,
+                                                                             merge=knobs.prefix_merge)[:3])
+                     for mb in knobs.micro_batches(batch)]
         return self._answer(parts)
 
     def forward_backward(self, batch: PackedBatch, loss_fn: LossFn, r3: R3Scope | None,
@@ -269,8 +353,8 @@ class MegatronRank:
                           num_loss_samples=int((per_sample > 0).sum()))
         dp = self.sizes.data_parallel
         rows: list[dict[str, float] | None] = []
-        for mb in micro_batches(batch, knobs.micro_batch_tokens, knobs.micro_batch_size):
-            logprobs, entropy, _ = self._run(mb, r3, knobs.dtype, routing_out=False)
+        for mb in knobs.micro_batches(batch):
+            logprobs, entropy, _, computed = self._run(mb, r3, knobs.dtype, routing_out=False, merge=knobs.prefix_merge)
             share = range(mb.num_samples) if dp == 1 else share_bounds(mb.num_samples, dp, self.dp_rank)
             if not len(share):
                 # every rank joins the backward's collectives (MoE dispatch, TP); zero gradients
@@ -286,6 +370,7 @@ class MegatronRank:
             scalars, columns = split_token_columns(metrics, part.num_tokens)
             rows.append({"loss": float(loss.detach()), **scalars,
                          "num_tokens": float(part.num_tokens), "num_loss_tokens": float(part.loss_mask.sum()),
+                         "num_computed": float(computed),
                          **{TOKEN_COLUMN_PREFIX + k: v for k, v in columns.items()}})
         return self._answer(rows)
 

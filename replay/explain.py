@@ -1,0 +1,551 @@
+"""Mismatch attribution: where the engine's and the trainer's computations of a token part ways.
+
+    result = explain_step("runs/walk", 4, top=5)
+    for tok in result.tokens:
+        print(tok.headline(), tok.named)
+
+For each chosen token (a generated token t of some sample) two computations of log p(t | …) are
+run with hooks on the model's explicit hook points (`axrl.model.ActivationProbe`):
+
+* the **engine path** — the embedded engine's prefill of the turn's request and its KV-cache decode
+  steps, teacher-forced with the recorded tokens, in the batches the engine ran them in (the
+  clock's schedule replayed on synchronous deterministic runs; replay/engine_path.py); it
+  reproduces the recorded rollout logprob (bit for bit there, reported as `engine_reproduces_rollout`);
+* the **trainer path** — the packed micro-batch as trained, through `TrainBackend.probe_forward`
+  (the same split and padding as the prepare-phase forward; reproduces `old_logprob`).
+
+Correlation: at the predicting position t − 1 every hook point is compared (relative L2 distance of
+the residual stream entering and leaving each layer, of the attention and expert outputs — the
+differences of consecutive residual states — of the final norm and the logits; the router logits,
+both top-k sets, whether they flip, and the margin between the k-th and (k+1)-th expert's
+probability).
+
+Causation: activation patching. The engine's residual stream at one hook point (every position of
+the token's request up to t − 1) replaces the trainer's, the trainer computes the rest, and the gap
+gap(P) = trainer logprob − engine logprob that remains is measured. Points run in depth order —
+layer 0's input, then after each layer's attention ("mid") and after the layer ("out"), the final
+norm, the logits — so each component's **share** of the gap is (gap(before it) − gap(after it)) /
+gap; the component with the largest share is named, and `removed_at` is the first point from which
+the remaining gap stays below 10 %. Patching the logits leaves the log-softmax alone: the gap is
+then exactly 0 (the method's sanity check). Routing: the trainer's forward is run under R3 with the engine's routing, in every MoE layer ("with R3 this
+token's gap would be X") and in each MoE layer alone. A routing flip is named when the two top-k
+sets differ at a position of the request in a layer whose R3 alone removes at least half of the gap.
+
+Imports `axrl` only, never `axrl_debug`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from axrl.runtime.components import make_engine_model
+from axrl.runtime.updates import routing_replay
+from axrl.trace import StepFile
+from axrl.train.micro_batch import split_micro_batches
+from axrl.train.protocol import PackedBatch, R3Scope
+from replay.engine_path import Context, EnginePath, contexts_of, run_engine_path
+from replay.plan import ReplayInputError
+from replay.policy import PolicyState, policy_before
+from replay.rollout import clock_schedule
+
+Progress = Callable[[str], None]
+WeightsHook = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+REMOVED = 0.1   # a patch "removes" the gap when at most this fraction of it remains
+CONCENTRATED = 0.6  # one component is named when its share is at least this part of Σ|shares|
+
+
+def patch_points(num_layers: int) -> list[tuple[str, int]]:
+    """Hook points in depth order (layer l's input equals layer l − 1's output, so only layer 0's)."""
+    points = [("in", 0)]
+    for layer in range(num_layers):
+        points += [("mid", layer), ("out", layer)]
+    return points + [("final", -1), ("logits", -1)]
+
+
+def component_name(after: tuple[str, int], moe: set[int]) -> str:
+    """The computation that ends at patch point `after` (the one before it in depth order)."""
+    point, layer = after
+    if point == "mid":
+        return f"layer {layer} attention"
+    if point == "out":
+        return f"layer {layer} {'moe' if layer in moe else 'mlp'}"
+    return "final norm" if point == "final" else "lm head"
+
+
+# ------------------------------------------------------------------------------------------ probes
+class _TrainerProbe:
+    """A `ForwardProbe` on the trainer: copies the hook points of some samples (`capture`: batch
+    row → positions kept) and/or replaces one point's rows with given values (`patch_values`:
+    batch row → tensor [P, dim] for positions 0..P−1)."""
+
+    def __init__(self, capture: set[int] | None = None, patch: tuple[str, int] | None = None,
+                 patch_values: dict[int, torch.Tensor] | None = None) -> None:
+        self.capture, self.patch, self.patch_values = capture or set(), patch, patch_values or {}
+        self.states: dict[int, dict[tuple[str, int], torch.Tensor]] = {}
+        self.samples: list[int] = []
+
+    def begin(self, samples: list[int], rows: torch.Tensor, cols: torch.Tensor) -> None:
+        self.samples = samples
+
+    def at(self, point: str, layer: int, x: torch.Tensor) -> torch.Tensor:
+        B = len(self.samples)
+        view = x.view(B, -1, x.shape[-1])  # the router's logits come flattened [B*S, E]
+        for i, s in enumerate(self.samples):
+            if s in self.capture:
+                self.states.setdefault(s, {})[(point, layer)] = view[i].detach().cpu().clone()
+        if self.patch != (point, layer):
+            return x
+        out = view.clone()
+        for i, s in enumerate(self.samples):
+            values = self.patch_values.get(s)
+            if values is not None:
+                # Positions the engine never computed at this point (NaN rows) keep the trainer's own.
+                have = torch.isfinite(values.float()).all(-1).nonzero()[:, 0]
+                out[i, have.to(out.device)] = values[have].to(out.device, out.dtype)
+        return out.view(x.shape)
+
+
+# ------------------------------------------------------------------------------------------ results
+@dataclass
+class LayerRow:
+    """Divergence at the predicting position in one component (engine vs trainer)."""
+
+    name: str                      # "embedding", "layer 0 attention", "layer 0 moe", "final norm", "lm head"
+    rel_diff: float                # ‖engine − trainer‖ / ‖trainer‖ of the component's output there
+    max_abs_diff: float
+    remaining_gap: float           # gap left after patching the engine's state right after this component
+    share: float                   # (remaining before − remaining after) / gap
+    router: dict[str, Any] | None = None   # MoE: sets, flip, margins, router-patch gap
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class TokenExplanation:
+    sample_id: int
+    sample_row: int
+    token: int                     # index in the sample's stream
+    turn: int
+    position: int                  # position in its turn's response
+    token_id: int
+    text: str
+    rollout_logprob: float         # recorded (engine)
+    old_logprob: float             # recorded (trainer)
+    engine_logprob: float          # engine path
+    trainer_logprob: float         # trainer path
+    gap: float                     # trainer − engine (the paths)
+    engine_reproduces_rollout: bool
+    trainer_reproduces_old: bool
+    rows: list[LayerRow]
+    r3_gap: float                  # the gap with R3 (the engine's routing in every MoE layer)
+    named: str                     # the component with the largest share, or "diffuse: …"
+    token_logit: list[float]       # the token's logit at the predicting position: [engine, trainer]
+    logit_ulp: float               # the spacing of the logits' dtype at that magnitude
+    removed_at: str | None         # first component after which the gap stays below REMOVED
+    flip: str | None               # a routing flip that explains the gap, or None
+    hidden_norms: dict[str, list[float]] = field(default_factory=dict)  # per point: [engine, trainer] norms
+
+    def headline(self) -> str:
+        return (f"sample {self.sample_id}, token {self.token} (turn {self.turn}, response position {self.position}) "
+                f"{self.text!r}: rollout {self.rollout_logprob:.6g}, trainer {self.old_logprob:.6g}, "
+                f"Δ {self.old_logprob - self.rollout_logprob:+.4g}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["rows"] = [r.to_dict() for r in self.rows]
+        return d
+
+
+@dataclass
+class ExplainResult:
+    run: Path
+    step: int
+    tokens: list[TokenExplanation]
+    fidelity: dict[str, Any]
+    notes: list[str]
+    timings: dict[str, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"run": str(self.run), "step": self.step, "tokens": [t.to_dict() for t in self.tokens],
+                "fidelity": self.fidelity, "notes": self.notes, "timings": self.timings}
+
+
+# ------------------------------------------------------------------------------------------ the method
+@dataclass
+class _Step:
+    off: np.ndarray
+    sids: np.ndarray
+    gids: np.ndarray
+    ids: np.ndarray
+    turn: np.ndarray
+    rollout: np.ndarray
+    old: np.ndarray
+    loss_mask: np.ndarray
+    routing: np.ndarray | None
+
+
+def _read(path: Path) -> _Step:
+    with StepFile(path) as sf:
+        return _Step(sf["/samples/offsets"].astype(np.int64), sf["/samples/sample_id"].astype(np.int64),
+                     sf["/samples/group_id"].astype(np.int64),
+                     sf["/tokens/ids"].astype(np.int64), sf["/tokens/turn"].astype(np.int64),
+                     sf["/tokens/rollout_logprob"], sf["/tokens/old_logprob"], sf["/tokens/loss_mask"],
+                     sf.get("/routing/rollout"))
+
+
+def select_tokens(st: _Step, tokens: list[tuple[int, int]] | None, top: int | None) -> list[tuple[int, int]]:
+    """(sample row, token index) of the tokens to explain: given as (sample id, token index), or the
+    `top` analysed tokens (loss_mask 1, a rollout logprob) by |old − rollout|."""
+    gen = np.isfinite(st.rollout)
+    if tokens:
+        out = []
+        rows = {int(s): r for r, s in enumerate(st.sids)}
+        for sid, t in tokens:
+            if sid not in rows:
+                raise ReplayInputError(f"--sample {sid}: not a sample of this step (sample ids "
+                                       f"{int(st.sids.min())}..{int(st.sids.max())})")
+            r = rows[sid]
+            n = int(st.off[r + 1] - st.off[r])
+            if not 0 <= t < n or not gen[st.off[r] + t]:
+                gen_idx = np.flatnonzero(gen[st.off[r]:st.off[r + 1]])
+                raise ReplayInputError(f"--token {t}: sample {sid} has {n} tokens and generated tokens at "
+                                       f"{_ranges(gen_idx)}; pick a generated one")
+            out.append((r, t))
+        return out
+    analysed = np.flatnonzero((st.loss_mask > 0) & gen & np.isfinite(st.old))
+    delta = np.abs(st.old[analysed].astype(np.float64) - st.rollout[analysed].astype(np.float64))
+    pick = analysed[np.argsort(-delta, kind="stable")[:top or 10]]
+    rows = np.searchsorted(st.off, pick, side="right") - 1
+    return [(int(r), int(p - st.off[r])) for r, p in zip(rows, pick)]
+
+
+def token_index(run_dir: str | Path, step: int, sample_id: int, turn: int, position: int) -> int:
+    """The stream index of the `position`-th generated token of `turn` in sample `sample_id` (the
+    `pos` and `turn` columns of `axrl-debug mismatch`'s top tokens)."""
+    from replay.plan import RunInventory
+
+    inv = RunInventory(run_dir)
+    if step not in inv.files:
+        raise ReplayInputError.for_step(f"step {step} is not in the trace of {inv.run}", inv, step)
+    st = _read(inv.files[step])
+    rows = np.flatnonzero(st.sids == sample_id)
+    if rows.size == 0:
+        raise ReplayInputError(f"--sample {sample_id}: not a sample of step {step}")
+    a, b = int(st.off[rows[0]]), int(st.off[rows[0] + 1])
+    gen = np.flatnonzero(np.isfinite(st.rollout[a:b]) & (st.turn[a:b] == turn))
+    if not 0 <= position < gen.size:
+        raise ReplayInputError(f"--pos {position}: turn {turn} of sample {sample_id} has {gen.size} generated tokens")
+    return int(gen[position])
+
+
+def _ranges(idx: np.ndarray) -> str:
+    if idx.size == 0:
+        return "none"
+    parts, start = [], int(idx[0])
+    for a, b in zip(idx[:-1], idx[1:]):
+        if b != a + 1:
+            parts.append(f"{start}..{int(a)}")
+            start = int(b)
+    parts.append(f"{start}..{int(idx[-1])}")
+    return ", ".join(parts)
+
+
+def explain_step(run_dir: str | Path, step: int, *, tokens: list[tuple[int, int]] | None = None,
+                 top: int | None = None, engine_weights: WeightsHook | None = None, engine_dtype: str | None = None,
+                 progress: Progress | None = None) -> ExplainResult:
+    """Explain the engine/trainer mismatch of some tokens of `step` (see the module doc): `tokens` as
+    (sample id, token index), else the `top` (default 10) tokens by |Δ|. `engine_weights` transforms
+    the engine's copy of the weights (tests plant a cause with it); `engine_dtype` ("bfloat16" |
+    "float32") runs the engine path in another dtype than the run's (a what-if: a bf16 engine beside
+    an fp32 trainer). Raises ReplayInputError."""
+    say = progress or (lambda msg: None)
+    t0 = time.perf_counter()
+    threads_before = torch.get_num_threads()
+    state = policy_before(run_dir, step, progress=say)
+    try:
+        return _explain(state, step, tokens, top, engine_weights, engine_dtype, say, t0)
+    finally:
+        state.close()
+        torch.set_num_threads(threads_before)
+
+
+def _explain(state: PolicyState, step: int, tokens: list[tuple[int, int]] | None, top: int | None,
+             hook: WeightsHook | None, engine_dtype: str | None, say: Progress, t0: float) -> ExplainResult:
+    cfg, backend = state.cfg, state.backend
+    mcfg = backend.model_config
+    timings = {"rebuild_seconds": time.perf_counter() - t0}
+    rec = state.recorded(step)
+    st = _read(state.inventory.files[step])
+    chosen = select_tokens(st, tokens, top)
+    notes = list(state.notes) + [m.describe() for m in state.mismatches]
+    with StepFile(state.inventory.files[step]) as sf:
+        version = sf["/tokens/policy_version"]
+    lagged = [(r, t) for r, t in chosen if int(version[st.off[r] + t]) != step]
+    if lagged:
+        # Both paths run the policy of this step; a token generated by an older version was not.
+        notes.append(f"{len(lagged)} chosen token(s) were generated by an older policy version than step {step}'s "
+                     "(asynchronous run): both paths use the step's policy, so the engine path does not reproduce their "
+                     "rollout logprob and their Δ includes the policy's drift (see Δ_staleness in "
+                     "`axrl-debug mismatch`)")
+    # Engine path: every request of the step (the batches it ran in), hook points of the chosen ones.
+    contexts = contexts_of(st.off, st.ids, st.turn, np.isfinite(st.rollout))
+    index = {(c.sample, c.turn): i for i, c in enumerate(contexts)}
+    of_token = {(r, t): index[(r, int(st.turn[st.off[r] + t]))] for r, t in chosen}
+    wanted = set(of_token.values())
+    weights = {k: v.detach().clone() for k, v in backend.named_weights()}
+    engine_cfg = cfg
+    if engine_dtype is not None and engine_dtype != cfg.model.dtype:
+        engine_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": engine_dtype})})
+        notes.append(f"what-if: the engine path runs in {engine_dtype}, the run's model.dtype is {cfg.model.dtype}")
+    model = make_engine_model(engine_cfg, mcfg, hook(weights) if hook else weights)
+    t1 = time.perf_counter()
+    say(f"engine path: {len(contexts)} request(s), prefill + KV-cache decode")
+    ep = run_engine_path(model, contexts, temperature=cfg.rollout.temperature, max_seq_len=cfg.rollout.max_context_len,
+                         max_batch_size=cfg.rollout.max_batch_size, capture=wanted,
+                         schedule=clock_schedule(cfg, st.sids, st.gids))
+    timings["engine_seconds"] = time.perf_counter() - t1
+    # Trainer path: the consecutive micro-batches (as trained) that hold the chosen tokens.
+    ranges = split_micro_batches(rec.batch.lengths, cfg.train.micro_batch_tokens)
+    needed = sorted({next(i for i, rg in enumerate(ranges) if r in rg) for r, _ in chosen})
+    rows = list(range(ranges[needed[0]].start, ranges[needed[-1]].stop))
+    sub = rec.batch if len(rows) == rec.batch.num_samples else rec.batch.select(rows)
+    sub_row = {r: i for i, r in enumerate(rows)}
+    t2 = time.perf_counter()
+    explained = _trainer_side(state, st, sub, rows, sub_row, chosen, contexts, of_token, ep, say)
+    timings["trainer_seconds"] = time.perf_counter() - t2
+    timings["total_seconds"] = time.perf_counter() - t0
+    fid = ep.fidelity(st.rollout, st.off)
+    fidelity = {"engine_path_vs_rollout_logprob": fid,
+                "trainer_path_reproduces_old_logprob": all(t.trainer_reproduces_old for t in explained)}
+    if cfg.rollout.engine != "embedded":
+        notes.append(f"the run's engine was {cfg.rollout.engine}: the engine path is the embedded engine's decode "
+                     "path on the recorded token streams, not the recorded engine's kernels")
+    return ExplainResult(state.inventory.run, step, explained, fidelity, notes, timings)
+
+
+def _gap_at(logprobs: torch.Tensor, sub: PackedBatch, tokens: list[tuple[int, int]], engine: dict) -> dict:
+    off = sub.offsets
+    return {key: float(logprobs[int(off[i]) + t]) - engine[key] for key, (i, t) in zip(engine, tokens)}
+
+
+def _trainer_side(state: PolicyState, st: _Step, sub: PackedBatch, rows: list[int], sub_row: dict[int, int],
+                  chosen: list[tuple[int, int]], contexts: list[Context], of_token: dict, ep: EnginePath,
+                  say: Progress) -> list[TokenExplanation]:
+    backend, mcfg = state.backend, state.backend.model_config
+    L = mcfg.num_hidden_layers
+    moe = {i for i in range(L) if mcfg.is_moe_layer(i)}
+    points = patch_points(L)
+    engine_lp = {(r, t): float(ep.logprob[of_token[(r, t)]][t]) for r, t in chosen}
+    sub_tokens = [(sub_row[r], t) for r, t in chosen]
+    # Baseline: the trainer as trained, capturing the chosen samples' hook points.
+    say(f"trainer path: {sub.num_samples} sample(s) in {len(rows)} row(s), baseline + patches")
+    base_probe = _TrainerProbe(capture={sub_row[r] for r, _ in chosen})
+    r3 = routing_replay(state.cfg)  # the trainer's forward as the loop ran it (R3 runs replay routing)
+    base = backend.probe_forward(sub, base_probe, r3=r3)
+    if base is None:
+        raise ReplayInputError("the run's train backend cannot hook its model (explain needs train.backend: torch)")
+    gap0 = _gap_at(base.logprobs, sub, sub_tokens, engine_lp)
+    # Patches: one forward per (pass, point). A sample's chosen tokens of one turn share that turn's
+    # request (one set of engine states); pass j patches every sample with its j-th such request, so
+    # there are as many passes as the most turns any one sample has chosen tokens in.
+    remaining: dict[tuple[str, int], dict] = {}
+    router_gap: dict[int, dict] = {}
+    per_sample: dict[int, list[int]] = {}
+    for r, t in chosen:
+        c = of_token[(r, t)]
+        if c not in per_sample.setdefault(r, []):
+            per_sample[r].append(c)
+    for j in range(max(len(v) for v in per_sample.values())):
+        in_pass = {v[j] for v in per_sample.values() if j < len(v)}
+        keys = [key for key in chosen if of_token[key] in in_pass]
+        toks = [(sub_row[r], t) for r, t in keys]
+        eng = {key: engine_lp[key] for key in keys}
+        for point in points:
+            values = {}
+            for (r, t) in keys:
+                c = of_token[(r, t)]
+                buf = ep.states[c].get(point)
+                if buf is not None:
+                    values[sub_row[r]] = buf[:contexts[c].end - 1]  # positions the engine computed
+            if all(_same_states(v, base_probe.states[i].get(point)) for i, v in values.items()):
+                # The engine's states equal the trainer's there: the patched forward is the baseline.
+                remaining.setdefault(point, {}).update({key: gap0[key] for key in keys})
+                continue
+            res = backend.probe_forward(sub, _TrainerProbe(patch=point, patch_values=values), r3=r3)
+            remaining.setdefault(point, {}).update(_gap_at(res.logprobs, sub, toks, eng))
+    # R3 with the engine's routing (rows from the first request that computed each position): in
+    # every MoE layer, and in each one alone (does that layer's expert choice carry the gap?).
+    r3_gap = {key: float("nan") for key in chosen}
+    router_gap: dict[int, dict] = {layer: dict(r3_gap) for layer in moe}
+    if moe and sub.routed_experts is not None:
+        routed = sub.routed_experts.clone()
+        for c, rt in zip(contexts, ep.routing):
+            if rt is None or c.sample not in sub_row:
+                continue
+            a = int(sub.offsets[sub_row[c.sample]])
+            earlier = [o for o in contexts if o.sample == c.sample and o.turn < c.turn]
+            first = max([o.end - 1 for o in earlier], default=0)
+            routed[a + first:a + rt.shape[0]] = torch.from_numpy(rt[first:].astype(np.int64))
+        forced = dataclasses.replace(sub, routed_experts=routed)
+        # A layer where the engine chose exactly the baseline's experts (same order) at every position
+        # of the chosen samples replays nothing new: R3 there is the baseline, no forward needed.
+        spans = [(int(sub.offsets[sub_row[r]]), int(sub.offsets[sub_row[r] + 1])) for r in {r for r, _ in chosen}]
+        differs = {layer for layer in moe if any(not torch.equal(routed[a:b, layer], base.routed_experts[a:b, layer])
+                                                for a, b in spans)} if base.routed_experts is not None else set(moe)
+        r3_gap = (_gap_at(backend.forward(forced, r3=True).logprobs, sub, sub_tokens, engine_lp) if differs
+                  else dict(gap0))
+        for layer in sorted(moe):
+            if layer not in differs:
+                router_gap[layer] = dict(gap0)
+                continue
+            res = backend.forward(forced, r3=R3Scope(layers=(layer,)))
+            router_gap[layer] = _gap_at(res.logprobs, sub, sub_tokens, engine_lp)
+    tok = state.tokenizer
+    out = []
+    for key in chosen:
+        r, t = key
+        c = of_token[key]
+        ctx = contexts[c]
+        g0 = gap0[key]
+        a = int(st.off[r])
+        est = ep.states[c]
+        tst = base_probe.states[sub_row[r]]
+        p = t - 1
+        rows_out, prev = [], g0
+        prev_point = ("in", 0)
+        norms: dict[str, list[float]] = {}
+        emb_diff = _diff(est[("in", 0)][p], tst[("in", 0)][p])
+        rows_out.append(LayerRow("embedding", emb_diff[0], emb_diff[1], remaining[("in", 0)][key],
+                                 _share(g0, g0, remaining[("in", 0)][key])))
+        prev = remaining[("in", 0)][key]
+        norms["in 0"] = [_norm(est[("in", 0)][p]), _norm(tst[("in", 0)][p])]
+        for point in points[1:]:
+            name = component_name(point, moe)
+            e_now, t_now = _state(est, point, p), _state(tst, point, p)
+            if point[0] in ("mid", "out"):  # the component's own output: the residual update it made
+                e_out, t_out = e_now - _state(est, prev_point, p), t_now - _state(tst, prev_point, p)
+            else:
+                e_out, t_out = e_now, t_now
+            rel, mx = _diff(e_out, t_out)
+            g = remaining[point][key]
+            router = None
+            if point[0] == "out" and point[1] in moe:
+                router = _router(est, tst, point[1], p, ctx.end - 1, mcfg.num_experts_per_tok)
+                router["r3_layer_gap"] = router_gap[point[1]][key]
+            rows_out.append(LayerRow(name, rel, mx, g, _share(g0, prev, g), router))
+            norms[f"{point[0]} {point[1]}" if point[1] >= 0 else point[0]] = [_norm(e_now), _norm(t_now)]
+            prev, prev_point = g, point
+        named = _named(rows_out, g0)
+        tid = int(st.ids[a + t])
+        e_logit, t_logit = float(est[("logits", -1)][p, tid]), float(tst[("logits", -1)][p, tid])
+        ulp = float(torch.finfo(est[("logits", -1)].dtype).eps) * 2.0 ** np.floor(np.log2(max(abs(t_logit), 1e-30)))
+        removed_at = _removed_at(rows_out, g0)
+        flip = _flip(rows_out, g0, r3_gap[key])
+        out.append(TokenExplanation(
+            sample_id=int(st.sids[r]), sample_row=r, token=t, turn=ctx.turn, position=t - ctx.start, token_id=tid,
+            text=tok.decode([tid]), rollout_logprob=float(st.rollout[a + t]), old_logprob=float(st.old[a + t]),
+            engine_logprob=engine_lp[key], trainer_logprob=engine_lp[key] + g0, gap=g0,
+            engine_reproduces_rollout=bool(np.float32(engine_lp[key]).view(np.uint32)
+                                           == np.float32(st.rollout[a + t]).view(np.uint32)),
+            trainer_reproduces_old=bool(np.float32(base.logprobs[int(sub.offsets[sub_row[r]]) + t]).view(np.uint32)
+                                        == np.float32(st.old[a + t]).view(np.uint32)),
+            rows=rows_out, r3_gap=r3_gap[key], named=named, token_logit=[e_logit, t_logit], logit_ulp=ulp,
+            removed_at=removed_at, flip=flip, hidden_norms=norms))
+    return out
+
+
+def _same_states(engine: torch.Tensor, trainer: torch.Tensor | None) -> bool:
+    """Whether the engine's rows (NaN where it computed none: those are not patched) equal the trainer's."""
+    if trainer is None:
+        return False
+    have = torch.isfinite(engine.float()).all(-1)
+    t = trainer[:engine.shape[0]]
+    return bool(torch.equal(engine[have], t[have].to(engine.dtype))) if t.dtype == engine.dtype else False
+
+
+def _state(states: dict, point: tuple[str, int], p: int) -> torch.Tensor:
+    return states[point][p].float()
+
+
+def _norm(x: torch.Tensor) -> float:
+    return float(x.float().norm())
+
+
+def _diff(e: torch.Tensor, t: torch.Tensor) -> tuple[float, float]:
+    e, t = e.double(), t.double()
+    d = e - t
+    denom = float(t.norm())
+    return (float(d.norm()) / denom if denom > 0 else float(d.norm())), float(d.abs().max())
+
+
+def _share(g0: float, before: float, after: float) -> float:
+    return 0.0 if g0 == 0 else (before - after) / g0
+
+
+def _router(est: dict, tst: dict, layer: int, p: int, end: int, k: int) -> dict[str, Any]:
+    """Both paths' router decisions at the predicting position `p` and how many positions of the
+    request (0..end−1) picked a different expert set."""
+    e_logits, t_logits = est[("router", layer)][:end].float(), tst[("router", layer)][:end].float()
+    e_probs, t_probs = torch.softmax(e_logits, -1), torch.softmax(t_logits, -1)
+    e_top, t_top = torch.topk(e_probs, k + 1, dim=-1), torch.topk(t_probs, k + 1, dim=-1)
+    e_sets = [set(row[:k].tolist()) for row in e_top.indices]
+    t_sets = [set(row[:k].tolist()) for row in t_top.indices]
+    flips = [i for i in range(end) if e_sets[i] != t_sets[i]]
+    return {"engine_experts": sorted(e_sets[p]), "trainer_experts": sorted(t_sets[p]), "flip": e_sets[p] != t_sets[p],
+            "engine_margin": float(e_top.values[p, k - 1] - e_top.values[p, k]),
+            "trainer_margin": float(t_top.values[p, k - 1] - t_top.values[p, k]),
+            "max_abs_logit_diff": float((e_logits[p] - t_logits[p]).abs().max()),
+            "flipped_positions": flips}
+
+
+def _named(rows: list[LayerRow], g0: float) -> str:
+    """The component whose patch removes the gap; "diffuse" when the patch curve goes back and forth
+    (rounding noise that any component can tip, e.g. one bf16 ulp of a logit)."""
+    if g0 == 0:
+        return "none (no gap)"
+    total = sum(abs(r.share) for r in rows)
+    best = max(rows, key=lambda r: r.share)
+    if best.share > 0 and best.share >= CONCENTRATED * total:
+        return best.name
+    top = sorted(rows, key=lambda r: -abs(r.share))[:3]
+    return "diffuse: " + ", ".join(f"{r.name} {r.share:+.0%}" for r in top)
+
+
+def _removed_at(rows: list[LayerRow], g0: float) -> str | None:
+    if g0 == 0:
+        return None
+    for i, row in enumerate(rows):
+        if all(abs(r.remaining_gap) <= REMOVED * abs(g0) for r in rows[i:]):
+            return row.name
+    return None
+
+
+def _flip(rows: list[LayerRow], g0: float, r3_gap: float) -> str | None:
+    """The routing flip that explains the gap: flipped positions in a layer where forcing the
+    engine's experts (R3 on that layer alone) removes at least half of the gap (the strongest)."""
+    if g0 == 0:
+        return None
+    best = None
+    for row in rows:
+        rt = row.router
+        if rt is None or not rt["flipped_positions"]:
+            continue
+        removed = 1 - abs(rt["r3_layer_gap"]) / abs(g0)
+        if removed >= 0.5 and (best is None or removed > best[0]):
+            best = (removed, row.name, rt)
+    if best is None:
+        return None
+    removed, name, rt = best
+    where = "at the predicting position" if rt["flip"] else f"at {len(rt['flipped_positions'])} earlier position(s)"
+    return (f"{name.replace(' moe', '')} routing flip {where} (engine {rt['engine_experts']} vs trainer "
+            f"{rt['trainer_experts']}, trainer margin {rt['trainer_margin']:.3g}): the engine's experts in that layer "
+            f"remove {removed:.0%} of the gap ({rt['r3_layer_gap']:+.3g} left); with R3 this token's gap would be "
+            f"{r3_gap:+.3g} (now {g0:+.3g})")
