@@ -31,7 +31,7 @@ from axrl.agents.env import Env
 from axrl.data import PromptLoader
 from axrl.inference.protocol import InferenceEngine
 from axrl.rollout.pool import Batch, Group, GroupFate, TrajectoryPool
-from axrl.rollout.runner import Clock, EpisodeRunner, EpisodeSpec, RolloutSettings, sample_seed
+from axrl.rollout.runner import Clock, EpisodeRunner, EpisodeSpec, Player, RolloutSettings, sample_seed
 from axrl.rollout.schedule import Schedule
 from axrl.rollout.trajectory import Trajectory
 from axrl.sync import WeightSync
@@ -71,10 +71,11 @@ class RolloutPolicy:
 class RolloutWorker:
     def __init__(self, engine: InferenceEngine, tokenizer: Tokenizer, make_env: Callable[[], Env],
                  loader: PromptLoader, settings: RolloutSettings, schedule: Schedule, policy: RolloutPolicy,
-                 sync: WeightSync, pool: TrajectoryPool, *, clock: Clock, seed: int, threads: int = 1) -> None:
+                 sync: WeightSync, pool: TrajectoryPool, *, clock: Clock, seed: int, threads: int = 1,
+                 player: Player | None = None) -> None:
         self.engine, self.tokenizer, self.make_env, self.loader, self.clock = engine, tokenizer, make_env, loader, clock
         self.settings, self.schedule, self.policy, self.sync, self.pool = settings, schedule, policy, sync, pool
-        self.seed, self.threads = seed, threads
+        self.seed, self.threads, self.player = seed, threads, player
         self.counters = RolloutCounters()
         self._lock = threading.Lock()          # guards what `snapshot` reads
         self._groups: dict[int, _GroupLife] = {}
@@ -144,7 +145,7 @@ class RolloutWorker:
         self._loop = asyncio.get_running_loop()
         runner = self._runner = EpisodeRunner(self.engine, self.tokenizer, self.make_env, self.settings,
                                               clock=self.clock,
-                                              on_done=self._on_done)
+                                              on_done=self._on_done, player=self.player)
         self.sync.subscribe(self._wake)
         try:
             while not self._stop:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from axrl.agents.proxy import ProxyServer
 from axrl.agents.tasks import Task
 from axrl.agents.tasks.resolve import resolve_task
 from axrl.algo.processor import AlgorithmProcessor, prompts_to_roll_out
@@ -21,6 +22,7 @@ from axrl.inference.protocol import InferenceEngine, SamplingParams
 from axrl.model import Qwen3ForCausalLM, build_model, load_hf, load_weights_into, preset_config
 from axrl.model.device import resolve_device
 from axrl.rollout.agent_loop import opening
+from axrl.rollout.blackbox import AgentSpec, BlackBoxPlayer, load_callable
 from axrl.rollout.pool import TrajectoryPool
 from axrl.rollout.runner import Clock, RolloutSettings
 from axrl.rollout.schedule import Schedule
@@ -48,12 +50,15 @@ class Components:
     rollout: RolloutWorker
     trainer: TrainWorker
     evaluator: Evaluator | None
+    proxy: ProxyServer | None = None   # the black-box agent's recording proxy (config `agent`)
 
     def close(self) -> None:
         """Stop the rollout worker, the engines and the trainer's workers (in that order)."""
         try:
             self.rollout.stop()
         finally:
+            if self.proxy is not None:
+                self.proxy.stop()
             self.engine.shutdown()
             if self.evaluator is not None:
                 self.evaluator.engine.shutdown()
@@ -106,8 +111,9 @@ def build_components(cfg: Config) -> Components:
                            max_live_episodes=r.max_live_episodes or r.max_batch_size)
     sync = WeightSync(version=0)
     pool = TrajectoryPool(r.group_size)
+    proxy, player = make_agent(cfg, tokenizer)
     rollout = RolloutWorker(engine, tokenizer, task.make_env, loader, settings, schedule, policy, sync, pool,
-                            clock=clock, seed=cfg.seed, threads=cfg.runtime.threads)
+                            clock=clock, seed=cfg.seed, threads=cfg.runtime.threads, player=player)
     processor = AlgorithmProcessor.from_config(cfg)
     trainer = TrainWorker(backend, processor, cfg, sync, model_config.num_experts)
     evaluator = None
@@ -116,8 +122,26 @@ def build_components(cfg: Config) -> Components:
                                         max_turns=r.max_turns, max_context_len=r.max_context_len, return_routing=False)
         eval_clock: Clock = "free" if clock == "free" else "iterations"
         evaluator = Evaluator(make_embedded_engine(cfg, backend, tokenizer, clocked=eval_clock == "iterations"),
-                              tokenizer, task, eval_settings, prompts=cfg.eval.prompts, seed=cfg.seed, clock=eval_clock)
-    return Components(tokenizer, task, loader, backend, engine, sync, pool, rollout, trainer, evaluator)
+                              tokenizer, task, eval_settings, prompts=cfg.eval.prompts, seed=cfg.seed, clock=eval_clock,
+                              player=player)
+    return Components(tokenizer, task, loader, backend, engine, sync, pool, rollout, trainer, evaluator, proxy)
+
+
+def make_agent(cfg: Config, tokenizer: Tokenizer) -> tuple[ProxyServer | None, BlackBoxPlayer | None]:
+    """The black-box agent of config section `agent`: its proxy (started) and the episode player."""
+    a = cfg.agent
+    if a is None:
+        return None, None
+    try:
+        spec = AgentSpec(command=a.command, function=load_callable(a.function, "agent.function"),
+                         prompt_via=a.prompt_via, timeout_s=a.timeout_s, max_concurrent=a.max_concurrent,
+                         verifier=load_callable(a.verifier, "agent.verifier"), env=dict(a.env),
+                         model_name=a.model_name, render_tools=a.render_tools)
+        proxy = ProxyServer(tokenizer, model_name=a.model_name, host=a.host, port=a.port,
+                            allow_remote=a.allow_remote).start()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return proxy, BlackBoxPlayer(spec, proxy, max_context_len=cfg.rollout.max_context_len)
 
 
 def make_tokenizer(cfg: Config) -> Tokenizer:
