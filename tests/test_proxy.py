@@ -292,3 +292,40 @@ def test_non_loopback_bind_needs_the_flag(tok):
         ProxyServer(tok, host="0.0.0.0")
     assert ProxyServer(tok, host="0.0.0.0", allow_remote=True).host == "0.0.0.0"
 
+
+
+# ---------------------------------------------------------------------------------- agent service
+
+def test_agent_service_validates_and_pools_trajectories(proxy, tok):
+    from axrl.agents.proxy.service import EXTERNAL_ID_BASE, AgentService
+    from axrl.rollout.pool import TrajectoryPool
+
+    pool = TrajectoryPool(2)
+    proxy.registry.service = AgentService(tok, pool.add, current_version=lambda: 3, max_context_len=64,
+                                          routing_shape=(2, 2, 4))
+    try:
+        ids = tok.apply_chat_template(QUESTION, add_generation_prompt=True) + tok.encode("The answer is 95.")
+        n, p = len(ids), len(ids) - 5
+        good = {"group_id": 7, "token_ids": ids, "loss_mask": [0] * p + [1] * 5, "reward": 1.0,
+                "logprobs": [None] * p + [-0.25] * 5, "policy_version": 3, "routing": [[[0, 1], [2, 3]]] * n}
+        r = httpx.post(f"{proxy.url}/v1/trajectories", json=good)
+        assert r.status_code == 200 and r.json()["trained_tokens"] == 5
+        assert pool.num_complete() == 0
+        assert httpx.post(f"{proxy.url}/v1/trajectories", json={**good, "reward": 0.0}).status_code == 200
+        assert pool.num_complete() == 1  # group_size trajectories of group 7: a complete group
+        batch, _ = pool.seal(0, 1, lambda g: True)
+        t = batch.trajectories[0]
+        assert t.group_id == EXTERNAL_ID_BASE + 7 and t.prompt_len == p and t.num_turns == 1
+        assert (t.policy_version[t.loss_mask == 1] == 3).all() and t.routed_experts.shape == (n, 2, 2)
+        for change, field in [({"loss_mask": [0] * n}, "loss_mask"), ({"token_ids": [-1] + ids[1:]}, "token_ids[0]"),
+                              ({"logprobs": [None] * n}, f"logprobs[{p}]"), ({"reward": "high"}, "reward"),
+                              ({"policy_version": 4}, "policy_version[0]"), ({"routing": [[[0, 9], [0, 1]]] * n}, "routing"),
+                              ({"token_ids": ids * 2, "loss_mask": [0] * p + [1] * (2 * n - p)}, "token_ids"),
+                              ({"group_id": "g"}, "group_id"), ({"colour": 1}, "colour"),
+                              ({"loss_mask": [0] * (n - 1)}, "loss_mask")]:
+            r = httpx.post(f"{proxy.url}/v1/trajectories", json={**good, **change})
+            assert r.status_code == 400, (field, r.text)
+            assert r.json()["error"]["param"] == field, (field, r.text)
+    finally:
+        proxy.registry.service = None
+    assert httpx.post(f"{proxy.url}/v1/trajectories", json={}).status_code == 404

@@ -216,7 +216,8 @@ class RolloutWorker:
             self._events_dropped, self._events_reruns = [], []
             with self._lock:
                 for gid in batch.group_ids:
-                    self._groups[gid].fate = ("sealed", w)
+                    if gid in self._groups:  # not a group pushed by the agent service (no prompt position)
+                        self._groups[gid].fate = ("sealed", w)
                     self._open.discard(gid)
                 self._sealed += self.schedule.groups_per_step
                 self._next_batch += 1
@@ -225,7 +226,12 @@ class RolloutWorker:
         return sealed_any
 
     def _stale(self, group: Group) -> None:
-        life = self._groups[group.group_id]
+        life = self._groups.get(group.group_id)
+        if life is None:  # pushed by the agent service: there is nothing to re-run, it is dropped
+            self.counters.dropped += 1
+            mv = group.min_version
+            self._events_dropped.append(GroupFate(group.group_id, "stale", -1 if mv is None else mv))
+            return
         if self.policy.stale_policy == "rerun" and life.reruns < self.policy.max_reruns:
             life.reruns += 1
             self.counters.reruns += 1

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from axrl.agents.proxy import ProxyServer
+from axrl.agents.proxy.service import AgentService
 from axrl.agents.tasks import Task
 from axrl.agents.tasks.resolve import resolve_task
 from axrl.algo.processor import AlgorithmProcessor, prompts_to_roll_out
@@ -112,6 +113,12 @@ def build_components(cfg: Config) -> Components:
     sync = WeightSync(version=0)
     pool = TrajectoryPool(r.group_size)
     proxy, player = make_agent(cfg, tokenizer)
+    if proxy is not None:  # agents with their own engine push into the same pool
+        proxy.registry.service = AgentService(
+            tokenizer, pool.add, current_version=lambda: sync.version, max_context_len=r.max_context_len,
+            routing_shape=((sum(map(model_config.is_moe_layer, range(model_config.num_hidden_layers))),
+                            model_config.num_experts_per_tok, model_config.num_experts)
+                           if model_config.is_moe else None))
     rollout = RolloutWorker(engine, tokenizer, task.make_env, loader, settings, schedule, policy, sync, pool,
                             clock=clock, seed=cfg.seed, threads=cfg.runtime.threads, player=player)
     processor = AlgorithmProcessor.from_config(cfg)

@@ -5,6 +5,7 @@
     POST /sessions/{id}/v1/completions
     POST /sessions/{id}/reward                  {"reward": float, "turn": int (optional: per-turn)}
     POST /sessions/{id}/end                     {"failed": bool, "error": str} (both optional)
+    POST /v1/trajectories                       token-level trajectories (axrl.agents.proxy.service)
     GET  /sessions/{id}                         the session's turns, forks and drift (debugging)
     GET  /health
 
@@ -27,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from axrl.agents.proxy import openai_api
 from axrl.agents.proxy.openai_api import ProxyError, SessionPolicy
+from axrl.agents.proxy.service import AgentService
 from axrl.agents.proxy.session import Session, SessionError
 
 
@@ -39,6 +41,7 @@ class SessionRegistry:
         self._lock = threading.Lock()
         # None: admit; a number: refuse the call, retry after that many seconds (HTTP 429).
         self.gate: Callable[[Session], float | None] = lambda _s: None
+        self.service: AgentService | None = None   # POST /v1/trajectories (agents with their own engine)
 
     def add(self, session: Session, policy: SessionPolicy) -> None:
         with self._lock:
@@ -167,6 +170,17 @@ def create_app(registry: SessionRegistry) -> FastAPI:
             raise openai_api.bad("failed", "must be true or false")
         session.end(failed=body.get("failed", False), error=str(body.get("error", "")))
         return {"ok": True, "session": session_id, "state": session.state, "turns": len(session.turns)}
+
+    @app.post("/v1/trajectories")
+    async def trajectories(request: Request) -> dict[str, Any]:
+        service = registry.service
+        if service is None:
+            raise ProxyError(404, "this proxy has no agent service (POST /v1/trajectories)", code="no_service")
+        if service.api_key is not None and request.headers.get("authorization", "") != f"Bearer {service.api_key}":
+            raise ProxyError(401, "Incorrect API key provided for the agent service", code="invalid_api_key")
+        traj = service.push(await body_of(request))
+        return {"ok": True, "sample_id": traj.sample_id, "group_id": traj.group_id,
+                "tokens": traj.num_tokens, "trained_tokens": traj.num_generated}
 
     @app.get("/sessions/{session_id}")
     async def show(request: Request, session_id: str) -> dict[str, Any]:
