@@ -360,6 +360,13 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _agent(self) -> "Config":
+        if self.agent is not None and self.runtime.deterministic:
+            raise ValueError("agent: a black-box agent's calls arrive when its process makes them, not as a function "
+                             "of counts; set runtime.deterministic: false")
+        return self
+
+    @model_validator(mode="after")
     def _async_rollout(self) -> "Config":
         if (self.runtime.mode == "async" and self.rollout.engine == "sglang" and not self.runtime.deterministic
                 and self.rollout.partial_rollout == "continue"):
