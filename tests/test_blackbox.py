@@ -57,6 +57,19 @@ def test_the_example_agent_runs_unmodified_and_is_scored(tok):
     assert first.sampling_params.seed is not None  # seeded from the sample, as white-box episodes
 
 
+def test_an_agents_sdk_agent_runs_unchanged(tok):
+    """examples/agents/calculator_agents_sdk.py: the OpenAI Agents SDK's own loop, unmodified."""
+    pytest.importorskip("agents")
+    prompt = TASKS["calculator"]().prompt(0, 4)
+    engine = ScriptedEngine(calculator_policy(tok))
+    command = ["python", str(ROOT / "examples/agents/calculator_agents_sdk.py")]
+    traj = play(tok, AgentSpec(command=command, verifier=load_callable(VERIFIER, "agent.verifier")), engine, prompt)
+    assert traj.status == "ok", traj.error
+    assert traj.reward == 1.0 and traj.num_turns == 2 and not traj.forks and traj.drift_tokens == 0
+    first, second = engine.requests
+    assert second.input_ids[: len(first.input_ids)] == first.input_ids  # stitched: one sample
+
+
 def test_a_crashing_agent_fails_its_trajectory(tok):
     prompt = TASKS["calculator"]().prompt(0, 1)
     crash = [sys.executable, "-c", "import sys; print('boom: bad tool', file=sys.stderr); sys.exit(3)"]
