@@ -9,6 +9,9 @@ answer. It is configured the way any OpenAI client is: `OPENAI_BASE_URL`, `OPENA
         python examples/agents/calculator_agent.py <<< "What is 37 + 58?"
 
     axrl train examples/blackbox.yaml        # the same file, unchanged, trained by AxRL
+
+`run(base_url, api_key, question)` is the same agent as a function (`agent.function:
+examples/agents/calculator_agent.py:run` runs it in-process: no interpreter start per episode).
 """
 
 from __future__ import annotations
@@ -50,25 +53,29 @@ def calculate(expression: str) -> str:
     return str(value.numerator) if value.denominator == 1 else str(float(value))
 
 
-def main() -> None:
-    question = sys.stdin.read().strip() or " ".join(sys.argv[1:])
-    client = OpenAI()  # OPENAI_BASE_URL / OPENAI_API_KEY from the environment
-    model = os.environ.get("OPENAI_MODEL", "gpt-4o-mini")
+def run(base_url: str | None, api_key: str | None, question: str, model: str | None = None) -> str:
+    """Answer `question` with the model at `base_url` (None: the OPENAI_* environment); the answer."""
+    client = OpenAI(base_url=base_url, api_key=api_key)
+    model = model or os.environ.get("OPENAI_MODEL", "gpt-4o-mini")
     messages: list[dict] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
     for _ in range(MAX_TURNS):
         reply = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=64)
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:
-            print(message.content)
-            return
+            return str(message.content)
         for call in message.tool_calls:
             try:
                 expression = json.loads(call.function.arguments).get("expression", "")
             except (json.JSONDecodeError, AttributeError):
                 expression = ""
             messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(str(expression))})
-    print("(no answer)")
+    return "(no answer)"
+
+
+def main() -> None:
+    question = sys.stdin.read().strip() or " ".join(sys.argv[1:])
+    print(run(None, None, question))  # OPENAI_BASE_URL / OPENAI_API_KEY from the environment
 
 
 if __name__ == "__main__":
