@@ -138,3 +138,20 @@ def test_axrl_train_with_an_agent_end_to_end(tmp_path):
     summary = subprocess.run([sys.executable, "-m", "axrl_debug.cli", "summary", str(run)], capture_output=True,
                              text=True, timeout=120)
     assert summary.returncode == 0 and "sessions" in summary.stdout, summary.stdout + summary.stderr
+    assert "sessions: 8 over 2 steps, 0 fork path(s), 0 sample(s) with drift" in summary.stdout
+    # the TUI's token view names the sample's session
+    from axrl_debug.tui.app import DebugApp
+    from axrl_debug.tui.screens import TokensScreen
+
+    app = DebugApp(run, scan=False)
+
+    async def drive() -> str:
+        async with app.run_test(size=(120, 30)) as pilot:
+            await pilot.pause(0.5)
+            await pilot.press("enter", "enter")
+            await pilot.pause(0.5)
+            assert isinstance(app.screen, TokensScreen)
+            return str(app.screen.query_one("#status").render())
+
+    status = asyncio.run(drive())
+    assert "session s" in status, status
