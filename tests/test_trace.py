@@ -129,6 +129,8 @@ def make_record(step: int = 0, *, seed: int = 0, n_groups: int = 4, group_size: 
         weights_fingerprint_before="f" * 64, weights_fingerprint_after=f"{updates - 1:064x}",
         pool_dropped_group_id=np.array([7, 9], np.int64) + 10 * step, pool_dropped_reason=["stale", "partial_drop"],
         pool_dropped_min_version=np.array([step - 3, -1], np.int32), pool_rerun_group_id=np.array([5], np.int64),
+        session_id=[f"s{i // 2}" for i in range(n)], fork_of=np.where(np.arange(n) % 2, 100 * step, -1),
+        drift_tokens=rng.integers(0, 3, n).astype(np.int32),
         wall_times={"rollout": 0.75, "advantages": 0.001, "train": 1.25, "sync": 0.01},
         rng_digest="0123456789abcdef",
         attrs={"temperature": 1.0, "engine": "embedded", "r3": True},

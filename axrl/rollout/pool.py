@@ -33,7 +33,8 @@ class Group:
 
     @property
     def complete(self) -> bool:
-        return len(self.samples) == self.size
+        # Forks of a black-box session (fork_of >= 0) come with their episode's sample.
+        return sum(t.fork_of < 0 for t in self.samples) == self.size
 
     @property
     def min_version(self) -> int | None:
@@ -87,12 +88,13 @@ class TrajectoryPool:
 
     # -- rollout side ------------------------------------------------------------------------------
     def add(self, trajectory: Trajectory) -> bool:
-        """Add a finished sample; True when it completed its group."""
+        """Add a finished sample (with the forks of its session, if any); True when it completed its group."""
         with self._cv:
             if any(g.group_id == trajectory.group_id for g in self._complete):
                 raise ValueError(f"group {trajectory.group_id} already has {self.group_size} samples")
             group = self._open.setdefault(trajectory.group_id, Group(trajectory.group_id, self.group_size))
             group.samples.append(trajectory)
+            group.samples.extend(trajectory.forks)
             if not group.complete:
                 return False
             del self._open[trajectory.group_id]

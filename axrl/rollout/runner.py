@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import hashlib
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable, Literal, Protocol
 
 from axrl.agents.env import Env, Prompt
 from axrl.inference.protocol import InferenceEngine, SamplingParams
@@ -49,6 +49,15 @@ class EpisodeSpec:
     seed: int
 
 
+class Player(Protocol):
+    """Plays one episode some other way than the white-box agent loop (a black-box agent,
+    `axrl.rollout.blackbox`), generating through the episode's engine handle."""
+
+    async def play(self, engine: InferenceEngine, *, sample_id: int, group_id: int, prompt: Prompt,
+                   sampling: SamplingParams, return_routing: bool) -> Trajectory:
+        ...
+
+
 # How a rollout is scheduled (axrl.rollout.clock): engine iterations (a ClockedEngine built
 # clocked), request rounds (any engine), or free-running (the engine's own thread and timing).
 Clock = Literal["iterations", "rounds", "free"]
@@ -64,8 +73,9 @@ class EpisodeRunner:
 
     def __init__(self, engine: InferenceEngine, tokenizer: Tokenizer, make_env: Callable[[], Env],
                  settings: RolloutSettings, *, clock: Clock,
-                 on_done: Callable[[EpisodeSpec, Trajectory], None]) -> None:
+                 on_done: Callable[[EpisodeSpec, Trajectory], None], player: Player | None = None) -> None:
         self.engine, self.tokenizer, self.make_env, self.settings = engine, tokenizer, make_env, settings
+        self.player = player
         self.clock = None if clock == "free" else EngineClock(engine, rounds=clock == "rounds")
         self.on_done = on_done
         self.live: dict[int, asyncio.Task] = {}          # sample_id -> its episode task
@@ -88,11 +98,17 @@ class EpisodeRunner:
 
     async def _episode(self, spec: EpisodeSpec, handle: EpisodeEngine) -> None:
         s = self.settings
+        sampling = dataclasses.replace(s.sampling, seed=spec.seed)
         try:
-            traj = await run_episode(
-                handle, self.tokenizer, self.make_env(), spec.prompt, sample_id=spec.sample_id,
-                group_id=spec.group_id, sampling=dataclasses.replace(s.sampling, seed=spec.seed),
-                max_turns=s.max_turns, max_context_len=s.max_context_len, return_routing=s.return_routing)
+            if self.player is not None:
+                traj = await self.player.play(handle, sample_id=spec.sample_id, group_id=spec.group_id,
+                                              prompt=spec.prompt, sampling=sampling,
+                                              return_routing=s.return_routing)
+            else:
+                traj = await run_episode(
+                    handle, self.tokenizer, self.make_env(), spec.prompt, sample_id=spec.sample_id,
+                    group_id=spec.group_id, sampling=sampling, max_turns=s.max_turns,
+                    max_context_len=s.max_context_len, return_routing=s.return_routing)
         except Exception as e:  # env errors never get here (run_episode records them); engine errors do
             self.failure = self.failure or e
             raise

@@ -46,6 +46,12 @@ class Trajectory:
     status: str = "ok"  # "ok" | "failed" (env/tool raised; kept in the trace, never trained on)
     error: str = ""
     continuations: int = 0  # requests interrupted by a weight update and resumed under the new weights
+    # Black-box sessions (axrl.agents.proxy): the session, the sample this path forks from (−1:
+    # none) and how many re-rendered tokens of its replies differed from the generated ones.
+    session_id: str = ""
+    fork_of: int = -1
+    drift_tokens: int = 0
+    forks: list["Trajectory"] = field(default_factory=list)  # the session's other paths, pooled with it
     info: dict[str, Any] = field(default_factory=dict)
 
     def append(self, ids: Sequence[int], *, generated: bool, turn: int, version: int = -1,

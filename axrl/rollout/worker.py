@@ -31,7 +31,7 @@ from axrl.agents.env import Env
 from axrl.data import PromptLoader
 from axrl.inference.protocol import InferenceEngine
 from axrl.rollout.pool import Batch, Group, GroupFate, TrajectoryPool
-from axrl.rollout.runner import Clock, EpisodeRunner, EpisodeSpec, RolloutSettings, sample_seed
+from axrl.rollout.runner import Clock, EpisodeRunner, EpisodeSpec, Player, RolloutSettings, sample_seed
 from axrl.rollout.schedule import Schedule
 from axrl.rollout.trajectory import Trajectory
 from axrl.sync import WeightSync
@@ -71,10 +71,11 @@ class RolloutPolicy:
 class RolloutWorker:
     def __init__(self, engine: InferenceEngine, tokenizer: Tokenizer, make_env: Callable[[], Env],
                  loader: PromptLoader, settings: RolloutSettings, schedule: Schedule, policy: RolloutPolicy,
-                 sync: WeightSync, pool: TrajectoryPool, *, clock: Clock, seed: int, threads: int = 1) -> None:
+                 sync: WeightSync, pool: TrajectoryPool, *, clock: Clock, seed: int, threads: int = 1,
+                 player: Player | None = None) -> None:
         self.engine, self.tokenizer, self.make_env, self.loader, self.clock = engine, tokenizer, make_env, loader, clock
         self.settings, self.schedule, self.policy, self.sync, self.pool = settings, schedule, policy, sync, pool
-        self.seed, self.threads = seed, threads
+        self.seed, self.threads, self.player = seed, threads, player
         self.counters = RolloutCounters()
         self._lock = threading.Lock()          # guards what `snapshot` reads
         self._groups: dict[int, _GroupLife] = {}
@@ -144,7 +145,7 @@ class RolloutWorker:
         self._loop = asyncio.get_running_loop()
         runner = self._runner = EpisodeRunner(self.engine, self.tokenizer, self.make_env, self.settings,
                                               clock=self.clock,
-                                              on_done=self._on_done)
+                                              on_done=self._on_done, player=self.player)
         self.sync.subscribe(self._wake)
         try:
             while not self._stop:
@@ -215,7 +216,8 @@ class RolloutWorker:
             self._events_dropped, self._events_reruns = [], []
             with self._lock:
                 for gid in batch.group_ids:
-                    self._groups[gid].fate = ("sealed", w)
+                    if gid in self._groups:  # not a group pushed by the agent service (no prompt position)
+                        self._groups[gid].fate = ("sealed", w)
                     self._open.discard(gid)
                 self._sealed += self.schedule.groups_per_step
                 self._next_batch += 1
@@ -224,7 +226,12 @@ class RolloutWorker:
         return sealed_any
 
     def _stale(self, group: Group) -> None:
-        life = self._groups[group.group_id]
+        life = self._groups.get(group.group_id)
+        if life is None:  # pushed by the agent service: there is nothing to re-run, it is dropped
+            self.counters.dropped += 1
+            mv = group.min_version
+            self._events_dropped.append(GroupFate(group.group_id, "stale", -1 if mv is None else mv))
+            return
         if self.policy.stale_policy == "rerun" and life.reruns < self.policy.max_reruns:
             life.reruns += 1
             self.counters.reruns += 1

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from axrl.agents.proxy import ProxyServer
+from axrl.agents.proxy.service import AgentService
 from axrl.agents.tasks import Task
 from axrl.agents.tasks.resolve import resolve_task
 from axrl.algo.processor import AlgorithmProcessor, prompts_to_roll_out
@@ -22,6 +24,7 @@ from axrl.inference.protocol import InferenceEngine, SamplingParams
 from axrl.model import ModelConfig, Qwen3ForCausalLM, build_model, load_hf, load_weights_into, preset_config
 from axrl.model.device import resolve_device
 from axrl.rollout.agent_loop import opening
+from axrl.rollout.blackbox import AgentSpec, BlackBoxPlayer, load_callable
 from axrl.rollout.pool import TrajectoryPool
 from axrl.rollout.runner import Clock, RolloutSettings
 from axrl.rollout.schedule import Schedule
@@ -52,6 +55,7 @@ class Components:
     evaluator: Evaluator | None
     events: EventLog = field(default_factory=EventLog)   # faults and recoveries (RUN/events.jsonl)
     executor: Any = None                                 # runtime.executor: ray — its RayExecutor
+    proxy: ProxyServer | None = None   # the black-box agent's recording proxy (config `agent`)
 
     def close(self) -> None:
         """Stop the rollout worker, the engines and the trainer's workers (in that order)."""
@@ -59,6 +63,8 @@ class Components:
             self.rollout.stop()
         finally:
             try:
+                if self.proxy is not None:
+                    self.proxy.stop()
                 self.engine.shutdown()
                 if self.evaluator is not None:
                     self.evaluator.engine.shutdown()
@@ -113,7 +119,14 @@ def build_components(cfg: Config) -> Components:
         backend = make_train_backend(cfg, tokenizer)
         engine = make_engine(cfg, backend, tokenizer)
     model_config = backend.model_config
-    rollout, sync, pool = make_rollout(cfg, tokenizer, task, loader, engine, model_config)
+    proxy, player = make_agent(cfg, tokenizer)
+    rollout, sync, pool = make_rollout(cfg, tokenizer, task, loader, engine, model_config, player=player)
+    if proxy is not None:  # agents with their own engine push into the same pool
+        proxy.registry.service = AgentService(
+            tokenizer, pool.add, current_version=lambda: sync.version, max_context_len=cfg.rollout.max_context_len,
+            routing_shape=((sum(map(model_config.is_moe_layer, range(model_config.num_hidden_layers))),
+                            model_config.num_experts_per_tok, model_config.num_experts)
+                           if model_config.is_moe else None))
     r, clock, sampling = cfg.rollout, rollout_clock(cfg), rollout.settings.sampling
     processor = AlgorithmProcessor.from_config(cfg)
     trainer = TrainWorker(backend, processor, cfg, sync, model_config.num_experts)
@@ -123,15 +136,17 @@ def build_components(cfg: Config) -> Components:
                                         max_turns=r.max_turns, max_context_len=r.max_context_len, return_routing=False)
         eval_clock: Clock = "free" if clock == "free" else "iterations"
         evaluator = Evaluator(make_embedded_engine(cfg, backend, tokenizer, clocked=eval_clock == "iterations"),
-                              tokenizer, task, eval_settings, prompts=cfg.eval.prompts, seed=cfg.seed, clock=eval_clock)
+                              tokenizer, task, eval_settings, prompts=cfg.eval.prompts, seed=cfg.seed, clock=eval_clock,
+                              player=player)
     return Components(tokenizer, task, loader, backend, engine, sync, pool, rollout, trainer, evaluator,
-                      events=events, executor=executor)
+                      events=events, executor=executor, proxy=proxy)
 
 
 def make_rollout(cfg: Config, tokenizer: Tokenizer, task: Task, loader: PromptLoader, engine: InferenceEngine,
-                 model_config: ModelConfig) -> tuple[RolloutWorker, WeightSync, TrajectoryPool]:
+                 model_config: ModelConfig, player: BlackBoxPlayer | None = None,
+                 ) -> tuple[RolloutWorker, WeightSync, TrajectoryPool]:
     """The rollout worker of a run on `engine`, with the weight sync it listens to and the pool it
-    fills (rollout replay builds them the same way)."""
+    fills (rollout replay builds them the same way); `player`: a black-box agent plays the episodes."""
     r = cfg.rollout
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                               top_k=r.top_k, stop_token_ids=tokenizer.stop_token_ids)
@@ -145,7 +160,7 @@ def make_rollout(cfg: Config, tokenizer: Tokenizer, task: Task, loader: PromptLo
     sync = WeightSync(version=0)
     pool = TrajectoryPool(r.group_size)
     rollout = RolloutWorker(engine, tokenizer, task.make_env, loader, settings, schedule, policy, sync, pool,
-                            clock=rollout_clock(cfg), seed=cfg.seed, threads=cfg.runtime.threads)
+                            clock=rollout_clock(cfg), seed=cfg.seed, threads=cfg.runtime.threads, player=player)
     return rollout, sync, pool
 
 
@@ -155,6 +170,23 @@ def make_data(cfg: Config) -> tuple[Task, PromptLoader]:
     loader = (PromptLoader.from_file(cfg.data.path, seed=cfg.seed) if cfg.data.path
               else PromptLoader.from_task(task, seed=cfg.seed))
     return task, loader
+
+
+def make_agent(cfg: Config, tokenizer: Tokenizer) -> tuple[ProxyServer | None, BlackBoxPlayer | None]:
+    """The black-box agent of config section `agent`: its proxy (started) and the episode player."""
+    a = cfg.agent
+    if a is None:
+        return None, None
+    try:
+        spec = AgentSpec(command=a.command, function=load_callable(a.function, "agent.function"),
+                         prompt_via=a.prompt_via, timeout_s=a.timeout_s, max_concurrent=a.max_concurrent,
+                         verifier=load_callable(a.verifier, "agent.verifier"), env=dict(a.env),
+                         model_name=a.model_name, render_tools=a.render_tools)
+        proxy = ProxyServer(tokenizer, model_name=a.model_name, host=a.host, port=a.port,
+                            allow_remote=a.allow_remote).start()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return proxy, BlackBoxPlayer(spec, proxy, max_context_len=cfg.rollout.max_context_len)
 
 
 def make_tokenizer(cfg: Config) -> Tokenizer:

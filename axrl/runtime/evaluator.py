@@ -14,15 +14,16 @@ import torch
 
 from axrl.agents.tasks import Task
 from axrl.inference.protocol import InferenceEngine
-from axrl.rollout.runner import Clock, EpisodeRunner, EpisodeSpec, RolloutSettings, run_all, sample_seed
+from axrl.rollout.runner import Clock, EpisodeRunner, EpisodeSpec, Player, RolloutSettings, run_all, sample_seed
 from axrl.rollout.trajectory import Trajectory
 from axrl.tokenizer import Tokenizer
 
 
 class Evaluator:
     def __init__(self, engine: InferenceEngine, tokenizer: Tokenizer, task: Task, settings: RolloutSettings, *,
-                 prompts: int, seed: int, clock: Clock) -> None:
+                 prompts: int, seed: int, clock: Clock, player: Player | None = None) -> None:
         self.engine, self.tokenizer, self.task, self.settings, self.clock = engine, tokenizer, task, settings, clock
+        self.player = player  # a black-box agent (axrl.rollout.blackbox), else the task's env
         n = settings.group_size
         # Prompts of the held-out stream (task seed + 2), never trained on.
         self.specs = [EpisodeSpec(g * n + j, g, task.prompt(seed + 2, g), sample_seed(seed + 2, g * n + j))
@@ -33,6 +34,6 @@ class Evaluator:
         self.engine.update_weights(dict(weights), version=version)
         trajectories: list[Trajectory] = []
         runner = EpisodeRunner(self.engine, self.tokenizer, self.task.make_env, self.settings, clock=self.clock,
-                               on_done=lambda spec, traj: trajectories.append(traj))
+                               on_done=lambda spec, traj: trajectories.append(traj), player=self.player)
         asyncio.run(run_all(runner, self.specs))
         return sum(t.reward for t in trajectories) / len(trajectories)

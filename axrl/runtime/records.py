@@ -11,6 +11,7 @@ import torch
 
 from axrl.algo.processor import ProcessedBatch
 from axrl.rollout.pool import Batch
+from axrl.rollout.trajectory import Trajectory
 from axrl.train.protocol import ForwardResult, StepStats, TrainMetrics
 from axrl.trace import StepRecord
 from axrl.trace.quantities import mean_abs_delta
@@ -87,7 +88,18 @@ def step_metrics(o: TrainedStep) -> dict[str, Any]:
         **{f"time_{k}": v for k, v in o.wall_times.items()},
         "finish_reasons": {r: sum(t.finish_reason == r for t in trajs) for r in sorted({t.finish_reason for t in trajs})},
         "dropped_groups": o.processed.dropped_groups,   # dynamic sampling (0 when off)
+        **_session_metrics(trajs),
     }
+
+
+def _session_metrics(trajs: list[Trajectory]) -> dict[str, Any]:
+    """Black-box agent sessions of the batch: how many, their forks and re-tokenisation drift."""
+    if not any(t.session_id for t in trajs):
+        return {}
+    return {"sessions": len({t.session_id for t in trajs if t.session_id}),
+            "session_forks": sum(t.fork_of >= 0 for t in trajs),
+            "drift_samples": sum(t.drift_tokens > 0 for t in trajs),
+            "drift_tokens": int(sum(t.drift_tokens for t in trajs))}
 
 
 def _columns(rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
@@ -201,11 +213,20 @@ def step_record(o: TrainedStep, rng_digest: str = "", routing: bool = True) -> S
         routing_train=None if routing_train is None else routing_train.numpy(),
         behaviour_train_logprob=None if o.behaviour is None else o.behaviour.numpy(),
         **_pool_columns(o.batch),
+        **_session_columns(trajs),
         extra_samples=extra_samples,
         wall_times=o.wall_times,
         rng_digest=rng_digest,
         attrs=o.marks,
     )
+
+
+def _session_columns(trajs: list[Trajectory]) -> dict[str, Any]:
+    """/samples/{session_id, fork_of, drift_tokens}: only when a black-box agent made the batch."""
+    if not any(t.session_id for t in trajs):
+        return {}
+    return {"session_id": [t.session_id for t in trajs], "fork_of": [t.fork_of for t in trajs],
+            "drift_tokens": [t.drift_tokens for t in trajs]}
 
 
 def _pool_columns(batch: Batch) -> dict[str, Any]:

@@ -144,6 +144,13 @@ DATASETS: tuple[DatasetSpec, ...] = (
                 "'ok' | 'failed'"),
     DatasetSpec("/samples/error", "error", STR, ("N",), True,
                 "error message when status != 'ok', else ''"),
+    DatasetSpec("/samples/session_id", "session_id", STR, ("N",), False,
+                "black-box agent session the sample was stitched from ('' for white-box episodes)"),
+    DatasetSpec("/samples/fork_of", "fork_of", "int64", ("N",), False,
+                "sample id of the session path this one forks from (a rewritten history, n > 1); -1: none"),
+    DatasetSpec("/samples/drift_tokens", "drift_tokens", "int32", ("N",), False,
+                "tokens of the replies the agent sent back that re-render differently from the generated "
+                "ids (re-tokenisation drift; the generated ids are what is trained)"),
     # --- tokens
     DatasetSpec("/tokens/ids", "token_ids", "int32", ("T",), True, "token ids"),
     DatasetSpec("/tokens/loss_mask", "loss_mask", "uint8", ("T",), True,

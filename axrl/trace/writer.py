@@ -108,6 +108,9 @@ class StepRecord:
     pool_dropped_reason: Sequence[str] | None = None  # str [D]
     pool_dropped_min_version: Any = None     # int32 [D]
     pool_rerun_group_id: Any = None          # int64 [R]   groups re-run while the batch was filled
+    session_id: Sequence[str] | None = None  # str [N]   black-box agent sessions ('' white-box)
+    fork_of: Any = None                      # int64 [N] sample a session path forks from (-1: none)
+    drift_tokens: Any = None                 # int32 [N] re-tokenisation drift of the sample's replies
     wall_times: Mapping[str, float] = field(default_factory=dict)  # phase -> seconds
     rng_digest: str = ""
     attrs: Mapping[str, Any] = field(default_factory=dict)          # extra root attrs (scalars)
@@ -291,6 +294,8 @@ def prepare(record: StepRecord) -> _Prepared:
         value = getattr(r, spec.field)
         if spec.field == "error" and value is None:
             value = [""] * n
+        if value is None and not spec.required:
+            continue
         if spec.dtype == S.STR:
             a = _as_str_array(spec.field, value)
         elif spec.np_dtype.kind in "iu":

@@ -12,6 +12,7 @@ import typer
 from axrl.runtime.events import read_events
 from axrl_debug.analysis.frames import step_table
 from axrl_debug.analysis.objective import objective_by_step
+from axrl_debug.analysis.sessions import sessions_by_step
 from axrl_debug.analysis.spikes import SpikeConfig, detect
 from axrl_debug.app import JSON_OPTION, app, out, print_json, run_command
 from axrl_debug.commands._common import (STEPS_OPTION_HELP, fmt, open_run, pct, report_problems,
@@ -38,6 +39,22 @@ def worst_steps(df: Any) -> dict[str, Any]:
     return out
 
 
+def show_sessions(rows: list[dict[str, Any]]) -> None:
+    """Black-box agent sessions per step: forks (rewritten histories, n > 1) and re-tokenisation drift."""
+    def ids(values: list[int]) -> str:
+        return ", ".join(map(str, values[:4])) + (" …" if len(values) > 4 else "")
+
+    show(simple_table("black-box agent sessions (forks: extra root-to-leaf paths; drift: re-rendered replies "
+                      "that differ from the generated ids)",
+                      ["step", "sessions", "failed", "fork paths", "drift samples", "drift tok", "fork / drift ids"],
+                      [[str(r["step"]), str(r["sessions"]), str(r["failed_sessions"]), str(r["forks"]),
+                        str(r["drift_samples"]), str(r["drift_tokens"]),
+                        " / ".join(x for x in (ids(r["fork_ids"]), ids(r["drift_ids"])) if x)] for r in rows]))
+    forks, drift = sum(r["forks"] for r in rows), sum(r["drift_samples"] for r in rows)
+    out.print(f"sessions: {sum(r['sessions'] for r in rows)} over {len(rows)} steps, {forks} fork path(s), "
+              f"{drift} sample(s) with drift", highlight=False)
+
+
 @app.command()
 def summary(
     run: Path = typer.Argument(..., help="Run directory (holds manifest.json, metrics.jsonl, trace/)."),
@@ -49,6 +66,7 @@ def summary(
     """One row per step: reward, loss, grad norm, clip fraction, share of loss tokens the corrections
     masked (when any did), mismatch (mean and max |Δ|, k3 KL; with /tokens/behaviour_train_logprob
     also its engine and staleness parts), MoE routing agreement, policy-version lag and spike flags;
+    a run with a black-box agent also gets its sessions' forks and re-tokenisation drift per step;
     --json adds the share of loss tokens per objective/correction rule.
 
     Scalars the training loop logged (reward, loss, grad_norm, clipfrac, mismatch) come from
@@ -66,11 +84,12 @@ def summary(
         worst = worst_steps(flagged)
         # Faults and recoveries (RUN/events.jsonl: actor deaths, restarts, train-group resumes).
         faults = [e for e in read_events(reader.path) if e["event"] not in ("actors_started",)]
+        sessions = sessions_by_step(reader, list(df["step"]))
         if json_out:
             cols = [c for c in flagged.columns if not c.endswith("_z")]
             print_json({"run": str(reader.path), "steps": records(flagged[cols]),
                         "sources": df.attrs.get("sources", {}), "spikes": spikes, "worst": worst,
-                        "problems": problems, **({"events": faults} if faults else {})})
+                        "sessions": sessions, "problems": problems, **({"events": faults} if faults else {})})
             return 0
         split = "mismatch_engine" in flagged
         rows = []
@@ -86,6 +105,8 @@ def summary(
             f"{reader.path} — {len(flagged)} steps (more columns: --json)",
             ["step", "reward", "loss", "gnorm", "clip", *(["masked"] if masked else []), "mean|Δ|",
              *(["|Δ_eng|", "|Δ_stale|"] if split else []), "k3", "routing", "lag", "spikes"], rows))
+        if sessions:
+            show_sessions(sessions)
         if worst.get("mismatch"):
             w = worst["mismatch"]
             out.print(f"worst mismatch: step {w['step']} (mean |Δ| {fmt(w['value'], 3)}) — "

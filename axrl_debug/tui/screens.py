@@ -364,6 +364,12 @@ class TokensScreen(_View):
         fin = str(rec["finish_reason"][row]) if "finish_reason" in rec else ""
         status.append(f" · {st}" + (f"/{fin}" if fin else ""), "bold red" if st != "ok" else "")
         status.append(f" · {t.n} tok")
+        if "session_id" in rec and rec["session_id"][row]:  # a black-box agent's session path
+            status.append(f" · session {rec['session_id'][row]}")
+            if "fork_of" in rec and int(rec["fork_of"][row]) >= 0:
+                status.append(f" · fork of {int(rec['fork_of'][row])}", "yellow")
+            if "drift_tokens" in rec and int(rec["drift_tokens"][row]) > 0:
+                status.append(f" · drift {int(rec['drift_tokens'][row])} tok", "bold yellow")
         mx = m.stats.max_abs[row]
         if mx == mx:
             status.append(f" · max|Δ| {mx:.3g}")

@@ -1,0 +1,118 @@
+"""ProxyServer: the recording OpenAI-compatible proxy, served from a background thread.
+
+    proxy = ProxyServer(tokenizer, model_name="policy").start()        # 127.0.0.1, a free port
+    session = proxy.open_session(submit, policy, max_context_len=2048)
+    # the agent: OpenAI(base_url=proxy.base_url(session), api_key=session.api_key)
+    ...
+    session.ended.wait(); trajectories = session.trajectories(...); proxy.close_session(session)
+
+`submit(request) -> concurrent.futures.Future[GenerateResult]` is how a session reaches its
+engine: `engine.submit_many([r])[0]` for a plain InferenceEngine, or a coroutine scheduled on the
+rollout worker's loop (so the runtime's clock and partial-rollout handling see the call like any
+white-box episode's). Binding anything but a loopback address needs `allow_remote=True`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+import uvicorn
+
+from axrl.agents.proxy.app import SessionRegistry, create_app
+from axrl.agents.proxy.openai_api import SessionPolicy
+from axrl.agents.proxy.session import Session
+from axrl.inference.protocol import InferenceEngine
+from axrl.tokenizer import Tokenizer
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def engine_submit(engine: InferenceEngine) -> Callable[..., Any]:
+    """A session's `submit` straight onto an engine."""
+    return lambda request: engine.submit_many([request])[0]
+
+
+class ProxyServer:
+    def __init__(self, tokenizer: Tokenizer, *, model_name: str = "axrl-policy", host: str = "127.0.0.1",
+                 port: int = 0, allow_remote: bool = False, idle_timeout_s: float | None = None) -> None:
+        if host not in _LOOPBACK and not allow_remote:
+            raise ValueError(f"agent.proxy_host={host!r} is not a loopback address: the proxy serves the policy "
+                             "to anyone who can reach it; pass allow_remote (agent.allow_remote: true) to bind it")
+        self.tokenizer, self.host, self.port = tokenizer, host, port
+        self.registry = SessionRegistry(model_name)
+        self.idle_timeout_s = idle_timeout_s
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> "ProxyServer":
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # Accepted connections inherit it: without, Nagle + the client's delayed ACK add ~40 ms per call.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(create_app(self.registry), log_level="warning", access_log=False, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._server.serve(sockets=[sock])),
+                                        name="axrl-proxy", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"the agent proxy did not start on {self.host}:{self.port}")
+            time.sleep(0.01)
+        if self.idle_timeout_s:
+            self._reaper = threading.Thread(target=self._reap, name="axrl-proxy-reaper", daemon=True)
+            self._reaper.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> "ProxyServer":
+        return self.start()
+
+    def __exit__(self, *_exc: Any) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def base_url(self, session: Session) -> str:
+        """The OpenAI base URL of `session` (what the agent's client is given)."""
+        return f"{self.url}/sessions/{session.id}/v1"
+
+    # -- sessions ----------------------------------------------------------------------------------
+    def open_session(self, submit: Callable[..., Any], policy: SessionPolicy, *, max_context_len: int,
+                     session_id: str | None = None, meta: dict[str, Any] | None = None) -> Session:
+        session = Session(session_id or uuid.uuid4().hex[:16], self.tokenizer, max_context_len=max_context_len,
+                          submit=submit, meta=meta)
+        self.registry.add(session, policy)
+        return session
+
+    def close_session(self, session: Session) -> None:
+        """Forget a session (its URL then answers 404)."""
+        self.registry.remove(session.id)
+
+    def _reap(self) -> None:
+        """End sessions idle past `idle_timeout_s` as failed: a session never ended must not hang."""
+        assert self.idle_timeout_s is not None
+        while not self._stop.wait(min(1.0, self.idle_timeout_s / 4)):
+            now = time.monotonic()
+            for session, _ in self.registry.items():
+                if session.state == "open" and now - session.last_activity > self.idle_timeout_s:
+                    session.end(failed=True, error=f"timeout: no call or end within {self.idle_timeout_s:g} s")

@@ -1,0 +1,218 @@
+"""Black-box episodes: the user's agent runs against a session of the recording proxy.
+
+An episode is one run of the agent on one prompt: a command started once per episode (with
+`OPENAI_BASE_URL` / `OPENAI_API_KEY` set to its own session, the prompt on stdin or as the last
+argument) or a Python callable `agent(base_url, api_key, prompt)` run in a thread. The agent
+knows nothing of AxRL; everything it asks the model goes through its session, whose calls go
+through this episode's engine handle — so the rollout worker's admission (the staleness bound),
+weight updates and partial-rollout policy treat it exactly like a white-box episode.
+
+When the agent exits (or ends its session with `POST /sessions/{id}/end`) the session's
+root-to-leaf paths become the episode's trajectories (`axrl.agents.proxy.session`): the
+primary one is returned, the forks travel in its `forks` and are pooled with it. The reward
+of a path is the verifier's (`agent.verifier`, applied to the finished path's conversation),
+else what the agent posted (`POST /sessions/{id}/reward`, final and per-turn).
+
+Failures never stop the step: an agent that exits non-zero, exceeds `agent.timeout_s` (killed),
+or never calls the model gives a failed trajectory (status "failed", reward 0; exit code and
+stderr tail in `error`), recorded in the trace and never trained on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+from axrl.agents.env import Prompt
+from axrl.agents.proxy import ProxyServer, SessionPolicy, Turn
+from axrl.agents.proxy.session import Session
+from axrl.inference.protocol import InferenceEngine, SamplingParams
+from axrl.rollout.trajectory import Trajectory
+
+STDERR_TAIL_CHARS = 2000
+# verifier(prompt, conversation) -> reward; conversation: the path's messages, normalised
+# (role, content, tool_calls [{name, arguments}], name), ending with the last model reply.
+Verifier = Callable[[Prompt, list[dict[str, Any]]], float]
+AgentFn = Callable[[str, str, str], Any]
+
+
+@dataclass
+class AgentSpec:
+    """How to run the user's agent (config section `agent`)."""
+
+    command: list[str] | None = None       # started once per episode
+    function: AgentFn | None = None        # or called once per episode, in a thread
+    prompt_via: Literal["stdin", "argument"] = "stdin"
+    timeout_s: float = 120.0
+    max_concurrent: int = 16
+    verifier: Verifier | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    model_name: str = "axrl-policy"
+    render_tools: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.command is None) == (self.function is None):
+            raise ValueError("agent: set exactly one of agent.command and agent.function")
+
+
+def prompt_text(prompt: Prompt) -> str:
+    """What the agent is given: the prompt's text (a chat prompt: its last user message)."""
+    if prompt.text is not None:
+        return prompt.text
+    users = [m for m in prompt.as_messages() if m.get("role") == "user"]
+    return str((users or prompt.as_messages())[-1].get("content", ""))
+
+
+class BlackBoxPlayer:
+    """Plays episodes of `agent` through `proxy`; `play` is an `EpisodeRunner` player."""
+
+    def __init__(self, agent: AgentSpec, proxy: ProxyServer, *, max_context_len: int) -> None:
+        self.agent, self.proxy, self.max_context_len = agent, proxy, max_context_len
+        self._slots: asyncio.Semaphore | None = None
+        self._slots_loop: asyncio.AbstractEventLoop | None = None
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._slots_loop is not loop:  # one per event loop (rollout, eval)
+            self._slots, self._slots_loop = asyncio.Semaphore(self.agent.max_concurrent), loop
+        return self._slots
+
+    async def play(self, engine: InferenceEngine, *, sample_id: int, group_id: int, prompt: Prompt,
+                   sampling: SamplingParams, return_routing: bool) -> Trajectory:
+        loop = asyncio.get_running_loop()
+
+        def submit(request: Any) -> Any:  # called from the proxy's thread: run on this loop
+            return asyncio.run_coroutine_threadsafe(engine.generate(request), loop)
+
+        policy = SessionPolicy(sampling=sampling, honour_sampling=False, max_tokens=sampling.max_new_tokens,
+                               seed=sampling.seed, render_tools=self.agent.render_tools)
+        session = self.proxy.open_session(submit, policy, max_context_len=self.max_context_len,
+                                          session_id=f"s{sample_id}-{os.urandom(4).hex()}",
+                                          meta={"routing": return_routing})
+        started = time.monotonic()
+        try:
+            async with self._semaphore():
+                outcome = await self._run(session, prompt_text(prompt))
+        finally:
+            self.proxy.close_session(session)
+        if session.state == "open":
+            session.end(failed=outcome["error"] is not None, error=outcome["error"] or "")
+        trajectories = self._trajectories(session, sample_id, group_id, prompt)
+        for t in trajectories:
+            t.info.update(agent_exit_code=outcome["exit_code"], agent_seconds=round(time.monotonic() - started, 3),
+                          session_events=[dataclasses.asdict(e) for e in session.events])
+        primary, *forks = trajectories
+        primary.forks = forks
+        return primary
+
+    async def _run(self, session: Session, text: str) -> dict[str, Any]:
+        """Run the agent to its end; {"exit_code", "error" (None: success), "stderr"}."""
+        base_url = self.proxy.base_url(session)
+        if self.agent.function is not None:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self.agent.function, base_url, session.api_key, text),
+                                       self.agent.timeout_s)
+            except asyncio.TimeoutError:
+                return {"exit_code": None, "error": f"timeout: the agent ran past agent.timeout_s="
+                                                    f"{self.agent.timeout_s:g} s", "stderr": ""}
+            except Exception as e:  # noqa: BLE001 — the agent's failure is the episode's outcome
+                return {"exit_code": None, "error": f"agent raised {type(e).__name__}: {e}", "stderr": ""}
+            return {"exit_code": 0, "error": None, "stderr": ""}
+        env = {**os.environ, **self.agent.env, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": session.api_key,
+               "OPENAI_MODEL": self.proxy.registry.model_name, "AXRL_SESSION_ID": session.id}
+        argv = agent_argv(self.agent.command or []) + ([text] if self.agent.prompt_via == "argument" else [])
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    env=env)
+        except OSError as e:
+            return {"exit_code": None, "error": f"cannot start agent.command {argv[0]!r}: {e}", "stderr": ""}
+        stdin = text.encode() if self.agent.prompt_via == "stdin" else b""
+        # A blocking wait in a worker thread: asyncio's child watchers belong to the main thread's loop.
+        try:
+            err, timed_out = await asyncio.to_thread(_communicate, proc, stdin, self.agent.timeout_s)
+        except asyncio.CancelledError:
+            proc.kill()
+            raise
+        tail = err.decode(errors="replace")[-STDERR_TAIL_CHARS:]
+        if timed_out:
+            return {"exit_code": proc.returncode, "stderr": tail,
+                    "error": f"timeout: the agent ran past agent.timeout_s={self.agent.timeout_s:g} s and was "
+                             f"killed; stderr tail:\n{tail}"}
+        if proc.returncode != 0:
+            return {"exit_code": proc.returncode, "stderr": tail,
+                    "error": f"agent exited with code {proc.returncode}; stderr tail:\n{tail}"}
+        return {"exit_code": 0, "error": None, "stderr": tail}
+
+    def _trajectories(self, session: Session, sample_id: int, group_id: int, prompt: Prompt) -> list[Trajectory]:
+        verifier = self.agent.verifier
+
+        def score(path: list[Turn]) -> float:
+            assert verifier is not None
+            value = verifier(prompt, session.conversation(path))
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"agent.verifier returned {value!r} for prompt {prompt.prompt_id!r}; "
+                                 "it must return a number")
+            return float(value)
+
+        error = session.error if session.state == "failed" else ""
+        trajectories: list[Trajectory] = []
+        if session.turns:
+            try:
+                trajectories = session.trajectories(sample_id=sample_id, group_id=group_id,
+                                                    prompt_id=prompt.prompt_id,
+                                                    reward=score if verifier is not None and not error else None)
+            except Exception as e:  # noqa: BLE001 — a verifier error fails the episode, not the run
+                error = f"agent.verifier raised {type(e).__name__}: {e}"
+                trajectories = session.trajectories(sample_id=sample_id, group_id=group_id,
+                                                    prompt_id=prompt.prompt_id)
+        else:
+            error = error or "the agent made no model call"
+            traj = Trajectory(sample_id=sample_id, group_id=group_id, prompt_id=prompt.prompt_id)
+            ids = session.tokenizer.apply_chat_template(prompt.as_messages(), add_generation_prompt=True)
+            traj.append(list(ids)[: self.max_context_len], generated=False, turn=0)
+            traj.prompt_len, traj.session_id = traj.num_tokens, session.id
+            trajectories = [traj]
+        for t in trajectories:
+            t.info["session"] = session.id
+            if error:
+                t.status, t.finish_reason, t.error, t.reward = "failed", "failed", error, 0.0
+        return trajectories
+
+
+def agent_argv(command: list[str]) -> list[str]:
+    """The command to start: a leading "python" / "python3" is this interpreter (the agent then
+    finds the packages of AxRL's environment, e.g. `openai`)."""
+    argv = list(command)
+    if argv and argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+    return argv
+
+
+def _communicate(proc: subprocess.Popen, stdin: bytes, timeout: float) -> tuple[bytes, bool]:
+    """(stderr, timed out): wait for the agent; past `timeout` kill it."""
+    try:
+        _, err = proc.communicate(stdin, timeout=timeout)
+        return err or b"", False
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        return err or b"", True
+
+
+def load_callable(spec: str | None, key: str) -> Callable[..., Any] | None:
+    """`agent.verifier` / `agent.function` ("module:fn" / "file.py:fn") → the function (None: unset)."""
+    if not spec:
+        return None
+    from axrl.agents.tasks.resolve import load_object
+
+    fn = load_object(spec, key)
+    if not callable(fn):
+        raise ValueError(f"{key}: {spec!r} is not callable")
+    return fn
+

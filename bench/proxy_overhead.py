@@ -1,0 +1,139 @@
+"""What the recording proxy costs: generated tokens/s through it vs the engine directly.
+
+The same requests both ways, on one free-running embedded engine (random-init tiny MoE, every
+turn runs to max_tokens: `ignore_eos`): `--requests` chat prompts at once, directly as token ids
+via `submit_many`, and through the proxy — one session each, the official `openai` client from
+as many threads of a separate process (as agents run), the proxy rendering the template,
+recording and stitching. A third path submits each request directly but from its own thread, as
+independent agents arrive: it separates what the proxy costs from what staggered arrivals cost
+the engine (admission and prefill spread over iterations). Rounds alternate (direct, concurrent,
+proxy, direct, …) so all see the same machine load; the medians are compared.
+
+    OMP_NUM_THREADS=1 python bench/proxy_overhead.py --rounds 3
+
+Last stdout line: one JSON object; `proxy_vs_direct_tokens_per_s_ratio` (proxy / one submission,
+the issue's target ≥ 0.9) and `proxy_vs_direct_concurrent_ratio` (proxy / one per thread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import torch
+
+from axrl.agents.proxy import ProxyServer, SessionPolicy, engine_submit
+from axrl.inference import EmbeddedEngine
+from axrl.inference.protocol import GenerateRequest, SamplingParams
+from axrl.model import build_model, preset_config
+from axrl.tokenizer import Tokenizer
+
+
+def client_main() -> None:
+    """The agents' process: per job line, every call at once (one SDK client and thread each)."""
+    for line in sys.stdin:
+        job = json.loads(line)
+        calls = job["calls"]
+        clients = [openai.OpenAI(base_url=c["base_url"], api_key=c["api_key"], max_retries=0) for c in calls]
+        for c in clients:  # connection set-up outside the timing (an agent keeps its client)
+            c.models.list()
+
+        def call(i: int) -> int:
+            r = clients[i].chat.completions.create(model="policy", messages=calls[i]["messages"],
+                                                   max_tokens=job["max_tokens"])
+            return r.usage.completion_tokens
+
+        with ThreadPoolExecutor(len(calls)) as pool:
+            t0 = time.perf_counter()
+            tokens = sum(pool.map(call, range(len(calls))))
+            seconds = time.perf_counter() - t0
+        print(json.dumps({"seconds": seconds, "tokens": tokens}), flush=True)
+
+
+def main() -> None:
+    if "--client" in sys.argv:
+        return client_main()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="tiny-moe")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    tok = Tokenizer.default()
+    cfg = preset_config(args.preset, vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id)
+    engine = EmbeddedEngine(build_model(cfg, seed=0).eval(), max_batch_size=args.requests, max_seq_len=512,
+                            eos_token_id=tok.eos_token_id)
+    conversations = [[{"role": "system", "content": "Use the calculator tool, then reply: The answer is N."},
+                      {"role": "user", "content": f"What is {17 + i} + {29 * i}?"}] for i in range(args.requests)]
+    sampling = SamplingParams(max_new_tokens=args.max_tokens, temperature=1.0, ignore_eos=True)
+
+    def requests() -> list[GenerateRequest]:
+        return [GenerateRequest(input_ids=tok.apply_chat_template(c, add_generation_prompt=True),
+                                sampling_params=SamplingParams(**{**vars(sampling), "seed": i}),
+                                return_logprob=True) for i, c in enumerate(conversations)]
+
+    def direct() -> tuple[float, int]:
+        """All requests in one submission: admitted together, one batch from the first step."""
+        batch = requests()
+        t0 = time.perf_counter()
+        results = [f.result() for f in engine.submit_many(batch)]
+        return time.perf_counter() - t0, sum(len(r.output_ids) for r in results)
+
+    def direct_concurrent() -> tuple[float, int]:
+        """Each request submitted on its own from its own thread, as independent agents arrive."""
+        batch = requests()
+        with ThreadPoolExecutor(len(batch)) as pool:
+            t0 = time.perf_counter()
+            results = list(pool.map(lambda r: engine.submit_many([r])[0].result(), batch))
+            return time.perf_counter() - t0, sum(len(r.output_ids) for r in results)
+
+    # The agents' side (the SDK clients, one thread per request) runs in a process of its own, as
+    # agents do in training: in this process it would take the GIL from the engine's scheduler.
+    client = subprocess.Popen([sys.executable, __file__, "--client"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+
+    with ProxyServer(tok, model_name="policy") as proxy:
+        def through_proxy() -> tuple[float, int]:
+            sessions = [proxy.open_session(engine_submit(engine), SessionPolicy(sampling, max_tokens=args.max_tokens,
+                                                                                seed=i),
+                                           max_context_len=512) for i in range(args.requests)]
+            job = {"calls": [{"base_url": proxy.base_url(s), "api_key": s.api_key, "messages": c}
+                             for s, c in zip(sessions, conversations)], "max_tokens": args.max_tokens}
+            client.stdin.write(json.dumps(job) + "\n")
+            client.stdin.flush()
+            done = json.loads(client.stdout.readline())
+            for s in sessions:
+                proxy.close_session(s)
+            return done["seconds"], done["tokens"]
+
+        direct()  # warm-up of every path
+        through_proxy()
+        d, c, p = [], [], []
+        for _ in range(args.rounds):
+            for out, run in ((d, direct), (c, direct_concurrent), (p, through_proxy)):
+                seconds, tokens = run()
+                out.append(tokens / seconds)
+    client.stdin.close()
+    client.wait(timeout=30)
+    engine.shutdown()
+    d_med, c_med, p_med = statistics.median(d), statistics.median(c), statistics.median(p)
+    print(f"direct (one submission)  tokens/s per round: {', '.join(f'{x:.0f}' for x in d)}")
+    print(f"direct (one per thread)  tokens/s per round: {', '.join(f'{x:.0f}' for x in c)}")
+    print(f"proxy (openai SDK)       tokens/s per round: {', '.join(f'{x:.0f}' for x in p)}")
+    print(json.dumps({"preset": args.preset, "requests": args.requests, "max_tokens": args.max_tokens,
+                      "rounds": args.rounds, "direct_tokens_per_s": round(d_med, 1),
+                      "direct_concurrent_tokens_per_s": round(c_med, 1), "proxy_tokens_per_s": round(p_med, 1),
+                      "proxy_vs_direct_tokens_per_s_ratio": round(p_med / d_med, 3),
+                      "proxy_vs_direct_concurrent_ratio": round(p_med / c_med, 3)}))
+
+
+if __name__ == "__main__":
+    main()
