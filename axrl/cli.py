@@ -118,6 +118,8 @@ def serve(
     served_model_name: str | None = typer.Option(None, "--served-model-name"),
     weight_version: str = typer.Option("0", "--weight-version", help="Version of the weights loaded at start."),
     decode_impl: str = typer.Option("fused", "--decode-impl", help="fused or model (see docs/engines.md)."),
+    disable_radix_cache: bool = typer.Option(False, "--disable-radix-cache",
+                                             help="Turn off the engine's prefix cache (docs/prefix-merge.md)."),
     threads: int = typer.Option(1, "--threads", help="torch threads of the engine."),
     log_level: str = typer.Option("warning", "--log-level"),
 ) -> None:
@@ -146,7 +148,8 @@ def serve(
             model_path=str(model_path), host=host, port=port, max_running_requests=max_running_requests,
             context_length=context_length, enable_return_routed_experts=enable_return_routed_experts,
             random_seed=random_seed, dtype=dtype, served_model_name=served_model_name, weight_version=weight_version,
-            decode_impl=decode_impl, threads=threads, log_level=log_level))
+            decode_impl=decode_impl, disable_radix_cache=disable_radix_cache, threads=threads,
+            log_level=log_level))
     except (FileNotFoundError, ValueError) as e:
         raise fail(str(e))
 

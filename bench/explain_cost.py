@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,15 +32,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+import replay_cost  # noqa: E402  (its recording recipe)
 DEFAULTS = ["eval.every=0", "checkpoint.every=1", "runtime.threads=1"]
 
 
 def record(run_dir: Path, steps: int, extra: list[str]) -> None:
-    sets = DEFAULTS + [f"steps={steps}"] + extra
-    cmd = [sys.executable, "-m", "axrl.cli", "train", str(ROOT / "examples" / "quickstart.yaml"),
-           "--run-dir", str(run_dir)] + [a for s in sets for a in ("--set", s)]
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    replay_cost.record(run_dir, steps, extra, defaults=DEFAULTS)
 
 
 def main() -> None:

@@ -36,8 +36,9 @@ DEFAULTS = ["model.preset=tiny-moe", "data.task=echo", "data.task_args={}", "dat
             "rollout.group_size=8", "warmup.steps=60", "eval.every=0", "checkpoint.every=1", "runtime.threads=1"]
 
 
-def record(run_dir: Path, steps: int, extra: list[str]) -> None:
-    sets = DEFAULTS + [f"steps={steps}"] + extra
+def record(run_dir: Path, steps: int, extra: list[str], defaults: list[str] | None = None) -> None:
+    """Train the quickstart for `steps` with `defaults` (this bench's) + `extra` settings, silently."""
+    sets = (DEFAULTS if defaults is None else defaults) + [f"steps={steps}"] + extra
     cmd = [sys.executable, "-m", "axrl.cli", "train", str(ROOT / "examples" / "quickstart.yaml"),
            "--run-dir", str(run_dir)] + [a for s in sets for a in ("--set", s)]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -8,7 +8,7 @@ Endpoints (SGLang field names and semantics, see docs/sglang.md and `sglang.wire
 - `POST /generate` — one request, or a batch (list-valued `input_ids`; admitted together, so
   a batch is scheduled exactly as `EmbeddedEngine.submit_many` would be in-process); `stream`
   sends cumulative SSE chunks then `data: [DONE]`. A client that disconnects aborts its requests.
-- `POST /abort_request` {rid | abort_all}; `POST /flush_cache` (no prefix cache: a no-op).
+- `POST /abort_request` {rid | abort_all}; `POST /flush_cache` (a no-op: every weight update clears the prefix cache).
 - Weight sync: `POST /update_weights_from_disk` {model_path, weight_version};
   `POST /init_weights_update_group` {master_address, master_port, rank_offset, world_size,
   group_name, backend="gloo"} joins the trainer's process group as rank `rank_offset`;
@@ -117,7 +117,7 @@ def create_app(server: AxrlServer) -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> PlainTextResponse:
-        return PlainTextResponse("Cache flushed (axrl serve keeps no prefix cache).\n")
+        return PlainTextResponse("Nothing to flush: the prefix cache is cleared by every weight update.\n")
 
     @app.get("/health")
     async def health() -> Response:

@@ -48,6 +48,7 @@ class ServeConfig:
     served_model_name: str | None = None
     weight_version: str = "0"
     decode_impl: str = "fused"
+    disable_radix_cache: bool = False  # the engine's prefix cache (SGLang: --disable-radix-cache)
     threads: int = 1
     log_level: str = "warning"
 
@@ -314,6 +315,7 @@ def build_server(cfg: ServeConfig) -> AxrlServer:
     version = parse_weight_version(cfg.weight_version)
     engine = EmbeddedEngine(model, max_batch_size=cfg.max_running_requests, max_seq_len=cfg.context_length,
                             weight_version=version if version is not None else 0, seed=cfg.random_seed,
-                            decode_impl=cfg.decode_impl)  # type: ignore[arg-type]
+                            decode_impl=cfg.decode_impl,  # type: ignore[arg-type]
+                            prefix_cache=False if cfg.disable_radix_cache else None)
     return AxrlServer(engine, cfg, tokenizer)
 

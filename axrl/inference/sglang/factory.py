@@ -23,6 +23,8 @@ def server_command(cfg: Config) -> tuple[list[str], list[str]]:
     if s.server == "axrl":
         args = ["--max-running-requests", str(r.max_batch_size), "--context-length", str(r.max_context_len),
                 "--random-seed", str(cfg.seed), "--threads", str(cfg.runtime.threads), "--dtype", cfg.model.dtype]
+        if not r.prefix_cache:  # the run's own setting: its rollouts then equal an in-process engine's
+            args.append("--disable-radix-cache")
         return [sys.executable, "-m", "axrl.cli", "serve"], args
     python = s.python or sys.executable
     _check_sglang(python)
