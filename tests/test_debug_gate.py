@@ -146,10 +146,14 @@ CROSS_CPU_TOL = ("loss=1e-3,1e-9", "grad_norm=1e-3,1e-9", "mismatch=0,1e-6", "mi
 
 
 def cross_cpu_tolerances(source: dict) -> list[str]:
-    """`--tol` options for a golden file recorded on a CPU that dispatches to other kernels."""
+    """`--tol` options for a golden file recorded on another machine: strict only where the CPU
+    facts and the platform string (kernel build) are the recording's — a VM's CPU model reads
+    "Xeon" whatever it is, so equal flags alone do not prove equal kernels."""
+    import platform
+
     from axrl.trace.run_dir import cpu_facts
 
-    here = cpu_facts()
-    if all(source.get(k) == here[k] for k in ("cpu_capability", "cpu_flags")):
+    here = {**cpu_facts(), "platform": platform.platform()}
+    if all(source.get(k) == here[k] for k in ("cpu_capability", "cpu_flags", "platform")):
         return []
     return [a for t in CROSS_CPU_TOL for a in ("--tol", t)]
