@@ -28,7 +28,6 @@ Errors are SGLang's error object `{"object": "error", "message", "type", "code"}
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import time
 import uuid
@@ -39,6 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from axrl.inference import openai_compat
+from axrl.inference.http_body import parse_json_body
 from axrl.inference.protocol import GenerateRequest
 from axrl.inference.serving import AxrlServer, BadRequest, ServeConfig, build_server, error_body
 from axrl.inference.sglang import weight_sync
@@ -72,13 +72,10 @@ def create_app(server: AxrlServer) -> FastAPI:
     app = FastAPI(title="axrl serve", lifespan=lifespan)
 
     async def body_of(request: Request) -> Any:
-        raw = await request.body()
-        if not raw:
-            return {}
         try:
-            return json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise BadRequest(f"request body is not valid JSON: {e}") from None
+            return parse_json_body(await request.body())
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
 
     @app.exception_handler(BadRequest)
     async def bad_request(_request: Request, exc: BadRequest) -> JSONResponse:

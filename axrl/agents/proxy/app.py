@@ -18,7 +18,6 @@ While the registry's admission gate refuses new calls (the staleness bound) a ca
 
 from __future__ import annotations
 
-import json
 import math
 import threading
 from typing import Any, Callable
@@ -30,6 +29,7 @@ from axrl.agents.proxy import openai_api
 from axrl.agents.proxy.openai_api import ProxyError, SessionPolicy
 from axrl.agents.proxy.service import AgentService
 from axrl.agents.proxy.session import Session, SessionError
+from axrl.inference.http_body import parse_json_body
 
 
 class SessionRegistry:
@@ -83,13 +83,10 @@ def create_app(registry: SessionRegistry) -> FastAPI:
         return JSONResponse(ProxyError(500, f"{type(exc).__name__}: {exc}").body(), status_code=500)
 
     async def body_of(request: Request) -> Any:
-        raw = await request.body()
-        if not raw:
-            return {}
         try:
-            return json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ProxyError(400, f"request body is not valid JSON: {e}") from None
+            return parse_json_body(await request.body())
+        except ValueError as e:
+            raise ProxyError(400, str(e)) from None
 
     def session_of(request: Request, session_id: str, *, calls: bool = False) -> tuple[Session, SessionPolicy]:
         found = registry.get(session_id)
