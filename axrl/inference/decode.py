@@ -98,6 +98,16 @@ class _LayerWeights:
             self.w_down_t = mlp.down_proj.weight.t()
 
 
+def _slot_kv(cache: StaticKVCache, layer: int, slots: list[int], slot_t: torch.Tensor, contiguous: bool,
+             length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer `layer`'s K and V of the given cache slots, positions [0, length): [B, KV, length, D].
+    Views in the usual case (admission fills the lowest free slots, so they are contiguous)."""
+    k, v = cache.k[layer], cache.v[layer]
+    if contiguous:
+        return k[slots[0]:slots[0] + len(slots), :, :length], v[slots[0]:slots[0] + len(slots), :, :length]
+    return k[slot_t, :, :length], v[slot_t, :, :length]
+
+
 class FusedDecoder:
     """Decode steps and prefills over the slots of a `StaticKVCache`; see the module docstring."""
 
@@ -237,11 +247,7 @@ class FusedDecoder:
                 x = probe.at("in", li, x)
             q, k, v = self._qkv(x, w, cos, sin)
             cache.write_rows(li, cache_rows, k.reshape(N * KV, D), v.reshape(N * KV, D))
-            k_cache, v_cache = cache.k[li], cache.v[li]
-            if contiguous_slots:  # the usual case (admission fills the lowest free slots): views
-                k_pad, v_pad = k_cache[slots[0]:slots[0] + B, :, :S], v_cache[slots[0]:slots[0] + B, :, :S]
-            else:
-                k_pad, v_pad = k_cache[slot_t, :, :S], v_cache[slot_t, :, :S]
+            k_pad, v_pad = _slot_kv(cache, li, slots, slot_t, contiguous_slots, S)
             # Pad query rows are never read, so they may hold anything (no zero fill).
             q_pad = q.new_empty(B * S, H, D)
             q_pad[padded_rows] = q
@@ -287,10 +293,7 @@ class FusedDecoder:
                 x = probe.at("in", li, x)
             q, k, v = self._qkv(x, w, cos, sin)
             cache.write_rows(li, cache_rows, k.reshape(N * KV, D), v.reshape(N * KV, D))
-            if contiguous_slots:  # views, as in `prefill`
-                k_pad, v_pad = cache.k[li][slots[0]:slots[0] + B, :, :K], cache.v[li][slots[0]:slots[0] + B, :, :K]
-            else:
-                k_pad, v_pad = cache.k[li][slot_t, :, :K], cache.v[li][slot_t, :, :K]
+            k_pad, v_pad = _slot_kv(cache, li, slots, slot_t, contiguous_slots, K)
             q_pad = q.new_zeros(B * Q, H, D)  # pad query rows see key 0 at least: no NaN, never read
             q_pad[padded_rows] = q
             attn = F.scaled_dot_product_attention(q_pad.view(B, Q, H, D).transpose(1, 2), k_pad, v_pad,
