@@ -33,6 +33,8 @@ changes.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -229,9 +231,9 @@ class FusedDecoder:
         if starts is not None and any(starts):
             return self._prefill_after(prompts, slots, cache, need_routing, starts, probe)
         dev = self.embed.device
-        H, KV, D = self.n_heads, self.n_kv, self.head_dim
+        H, D = self.n_heads, self.head_dim
         lens = [len(p) for p in prompts]
-        B, S, N = len(prompts), max(lens), sum(lens)
+        B, S = len(prompts), max(lens)
         tokens = torch.tensor([t for p in prompts for t in p], device=dev)
         positions = torch.tensor([i for n in lens for i in range(n)], device=dev)
         seq_of = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(lens, device=dev))
@@ -239,28 +241,17 @@ class FusedDecoder:
         cache_rows = cache.rows(slot_t[seq_of], positions)  # where each token's K/V go
         padded_rows = seq_of * S + positions  # the token's row in the padded [B*S] layout
         contiguous_slots = slots == list(range(slots[0], slots[0] + B))
-        cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # [N, 1, D]
-        x = F.embedding(tokens, self.embed)
-        routing: list[torch.Tensor] = []
-        for li, w in enumerate(self.layers):
-            if probe is not None:
-                x = probe.at("in", li, x)
-            q, k, v = self._qkv(x, w, cos, sin)
-            cache.write_rows(li, cache_rows, k.reshape(N * KV, D), v.reshape(N * KV, D))
+
+        def attend(li: int, q: torch.Tensor) -> torch.Tensor:
             k_pad, v_pad = _slot_kv(cache, li, slots, slot_t, contiguous_slots, S)
             # Pad query rows are never read, so they may hold anything (no zero fill).
             q_pad = q.new_empty(B * S, H, D)
             q_pad[padded_rows] = q
             attn = F.scaled_dot_product_attention(q_pad.view(B, S, H, D).transpose(1, 2), k_pad, v_pad,
                                                   is_causal=True, scale=D ** -0.5, enable_gqa=True)
-            attn = attn.transpose(1, 2)[seq_of, positions]  # [N, H, D]: the real queries
-            x = torch.addmm(x, attn.reshape(N, H * D), w.w_o_t)
-            x = self._layer_rest(x, w, li, routing if need_routing else None, probe)
-        last = torch.tensor(lens, device=dev).cumsum(0) - 1
-        hidden = _norm(x[last], self.final_norm, self.final_eps)
-        if probe is not None:
-            hidden = probe.at("final", -1, hidden)
-        return hidden, (torch.stack(routing, dim=1) if routing else None)
+            return attn.transpose(1, 2)[seq_of, positions]  # [N, H, D]: the real queries
+
+        return self._prefill_layers(tokens, positions, cache, cache_rows, lens, attend, need_routing, probe)
 
     def _prefill_after(self, prompts: list[list[int]], slots: list[int], cache: StaticKVCache,
                        need_routing: bool, starts: list[int],
@@ -269,10 +260,10 @@ class FusedDecoder:
         the same row-wise work on the new tokens; attention in a padded [B, new] × [B, K] layout
         with an explicit mask (key j visible to the query at position p iff j <= p)."""
         dev = self.embed.device
-        H, KV, D = self.n_heads, self.n_kv, self.head_dim
+        H, D = self.n_heads, self.head_dim
         lens = [len(p) for p in prompts]
         new = [n - s for n, s in zip(lens, starts)]
-        B, Q, K, N = len(prompts), max(new), max(lens), sum(new)
+        B, Q, K = len(prompts), max(new), max(lens)
         tokens = torch.tensor([t for p, s in zip(prompts, starts) for t in p[s:]], device=dev)
         local = torch.tensor([i for n in new for i in range(n)], device=dev)
         seq_of = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(new, device=dev))
@@ -285,7 +276,26 @@ class FusedDecoder:
         # key j visible to the query at position p iff j <= p (SDPA with a bool mask: measured faster
         # here than baddbmm/softmax/bmm, unlike decode's one-query case)
         mask = (torch.arange(K, device=dev)[None, None] <= q_pos[:, :, None])[:, None]         # [B, 1, Q, K]
-        cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]
+
+        def attend(li: int, q: torch.Tensor) -> torch.Tensor:
+            k_pad, v_pad = _slot_kv(cache, li, slots, slot_t, contiguous_slots, K)
+            q_pad = q.new_zeros(B * Q, H, D)  # pad query rows see key 0 at least: no NaN, never read
+            q_pad[padded_rows] = q
+            attn = F.scaled_dot_product_attention(q_pad.view(B, Q, H, D).transpose(1, 2), k_pad, v_pad,
+                                                  attn_mask=mask, scale=D ** -0.5, enable_gqa=True)
+            return attn.transpose(1, 2)[seq_of, local]
+
+        return self._prefill_layers(tokens, positions, cache, cache_rows, new, attend, need_routing, probe)
+
+    def _prefill_layers(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
+                        cache_rows: torch.Tensor, lens: list[int],
+                        attend: Callable[[int, torch.Tensor], torch.Tensor], need_routing: bool,
+                        probe: ActivationProbe | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers of a prefill over packed tokens [N] (`lens` per prompt): row-wise work, K/V
+        written at `cache_rows`, `attend(layer, q)` → the real queries' attention [N, H, D] (the
+        full and the suffix prefill differ only there); the last token's hidden state per prompt."""
+        N, KV, D = tokens.shape[0], self.n_kv, self.head_dim
+        cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # [N, 1, D]
         x = F.embedding(tokens, self.embed)
         routing: list[torch.Tensor] = []
         for li, w in enumerate(self.layers):
@@ -293,15 +303,10 @@ class FusedDecoder:
                 x = probe.at("in", li, x)
             q, k, v = self._qkv(x, w, cos, sin)
             cache.write_rows(li, cache_rows, k.reshape(N * KV, D), v.reshape(N * KV, D))
-            k_pad, v_pad = _slot_kv(cache, li, slots, slot_t, contiguous_slots, K)
-            q_pad = q.new_zeros(B * Q, H, D)  # pad query rows see key 0 at least: no NaN, never read
-            q_pad[padded_rows] = q
-            attn = F.scaled_dot_product_attention(q_pad.view(B, Q, H, D).transpose(1, 2), k_pad, v_pad,
-                                                  attn_mask=mask, scale=D ** -0.5, enable_gqa=True)
-            attn = attn.transpose(1, 2)[seq_of, local]
-            x = torch.addmm(x, attn.reshape(N, H * D), w.w_o_t)
+            attn = attend(li, q)
+            x = torch.addmm(x, attn.reshape(N, self.n_heads * D), w.w_o_t)
             x = self._layer_rest(x, w, li, routing if need_routing else None, probe)
-        last = torch.tensor(new, device=dev).cumsum(0) - 1
+        last = torch.tensor(lens, device=x.device).cumsum(0) - 1
         hidden = _norm(x[last], self.final_norm, self.final_eps)
         if probe is not None:
             hidden = probe.at("final", -1, hidden)
