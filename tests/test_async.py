@@ -20,6 +20,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from trace_util import trace_datasets
 from axrl.agents.tasks import get_task
 from axrl.config import load_config
 from axrl.model import build_model, preset_config, save_hf
@@ -231,21 +232,12 @@ def _axrl(run_dir: Path, model: Path, *extra: str) -> list[str]:
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _datasets(run_dir: Path) -> dict:
-    out = {}
-    for f in sorted((run_dir / "trace").glob("step_*.h5")):
-        with h5py.File(f) as h:
-            h.visititems(lambda name, obj: out.__setitem__((f.name, name), obj[()])
-                         if isinstance(obj, h5py.Dataset) else None)
-    return out
-
-
 def test_deterministic_async_runs_write_identical_traces(warm_model, tmp_path):
     procs = [subprocess.Popen(_axrl(tmp_path / f"r{i}", warm_model, "rollout.max_staleness=2"), env=ENV,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for i in range(2)]
     for p in procs:
         assert p.wait(timeout=600) == 0, p.stderr.read().decode()[-2000:]
-    a, b = _datasets(tmp_path / "r0"), _datasets(tmp_path / "r1")
+    a, b = trace_datasets(tmp_path / "r0"), trace_datasets(tmp_path / "r1")
     assert a.keys() == b.keys() and len(a) > 100
     def same(x, y) -> bool:
         x, y = np.asarray(x), np.asarray(y)

@@ -17,6 +17,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from trace_util import trace_datasets  # noqa: E402
 from axrl.config import ConfigError, load_config  # noqa: E402
 from axrl.runtime.events import read_events  # noqa: E402
 from axrl.runtime.loop import train  # noqa: E402
@@ -45,15 +46,6 @@ def cluster():
     ray.shutdown()
 
 
-def datasets(run_dir: Path) -> dict:
-    out = {}
-    for f in sorted((run_dir / "trace").glob("step_*.h5")):
-        with h5py.File(f) as h:
-            h.visititems(lambda name, obj: out.__setitem__((f.name, name), obj[()])
-                         if isinstance(obj, h5py.Dataset) else None)
-    return out
-
-
 def differing(a: dict, b: dict) -> list:
     def same(x, y) -> bool:
         x, y = np.asarray(x), np.asarray(y)
@@ -78,7 +70,7 @@ def local_run(tmp_path_factory) -> Path:
 
 def test_ray_sync_run_writes_the_local_trace_bit_for_bit(cluster, local_run, tmp_path):
     out = train(cfg("runtime.executor=ray"), tmp_path / "ray")
-    a, b = datasets(local_run), datasets(out)
+    a, b = trace_datasets(local_run), trace_datasets(out)
     assert len(a) > 50
     assert not differing(a, b)
     # Training really moved the weights: the fingerprints of successive steps differ.
@@ -95,7 +87,7 @@ def expected_ids(steps: int, prompts: int = 2, group: int = 2) -> list[list[int]
 
 def test_two_data_parallel_ranks_train_like_one_process(cluster, local_run, tmp_path):
     out = train(cfg("runtime.executor=ray", "runtime.ray.train_ranks=2", *SMALL), tmp_path / "dp2")
-    a, b = datasets(local_run), datasets(out)
+    a, b = trace_datasets(local_run), trace_datasets(out)
     assert a.keys() == b.keys()
     # The same samples; logprobs and losses agree to float rounding (the ranks sum the gradient in
     # another order than one process accumulating its micro-batches).

@@ -30,6 +30,7 @@ from axrl.inference.protocol import GenerateRequest, GenerateResult
 from axrl.inference.sampling import derive_seed
 from axrl.inference.serving import AxrlServer, BadRequest, ModelNotFound
 from axrl.inference.sglang.wire import sampling_from_wire
+from axrl.tokenizer import Tokenizer
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n", "stream",
            "ignore_eos", "skip_special_tokens", "return_token_ids", "return_meta_info", "user", "logprobs",
@@ -208,14 +209,15 @@ def _usage(call: _Call, results: list[GenerateResult]) -> dict[str, int]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _tool_calls(server: AxrlServer, body: dict[str, Any], text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content before the calls, OpenAI tool_calls) of a chat reply; no calls without `tools`."""
-    if not body.get("tools") or server.tokenizer is None:
+def tool_calls_of(tokenizer: Tokenizer | None, tools: Any, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content before the calls, OpenAI tool_calls) of a chat reply; no calls without `tools`
+    (shared by `axrl serve` and the black-box agent proxy)."""
+    if not tools or tokenizer is None:
         return text, []
-    good = [c for c in server.tokenizer.parse_tool_calls(text) if c["error"] is None]
+    good = [c for c in tokenizer.parse_tool_calls(text) if c["error"] is None]
     if not good:
         return text, []
-    start = (server.tokenizer.tool_call_tags or ("<tool_call>", ""))[0]
+    start = (tokenizer.tool_call_tags or ("<tool_call>", ""))[0]
     calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
               "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in good]
     return text.split(start)[0].strip() or None, calls
@@ -236,7 +238,7 @@ def _completion_choice(server: AxrlServer, call: _Call, k: int, req: GenerateReq
 
 def _chat_choice(server: AxrlServer, call: _Call, k: int, req: GenerateRequest, res: GenerateResult,
                  text: str) -> dict[str, Any]:
-    content, calls = _tool_calls(server, call.body, text)
+    content, calls = tool_calls_of(server.tokenizer, call.body.get("tools"), text)
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = calls
@@ -311,7 +313,7 @@ async def _stream(server: AxrlServer, call: _Call, is_disconnected: Any) -> Asyn
                 if isinstance(state, GenerateResult):
                     res, text = _cut(server, call, state)
                     final[k] = res
-                    content, calls = _tool_calls(server, call.body, text) if call.chat else (text, [])
+                    content, calls = tool_calls_of(server.tokenizer, call.body.get("tools"), text) if call.chat else (text, [])
                     rest = (content or "")[sent[k]:]
                     if rest:
                         yield chunk(k, rest)

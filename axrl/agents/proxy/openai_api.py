@@ -27,6 +27,7 @@ import uuid
 from typing import Any, AsyncIterator
 
 from axrl.agents.proxy.session import Prepared, Session, SessionError
+from axrl.inference.openai_compat import tool_calls_of
 from axrl.inference.protocol import GenerateRequest, GenerateResult, SamplingParams
 from axrl.inference.sampling import derive_seed
 
@@ -165,18 +166,6 @@ def _cut(session: Session, res: GenerateResult, stops: list[str], chat: bool) ->
     return ids[: lo - 1], text[:pos], matched
 
 
-def _tool_calls(session: Session, tools: Any, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    if not tools:
-        return text, []
-    good = [c for c in session.tokenizer.parse_tool_calls(text) if c["error"] is None]
-    if not good:
-        return text, []
-    start = (session.tokenizer.tool_call_tags or ("<tool_call>", ""))[0]
-    calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-              "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in good]
-    return text.split(start)[0].strip() or None, calls
-
-
 def _usage(prep: Prepared, kept: list[list[int]]) -> dict[str, int]:
     completion = sum(len(k) for k in kept)
     return {"prompt_tokens": len(prep.prompt_ids), "completion_tokens": completion,
@@ -220,7 +209,7 @@ async def chat(session: Session, policy: SessionPolicy, body: Any, model: str) -
     choices, kept = [], []
     for k, res in enumerate(results):
         ids, text, matched = _cut(session, res, stops, chat=True)
-        content, calls = _tool_calls(session, tools, text)
+        content, calls = tool_calls_of(session.tokenizer, tools, text)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
