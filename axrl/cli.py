@@ -69,8 +69,6 @@ def status(
     events: int = typer.Option(10, "--events", help="How many of the latest events to show."),
 ) -> None:
     """Show a run's actors (state, heartbeat, current work, errors) and its fault/recovery events."""
-    from rich.table import Table
-
     from axrl.runtime.events import read_events
     from axrl.runtime.ray.monitor import read_status
 
@@ -83,15 +81,10 @@ def status(
     else:
         import time
 
-        table = Table(title=f"actors, {time.time() - snapshot['time']:.0f} s ago")
-        for col in ("component", "state", "pid", "heartbeat", "work", "since", "calls", "errors", "last error"):
-            table.add_column(col)
-        for a in snapshot["actors"]:
-            beat = a.get("heartbeat")
-            table.add_row(str(a.get("component")), str(a.get("state")), str(a.get("pid", "")),
-                          "—" if beat is None else f"{max(0.0, snapshot['time'] - beat):.1f} s before",
-                          str(a.get("work") or ""), f"{a.get('since_s', 0):.1f} s" if a.get("work") else "",
-                          str(a.get("calls", "")), str(a.get("errors", "")), str(a.get("last_error") or ""))
+        from axrl.runtime.health_table import health_table
+
+        table = health_table(snapshot["actors"], snapshot["time"],
+                             title=f"actors, {time.time() - snapshot['time']:.0f} s ago")
         out.print(table)
     recorded = read_events(run_dir)
     out.print(f"events: {len(recorded)}" + (f" (latest {events})" if len(recorded) > events else ""))

@@ -288,6 +288,8 @@ class RaySection(Section):
     train_ranks: int = Field(1, ge=1, description="data-parallel torch ranks, one actor each (gloo group)")
     engine_restarts: int = Field(2, ge=0, description="restarts of a dead engine actor (its requests in "
                                                       "flight are re-run) before the run fails")
+    rollout_restarts: int = Field(2, ge=0, description="restarts of a dead rollout actor (the groups it had "
+                                                       "not handed over are re-run) before the run fails")
     train_restarts: int = Field(2, ge=0, description="restarts of the train group from the last checkpoint "
                                                      "after a train actor died, before the run stops")
     call_timeout_s: float = Field(600.0, gt=0, description="a call to an actor that takes longer fails the actor")
@@ -407,12 +409,9 @@ class Config(Section):
     def _ray_scope(self) -> "Config":
         if self.runtime.executor != "ray":
             return self
-        if self.train.backend != "torch":
-            raise ValueError("runtime.executor: ray runs train.backend: torch ranks as actors; the megatron "
-                             "backend still launches its own ranks (use runtime.executor: local)")
-        if self.rollout.engine != "embedded":
-            raise ValueError("runtime.executor: ray runs the embedded engine as an actor; rollout.engine: sglang "
-                             "manages its own servers (use runtime.executor: local)")
+        if self.train.backend == "megatron" and self.runtime.ray.train_ranks != 1:
+            raise ValueError("runtime.ray.train_ranks counts torch data-parallel ranks; the megatron backend's "
+                             "ranks are train.megatron.tensor_parallel × data_parallel (leave train_ranks at 1)")
         if self.runtime.device != "cpu":
             raise ValueError("runtime.executor: ray places CPU actors only (GPU actors are not implemented); "
                              "keep runtime.device: cpu")

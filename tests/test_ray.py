@@ -77,7 +77,14 @@ def test_ray_sync_run_writes_the_local_trace_bit_for_bit(cluster, local_run, tmp
     with h5py.File(out / "trace" / "step_000002.h5") as h:
         assert h["train/weights_fingerprint_before"][()] != h["train/weights_fingerprint_after"][()]
     events = read_events(out)
-    assert [e["component"] for e in events if e["event"] == "actors_started"] == ["train group", "engine"]
+    assert [e["component"] for e in events if e["event"] == "actors_started"] == [
+        "train group", "rollout worker", "engine", "learner"]
+    # The driver passed references and step metadata only: the trajectories, batches, per-token
+    # outputs and weights moved between the actors.
+    plane = json.loads((out / "data_plane.json").read_text())
+    driver, between = sum(plane["driver"].values()), sum(plane["by_ref"].values())
+    assert set(plane["driver"]) <= {"step_metadata"} and driver < 0.01 * (driver + between)
+    assert {"trajectories", "batch", "forward_results", "engine_results", "weights"} <= set(plane["by_ref"])
 
 
 def expected_ids(steps: int, prompts: int = 2, group: int = 2) -> list[list[int]]:
@@ -99,6 +106,34 @@ def test_two_data_parallel_ranks_train_like_one_process(cluster, local_run, tmp_
     events = read_events(out)
     started = next(e for e in events if e["event"] == "actors_started" and e["component"] == "train group")
     assert started["ranks"] == 2 and len(set(started["pids"])) == 2
+
+
+@pytest.mark.slow
+def test_megatron_ranks_as_actors_write_the_local_megatron_trace_bit_for_bit(cluster, tmp_path):
+    """train.backend: megatron with TP 2 × EP 2 under ray: the backend's two ranks are Ray actors
+    in the placement's train slots forming their own gloo group (instead of the worker processes
+    the backend launches itself under local): the same trace, bit for bit."""
+    pytest.importorskip("megatron.core")
+    meg = ["train.backend=megatron", "train.megatron.tensor_parallel=2", "train.megatron.expert_parallel=2"]
+    local = train(cfg(*meg), tmp_path / "local")
+    out = train(cfg(*meg, "runtime.executor=ray", *SMALL), tmp_path / "ray")
+    a, b = trace_datasets(local), trace_datasets(out)
+    assert len(a) > 50 and not differing(a, b)
+    status = json.loads((out / "status.json").read_text())
+    assert sorted(r["component"] for r in status["actors"] if r["component"].startswith("megatron")) == [
+        "megatron rank 0", "megatron rank 1"]
+
+
+def test_sglang_servers_managed_by_the_rollout_actor_write_the_local_trace(cluster, tmp_path):
+    """rollout.engine: sglang under ray: the rollout actor launches the server (`axrl serve`,
+    SGLang's HTTP API) and syncs weights to it through the process group itself, fetching them
+    from train rank 0's object store: the same trace as the local run, bit for bit."""
+    sglang = ["rollout.engine=sglang", "rollout.sglang.server=axrl", "rollout.sglang.weight_sync=distributed"]
+    local = train(cfg(*sglang), tmp_path / "local")
+    out = train(cfg(*sglang, "runtime.executor=ray", *SMALL), tmp_path / "ray")
+    assert not differing(trace_datasets(local), trace_datasets(out))
+    started = [e for e in read_events(out) if e["event"] == "actors_started" and e["component"] == "engine"]
+    assert len(started) == 1 and started[0]["servers"]
 
 
 def test_async_ray_run_honours_the_staleness_bound(cluster, tmp_path):
@@ -213,6 +248,22 @@ def test_killed_engine_actor_is_restarted_and_no_sample_is_lost_or_duplicated(cl
     assert summary.exit_code == 0 and "actor_restarted: engine" in summary.output
     summary_json = json.loads(CliRunner().invoke(debug_app, ["summary", str(out), "--json"]).output)
     assert [e["event"] for e in summary_json["events"]] == ["actor_restarted"]
+
+
+def test_killed_rollout_actor_is_restarted_and_the_trace_is_the_unfaulted_one(cluster, tmp_path):
+    """The rollout actor (agent loop, pool; its engine actor dies with it) is killed mid-run: a new
+    one starts at the step being taken, from the snapshot handed over with the last batch, and
+    re-runs the groups in flight under their own ids and seeds — in a deterministic run the trace
+    is then the unfaulted run's, bit for bit."""
+    out, killed = run_with_kill(tmp_path, "rollout worker")
+    assert killed
+    assert sample_ids(out) == expected_ids(5, prompts=4, group=4)
+    restarts = [e for e in read_events(out) if e["event"] == "actor_restarted"]
+    assert len(restarts) == 1 and restarts[0]["component"] == "rollout worker"
+    assert restarts[0]["old_pid"] == killed[0] and restarts[0]["next_step"] >= 1
+    clean = train(cfg("runtime.executor=ray", "steps=5", "rollout.max_new_tokens=48", "rollout.group_size=4",
+                      "data.prompts_per_step=4"), tmp_path / "clean")
+    assert not differing(trace_datasets(clean), trace_datasets(out))
 
 
 def test_killed_train_actor_restarts_the_group_from_the_last_checkpoint(cluster, tmp_path):

@@ -112,6 +112,10 @@ class RolloutWorker:
         self._thread = threading.Thread(target=self._thread_main, name="axrl-rollout", daemon=True)
         self._thread.start()
 
+    def load_weights(self, source: Any, version: int) -> None:
+        """Load weights `version` into the engine before `start` (the run's first, or a resumed, policy)."""
+        self.engine.update_weights(source, version=version)
+
     def stop(self) -> None:
         """Stop producing; episodes in flight are cancelled (the caller shuts the engine down)."""
         self._stop = True

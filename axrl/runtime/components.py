@@ -8,7 +8,8 @@ did — so replay imports this module, never the loop.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -25,15 +26,18 @@ from axrl.model import ModelConfig, Qwen3ForCausalLM, build_model, load_hf, load
 from axrl.model.device import resolve_device
 from axrl.rollout.agent_loop import opening
 from axrl.rollout.blackbox import AgentSpec, BlackBoxPlayer, load_callable
+from axrl.rollout.control import BatchSource, RolloutControl
 from axrl.rollout.pool import TrajectoryPool
 from axrl.rollout.runner import Clock, RolloutSettings
 from axrl.rollout.schedule import Schedule
 from axrl.rollout.worker import RolloutPolicy, RolloutWorker
 from axrl.runtime.evaluator import Evaluator
 from axrl.runtime.events import EventLog
+from axrl.runtime.learner import Learner, StepLearner
 from axrl.runtime.train_worker import TrainWorker
 from axrl.sync import WeightSync
 from axrl.tokenizer import Tokenizer, load_tokenizer
+from axrl.trace import RunDir
 from axrl.train import TorchBackend, TorchBackendConfig
 from axrl.train.protocol import TrainBackend
 
@@ -41,21 +45,31 @@ from axrl.train.protocol import TrainBackend
 @dataclass
 class Components:
     """The long-lived parts of a run (docs/architecture.md): data → rollout worker → pool →
-    train worker, with the weights going back through `sync`; plus the evaluator."""
+    train worker, with the weights going back through `sync`; plus the evaluator.
+
+    Under `runtime.executor: ray` the rollout side (engine, worker, pool, agent proxy, evaluator)
+    lives in the rollout actor and the train worker in the learner actor: `rollout` and `pool`
+    are then one driver-side handle, and `engine`, `sync`, `trainer` and `proxy` are None here."""
 
     tokenizer: Tokenizer
     task: Task
     loader: PromptLoader
     backend: TrainBackend
-    engine: InferenceEngine
-    sync: WeightSync
-    pool: TrajectoryPool
-    rollout: RolloutWorker
-    trainer: TrainWorker
+    engine: InferenceEngine | None
+    sync: WeightSync | None
+    pool: BatchSource
+    rollout: RolloutControl
+    trainer: TrainWorker | None
     evaluator: Evaluator | None
     events: EventLog = field(default_factory=EventLog)   # faults and recoveries (RUN/events.jsonl)
     executor: Any = None                                 # runtime.executor: ray — its RayExecutor
     proxy: ProxyServer | None = None   # the black-box agent's recording proxy (config `agent`)
+
+    def attach(self, run_path: Path) -> None:
+        """Record the run's events (this process' and its actors') into `run_path` from now on."""
+        self.events.attach(run_path)
+        if self.executor is not None:
+            self.executor.attach(run_path)
 
     def close(self) -> None:
         """Stop the rollout worker, the engines and the trainer's workers (in that order)."""
@@ -65,13 +79,26 @@ class Components:
             try:
                 if self.proxy is not None:
                     self.proxy.stop()
-                self.engine.shutdown()
+                if self.engine is not None:
+                    self.engine.shutdown()
                 if self.evaluator is not None:
-                    self.evaluator.engine.shutdown()
+                    self.evaluator.close()
                 self.backend.close()
             finally:
                 if self.executor is not None:
                     self.executor.close()
+
+
+@dataclass
+class RolloutSide:
+    """The rollout half of a run around its engine: worker, the weight sync it listens to, the
+    pool it fills, the black-box agent's proxy (if any) and the evaluator (if `eval.every`)."""
+
+    rollout: RolloutWorker
+    sync: WeightSync
+    pool: TrajectoryPool
+    proxy: ProxyServer | None
+    evaluator: Evaluator | None
 
 
 def rollout_clock(cfg: Config) -> Clock:
@@ -102,7 +129,7 @@ def build_components(cfg: Config) -> Components:
     tokenizer = make_tokenizer(cfg)
     task, loader = make_data(cfg)
     check_context(cfg, tokenizer, task, loader)
-    events, executor = EventLog(), None
+    events = EventLog()
     if cfg.runtime.executor == "ray":
         # The same components as Ray actors behind the same protocols (axrl/runtime/ray/).
         from axrl.runtime.ray.executor import RayExecutor
@@ -110,15 +137,28 @@ def build_components(cfg: Config) -> Components:
         executor = RayExecutor(cfg, events)
         try:
             backend: TrainBackend = executor.start_train_group()
-            engine: InferenceEngine = executor.start_engine(clocked=rollout_clock(cfg) == "iterations")
+            rollout = executor.start_rollout()
             executor.start_monitor()
         except BaseException:
             executor.close()
             raise
-    else:
-        backend = make_train_backend(cfg, tokenizer)
-        engine = make_engine(cfg, backend, tokenizer)
-    model_config = backend.model_config
+        return Components(tokenizer, task, loader, backend, None, None, rollout, rollout, None,
+                          rollout.evaluator, events=events, executor=executor)
+    backend = make_train_backend(cfg, tokenizer)
+    engine = make_engine(cfg, backend, tokenizer)
+    side = make_rollout_side(cfg, tokenizer, task, loader, engine, backend.model_config,
+                             lambda clocked: make_embedded_engine(cfg, backend, tokenizer, clocked=clocked))
+    trainer = TrainWorker(backend, AlgorithmProcessor.from_config(cfg), cfg, side.sync,
+                          backend.model_config.num_experts)
+    return Components(tokenizer, task, loader, backend, engine, side.sync, side.pool, side.rollout, trainer,
+                      side.evaluator, events=events, proxy=side.proxy)
+
+
+def make_rollout_side(cfg: Config, tokenizer: Tokenizer, task: Task, loader: PromptLoader, engine: InferenceEngine,
+                      model_config: ModelConfig, eval_engine: Callable[[bool], InferenceEngine]) -> RolloutSide:
+    """Everything around the rollout engine (in the run's process, or in the Ray rollout actor):
+    the black-box agent's proxy and its agent service, the rollout worker, and the evaluator on an
+    engine of its own (`eval_engine(clocked)`)."""
     proxy, player = make_agent(cfg, tokenizer)
     rollout, sync, pool = make_rollout(cfg, tokenizer, task, loader, engine, model_config, player=player)
     if proxy is not None:  # agents with their own engine push into the same pool
@@ -127,19 +167,23 @@ def build_components(cfg: Config) -> Components:
             routing_shape=((sum(map(model_config.is_moe_layer, range(model_config.num_hidden_layers))),
                             model_config.num_experts_per_tok, model_config.num_experts)
                            if model_config.is_moe else None))
-    r, clock, sampling = cfg.rollout, rollout_clock(cfg), rollout.settings.sampling
-    processor = AlgorithmProcessor.from_config(cfg)
-    trainer = TrainWorker(backend, processor, cfg, sync, model_config.num_experts)
     evaluator = None
     if cfg.eval.every:
+        r, sampling = cfg.rollout, rollout.settings.sampling
         eval_settings = RolloutSettings(group_size=cfg.eval.samples_per_prompt, sampling=sampling,
                                         max_turns=r.max_turns, max_context_len=r.max_context_len, return_routing=False)
-        eval_clock: Clock = "free" if clock == "free" else "iterations"
-        evaluator = Evaluator(make_embedded_engine(cfg, backend, tokenizer, clocked=eval_clock == "iterations"),
-                              tokenizer, task, eval_settings, prompts=cfg.eval.prompts, seed=cfg.seed, clock=eval_clock,
-                              player=player)
-    return Components(tokenizer, task, loader, backend, engine, sync, pool, rollout, trainer, evaluator,
-                      events=events, executor=executor, proxy=proxy)
+        eval_clock: Clock = "free" if rollout_clock(cfg) == "free" else "iterations"
+        evaluator = Evaluator(eval_engine(eval_clock == "iterations"), tokenizer, task, eval_settings,
+                              prompts=cfg.eval.prompts, seed=cfg.seed, clock=eval_clock, player=player)
+    return RolloutSide(rollout, sync, pool, proxy, evaluator)
+
+
+def open_learner(cfg: Config, c: Components, run: RunDir) -> StepLearner:
+    """The run's learner, recording into `run`: in-process, or the Ray learner actor's handle."""
+    if c.executor is not None:
+        return c.executor.start_learner(run.path, c.backend, c.rollout)
+    assert c.trainer is not None
+    return Learner(cfg, c.trainer, run)
 
 
 def make_rollout(cfg: Config, tokenizer: Tokenizer, task: Task, loader: PromptLoader, engine: InferenceEngine,
@@ -205,11 +249,13 @@ def initial_model(cfg: Config, tokenizer: Tokenizer) -> Qwen3ForCausalLM:
     return build_model(model_cfg, seed=cfg.model.init_seed, dtype=dtype).to(device)
 
 
-def make_train_backend(cfg: Config, tokenizer: Tokenizer, *, compute_dtype: str | None = None) -> TrainBackend:
+def make_train_backend(cfg: Config, tokenizer: Tokenizer, *, compute_dtype: str | None = None,
+                       megatron_group: Callable[..., Any] | None = None) -> TrainBackend:
     """The RL trainer of a run, before any state is loaded (replay builds it the same way).
 
     `compute_dtype` ("float32" | "bfloat16") overrides the forward's compute dtype (a replay
     what-if); the weights, gradients and optimizer state keep the model's dtype.
+    `megatron_group` builds the Megatron backend's ranks (Ray actors under `runtime.executor: ray`).
     """
     model = initial_model(cfg, tokenizer)
     t = cfg.train
@@ -228,7 +274,7 @@ def make_train_backend(cfg: Config, tokenizer: Tokenizer, *, compute_dtype: str 
         return MegatronBackend(model, MegatronBackendConfig(
             **common, tensor_parallel=m.tensor_parallel, expert_parallel=m.expert_parallel,
             sequence_parallel=m.sequence_parallel, moe_dispatcher=m.moe_dispatcher,
-            data_parallel=m.data_parallel), tokenizer=tokenizer)
+            data_parallel=m.data_parallel), tokenizer=tokenizer, group=megatron_group)
     return TorchBackend(model, TorchBackendConfig(**common), tokenizer=tokenizer)
 
 
@@ -242,11 +288,16 @@ def make_engine(cfg: Config, backend: TrainBackend, tokenizer: Tokenizer) -> Inf
     return make_embedded_engine(cfg, backend, tokenizer, clocked=rollout_clock(cfg) == "iterations")
 
 
+def fresh_engine_model(cfg: Config, model_config: ModelConfig) -> Qwen3ForCausalLM:
+    """A model of the policy's shape on the run's device and dtype, for an engine to load weights into."""
+    return Qwen3ForCausalLM(model_config).to(resolve_device(cfg.runtime.device), getattr(torch, cfg.model.dtype)).eval()
+
+
 def make_engine_model(cfg: Config, model_config: ModelConfig, weights: dict[str, torch.Tensor]) -> Qwen3ForCausalLM:
     """The embedded engine's own copy of the policy (device and dtype of the run), holding `weights`."""
-    model = Qwen3ForCausalLM(model_config).to(resolve_device(cfg.runtime.device), getattr(torch, cfg.model.dtype))
+    model = fresh_engine_model(cfg, model_config)
     load_weights_into(model, weights, source="the trainer's weights")
-    return model.eval()
+    return model
 
 
 def make_embedded_engine(cfg: Config, backend: TrainBackend, tokenizer: Tokenizer, *, clocked: bool) -> EmbeddedEngine:

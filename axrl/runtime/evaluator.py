@@ -37,3 +37,7 @@ class Evaluator:
                                on_done=lambda spec, traj: trajectories.append(traj), player=self.player)
         asyncio.run(run_all(runner, self.specs))
         return sum(t.reward for t in trajectories) / len(trajectories)
+
+    def close(self) -> None:
+        """Shut its engine down."""
+        self.engine.shutdown()

@@ -13,8 +13,6 @@ and the Megatron-core backend.
 
 from __future__ import annotations
 
-import hashlib
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -23,24 +21,19 @@ import torch
 
 from axrl.config import Config, config_to_dict
 from axrl.runtime.checkpoint import clean_partial, latest_checkpoint, load_checkpoint, save_checkpoint
-from axrl.runtime.components import Components, build_components, rollout_clock
+from axrl.runtime.components import Components, build_components, open_learner, rollout_clock
+from axrl.runtime.learner import StepLearner
 from axrl.runtime.metrics_log import MetricsLog
 from axrl.runtime.progress import PhaseTimer, TrainProgress
-from axrl.runtime.records import step_metrics, step_record
 from axrl.runtime.reference import keep_reference, restore_reference
-from axrl.runtime.spike_trigger import SpikeTrigger
 from axrl.runtime.warmup import warm_up
 from axrl.trace import RunDir
-
-
-def rng_digest() -> str:
-    return hashlib.blake2b(torch.get_rng_state().numpy().tobytes(), digest_size=8).hexdigest()
 
 
 def evaluate(c: Components, version: int) -> float:
     """Mean held-out reward of the trainer's current weights (version `version`)."""
     assert c.evaluator is not None
-    return c.evaluator.evaluate(dict(c.backend.named_weights()), version)
+    return c.evaluator.evaluate(c.backend.sync_source(), version)
 
 
 def checkpoint_state(c: Components, next_step: int) -> dict[str, Any]:
@@ -70,7 +63,7 @@ def start(cfg: Config, c: Components, run: RunDir, resume: bool, progress: Train
             restore_reference(c.backend, run.path, cfg)  # algo.kl_coef > 0: the weights at RL start
             state = load_checkpoint(path, c.backend)
         c.loader.load_state(state["data"])
-        c.engine.update_weights(c.backend.sync_source(), version=int(state["policy_version"]))
+        c.rollout.load_weights(c.backend.sync_source(), int(state["policy_version"]))
         _update_recorded_config(run, cfg)
         # Steps recorded after the checkpoint are discarded and redone, so each step is in the trace once.
         removed = run.truncate_after(first - 1)
@@ -90,7 +83,7 @@ def start(cfg: Config, c: Components, run: RunDir, resume: bool, progress: Train
                              on_step=lambda i, loss: advance(f"loss {loss:.3f}"))
         c.backend.reset_optimizer()  # RL starts with a fresh optimizer and schedule
         progress.log(f"warm-up: {cfg.warmup.steps} supervised steps, loss {losses[0]:.3f} → {losses[-1]:.3f}")
-    c.engine.update_weights(c.backend.sync_source(), version=0)
+    c.rollout.load_weights(c.backend.sync_source(), 0)
     keep_reference(c.backend, cfg)  # algo.kl_coef > 0: the reference policy is the state at RL start
     save_checkpoint(run.path, 0, c.backend, checkpoint_state(c, 0))
     return 0, None
@@ -107,8 +100,7 @@ def _update_recorded_config(run: RunDir, cfg: Config) -> None:
     run.write_config(config_to_dict(cfg))
 
 
-def run_step(cfg: Config, c: Components, run: RunDir, step: int, progress: TrainProgress,
-             trigger: SpikeTrigger) -> dict[str, Any]:
+def run_step(cfg: Config, c: Components, learner: StepLearner, step: int, progress: TrainProgress) -> dict[str, Any]:
     """One step: take batch `step` from the pool, train on it, post the new weights, record it."""
     eval_reward = None
     if c.evaluator is not None and step % cfg.eval.every == 0:
@@ -117,20 +109,12 @@ def run_step(cfg: Config, c: Components, run: RunDir, step: int, progress: Train
     timer = PhaseTimer(progress)
     with timer("rollout"):  # waiting for the batch: the rollout worker has been generating all along
         batch = c.pool.take(step)
-    trigger.before_step(c.backend)
-    outcome = c.trainer.step(batch, step, timer)
-    metrics = step_metrics(outcome)
-    metrics.update(trigger.after_step(c.backend, cfg, outcome))  # trace.spike_ratio: the deep dump, now
+    metrics = learner.step(batch, step, timer)
     if eval_reward is not None:
         metrics["eval_reward"] = eval_reward
     if c.evaluator is not None and step + 1 == cfg.steps:
         progress.phase("eval")
         metrics["eval_reward_final"] = evaluate(c, step + 1)  # of the policy after the last step
-    if cfg.trace.enabled:
-        progress.phase("record")
-        t0 = time.perf_counter()
-        run.write_step(step_record(outcome, rng_digest(), routing=cfg.trace.routing))
-        metrics["time_record"] = time.perf_counter() - t0
     return metrics
 
 
@@ -145,19 +129,19 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Path:
     c = build_components(cfg)  # first: a config that cannot run fails before the run directory exists
     try:
         run = RunDir(run_path)
-        c.events.attach(run.path)  # faults and recoveries so far, then as they happen
+        c.attach(run.path)  # faults and recoveries so far, then as they happen
         log = MetricsLog(run, tensorboard=cfg.logging.tensorboard)
     except BaseException:
         c.close()
         raise
     try:
-        with TrainProgress(cfg.steps) as progress:
+        with TrainProgress(cfg.steps, below=None if c.executor is None else c.executor.health) as progress:
             first, rollout_state = start(cfg, c, run, resume, progress)
-            trigger = SpikeTrigger.from_config(cfg, run.path)  # trace.spike_ratio (off by default)
+            learner = open_learner(cfg, c, run)
             progress.progress.update(progress.task, completed=first)
             c.rollout.start(first, rollout_state)
             for step in range(first, cfg.steps):
-                metrics = run_step(cfg, c, run, step, progress, trigger)
+                metrics = run_step(cfg, c, learner, step, progress)
                 log.write(metrics)
                 if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.steps:
                     progress.phase("checkpoint")

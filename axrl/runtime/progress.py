@@ -5,9 +5,9 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -23,15 +23,32 @@ def _fmt(value: Any, spec: str) -> str:
     return format(int(value) if spec == "d" else value, spec)
 
 
-class TrainProgress:
-    """`with TrainProgress(total_steps, first_step) as p: p.phase("rollout"); p.step_done(metrics)`."""
+class _ProgressWith(Progress):
+    """A progress display with one more live renderable under its bars (e.g. the actors' health)."""
 
-    def __init__(self, total_steps: int, first_step: int = 0, console: Console | None = None) -> None:
+    def __init__(self, *columns: Any, below: Callable[[], RenderableType | None] | None = None, **kw: Any) -> None:
+        self.below = below
+        super().__init__(*columns, **kw)
+
+    def get_renderables(self) -> Iterable[RenderableType]:
+        yield from super().get_renderables()
+        extra = self.below() if self.below is not None else None
+        if extra is not None:
+            yield extra
+
+
+class TrainProgress:
+    """`with TrainProgress(total_steps, first_step) as p: p.phase("rollout"); p.step_done(metrics)`.
+
+    `below()`: a renderable kept live under the bar (a ray run's actor health table), or None."""
+
+    def __init__(self, total_steps: int, first_step: int = 0, console: Console | None = None,
+                 below: Callable[[], RenderableType | None] | None = None) -> None:
         self.console = console or Console(stderr=True)
-        self.progress = Progress(
+        self.progress = _ProgressWith(
             TextColumn("[bold]{task.fields[phase]:<9}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("{task.fields[summary]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-            console=self.console, transient=False)
+            console=self.console, transient=False, below=below)
         self.task = self.progress.add_task("train", total=total_steps, completed=first_step,
                                            phase="start", summary="")
         self._header_printed = False
@@ -92,9 +109,13 @@ class PhaseTimer:
 
     def __call__(self, name: str) -> "PhaseTimer":
         self._name = name
+        self.show(name)
+        return self
+
+    def show(self, name: str) -> None:
+        """Show `name` as the current phase without timing it (a phase timed elsewhere)."""
         if self._progress:
             self._progress.phase(name)
-        return self
 
     def __enter__(self) -> "PhaseTimer":
         self._start = time.perf_counter()

@@ -120,15 +120,29 @@ class GlobalContext:
 class TrainRankActor:
     """One data-parallel rank of the torch backend. Ranks start from the same seed (identical
     weights), compute their own rows, all-reduce the gradients (gloo) before each optimizer step,
-    and so stay identical; rank 0 answers for the group (weights, checkpoints, exports)."""
+    and so stay identical; rank 0 answers for the group (weights, checkpoints, exports).
 
-    def __init__(self, cfg: dict[str, Any], rank: int, world: int) -> None:
+    With `train.backend: megatron` there is one of these, the group's head: it holds the
+    `MegatronBackend`, whose tensor/data-parallel ranks are Megatron rank actors of their own in
+    `megatron_slots` (axrl/runtime/ray/megatron_ranks.py)."""
+
+    def __init__(self, cfg: dict[str, Any], rank: int, world: int,
+                 megatron_slots: list[dict[str, Any]] | None = None) -> None:
         from axrl.runtime.components import make_tokenizer, make_train_backend
 
         config = Config.model_validate(cfg)
         torch.set_num_threads(config.runtime.threads)
         self.rank, self.world = rank, world
-        self.backend = make_train_backend(config, make_tokenizer(config))
+        self.megatron_ranks: Any = None     # the head's RayRankGroup
+        group = None
+        if megatron_slots is not None:
+            from axrl.runtime.ray.megatron_ranks import RayRankGroup
+
+            def group(*args: Any) -> RayRankGroup:
+                self.megatron_ranks = RayRankGroup(*args, slots=megatron_slots,
+                                                   call_timeout_s=config.runtime.ray.call_timeout_s)
+                return self.megatron_ranks
+        self.backend = make_train_backend(config, make_tokenizer(config), megatron_group=group)
         self.activity_ = Activity(f"train rank {rank}")
         self._fetched = 0
 
@@ -215,8 +229,12 @@ class TrainRankActor:
             weights = self.named_weights()
             return [WeightsHandle(ray.put(weights), version, payload_bytes(weights))]
 
-    def activity(self) -> dict[str, Any]:
-        return self.activity_.report()
+    def activity(self) -> list[dict[str, Any]]:
+        """This rank's heartbeat (and, as the Megatron head, its rank actors')."""
+        rows = [self.activity_.report()]
+        if self.megatron_ranks is not None:
+            rows += self.megatron_ranks.activity()
+        return rows
 
     def close(self) -> None:
         if self.world > 1 and torch.distributed.is_initialized():

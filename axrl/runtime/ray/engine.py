@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from axrl.inference.protocol import GenerateRequest, GenerateResult
 from axrl.runtime.events import EventLog
+from axrl.runtime.ray.calls import is_dead, unwrap
 from axrl.runtime.ray.handles import DataPlane, WeightsHandle, payload_bytes
 
 
@@ -53,8 +54,7 @@ class RayEngine:
         return self._ray.get(ref, timeout=self._timeout)
 
     def _dead(self, error: BaseException) -> bool:
-        ex = self._ray.exceptions
-        return isinstance(error, (ex.RayActorError, ex.ActorUnavailableError, ex.GetTimeoutError))
+        return is_dead(self._ray, error)
 
     def _call(self, method: str, *args: Any) -> Any:
         """Call the actor; when it is dead, restart it (resubmitting what is in flight) and retry once."""
@@ -99,7 +99,7 @@ class RayEngine:
                 entry = self._pending.pop(rid, None)
             if entry is None:
                 continue
-            self._plane.through_driver("engine_results", payload_bytes(result))
+            self._plane.moved("engine_results", payload_bytes(result))
             if error is not None:
                 entry[1].set_exception(error)
             else:
@@ -136,7 +136,7 @@ class RayEngine:
         with self._lock:
             for req, f in zip(requests, futures):
                 self._pending[req.rid] = (req, f)
-        self._plane.through_driver("engine_requests", 4 * sum(len(r.input_ids) for r in requests))
+        self._plane.moved("engine_requests", 4 * sum(len(r.input_ids) for r in requests))
         try:
             actor = self._actor
             self._get(actor.submit_many.remote(requests))
@@ -145,7 +145,7 @@ class RayEngine:
                 with self._lock:
                     for req in requests:
                         self._pending.pop(req.rid, None)
-                raise getattr(e, "cause", None) or e
+                raise unwrap(e)
             self._restart(actor, f"submit_many: {type(e).__name__}")  # resubmits these too
         return futures
 
@@ -161,7 +161,7 @@ class RayEngine:
         elif isinstance(source, Mapping):
             weights = {n: t.detach() for n, t in source.items()}
             ref = self._ray.put(weights)
-            self._plane.through_driver("weights", payload_bytes(weights))
+            self._plane.moved("weights", payload_bytes(weights))
         else:
             ref = source  # an HF directory the actor reads itself
         with self._lock:

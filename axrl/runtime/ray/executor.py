@@ -7,17 +7,20 @@ Ray (the extra), a bad `runtime.ray.address`, an impossible `runtime.ray.placeme
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from axrl.config import Config, config_to_dict
 from axrl.runtime.events import EventLog
-from axrl.runtime.ray.actors import EngineActor, TrainRankActor
+from axrl.runtime.health_table import health_table
+from axrl.runtime.ray.actors import TrainRankActor
 from axrl.runtime.ray.cluster import connect, import_ray
-from axrl.runtime.ray.engine import RayEngine
 from axrl.runtime.ray.handles import DataPlane
+from axrl.runtime.ray.learner import LearnerActor, RayLearner
 from axrl.runtime.ray.monitor import Monitor
 from axrl.runtime.ray.placement import Placement, place
 from axrl.runtime.ray.reaper import start_reaper
+from axrl.runtime.ray.rollout import RayRollout, RolloutActor
 from axrl.runtime.ray.train_group import RayTrainGroup
 from axrl.trace.run_dir import atomic_write_text
 
@@ -39,7 +42,8 @@ class RayExecutor:
         self.cfg, self.events, self.plane = cfg, events, DataPlane()
         self._cfg_dict = config_to_dict(cfg)
         self.train_group: RayTrainGroup | None = None
-        self.engine: RayEngine | None = None
+        self.rollout: RayRollout | None = None
+        self.learner: RayLearner | None = None
         self.monitor: Monitor | None = None
         self.placement: Placement | None = None
         try:
@@ -49,57 +53,100 @@ class RayExecutor:
             raise
 
     def start_train_group(self) -> RayTrainGroup:
+        """Torch: one `TrainRankActor` per data-parallel rank, each in its slot. Megatron: one head
+        actor holding the backend (no CPUs of its own), its Megatron ranks in the slots."""
         world = self.cfg.runtime.ray.train_ranks
         remote = self.ray.remote(concurrency_groups=MONITOR_GROUPS)(TrainRankActor)
 
         def make_ranks() -> list[Any]:
+            if self.cfg.train.backend == "megatron":
+                slots = [slot.options() for slot in self.placement.train]
+                return [remote.options(num_cpus=0).remote(self._cfg_dict, 0, 1, slots)]
             return [remote.options(**slot.options())
                     .remote(self._cfg_dict, rank, world) for rank, slot in enumerate(self.placement.train)]
 
-        self.train_group = RayTrainGroup(self.ray, make_ranks, events=self.events, plane=self.plane,
-                                         call_timeout_s=self.cfg.runtime.ray.call_timeout_s)
+        self.train_group = RayTrainGroup.start(self.ray, make_ranks, events=self.events, plane=self.plane,
+                                               call_timeout_s=self.cfg.runtime.ray.call_timeout_s)
         nodes = self.ray.get([r.node.remote() for r in self.train_group.ranks])
         self.events.record("actors_started", component="train group", ranks=world, pids=self.train_group.pids,
                            nodes=nodes)
         return self.train_group
 
-    def start_engine(self, clocked: bool) -> RayEngine:
-        remote = self.ray.remote(concurrency_groups=MONITOR_GROUPS)(EngineActor)
-        slot = self.placement.engine
+    def start_rollout(self) -> RayRollout:
+        """The rollout actor; it starts its engine actor in the engine's placement slot. Scheduled
+        with no CPUs of its own (as the driver is): its work is the agent loop between engine steps."""
+        from axrl.runtime.components import rollout_clock
+
+        assert self.train_group is not None
+        remote = self.ray.remote(concurrency_groups=MONITOR_GROUPS)(RolloutActor)
+        engine_options, train = self.placement.engine.options(), self.train_group.attachment()
+        clocked = rollout_clock(self.cfg) == "iterations"
+        # SGLang servers are the rollout actor's own processes: it takes the engine's slot.
+        options = engine_options if self.cfg.rollout.engine == "sglang" else {"num_cpus": 0}
 
         def make_actor() -> Any:
-            return remote.options(**slot.options()).remote(self._cfg_dict, clocked)
+            return remote.options(**options).remote(self._cfg_dict, train, engine_options, clocked, MONITOR_GROUPS)
 
         r = self.cfg.runtime.ray
-        self.engine = RayEngine(self.ray, make_actor, clocked=clocked, restarts=r.engine_restarts, events=self.events,
-                                plane=self.plane, call_timeout_s=r.call_timeout_s)
-        self.events.record("actors_started", component="engine", pid=self.engine.pid,
-                           nodes=[self.ray.get(self.engine.node())])
-        return self.engine
+        self.rollout = RayRollout(self.ray, make_actor, restarts=r.rollout_restarts, events=self.events,
+                                  plane=self.plane, call_timeout_s=r.call_timeout_s,
+                                  evaluates=bool(self.cfg.eval.every))
+        self.events.record("actors_started", component="rollout worker", pid=self.rollout.pid,
+                           nodes=[self.rollout.node()])
+        return self.rollout
+
+    def start_learner(self, run_path: Path, backend: RayTrainGroup, rollout: RayRollout) -> RayLearner:
+        """The learner actor, recording into `run_path`, over the train group's ranks."""
+        remote = self.ray.remote(concurrency_groups=MONITOR_GROUPS)(LearnerActor)
+        actor = remote.options(num_cpus=0).remote(self._cfg_dict, str(run_path), backend.attachment())
+        self.learner = RayLearner(self.ray, actor, backend=backend, rollout=rollout, plane=self.plane,
+                                  call_timeout_s=self.cfg.runtime.ray.call_timeout_s)
+        self.events.record("actors_started", component="learner", pid=self.learner.pid,
+                           nodes=[self.ray.get(actor.node.remote())])
+        if self.monitor is not None:
+            self.monitor.add("learner", self.learner.activity)
+        return self.learner
+
+    def attach(self, run_path: Path) -> None:
+        """The actors record their events into the run directory from now on."""
+        if self.rollout is not None:
+            self.rollout.attach(run_path)
 
     def start_monitor(self) -> Monitor:
         """Heartbeats of every actor into RUN/status.json every `runtime.ray.heartbeat_s`."""
         sources = {}
         if self.train_group is not None:
             sources["train group"] = self.train_group.activity
-        if self.engine is not None:
-            sources["engine"] = self.engine.activity
+        if self.rollout is not None:
+            sources["rollout"] = self.rollout.activity
         self.monitor = Monitor(sources, self.events, self.cfg.runtime.ray.heartbeat_s).start()
         return self.monitor
+
+    def health(self) -> Any:
+        """The actors' health table from the latest heartbeats (shown live under the progress bar)."""
+        if self.monitor is None:
+            return None
+        at, rows = self.monitor.latest()
+        return health_table(rows, at, title="actors") if rows else None
 
     def actor_pids(self) -> dict[str, list[int]]:
         """PIDs of the run's actors now (for tests and `axrl status`)."""
         out: dict[str, list[int]] = {}
         if self.train_group is not None:
             out["train"] = list(self.train_group.pids)
-        if self.engine is not None:
-            out["engine"] = [self.engine.pid]
+        if self.rollout is not None:
+            out["rollout"] = [self.rollout.pid]
+        if self.learner is not None:
+            out["learner"] = [self.learner.pid]
         return out
 
     def close(self) -> None:
         """Release the placement groups; stop the local cluster this run started."""
         if self.monitor is not None:
             self.monitor.stop()
+        for actor in (self.learner, self.rollout):   # their data-plane accounts are folded in here
+            if actor is not None:
+                actor.close()
         if self.events.run_path is not None:  # what moved through the driver and what by reference
             atomic_write_text(self.events.run_path / DATA_PLANE_FILE,
                               json.dumps(self.plane.snapshot(), indent=1, sort_keys=True) + "\n")

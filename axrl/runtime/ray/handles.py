@@ -35,6 +35,24 @@ def payload_bytes(obj: Any) -> int:
     return 0
 
 
+def metadata_bytes(obj: Any) -> int:
+    """Serialised size of small metadata: object references (their ids), strings, numbers and
+    the containers of them, plus any tensors and arrays inside (`payload_bytes`)."""
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        return payload_bytes(obj)
+    if hasattr(obj, "binary") and callable(obj.binary):   # a ray.ObjectRef
+        return len(obj.binary())
+    if isinstance(obj, (str, bytes)):
+        return len(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return sum(metadata_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    if isinstance(obj, dict):
+        return sum(metadata_bytes(k) + metadata_bytes(v) for k, v in obj.items())
+    if isinstance(obj, (list, tuple, set)):
+        return sum(metadata_bytes(v) for v in obj)
+    return 8
+
+
 def shard_rows(batch: PackedBatch, ranks: int) -> list[list[int]]:
     """Contiguous sample ranges, one per rank, balanced by tokens: sample i goes to the rank whose
     share of the token stream holds its midpoint. Batch order is kept, so the ranks' per-token
@@ -61,22 +79,28 @@ class WeightsHandle:
 
 @dataclass
 class DataPlane:
-    """Bytes per category that passed through the driver (serialised by it or returned to it)
-    and that moved between actors by reference. Thread-safe."""
+    """Bytes per category that a process sent or received. The driver's plane (`in_driver`)
+    counts what passed through the driver; an actor's counts what moved between actors (by
+    object reference or actor to actor) and is folded into the driver's with `merge`. Thread-safe."""
 
+    in_driver: bool = True
     driver: dict[str, int] = field(default_factory=dict)
     by_ref: dict[str, int] = field(default_factory=dict)
-    rank_fetched: dict[int, int] = field(default_factory=dict)     # what the driver sent each rank (its share)
+    rank_fetched: dict[int, int] = field(default_factory=dict)     # what each rank was sent (its share)
     rank_reported: dict[int, int] = field(default_factory=dict)    # what each rank says it fetched
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def through_driver(self, category: str, nbytes: int) -> None:
-        with self._lock:
-            self.driver[category] = self.driver.get(category, 0) + nbytes
+    def moved(self, category: str, nbytes: int) -> None:
+        """`nbytes` of `category` serialised or received by this process."""
+        self._add(self.driver if self.in_driver else self.by_ref, category, nbytes)
 
     def by_reference(self, category: str, nbytes: int) -> None:
+        """`nbytes` this process handed on by object reference, without holding them."""
+        self._add(self.by_ref, category, nbytes)
+
+    def _add(self, where: dict[str, int], category: str, nbytes: int) -> None:
         with self._lock:
-            self.by_ref[category] = self.by_ref.get(category, 0) + nbytes
+            where[category] = where.get(category, 0) + nbytes
 
     def fetched(self, rank: int, nbytes: int) -> None:
         with self._lock:
@@ -85,6 +109,17 @@ class DataPlane:
     def reported(self, rank: int, nbytes: int) -> None:
         with self._lock:
             self.rank_reported[rank] = nbytes
+
+    def merge(self, snapshot: dict[str, Any]) -> None:
+        """Fold in an actor's `snapshot()`: all it counted moved between actors, not through the driver."""
+        for part in ("driver", "by_ref"):
+            for category, n in snapshot[part].items():
+                self._add(self.by_ref, category, n)
+        with self._lock:
+            for rank, n in snapshot["rank_share"].items():
+                self.rank_fetched[int(rank)] = self.rank_fetched.get(int(rank), 0) + n
+            for rank, n in snapshot["rank_fetched"].items():
+                self.rank_reported[int(rank)] = n
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

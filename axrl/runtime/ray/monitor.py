@@ -25,11 +25,16 @@ class Monitor:
         self.sources, self.events, self.interval_s = sources, events, interval_s
         self._stop = threading.Event()
         self._last: list[dict[str, Any]] = []
+        self._last_time = 0.0
         self._thread = threading.Thread(target=self._run, name="axrl-ray-monitor", daemon=True)
 
     def start(self) -> "Monitor":
         self._thread.start()
         return self
+
+    def add(self, name: str, poll: Callable[[], Any]) -> None:
+        """Poll one more source from now on (an actor started after the monitor)."""
+        self.sources = {**self.sources, name: poll}
 
     def rows(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -45,8 +50,12 @@ class Monitor:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self._last = self.rows()
+            self._last, self._last_time = self.rows(), time.time()
             self._write(self._last)
+
+    def latest(self) -> tuple[float, list[dict[str, Any]]]:
+        """(time, rows) of the latest poll; no rows before the first."""
+        return self._last_time, self._last
 
     def _write(self, rows: list[dict[str, Any]]) -> None:
         path = self.events.run_path

@@ -48,9 +48,19 @@ class Placement:
         self.groups = []
 
 
+def train_slots(cfg: Config) -> int:
+    """Train actors that need a slot: the torch ranks, or the Megatron world (tensor × data parallel)."""
+    if cfg.train.backend == "megatron":
+        from axrl.train.megatron.backend import auto_data_parallel  # no megatron-core import
+
+        m = cfg.train.megatron
+        return m.tensor_parallel * (m.data_parallel or auto_data_parallel(m.tensor_parallel, m.expert_parallel))
+    return cfg.runtime.ray.train_ranks
+
+
 def _describe(cfg: Config) -> str:
-    r, p = cfg.runtime.ray, cfg.runtime.ray.placement
-    return (f"runtime.ray.placement (mode {p.mode}, strategy {p.strategy}): {r.train_ranks} train rank(s) × "
+    p = cfg.runtime.ray.placement
+    return (f"runtime.ray.placement (mode {p.mode}, strategy {p.strategy}): {train_slots(cfg)} train rank(s) × "
             f"train_cpus={p.train_cpus} + 1 engine × engine_cpus={p.engine_cpus}")
 
 
@@ -58,13 +68,14 @@ def place(ray: ModuleType, cfg: Config) -> Placement:
     """Reserve the run's placement groups, or raise ConfigError naming the keys."""
     from ray.util.placement_group import placement_group
 
-    r, p = cfg.runtime.ray, cfg.runtime.ray.placement
-    need = r.train_ranks * p.train_cpus + p.engine_cpus
+    p = cfg.runtime.ray.placement
+    ranks = train_slots(cfg)
+    need = ranks * p.train_cpus + p.engine_cpus
     have = float(ray.cluster_resources().get("CPU", 0.0))
     if need > have:
         raise ConfigError(f"{_describe(cfg)} needs {need:g} CPUs; the cluster has {have:g} "
                           "(lower runtime.ray.train_ranks or the *_cpus, or add nodes)")
-    train_bundles = [{"CPU": p.train_cpus} for _ in range(r.train_ranks)]
+    train_bundles = [{"CPU": p.train_cpus} for _ in range(ranks)]
     engine_bundle = {"CPU": p.engine_cpus}
     if p.mode == "colocated":
         groups = [placement_group(train_bundles + [engine_bundle], strategy=p.strategy)]
@@ -80,7 +91,7 @@ def place(ray: ModuleType, cfg: Config) -> Placement:
                           f"{p.timeout_s:g} s on {len(nodes)} node(s) with CPUs {per_node} (STRICT_PACK needs one "
                           "node holding every bundle, STRICT_SPREAD one node per bundle; free CPUs may be taken "
                           "by other work)")
-    placement.train = [Slot(groups[0], i, p.train_cpus) for i in range(r.train_ranks)]
-    placement.engine = (Slot(groups[0], r.train_ranks, p.engine_cpus) if p.mode == "colocated"
+    placement.train = [Slot(groups[0], i, p.train_cpus) for i in range(ranks)]
+    placement.engine = (Slot(groups[0], ranks, p.engine_cpus) if p.mode == "colocated"
                         else Slot(groups[1], 0, p.engine_cpus))
     return placement

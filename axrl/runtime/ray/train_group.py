@@ -43,18 +43,41 @@ def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
 
 
 class RayTrainGroup:
-    def __init__(self, ray: Any, make_ranks: Callable[[], list[Any]], *, events: EventLog, plane: DataPlane,
-                 call_timeout_s: float = 600.0) -> None:
+    """A `TrainBackend` over train rank actors. The driver's group owns the ranks (`start`: it
+    creates them and forms their process group, and closing it kills them); the learner actor
+    attaches its own group to the same ranks (`attach`), to train without the driver."""
+
+    def __init__(self, ray: Any, ranks: list[Any], *, model_config: ModelConfig, pids: list[int], events: EventLog,
+                 plane: DataPlane, call_timeout_s: float = 600.0, owner: bool = True) -> None:
         self._ray, self._events, self._plane, self._timeout = ray, events, plane, call_timeout_s
+        self.ranks, self.world, self.pids, self.owner = ranks, len(ranks), pids, owner
+        self._model_config = model_config
         self.lost = False
-        self.ranks = make_ranks()
-        self.world = len(self.ranks)
-        self.pids = self._all("pid")
-        if self.world > 1:
-            address = self._get(self.ranks[0].rendezvous.remote())
-            self._get([r.init_group.remote(address) for r in self.ranks])
-        self._model_config: ModelConfig = self._get(self.ranks[0].model_config.remote())
         self._closed = False
+
+    @classmethod
+    def start(cls, ray: Any, make_ranks: Callable[[], list[Any]], *, events: EventLog, plane: DataPlane,
+              call_timeout_s: float = 600.0) -> "RayTrainGroup":
+        """Create the ranks and form their gloo process group."""
+        group = cls(ray, make_ranks(), model_config=None, pids=[], events=events, plane=plane,  # type: ignore[arg-type]
+                    call_timeout_s=call_timeout_s)
+        group.pids = group._all("pid")
+        if group.world > 1:
+            address = group._get(group.ranks[0].rendezvous.remote())
+            group._get([r.init_group.remote(address) for r in group.ranks])
+        group._model_config = group._get(group.ranks[0].model_config.remote())
+        return group
+
+    def attachment(self) -> dict[str, Any]:
+        """What `attach` needs in another process (actor handles and small facts only)."""
+        return {"ranks": self.ranks, "model_config": self._model_config, "pids": self.pids}
+
+    @classmethod
+    def attach(cls, ray: Any, attachment: dict[str, Any], *, events: EventLog, plane: DataPlane,
+               call_timeout_s: float = 600.0) -> "RayTrainGroup":
+        """A group over ranks another process owns; closing it leaves them running."""
+        return cls(ray, list(attachment["ranks"]), model_config=attachment["model_config"], pids=attachment["pids"],
+                   events=events, plane=plane, call_timeout_s=call_timeout_s, owner=False)
 
     # -- calls -----------------------------------------------------------------------------------
     def _get(self, refs: Any) -> Any:
@@ -99,7 +122,7 @@ class RayTrainGroup:
         out = []
         for i, s in enumerate(shards):
             n = payload_bytes(s)
-            self._plane.through_driver("batch", n)
+            self._plane.moved("batch", n)
             self._plane.fetched(i, n)
             out.append((self._ray.put(s), s))
         return out
@@ -113,7 +136,7 @@ class RayTrainGroup:
         shards = self._shards(batch)
         parts: list[ForwardResult] = self._get([r.forward.remote(ref, r3, weights)
                                                 for r, (ref, _) in zip(self.ranks, shards)])
-        self._plane.through_driver("forward_results", sum(payload_bytes(p) for p in parts))
+        self._plane.moved("forward_results", sum(payload_bytes(p) for p in parts))
         if len(parts) == 1:
             return parts[0]
         return ForwardResult(logprobs=torch.cat([p.logprobs for p in parts]),
@@ -125,7 +148,7 @@ class RayTrainGroup:
         ctx = None if self.world == 1 else loss_context(batch)
         parts: list[TrainMetrics] = self._get([r.forward_backward.remote(ref, loss_fn, r3, ctx)
                                                for r, (ref, _) in zip(self.ranks, shards)])
-        self._plane.through_driver("train_metrics", sum(payload_bytes(p) for p in parts))
+        self._plane.moved("train_metrics", sum(payload_bytes(p) for p in parts))
         if len(parts) == 1:
             return parts[0]
         rows = [row for p in parts for row in p.micro_batches]
@@ -149,7 +172,7 @@ class RayTrainGroup:
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         weights = self._get(self.ranks[0].named_weights.remote())
-        self._plane.through_driver("weights_to_driver", payload_bytes(weights))
+        self._plane.moved("weights_to_driver", payload_bytes(weights))
         return iter(weights.items())
 
     def sync_source(self) -> WeightsHandle:
@@ -189,8 +212,9 @@ class RayTrainGroup:
 
     def activity(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
         """Every rank's heartbeat (answered by its monitor thread even while it trains)."""
-        return self._ray.get([r.activity.options(concurrency_group="monitor").remote() for r in self.ranks],
-                             timeout=timeout_s)
+        per_rank = self._ray.get([r.activity.options(concurrency_group="monitor").remote() for r in self.ranks],
+                                 timeout=timeout_s)
+        return [row for rows in per_rank for row in rows]
 
     def fetched_bytes(self) -> list[int]:
         return self._all("fetched_bytes")
@@ -199,6 +223,8 @@ class RayTrainGroup:
         if self._closed:
             return
         self._closed = True
+        if not self.owner:
+            return
         if not self.lost:
             try:
                 for rank, n in enumerate(self._ray.get([r.fetched_bytes.remote() for r in self.ranks], timeout=30)):

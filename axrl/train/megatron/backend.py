@@ -14,7 +14,7 @@ import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -115,7 +115,11 @@ class MegatronBackend:
     exit) to stop worker processes.
     """
 
-    def __init__(self, model: Qwen3ForCausalLM, config: MegatronBackendConfig | None = None, tokenizer: Any = None) -> None:
+    def __init__(self, model: Qwen3ForCausalLM, config: MegatronBackendConfig | None = None, tokenizer: Any = None,
+                 group: Callable[..., Any] | None = None) -> None:
+        """`group(model_config, sizes, dispatcher, weights, seed, num_threads)` builds the ranks
+        (default: in this process at world size 1, else worker processes; Ray actors under
+        `runtime.executor: ray`)."""
         require_megatron()
         self.config = config = config or MegatronBackendConfig()
         self.model_config: ModelConfig = model.config
@@ -136,7 +140,7 @@ class MegatronBackend:
         # fp32 weights on the ranks whatever the model dtype (bf16 runs autocast, see module doc)
         weights = {k: v.detach().to("cpu", torch.float32)
                    for k, v in to_megatron(hf_state_dict(model), model.config).items()}
-        group_cls = InProcessGroup if sizes.world_size == 1 else WorkerGroup
+        group_cls = group or (InProcessGroup if sizes.world_size == 1 else WorkerGroup)
         self._group = group_cls(model.config, sizes, config.moe_dispatcher, weights, config.seed,
                                 config.num_threads or torch.get_num_threads())
         self._dtype = next(model.parameters()).dtype

@@ -63,8 +63,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_distributed(rank: int, world_size: int, port: int, sizes: ParallelSizes, seed: int) -> None:
-    """gloo process group over localhost + Megatron's parallel state (idempotent at world size 1)."""
+def init_distributed(rank: int, world_size: int, port: int, sizes: ParallelSizes, seed: int,
+                     host: str = "127.0.0.1") -> None:
+    """gloo process group at rank 0's `host:port` (localhost for the backend's own worker processes;
+    rank 0's node for Ray rank actors) + Megatron's parallel state (idempotent at world size 1)."""
     import torch.distributed as dist
 
     cpu_compat.apply()
@@ -75,7 +77,7 @@ def init_distributed(rank: int, world_size: int, port: int, sizes: ParallelSizes
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size)
     elif dist.get_world_size() != world_size:
         raise RuntimeError(f"this process already has a torch.distributed default group of size "
                            f"{dist.get_world_size()}; the Megatron backend needs one of size {world_size} "

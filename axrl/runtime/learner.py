@@ -1,0 +1,57 @@
+"""Learner: the step's data path after the pool — train on the sealed batch, then record it.
+
+A sealed batch in, the step's metrics out: the train worker's step (advantages, old logprobs,
+updates, weight post), the metrics.jsonl line, the online spike trigger and the step's trace
+file. The loop hands it the batch and gets back only the metrics, so the heavy parts of a step
+(trajectories, the packed batch, per-token trainer outputs) never need to be where the loop
+is: under `runtime.executor: ray` this same object runs in an actor next to the train ranks
+(`axrl/runtime/ray/learner.py`) and the driver passes it an object reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any, Protocol
+
+import torch
+
+from axrl.config import Config
+from axrl.rollout.pool import Batch
+from axrl.runtime.progress import PhaseTimer
+from axrl.runtime.records import step_metrics, step_record
+from axrl.runtime.spike_trigger import SpikeTrigger
+from axrl.runtime.train_worker import TrainWorker
+from axrl.trace import RunDir
+
+
+def rng_digest() -> str:
+    """Digest of this process' torch RNG state (recorded per step)."""
+    return hashlib.blake2b(torch.get_rng_state().numpy().tobytes(), digest_size=8).hexdigest()
+
+
+class StepLearner(Protocol):
+    """What the loop needs of a learner (in-process, or the Ray actor's driver-side handle)."""
+
+    def step(self, batch: Any, step: int, timer: PhaseTimer) -> dict[str, Any]:
+        """Train on `batch` (sealed batch `step`, or a reference to it), record it; the metrics."""
+
+
+class Learner:
+    def __init__(self, cfg: Config, trainer: TrainWorker, run: RunDir) -> None:
+        self.cfg, self.trainer, self.run = cfg, trainer, run
+        self.trigger = SpikeTrigger.from_config(cfg, run.path)  # trace.spike_ratio (off by default)
+
+    def step(self, batch: Batch, step: int, timer: PhaseTimer) -> dict[str, Any]:
+        """Train on `batch` at weight version `step` (posting version `step + 1`) and write its trace record."""
+        backend = self.trainer.backend
+        self.trigger.before_step(backend)
+        outcome = self.trainer.step(batch, step, timer)
+        metrics = step_metrics(outcome)
+        metrics.update(self.trigger.after_step(backend, self.cfg, outcome))  # the deep dump, now
+        if self.cfg.trace.enabled:
+            timer.show("record")
+            t0 = time.perf_counter()
+            self.run.write_step(step_record(outcome, rng_digest(), routing=self.cfg.trace.routing))
+            metrics["time_record"] = time.perf_counter() - t0
+        return metrics

@@ -1,0 +1,126 @@
+"""The learner as a Ray actor: processor, train worker and trace recorder next to the train ranks.
+
+`LearnerActor` runs the in-process `Learner` — the same code as a local run — over its own
+`RayTrainGroup` attached to the driver's train ranks. It fetches the sealed batch from the
+rollout actor's object store itself, sends each rank the reference to its shard, receives the
+ranks' per-token outputs and writes the step's trace file; the driver gets back the step's
+metrics, its phase times and the handle of the new weights (an object reference in train rank
+0's store), which it passes on to the rollout actor. Nothing per token passes through the driver.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from axrl.config import Config
+from axrl.runtime.events import EventLog
+from axrl.runtime.ray.activity import Activity
+from axrl.runtime.ray.calls import is_dead, unwrap
+from axrl.runtime.ray.handles import DataPlane, metadata_bytes
+from axrl.runtime.ray.rollout import RayRollout
+from axrl.runtime.ray.train_group import RayTrainGroup, TrainGroupLost
+
+
+class LearnerActor:
+    def __init__(self, cfg: dict[str, Any], run_path: str, attachment: dict[str, Any]) -> None:
+        import ray
+
+        from axrl.algo.processor import AlgorithmProcessor
+        from axrl.runtime.learner import Learner
+        from axrl.runtime.train_worker import TrainWorker
+        from axrl.sync import WeightSync
+        from axrl.trace import RunDir
+
+        config = Config.model_validate(cfg)
+        torch.set_num_threads(config.runtime.threads)
+        self.events, self.plane = EventLog(), DataPlane(in_driver=False)
+        self.events.attach(Path(run_path))
+        self.activity_ = Activity("learner")
+        backend = RayTrainGroup.attach(ray, attachment, events=self.events, plane=self.plane,
+                                       call_timeout_s=config.runtime.ray.call_timeout_s)
+        self.sync = WeightSync(version=0)
+        trainer = TrainWorker(backend, AlgorithmProcessor.from_config(config), config, self.sync,
+                              backend.model_config.num_experts)
+        self.learner = Learner(config, trainer, RunDir(run_path))
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def node(self) -> str:
+        """The Ray node this actor runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def step(self, batch_refs: list[Any], step: int, times: dict[str, float]) -> tuple[dict[str, Any], dict[str, float],
+                                                                                       list[Any]]:
+        """Train on the batch behind `batch_refs[0]` and record it: (metrics, phase times, [new weights handle])."""
+        import ray
+
+        from axrl.runtime.progress import PhaseTimer
+
+        with self.activity_.doing(f"step {step}"):
+            batch = ray.get(batch_refs[0])
+            timer = PhaseTimer()
+            timer.times.update(times)   # the driver's wait for the batch is part of the step's time
+            metrics = self.learner.step(batch, step, timer)
+            self.activity_.count("steps")
+            return metrics, timer.times, [self.sync.get()[1]]
+
+    def activity(self) -> dict[str, Any]:
+        return {**self.activity_.report(), "pid": os.getpid()}
+
+    def close(self) -> dict[str, Any]:
+        """What this actor moved (for the driver's data-plane account)."""
+        return self.plane.snapshot()
+
+
+class RayLearner:
+    """The driver's handle of the learner actor: a `StepLearner`. The new weights of each step go
+    straight on to the rollout actor as a handle."""
+
+    def __init__(self, ray: Any, actor: Any, *, backend: RayTrainGroup, rollout: RayRollout, plane: DataPlane,
+                 call_timeout_s: float) -> None:
+        self._ray, self._actor, self._backend, self._rollout = ray, actor, backend, rollout
+        self._plane, self._timeout = plane, call_timeout_s
+        self.pid = self._get(actor.pid.remote())
+
+    def _get(self, ref: Any) -> Any:
+        try:
+            return self._ray.get(ref, timeout=self._timeout)
+        except self._ray.exceptions.RayTaskError as e:
+            error = unwrap(e)
+        except Exception as e:  # noqa: BLE001 — classified just below
+            if not is_dead(self._ray, e):
+                raise
+            # The learner is the train side's driver: losing it loses the step, like losing a rank.
+            error = TrainGroupLost(f"the learner actor died ({type(e).__name__}); the train group restarts from "
+                                   "the last checkpoint (runtime.ray.train_restarts)")
+        if isinstance(error, TrainGroupLost):
+            self._backend.lost = True   # the driver's handle of the same ranks: do not wait on survivors
+        raise error from None
+
+    def step(self, batch: list[Any], step: int, timer: Any) -> dict[str, Any]:
+        timer.show("train")
+        metrics, times, weights = self._get(self._actor.step.remote(batch, step, dict(timer.times)))
+        self._plane.moved("step_metadata", metadata_bytes([batch, step, metrics, times]))
+        timer.times.update(times)
+        self._rollout.post_weights(step + 1, weights[0])
+        return metrics
+
+    def activity(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        return self._ray.get(self._actor.activity.options(concurrency_group="monitor").remote(), timeout=timeout_s)
+
+    def close(self) -> None:
+        try:
+            self._plane.merge(self._ray.get(self._actor.close.remote(), timeout=30))
+        except Exception:  # noqa: BLE001 — a dead actor has nothing left to report
+            pass
+        try:
+            self._ray.kill(self._actor, no_restart=True)
+        except Exception:  # noqa: BLE001
+            pass

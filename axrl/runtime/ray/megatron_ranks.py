@@ -1,0 +1,122 @@
+"""The Megatron backend's ranks as Ray actors: `RayRankGroup` replaces the worker processes that
+`axrl/train/megatron/parallel.py` launches itself, under `runtime.executor: ray`.
+
+It has `WorkerGroup`'s interface (`world_size`, `call(method, *args)` → every rank's answer,
+`close()`), so `MegatronBackend` runs unchanged on top of it. Each rank is a
+`MegatronRankActor` in its placement slot; they form their gloo (NCCL on GPUs) process group at
+rank 0's node address, and every call goes to all ranks at once (collectives need them all),
+failing fast when one fails. The backend itself lives in the train group's head actor
+(`TrainRankActor`), so the driver and the learner reach it like a torch rank.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from axrl.model import ModelConfig
+from axrl.runtime.ray.activity import Activity
+from axrl.train.megatron.model import ParallelSizes
+
+
+class MegatronRankActor:
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        self.activity_ = Activity(f"megatron rank {rank}")
+        self.state: Any = None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def rendezvous(self) -> tuple[str, int]:
+        """(this node's address, a free port) for the process group (asked of rank 0)."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return host, int(s.getsockname()[1])
+
+    def init(self, host: str, port: int, model_cfg: ModelConfig, sizes: ParallelSizes, dispatcher: str,
+             weights: dict[str, Any], seed: int, num_threads: int) -> None:
+        from axrl.train.megatron.rank import MegatronRank, init_distributed, worker_setup
+
+        with self.activity_.doing("init"):
+            worker_setup(seed, num_threads)
+            init_distributed(self.rank, self.world, port, sizes, seed, host=host)
+            self.state = MegatronRank(model_cfg, sizes, dispatcher, weights)
+
+    def call(self, method: str, args: tuple[Any, ...]) -> Any:
+        with self.activity_.doing(method):
+            return getattr(self.state, method)(*args)
+
+    def activity(self) -> dict[str, Any]:
+        return {**self.activity_.report(), "pid": os.getpid()}
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self.state is not None:
+            self.state.release()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RayRankGroup:
+    """`sizes.world_size` Megatron rank actors, one per entry of `slots` (Ray actor options)."""
+
+    def __init__(self, model_cfg: ModelConfig, sizes: ParallelSizes, dispatcher: str, weights: dict[str, Any],
+                 seed: int, num_threads: int, *, slots: list[dict[str, Any]], call_timeout_s: float) -> None:
+        import ray
+
+        if len(slots) != sizes.world_size:
+            raise ValueError(f"{len(slots)} placement slots for a Megatron world of {sizes.world_size} ranks")
+        self._ray, self._timeout, self.world_size = ray, call_timeout_s, sizes.world_size
+        remote = ray.remote(concurrency_groups={"monitor": 1})(MegatronRankActor)
+        self.actors = [remote.options(**slot).remote(r, self.world_size) for r, slot in enumerate(slots)]
+        self._closed = False
+        try:
+            self.pids = self._collect([a.pid.remote() for a in self.actors], "start-up")
+            host, port = self._collect([self.actors[0].rendezvous.remote()], "rendezvous")[0]
+            ref = ray.put(weights)  # once in the object store; every rank reads it from there
+            self._collect([a.init.remote(host, port, model_cfg, sizes, dispatcher, ref, seed, num_threads)
+                           for a in self.actors], "init")
+        except BaseException:
+            self.close()
+            raise
+
+    def _collect(self, refs: list[Any], what: str) -> list[Any]:
+        """Every rank's answer; the first failure is raised at once (the others may be waiting in
+        a collective for the failed rank)."""
+        pending = list(refs)
+        while pending:
+            ready, pending = self._ray.wait(pending, num_returns=1, timeout=self._timeout)
+            if not ready:
+                raise TimeoutError(f"Megatron rank actor(s) gave no answer to {what} within {self._timeout:g} s "
+                                   "(runtime.ray.call_timeout_s)")
+            self._ray.get(ready)
+        return self._ray.get(refs)
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        if self._closed:
+            raise RuntimeError("the Megatron backend's rank actors are closed")
+        return self._collect([a.call.remote(method, args) for a in self.actors], method)
+
+    def activity(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+        return self._ray.get([a.activity.options(concurrency_group="monitor").remote() for a in self.actors],
+                             timeout=timeout_s)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for a in self.actors:
+            try:
+                self._ray.get(a.close.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 — a dead rank has nothing to release
+                pass
+            try:
+                self._ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass

@@ -1,0 +1,290 @@
+"""The rollout side as a Ray actor: engine client, rollout worker, pool, agent proxy, evaluator.
+
+`RolloutActor` builds the same rollout side as a local run (`make_rollout_side`) around a
+`RayEngine`, so the engine's results reach the agent loop here, never the driver; the engine
+actor it starts is its own (it dies with it). A sealed batch is put in the object store by this
+actor and the driver gets the reference only (`take`), which it hands to the learner actor.
+
+`RayRollout` is the driver's handle: the `RolloutControl` and `BatchSource` of the loop. With
+each batch it also receives the rollout snapshot taken at that moment (the groups started but
+not yet trained: small metadata), so when the actor dies it starts a new one at the next step
+from that snapshot, with the last weights it posted: the groups in flight, and any sealed but
+not taken, are re-run under their own ids and seeds — no sample lost, none duplicated. Each
+restart is an event; after `runtime.ray.rollout_restarts` of them the run fails.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from axrl.config import Config
+from axrl.runtime.events import EventLog
+from axrl.runtime.ray.activity import Activity
+from axrl.runtime.ray.calls import is_dead, unwrap
+from axrl.runtime.ray.handles import DataPlane, WeightsHandle, metadata_bytes, payload_bytes
+
+
+class RolloutActorLost(RuntimeError):
+    """The rollout actor died more often than `runtime.ray.rollout_restarts` allows."""
+
+
+class RolloutActor:
+    """The rollout side in its own process. `rollout.engine: embedded`: its engine is an engine
+    actor of its own (`RayEngine`); `sglang`: this actor is the servers' manager — it launches (or
+    connects to) them and runs the SGLang client, with the launcher's restart-and-resync, and the
+    weight handles it is given are fetched here and sent on by the configured route (disk or
+    process group). `train`: an attachment to the train group (the servers' initial export)."""
+
+    def __init__(self, cfg: dict[str, Any], train: dict[str, Any], engine_options: dict[str, Any],
+                 clocked: bool, monitor_groups: dict[str, int]) -> None:
+        import ray
+
+        from axrl.runtime.components import (embedded_engine_for, fresh_engine_model, make_data, make_engine,
+                                             make_rollout_side, make_tokenizer)
+        from axrl.runtime.ray.actors import EngineActor
+        from axrl.runtime.ray.engine import RayEngine
+        from axrl.runtime.ray.train_group import RayTrainGroup
+
+        config = Config.model_validate(cfg)
+        torch.set_num_threads(config.runtime.threads)
+        self.events, self.plane = EventLog(), DataPlane(in_driver=False)
+        self.activity_ = Activity("rollout worker")
+        tokenizer = make_tokenizer(config)
+        task, loader = make_data(config)
+        r = config.runtime.ray
+        group = RayTrainGroup.attach(ray, train, events=self.events, plane=self.plane, call_timeout_s=r.call_timeout_s)
+        model_config = group.model_config
+        self.engine: Any
+        if config.rollout.engine == "sglang":
+            self.engine = make_engine(config, group, tokenizer)
+            self.events.record("actors_started", component="engine", servers=list(self.engine.urls),
+                               nodes=[ray.get_runtime_context().get_node_id()])
+        else:
+            remote = ray.remote(concurrency_groups=monitor_groups)(EngineActor)
+            self.engine = RayEngine(ray, lambda: remote.options(**engine_options).remote(cfg, clocked),
+                                    clocked=clocked, restarts=r.engine_restarts, events=self.events,
+                                    plane=self.plane, call_timeout_s=r.call_timeout_s)
+            self.events.record("actors_started", component="engine", pid=self.engine.pid,
+                               nodes=[ray.get(self.engine.node())])
+        self._fetches_weights = not isinstance(self.engine, RayEngine)
+        self.side = make_rollout_side(
+            config, tokenizer, task, loader, self.engine, model_config,
+            lambda clocked: embedded_engine_for(config, fresh_engine_model(config, model_config), tokenizer,
+                                                clocked=clocked))
+
+    def _weights(self, source: Any) -> Any:
+        """What the engine takes: an engine actor fetches a handle itself; an SGLang client gets the
+        weights fetched here (from train rank 0's object store, not through the driver)."""
+        import ray
+
+        if self._fetches_weights and isinstance(source, WeightsHandle):
+            weights = ray.get(source.ref)
+            self.plane.moved("weights", payload_bytes(weights))
+            return weights
+        return source
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def node(self) -> str:
+        """The Ray node this actor runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def attach(self, run_path: str) -> None:
+        """Record this actor's events (the engine's restarts) into RUN/events.jsonl from now on."""
+        self.events.attach(Path(run_path))
+
+    def load_weights(self, source: Any, version: int) -> None:
+        with self.activity_.doing(f"load_weights v{version}"):
+            self.side.rollout.load_weights(self._weights(source), version)
+
+    def start(self, first_step: int, state: dict[str, Any] | None) -> None:
+        self.side.rollout.start(first_step, state)
+
+    def take(self, step: int) -> tuple[list[Any], dict[str, Any]]:
+        """([reference to sealed batch `step`], the rollout snapshot right after taking it)."""
+        import ray
+
+        with self.activity_.doing(f"take {step}"):
+            batch = self.side.pool.take(step)
+            self.plane.by_reference("trajectories", payload_bytes(batch))
+            self.activity_.count("batches")
+            return [ray.put(batch)], self.side.rollout.snapshot(step + 1)
+
+    def snapshot(self, next_step: int) -> dict[str, Any]:
+        return self.side.rollout.snapshot(next_step)
+
+    def post_weights(self, version: int, source: WeightsHandle) -> None:
+        """Weights `version` from the learner, for the worker to load when its schedule says so."""
+        self.side.sync.post(version, self._weights(source))
+
+    def evaluate(self, source: WeightsHandle, version: int) -> float:
+        import ray
+
+        assert self.side.evaluator is not None
+        with self.activity_.doing(f"eval v{version}"):
+            return self.side.evaluator.evaluate(ray.get(source.ref), version)
+
+    def activity(self) -> list[dict[str, Any]]:
+        """This worker's heartbeat and its engine actor's (with the requests in flight)."""
+        report = {**self.activity_.report(), "pid": os.getpid()}
+        if self._fetches_weights:   # SGLang servers: their health is the client's
+            return [{**report, "engine": self.engine.health()}]
+        try:
+            return [report, self.engine.activity()]
+        except Exception as e:  # noqa: BLE001 — an unreachable engine is a row, not a crash
+            return [report, {"component": "engine", "state": "unreachable", "pid": self.engine.pid,
+                             "last_error": f"{type(e).__name__}: {str(e)[:200]}"}]
+
+    def stop(self) -> None:
+        self.side.rollout.stop()
+
+    def close(self) -> dict[str, Any]:
+        """Stop everything this actor runs; what it moved (for the driver's data-plane account)."""
+        try:
+            self.side.rollout.stop()
+        finally:
+            if self.side.proxy is not None:
+                self.side.proxy.stop()
+            self.engine.shutdown()
+            if self.side.evaluator is not None:
+                self.side.evaluator.close()
+        return self.plane.snapshot()
+
+
+class RayRollout:
+    """The driver's handle of the rollout actor (see the module docstring)."""
+
+    def __init__(self, ray: Any, make_actor: Callable[[], Any], *, restarts: int, events: EventLog, plane: DataPlane,
+                 call_timeout_s: float, evaluates: bool) -> None:
+        self._ray, self._make_actor, self._max_restarts = ray, make_actor, restarts
+        self._events, self._plane, self._timeout = events, plane, call_timeout_s
+        self.restarts = 0
+        self._run_path: str | None = None
+        self._weights: tuple[Any, int] | None = None       # the last weights given: (source, version)
+        self._resume: tuple[int, dict[str, Any] | None] | None = None   # where a new actor starts
+        self._actor = make_actor()
+        self.pid = self._get(self._actor.pid.remote())
+        self.evaluator = RayEvaluator(self) if evaluates else None
+
+    # -- calls -----------------------------------------------------------------------------------
+    def _get(self, ref: Any) -> Any:
+        try:
+            return self._ray.get(ref, timeout=self._timeout)
+        except self._ray.exceptions.RayTaskError as e:
+            raise unwrap(e) from None
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """Call the actor; when it is dead, start a new one where the dead one was and retry once."""
+        for attempt in (0, 1):
+            actor = self._actor
+            try:
+                return self._get(getattr(actor, method).remote(*args))
+            except Exception as e:  # noqa: BLE001 — classified just below
+                if not is_dead(self._ray, e) or attempt:
+                    raise
+                self._restart(f"{method}: {type(e).__name__}")
+
+    def _restart(self, reason: str) -> None:
+        if self.restarts >= self._max_restarts:
+            self._events.record("actor_failed", component="rollout worker", pid=self.pid, reason=reason,
+                                restarts=self.restarts)
+            raise RolloutActorLost(f"the rollout actor died again ({reason}) after {self.restarts} restart(s) "
+                                   f"(runtime.ray.rollout_restarts={self._max_restarts}); the run stops")
+        self.restarts += 1
+        try:
+            self._ray.kill(self._actor, no_restart=True)
+        except Exception:  # noqa: BLE001 — already gone
+            pass
+        old_pid = self.pid
+        self._actor = self._make_actor()
+        self.pid = self._get(self._actor.pid.remote())
+        if self._run_path is not None:
+            self._get(self._actor.attach.remote(self._run_path))
+        if self._weights is not None:
+            self._get(self._actor.load_weights.remote(*self._weights))
+        fields: dict[str, Any] = {}
+        if self._resume is not None:
+            first, state = self._resume
+            self._get(self._actor.start.remote(first, state))
+            fields = {"next_step": first, "rerun_groups": list((state or {}).get("pending", []))}
+        self._events.record("actor_restarted", component="rollout worker", reason=reason, old_pid=old_pid,
+                            new_pid=self.pid, weight_version=None if self._weights is None else self._weights[1],
+                            restart=self.restarts, **fields)
+
+    # -- RolloutControl and BatchSource --------------------------------------------------------------
+    def attach(self, run_path: Path) -> None:
+        self._run_path = str(run_path)
+        self._call("attach", self._run_path)
+
+    def load_weights(self, source: Any, version: int) -> None:
+        self._weights = (source, version)
+        self._plane.moved("step_metadata", metadata_bytes(source))
+        self._call("load_weights", source, version)
+
+    def post_weights(self, version: int, source: WeightsHandle) -> None:
+        self._weights = (source, version)
+        self._plane.moved("step_metadata", metadata_bytes(source))
+        self._call("post_weights", version, source)
+
+    def start(self, first_step: int, state: dict[str, Any] | None = None) -> None:
+        self._resume = (first_step, state)
+        self._call("start", first_step, state)
+
+    def take(self, step: int, timeout: float | None = None) -> list[Any]:
+        """[An object reference to sealed batch `step`] (the learner fetches it)."""
+        refs, snapshot = self._call("take", step)
+        self._resume = (step + 1, snapshot)
+        self._plane.moved("step_metadata", metadata_bytes([refs, snapshot]))
+        return refs
+
+    def snapshot(self, next_step: int) -> dict[str, Any]:
+        return self._call("snapshot", next_step)
+
+    def evaluate(self, source: WeightsHandle, version: int) -> float:
+        return float(self._call("evaluate", source, version))
+
+    def activity(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+        rows = self._ray.get(self._actor.activity.options(concurrency_group="monitor").remote(), timeout=timeout_s)
+        rows[0]["restarts"] = self.restarts
+        return rows
+
+    def node(self) -> str:
+        """The Ray node the rollout actor runs on."""
+        return self._get(self._actor.node.remote())
+
+    def stop(self) -> None:
+        try:
+            self._get(self._actor.stop.remote())
+        except Exception:  # noqa: BLE001 — a dead actor has stopped
+            pass
+
+    def close(self) -> None:
+        try:
+            self._plane.merge(self._get(self._actor.close.remote()))
+        except Exception:  # noqa: BLE001 — a dead actor has nothing left to report
+            pass
+        try:
+            self._ray.kill(self._actor, no_restart=True)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class RayEvaluator:
+    """The evaluator of the rollout actor, given weight handles (they never reach the driver)."""
+
+    def __init__(self, rollout: RayRollout) -> None:
+        self.rollout = rollout
+
+    def evaluate(self, weights: WeightsHandle, version: int) -> float:
+        """Mean held-out reward of the train group's weights `weights` (version `version`)."""
+        return self.rollout.evaluate(weights, version)
+
+    def close(self) -> None:
+        """The actor closes its evaluator with itself."""
