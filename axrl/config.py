@@ -300,7 +300,7 @@ class RaySection(Section):
 
 class RuntimeSection(Section):
     executor: Literal["local", "ray"] = Field("local", description="local: every component in this process; "
-                                              "ray: the engine and the train ranks as Ray actors "
+                                              "ray: rollout, engine, learner and train ranks as Ray actors "
                                               "(pip install 'axrl[ray]')")
     ray: RaySection = Field(default_factory=RaySection)
     threads: int = Field(1, ge=1, description="torch threads per process")

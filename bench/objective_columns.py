@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from axrl.config import load_config
-from axrl.runtime.loop import build, run_step, sync_weights
+from axrl.runtime.components import build_components
 from axrl.runtime.progress import PhaseTimer, TrainProgress
 from axrl.runtime.records import step_record
 from axrl.runtime.updates import policy_loss
@@ -72,18 +72,21 @@ def main() -> None:
     torch.set_num_threads(1)
     cfg = load_config(ROOT / "examples" / "quickstart.yaml",
                       ["warmup.steps=20", "eval.every=0", "runtime.threads=1", *args.extra])
-    c = build(cfg)
+    c = build_components(cfg)
     warm_up(c.backend, c.tokenizer, c.task, steps=cfg.warmup.steps, batch_size=cfg.warmup.batch_size,
             lr=cfg.warmup.lr, seed=cfg.seed)
     c.backend.reset_optimizer()
-    sync_weights(c, 0)
+    c.rollout.load_weights(c.backend.sync_source(), 0)
+    c.rollout.start(0)
     step_s, rec_with, rec_without, col_with, col_without, snap = [], [], [], [], [], []
     loss = policy_loss(cfg)
     with tempfile.TemporaryDirectory() as tmp, TrainProgress(args.steps) as progress:
         for step in range(args.steps):
             timer = PhaseTimer(progress)
             t0 = time.perf_counter()
-            outcome = run_step(c, cfg, step, step, timer)
+            with timer("rollout"):
+                batch = c.pool.take(step)
+            outcome = c.trainer.step(batch, step, timer)
             step_s.append(time.perf_counter() - t0)
             full = step_record(outcome)
             assert full.is_weight is not None and full.param_grad_norm is not None
@@ -106,7 +109,7 @@ def main() -> None:
                     (rec_with if order else rec_without).append(timed(record))
                     (col_with if order else col_without).append(timed(collect))
                 snap.append(timed(c.backend.state_dict))
-    c.engine.shutdown()
+    c.close()
     step_time = statistics.median(step_s[1:] or step_s)
     record_cost = statistics.median(rec_with) - statistics.median(rec_without)
     # once per update: the collection cost scales with updates_per_step
