@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from axrl.inference.protocol import GenerateRequest, GenerateResult
 from axrl.runtime.events import EventLog
-from axrl.runtime.ray.calls import is_dead, unwrap
+from axrl.runtime.ray.calls import call_or_restart, close_actor, is_dead, unwrap
 from axrl.runtime.ray.handles import DataPlane, WeightsHandle, payload_bytes
 
 
@@ -58,14 +58,9 @@ class RayEngine:
 
     def _call(self, method: str, *args: Any) -> Any:
         """Call the actor; when it is dead, restart it (resubmitting what is in flight) and retry once."""
-        for attempt in (0, 1):
-            actor = self._actor
-            try:
-                return self._get(getattr(actor, method).remote(*args))
-            except Exception as e:  # noqa: BLE001 — classified just below
-                if not self._dead(e) or self._closed or attempt:
-                    raise
-                self._restart(actor, f"{method}: {type(e).__name__}")
+        return call_or_restart(self._ray, lambda: self._actor,
+                               lambda actor: self._get(getattr(actor, method).remote(*args)), self._restart, method,
+                               closed=lambda: self._closed)
 
     def _restart(self, dead: Any, reason: str) -> None:
         with self._lock:
@@ -77,10 +72,7 @@ class RayEngine:
                 raise EngineActorLost(f"the engine actor died again ({reason}) after {self.restarts} restart(s) "
                                       f"(runtime.ray.engine_restarts={self._max_restarts}); the run stops")
             self.restarts += 1
-            try:
-                self._ray.kill(dead, no_restart=True)
-            except Exception:  # noqa: BLE001 — already gone
-                pass
+            close_actor(self._ray, dead, ask=False)
             old_pid = self.pid
             self._actor = self._make_actor()
             self.pid = self._get(self._actor.pid.remote())
@@ -213,7 +205,4 @@ class RayEngine:
                                                  weight_version=self._version))
         if self._poller is not None:
             self._poller.join(timeout=5)
-        try:
-            self._ray.kill(self._actor, no_restart=True)
-        except Exception:  # noqa: BLE001
-            pass
+        close_actor(self._ray, self._actor, ask=False)

@@ -19,7 +19,7 @@ import torch
 from axrl.config import Config
 from axrl.runtime.events import EventLog
 from axrl.runtime.ray.activity import Activity
-from axrl.runtime.ray.calls import is_dead, unwrap
+from axrl.runtime.ray.calls import close_actor, is_dead, unwrap
 from axrl.runtime.ray.handles import DataPlane, metadata_bytes
 from axrl.runtime.ray.rollout import RayRollout
 from axrl.runtime.ray.train_group import RayTrainGroup, TrainGroupLost
@@ -116,11 +116,6 @@ class RayLearner:
         return self._ray.get(self._actor.activity.options(concurrency_group="monitor").remote(), timeout=timeout_s)
 
     def close(self) -> None:
-        try:
-            self._plane.merge(self._ray.get(self._actor.close.remote(), timeout=30))
-        except Exception:  # noqa: BLE001 — a dead actor has nothing left to report
-            pass
-        try:
-            self._ray.kill(self._actor, no_restart=True)
-        except Exception:  # noqa: BLE001
-            pass
+        plane = close_actor(self._ray, self._actor)
+        if plane is not None:
+            self._plane.merge(plane)

@@ -17,6 +17,7 @@ from typing import Any
 
 from axrl.model import ModelConfig
 from axrl.runtime.ray.activity import Activity
+from axrl.runtime.ray.calls import close_actor
 from axrl.train.megatron.model import ParallelSizes
 
 
@@ -112,11 +113,4 @@ class RayRankGroup:
             return
         self._closed = True
         for a in self.actors:
-            try:
-                self._ray.get(a.close.remote(), timeout=30)
-            except Exception:  # noqa: BLE001 — a dead rank has nothing to release
-                pass
-            try:
-                self._ray.kill(a, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
+            close_actor(self._ray, a)

@@ -24,7 +24,7 @@ import torch
 from axrl.config import Config
 from axrl.runtime.events import EventLog
 from axrl.runtime.ray.activity import Activity
-from axrl.runtime.ray.calls import is_dead, unwrap
+from axrl.runtime.ray.calls import call_or_restart, close_actor, unwrap
 from axrl.runtime.ray.handles import DataPlane, WeightsHandle, metadata_bytes, payload_bytes
 
 
@@ -182,26 +182,17 @@ class RayRollout:
 
     def _call(self, method: str, *args: Any) -> Any:
         """Call the actor; when it is dead, start a new one where the dead one was and retry once."""
-        for attempt in (0, 1):
-            actor = self._actor
-            try:
-                return self._get(getattr(actor, method).remote(*args))
-            except Exception as e:  # noqa: BLE001 — classified just below
-                if not is_dead(self._ray, e) or attempt:
-                    raise
-                self._restart(f"{method}: {type(e).__name__}")
+        return call_or_restart(self._ray, lambda: self._actor,
+                               lambda actor: self._get(getattr(actor, method).remote(*args)), self._restart, method)
 
-    def _restart(self, reason: str) -> None:
+    def _restart(self, dead: Any, reason: str) -> None:
         if self.restarts >= self._max_restarts:
             self._events.record("actor_failed", component="rollout worker", pid=self.pid, reason=reason,
                                 restarts=self.restarts)
             raise RolloutActorLost(f"the rollout actor died again ({reason}) after {self.restarts} restart(s) "
                                    f"(runtime.ray.rollout_restarts={self._max_restarts}); the run stops")
         self.restarts += 1
-        try:
-            self._ray.kill(self._actor, no_restart=True)
-        except Exception:  # noqa: BLE001 — already gone
-            pass
+        close_actor(self._ray, dead, ask=False)
         old_pid = self.pid
         self._actor = self._make_actor()
         self.pid = self._get(self._actor.pid.remote())
@@ -266,14 +257,9 @@ class RayRollout:
             pass
 
     def close(self) -> None:
-        try:
-            self._plane.merge(self._get(self._actor.close.remote()))
-        except Exception:  # noqa: BLE001 — a dead actor has nothing left to report
-            pass
-        try:
-            self._ray.kill(self._actor, no_restart=True)
-        except Exception:  # noqa: BLE001
-            pass
+        plane = close_actor(self._ray, self._actor)
+        if plane is not None:
+            self._plane.merge(plane)
 
 
 class RayEvaluator:

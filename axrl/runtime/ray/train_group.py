@@ -21,6 +21,7 @@ import torch
 
 from axrl.model.config import ModelConfig
 from axrl.runtime.events import EventLog
+from axrl.runtime.ray.calls import close_actor
 from axrl.runtime.ray.handles import DataPlane, WeightsHandle, payload_bytes, shard_rows
 from axrl.train.metrics import reduce_microbatch_metrics
 from axrl.train.protocol import (R3, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, StepStats,
@@ -232,12 +233,5 @@ class RayTrainGroup:
             except Exception:  # noqa: BLE001 — accounting only
                 pass
         for r in self.ranks:
-            try:
-                if not self.lost:  # survivors of a lost group may be stuck in a collective: just kill them
-                    self._ray.get(r.close.remote(), timeout=30)
-            except Exception:  # noqa: BLE001 — a dead rank has nothing to release
-                pass
-            try:
-                self._ray.kill(r, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
+            # Survivors of a lost group may be stuck in a collective: just kill them.
+            close_actor(self._ray, r, ask=not self.lost)
