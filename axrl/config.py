@@ -106,6 +106,9 @@ class RolloutSection(Section):
     max_reruns: int = Field(2, ge=0, description="re-runs of a stale group before it is dropped")
     max_live_episodes: int = Field(0, ge=0, description="episodes running at once (0 = max_batch_size); new "
                                                         "groups start as places free up")
+    release_memory: bool = Field(False, description="free the engine's KV cache (SGLang: its memory occupation) "
+                                                     "while it waits for the trainer's next weights, for an engine "
+                                                     "sharing a device with the trainer (runtime.mode: sync)")
     clock: Literal["auto", "iterations", "rounds"] = Field(
         "auto", description="deterministic runs: schedule rollout by engine iterations (embedded engine) or by "
                             "request rounds (any engine; auto picks iterations for embedded, rounds for sglang)")
@@ -422,6 +425,13 @@ class Config(Section):
         if self.agent is not None and self.runtime.deterministic:
             raise ValueError("agent: a black-box agent's calls arrive when its process makes them, not as a function "
                              "of counts; set runtime.deterministic: false")
+        return self
+
+    @model_validator(mode="after")
+    def _release_memory(self) -> "Config":
+        if self.rollout.release_memory and self.runtime.mode != "sync":
+            raise ValueError("rollout.release_memory frees the engine's memory while the trainer trains, which needs "
+                             "an idle engine: runtime.mode: sync (an async engine keeps generating)")
         return self
 
     @model_validator(mode="after")

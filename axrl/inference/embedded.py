@@ -85,7 +85,7 @@ class _Sequence:
 
 @dataclass
 class _Control:
-    kind: Literal["abort", "weights"]
+    kind: Literal["abort", "weights", "memory"]
     payload: Any
     future: concurrent.futures.Future | None = None
 
@@ -333,6 +333,30 @@ class EmbeddedEngine:
                 self._scheduler.apply_pending_controls()
         return done.result()
 
+    def release_memory(self) -> None:
+        """Free the KV cache (and the prefix cache's blocks, forgetting them) while no request is
+        running; `resume_memory` allocates them again. Outputs after a resume equal outputs
+        without the release: a slot's stale columns are never read."""
+        self._memory_control(release=True)
+
+    def resume_memory(self) -> None:
+        """Allocate the KV cache (and prefix-cache blocks) that `release_memory` freed."""
+        self._memory_control(release=False)
+
+    def _memory_control(self, release: bool) -> None:
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("release/resume_memory would deadlock on the engine thread; call it from another thread")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._inbox.cv:
+            if release and (self._inbox.waiting or self._scheduler.num_running):
+                raise RuntimeError("release_memory: the engine has requests in flight; release it when idle")
+            self._inbox.control.append(_Control("memory", release, done))
+            self._inbox.cv.notify()
+        if self.clocked:
+            with torch.inference_mode():
+                self._scheduler.apply_pending_controls()
+        done.result()
+
     def _load_source(self, source: Any) -> dict[str, torch.Tensor]:
         if isinstance(source, Qwen3ForCausalLM):
             source = hf_state_dict(source)
@@ -373,7 +397,8 @@ class EmbeddedEngine:
                 "running": s.num_running, "waiting": waiting, "max_batch_size": self.max_batch_size,
                 "max_seq_len": self.max_seq_len, "iterations": s.iterations,
                 "generated_tokens": s.generated_tokens, "last_error": s.last_error,
-                "prefix_cache": None if s.prefix_cache is None else s.prefix_cache.stats()}
+                "prefix_cache": None if s.prefix_cache is None else s.prefix_cache.stats(),
+                "kv_cache_bytes": s.cache.nbytes()}
 
     @property
     def weight_version(self) -> int:
@@ -476,6 +501,10 @@ class _Scheduler:
             if seq is not None:
                 self.finish(seq, {"type": "abort", "message": "aborted by client"})
             return
+        if op.kind == "memory":
+            self.set_memory(released=op.payload)
+            _resolve(op.future, None)
+            return
         state_dict, version = op.payload
         try:
             with torch.inference_mode(False), torch.no_grad():
@@ -491,8 +520,25 @@ class _Scheduler:
             self.slot_tokens = [[] for _ in self.slots]
         _resolve(op.future, self.version)
 
+    def set_memory(self, released: bool) -> None:
+        """Free (or allocate again) the KV cache and the prefix cache's blocks; nothing cached survives."""
+        buffers = [self.cache] + ([self.prefix_cache.blocks] if self.prefix_cache is not None else [])
+        if released:
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
+            self.slot_tokens = [[] for _ in self.slots]
+            for b in buffers:
+                b.release()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        else:
+            for b in buffers:
+                b.resume()
+
     def admit(self) -> list[_Sequence]:
         """Move waiting requests (FIFO) into free slots, lowest slot first (keeps [0, n) dense)."""
+        if self.cache.released and self.inbox.waiting:  # a request after release_memory, without resume
+            self.set_memory(released=False)
         free = [i for i, s in enumerate(self.slots) if s is None]
         admitted = []
         with self.inbox.cv:

@@ -14,23 +14,51 @@ from __future__ import annotations
 import torch
 
 
-class StaticKVCache:
+class LayerKV:
+    """One K and one V tensor per layer, all of one shape, that can be freed and allocated again
+    (`release` / `resume`: the engine's memory while a colocated trainer trains). Contents do not
+    survive a release: the caller forgets what they held."""
+
+    def __init__(self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> None:
+        self._spec = (num_layers, shape, dtype, device)
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.resume()
+
+    @property
+    def released(self) -> bool:
+        return not self.k
+
+    def release(self) -> int:
+        """Drop the tensors; returns the bytes they held."""
+        freed = self.nbytes()
+        self.k, self.v = [], []
+        return freed
+
+    def resume(self) -> None:
+        """Allocate the tensors again (zeros), if released."""
+        if self.k:
+            return
+        num_layers, shape, dtype, device = self._spec
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class StaticKVCache(LayerKV):
     """Per-layer K/V storage in slots; hands out the small adapters the model's `kv_cache=` needs."""
 
     def __init__(self, num_layers: int, max_batch_size: int, num_kv_heads: int, max_seq_len: int,
                  head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        shape = (max_batch_size, num_kv_heads, max_seq_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        super().__init__(num_layers, (max_batch_size, num_kv_heads, max_seq_len, head_dim), dtype, device)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         # row_base[slot, h]: row of (slot, kv head h, position 0) in a layer's K or V viewed as
         # [slots * heads * seq, head_dim]; position p is p rows further.
         self.row_base = ((torch.arange(max_batch_size, device=device)[:, None] * num_kv_heads
                           + torch.arange(num_kv_heads, device=device)) * max_seq_len)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     # -- prefill -------------------------------------------------------------------------------
     def prefill_writer(self, slots: torch.Tensor) -> "PrefillWriter":

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from axrl.inference.kv_cache import StaticKVCache
+from axrl.inference.kv_cache import LayerKV, StaticKVCache
 
 
 @dataclass(eq=False)
@@ -72,9 +72,8 @@ class PrefixCache:
             raise ValueError(f"prefix cache: block_size and num_blocks must be >= 1, got {block_size}, {num_blocks}")
         self.kv, self.block_size, self.num_blocks = cache, block_size, num_blocks
         k0 = cache.k[0]
-        shape = (num_blocks, cache.num_kv_heads, block_size, cache.head_dim)
-        self.k = [torch.zeros(shape, dtype=k0.dtype, device=k0.device) for _ in cache.k]
-        self.v = [torch.zeros(shape, dtype=k0.dtype, device=k0.device) for _ in cache.v]
+        self.blocks = LayerKV(len(cache.k), (num_blocks, cache.num_kv_heads, block_size, cache.head_dim), k0.dtype,
+                              k0.device)
         self.routing = (None if routing_shape is None
                         else np.zeros((num_blocks, block_size, *routing_shape), dtype=np.int32))
         self.generation = 0
@@ -211,20 +210,22 @@ class PrefixCache:
     # -- data movement ----------------------------------------------------------------------------
     def _store(self, block: int, slot: int, start: int) -> None:
         B = self.block_size
-        for layer in range(len(self.k)):
-            self.k[layer][block] = self.kv.k[layer][slot, :, start:start + B]
-            self.v[layer][block] = self.kv.v[layer][slot, :, start:start + B]
+        for layer in range(len(self.blocks.k)):
+            self.blocks.k[layer][block] = self.kv.k[layer][slot, :, start:start + B]
+            self.blocks.v[layer][block] = self.kv.v[layer][slot, :, start:start + B]
 
     def load(self, m: CacheMatch, slot: int) -> None:
         """Copy a match's K/V into columns [0, m.num_tokens) of `slot`."""
         if not m.nodes:
             return
-        blocks = torch.tensor([n.block for n in m.nodes], device=self.k[0].device)
+        blocks = torch.tensor([n.block for n in m.nodes], device=self.blocks.k[0].device)
         n = m.num_tokens
-        for layer in range(len(self.k)):
+        for layer in range(len(self.blocks.k)):
             # [blocks, heads, B, D] -> [heads, blocks * B, D]
-            self.kv.k[layer][slot, :, :n] = self.k[layer][blocks].transpose(0, 1).reshape(self.kv.num_kv_heads, n, -1)
-            self.kv.v[layer][slot, :, :n] = self.v[layer][blocks].transpose(0, 1).reshape(self.kv.num_kv_heads, n, -1)
+            self.kv.k[layer][slot, :, :n] = (self.blocks.k[layer][blocks].transpose(0, 1)
+                                             .reshape(self.kv.num_kv_heads, n, -1))
+            self.kv.v[layer][slot, :, :n] = (self.blocks.v[layer][blocks].transpose(0, 1)
+                                             .reshape(self.kv.num_kv_heads, n, -1))
 
     def routing_of(self, m: CacheMatch) -> np.ndarray:
         """The match's stored routing rows [m.num_tokens, layers, top_k]."""

@@ -102,6 +102,15 @@ class InferenceEngine(Protocol):
         """Liveness and load: at least {"ok": bool, "weight_version": int, "running": int, "waiting": int}."""
         ...
 
+    def release_memory(self) -> None:
+        """Free the engine's KV cache while it is idle (SGLang: `/release_memory_occupation`), for
+        a trainer that shares its device; `resume_memory` before the next request."""
+        ...
+
+    def resume_memory(self) -> None:
+        """Allocate again what `release_memory` freed (SGLang: `/resume_memory_occupation`)."""
+        ...
+
     @property
     def weight_version(self) -> int:
         ...

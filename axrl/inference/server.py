@@ -8,7 +8,9 @@ Endpoints (SGLang field names and semantics, see docs/sglang.md and `sglang.wire
 - `POST /generate` — one request, or a batch (list-valued `input_ids`; admitted together, so
   a batch is scheduled exactly as `EmbeddedEngine.submit_many` would be in-process); `stream`
   sends cumulative SSE chunks then `data: [DONE]`. A client that disconnects aborts its requests.
-- `POST /abort_request` {rid | abort_all}; `POST /flush_cache` (a no-op: every weight update clears the prefix cache).
+- `POST /abort_request` {rid | abort_all}; `POST /flush_cache` (a no-op: every weight update clears the prefix cache);
+  `POST /release_memory_occupation` (frees the KV cache while idle; 400 with requests in flight),
+  `POST /resume_memory_occupation`.
 - Weight sync: `POST /update_weights_from_disk` {model_path, weight_version};
   `POST /init_weights_update_group` {master_address, master_port, rank_offset, world_size,
   group_name, backend="gloo"} joins the trainer's process group as rank `rank_offset`;
@@ -115,6 +117,19 @@ def create_app(server: AxrlServer) -> FastAPI:
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> PlainTextResponse:
         return PlainTextResponse("Nothing to flush: the prefix cache is cleared by every weight update.\n")
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation() -> JSONResponse:
+        try:
+            await asyncio.to_thread(server.engine.release_memory)
+        except RuntimeError as e:
+            raise BadRequest(str(e)) from None
+        return JSONResponse({"success": True, "message": "KV cache released"})
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation() -> JSONResponse:
+        await asyncio.to_thread(server.engine.resume_memory)
+        return JSONResponse({"success": True, "message": "KV cache resumed"})
 
     @app.get("/health")
     async def health() -> Response:

@@ -56,6 +56,7 @@ class RolloutCounters:
     dropped: int = 0
     interrupted_requests: int = 0
     weight_updates: int = 0
+    memory_releases: int = 0
 
 
 @dataclass
@@ -66,6 +67,7 @@ class RolloutPolicy:
     stale_policy: StalePolicy = "rerun"
     max_reruns: int = 2
     max_live_episodes: int = 64
+    release_memory: bool = False   # free the engine's KV cache while it waits for new weights (sync)
 
 
 class RolloutWorker:
@@ -88,6 +90,7 @@ class RolloutWorker:
         self._events_dropped: list[GroupFate] = []
         self._events_reruns: list[int] = []
         self._engine_version = engine.weight_version
+        self._memory_released = False
         self._stop = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -161,6 +164,11 @@ class RolloutWorker:
                     changed |= await self._seal()
                 if runner.failure is not None:
                     raise runner.failure
+                if self.policy.release_memory and not runner.live and not self._queue and not self._memory_released:
+                    # Nothing to run until new weights arrive (sync): the colocated trainer gets the memory.
+                    self.engine.release_memory()
+                    self._memory_released = True
+                    self.counters.memory_releases += 1
                 if not self._stop:
                     await runner.advance()
         finally:
@@ -269,6 +277,9 @@ class RolloutWorker:
                 self.pool.discard(gid)
                 self._drop(gid, GroupFate(gid, "partial_drop", -1))
             self.counters.interrupted_requests += runner.interrupt(set(runner.live), resume=False)
+        if self._memory_released:
+            self.engine.resume_memory()
+            self._memory_released = False
         self.engine.update_weights(weights, version=version)
         self._engine_version = version
         self.counters.weight_updates += 1

@@ -59,7 +59,7 @@ def spikes(
     window: int = typer.Option(10, "--window", min=1, help="Trailing baseline window, in steps."),
     threshold: float = typer.Option(5.0, "--threshold", min=0.0,
                                     help="Flag |x − median| > threshold · 1.4826 · MAD (robust z)."),
-    min_history: int = typer.Option(3, "--min-history", min=1,
+    min_history: int = typer.Option(SpikeConfig.min_history, "--min-history", min=1,
                                     help="Finite values needed in the window before a step can be flagged."),
     rel_floor: float = typer.Option(0.1, "--rel-floor", min=0.0,
                                     help="Scale floor as a fraction of |median| (a flat history is not infinitely tight)."),

@@ -230,6 +230,15 @@ class SGLangEngine:
             futures = [pool.submit(self._control, i, "POST", path, body, ok404) for i in range(len(self.urls))]
             return [f.result() for f in futures]
 
+    def release_memory(self) -> None:
+        """Every server frees its memory occupation (SGLang `/release_memory_occupation`; a real
+        SGLang server needs `--enable-memory-saver`)."""
+        self._post_all("/release_memory_occupation", {})
+
+    def resume_memory(self) -> None:
+        """Every server allocates again what `release_memory` freed (`/resume_memory_occupation`)."""
+        self._post_all("/resume_memory_occupation", {})
+
     # -- generation ---------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         """Run one request to completion on its server (see the module docstring for retries)."""

@@ -88,6 +88,14 @@ class EngineActor:
             self.activity_.count("weight_bytes", payload_bytes(source))
             return self.engine.update_weights(source, version=version)
 
+    def release_memory(self) -> None:
+        with self.activity_.doing("release_memory"):
+            self.engine.release_memory()
+
+    def resume_memory(self) -> None:
+        with self.activity_.doing("resume_memory"):
+            self.engine.resume_memory()
+
     def abort(self, rid: str) -> tuple[bool, list[Finished]]:
         found = self.engine.abort(rid)
         return found, self._take_finished()

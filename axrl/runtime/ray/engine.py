@@ -162,6 +162,12 @@ class RayEngine:
             self._version = int(new)
         return self._version
 
+    def release_memory(self) -> None:
+        self._call("release_memory")
+
+    def resume_memory(self) -> None:
+        self._call("resume_memory")
+
     def abort(self, rid: str) -> bool:
         found, finished = self._call("abort", rid)
         self._resolve(finished)
