@@ -278,6 +278,10 @@ class RayPlacementSection(Section):
         "PACK", description="placement-group strategy of each group (Ray's names)")
     train_cpus: float = Field(1.0, gt=0, description="CPUs reserved per train rank")
     engine_cpus: float = Field(1.0, gt=0, description="CPUs reserved per engine actor")
+    train_gpus: float = Field(0.0, ge=0, description="GPUs reserved per train rank (fractions share a GPU: "
+                                                     "with engine_gpus, colocate engine and trainer on it)")
+    engine_gpus: float = Field(0.0, ge=0, description="GPUs reserved for the engine actor (or the SGLang "
+                                                      "servers' rollout actor)")
     timeout_s: float = Field(30.0, gt=0, description="wait this long for the placement groups before "
                                                      "refusing the placement")
 
@@ -415,9 +419,15 @@ class Config(Section):
         if self.train.backend == "megatron" and self.runtime.ray.train_ranks != 1:
             raise ValueError("runtime.ray.train_ranks counts torch data-parallel ranks; the megatron backend's "
                              "ranks are train.megatron.tensor_parallel × data_parallel (leave train_ranks at 1)")
-        if self.runtime.device != "cpu":
-            raise ValueError("runtime.executor: ray places CPU actors only (GPU actors are not implemented); "
-                             "keep runtime.device: cpu")
+        p = self.runtime.ray.placement
+        if self.runtime.device != "cpu" and (p.train_gpus <= 0 or (self.rollout.engine == "embedded"
+                                                                    and p.engine_gpus <= 0)):
+            raise ValueError(f"runtime.device {self.runtime.device!r} under runtime.executor: ray needs GPUs for the "
+                             "actors that compute on it: set runtime.ray.placement.train_gpus (and engine_gpus for the "
+                             "embedded engine), e.g. 0.5 each to colocate them on one GPU")
+        if self.runtime.device == "cpu" and (p.train_gpus or p.engine_gpus):
+            raise ValueError("runtime.ray.placement.train_gpus / engine_gpus reserve GPUs that a runtime.device: cpu "
+                             "run would not use; set runtime.device: cuda")
         return self
 
     @model_validator(mode="after")

@@ -14,6 +14,7 @@ import torch
 
 from axrl.inference import EmbeddedEngine, GenerateRequest, GenerateResult, InferenceEngine, SamplingParams
 from axrl.model import build_model, hf_state_dict, preset_config, save_hf
+from axrl.tokenizer import Tokenizer
 
 torch.set_num_threads(1)
 
@@ -438,3 +439,40 @@ def test_bf16_model_runs():
     for p, r in zip(PROMPTS, res):
         assert len(r.output_ids) == 12 and all(np.isfinite(r.output_logprobs))
         assert r.routed_experts.shape[0] == len(p) + 11
+
+
+@pytest.mark.parametrize("clocked", [False, True])
+def test_release_memory_frees_the_kv_cache_and_changes_no_output(clocked):
+    """release_memory frees the KV cache and the prefix cache's blocks (what a trainer sharing
+    the GPU gets); after resume_memory — or a request, which resumes by itself — the outputs are
+    bitwise the outputs without the release. With requests in flight it refuses."""
+    tok = Tokenizer.default()
+    cfg = preset_config("tiny-moe", vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id)
+    engine = EmbeddedEngine(build_model(cfg, seed=0).eval(), max_batch_size=4, max_seq_len=128,
+                            eos_token_id=tok.eos_token_id, clocked=clocked, prefix_cache=True)
+
+    def run(requests):
+        futures = engine.submit_many(requests)
+        while clocked and not all(f.done() for f in futures):
+            engine.step()
+        return [(f.result().output_ids, f.result().output_logprobs) for f in futures]
+
+    def batch():
+        return [GenerateRequest(input_ids=[1, 2, 3, 4 + i], return_logprob=True,
+                                sampling_params=SamplingParams(max_new_tokens=8, temperature=1.0, seed=i))
+                for i in range(4)]
+    try:
+        first = run(batch())
+        held = engine.health()["kv_cache_bytes"]
+        engine.release_memory()
+        assert held > 0 and engine.health()["kv_cache_bytes"] == 0
+        engine.resume_memory()
+        assert engine.health()["kv_cache_bytes"] == held and run(batch()) == first
+        engine.release_memory()
+        assert run(batch()) == first
+        engine.submit_many([GenerateRequest(input_ids=[1, 2], sampling_params=SamplingParams(max_new_tokens=120))])
+        with pytest.raises(RuntimeError, match="requests in flight"):
+            engine.release_memory()
+    finally:
+        engine.shutdown()

@@ -92,6 +92,17 @@ def expected_ids(steps: int, prompts: int = 2, group: int = 2) -> list[list[int]
     return [list(range(w * prompts * group, (w + 1) * prompts * group)) for w in range(steps)]
 
 
+def test_engine_memory_released_while_the_trainer_trains_changes_no_bit(cluster, local_run, tmp_path):
+    """rollout.release_memory: the engine actor frees its KV cache each time it waits for the
+    trainer's weights (what a GPU shared with the trainer needs) and allocates it again before the
+    next batch: the trace is the local run's, bit for bit."""
+    out = train(cfg("runtime.executor=ray", "rollout.release_memory=true", "runtime.ray.heartbeat_s=0.1"),
+                tmp_path / "release")
+    assert not differing(trace_datasets(local_run), trace_datasets(out))
+    engine = next(a for a in json.loads((out / "status.json").read_text())["actors"] if a["component"] == "engine")
+    assert engine["totals"]["memory_releases"] >= 2   # after batch 0 and batch 1 (3 steps)
+
+
 def test_two_data_parallel_ranks_train_like_one_process(cluster, local_run, tmp_path):
     out = train(cfg("runtime.executor=ray", "runtime.ray.train_ranks=2", *SMALL), tmp_path / "dp2")
     a, b = trace_datasets(local_run), trace_datasets(out)
@@ -176,6 +187,55 @@ def test_impossible_placement_fails_before_work_naming_the_key(cluster, tmp_path
     assert not (tmp_path / "big").exists() and not (tmp_path / "spread").exists()
     assert ray.util.placement_group_table() and all(
         g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())
+
+
+GPU_PLACEMENT = """
+import json, sys
+import ray
+from axrl.config import ConfigError, load_config
+from axrl.runtime.ray.placement import place
+# A CPU machine: Ray is told the node has one GPU; it schedules and assigns it like a real one.
+ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, _node_ip_address="127.0.0.1",
+         logging_level="warning", log_to_driver=False)
+gpus = ["runtime.executor=ray", "runtime.device=cuda", "runtime.ray.placement.train_cpus=0.5",
+        "runtime.ray.placement.engine_cpus=0.5"]
+cfg = load_config(sys.argv[1], gpus + ["runtime.ray.placement.train_gpus=0.5", "runtime.ray.placement.engine_gpus=0.5"])
+placement = place(ray, cfg)
+probe = ray.remote(lambda: ray.get_gpu_ids())
+slots = {"train": placement.train[0], "engine": placement.engine}
+out = {name: ray.get(probe.options(**slot.options()).remote()) for name, slot in slots.items()}
+placement.release(ray)
+try:
+    place(ray, load_config(sys.argv[1], gpus + ["runtime.ray.placement.train_gpus=1", "runtime.ray.placement.engine_gpus=1"]))
+except ConfigError as e:
+    out["refused"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_gpu_placement_colocates_engine_and_trainer_on_one_gpu(tmp_path):
+    """train_gpus / engine_gpus of 0.5 in one colocated placement group put the train rank and the
+    engine on the same GPU (what rollout.release_memory is for); more GPUs than the cluster has are
+    refused before any work, naming the keys. Run on a Ray node that declares one GPU (this machine
+    has none, so nothing computes on it: the placement is what is tested)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", GPU_PLACEMENT, str(ROOT / "examples" / "quickstart.yaml")],
+                          capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["train"] == out["engine"] and len(out["train"]) == 1
+    assert "needs 2 GPUs; the cluster has 1" in out["refused"] and "train_gpus=1" in out["refused"]
+
+
+def test_gpu_keys_name_what_is_missing():
+    with pytest.raises(Exception, match="runtime.ray.placement.train_gpus"):
+        cfg("runtime.executor=ray", "runtime.device=cuda")
+    with pytest.raises(Exception, match="set runtime.device: cuda"):
+        cfg("runtime.executor=ray", "runtime.ray.placement.train_gpus=1")
+    with pytest.raises(Exception, match="rollout.release_memory.*runtime.mode: sync"):
+        cfg("rollout.release_memory=true", "runtime.mode=async")
 
 
 def test_without_ray_the_error_names_the_extra(monkeypatch):

@@ -228,6 +228,26 @@ def test_info_and_health(setup):
     assert http.post("/flush_cache").status_code == 200
 
 
+def test_release_and_resume_memory_occupation(setup):
+    """SGLang's memory endpoints, through the SGLang client: the KV cache is freed and allocated
+    again, and greedy outputs after a resume are the same as before the release."""
+    from axrl.inference.sglang.client import SGLangEngine
+
+    http = setup["http"]
+    before = http.post("/generate", json=_body(PROMPTS[0])).json()
+    client = SGLangEngine(setup["launcher"].urls, model_dir=setup["dir"])
+    try:
+        client.release_memory()
+        client.resume_memory()
+    finally:
+        client.shutdown()
+    after = http.post("/generate", json=_body(PROMPTS[0])).json()
+    assert after["output_ids"] == before["output_ids"] and _logprobs(after) == _logprobs(before)
+    assert http.post("/release_memory_occupation").json()["success"]
+    resumed = http.post("/generate", json=_body(PROMPTS[0])).json()   # a request resumes it by itself
+    assert resumed["output_ids"] == before["output_ids"]
+
+
 def test_update_weights_from_disk_changes_outputs_and_version(setup, tmp_path):
     http, ref, model_dir = setup["http"], setup["ref"], setup["dir"]
     original = hf_state_dict(load_hf(model_dir))

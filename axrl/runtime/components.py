@@ -200,7 +200,7 @@ def make_rollout(cfg: Config, tokenizer: Tokenizer, task: Task, loader: PromptLo
     # the informative ones): batches are sealed at that size.
     schedule = Schedule(cfg.runtime.mode, prompts_to_roll_out(cfg), r.max_staleness, clocked=cfg.runtime.deterministic)
     policy = RolloutPolicy(partial_rollout=r.partial_rollout, stale_policy=r.stale_policy, max_reruns=r.max_reruns,
-                           max_live_episodes=r.max_live_episodes or r.max_batch_size)
+                           max_live_episodes=r.max_live_episodes or r.max_batch_size, release_memory=r.release_memory)
     sync = WeightSync(version=0)
     pool = TrajectoryPool(r.group_size)
     rollout = RolloutWorker(engine, tokenizer, task.make_env, loader, settings, schedule, policy, sync, pool,

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from axrl.config import Config
+from axrl.model.device import resolve_device
 from axrl.inference.protocol import GenerateRequest, GenerateResult
 from axrl.runtime.ray.activity import Activity
 from axrl.runtime.ray.handles import WeightsHandle, payload_bytes
@@ -91,6 +92,7 @@ class EngineActor:
     def release_memory(self) -> None:
         with self.activity_.doing("release_memory"):
             self.engine.release_memory()
+            self.activity_.count("memory_releases")
 
     def resume_memory(self) -> None:
         with self.activity_.doing("resume_memory"):
@@ -151,6 +153,7 @@ class TrainRankActor:
                                                    call_timeout_s=config.runtime.ray.call_timeout_s)
                 return self.megatron_ranks
         self.backend = make_train_backend(config, make_tokenizer(config), megatron_group=group)
+        self.device = resolve_device(config.runtime.device)
         self.activity_ = Activity(f"train rank {rank}")
         self._fetched = 0
 
@@ -174,7 +177,9 @@ class TrainRankActor:
 
     def init_group(self, address: str, timeout_s: float = 120.0) -> None:
         if self.world > 1:
-            torch.distributed.init_process_group("gloo", init_method=f"tcp://{address}", rank=self.rank,
+            # NCCL between GPU ranks (Ray gave each its GPU: CUDA_VISIBLE_DEVICES), gloo on CPU.
+            backend = "nccl" if torch.cuda.is_available() and self.device.type == "cuda" else "gloo"
+            torch.distributed.init_process_group(backend, init_method=f"tcp://{address}", rank=self.rank,
                                                  world_size=self.world, timeout=datetime.timedelta(seconds=timeout_s))
 
     def _got(self, shard: PackedBatch) -> None:

@@ -23,11 +23,12 @@ class Slot:
     group: Any
     bundle: int
     cpus: float
+    gpus: float = 0.0
 
     def options(self) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        return {"num_cpus": self.cpus, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+        return {"num_cpus": self.cpus, "num_gpus": self.gpus, "scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=self.group, placement_group_bundle_index=self.bundle)}
 
 
@@ -60,8 +61,13 @@ def train_slots(cfg: Config) -> int:
 
 def _describe(cfg: Config) -> str:
     p = cfg.runtime.ray.placement
+    gpus = (f" (train_gpus={p.train_gpus}, engine_gpus={p.engine_gpus})" if p.train_gpus or p.engine_gpus else "")
     return (f"runtime.ray.placement (mode {p.mode}, strategy {p.strategy}): {train_slots(cfg)} train rank(s) × "
-            f"train_cpus={p.train_cpus} + 1 engine × engine_cpus={p.engine_cpus}")
+            f"train_cpus={p.train_cpus} + 1 engine × engine_cpus={p.engine_cpus}{gpus}")
+
+
+def _bundle(cpus: float, gpus: float) -> dict[str, float]:
+    return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
 
 
 def place(ray: ModuleType, cfg: Config) -> Placement:
@@ -70,18 +76,19 @@ def place(ray: ModuleType, cfg: Config) -> Placement:
 
     p = cfg.runtime.ray.placement
     ranks = train_slots(cfg)
-    need = ranks * p.train_cpus + p.engine_cpus
-    have = float(ray.cluster_resources().get("CPU", 0.0))
-    if need > have:
-        raise ConfigError(f"{_describe(cfg)} needs {need:g} CPUs; the cluster has {have:g} "
-                          "(lower runtime.ray.train_ranks or the *_cpus, or add nodes)")
-    train_bundles = [{"CPU": p.train_cpus} for _ in range(ranks)]
-    engine_bundle = {"CPU": p.engine_cpus}
+    resources = ray.cluster_resources()
+    for kind, need in (("CPU", ranks * p.train_cpus + p.engine_cpus), ("GPU", ranks * p.train_gpus + p.engine_gpus)):
+        have = float(resources.get(kind, 0.0))
+        if need > have:
+            raise ConfigError(f"{_describe(cfg)} needs {need:g} {kind}s; the cluster has {have:g} "
+                              f"(lower runtime.ray.train_ranks or the *_{kind.lower()}s, or add nodes)")
+    train_bundles = [_bundle(p.train_cpus, p.train_gpus) for _ in range(ranks)]
+    engine_bundle = _bundle(p.engine_cpus, p.engine_gpus)
     if p.mode == "colocated":
         groups = [placement_group(train_bundles + [engine_bundle], strategy=p.strategy)]
     else:
         groups = [placement_group(train_bundles, strategy=p.strategy), placement_group([engine_bundle], strategy=p.strategy)]
-    placement = Placement(train=[], engine=Slot(None, 0, p.engine_cpus), groups=groups)
+    placement = Placement(train=[], engine=Slot(None, 0, p.engine_cpus, p.engine_gpus), groups=groups)
     ready = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=p.timeout_s)[0]
     if len(ready) < len(groups):
         placement.release(ray)
@@ -91,7 +98,7 @@ def place(ray: ModuleType, cfg: Config) -> Placement:
                           f"{p.timeout_s:g} s on {len(nodes)} node(s) with CPUs {per_node} (STRICT_PACK needs one "
                           "node holding every bundle, STRICT_SPREAD one node per bundle; free CPUs may be taken "
                           "by other work)")
-    placement.train = [Slot(groups[0], i, p.train_cpus) for i in range(ranks)]
-    placement.engine = (Slot(groups[0], ranks, p.engine_cpus) if p.mode == "colocated"
-                        else Slot(groups[1], 0, p.engine_cpus))
+    placement.train = [Slot(groups[0], i, p.train_cpus, p.train_gpus) for i in range(ranks)]
+    placement.engine = (Slot(groups[0], ranks, p.engine_cpus, p.engine_gpus) if p.mode == "colocated"
+                        else Slot(groups[1], 0, p.engine_cpus, p.engine_gpus))
     return placement
