@@ -53,6 +53,12 @@ class ScriptedEngine:
     def health(self) -> dict[str, Any]:
         return {"ok": True, "weight_version": self._version, "running": 0, "waiting": 0}
 
+    def release_memory(self) -> None:  # a scripted engine holds no KV cache
+        pass
+
+    def resume_memory(self) -> None:
+        pass
+
     @property
     def weight_version(self) -> int:
         return self._version

@@ -100,9 +100,12 @@ class RayRankGroup:
         return self._ray.get(refs)
 
     def call(self, method: str, *args: Any) -> list[Any]:
+        """Every rank runs `method(*args)`; the arguments (a batch) go into the object store once and
+        every rank reads them from there (each takes its data-parallel share of a batch itself)."""
         if self._closed:
             raise RuntimeError("the Megatron backend's rank actors are closed")
-        return self._collect([a.call.remote(method, args) for a in self.actors], method)
+        ref = self._ray.put(args)
+        return self._collect([a.call.remote(method, ref) for a in self.actors], method)
 
     def activity(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
         return self._ray.get([a.activity.options(concurrency_group="monitor").remote() for a in self.actors],
