@@ -106,10 +106,11 @@ class CallCoalescer:
 def dispatch(batch: list[tuple[Submit, GenerateRequest, concurrent.futures.Future]]) -> None:
     """Submit a batch: requests whose submit shares a `many` in one call each, the rest one by one."""
     live = [item for item in batch if not item[2].cancelled()]
-    groups: dict[int, list[tuple[Submit, GenerateRequest, concurrent.futures.Future]]] = {}
+    groups: dict[Any, list[tuple[Submit, GenerateRequest, concurrent.futures.Future]]] = {}
     for item in live:
         many = getattr(item[0], "many", None)
-        groups.setdefault(id(many) if many is not None else id(item), []).append(item)
+        # Bound methods of one engine are equal (and hash alike) though not the same object.
+        groups.setdefault(many if many is not None else id(item), []).append(item)
     for items in groups.values():
         many = getattr(items[0][0], "many", None)
         if many is not None and len(items) > 1:
