@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--coalesce-ms", type=float, default=2.0,
+    ap.add_argument("--coalesce-ms", type=float, default=5.0,
                     help="the proxy's coalescing window (0: every call submitted on its own)")
     args = ap.parse_args()
     torch.set_num_threads(1)

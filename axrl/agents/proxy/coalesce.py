@@ -39,7 +39,7 @@ class CallCoalescer:
         max_batch: ... or as soon as it holds this many requests.
     """
 
-    def __init__(self, window_s: float = 0.002, max_wait_s: float = 0.02, max_batch: int = 256) -> None:
+    def __init__(self, window_s: float = 0.005, max_wait_s: float = 0.05, max_batch: int = 256) -> None:
         if window_s < 0 or max_wait_s < window_s or max_batch < 1:
             raise ValueError(f"CallCoalescer needs 0 <= window_s <= max_wait_s and max_batch >= 1, got "
                              f"window_s={window_s}, max_wait_s={max_wait_s}, max_batch={max_batch}")

@@ -50,7 +50,7 @@ class engine_submit:  # noqa: N801 — used as a function: `open_session(engine_
 class ProxyServer:
     def __init__(self, tokenizer: Tokenizer, *, model_name: str = "axrl-policy", host: str = "127.0.0.1",
                  port: int = 0, allow_remote: bool = False, idle_timeout_s: float | None = None,
-                 coalesce_window_s: float = 0.002, coalesce_max_wait_s: float = 0.02) -> None:
+                 coalesce_window_s: float = 0.005, coalesce_max_wait_s: float = 0.05) -> None:
         if host not in _LOOPBACK and not allow_remote:
             raise ValueError(f"agent.proxy_host={host!r} is not a loopback address: the proxy serves the policy "
                              "to anyone who can reach it; pass allow_remote (agent.allow_remote: true) to bind it")
