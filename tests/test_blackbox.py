@@ -155,3 +155,50 @@ def test_axrl_train_with_an_agent_end_to_end(tmp_path):
 
     status = asyncio.run(drive())
     assert "session s" in status, status
+
+
+def test_agent_slots_bound_agents_over_every_event_loop():
+    """The rollout worker's loop and the evaluator's run agents at once: the limit is shared."""
+    import threading
+
+    from axrl.rollout.blackbox import AgentSlots
+
+    slots, lock, seen = AgentSlots(3), threading.Lock(), []
+    running = [0]
+
+    async def episode():
+        async with slots:
+            with lock:
+                running[0] += 1
+                seen.append(running[0])
+            await asyncio.sleep(0.01)
+            with lock:
+                running[0] -= 1
+
+    async def loop_main():
+        await asyncio.gather(*(episode() for _ in range(10)))
+
+    threads = [threading.Thread(target=asyncio.run, args=(loop_main(),)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(seen) == 30 and max(seen) == 3 and slots.running == 0
+
+
+def test_agent_slots_pass_a_cancelled_waiters_slot_on():
+    from axrl.rollout.blackbox import AgentSlots
+
+    async def main():
+        slots = AgentSlots(1)
+        await slots.__aenter__()
+        waiting = asyncio.ensure_future(slots.__aenter__())
+        await asyncio.sleep(0)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await slots.__aexit__(None, None, None)
+        async with slots:  # the slot is free again, not lost to the cancelled waiter
+            assert slots.running == 1
+        return slots.running
+
+    assert asyncio.run(main()) == 0

@@ -25,7 +25,9 @@ import dataclasses
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
@@ -69,19 +71,60 @@ def prompt_text(prompt: Prompt) -> str:
     return str((users or prompt.as_messages())[-1].get("content", ""))
 
 
+class AgentSlots:
+    """At most `limit` agents at once over every event loop (the rollout worker's and the
+    evaluator's run concurrently, each in its own thread): an `asyncio.Semaphore` belongs to one
+    loop, and one per loop would let each loop start `limit` agents."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.running = limit, 0
+        self._lock = threading.Lock()
+        self._waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = deque()
+
+    async def __aenter__(self) -> None:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self.running < self.limit:
+                self.running += 1
+                return
+            waiter = loop.create_future()
+            self._waiters.append((loop, waiter))
+        try:
+            await waiter  # a releasing agent hands its slot over
+        except asyncio.CancelledError:
+            with self._lock:
+                if (loop, waiter) in self._waiters:
+                    self._waiters.remove((loop, waiter))
+                    raise
+            if not waiter.cancelled():  # handed over before the cancel landed: pass the slot on
+                self._release()
+            raise  # (else `_hand_over` sees the cancelled waiter and passes it on)
+
+    async def __aexit__(self, *_exc: Any) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        with self._lock:
+            if not self._waiters:
+                self.running -= 1
+                return
+            loop, waiter = self._waiters.popleft()
+        loop.call_soon_threadsafe(_hand_over, waiter, self)
+
+
+def _hand_over(waiter: asyncio.Future, slots: AgentSlots) -> None:
+    if waiter.cancelled():  # its task was cancelled after the hand-over was scheduled
+        slots._release()
+    else:
+        waiter.set_result(None)
+
+
 class BlackBoxPlayer:
     """Plays episodes of `agent` through `proxy`; `play` is an `EpisodeRunner` player."""
 
     def __init__(self, agent: AgentSpec, proxy: ProxyServer, *, max_context_len: int) -> None:
         self.agent, self.proxy, self.max_context_len = agent, proxy, max_context_len
-        self._slots: asyncio.Semaphore | None = None
-        self._slots_loop: asyncio.AbstractEventLoop | None = None
-
-    def _semaphore(self) -> asyncio.Semaphore:
-        loop = asyncio.get_running_loop()
-        if self._slots is None or self._slots_loop is not loop:  # one per event loop (rollout, eval)
-            self._slots, self._slots_loop = asyncio.Semaphore(self.agent.max_concurrent), loop
-        return self._slots
+        self.slots = AgentSlots(agent.max_concurrent)
 
     async def play(self, engine: InferenceEngine, *, sample_id: int, group_id: int, prompt: Prompt,
                    sampling: SamplingParams, return_routing: bool) -> Trajectory:
@@ -97,7 +140,7 @@ class BlackBoxPlayer:
                                           meta={"routing": return_routing})
         started = time.monotonic()
         try:
-            async with self._semaphore():
+            async with self.slots:
                 outcome = await self._run(session, prompt_text(prompt))
         finally:
             self.proxy.close_session(session)
