@@ -2,17 +2,23 @@
 
 The same requests both ways, on one free-running embedded engine (random-init tiny MoE, every
 turn runs to max_tokens: `ignore_eos`): `--requests` chat prompts at once, directly as token ids
-via `submit_many`, and through the proxy — one session each, the official `openai` client from
-as many threads of a separate process (as agents run), the proxy rendering the template,
-recording and stitching. A third path submits each request directly but from its own thread, as
-independent agents arrive: it separates what the proxy costs from what staggered arrivals cost
-the engine (admission and prefill spread over iterations). Rounds alternate (direct, concurrent,
-proxy, direct, …) so all see the same machine load; the medians are compared.
+via `submit_many`, and through the proxy — one session each, called at once from as many threads
+of a separate process (as agents run, not in the engine's process), the proxy parsing the HTTP
+request, rendering the template, coalescing the calls that arrive together into one engine
+submission (`--coalesce-ms`, the proxy's default 5 ms), recording and stitching. Two clients:
+"HTTP" posts the JSON bodies (built before the timing) with `http.client` — the proxy's own
+cost; "SDK" is the official `openai` client, whose request building and response parsing (the
+agent's own CPU, on the same cores, serialised on the client process's GIL) come on top. A
+third direct path submits each request from its own thread, as independent agents arrive: what
+staggered arrivals cost the engine (admission and prefill spread over iterations). Rounds
+alternate (direct, per thread, HTTP, SDK, direct, …) so all see the same machine load; the
+medians are compared.
 
     OMP_NUM_THREADS=1 python bench/proxy_overhead.py --rounds 3
 
-Last stdout line: one JSON object; `proxy_vs_direct_tokens_per_s_ratio` (proxy / one submission,
-the issue's target ≥ 0.9) and `proxy_vs_direct_concurrent_ratio` (proxy / one per thread).
+Last stdout line: one JSON object; `proxy_vs_direct_tokens_per_s_ratio` (proxy over HTTP / one
+submission, the issue's target ≥ 0.9), `proxy_vs_direct_concurrent_ratio` (over HTTP / one per
+thread) and `proxy_sdk_vs_direct_ratio` (through the SDK / one submission).
 """
 
 from __future__ import annotations

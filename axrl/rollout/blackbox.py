@@ -13,6 +13,12 @@ primary one is returned, the forks travel in its `forks` and are pooled with it.
 of a path is the verifier's (`agent.verifier`, applied to the finished path's conversation),
 else what the agent posted (`POST /sessions/{id}/reward`, final and per-turn).
 
+At most `agent.max_concurrent` agents run at once over the rollout worker's and the evaluator's
+event loops together (`AgentSlots`). A plain `python script.py` agent is forked from a fork
+server that imported the script's modules once (`axrl.agents.forkserver`): it is still its own
+process (pid, environment, stdin, stderr, exit code, kill on timeout), without the ~1 s of
+imports of a fresh interpreter per episode.
+
 Failures never stop the step: an agent that exits non-zero, exceeds `agent.timeout_s` (killed),
 or never calls the model gives a failed trajectory (status "failed", reward 0; exit code and
 stderr tail in `error`), recorded in the trace and never trained on.
