@@ -5,7 +5,7 @@ turn runs to max_tokens: `ignore_eos`): `--requests` chat prompts at once, direc
 via `submit_many`, and through the proxy — one session each, called at once from as many threads
 of a separate process (as agents run, not in the engine's process), the proxy parsing the HTTP
 request, rendering the template, coalescing the calls that arrive together into one engine
-submission (`--coalesce-ms`, the proxy's default 5 ms), recording and stitching. Two clients:
+submission if `--coalesce-ms` > 0 (the proxy's default: off), recording and stitching. Two clients:
 "HTTP" posts the JSON bodies (built before the timing) with `http.client` — the proxy's own
 cost; "SDK" is the official `openai` client, whose request building and response parsing (the
 agent's own CPU, on the same cores, serialised on the client process's GIL) come on top. A
@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--coalesce-ms", type=float, default=5.0,
+    ap.add_argument("--coalesce-ms", type=float, default=0.0,
                     help="the proxy's coalescing window (0: every call submitted on its own)")
     args = ap.parse_args()
     torch.set_num_threads(1)

@@ -9,6 +9,11 @@ fewer rows while the stragglers trickle in (`bench/proxy_overhead.py` measured t
 0.71 of one batched submission that way). The coalescer holds a call until no other call has
 joined it for `window_s` (at most `max_wait_s` after the first), then submits them all at once.
 
+Measured on the 2-core box (docs/agents.md, "What the proxy costs"), it did not make the proxy
+faster there: once the agents' side is not the bottleneck, calls arrive fast enough that the
+engine admits them in a few iterations anyway, so `ProxyServer` leaves it off by default
+(`coalesce_window_s=0`); it is there for engines where a submission's admission is costlier.
+
 A lone call waits `window_s` and no more. A submit function that can take several requests in
 one atomic submission says so with a `many(requests) -> futures` attribute (`engine_submit`);
 requests of one flush that share it go to it in one call, which the engine admits together.

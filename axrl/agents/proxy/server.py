@@ -10,7 +10,7 @@
 engine: `engine.submit_many([r])[0]` for a plain InferenceEngine, or a coroutine scheduled on the
 rollout worker's loop (so the runtime's clock and partial-rollout handling see the call like any
 white-box episode's). Calls of any sessions that arrive within `coalesce_window_s` of each
-other are submitted together (`axrl.agents.proxy.coalesce`; 0 turns it off). Binding anything
+other are submitted together (`axrl.agents.proxy.coalesce`; 0, the default, turns it off). Binding anything
 but a loopback address needs `allow_remote=True`.
 """
 
@@ -50,15 +50,16 @@ class engine_submit:  # noqa: N801 — used as a function: `open_session(engine_
 class ProxyServer:
     def __init__(self, tokenizer: Tokenizer, *, model_name: str = "axrl-policy", host: str = "127.0.0.1",
                  port: int = 0, allow_remote: bool = False, idle_timeout_s: float | None = None,
-                 coalesce_window_s: float = 0.005, coalesce_max_wait_s: float = 0.05) -> None:
+                 coalesce_window_s: float = 0.0, coalesce_max_wait_s: float = 0.05) -> None:
         if host not in _LOOPBACK and not allow_remote:
             raise ValueError(f"agent.proxy_host={host!r} is not a loopback address: the proxy serves the policy "
                              "to anyone who can reach it; pass allow_remote (agent.allow_remote: true) to bind it")
         self.tokenizer, self.host, self.port = tokenizer, host, port
         self.registry = SessionRegistry(model_name)
         self.idle_timeout_s = idle_timeout_s
-        # Calls arriving within a few ms of each other reach the engine as one submission
-        # (axrl.agents.proxy.coalesce); a lone call waits coalesce_window_s.
+        # Calls arriving within coalesce_window_s of each other reach the engine as one
+        # submission (axrl.agents.proxy.coalesce); off by default: measured no faster on the
+        # bench (docs/agents.md, "What the proxy costs"), and a lone call waits the window.
         self.coalescer = CallCoalescer(coalesce_window_s, max(coalesce_max_wait_s, coalesce_window_s))
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
