@@ -46,7 +46,6 @@ os.set_blocking(wake_w, False)
 signal.set_wakeup_fd(wake_w)
 signal.signal(signal.SIGCHLD, lambda *_: None)
 sock.sendall(b'{"ready": true}\n')
-buf = b""
 def reap():
     while True:
         try:
