@@ -2,27 +2,35 @@
 
 The same requests both ways, on one free-running embedded engine (random-init tiny MoE, every
 turn runs to max_tokens: `ignore_eos`): `--requests` chat prompts at once, directly as token ids
-via `submit_many`, and through the proxy — one session each, the official `openai` client from
-as many threads of a separate process (as agents run), the proxy rendering the template,
-recording and stitching. A third path submits each request directly but from its own thread, as
-independent agents arrive: it separates what the proxy costs from what staggered arrivals cost
-the engine (admission and prefill spread over iterations). Rounds alternate (direct, concurrent,
-proxy, direct, …) so all see the same machine load; the medians are compared.
+via `submit_many`, and through the proxy — one session each, called at once from as many threads
+of a separate process (as agents run, not in the engine's process), the proxy parsing the HTTP
+request, rendering the template, coalescing the calls that arrive together into one engine
+submission if `--coalesce-ms` > 0 (the proxy's default: off), recording and stitching. Two clients:
+"HTTP" posts the JSON bodies (built before the timing) with `http.client` — the proxy's own
+cost; "SDK" is the official `openai` client, whose request building and response parsing (the
+agent's own CPU, on the same cores, serialised on the client process's GIL) come on top. A
+third direct path submits each request from its own thread, as independent agents arrive: what
+staggered arrivals cost the engine (admission and prefill spread over iterations). Rounds
+alternate (direct, per thread, HTTP, SDK, direct, …) so all see the same machine load; the
+medians are compared.
 
     OMP_NUM_THREADS=1 python bench/proxy_overhead.py --rounds 3
 
-Last stdout line: one JSON object; `proxy_vs_direct_tokens_per_s_ratio` (proxy / one submission,
-the issue's target ≥ 0.9) and `proxy_vs_direct_concurrent_ratio` (proxy / one per thread).
+Last stdout line: one JSON object; `proxy_vs_direct_tokens_per_s_ratio` (proxy over HTTP / one
+submission, the issue's target ≥ 0.9), `proxy_vs_direct_concurrent_ratio` (over HTTP / one per
+thread) and `proxy_sdk_vs_direct_ratio` (through the SDK / one submission).
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import statistics
 import subprocess
 import sys
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -36,20 +44,40 @@ from axrl.tokenizer import Tokenizer
 
 
 def client_main() -> None:
-    """The agents' process: per job line, every call at once (one SDK client and thread each)."""
+    """The agents' process: per job line, every call at once (one client and thread each).
+
+    mode "sdk": the official `openai` client, as agents call; "http": the same JSON bodies, built
+    before the timing and posted with `http.client` — what the proxy itself costs, without the
+    SDK's request building and response parsing (the agent's own CPU, on the same cores)."""
     for line in sys.stdin:
         job = json.loads(line)
-        calls = job["calls"]
-        clients = [openai.OpenAI(base_url=c["base_url"], api_key=c["api_key"], max_retries=0) for c in calls]
-        for c in clients:  # connection set-up outside the timing (an agent keeps its client)
-            c.models.list()
+        calls, sdk = job["calls"], job["mode"] == "sdk"
+        if sdk:
+            clients = [openai.OpenAI(base_url=c["base_url"], api_key=c["api_key"], max_retries=0) for c in calls]
+            for c in clients:  # connection set-up outside the timing (an agent keeps its client)
+                c.models.list()
+        else:
+            conns, posts = [], []
+            for c in calls:
+                url = urllib.parse.urlsplit(c["base_url"])
+                conn = http.client.HTTPConnection(url.hostname, url.port)
+                headers = {"Authorization": f"Bearer {c['api_key']}", "Content-Type": "application/json"}
+                conn.request("GET", f"{url.path}/models", headers=headers)
+                conn.getresponse().read()
+                conns.append(conn)
+                posts.append((f"{url.path}/chat/completions", json.dumps(
+                    {"model": "policy", "messages": c["messages"], "max_tokens": job["max_tokens"]}), headers))
 
         def call(i: int) -> int:
-            r = clients[i].chat.completions.create(model="policy", messages=calls[i]["messages"],
-                                                   max_tokens=job["max_tokens"])
-            return r.usage.completion_tokens
+            if sdk:
+                r = clients[i].chat.completions.create(model="policy", messages=calls[i]["messages"],
+                                                       max_tokens=job["max_tokens"])
+                return r.usage.completion_tokens
+            conns[i].request("POST", *posts[i])
+            return json.loads(conns[i].getresponse().read())["usage"]["completion_tokens"]
 
         with ThreadPoolExecutor(len(calls)) as pool:
+            list(pool.map(lambda i: None, range(len(calls))))  # start the threads outside the timing
             t0 = time.perf_counter()
             tokens = sum(pool.map(call, range(len(calls))))
             seconds = time.perf_counter() - t0
@@ -64,6 +92,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--coalesce-ms", type=float, default=0.0,
+                    help="the proxy's coalescing window (0: every call submitted on its own)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     tok = Tokenizer.default()
@@ -100,13 +130,14 @@ def main() -> None:
     client = subprocess.Popen([sys.executable, __file__, "--client"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True)
 
-    with ProxyServer(tok, model_name="policy") as proxy:
-        def through_proxy() -> tuple[float, int]:
+    with ProxyServer(tok, model_name="policy", coalesce_window_s=args.coalesce_ms / 1e3) as proxy:
+        def through_proxy(mode: str) -> tuple[float, int]:
             sessions = [proxy.open_session(engine_submit(engine), SessionPolicy(sampling, max_tokens=args.max_tokens,
                                                                                 seed=i),
                                            max_context_len=512) for i in range(args.requests)]
             job = {"calls": [{"base_url": proxy.base_url(s), "api_key": s.api_key, "messages": c}
-                             for s, c in zip(sessions, conversations)], "max_tokens": args.max_tokens}
+                             for s, c in zip(sessions, conversations)], "max_tokens": args.max_tokens,
+                   "mode": mode}
             client.stdin.write(json.dumps(job) + "\n")
             client.stdin.flush()
             done = json.loads(client.stdout.readline())
@@ -115,24 +146,28 @@ def main() -> None:
             return done["seconds"], done["tokens"]
 
         direct()  # warm-up of every path
-        through_proxy()
-        d, c, p = [], [], []
+        through_proxy("http")
+        through_proxy("sdk")
+        d, c, p, k = [], [], [], []
         for _ in range(args.rounds):
-            for out, run in ((d, direct), (c, direct_concurrent), (p, through_proxy)):
+            for out, run in ((d, direct), (c, direct_concurrent), (p, lambda: through_proxy("http")),
+                             (k, lambda: through_proxy("sdk"))):
                 seconds, tokens = run()
                 out.append(tokens / seconds)
     client.stdin.close()
     client.wait(timeout=30)
     engine.shutdown()
-    d_med, c_med, p_med = statistics.median(d), statistics.median(c), statistics.median(p)
+    d_med, c_med, p_med, k_med = (statistics.median(x) for x in (d, c, p, k))
     print(f"direct (one submission)  tokens/s per round: {', '.join(f'{x:.0f}' for x in d)}")
     print(f"direct (one per thread)  tokens/s per round: {', '.join(f'{x:.0f}' for x in c)}")
-    print(f"proxy (openai SDK)       tokens/s per round: {', '.join(f'{x:.0f}' for x in p)}")
+    print(f"proxy (HTTP client)      tokens/s per round: {', '.join(f'{x:.0f}' for x in p)}")
+    print(f"proxy (openai SDK)       tokens/s per round: {', '.join(f'{x:.0f}' for x in k)}")
     print(json.dumps({"preset": args.preset, "requests": args.requests, "max_tokens": args.max_tokens,
-                      "rounds": args.rounds, "direct_tokens_per_s": round(d_med, 1),
+                      "rounds": args.rounds, "coalesce_ms": args.coalesce_ms, "direct_tokens_per_s": round(d_med, 1),
                       "direct_concurrent_tokens_per_s": round(c_med, 1), "proxy_tokens_per_s": round(p_med, 1),
                       "proxy_vs_direct_tokens_per_s_ratio": round(p_med / d_med, 3),
-                      "proxy_vs_direct_concurrent_ratio": round(p_med / c_med, 3)}))
+                      "proxy_vs_direct_concurrent_ratio": round(p_med / c_med, 3),
+                      "proxy_sdk_tokens_per_s": round(k_med, 1), "proxy_sdk_vs_direct_ratio": round(k_med / d_med, 3)}))
 
 
 if __name__ == "__main__":

@@ -155,3 +155,84 @@ def test_axrl_train_with_an_agent_end_to_end(tmp_path):
 
     status = asyncio.run(drive())
     assert "session s" in status, status
+
+
+def test_agent_slots_bound_agents_over_every_event_loop():
+    """The rollout worker's loop and the evaluator's run agents at once: the limit is shared."""
+    import threading
+
+    from axrl.rollout.blackbox import AgentSlots
+
+    slots, lock, seen = AgentSlots(3), threading.Lock(), []
+    running = [0]
+
+    async def episode():
+        async with slots:
+            with lock:
+                running[0] += 1
+                seen.append(running[0])
+            await asyncio.sleep(0.01)
+            with lock:
+                running[0] -= 1
+
+    async def loop_main():
+        await asyncio.gather(*(episode() for _ in range(10)))
+
+    threads = [threading.Thread(target=asyncio.run, args=(loop_main(),)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(seen) == 30 and max(seen) == 3 and slots.running == 0
+
+
+def test_agent_slots_pass_a_cancelled_waiters_slot_on():
+    from axrl.rollout.blackbox import AgentSlots
+
+    async def main():
+        slots = AgentSlots(1)
+        await slots.__aenter__()
+        waiting = asyncio.ensure_future(slots.__aenter__())
+        await asyncio.sleep(0)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await slots.__aexit__(None, None, None)
+        async with slots:  # the slot is free again, not lost to the cancelled waiter
+            assert slots.running == 1
+        return slots.running
+
+    assert asyncio.run(main()) == 0
+
+
+def test_fork_server_runs_the_script_as_its_own_process(tmp_path):
+    """A forked agent has its own pid, environment, argv, stdin, stderr and exit code; a hung one is killed."""
+    import os
+    import subprocess as sp
+
+    from axrl.agents.forkserver import ForkServer, forkable, top_level_imports
+
+    script = tmp_path / "agent.py"
+    script.write_text("import json, os, sys\nfrom fractions import Fraction\n"
+                      "if sys.argv[1:] == ['hang']:\n    import time; time.sleep(60)\n"
+                      "print(json.dumps({'pid': os.getpid(), 'env': os.environ.get('X'), 'argv': sys.argv[1:],\n"
+                      "                  'stdin': sys.stdin.read(), 'name': __name__}), file=sys.stderr)\n"
+                      "sys.exit(3)\n")
+    assert top_level_imports(script) == ["json", "os", "sys", "fractions"]
+    assert forkable([sys.executable, str(script)]) == str(script)
+    assert forkable([sys.executable, "-X", "importtime", str(script)]) is None and forkable(["node", "a.js"]) is None
+    server = ForkServer(script)
+    try:
+        procs = [server.spawn([str(script), f"a{i}"], {"X": str(i)}, str(tmp_path)) for i in range(3)]
+        outs = [json.loads(p.communicate(f"q{i}".encode(), timeout=60)[1]) for i, p in enumerate(procs)]
+        assert [p.returncode for p in procs] == [3, 3, 3]
+        assert [o["env"] for o in outs] == ["0", "1", "2"] and [o["argv"] for o in outs] == [["a0"], ["a1"], ["a2"]]
+        assert [o["stdin"] for o in outs] == ["q0", "q1", "q2"] and {o["name"] for o in outs} == {"__main__"}
+        assert len({o["pid"] for o in outs} | {os.getpid()}) == 4
+        hung = server.spawn([str(script), "hang"], {}, str(tmp_path))
+        with pytest.raises(sp.TimeoutExpired):
+            hung.communicate(b"", timeout=0.5)
+        hung.kill()
+        hung.communicate()
+        assert hung.returncode == -9
+    finally:
+        server.close()

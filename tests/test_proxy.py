@@ -4,7 +4,9 @@ tools, streaming, n > 1, stop, errors; stitching, forks, drift, rewards, timeout
 from __future__ import annotations
 
 import json
-
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 
 from agent_util import ScriptedEngine, calculator_policy, tiny_engine
 from axrl.agents.proxy import FORK_ID_STRIDE, ProxyServer, SessionPolicy, engine_submit
+from axrl.agents.proxy.coalesce import CallCoalescer
 from axrl.inference.protocol import GenerateRequest, SamplingParams
 from axrl.tokenizer import Tokenizer
 
@@ -329,3 +332,87 @@ def test_agent_service_validates_and_pools_trajectories(proxy, tok):
     finally:
         proxy.registry.service = None
     assert httpx.post(f"{proxy.url}/v1/trajectories", json={}).status_code == 404
+
+
+# ---------------------------------------------------------------------------------- coalescing
+
+class RecordingEngine(ScriptedEngine):
+    """A ScriptedEngine that records the size of every submission."""
+
+    def __init__(self, reply) -> None:
+        super().__init__(reply)
+        self.submissions: list[int] = []
+
+    def submit_many(self, requests):
+        requests = list(requests)
+        self.submissions.append(len(requests))
+        return super().submit_many(requests)
+
+
+def test_calls_arriving_together_reach_the_engine_in_one_submission(tok):
+    engine = RecordingEngine(calculator_policy(tok))
+    # A wide window: the SDK's request building in four threads of one process spreads the
+    # arrivals over a few ms on a loaded box; the window only has to cover that.
+    with ProxyServer(tok, model_name="policy", coalesce_window_s=0.25, coalesce_max_wait_s=5.0) as proxy:
+        clients = [open_session(proxy, engine, tok)[1] for _ in range(4)]
+        for c in clients:
+            c.models.list()
+        barrier = threading.Barrier(4)
+
+        def call(client):
+            barrier.wait()
+            return client.chat.completions.create(model="policy", messages=QUESTION, tools=TOOLS)
+
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(call, clients))
+        assert all(r.choices[0].finish_reason == "tool_calls" for r in replies)
+        assert engine.submissions == [4] and proxy.coalescer.batches == 1
+
+
+def test_a_lone_call_waits_the_window_and_not_the_longest_wait(tok):
+    engine = RecordingEngine(lambda ids: [5, 6])
+    window = 0.05
+    coalescer = CallCoalescer(window_s=window, max_wait_s=60.0)
+    try:
+        request = GenerateRequest(input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=4), rid="lone")
+        t0 = time.monotonic()
+        result = coalescer.submit(engine_submit(engine), request).result(timeout=30)  # far below max_wait_s
+        assert time.monotonic() - t0 >= window  # it was held for the window (coalesced)...
+        assert result.rid == "lone" and engine.submissions == [1]  # ...then submitted alone
+    finally:
+        coalescer.close()
+
+
+def test_coalescing_fails_a_bad_request_alone_and_drops_a_cancelled_one(tok):
+    engine = RecordingEngine(lambda ids: [5, 6])
+    real_many = engine.submit_many
+
+    def picky_many(requests):
+        requests = list(requests)
+        if any(r.rid == "bad" for r in requests):
+            raise ValueError("rid: bad")
+        return real_many(requests)
+
+    engine.submit_many = picky_many
+    coalescer = CallCoalescer(window_s=0.2, max_wait_s=5.0)
+    try:
+        submit = engine_submit(engine)
+        make = lambda rid: GenerateRequest(input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=4),
+                                           rid=rid)
+        good, bad, dropped = (coalescer.submit(submit, make(rid)) for rid in ("good", "bad", "dropped"))
+        assert dropped.cancel()
+        assert good.result(timeout=30).rid == "good"
+        with pytest.raises(ValueError, match="rid: bad"):
+            bad.result(timeout=30)
+        assert [r.rid for r in engine.requests] == ["good"] and coalescer.batches == 1
+    finally:
+        coalescer.close()
+
+
+def test_no_window_submits_each_call_at_once(tok):
+    engine = RecordingEngine(lambda ids: [5, 6])
+    coalescer = CallCoalescer(window_s=0.0, max_wait_s=0.0)
+    submit = engine_submit(engine)
+    assert coalescer.wrap(submit) is submit
+    with pytest.raises(ValueError, match="window_s"):
+        CallCoalescer(window_s=0.1, max_wait_s=0.01)

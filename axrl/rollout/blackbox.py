@@ -13,6 +13,12 @@ primary one is returned, the forks travel in its `forks` and are pooled with it.
 of a path is the verifier's (`agent.verifier`, applied to the finished path's conversation),
 else what the agent posted (`POST /sessions/{id}/reward`, final and per-turn).
 
+At most `agent.max_concurrent` agents run at once over the rollout worker's and the evaluator's
+event loops together (`AgentSlots`). A plain `python script.py` agent is forked from a fork
+server that imported the script's modules once (`axrl.agents.forkserver`): it is still its own
+process (pid, environment, stdin, stderr, exit code, kill on timeout), without the ~1 s of
+imports of a fresh interpreter per episode.
+
 Failures never stop the step: an agent that exits non-zero, exceeds `agent.timeout_s` (killed),
 or never calls the model gives a failed trajectory (status "failed", reward 0; exit code and
 stderr tail in `error`), recorded in the trace and never trained on.
@@ -25,11 +31,14 @@ import dataclasses
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from axrl.agents.env import Prompt
+from axrl.agents.forkserver import ForkServer, forkable
 from axrl.agents.proxy import ProxyServer, SessionPolicy, Turn
 from axrl.agents.proxy.session import Session
 from axrl.inference.protocol import InferenceEngine, SamplingParams
@@ -55,6 +64,9 @@ class AgentSpec:
     env: dict[str, str] = field(default_factory=dict)
     model_name: str = "axrl-policy"
     render_tools: bool = True
+    # `python script.py` agents are forked from one interpreter that imported the script's
+    # modules once (axrl.agents.forkserver): ~1 s of imports saved per episode.
+    fork_server: bool = True
 
     def __post_init__(self) -> None:
         if (self.command is None) == (self.function is None):
@@ -69,19 +81,82 @@ def prompt_text(prompt: Prompt) -> str:
     return str((users or prompt.as_messages())[-1].get("content", ""))
 
 
+class AgentSlots:
+    """At most `limit` agents at once over every event loop (the rollout worker's and the
+    evaluator's run concurrently, each in its own thread): an `asyncio.Semaphore` belongs to one
+    loop, and one per loop would let each loop start `limit` agents."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.running = limit, 0
+        self._lock = threading.Lock()
+        self._waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = deque()
+
+    async def __aenter__(self) -> None:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self.running < self.limit:
+                self.running += 1
+                return
+            waiter = loop.create_future()
+            self._waiters.append((loop, waiter))
+        try:
+            await waiter  # a releasing agent hands its slot over
+        except asyncio.CancelledError:
+            with self._lock:
+                if (loop, waiter) in self._waiters:
+                    self._waiters.remove((loop, waiter))
+                    raise
+            if not waiter.cancelled():  # handed over before the cancel landed: pass the slot on
+                self._release()
+            raise  # (else `_hand_over` sees the cancelled waiter and passes it on)
+
+    async def __aexit__(self, *_exc: Any) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        with self._lock:
+            if not self._waiters:
+                self.running -= 1
+                return
+            loop, waiter = self._waiters.popleft()
+        loop.call_soon_threadsafe(_hand_over, waiter, self)
+
+
+def _hand_over(waiter: asyncio.Future, slots: AgentSlots) -> None:
+    if waiter.cancelled():  # its task was cancelled after the hand-over was scheduled
+        slots._release()
+    else:
+        waiter.set_result(None)
+
+
 class BlackBoxPlayer:
     """Plays episodes of `agent` through `proxy`; `play` is an `EpisodeRunner` player."""
 
     def __init__(self, agent: AgentSpec, proxy: ProxyServer, *, max_context_len: int) -> None:
         self.agent, self.proxy, self.max_context_len = agent, proxy, max_context_len
-        self._slots: asyncio.Semaphore | None = None
-        self._slots_loop: asyncio.AbstractEventLoop | None = None
+        self.slots = AgentSlots(agent.max_concurrent)
+        self._fork_servers: dict[str, ForkServer] = {}
+        self._fork_lock = threading.Lock()
 
-    def _semaphore(self) -> asyncio.Semaphore:
-        loop = asyncio.get_running_loop()
-        if self._slots is None or self._slots_loop is not loop:  # one per event loop (rollout, eval)
-            self._slots, self._slots_loop = asyncio.Semaphore(self.agent.max_concurrent), loop
-        return self._slots
+    def close(self) -> None:
+        """Stop the fork servers (they also exit with this process)."""
+        with self._fork_lock:
+            servers, self._fork_servers = list(self._fork_servers.values()), {}
+        for server in servers:
+            server.close()
+
+    def _start(self, argv: list[str], env: dict[str, str]) -> Any:
+        """The agent's process: forked from the script's fork server when it is a plain
+        `python script.py` (see AgentSpec.fork_server), else a fresh `subprocess.Popen`."""
+        script = forkable(argv) if self.agent.fork_server else None
+        if script is None:
+            return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    env=env)
+        with self._fork_lock:
+            server = self._fork_servers.get(script)
+            if server is None:
+                server = self._fork_servers[script] = ForkServer(script)
+        return server.spawn(argv[1:], env)
 
     async def play(self, engine: InferenceEngine, *, sample_id: int, group_id: int, prompt: Prompt,
                    sampling: SamplingParams, return_routing: bool) -> Trajectory:
@@ -97,7 +172,7 @@ class BlackBoxPlayer:
                                           meta={"routing": return_routing})
         started = time.monotonic()
         try:
-            async with self._semaphore():
+            async with self.slots:
                 outcome = await self._run(session, prompt_text(prompt))
         finally:
             self.proxy.close_session(session)
@@ -128,9 +203,8 @@ class BlackBoxPlayer:
                "OPENAI_MODEL": self.proxy.registry.model_name, "AXRL_SESSION_ID": session.id}
         argv = agent_argv(self.agent.command or []) + ([text] if self.agent.prompt_via == "argument" else [])
         try:
-            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                    env=env)
-        except OSError as e:
+            proc = await asyncio.to_thread(self._start, argv, env)
+        except (OSError, RuntimeError) as e:
             return {"exit_code": None, "error": f"cannot start agent.command {argv[0]!r}: {e}", "stderr": ""}
         stdin = text.encode() if self.agent.prompt_via == "stdin" else b""
         # A blocking wait in a worker thread: asyncio's child watchers belong to the main thread's loop.

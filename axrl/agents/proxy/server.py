@@ -9,12 +9,15 @@
 `submit(request) -> concurrent.futures.Future[GenerateResult]` is how a session reaches its
 engine: `engine.submit_many([r])[0]` for a plain InferenceEngine, or a coroutine scheduled on the
 rollout worker's loop (so the runtime's clock and partial-rollout handling see the call like any
-white-box episode's). Binding anything but a loopback address needs `allow_remote=True`.
+white-box episode's). Calls of any sessions that arrive within `coalesce_window_s` of each
+other are submitted together (`axrl.agents.proxy.coalesce`; 0, the default, turns it off). Binding anything
+but a loopback address needs `allow_remote=True`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import socket
 import threading
 import time
@@ -24,28 +27,40 @@ from typing import Any, Callable
 import uvicorn
 
 from axrl.agents.proxy.app import SessionRegistry, create_app
+from axrl.agents.proxy.coalesce import CallCoalescer
 from axrl.agents.proxy.openai_api import SessionPolicy
 from axrl.agents.proxy.session import Session
-from axrl.inference.protocol import InferenceEngine
+from axrl.inference.protocol import GenerateRequest, InferenceEngine
 from axrl.tokenizer import Tokenizer
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def engine_submit(engine: InferenceEngine) -> Callable[..., Any]:
-    """A session's `submit` straight onto an engine."""
-    return lambda request: engine.submit_many([request])[0]
+class engine_submit:  # noqa: N801 — used as a function: `open_session(engine_submit(engine), ...)`
+    """A session's `submit` straight onto an engine; `many` lets the call coalescer submit the
+    calls of several sessions that arrived together in one `submit_many` (admitted together)."""
+
+    def __init__(self, engine: InferenceEngine) -> None:
+        self.many = engine.submit_many
+
+    def __call__(self, request: GenerateRequest) -> concurrent.futures.Future:
+        return self.many([request])[0]
 
 
 class ProxyServer:
     def __init__(self, tokenizer: Tokenizer, *, model_name: str = "axrl-policy", host: str = "127.0.0.1",
-                 port: int = 0, allow_remote: bool = False, idle_timeout_s: float | None = None) -> None:
+                 port: int = 0, allow_remote: bool = False, idle_timeout_s: float | None = None,
+                 coalesce_window_s: float = 0.0, coalesce_max_wait_s: float = 0.05) -> None:
         if host not in _LOOPBACK and not allow_remote:
             raise ValueError(f"agent.proxy_host={host!r} is not a loopback address: the proxy serves the policy "
                              "to anyone who can reach it; pass allow_remote (agent.allow_remote: true) to bind it")
         self.tokenizer, self.host, self.port = tokenizer, host, port
         self.registry = SessionRegistry(model_name)
         self.idle_timeout_s = idle_timeout_s
+        # Calls arriving within coalesce_window_s of each other reach the engine as one
+        # submission (axrl.agents.proxy.coalesce); off by default: measured no faster on the
+        # bench (docs/agents.md, "What the proxy costs"), and a lone call waits the window.
+        self.coalescer = CallCoalescer(coalesce_window_s, max(coalesce_max_wait_s, coalesce_window_s))
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -80,6 +95,7 @@ class ProxyServer:
             self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.coalescer.close()
 
     def __enter__(self) -> "ProxyServer":
         return self.start()
@@ -100,7 +116,7 @@ class ProxyServer:
     def open_session(self, submit: Callable[..., Any], policy: SessionPolicy, *, max_context_len: int,
                      session_id: str | None = None, meta: dict[str, Any] | None = None) -> Session:
         session = Session(session_id or uuid.uuid4().hex[:16], self.tokenizer, max_context_len=max_context_len,
-                          submit=submit, meta=meta)
+                          submit=self.coalescer.wrap(submit), meta=meta)
         self.registry.add(session, policy)
         return session
 
