@@ -364,6 +364,10 @@ class AgentSection(Section):
     allow_remote: bool = Field(False, description="allow a non-loopback `host` (the proxy serves the policy)")
     render_tools: bool = Field(True, description="render the request's `tools` into the prompt (false: only "
                                "parse tool calls, for a policy that learnt its tools without the schema)")
+    fork_server: bool = Field(True, description="fork `python script.py` agents from one interpreter that "
+                              "imported the script's modules once (false: a fresh process per episode)")
+    coalesce_ms: float = Field(0.0, ge=0, description="hold the proxy's model calls until none joined for this "
+                               "long, then submit them together (0: off; docs/agents.md, \"What the proxy costs\")")
 
     @model_validator(mode="after")
     def _one_agent(self) -> "AgentSection":

@@ -236,3 +236,28 @@ def test_fork_server_runs_the_script_as_its_own_process(tmp_path):
         assert hung.returncode == -9
     finally:
         server.close()
+
+
+def test_agent_config_keys_reach_the_player_and_the_proxy(tok):
+    """`agent.fork_server: false` starts each episode as a fresh process (no fork server is
+    made); `agent.coalesce_ms` sets the proxy's coalescing window."""
+    from axrl.config import Config
+    from axrl.runtime.components import make_agent
+
+    cfg = Config.model_validate({"runtime": {"deterministic": False},
+                                 "agent": {"command": AGENT, "fork_server": False, "coalesce_ms": 4,
+                                           "verifier": VERIFIER}})
+    proxy, player = make_agent(cfg, tok)
+    try:
+        assert proxy.coalescer.window_s == pytest.approx(0.004)
+        assert player.agent.fork_server is False
+        prompt = TASKS["calculator"]().prompt(0, 4)
+        engine = ScriptedEngine(calculator_policy(tok))
+        sampling = SamplingParams(max_new_tokens=48, stop_token_ids=tok.stop_token_ids, seed=11)
+        traj = asyncio.run(player.play(engine, sample_id=0, group_id=0, prompt=prompt, sampling=sampling,
+                                       return_routing=False))
+        assert traj.status == "ok" and traj.reward == 1.0
+        assert not player._fork_servers  # the episode's agent was a plain subprocess
+    finally:
+        player.close()
+        proxy.stop()

@@ -372,35 +372,49 @@ def test_cpu_compat_stand_ins_import_and_fail_only_when_called():
 
 
 # -- end to end: axrl train with rollout.engine=sglang ---------------------------------------------------
+REPO = Path(__file__).resolve().parents[1]
+RUN_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _train_on_real_sglang(tmp_path: Path, example: str, sets: dict[str, object], timing_key: str) -> Path:
+    """`axrl train example` with SGLang as the rollout engine, launched by the run through
+    cpu_compat on a free port; asserts the run ended cleanly and left no server listening.
+    Returns the run directory."""
+    from axrl.inference.sglang.launcher import free_port
+
+    run, port = tmp_path / "run", free_port()
+    sets = {**sets, "rollout.engine": "sglang", "rollout.sglang.server": "sglang",
+            "rollout.sglang.python": SGLANG_PYTHON, "rollout.sglang.cpu_compat": "true",
+            "rollout.sglang.base_port": port, "rollout.sglang.log_dir": str(tmp_path / "logs")}
+    argv = [sys.executable, "-m", "axrl.cli", "train", example, "--run-dir", str(run)]
+    for k, v in sets.items():
+        argv += ["--set", f"{k}={v}"]
+    t0 = time.perf_counter()
+    train = subprocess.run(argv, cwd=REPO, env=RUN_ENV, capture_output=True, text=True, timeout=900)
+    assert train.returncode == 0, train.stderr[-3000:]
+    _report(timing_key, round(time.perf_counter() - t0, 1))
+    assert "cpu_compat: sglang.launch_server" in (tmp_path / "logs" / "server_0.log").read_text(errors="replace")
+    with socket.socket() as sock:  # nothing may listen there any more (bind could fail on TIME_WAIT)
+        assert sock.connect_ex(("127.0.0.1", port)) != 0, "the run left its SGLang server running"
+    return run
+
+
+def _mismatch_report(run: Path) -> dict:
+    out = subprocess.run([sys.executable, "-c", "from axrl_debug.cli import app; app()", "mismatch", str(run),
+                          "--json", "--top", "0"], cwd=REPO, env=RUN_ENV, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
 @real_sglang
 def test_train_with_real_sglang_and_mismatch_analysis(tmp_path):
     """A short `axrl train` of the default example with SGLang as the rollout engine (launched by
     the run through cpu_compat), then `axrl-debug mismatch` on its trace: with float32 serving the
     trainer and SGLang agree to float rounding, and the routing SGLang reported is the trainer's."""
-    from axrl.inference.sglang.launcher import free_port
-
-    repo = Path(__file__).resolve().parents[1]
-    run, port = tmp_path / "run", free_port()
-    sets = {"steps": 2, "warmup.steps": 20, "eval.every": 0, "data.prompts_per_step": 4, "rollout.group_size": 4,
-            "rollout.engine": "sglang", "rollout.sglang.server": "sglang", "rollout.sglang.python": SGLANG_PYTHON,
-            "rollout.sglang.cpu_compat": "true", "rollout.sglang.base_port": port,
-            "rollout.sglang.log_dir": str(tmp_path / "logs")}
-    argv = [sys.executable, "-m", "axrl.cli", "train", "examples/quickstart.yaml", "--run-dir", str(run)]
-    for k, v in sets.items():
-        argv += ["--set", f"{k}={v}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    t0 = time.perf_counter()
-    train = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
-    assert train.returncode == 0, train.stderr[-3000:]
-    _report("e2e_train_s", round(time.perf_counter() - t0, 1))
-    assert "cpu_compat: sglang.launch_server" in (tmp_path / "logs" / "server_0.log").read_text(errors="replace")
-    with socket.socket() as sock:  # nothing may listen there any more (bind could fail on TIME_WAIT)
-        assert sock.connect_ex(("127.0.0.1", port)) != 0, "the run left its SGLang server running"
-
-    out = subprocess.run([sys.executable, "-c", "from axrl_debug.cli import app; app()", "mismatch", str(run),
-                          "--json", "--top", "0"], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout)
+    run = _train_on_real_sglang(tmp_path, "examples/quickstart.yaml",
+                                {"steps": 2, "warmup.steps": 20, "eval.every": 0, "data.prompts_per_step": 4,
+                                 "rollout.group_size": 4}, "e2e_train_s")
+    report = _mismatch_report(run)
     m, routing = report["metrics"], report["routing"]
     _report("e2e_mismatch", {"tokens": report["tokens"]["analysed"], "mean_abs": m["mean_abs"], "max_abs": m["max_abs"],
                              "k3": m["k3"], "routing_agreement": routing["agreement"], "routing_rows": routing["rows"]})
@@ -414,35 +428,18 @@ def test_blackbox_agent_trains_through_the_proxy_with_real_sglang(tmp_path):
     """examples/blackbox.yaml with rollout.engine=sglang, shortened: the unmodified SDK agent's
     calls go through the recording proxy to a real SGLang server (launched by the run); every
     session is recorded and trained, and the trainer agrees with what SGLang generated."""
-    from axrl.inference.sglang.launcher import free_port
+    import h5py
 
-    repo = Path(__file__).resolve().parents[1]
-    run, port = tmp_path / "run", free_port()
-    sets = {"steps": 2, "warmup.steps": 4, "eval.every": 0, "data.prompts_per_step": 2, "rollout.group_size": 2,
-            "rollout.engine": "sglang", "rollout.sglang.server": "sglang", "rollout.sglang.python": SGLANG_PYTHON,
-            "rollout.sglang.cpu_compat": "true", "rollout.sglang.base_port": port,
-            "rollout.sglang.log_dir": str(tmp_path / "logs")}
-    argv = [sys.executable, "-m", "axrl.cli", "train", "examples/blackbox.yaml", "--run-dir", str(run)]
-    for k, v in sets.items():
-        argv += ["--set", f"{k}={v}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    t0 = time.perf_counter()
-    train = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
-    assert train.returncode == 0, train.stderr[-3000:]
-    _report("blackbox_train_s", round(time.perf_counter() - t0, 1))
-    assert "cpu_compat: sglang.launch_server" in (tmp_path / "logs" / "server_0.log").read_text(errors="replace")
+    run = _train_on_real_sglang(tmp_path, "examples/blackbox.yaml",
+                                {"steps": 2, "warmup.steps": 4, "eval.every": 0, "data.prompts_per_step": 2,
+                                 "rollout.group_size": 2}, "blackbox_train_s")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["sessions"] == 4 and r["failed"] == 0 for r in rows), rows
-    import h5py
-
     with h5py.File(run / "trace/step_000001.h5") as f:
         sessions = [s.decode() for s in f["/samples/session_id"][:]]
         assert len(set(sessions)) == 4 and all(sessions)
-    out = subprocess.run([sys.executable, "-c", "from axrl_debug.cli import app; app()", "mismatch", str(run),
-                          "--json", "--top", "0"], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout)
+    report = _mismatch_report(run)
     m = report["metrics"]
     _report("blackbox_mismatch", {"tokens": report["tokens"]["analysed"], "mean_abs": m["mean_abs"],
                                   "max_abs": m["max_abs"]})

@@ -49,7 +49,7 @@ from safetensors.torch import load_file
 from axrl.inference.decode import FusedDecoder
 from axrl.inference.kv_cache import StaticKVCache
 from axrl.inference.prefix_cache import CacheMatch, PrefixCache
-from axrl.inference.protocol import GenerateRequest, GenerateResult, SamplingParams
+from axrl.inference.protocol import GenerateRequest, GenerateResult, SamplingParams, settle_future
 from axrl.inference.sampling import RowParams, derive_seed, sample
 from axrl.model import ModelConfig, Qwen3ForCausalLM, hf_state_dict, load_config, load_weights_into
 from axrl.model.io import WEIGHTS_NAME
@@ -100,19 +100,6 @@ class _Inbox:
         self.live: dict[str, _Sequence] = {}
         self.stopping = False
         self.submitted = 0
-
-
-def _resolve(future: concurrent.futures.Future, result: Any = None, error: BaseException | None = None) -> None:
-    """Complete a future unless its waiter already cancelled it."""
-    if future.done():
-        return
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except concurrent.futures.InvalidStateError:  # cancelled concurrently
-        pass
 
 
 class EmbeddedEngine:
@@ -293,7 +280,7 @@ class EmbeddedEngine:
                 inbox.control.append(_Control("abort", rid))
                 inbox.cv.notify()
                 return True
-        _resolve(seq.future, self._scheduler.result(seq, {"type": "abort", "message": "aborted by client"}))
+        settle_future(seq.future, self._scheduler.result(seq, {"type": "abort", "message": "aborted by client"}))
         return True
 
     def progress(self, rid: str) -> tuple[list[int], list[float]] | None:
@@ -484,7 +471,7 @@ class _Scheduler:
             self.last_error = f"{type(e).__name__}: {e}"
             for seq in [s for s in self.slots if s is not None]:
                 self.release(seq)
-                _resolve(seq.future, error=e)
+                settle_future(seq.future, error=e)
         self.iterations += 1
         return True
 
@@ -503,7 +490,7 @@ class _Scheduler:
             return
         if op.kind == "memory":
             self.set_memory(released=op.payload)
-            _resolve(op.future, None)
+            settle_future(op.future, None)
             return
         state_dict, version = op.payload
         try:
@@ -512,13 +499,13 @@ class _Scheduler:
                 if self.decoder is not None:
                     self.decoder.repack()
         except Exception as e:  # noqa: BLE001 — report to the caller of update_weights
-            _resolve(op.future, error=e)
+            settle_future(op.future, error=e)
             return
         self.version = self.version + 1 if version is None else version
         if self.prefix_cache is not None:  # K/V of the old weights must not be reused
             self.prefix_cache.clear()
             self.slot_tokens = [[] for _ in self.slots]
-        _resolve(op.future, self.version)
+        settle_future(op.future, self.version)
 
     def set_memory(self, released: bool) -> None:
         """Free (or allocate again) the KV cache and the prefix cache's blocks; nothing cached survives."""
@@ -767,7 +754,7 @@ class _Scheduler:
         if m is not None and m.generation == self.prefix_cache.generation and 0 <= seq.slot:
             self.slot_tokens[seq.slot] = held  # still valid K/V until the slot's next request writes
         self.release(seq)
-        _resolve(seq.future, self.result(seq, reason))
+        settle_future(seq.future, self.result(seq, reason))
 
     def result(self, seq: _Sequence, reason: dict[str, Any]) -> GenerateResult:
         """Build the SGLang-shaped result from a sequence's state."""
@@ -791,9 +778,9 @@ class _Scheduler:
         for seq in pending:
             if seq.slot >= 0:
                 self.slots[seq.slot] = None
-            _resolve(seq.future, self.result(seq, {"type": "abort", "message": "engine shut down"}))
+            settle_future(seq.future, self.result(seq, {"type": "abort", "message": "engine shut down"}))
         self.num_running = 0
         for op in inbox.control:
             if op.future is not None:
-                _resolve(op.future, error=RuntimeError("EmbeddedEngine is shut down"))
+                settle_future(op.future, error=RuntimeError("EmbeddedEngine is shut down"))
         inbox.control.clear()

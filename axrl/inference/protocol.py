@@ -75,6 +75,21 @@ class GenerateResult:
         return str(self.finish_reason.get("type"))
 
 
+def settle_future(future: concurrent.futures.Future, result: Any = None,
+                  error: BaseException | None = None) -> None:
+    """Complete an engine call's future unless its waiter already cancelled it (engines and
+    anything that relays their futures settle them this way: a cancel may race the result)."""
+    if future.done():
+        return
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:  # cancelled concurrently
+        pass
+
+
 @runtime_checkable
 class InferenceEngine(Protocol):
     """Async, batched generation. Requests may be submitted at any time (multi-turn agents)."""

@@ -225,9 +225,9 @@ def make_agent(cfg: Config, tokenizer: Tokenizer) -> tuple[ProxyServer | None, B
         spec = AgentSpec(command=a.command, function=load_callable(a.function, "agent.function"),
                          prompt_via=a.prompt_via, timeout_s=a.timeout_s, max_concurrent=a.max_concurrent,
                          verifier=load_callable(a.verifier, "agent.verifier"), env=dict(a.env),
-                         model_name=a.model_name, render_tools=a.render_tools)
+                         model_name=a.model_name, render_tools=a.render_tools, fork_server=a.fork_server)
         proxy = ProxyServer(tokenizer, model_name=a.model_name, host=a.host, port=a.port,
-                            allow_remote=a.allow_remote).start()
+                            allow_remote=a.allow_remote, coalesce_window_s=a.coalesce_ms / 1000).start()
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return proxy, BlackBoxPlayer(spec, proxy, max_context_len=cfg.rollout.max_context_len)

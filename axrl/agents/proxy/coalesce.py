@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from axrl.inference.protocol import GenerateRequest
+from axrl.inference.protocol import GenerateRequest, settle_future
 
 Submit = Callable[[GenerateRequest], concurrent.futures.Future]
 
@@ -131,7 +131,7 @@ def dispatch(batch: list[tuple[Submit, GenerateRequest, concurrent.futures.Futur
             try:
                 _chain(submit(request), outer)
             except Exception as e:  # noqa: BLE001 — the call's error, raised where it awaits
-                _settle(outer, error=e)
+                settle_future(outer, error=e)
 
 
 def _chain(inner: concurrent.futures.Future, outer: concurrent.futures.Future) -> None:
@@ -142,20 +142,9 @@ def _chain(inner: concurrent.futures.Future, outer: concurrent.futures.Future) -
         if f.cancelled():
             outer.cancel()
         elif f.exception() is not None:
-            _settle(outer, error=f.exception())
+            settle_future(outer, error=f.exception())
         else:
-            _settle(outer, result=f.result())
+            settle_future(outer, result=f.result())
 
     inner.add_done_callback(done)
 
-
-def _settle(future: concurrent.futures.Future, result: Any = None, error: BaseException | None = None) -> None:
-    if future.done():
-        return
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except concurrent.futures.InvalidStateError:  # cancelled concurrently
-        pass

@@ -42,7 +42,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import httpx
 import torch
 
-from axrl.inference.protocol import GenerateRequest, GenerateResult, SamplingParams
+from axrl.inference.protocol import GenerateRequest, GenerateResult, SamplingParams, settle_future
 from axrl.inference.sglang import weight_sync
 from axrl.inference.sglang.launcher import SGLangLauncher, free_port
 from axrl.inference.sglang.wire import WireError, batch_to_wire, parse_weight_version, request_to_wire, \
@@ -325,12 +325,11 @@ class SGLangEngine:
                 self._inflight.pop(r.rid, None)
                 self._aborted.discard(r.rid)
         for k, f in enumerate(futures):
-            if f.done():
-                continue
-            if isinstance(by_index[k], BaseException):
-                f.set_exception(by_index[k])
+            outcome = by_index[k]
+            if isinstance(outcome, BaseException):
+                settle_future(f, error=outcome)
             else:
-                f.set_result(by_index[k])
+                settle_future(f, outcome)
 
     async def _send(self, server: int, reqs: list[GenerateRequest]) -> list[GenerateResult]:
         """POST the batch, retrying (and re-routing or restarting) on transport errors and 5xx."""

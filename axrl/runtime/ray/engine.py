@@ -21,7 +21,7 @@ import threading
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Mapping
 
-from axrl.inference.protocol import GenerateRequest, GenerateResult
+from axrl.inference.protocol import GenerateRequest, GenerateResult, settle_future
 from axrl.runtime.events import EventLog
 from axrl.runtime.ray.calls import call_or_restart, close_actor, is_dead, unwrap
 from axrl.runtime.ray.handles import DataPlane, WeightsHandle, payload_bytes
@@ -92,10 +92,7 @@ class RayEngine:
             if entry is None:
                 continue
             self._plane.moved("engine_results", payload_bytes(result))
-            if error is not None:
-                entry[1].set_exception(error)
-            else:
-                entry[1].set_result(result)
+            settle_future(entry[1], result, error)
 
     def _poll(self) -> None:
         """Free-running engines: collect finished requests (in the actor's own poll thread, so
@@ -115,7 +112,7 @@ class RayEngine:
                     with self._lock:
                         pending, self._pending = list(self._pending.values()), OrderedDict()
                     for _, future in pending:
-                        future.set_exception(fatal)
+                        settle_future(future, error=fatal)
                     return
 
     # -- InferenceEngine -------------------------------------------------------------------------
@@ -206,9 +203,8 @@ class RayEngine:
         with self._lock:
             pending, self._pending = list(self._pending.values()), OrderedDict()
         for req, future in pending:
-            if not future.done():
-                future.set_result(GenerateResult(req.rid, [], [], None, {"type": "abort", "message": "engine shut down"},
-                                                 weight_version=self._version))
+            settle_future(future, GenerateResult(req.rid, [], [], None, {"type": "abort", "message": "engine shut down"},
+                                                weight_version=self._version))
         if self._poller is not None:
             self._poller.join(timeout=5)
         close_actor(self._ray, self._actor, ask=False)
