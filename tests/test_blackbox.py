@@ -261,3 +261,25 @@ def test_agent_config_keys_reach_the_player_and_the_proxy(tok):
     finally:
         player.close()
         proxy.stop()
+
+
+def test_fork_server_preloads_what_its_children_imported(tmp_path):
+    """A module an agent imports while it runs is loaded in the server for the next agents;
+    one from the agent's own directory is not (the server's path is not the script's)."""
+    from axrl.agents.forkserver import ForkServer
+
+    (tmp_path / "agent_helper.py").write_text("VALUE = 1\n")
+    script = tmp_path / "agent.py"
+    script.write_text("import sys\n"
+                      "print(int('colorsys' in sys.modules), int('agent_helper' in sys.modules), file=sys.stderr)\n"
+                      "if True:  # not a top-level import: learnt from the first child\n    import colorsys, agent_helper\n")
+    server = ForkServer(script)
+    try:
+        seen = []
+        for _ in range(3):
+            proc = server.spawn([str(script)], {}, str(tmp_path))
+            seen.append(proc.communicate(b"", timeout=60)[1].decode().split())
+            assert proc.returncode == 0
+        assert seen == [["0", "0"], ["1", "0"], ["1", "0"]]
+    finally:
+        server.close()

@@ -8,8 +8,13 @@ forks a child per episode. The child is the agent's own process as before: its o
 environment, working directory, stdin (the prompt), stderr (its tail recorded on failure), exit
 code, and a kill on timeout; it runs the script unchanged as `__main__` (`runpy`).
 
-Only the modules the script imports at top level are preloaded, and only modules that exist;
-a module whose import fails in the server is simply imported (and fails) in the child.
+The server preloads the modules the script imports at top level, then the ones its children
+go on to import while they run (lazy imports inside libraries: `openai` defers its resource
+modules, about half of an agent's remaining CPU time) — each child reports them when it ends,
+and later children start with them loaded. Modules of the script's own directory are left to
+the child (the server's `sys.path` is not the script's), and a module whose import fails in
+the server is simply imported (and fails) in the child. Like any preloading, this assumes the
+agent's libraries do nothing at import that a fork would break (start threads, open sockets).
 
     server = ForkServer("examples/agents/calculator_agent.py")
     proc = server.spawn(["examples/agents/calculator_agent.py"], env, cwd)   # Popen-like
@@ -34,13 +39,25 @@ from typing import Any
 
 # The server's code, run as `python -c`: it must import nothing of AxRL (the agent's interpreter).
 _SERVER = r'''
-import json, os, runpy, select, signal, socket, sys, traceback
+import gc, json, os, runpy, select, signal, socket, sys, traceback
 sock = socket.socket(fileno=int(sys.argv[1]))
-for name in json.loads(sys.argv[2]):
-    try:
-        __import__(name)
-    except BaseException:
-        pass
+tried = set()
+def preload(names):
+    for name in names:
+        if name not in sys.modules and name not in tried:
+            tried.add(name)
+            try:
+                __import__(name)
+            except BaseException:
+                pass
+    gc.freeze()  # a child's collections skip the preloaded objects (no copy-on-write of them)
+preload(json.loads(sys.argv[2]))
+# Children report the modules they imported at run time (lazy imports: ~half of an openai
+# agent's CPU); the server imports them too, so later children start with them loaded.
+learn_r, learn_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+def learnable(module, script_dir):
+    path = getattr(module, "__file__", None)
+    return bool(path) and not os.path.abspath(path).startswith(script_dir + os.sep)
 wake_r, wake_w = os.pipe()
 os.set_blocking(wake_w, False)
 signal.set_wakeup_fd(wake_w)
@@ -56,10 +73,12 @@ def reap():
             return
         sock.sendall(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
 while True:
-    ready, _, _ = select.select([sock, wake_r], [], [])
+    ready, _, _ = select.select([sock, wake_r, learn_r], [], [])
     if wake_r in ready:
         os.read(wake_r, 4096)
         reap()
+    if learn_r in ready:
+        preload(json.loads(learn_r.recv(1 << 20)))
     if sock not in ready:
         continue
     msg, fds, _, _ = socket.recv_fds(sock, 1 << 22, 2)
@@ -79,6 +98,8 @@ while True:
             for fd in (*fds, devnull, wake_r, wake_w):
                 os.close(fd)
             sock.close()
+            learn_r.close()
+            loaded = set(sys.modules)
             sys.stdin = open(0, closefd=False)
             sys.stdout = open(1, "w", closefd=False)
             sys.stderr = open(2, "w", closefd=False)
@@ -99,6 +120,14 @@ while True:
                 code = 1
             sys.stdout.flush()
             sys.stderr.flush()
+            script_dir = os.path.dirname(os.path.abspath(job["argv"][0]))
+            new = [n for n, m in list(sys.modules.items())
+                   if n not in loaded and n not in tried and learnable(m, script_dir)]
+            if new:
+                try:
+                    learn_w.send(json.dumps(new).encode())
+                except OSError:
+                    pass
         except BaseException:
             code = 1
         os._exit(code)
