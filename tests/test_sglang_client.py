@@ -318,3 +318,49 @@ def test_abort_of_a_request_still_queued_in_the_client(setup):
         assert first.result(30).finish_type == "abort"
     finally:
         engine.shutdown()
+
+
+# A server that, like SGLang's, does not notice that its launcher died.
+_DEAF_SERVER = """
+import http.server, sys
+port = int(sys.argv[sys.argv.index('--port') + 1])
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b'ok')
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(('127.0.0.1', port), Health).serve_forever()
+"""
+
+
+def test_a_killed_launchers_servers_are_stopped_by_the_next_launcher(tmp_path):
+    """A launcher SIGKILLed (a dead Ray rollout actor) leaves its servers running in their own
+    sessions; the next launcher stops them before it starts, so it gets the same ports back."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from axrl.inference.sglang.launcher import port_is_free
+    from axrl.processes import process_stat
+
+    server = tmp_path / "deaf_server.py"
+    server.write_text(_DEAF_SERVER)
+    port = free_port()
+    launch = (f"from axrl.inference.sglang.launcher import SGLangLauncher\n"
+              f"l = SGLangLauncher({str(tmp_path)!r}, base_port={port}, command=[{sys.executable!r}, {str(server)!r}])\n"
+              f"l.start(); print(l.pid(0), flush=True)\nimport time; time.sleep(600)\n")
+    first = subprocess.Popen([sys.executable, "-c", launch], stdout=subprocess.PIPE, text=True)
+    try:
+        orphan = int(first.stdout.readline())
+    finally:
+        first.kill()
+        first.wait()
+    assert process_stat(orphan) is not None and not port_is_free("127.0.0.1", port)  # outlived its launcher
+    again = SGLangLauncher(tmp_path, base_port=port, command=[sys.executable, str(server)], startup_timeout_s=30)
+    try:
+        assert again.start() == [f"http://127.0.0.1:{port}"]  # the same port, not the next free one
+        assert process_stat(orphan) is None
+        assert again.pid(0) != orphan
+    finally:
+        again.stop()

@@ -8,15 +8,23 @@ wrapper (`axrl/inference/sglang/cpu_compat.py` run by the SGLang venv's python) 
 A crashed server is restarted on the same port by `ensure_alive(i)` (called by the client when a
 request to it fails, and by the optional watchdog thread); the restart counter per server lets
 the client notice a restart and re-apply the latest weights before re-sending its requests.
+
+Servers run in sessions of their own (so `stop()` reaches the workers SGLang forks), which means
+they survive a launcher killed with SIGKILL — a Ray rollout actor that died, a trainer killed by
+the OOM killer. Each launched server therefore leaves a claim (`CLAIMS_DIR/<port>.json`: its
+and its launcher's PID and start time), and `start()` first stops the servers whose launcher is
+gone, so a restarted launcher gets its ports and memory back instead of finding them taken.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -25,10 +33,16 @@ from typing import Sequence
 
 import httpx
 
+from axrl.processes import is_running, kill_group, process_stat
+
+CLAIMS_DIR = Path(tempfile.gettempdir()) / f"axrl-servers-{os.getuid()}"
+
 
 def port_is_free(host: str, port: int) -> bool:
-    """Whether `host:port` can be bound right now."""
+    """Whether a server could listen on `host:port` right now (with SO_REUSEADDR, as uvicorn and
+    SGLang bind: connections of a stopped server lingering in TIME_WAIT do not take the port)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -104,6 +118,7 @@ class SGLangLauncher:
         """Start every server and wait until all are healthy; returns their URLs."""
         if self._servers:
             raise RuntimeError("SGLangLauncher.start() was already called")
+        stop_orphaned_servers()
         port = self.base_port
         for i in range(self.num_servers):
             while not port_is_free(self.host, port):
@@ -144,6 +159,7 @@ class SGLangLauncher:
         # A new session: stop() can signal the server and any workers it forked (SGLang does).
         s.process = subprocess.Popen(self.argv(s.index), env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        _write_claim(s.port, s.process.pid)
         if out is subprocess.PIPE:
             threading.Thread(target=self._pump, args=(s, s.process), daemon=True).start()
 
@@ -250,6 +266,7 @@ class SGLangLauncher:
                     pass
                 p.wait()
             self._close_log(s)
+            _claim_path(s.port).unlink(missing_ok=True)
 
     def __enter__(self) -> "SGLangLauncher":
         self.start()
@@ -257,3 +274,38 @@ class SGLangLauncher:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _claim_path(port: int) -> Path:
+    return CLAIMS_DIR / f"{port}.json"
+
+
+def _write_claim(port: int, pid: int) -> None:
+    me, server = process_stat(os.getpid()), process_stat(pid)
+    if me is None or server is None:
+        return  # the server already exited: nothing to stop later
+    CLAIMS_DIR.mkdir(parents=True, exist_ok=True)
+    tmp = _claim_path(port).with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"pid": pid, "start": server[1], "launcher": os.getpid(), "launcher_start": me[1]}))
+    tmp.replace(_claim_path(port))
+
+
+def stop_orphaned_servers() -> list[int]:
+    """Stop the servers on this host whose launcher died without stopping them (SIGTERM to their
+    process group, SIGKILL after 10 s) and drop stale claims; the PIDs stopped."""
+    stopped: list[int] = []
+    if not CLAIMS_DIR.is_dir():
+        return stopped
+    for path in CLAIMS_DIR.glob("*.json"):
+        try:
+            claim = json.loads(path.read_text())
+            pid, start, launcher, launcher_start = (int(claim[k]) for k in ("pid", "start", "launcher", "launcher_start"))
+        except (OSError, ValueError, KeyError, TypeError):
+            path.unlink(missing_ok=True)
+            continue
+        if is_running(launcher, launcher_start):
+            continue  # a live launcher's server (this run's or another's)
+        if kill_group(pid, start):
+            stopped.append(pid)
+        path.unlink(missing_ok=True)
+    return stopped

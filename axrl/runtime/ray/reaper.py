@@ -19,14 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-
-def _stat(pid: int) -> tuple[int, int] | None:
-    """(parent pid, start time in clock ticks) of a live process, None when gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return int(fields[1]), int(fields[19])
+from axrl.processes import is_running, process_stat
 
 
 def descendants(root: int) -> dict[int, int]:
@@ -35,7 +28,7 @@ def descendants(root: int) -> dict[int, int]:
     starts: dict[int, int] = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
-            st = _stat(int(d.name))
+            st = process_stat(int(d.name))
             if st is not None:
                 children.setdefault(st[0], []).append(int(d.name))
                 starts[int(d.name)] = st[1]
@@ -57,8 +50,7 @@ def main(driver: int) -> None:
             break  # EOF: the driver closed the pipe or died
         seen.update({p: s for p, s in descendants(driver).items() if p != me})
     for pid, start in seen.items():
-        st = _stat(pid)
-        if st is not None and st[1] == start:
+        if is_running(pid, start):
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
