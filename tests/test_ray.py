@@ -408,3 +408,22 @@ def test_data_parallel_ranks_sum_to_the_one_process_gradient_and_stay_identical(
     finally:
         executor.train_group.close()
         executor.close()
+
+
+def test_killed_rollout_actor_managing_servers_gets_its_ports_back(cluster, tmp_path):
+    """The rollout actor that manages the rollout servers (`rollout.engine: sglang`) is killed
+    mid-run: its servers, in sessions of their own, outlive it; the new actor's launcher stops
+    them and starts its own on the same port, re-synced to the last weights, and every step's
+    samples are there once."""
+    from axrl.inference.sglang.launcher import free_port
+
+    port = free_port()
+    sglang = ["rollout.engine=sglang", "rollout.sglang.server=axrl", f"rollout.sglang.base_port={port}", *SMALL]
+    out, killed = run_with_kill(tmp_path, "rollout worker", *sglang)
+    assert killed
+    assert sample_ids(out) == expected_ids(5, prompts=4, group=4)
+    events = read_events(out)
+    restarts = [e for e in events if e["event"] == "actor_restarted"]
+    assert len(restarts) == 1 and restarts[0]["component"] == "rollout worker"
+    started = [e["servers"] for e in events if e["event"] == "actors_started" and e["component"] == "engine"]
+    assert started == [[f"http://127.0.0.1:{port}"]] * 2  # the restarted actor's server took the same port
