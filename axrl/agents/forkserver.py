@@ -81,7 +81,10 @@ while True:
         preload(json.loads(learn_r.recv(1 << 20)))
     if sock not in ready:
         continue
-    msg, fds, _, _ = socket.recv_fds(sock, 1 << 22, 2)
+    try:
+        msg, fds, _, _ = socket.recv_fds(sock, 1 << 22, 2)
+    except OSError:  # the trainer closed its end (or died)
+        break
     if not msg:
         break
     job = json.loads(msg)

@@ -138,7 +138,16 @@ def _requests(session: Session, policy: SessionPolicy, body: dict[str, Any], pre
 
 async def _generate(session: Session, requests: list[GenerateRequest]) -> list[GenerateResult]:
     futures = [asyncio.wrap_future(session.submit(r)) for r in requests]
-    return list(await asyncio.gather(*futures))
+    try:
+        return list(await asyncio.gather(*futures))
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # the client went away: nothing to answer
+        # The episode was cancelled under the call (the run's end, an over-provisioned episode
+        # dropped): the agent gets an OpenAI-shaped error, not a dropped connection.
+        raise ProxyError(503, "the episode was cancelled while this call was being generated",
+                         code="episode_cancelled") from None
 
 
 def _cut(session: Session, res: GenerateResult, stops: list[str], chat: bool) -> tuple[list[int], str, str | None]:
