@@ -412,9 +412,10 @@ def test_data_parallel_ranks_sum_to_the_one_process_gradient_and_stay_identical(
 
 def test_killed_rollout_actor_managing_servers_gets_its_ports_back(cluster, tmp_path):
     """The rollout actor that manages the rollout servers (`rollout.engine: sglang`) is killed
-    mid-run: its servers, in sessions of their own, outlive it; the new actor's launcher stops
-    them and starts its own on the same port, re-synced to the last weights, and every step's
-    samples are there once."""
+    mid-run: the new actor starts its server on the same port, re-synced to the last weights, and
+    every step's samples are there once. (`axrl serve` also exits by itself when its launcher
+    dies; a server that does not — SGLang's — is stopped by the next launcher from its claim:
+    test_sglang_client.py::test_a_killed_launchers_servers_are_stopped_by_the_next_launcher.)"""
     from axrl.inference.sglang.launcher import free_port
 
     port = free_port()
