@@ -37,9 +37,9 @@ from axrl.runtime.progress import PhaseTimer, TrainProgress
 from axrl.runtime.records import step_record
 from axrl.runtime.updates import policy_loss
 from axrl.runtime.warmup import warm_up
-from axrl.train.inspection import loss_context
 from axrl.train.metrics import TOKEN_COLUMN_PREFIX, join_token_columns, split_token_columns
 from axrl.train.micro_batch import micro_batches
+from axrl.train.protocol import LossContext
 from axrl.trace import write_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +92,7 @@ def main() -> None:
             assert full.is_weight is not None and full.param_grad_norm is not None
             batch = outcome.processed.batch.select(outcome.updates[0].samples)
             mbs = micro_batches(batch, cfg.train.micro_batch_tokens)
-            ctx = loss_context(batch)
+            ctx = LossContext.of(batch)
             fwd = [c.backend.forward(mb) for mb in mbs]
             for r in range(args.repeats):
                 for order in ((True, False) if r % 2 == 0 else (False, True)):

@@ -1,18 +1,20 @@
 """`runtime.executor: ray`: what passes through the driver per step, and Ray's step-time overhead.
 
 Runs the quickstart config (tiny MoE at random init, no warm-up, no eval: every turn runs long,
-so the byte counts are an upper bound) on a local 2-CPU Ray cluster at two batch shapes — the
-quickstart's 16 prompts × 8 samples, and 10× the prompts with two data-parallel train ranks —
-plus the same quickstart shape with `runtime.executor: local` for the step-time ratio. Each ray
-run writes RUN/data_plane.json (axrl/runtime/ray/handles.py: `DataPlane`): the bytes of every
-payload the driver serialised or received, by category, and the bytes that moved between actors
-by object reference (weight snapshots: train rank 0 → engine), plus what each train rank
-fetched against its share.
+so the byte counts are an upper bound) on a local 2-CPU Ray cluster at three shapes — the
+quickstart's 16 prompts × 8 samples, 10× the prompts with two data-parallel train ranks, and the
+quickstart shape on the Megatron backend with expert parallel 2 (so data parallel 2: two Megatron
+rank actors, each with half of every micro-batch) — plus the quickstart shape with
+`runtime.executor: local` for the step-time ratio. Each ray run writes RUN/data_plane.json
+(axrl/runtime/ray/handles.py: `DataPlane`): the bytes of every payload the driver serialised or
+received, by category, and the bytes that moved between actors by object reference (weight
+snapshots: train rank 0 → engine), plus what each train rank (and Megatron rank) fetched against
+its share.
 
     python bench/ray_data_plane.py [--steps 3] [--big-steps 2] [--rounds 2]
 
-Last line: JSON with `driver_bytes_fraction` (driver bytes / payload bytes, the larger of the
-two shapes), the per-shape breakdowns, per-rank fetched vs share, and `ray_vs_local_step_time`.
+Last line: JSON with `driver_bytes_fraction` (driver bytes / payload bytes, the largest over the
+shapes), the per-shape breakdowns, per-rank fetched vs share, and `ray_vs_local_step_time`.
 """
 
 from __future__ import annotations
@@ -71,7 +73,10 @@ def main() -> None:
             ray_times += step_times(quick)[1:]
         big = run(t / "ray_10x", args.big_steps, *ray_args, "data.prompts_per_step=160", "runtime.ray.train_ranks=2",
                   "rollout.max_batch_size=128")
-        shapes = {"quickstart_16x8": plane(quick, args.steps), "batch_10x_160x8_dp2": plane(big, args.big_steps)}
+        megatron = run(t / "ray_megatron", args.big_steps, *ray_args, "train.backend=megatron",
+                       "train.megatron.expert_parallel=2")
+        shapes = {"quickstart_16x8": plane(quick, args.steps), "batch_10x_160x8_dp2": plane(big, args.big_steps),
+                  "megatron_ep2_dp2_16x8": plane(megatron, args.big_steps)}
         # Steady state: the first step of each run includes start-up (cluster, actors, first sync).
         local_t, ray_t = statistics.median(local_times), statistics.median(ray_times)
     for name, s in shapes.items():

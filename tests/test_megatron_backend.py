@@ -287,7 +287,7 @@ def test_config_validation():
 
 
 def test_data_parallel_shares_are_contiguous_and_balanced():
-    from axrl.train.megatron.rank import share_bounds
+    from axrl.train.megatron.shares import share_bounds
 
     for n in range(7):
         for dp in (1, 2, 3, 4):

@@ -133,6 +133,56 @@ def test_megatron_ranks_as_actors_write_the_local_megatron_trace_bit_for_bit(clu
     status = json.loads((out / "status.json").read_text())
     assert sorted(r["component"] for r in status["actors"] if r["component"].startswith("megatron")) == [
         "megatron rank 0", "megatron rank 1"]
+    # DP 1: both ranks are TP ranks of one DP rank, so they fetch the same share — one object
+    # in the store per call, not one per rank — and each fetched exactly what it was sent.
+    plane = json.loads((out / "data_plane.json").read_text())
+    share = {k: v for k, v in plane["rank_share"].items() if k.startswith("megatron")}
+    assert sorted(share) == ["megatron rank 0", "megatron rank 1"]
+    assert share["megatron rank 0"] == share["megatron rank 1"] == plane["by_ref"]["megatron_shares"] > 0
+    assert {k: plane["rank_fetched"][k] for k in share} == share
+
+
+@pytest.mark.slow
+def test_megatron_rank_actors_each_fetch_only_their_data_parallel_share(cluster):
+    """TP 1 × EP 2 derives DP 2: the backend cuts every micro-batch into the two DP ranks' shares,
+    each rank actor is sent only the reference to its own and fetches about half the batch, and
+    the actors compute what the backend's own worker processes compute, bit for bit."""
+    pytest.importorskip("megatron.core")
+    import torch
+
+    from axrl.model import build_model, preset_config
+    from axrl.runtime.ray.handles import DataPlane, payload_bytes
+    from axrl.runtime.ray.megatron_ranks import RayRankGroup
+    from axrl.train.megatron import MegatronBackend, MegatronBackendConfig
+    from tests.test_train_backend import make_batch, pg_loss
+
+    plane, groups = DataPlane(in_driver=False), []
+
+    def rank_actors(*args):
+        groups.append(RayRankGroup(*args, slots=[{"num_cpus": 0.5}] * 2, call_timeout_s=300, plane=plane))
+        return groups[-1]
+
+    conf = dict(lr=1e-2, num_threads=1, micro_batch_tokens=24, expert_parallel=2)
+    local = MegatronBackend(build_model(preset_config("micro-moe"), seed=9), MegatronBackendConfig(**conf))
+    on_ray = MegatronBackend(build_model(preset_config("micro-moe"), seed=9), MegatronBackendConfig(**conf),
+                             group=rank_actors)
+    try:
+        assert on_ray.config.data_parallel_size == 2
+        batch = make_batch(lengths=[5, 9, 3, 12, 8])
+        a, b = local.forward(batch), on_ray.forward(batch)
+        assert torch.equal(a.logprobs, b.logprobs) and torch.equal(a.routed_experts, b.routed_experts)
+        m1, m2 = local.forward_backward(batch, pg_loss), on_ray.forward_backward(batch, pg_loss)
+        s1, s2 = local.optimizer_step(), on_ray.optimizer_step()
+        assert m1.loss == m2.loss and s1.grad_norm == s2.grad_norm > 0
+        assert local.fingerprint() == on_ray.fingerprint()
+        fetched, share = groups[0].fetched_bytes(), plane.snapshot()["rank_share"]
+        assert fetched == share and sorted(share) == ["megatron rank 0", "megatron rank 1"]
+        whole = 2 * payload_bytes(batch)  # two calls sent shares: forward, forward_backward
+        assert all(0.3 * whole < n < 0.7 * whole for n in share.values()), (share, whole)
+        assert plane.snapshot()["by_ref"]["megatron_shares"] == sum(share.values())  # one object per DP rank
+    finally:
+        local.close()
+        on_ray.close()
 
 
 def test_sglang_servers_managed_by_the_rollout_actor_write_the_local_trace(cluster, tmp_path):

@@ -19,13 +19,6 @@ from axrl.train.micro_batch import next_token_logprobs, pad_micro_batch, unpad
 from axrl.train.protocol import Inspection, LossContext, LossFn, PackedBatch, R3Scope
 
 
-def loss_context(batch: PackedBatch) -> LossContext:
-    """Batch-wide counts, as `forward_backward` computes them for a whole optimizer batch."""
-    per_sample = torch.zeros(batch.num_samples).index_add_(0, batch.sample_index(), batch.loss_mask.float().cpu())
-    return LossContext(num_loss_tokens=int(batch.loss_mask.sum()), num_samples=batch.num_samples,
-                       num_loss_samples=int((per_sample > 0).sum()))
-
-
 class _Hooks:
     """Forward hooks on the embeddings, every decoder layer, the final norm and the MoE blocks."""
 
@@ -82,7 +75,7 @@ def inspect_model(model: Qwen3ForCausalLM, batch: PackedBatch, loss_fn: LossFn, 
     batch, old logprobs set) under `loss_fn`, normalised as the whole batch (`LossContext`)."""
     device = next(model.parameters()).device
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    ctx = loss_context(batch)
+    ctx = LossContext.of(batch)
     hooks = _Hooks(model)
     T, N = batch.num_tokens, batch.num_samples
     act = torch.full((T, len(hooks.points)), float("nan"), dtype=torch.float32)

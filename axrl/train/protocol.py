@@ -87,6 +87,14 @@ class LossContext:
     num_samples: int          # samples in the whole optimizer batch
     num_loss_samples: int     # samples with at least one loss token
 
+    @classmethod
+    def of(cls, batch: "PackedBatch") -> "LossContext":
+        """The counts of `batch` taken as a whole optimizer batch."""
+        per_sample = torch.zeros(batch.num_samples).index_add_(0, batch.sample_index().cpu(),
+                                                               batch.loss_mask.float().cpu())
+        return cls(num_loss_tokens=int(batch.loss_mask.sum()), num_samples=batch.num_samples,
+                   num_loss_samples=int((per_sample > 0).sum()))
+
 
 class LossFn(Protocol):
     """Loss over one micro-batch: returns (scalar loss to backprop, metrics).

@@ -308,9 +308,7 @@ class TorchBackend:
         """
         r3 = self._use_r3(batch, r3)
         self.model.train()
-        per_sample = torch.zeros(batch.num_samples).index_add_(0, batch.sample_index(), batch.loss_mask.float().cpu())
-        ctx = LossContext(num_loss_tokens=int(batch.loss_mask.sum()), num_samples=batch.num_samples,
-                          num_loss_samples=int((per_sample > 0).sum()))
+        ctx = LossContext.of(batch)
         rows: list[dict[str, float]] = []
         columns: list[dict[str, torch.Tensor]] = []
         for mb in self._micro_batches(batch):

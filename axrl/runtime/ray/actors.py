@@ -21,7 +21,7 @@ from axrl.config import Config
 from axrl.model.device import resolve_device
 from axrl.inference.protocol import GenerateRequest, GenerateResult
 from axrl.runtime.ray.activity import Activity
-from axrl.runtime.ray.handles import WeightsHandle, payload_bytes
+from axrl.runtime.ray.handles import DataPlane, WeightsHandle, payload_bytes, rank_label
 from axrl.train.protocol import ForwardResult, LossContext, LossFn, PackedBatch, StepStats, TrainMetrics
 
 Finished = tuple[str, GenerateResult | None, BaseException | None]   # (rid, result, error)
@@ -144,17 +144,18 @@ class TrainRankActor:
         torch.set_num_threads(config.runtime.threads)
         self.rank, self.world = rank, world
         self.megatron_ranks: Any = None     # the head's RayRankGroup
+        self.plane = DataPlane(in_driver=False)  # what this rank moves by reference (Megatron shares)
         group = None
         if megatron_slots is not None:
             from axrl.runtime.ray.megatron_ranks import RayRankGroup
 
             def group(*args: Any) -> RayRankGroup:
-                self.megatron_ranks = RayRankGroup(*args, slots=megatron_slots,
+                self.megatron_ranks = RayRankGroup(*args, slots=megatron_slots, plane=self.plane,
                                                    call_timeout_s=config.runtime.ray.call_timeout_s)
                 return self.megatron_ranks
         self.backend = make_train_backend(config, make_tokenizer(config), megatron_group=group)
         self.device = resolve_device(config.runtime.device)
-        self.activity_ = Activity(f"train rank {rank}")
+        self.activity_ = Activity(rank_label(rank))
         self._fetched = 0
 
     def pid(self) -> int:
@@ -189,6 +190,15 @@ class TrainRankActor:
 
     def fetched_bytes(self) -> int:
         return self._fetched
+
+    def data_plane(self) -> dict[str, Any]:
+        """This rank's account (`DataPlane.snapshot`): what it fetched and, as the Megatron head,
+        what it sent its rank actors by reference and what they fetched."""
+        snap = self.plane.snapshot()
+        snap["rank_fetched"][rank_label(self.rank)] = self._fetched
+        if self.megatron_ranks is not None:
+            snap["rank_fetched"].update(self.megatron_ranks.fetched_bytes())
+        return snap
 
     def model_config(self) -> Any:
         return self.backend.model_config

@@ -67,6 +67,11 @@ def shard_rows(batch: PackedBatch, ranks: int) -> list[list[int]]:
     return out
 
 
+def rank_label(rank: int, kind: str = "train") -> str:
+    """A rank's name in activity tables and the data-plane account ("train rank 0", "megatron rank 1")."""
+    return f"{kind} rank {rank}"
+
+
 @dataclass
 class WeightsHandle:
     """Weights version `version` of the train group, in the object store (HF names). Engines
@@ -81,13 +86,15 @@ class WeightsHandle:
 class DataPlane:
     """Bytes per category that a process sent or received. The driver's plane (`in_driver`)
     counts what passed through the driver; an actor's counts what moved between actors (by
-    object reference or actor to actor) and is folded into the driver's with `merge`. Thread-safe."""
+    object reference or actor to actor) and is folded into the driver's with `merge`. Per rank
+    (by label: "train rank 0", "megatron rank 1"), the bytes of its share as the sender counted
+    them, and what the rank itself says it fetched. Thread-safe."""
 
     in_driver: bool = True
     driver: dict[str, int] = field(default_factory=dict)
     by_ref: dict[str, int] = field(default_factory=dict)
-    rank_fetched: dict[int, int] = field(default_factory=dict)     # what each rank was sent (its share)
-    rank_reported: dict[int, int] = field(default_factory=dict)    # what each rank says it fetched
+    rank_share: dict[str, int] = field(default_factory=dict)
+    rank_fetched: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def moved(self, category: str, nbytes: int) -> None:
@@ -102,27 +109,24 @@ class DataPlane:
         with self._lock:
             where[category] = where.get(category, 0) + nbytes
 
-    def fetched(self, rank: int, nbytes: int) -> None:
-        with self._lock:
-            self.rank_fetched[rank] = self.rank_fetched.get(rank, 0) + nbytes
+    def shared(self, rank: str, nbytes: int) -> None:
+        """`nbytes` sent to `rank` as its share (counted by the sender)."""
+        self._add(self.rank_share, rank, nbytes)
 
-    def reported(self, rank: int, nbytes: int) -> None:
-        with self._lock:
-            self.rank_reported[rank] = nbytes
+    def fetched(self, rank: str, nbytes: int) -> None:
+        """`nbytes` that `rank` says it fetched."""
+        self._add(self.rank_fetched, rank, nbytes)
 
     def merge(self, snapshot: dict[str, Any]) -> None:
         """Fold in an actor's `snapshot()`: all it counted moved between actors, not through the driver."""
         for part in ("driver", "by_ref"):
             for category, n in snapshot[part].items():
                 self._add(self.by_ref, category, n)
-        with self._lock:
-            for rank, n in snapshot["rank_share"].items():
-                self.rank_fetched[int(rank)] = self.rank_fetched.get(int(rank), 0) + n
-            for rank, n in snapshot["rank_fetched"].items():
-                self.rank_reported[int(rank)] = n
+        for part, where in (("rank_share", self.rank_share), ("rank_fetched", self.rank_fetched)):
+            for rank, n in snapshot[part].items():
+                self._add(where, rank, n)
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {"driver": dict(self.driver), "by_ref": dict(self.by_ref),
-                    "rank_share": {str(k): v for k, v in self.rank_fetched.items()},
-                    "rank_fetched": {str(k): v for k, v in self.rank_reported.items()}}
+                    "rank_share": dict(self.rank_share), "rank_fetched": dict(self.rank_fetched)}

@@ -1,12 +1,16 @@
 """The Megatron backend's ranks as Ray actors: `RayRankGroup` replaces the worker processes that
 `axrl/train/megatron/parallel.py` launches itself, under `runtime.executor: ray`.
 
-It has `WorkerGroup`'s interface (`world_size`, `call(method, *args)` → every rank's answer,
-`close()`), so `MegatronBackend` runs unchanged on top of it. Each rank is a
-`MegatronRankActor` in its placement slot; they form their gloo (NCCL on GPUs) process group at
-rank 0's node address, and every call goes to all ranks at once (collectives need them all),
-failing fast when one fails. The backend itself lives in the train group's head actor
-(`TrainRankActor`), so the driver and the learner reach it like a torch rank.
+It is a `RankGroup` (`axrl/train/megatron/parallel.py`), like the backend's own worker
+processes, so `MegatronBackend` runs unchanged on top of it. Each rank is a `MegatronRankActor` in
+its placement slot; they form their gloo (NCCL on GPUs) process group at rank 0's node address,
+and every call goes to all ranks at once (collectives need them all), failing fast when one fails.
+The backend itself lives in the train group's head actor (`TrainRankActor`), so the driver and
+the learner reach it like a torch rank.
+
+Batches move by handle: the backend hands `call_each` one `RankWork` per rank (its DP share of
+every micro-batch, `shares.py`); each distinct one goes into the object store once and only its
+reference is sent, so a rank fetches its own rows and the TP ranks of one DP rank share one object.
 """
 
 from __future__ import annotations
@@ -18,14 +22,16 @@ from typing import Any
 from axrl.model import ModelConfig
 from axrl.runtime.ray.activity import Activity
 from axrl.runtime.ray.calls import close_actor
+from axrl.runtime.ray.handles import DataPlane, payload_bytes, rank_label
 from axrl.train.megatron.model import ParallelSizes
 
 
 class MegatronRankActor:
     def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world = rank, world
-        self.activity_ = Activity(f"megatron rank {rank}")
+        self.activity_ = Activity(rank_label(rank, "megatron"))
         self.state: Any = None
+        self._fetched = 0
 
     def pid(self) -> int:
         return os.getpid()
@@ -52,6 +58,16 @@ class MegatronRankActor:
         with self.activity_.doing(method):
             return getattr(self.state, method)(*args)
 
+    def call_with(self, method: str, first: Any, args: tuple[Any, ...]) -> Any:
+        """`call` with this rank's own first argument (resolved from its object reference)."""
+        n = payload_bytes(first)
+        self._fetched += n
+        self.activity_.count("fetched_bytes", n)
+        return self.call(method, (first, *args))
+
+    def fetched_bytes(self) -> int:
+        return self._fetched
+
     def activity(self) -> dict[str, Any]:
         return {**self.activity_.report(), "pid": os.getpid()}
 
@@ -65,15 +81,18 @@ class MegatronRankActor:
 
 
 class RayRankGroup:
-    """`sizes.world_size` Megatron rank actors, one per entry of `slots` (Ray actor options)."""
+    """`sizes.world_size` Megatron rank actors, one per entry of `slots` (Ray actor options).
+    What each rank is sent by reference is counted in `plane` (the head actor's account)."""
 
     def __init__(self, model_cfg: ModelConfig, sizes: ParallelSizes, dispatcher: str, weights: dict[str, Any],
-                 seed: int, num_threads: int, *, slots: list[dict[str, Any]], call_timeout_s: float) -> None:
+                 seed: int, num_threads: int, *, slots: list[dict[str, Any]], call_timeout_s: float,
+                 plane: DataPlane | None = None) -> None:
         import ray
 
         if len(slots) != sizes.world_size:
             raise ValueError(f"{len(slots)} placement slots for a Megatron world of {sizes.world_size} ranks")
         self._ray, self._timeout, self.world_size = ray, call_timeout_s, sizes.world_size
+        self._plane = plane or DataPlane(in_driver=False)
         remote = ray.remote(concurrency_groups={"monitor": 1})(MegatronRankActor)
         self.actors = [remote.options(**slot).remote(r, self.world_size) for r, slot in enumerate(slots)]
         self._closed = False
@@ -100,12 +119,36 @@ class RayRankGroup:
         return self._ray.get(refs)
 
     def call(self, method: str, *args: Any) -> list[Any]:
-        """Every rank runs `method(*args)`; the arguments (a batch) go into the object store once and
-        every rank reads them from there (each takes its data-parallel share of a batch itself)."""
-        if self._closed:
-            raise RuntimeError("the Megatron backend's rank actors are closed")
+        """Every rank runs `method(*args)` (small arguments; weights go into the object store once
+        and every rank reads them from there)."""
+        self._check_open()
         ref = self._ray.put(args)
         return self._collect([a.call.remote(method, ref) for a in self.actors], method)
+
+    def call_each(self, method: str, firsts: list[Any], *args: Any) -> list[Any]:
+        """Rank r runs `method(firsts[r], *args)`; each distinct first argument is put in the object
+        store once and rank r is sent only the reference to its own."""
+        self._check_open()
+        refs: dict[int, Any] = {}
+        for obj in firsts:
+            if id(obj) not in refs:
+                refs[id(obj)] = self._ray.put(obj)
+                self._plane.by_reference("megatron_shares", payload_bytes(obj))
+        for r, obj in enumerate(firsts):
+            self._plane.shared(rank_label(r, "megatron"), payload_bytes(obj))
+        rest = self._ray.put(args)
+        return self._collect([a.call_with.remote(method, refs[id(obj)], rest)
+                              for a, obj in zip(self.actors, firsts)], method)
+
+    def fetched_bytes(self, timeout_s: float = 30.0) -> dict[str, int]:
+        """What each rank says it fetched, by label."""
+        got = self._ray.get([a.fetched_bytes.options(concurrency_group="monitor").remote() for a in self.actors],
+                            timeout=timeout_s)
+        return {rank_label(r, "megatron"): n for r, n in enumerate(got)}
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the Megatron backend's rank actors are closed")
 
     def activity(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
         return self._ray.get([a.activity.options(concurrency_group="monitor").remote() for a in self.actors],

@@ -22,7 +22,7 @@ import torch
 from axrl.model.config import ModelConfig
 from axrl.runtime.events import EventLog
 from axrl.runtime.ray.calls import close_actor
-from axrl.runtime.ray.handles import DataPlane, WeightsHandle, payload_bytes, shard_rows
+from axrl.runtime.ray.handles import DataPlane, WeightsHandle, payload_bytes, rank_label, shard_rows
 from axrl.train.metrics import reduce_microbatch_metrics
 from axrl.train.protocol import (R3, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, StepStats,
                                  TrainMetrics)
@@ -30,13 +30,6 @@ from axrl.train.protocol import (R3, ForwardResult, Inspection, LossContext, Los
 
 class TrainGroupLost(RuntimeError):
     """A train rank died; the group's state is gone (restart from a checkpoint)."""
-
-
-def loss_context(batch: PackedBatch) -> LossContext:
-    """The whole batch's counts, as the in-process backend computes them."""
-    per_sample = torch.zeros(batch.num_samples).index_add_(0, batch.sample_index(), batch.loss_mask.float().cpu())
-    return LossContext(num_loss_tokens=int(batch.loss_mask.sum()), num_samples=batch.num_samples,
-                       num_loss_samples=int((per_sample > 0).sum()))
 
 
 def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
@@ -124,7 +117,7 @@ class RayTrainGroup:
         for i, s in enumerate(shards):
             n = payload_bytes(s)
             self._plane.moved("batch", n)
-            self._plane.fetched(i, n)
+            self._plane.shared(rank_label(i), n)
             out.append((self._ray.put(s), s))
         return out
 
@@ -146,7 +139,7 @@ class RayTrainGroup:
 
     def forward_backward(self, batch: PackedBatch, loss_fn: LossFn, *, r3: R3 = False) -> TrainMetrics:
         shards = self._shards(batch)
-        ctx = None if self.world == 1 else loss_context(batch)
+        ctx = None if self.world == 1 else LossContext.of(batch)
         parts: list[TrainMetrics] = self._get([r.forward_backward.remote(ref, loss_fn, r3, ctx)
                                                for r, (ref, _) in zip(self.ranks, shards)])
         self._plane.moved("train_metrics", sum(payload_bytes(p) for p in parts))
@@ -228,8 +221,8 @@ class RayTrainGroup:
             return
         if not self.lost:
             try:
-                for rank, n in enumerate(self._ray.get([r.fetched_bytes.remote() for r in self.ranks], timeout=30)):
-                    self._plane.reported(rank, n)
+                for snapshot in self._ray.get([r.data_plane.remote() for r in self.ranks], timeout=30):
+                    self._plane.merge(snapshot)
             except Exception:  # noqa: BLE001 — accounting only
                 pass
         for r in self.ranks:

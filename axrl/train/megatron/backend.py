@@ -14,7 +14,7 @@ import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -24,6 +24,9 @@ from axrl.train.fingerprint import weights_fingerprint
 from axrl.train.metrics import TOKEN_COLUMN_PREFIX, join_token_columns, reduce_microbatch_metrics
 from axrl.train.protocol import R3, ForwardResult, Inspection, LossFn, PackedBatch, R3Scope, StepStats, TrainMetrics
 from axrl.train.torch_backend import TorchBackend, TorchBackendConfig, lr_at, use_r3
+
+if TYPE_CHECKING:
+    from axrl.train.megatron.parallel import RankGroup
 
 INSTALL_HINT = "train.backend=megatron needs megatron-core: pip install 'axrl[megatron]'"
 DISPATCHERS = ("alltoall", "allgather")
@@ -116,7 +119,7 @@ class MegatronBackend:
     """
 
     def __init__(self, model: Qwen3ForCausalLM, config: MegatronBackendConfig | None = None, tokenizer: Any = None,
-                 group: Callable[..., Any] | None = None) -> None:
+                 group: Callable[..., RankGroup] | None = None) -> None:
         """`group(model_config, sizes, dispatcher, weights, seed, num_threads)` builds the ranks
         (default: in this process at world size 1, else worker processes; Ray actors under
         `runtime.executor: ray`)."""
@@ -141,8 +144,10 @@ class MegatronBackend:
         weights = {k: v.detach().to("cpu", torch.float32)
                    for k, v in to_megatron(hf_state_dict(model), model.config).items()}
         group_cls = group or (InProcessGroup if sizes.world_size == 1 else WorkerGroup)
-        self._group = group_cls(model.config, sizes, config.moe_dispatcher, weights, config.seed,
+        self._group: RankGroup = group_cls(model.config, sizes, config.moe_dispatcher, weights, config.seed,
                                 config.num_threads or torch.get_num_threads())
+        self._data_parallel = sizes.data_parallel
+        self._dp_of = self._group.call("data_parallel_rank")  # global rank → its DP rank
         self._dtype = next(model.parameters()).dtype
         self._hf_names = [n for n, p in model.named_parameters() if p.requires_grad]  # StepStats order
         self.scheduler_step = 0
@@ -153,11 +158,18 @@ class MegatronBackend:
 
     # ------------------------------------------------------------------ forward / backward
     def _knobs(self) -> Any:
-        from axrl.train.megatron.rank import StepKnobs
+        from axrl.train.megatron.shares import StepKnobs
 
         c = self.config
         return StepKnobs(dtype=c.dtype, micro_batch_tokens=c.micro_batch_tokens, micro_batch_size=c.micro_batch_size,
                          prefix_merge=c.prefix_merge)
+
+    def _call_with_shares(self, method: str, batch: PackedBatch, *args: Any) -> list[Any]:
+        """`method(work, *args)` on every rank, each sent only its DP rank's `RankWork`."""
+        from axrl.train.megatron.shares import split_for_ranks
+
+        works = split_for_ranks(_cpu(batch), self._data_parallel, self._knobs())
+        return self._group.call_each(method, [works[d] for d in self._dp_of], *args)
 
     def _use_r3(self, batch: PackedBatch, r3: R3) -> R3Scope | None:
         return use_r3(self.model_config, batch, r3)
@@ -170,7 +182,7 @@ class MegatronBackend:
         if weights is not None:
             self._group.call("swap_weights", weights)
         try:
-            answers = self._group.call("forward", _cpu(batch), self._use_r3(batch, r3), self._knobs())
+            answers = self._call_with_shares("forward", batch, self._use_r3(batch, r3), self._knobs())
         finally:
             if weights is not None:
                 self._group.call("swap_weights", weights)
@@ -185,8 +197,8 @@ class MegatronBackend:
 
     def forward_backward(self, batch: PackedBatch, loss_fn: LossFn, *, r3: R3 = False) -> TrainMetrics:
         """Accumulate grads of `loss_fn` micro-batch by micro-batch (fixed order, see micro_batch.py)."""
-        per_mb = _by_micro_batch(self._group.call("forward_backward", _cpu(batch), loss_fn, self._use_r3(batch, r3),
-                                                  self._knobs()))
+        per_mb = _by_micro_batch(self._call_with_shares("forward_backward", batch, loss_fn, self._use_r3(batch, r3),
+                                                        self._knobs()))
         # shares in dp order = sample order: their per-token columns concatenate into the batch's
         shares = [[_split_columns(r) for r in mb if r is not None] for mb in per_mb]
         # one row per micro-batch, as the embedded backend reports; DP shares combine like micro-batches

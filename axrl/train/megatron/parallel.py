@@ -1,10 +1,13 @@
 """Where the ranks live: in the driver process (world size 1) or in worker processes that the
 backend spawns itself (world size TP × DP > 1, gloo over localhost; NCCL on GPUs).
 
-Both expose `call(method, *args) -> [result of rank 0, rank 1, …]`: every rank runs the same
-`MegatronRank` method (collectives inside need all of them), in lockstep. Workers get batches and
-return results through pipes; an exception in any worker is re-raised in the driver with the
-worker's traceback, and every wait has a timeout so a wedged collective cannot hang the caller.
+Both are a `RankGroup`: `call(method, *args) -> [result of rank 0, rank 1, …]` runs the same
+`MegatronRank` method on every rank (collectives inside need all of them), in lockstep;
+`call_each` does the same with a first argument per rank (each rank's own share of a batch).
+Workers get batches and return results through pipes; an exception in any worker is re-raised in
+the driver with the worker's traceback, and every wait has a timeout so a wedged collective cannot
+hang the caller. Under `runtime.executor: ray` the ranks are Ray actors
+(`axrl/runtime/ray/megatron_ranks.py`), behind the same protocol.
 """
 
 from __future__ import annotations
@@ -18,13 +21,30 @@ import time
 import traceback
 import weakref
 from multiprocessing.connection import Client, Listener, wait
-from typing import Any
+from typing import Any, Protocol
 
 from axrl.model import ModelConfig
 from axrl.train.megatron.model import ParallelSizes
 
 #: seconds to wait for a rank's answer (start-up imports megatron-core: several seconds).
 CALL_TIMEOUT_S = float(os.environ.get("AXRL_MEGATRON_TIMEOUT", "600"))
+
+
+class RankGroup(Protocol):
+    """The backend's ranks, wherever they live."""
+
+    world_size: int
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        """Every rank runs `MegatronRank.method(*args)`; their answers in rank order."""
+        ...
+
+    def call_each(self, method: str, firsts: list[Any], *args: Any) -> list[Any]:
+        """Rank r runs `method(firsts[r], *args)`: each is sent only its own first argument."""
+        ...
+
+    def close(self) -> None:
+        ...
 
 
 _in_process_users = 0  # live InProcessGroups: the last one to close tears the process group down
@@ -54,6 +74,9 @@ class InProcessGroup:
         if not self._open:
             raise RuntimeError("the Megatron backend is closed")
         return [getattr(self.rank, method)(*args)]
+
+    def call_each(self, method: str, firsts: list[Any], *args: Any) -> list[Any]:
+        return self.call(method, firsts[0], *args)
 
     def close(self) -> None:
         global _in_process_users
@@ -179,9 +202,15 @@ class WorkerGroup:
         return [results[r] for r in range(len(self.conns))]
 
     def call(self, method: str, *args: Any) -> list[Any]:
+        return self._run(method, [args] * len(self.conns))
+
+    def call_each(self, method: str, firsts: list[Any], *args: Any) -> list[Any]:
+        return self._run(method, [(first, *args) for first in firsts])
+
+    def _run(self, method: str, per_rank: list[tuple[Any, ...]]) -> list[Any]:
         if self._closed:
             raise RuntimeError("the Megatron backend's workers are closed")
-        for conn in self.conns:
+        for conn, args in zip(self.conns, per_rank):
             _send(conn, (method, args))
         return self._collect(method)
 

@@ -1,20 +1,20 @@
 """One rank of the Megatron backend: its shard of the `GPTModel`, its optimizer, and the
-forward / backward / step of a packed batch. Runs in the driver process at world size 1 and in
-each worker process otherwise (`parallel.py`).
+forward / backward / step of its part of a packed batch. Runs in the driver process at world
+size 1, otherwise in each worker process (`parallel.py`) or Ray rank actor
+(`axrl/runtime/ray/megatron_ranks.py`).
 
-Every rank gets the whole batch and cuts it into the embedded backend's micro-batches. Under data
-parallelism each DP rank then runs a contiguous share of every micro-batch's samples
-(`share_bounds`), padded to the same [rows, S] shape on all ranks (the MoE dispatchers' collectives
-and gloo's all-gather need equal token counts; a rank whose share is empty runs padding only); the
+A rank is sent only its own rows: the backend cuts the batch into micro-batches and each
+micro-batch into DP shares (`shares.py`), and a DP rank gets its `RankWork` — its share of every
+micro-batch, padded here to the [rows, S] shape all DP ranks run (the MoE dispatchers' collectives
+and gloo's all-gather need equal token counts; a rank whose share is empty runs padding only). The
 TP ranks of one DP rank run the same share and gather its logits over TP. Results leave the ranks
-with tp_rank 0, tagged with their dp_rank, and the driver puts them back in sample order.
+with tp_rank 0, tagged with their dp_rank, and the backend puts them back in sample order.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,36 +25,15 @@ from axrl.train.megatron.convert import EXPERT_NAME, global_expert_name, hf_slic
 from axrl.train.determinism import set_determinism
 from axrl.train.megatron.model import ParallelSizes, build_gpt_model, rope_positions
 from axrl.train.megatron.partial_replay import replay_rows, stop_partial
-from axrl.train.micro_batch import (PaddedMicroBatch, label_logprobs, micro_batches, next_token_logprobs,
-                                    pad_micro_batch, restrict_routing_, unpad)
+from axrl.train.megatron.shares import RankWork, Share, StepKnobs
+from axrl.train.micro_batch import (PaddedMicroBatch, label_logprobs, next_token_logprobs, pad_micro_batch,
+                                    restrict_routing_, unpad)
 from axrl.train.prefix_tree import PrefixTree, build_prefix_tree
 from axrl.train.metrics import TOKEN_COLUMN_PREFIX, split_token_columns
-from axrl.train.protocol import LossContext, LossFn, PackedBatch, R3Scope
+from axrl.train.protocol import LossFn, PackedBatch, R3Scope
 from axrl.train.torch_backend import clip_grads_
 
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq")
-
-
-@dataclass
-class StepKnobs:
-    """The backend-config values a rank needs per call (read from the driver's live `config`,
-    so replay what-ifs and faults that replace `backend.config` reach the workers)."""
-
-    dtype: str = "float32"
-    micro_batch_tokens: int = 0
-    micro_batch_size: int = 0
-    prefix_merge: bool = False  # each share of a micro-batch as one prefix tree (train/prefix_tree.py)
-
-    def micro_batches(self, batch: PackedBatch) -> list[PackedBatch]:
-        return micro_batches(batch, self.micro_batch_tokens, self.micro_batch_size, merged=self.prefix_merge)
-
-
-def share_bounds(num_samples: int, parts: int, index: int) -> range:
-    """Samples of share `index` when `num_samples` consecutive samples are cut into `parts`
-    contiguous shares, the first `num_samples % parts` one sample larger (some may be empty)."""
-    q, r = divmod(num_samples, parts)
-    start = index * q + min(index, r)
-    return range(start, start + q + (index < r))
 
 
 def free_port() -> int:
@@ -157,6 +136,10 @@ class MegatronRank:
         for i, (_, p) in enumerate(self.params):
             p.data, kept[i] = kept[i], p.data
 
+    def data_parallel_rank(self) -> int:
+        """Which DP rank this rank is (its `RankWork` is that DP rank's)."""
+        return self.dp_rank
+
     def _reports(self, name: str) -> bool:
         """Whether this rank sends `name` to the driver: one copy of each shard (DP / expert-DP
         replicas hold the same bits)."""
@@ -166,43 +149,33 @@ class MegatronRank:
         return {n: p.detach().cpu().clone() for n, p in self.params if self._reports(n)}, self.ranks
 
     # ------------------------------------------------------------------ forward
-    def _share(self, mb: PackedBatch, r3: R3Scope | None) -> tuple[PaddedMicroBatch, int]:
-        """This DP rank's share of a micro-batch, right-padded ([b, S], S of the share), and the
-        row count every DP rank runs (the largest share)."""
-        dp = self.sizes.data_parallel
-        replay = r3 is not None
-        if dp == 1:
-            return pad_micro_batch(mb, with_routing=replay, scope=r3), mb.num_samples
-        share = share_bounds(mb.num_samples, dp, self.dp_rank)
-        rows = -(-mb.num_samples // dp)
-        if len(share):
-            return pad_micro_batch(mb.select(list(share)), with_routing=replay, scope=r3), rows
+    def _share(self, share: Share, r3: R3Scope | None) -> PaddedMicroBatch:
+        """This DP rank's share of a micro-batch, right-padded ([b, S], S of the share)."""
+        if share.batch is not None:
+            return pad_micro_batch(share.batch, with_routing=r3 is not None, scope=r3)
         # An empty share (fewer samples than DP ranks) still runs a padding row: the MoE
         # dispatch and the backward are collectives that every rank must join.
         empty = torch.zeros(0, 1, dtype=torch.int64)
-        forced = torch.zeros(0, 1, *mb.routed_experts.shape[1:], dtype=torch.int64) if replay else None
-        return PaddedMicroBatch(empty, empty, empty[:, 0], empty[:, 0], forced), rows
+        L, k = self.cfg.num_hidden_layers, self.cfg.num_experts_per_tok
+        forced = torch.zeros(0, 1, L, k, dtype=torch.int64) if r3 is not None else None
+        return PaddedMicroBatch(empty, empty, empty[:, 0], empty[:, 0], forced)
 
-    def _tree_share(self, mb: PackedBatch, r3: R3Scope | None) -> tuple[PrefixTree | None, torch.Tensor | None, int]:
-        """Prefix-merged layout of this rank's share: its tree (None for an empty share), the
-        forced routing per slot [S, L, k] (R3) and the slot count every DP rank runs (the largest
-        share's tree: the collectives need equal token counts)."""
-        dp = self.sizes.data_parallel
-        shares = [range(mb.num_samples)] if dp == 1 else [share_bounds(mb.num_samples, dp, i) for i in range(dp)]
-        trees = [build_prefix_tree(mb.select(list(sh))) if len(sh) else None for sh in shares]
-        S_run = max(t.num_slots for t in trees if t is not None)
-        mine = 0 if dp == 1 else self.dp_rank
-        tree, forced = trees[mine], None
-        if tree is not None and r3 is not None:
-            part = mb.select(list(shares[mine]))
+    def _tree_share(self, share: Share, r3: R3Scope | None) -> tuple[PrefixTree | None, torch.Tensor | None]:
+        """Prefix-merged layout of this rank's share: its tree (None for an empty share) and the
+        forced routing per slot [S, L, k] (R3)."""
+        part = share.batch
+        if part is None:
+            return None, None
+        tree, forced = build_prefix_tree(part), None
+        if r3 is not None:
             forced = part.routed_experts.long()[tree.routing_source]  # a shared slot: its training path's
             if not r3.full:
                 slots = torch.arange(tree.num_slots)
                 restrict_routing_(forced[None], r3, torch.zeros_like(slots), slots,
                                   part.loss_mask[tree.routing_source] > 0)
-        return tree, forced, S_run
+        return tree, forced
 
-    def _run(self, mb: PackedBatch, r3: R3Scope | None, dtype: str,
+    def _run(self, share: Share, r3: R3Scope | None, dtype: str, temperature: float,
              routing_out: bool = True, merge: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
         """Packed (logprobs, entropy, routing [T, L, k] or None) of this rank's share of one
         micro-batch, and the positions its forward computed (padding to the ranks' common shape
@@ -213,10 +186,10 @@ class MegatronRank:
         Megatron's attention-mask input, each slot's RoPE position its depth), unpacked to the
         share's tokens exactly as the torch backend does."""
         if merge:
-            return self._run_merged(mb, r3, dtype, routing_out)
-        pm, b_run = self._share(mb, r3)
+            return self._run_merged(share, r3, dtype, temperature, routing_out)
+        pm, b_run = self._share(share, r3), share.rows
         b, S = pm.input_ids.shape
-        S_run = int(mb.lengths.max())  # the whole micro-batch's: the same on every DP rank
+        S_run = share.seq_len  # the whole micro-batch's: the same on every DP rank
         tp = self.sizes.tensor_parallel if self.sizes.sequence_parallel else 1
         S_pad = -(-S_run // tp) * tp  # sequence parallel splits the sequence evenly over TP ranks
         ids = torch.nn.functional.pad(pm.input_ids, (0, S_pad - S, 0, b_run - b))
@@ -232,7 +205,7 @@ class MegatronRank:
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
             logits = self.model(ids.to(dev), position_ids.to(dev), mask.to(dev))
         logits = logits[:b, :S]
-        logprobs, entropy = next_token_logprobs(logits, pm.input_ids.to(dev), mb.temperature)
+        logprobs, entropy = next_token_logprobs(logits, pm.input_ids.to(dev), temperature)
         routing = None
         if self.routers:
             if routing_out:  # the gather is a TP collective per layer: skipped when training
@@ -244,10 +217,11 @@ class MegatronRank:
                 routing, b_run * S_pad)
 
 
-    def _run_merged(self, mb: PackedBatch, r3: R3Scope | None, dtype: str,
+    def _run_merged(self, share: Share, r3: R3Scope | None, dtype: str, temperature: float,
                     routing_out: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
         """`_run` over this rank's share as a prefix tree (see `_run`)."""
-        tree, forced, S_run = self._tree_share(mb, r3)
+        tree, forced = self._tree_share(share, r3)
+        S_run = share.slots  # the largest share's tree: the collectives need equal token counts
         tp = self.sizes.tensor_parallel if self.sizes.sequence_parallel else 1
         S_pad = -(-S_run // tp) * tp
         S = 0 if tree is None else tree.num_slots
@@ -280,7 +254,7 @@ class MegatronRank:
         if tree is None:  # an empty share: nothing to return, but the graph reaches the weights
             empty = logits.sum() * 0.0
             return empty.reshape(1)[:0], empty.reshape(1)[:0], routing, S_pad
-        logprobs, entropy = label_logprobs(logits[0, :S], tree.labels.to(dev), mb.temperature)
+        logprobs, entropy = label_logprobs(logits[0, :S], tree.labels.to(dev), temperature)
         return tree.unpack_predictions(logprobs), tree.unpack_predictions(entropy), routing, S_pad
 
     def _set_routers(self, r3: R3Scope | None, forced: torch.Tensor | None, S_pad: int, b_run: int, tp: int) -> None:
@@ -334,37 +308,33 @@ class MegatronRank:
         other TP ranks, which hold the same results (logits are gathered over TP)."""
         return (self.dp_rank, parts) if self.ranks["tp_rank"] == 0 else None
 
-    def forward(self, batch: PackedBatch, r3: R3Scope | None, knobs: StepKnobs) -> tuple[int, list[Any]] | None:
+    def forward(self, work: RankWork, r3: R3Scope | None, knobs: StepKnobs) -> tuple[int, list[Any]] | None:
         """Per micro-batch: (logprobs, entropy, routing or None) of this rank's share, on the host."""
         self.model.eval()
         with torch.no_grad():
-            parts = [tuple(None if t is None else t.cpu() for t in self._run(mb, r3, knobs.dtype,
-                                                                             merge=knobs.prefix_merge)[:3])
-                     for mb in knobs.micro_batches(batch)]
+            parts = [tuple(None if t is None else t.cpu()
+                           for t in self._run(share, r3, knobs.dtype, work.temperature, merge=knobs.prefix_merge)[:3])
+                     for share in work.shares]
         return self._answer(parts)
 
-    def forward_backward(self, batch: PackedBatch, loss_fn: LossFn, r3: R3Scope | None,
+    def forward_backward(self, work: RankWork, loss_fn: LossFn, r3: R3Scope | None,
                          knobs: StepKnobs) -> tuple[int, list[dict[str, Any] | None]] | None:
         """Accumulate this rank's gradients; per micro-batch the metrics row of this rank's share
         (None for an empty share), its per-token columns as CPU tensors under their
         `TOKEN_COLUMN_PREFIX` keys. Loss normalisation uses the whole batch's `LossContext`, so the
         shares' losses (and gradients) sum to the micro-batch's."""
         self.model.train()
-        per_sample = torch.zeros(batch.num_samples).index_add_(0, batch.sample_index(), batch.loss_mask.float())
-        ctx = LossContext(num_loss_tokens=int(batch.loss_mask.sum()), num_samples=batch.num_samples,
-                          num_loss_samples=int((per_sample > 0).sum()))
-        dp = self.sizes.data_parallel
         rows: list[dict[str, float] | None] = []
-        for mb in knobs.micro_batches(batch):
-            logprobs, entropy, _, computed = self._run(mb, r3, knobs.dtype, routing_out=False, merge=knobs.prefix_merge)
-            share = range(mb.num_samples) if dp == 1 else share_bounds(mb.num_samples, dp, self.dp_rank)
-            if not len(share):
+        for share in work.shares:
+            logprobs, entropy, _, computed = self._run(share, r3, knobs.dtype, work.temperature, routing_out=False,
+                                                       merge=knobs.prefix_merge)
+            part = share.batch
+            if part is None:
                 # every rank joins the backward's collectives (MoE dispatch, TP); zero gradients
                 (logprobs.sum() * 0.0).backward()
                 rows.append(None)
                 continue
-            part = mb if dp == 1 else mb.select(list(share))
-            loss, metrics = loss_fn(logprobs, entropy, _to(part, self.device), ctx)
+            loss, metrics = loss_fn(logprobs, entropy, _to(part, self.device), work.ctx)
             if loss.requires_grad:
                 loss.backward()
             elif self.sizes.world_size > 1:
@@ -501,4 +471,4 @@ def relax_on_cuda() -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-__all__ = ["MegatronRank", "StepKnobs", "free_port", "init_distributed", "relax_on_cuda", "share_bounds", "worker_setup"]
+__all__ = ["MegatronRank", "free_port", "init_distributed", "relax_on_cuda", "worker_setup"]

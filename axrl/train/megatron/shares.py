@@ -1,0 +1,76 @@
+"""How the backend cuts a batch for its ranks, so that each rank is sent only its own rows.
+
+The batch is cut into the embedded backend's micro-batches (the same order and sizes, so the two
+backends take the same optimizer steps); under data parallelism each micro-batch is then cut
+into contiguous DP shares (`share_bounds`). A DP rank receives a `RankWork`: its share of every
+micro-batch plus the few numbers all ranks must agree on — the row and sequence lengths every
+rank pads to (the MoE dispatchers' collectives and gloo's all-gather need equal token counts)
+and the whole batch's `LossContext` (loss normalisation). The TP ranks of one DP rank get the
+same `RankWork`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from axrl.train.micro_batch import micro_batches
+from axrl.train.prefix_tree import build_prefix_tree
+from axrl.train.protocol import LossContext, PackedBatch
+
+
+def share_bounds(num_samples: int, parts: int, index: int) -> range:
+    """Samples of share `index` when `num_samples` consecutive samples are cut into `parts`
+    contiguous shares, the first `num_samples % parts` one sample larger (some may be empty)."""
+    q, r = divmod(num_samples, parts)
+    start = index * q + min(index, r)
+    return range(start, start + q + (index < r))
+
+
+@dataclass
+class StepKnobs:
+    """The backend-config values of a step (read from the backend's live `config`, so replay
+    what-ifs and faults that replace `backend.config` reach the ranks): how the batch is cut
+    (micro_batch_*) and how the ranks run it (dtype, prefix_merge)."""
+
+    dtype: str = "float32"
+    micro_batch_tokens: int = 0
+    micro_batch_size: int = 0
+    prefix_merge: bool = False  # each share of a micro-batch as one prefix tree (train/prefix_tree.py)
+
+
+@dataclass
+class Share:
+    """One DP rank's part of one micro-batch."""
+
+    batch: PackedBatch | None   # its samples, in order (None: an empty share, which runs padding only)
+    rows: int                   # samples every DP rank runs: the largest share's
+    seq_len: int                # the micro-batch's longest sample: every DP rank pads to it
+    slots: int = 0              # prefix-merged: the largest share's tree slots (every rank pads to it)
+
+
+@dataclass
+class RankWork:
+    """What one DP rank (and each of its TP ranks) is sent for a forward or forward_backward."""
+
+    shares: list[Share]         # one per micro-batch, in micro-batch order
+    ctx: LossContext            # the whole batch's counts
+    temperature: float          # the batch's sampling temperature (an empty share has no batch)
+
+
+def split_for_ranks(batch: PackedBatch, data_parallel: int, knobs: StepKnobs) -> list[RankWork]:
+    """One `RankWork` per DP rank, in dp_rank order. Concatenating the ranks' shares of each
+    micro-batch in dp_rank order, micro-batch after micro-batch, gives the batch's sample order."""
+    dp = data_parallel
+    ctx = LossContext.of(batch)
+    per_rank: list[list[Share]] = [[] for _ in range(dp)]
+    for mb in micro_batches(batch, knobs.micro_batch_tokens, knobs.micro_batch_size, merged=knobs.prefix_merge):
+        bounds = [share_bounds(mb.num_samples, dp, i) for i in range(dp)]
+        parts = [mb] if dp == 1 else [mb.select(list(b)) if len(b) else None for b in bounds]
+        slots = max(build_prefix_tree(p).num_slots for p in parts if p is not None) if knobs.prefix_merge else 0
+        rows, seq_len = max(map(len, bounds)), int(mb.lengths.max())
+        for i, part in enumerate(parts):
+            per_rank[i].append(Share(part, rows, seq_len, slots))
+    return [RankWork(shares, ctx, batch.temperature) for shares in per_rank]
+
+
+__all__ = ["RankWork", "Share", "StepKnobs", "share_bounds", "split_for_ranks"]
