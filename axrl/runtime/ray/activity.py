@@ -44,6 +44,11 @@ class Activity:
         with self._lock:
             self._counters[key] = self._counters.get(key, 0.0) + amount
 
+    def total(self, key: str) -> float:
+        """The sum of everything counted under `key` so far."""
+        with self._lock:
+            return self._counters.get(key, 0.0)
+
     def report(self) -> dict[str, Any]:
         now = time.time()
         with self._lock:

@@ -156,7 +156,6 @@ class TrainRankActor:
         self.backend = make_train_backend(config, make_tokenizer(config), megatron_group=group)
         self.device = resolve_device(config.runtime.device)
         self.activity_ = Activity(rank_label(rank))
-        self._fetched = 0
 
     def pid(self) -> int:
         return os.getpid()
@@ -184,18 +183,16 @@ class TrainRankActor:
                                                  world_size=self.world, timeout=datetime.timedelta(seconds=timeout_s))
 
     def _got(self, shard: PackedBatch) -> None:
-        n = payload_bytes(shard)
-        self._fetched += n
-        self.activity_.count("fetched_bytes", n)
+        self.activity_.count("fetched_bytes", payload_bytes(shard))
 
     def fetched_bytes(self) -> int:
-        return self._fetched
+        return int(self.activity_.total("fetched_bytes"))
 
     def data_plane(self) -> dict[str, Any]:
         """This rank's account (`DataPlane.snapshot`): what it fetched and, as the Megatron head,
         what it sent its rank actors by reference and what they fetched."""
         snap = self.plane.snapshot()
-        snap["rank_fetched"][rank_label(self.rank)] = self._fetched
+        snap["rank_fetched"][rank_label(self.rank)] = self.fetched_bytes()
         if self.megatron_ranks is not None:
             snap["rank_fetched"].update(self.megatron_ranks.fetched_bytes())
         return snap

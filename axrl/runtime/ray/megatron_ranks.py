@@ -31,7 +31,6 @@ class MegatronRankActor:
         self.rank, self.world = rank, world
         self.activity_ = Activity(rank_label(rank, "megatron"))
         self.state: Any = None
-        self._fetched = 0
 
     def pid(self) -> int:
         return os.getpid()
@@ -60,13 +59,11 @@ class MegatronRankActor:
 
     def call_with(self, method: str, first: Any, args: tuple[Any, ...]) -> Any:
         """`call` with this rank's own first argument (resolved from its object reference)."""
-        n = payload_bytes(first)
-        self._fetched += n
-        self.activity_.count("fetched_bytes", n)
+        self.activity_.count("fetched_bytes", payload_bytes(first))
         return self.call(method, (first, *args))
 
     def fetched_bytes(self) -> int:
-        return self._fetched
+        return int(self.activity_.total("fetched_bytes"))
 
     def activity(self) -> dict[str, Any]:
         return {**self.activity_.report(), "pid": os.getpid()}
@@ -129,15 +126,15 @@ class RayRankGroup:
         """Rank r runs `method(firsts[r], *args)`; each distinct first argument is put in the object
         store once and rank r is sent only the reference to its own."""
         self._check_open()
-        refs: dict[int, Any] = {}
+        refs: dict[int, tuple[Any, int]] = {}   # id → (object ref, its payload bytes)
         for obj in firsts:
             if id(obj) not in refs:
-                refs[id(obj)] = self._ray.put(obj)
-                self._plane.by_reference("megatron_shares", payload_bytes(obj))
+                refs[id(obj)] = (self._ray.put(obj), payload_bytes(obj))
+                self._plane.by_reference("megatron_shares", refs[id(obj)][1])
         for r, obj in enumerate(firsts):
-            self._plane.shared(rank_label(r, "megatron"), payload_bytes(obj))
+            self._plane.shared(rank_label(r, "megatron"), refs[id(obj)][1])
         rest = self._ray.put(args)
-        return self._collect([a.call_with.remote(method, refs[id(obj)], rest)
+        return self._collect([a.call_with.remote(method, refs[id(obj)][0], rest)
                               for a, obj in zip(self.actors, firsts)], method)
 
     def fetched_bytes(self, timeout_s: float = 30.0) -> dict[str, int]:

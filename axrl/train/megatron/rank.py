@@ -28,7 +28,7 @@ from axrl.train.megatron.partial_replay import replay_rows, stop_partial
 from axrl.train.megatron.shares import RankWork, Share, StepKnobs
 from axrl.train.micro_batch import (PaddedMicroBatch, label_logprobs, next_token_logprobs, pad_micro_batch,
                                     restrict_routing_, unpad)
-from axrl.train.prefix_tree import PrefixTree, build_prefix_tree
+from axrl.train.prefix_tree import PrefixTree
 from axrl.train.metrics import TOKEN_COLUMN_PREFIX, split_token_columns
 from axrl.train.protocol import LossFn, PackedBatch, R3Scope
 from axrl.train.torch_backend import clip_grads_
@@ -163,10 +163,11 @@ class MegatronRank:
     def _tree_share(self, share: Share, r3: R3Scope | None) -> tuple[PrefixTree | None, torch.Tensor | None]:
         """Prefix-merged layout of this rank's share: its tree (None for an empty share) and the
         forced routing per slot [S, L, k] (R3)."""
-        part = share.batch
+        part, tree, forced = share.batch, share.tree, None
         if part is None:
             return None, None
-        tree, forced = build_prefix_tree(part), None
+        if tree is None:
+            raise ValueError("a prefix-merged forward needs the shares' trees (split_for_ranks with prefix_merge)")
         if r3 is not None:
             forced = part.routed_experts.long()[tree.routing_source]  # a shared slot: its training path's
             if not r3.full:

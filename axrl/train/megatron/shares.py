@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from axrl.train.micro_batch import micro_batches
-from axrl.train.prefix_tree import build_prefix_tree
+from axrl.train.prefix_tree import PrefixTree, build_prefix_tree
 from axrl.train.protocol import LossContext, PackedBatch
 
 
@@ -45,6 +45,7 @@ class Share:
     batch: PackedBatch | None   # its samples, in order (None: an empty share, which runs padding only)
     rows: int                   # samples every DP rank runs: the largest share's
     seq_len: int                # the micro-batch's longest sample: every DP rank pads to it
+    tree: PrefixTree | None = None  # prefix-merged: the share's tree (built here, once, for `slots`)
     slots: int = 0              # prefix-merged: the largest share's tree slots (every rank pads to it)
 
 
@@ -66,10 +67,11 @@ def split_for_ranks(batch: PackedBatch, data_parallel: int, knobs: StepKnobs) ->
     for mb in micro_batches(batch, knobs.micro_batch_tokens, knobs.micro_batch_size, merged=knobs.prefix_merge):
         bounds = [share_bounds(mb.num_samples, dp, i) for i in range(dp)]
         parts = [mb] if dp == 1 else [mb.select(list(b)) if len(b) else None for b in bounds]
-        slots = max(build_prefix_tree(p).num_slots for p in parts if p is not None) if knobs.prefix_merge else 0
+        trees = [build_prefix_tree(p) if knobs.prefix_merge and p is not None else None for p in parts]
+        slots = max((t.num_slots for t in trees if t is not None), default=0)
         rows, seq_len = max(map(len, bounds)), int(mb.lengths.max())
-        for i, part in enumerate(parts):
-            per_rank[i].append(Share(part, rows, seq_len, slots))
+        for part, tree, work in zip(parts, trees, per_rank):
+            work.append(Share(part, rows, seq_len, tree, slots))
     return [RankWork(shares, ctx, batch.temperature) for shares in per_rank]
 
 
