@@ -360,6 +360,24 @@ def test_killed_engine_actor_is_restarted_and_no_sample_is_lost_or_duplicated(cl
     assert [e["event"] for e in summary_json["events"]] == ["actor_restarted"]
 
 
+def test_status_table_keeps_actor_names_whole_beside_a_long_error():
+    """`axrl status` off a terminal prints 140 columns; an actor's 300-character last error (what
+    a dead engine leaves on the rollout worker) wraps in its own column, never the actor's name."""
+    from rich.console import Console
+
+    from axrl.runtime.health_table import health_table
+
+    rows = [{"component": "train rank 0", "state": "idle", "pid": 17341, "heartbeat": 0.0, "calls": 51, "errors": 0},
+            {"component": "rollout worker", "state": "busy", "pid": 17371, "heartbeat": 0.0, "calls": 6, "errors": 1,
+             "work": "generate: 8 episodes of step 3", "since_s": 1.2,
+             "last_error": ("generate: ActorDiedError: " + "The actor died unexpectedly before finishing. " * 6)[:300]}]
+    for width in (140, 80):
+        console = Console(width=width, record=True)
+        console.print(health_table(rows, 0.0, title="actors"))
+        text = console.export_text()
+        assert "train rank 0" in text and "rollout worker" in text and "17371" in text, text
+
+
 def test_killed_rollout_actor_is_restarted_and_the_trace_is_the_unfaulted_one(cluster, tmp_path):
     """The rollout actor (agent loop, pool; its engine actor dies with it) is killed mid-run: a new
     one starts at the step being taken, from the snapshot handed over with the last batch, and

@@ -9,13 +9,16 @@ from typing import Any
 from rich.table import Table
 
 COLUMNS = ("component", "state", "pid", "heartbeat", "work", "since", "calls", "errors", "last error")
+# The columns that name an actor never wrap: a long error message must not squeeze "train rank 0"
+# onto two lines (where neither a reader nor grep finds it).
+WHOLE = ("component", "pid")
 
 
 def health_table(rows: list[dict[str, Any]], now: float, title: str | None = None) -> Table:
     """One row per actor heartbeat in `rows` (the monitor's format); ages relative to `now`."""
     table = Table(title=title)
     for col in COLUMNS:
-        table.add_column(col)
+        table.add_column(col, no_wrap=col in WHOLE)
     for a in rows:
         beat = a.get("heartbeat")
         table.add_row(str(a.get("component")), str(a.get("state")), str(a.get("pid", "")),
