@@ -182,7 +182,7 @@ class MegatronBackend:
         if weights is not None:
             self._group.call("swap_weights", weights)
         try:
-            answers = self._call_with_shares("forward", batch, self._use_r3(batch, r3), self._knobs())
+            answers = self._call_with_shares("forward", batch, self._use_r3(batch, r3))
         finally:
             if weights is not None:
                 self._group.call("swap_weights", weights)
@@ -197,8 +197,7 @@ class MegatronBackend:
 
     def forward_backward(self, batch: PackedBatch, loss_fn: LossFn, *, r3: R3 = False) -> TrainMetrics:
         """Accumulate grads of `loss_fn` micro-batch by micro-batch (fixed order, see micro_batch.py)."""
-        per_mb = _by_micro_batch(self._call_with_shares("forward_backward", batch, loss_fn, self._use_r3(batch, r3),
-                                                        self._knobs()))
+        per_mb = _by_micro_batch(self._call_with_shares("forward_backward", batch, loss_fn, self._use_r3(batch, r3)))
         # shares in dp order = sample order: their per-token columns concatenate into the batch's
         shares = [[_split_columns(r) for r in mb if r is not None] for mb in per_mb]
         # one row per micro-batch, as the embedded backend reports; DP shares combine like micro-batches

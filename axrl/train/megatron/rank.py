@@ -25,7 +25,7 @@ from axrl.train.megatron.convert import EXPERT_NAME, global_expert_name, hf_slic
 from axrl.train.determinism import set_determinism
 from axrl.train.megatron.model import ParallelSizes, build_gpt_model, rope_positions
 from axrl.train.megatron.partial_replay import replay_rows, stop_partial
-from axrl.train.megatron.shares import RankWork, Share, StepKnobs
+from axrl.train.megatron.shares import RankWork, Share
 from axrl.train.micro_batch import (PaddedMicroBatch, label_logprobs, next_token_logprobs, pad_micro_batch,
                                     restrict_routing_, unpad)
 from axrl.train.prefix_tree import PrefixTree
@@ -176,18 +176,18 @@ class MegatronRank:
                                   part.loss_mask[tree.routing_source] > 0)
         return tree, forced
 
-    def _run(self, share: Share, r3: R3Scope | None, dtype: str, temperature: float,
-             routing_out: bool = True, merge: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    def _run(self, share: Share, work: RankWork, r3: R3Scope | None,
+             routing_out: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
         """Packed (logprobs, entropy, routing [T, L, k] or None) of this rank's share of one
         micro-batch, and the positions its forward computed (padding to the ranks' common shape
         included); the routing is the replayed one under full R3 (as in the embedded backend),
         else what the routers used (chosen, or replayed on the rows a partial R3 scope covers).
 
-        `merge`: the share runs as one prefix tree ([1, S] slots, tree attention through
+        `work.prefix_merge`: the share runs as one prefix tree ([1, S] slots, tree attention through
         Megatron's attention-mask input, each slot's RoPE position its depth), unpacked to the
         share's tokens exactly as the torch backend does."""
-        if merge:
-            return self._run_merged(share, r3, dtype, temperature, routing_out)
+        if work.prefix_merge:
+            return self._run_merged(share, work, r3, routing_out)
         pm, b_run = self._share(share, r3), share.rows
         b, S = pm.input_ids.shape
         S_run = share.seq_len  # the whole micro-batch's: the same on every DP rank
@@ -203,10 +203,10 @@ class MegatronRank:
             forced = torch.nn.functional.pad(pm.forced_experts, (0, 0, 0, 0, 0, S_pad - S, 0, b_run - b))
         self._set_routers(r3, forced, S_pad, b_run, tp)
         dev = self.device
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=work.dtype == "bfloat16"):
             logits = self.model(ids.to(dev), position_ids.to(dev), mask.to(dev))
         logits = logits[:b, :S]
-        logprobs, entropy = next_token_logprobs(logits, pm.input_ids.to(dev), temperature)
+        logprobs, entropy = next_token_logprobs(logits, pm.input_ids.to(dev), work.temperature)
         routing = None
         if self.routers:
             if routing_out:  # the gather is a TP collective per layer: skipped when training
@@ -218,7 +218,7 @@ class MegatronRank:
                 routing, b_run * S_pad)
 
 
-    def _run_merged(self, share: Share, r3: R3Scope | None, dtype: str, temperature: float,
+    def _run_merged(self, share: Share, work: RankWork, r3: R3Scope | None,
                     routing_out: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
         """`_run` over this rank's share as a prefix tree (see `_run`)."""
         tree, forced = self._tree_share(share, r3)
@@ -240,7 +240,7 @@ class MegatronRank:
             forced = full
         self._set_routers(r3, forced, S_pad, 1, tp)
         dev = self.device
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"), \
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=work.dtype == "bfloat16"), \
                 rope_positions(self.model, positions.to(dev)):
             logits = self.model(ids.to(dev), positions[None].to(dev), mask.to(dev))
         routing = None
@@ -255,7 +255,7 @@ class MegatronRank:
         if tree is None:  # an empty share: nothing to return, but the graph reaches the weights
             empty = logits.sum() * 0.0
             return empty.reshape(1)[:0], empty.reshape(1)[:0], routing, S_pad
-        logprobs, entropy = label_logprobs(logits[0, :S], tree.labels.to(dev), temperature)
+        logprobs, entropy = label_logprobs(logits[0, :S], tree.labels.to(dev), work.temperature)
         return tree.unpack_predictions(logprobs), tree.unpack_predictions(entropy), routing, S_pad
 
     def _set_routers(self, r3: R3Scope | None, forced: torch.Tensor | None, S_pad: int, b_run: int, tp: int) -> None:
@@ -309,17 +309,17 @@ class MegatronRank:
         other TP ranks, which hold the same results (logits are gathered over TP)."""
         return (self.dp_rank, parts) if self.ranks["tp_rank"] == 0 else None
 
-    def forward(self, work: RankWork, r3: R3Scope | None, knobs: StepKnobs) -> tuple[int, list[Any]] | None:
+    def forward(self, work: RankWork, r3: R3Scope | None) -> tuple[int, list[Any]] | None:
         """Per micro-batch: (logprobs, entropy, routing or None) of this rank's share, on the host."""
         self.model.eval()
         with torch.no_grad():
             parts = [tuple(None if t is None else t.cpu()
-                           for t in self._run(share, r3, knobs.dtype, work.temperature, merge=knobs.prefix_merge)[:3])
+                           for t in self._run(share, work, r3)[:3])
                      for share in work.shares]
         return self._answer(parts)
 
-    def forward_backward(self, work: RankWork, loss_fn: LossFn, r3: R3Scope | None,
-                         knobs: StepKnobs) -> tuple[int, list[dict[str, Any] | None]] | None:
+    def forward_backward(self, work: RankWork, loss_fn: LossFn,
+                         r3: R3Scope | None) -> tuple[int, list[dict[str, Any] | None]] | None:
         """Accumulate this rank's gradients; per micro-batch the metrics row of this rank's share
         (None for an empty share), its per-token columns as CPU tensors under their
         `TOKEN_COLUMN_PREFIX` keys. Loss normalisation uses the whole batch's `LossContext`, so the
@@ -327,8 +327,7 @@ class MegatronRank:
         self.model.train()
         rows: list[dict[str, float] | None] = []
         for share in work.shares:
-            logprobs, entropy, _, computed = self._run(share, r3, knobs.dtype, work.temperature, routing_out=False,
-                                                       merge=knobs.prefix_merge)
+            logprobs, entropy, _, computed = self._run(share, work, r3, routing_out=False)
             part = share.batch
             if part is None:
                 # every rank joins the backward's collectives (MoE dispatch, TP); zero gradients

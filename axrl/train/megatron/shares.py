@@ -4,9 +4,9 @@ The batch is cut into the embedded backend's micro-batches (the same order and s
 backends take the same optimizer steps); under data parallelism each micro-batch is then cut
 into contiguous DP shares (`share_bounds`). A DP rank receives a `RankWork`: its share of every
 micro-batch plus the few numbers all ranks must agree on — the row and sequence lengths every
-rank pads to (the MoE dispatchers' collectives and gloo's all-gather need equal token counts)
-and the whole batch's `LossContext` (loss normalisation). The TP ranks of one DP rank get the
-same `RankWork`.
+rank pads to (the MoE dispatchers' collectives and gloo's all-gather need equal token counts),
+the whole batch's `LossContext` (loss normalisation) and how to run it (dtype, prefix merge). The
+TP ranks of one DP rank get the same `RankWork`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def share_bounds(num_samples: int, parts: int, index: int) -> range:
 class StepKnobs:
     """The backend-config values of a step (read from the backend's live `config`, so replay
     what-ifs and faults that replace `backend.config` reach the ranks): how the batch is cut
-    (micro_batch_*) and how the ranks run it (dtype, prefix_merge)."""
+    (micro_batch_*, prefix_merge) and how the ranks run it (dtype, prefix_merge: both reach the
+    ranks inside their `RankWork`)."""
 
     dtype: str = "float32"
     micro_batch_tokens: int = 0
@@ -56,6 +57,8 @@ class RankWork:
     shares: list[Share]         # one per micro-batch, in micro-batch order
     ctx: LossContext            # the whole batch's counts
     temperature: float          # the batch's sampling temperature (an empty share has no batch)
+    dtype: str                  # the step's compute dtype (StepKnobs.dtype)
+    prefix_merge: bool          # each share runs as its prefix tree (`Share.tree`)
 
 
 def split_for_ranks(batch: PackedBatch, data_parallel: int, knobs: StepKnobs) -> list[RankWork]:
@@ -72,7 +75,7 @@ def split_for_ranks(batch: PackedBatch, data_parallel: int, knobs: StepKnobs) ->
         rows, seq_len = max(map(len, bounds)), int(mb.lengths.max())
         for part, tree, work in zip(parts, trees, per_rank):
             work.append(Share(part, rows, seq_len, tree, slots))
-    return [RankWork(shares, ctx, batch.temperature) for shares in per_rank]
+    return [RankWork(shares, ctx, batch.temperature, knobs.dtype, knobs.prefix_merge) for shares in per_rank]
 
 
 __all__ = ["RankWork", "Share", "StepKnobs", "share_bounds", "split_for_ranks"]
