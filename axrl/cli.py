@@ -37,7 +37,7 @@ def train(
         if resume:
             if run_dir is None:
                 raise ConfigError("--resume needs --run-dir")
-            from axrl.runtime.resume import resume_config
+            from axrl.assembly.resume import resume_config
 
             plan = resume_config(run_dir, config, set_)
             for note in plan.notes:
@@ -47,16 +47,11 @@ def train(
             cfg = load_config(config, set_)
     except ConfigError as e:
         raise fail(str(e))
-    from axrl.runtime.loop import train as run_training
+    from axrl.assembly.build import train as run_training
 
     target = run_dir or Path("runs") / config.stem
     try:
-        if cfg.runtime.executor == "ray":  # a lost train group resumes from its last checkpoint
-            from axrl.runtime.ray.recovery import train_with_recovery
-
-            out = train_with_recovery(cfg, target, resume, run_training)
-        else:
-            out = run_training(cfg, target, resume=resume)
+        out = run_training(cfg, target, resume=resume)
     except (FileExistsError, FileNotFoundError, ValueError, NotImplementedError) as e:
         raise fail(str(e))
     console.print(f"[bold green]done[/]: trace, metrics and checkpoints in {out}  "

@@ -13,9 +13,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-
-# runtime.device: the device kinds the torch trainer and the embedded engine run on.
-DEVICE_PATTERN = r"^(cpu|cuda(:\d+)?)$"
+from axrl.algo.loss_config import PolicyLossConfig
+from axrl.errors import ConfigError
+from axrl.inference.sglang.settings import SGLangSettings
+from axrl.model.device import DEVICE_PATTERN
+from axrl.runtime.ray.settings import RayPlacementSettings, RaySettings
 
 
 class Section(BaseModel):
@@ -45,42 +47,9 @@ class DataSection(Section):
         return self
 
 
-class SGLangSection(Section):
-    """`rollout.engine: sglang`: connect to running servers (`urls`) or launch them (docs/sglang.md)."""
-
-    urls: list[str] = Field(default_factory=list, description="connect to these servers instead of launching")
-    server: Literal["sglang", "axrl"] = Field("sglang", description="what the launcher starts: "
-                                              "sglang.launch_server or `axrl serve`")
-    num_servers: int = Field(1, ge=1)
-    base_port: int = Field(30000, ge=1, le=65535, description="first port tried; busy ones are skipped")
-    python: str | None = Field(None, description="interpreter of the SGLang environment (default: this one)")
-    cpu_compat: bool = Field(False, description="start SGLang through cpu_compat.py (CPU-only debugging aid)")
-    server_args: list[str] = Field(default_factory=list, description="extra flags for every server")
-    startup_timeout_s: float = Field(300.0, gt=0)
-    log_dir: str | None = Field(None, description="server logs (default: last lines kept in memory)")
-    weight_sync: Literal["disk", "distributed"] = "disk"
-    sync_backend: Literal["gloo", "nccl"] = Field("gloo", description="process-group backend of distributed sync")
-    export_dir: str | None = Field(None, description="HF directories for start-up and disk sync (default: temp)")
-    max_concurrency: int = Field(64, ge=1, description="HTTP requests in flight")
-    timeout_s: float = Field(600.0, gt=0, description="per-request timeout")
-    retries: int = Field(3, ge=0)
-    backoff_s: float = Field(0.5, ge=0, description="first retry delay, doubled each retry")
-    watchdog_s: float = Field(0.0, ge=0, description="restart crashed launched servers every K s (0 = on failure only)")
-
-    @model_validator(mode="after")
-    def _check(self) -> "SGLangSection":
-        bad = [u for u in self.urls if not u.startswith(("http://", "https://"))]
-        if bad:
-            raise ValueError(f"urls: {bad[0]!r} is not an http(s) URL such as http://127.0.0.1:30000")
-        taken = {"--model-path", "--host", "--port"} & {a.split("=")[0] for a in self.server_args}
-        if taken:
-            raise ValueError(f"server_args: {sorted(taken)} are set by the launcher (model export, base_port)")
-        return self
-
-
 class RolloutSection(Section):
     engine: Literal["embedded", "sglang"] = "embedded"
-    sglang: SGLangSection = Field(default_factory=SGLangSection)
+    sglang: SGLangSettings = Field(default_factory=SGLangSettings)
     group_size: int = Field(8, ge=1, description="samples per prompt (GRPO group)")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -143,43 +112,17 @@ class OverlongPenaltySection(Section):
         return self
 
 
-class AlgoSection(Section):
+class AlgoSection(PolicyLossConfig):
+    """The policy loss's own schema (`axrl.algo.loss_config.PolicyLossConfig`: one type, defaults and
+    validation for the YAML and the loss) plus how advantages come from rewards."""
+
     advantage: Literal["grpo", "reinforce"] = "grpo"
     normalize_std: bool = True
-    loss: str = Field("ppo", description="policy objective (docs/algorithms.md): ppo, grpo2, gspo, gspo_token, "
-                                         "cispo, topr")
-    loss_args: dict[str, Any] = Field(default_factory=dict, description="the objective's own parameters")
-    correction: dict[str, dict[str, Any] | None] = Field(
-        default_factory=dict, description="rollout↔trainer corrections by name (tis, mis, veto, icepop) → "
-                                          "their parameters; null switches one off")
-    clip_low: float = Field(0.2, ge=0, le=1)
-    clip_high: float = Field(0.28, ge=0)
-    dual_clip: float | None = Field(None, gt=1)
-    tis: bool = Field(True, description="short form of correction.tis (token level, cap tis_cap)")
-    tis_cap: float = Field(2.0, gt=0)
-    kl_coef: float = Field(0.0, ge=0, description="KL penalty against the frozen reference (the weights at RL start)")
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    entropy_coef: float = Field(0.0, ge=0)
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     advantage_clip: float | None = Field(None, gt=0, description="clip sample advantages to [−c, c]")
     advantage_balance: bool = Field(False, description="scale negative advantages so their token mass "
                                                        "equals the positive mass")
     dynamic_sampling: DynamicSamplingSection = Field(default_factory=DynamicSamplingSection)
     overlong_penalty: OverlongPenaltySection | None = None
-
-    @model_validator(mode="after")
-    def _registered(self) -> "AlgoSection":
-        # imported here: the registries hold torch code; a config that is only read stays light
-        from axrl.algo.corrections import CORRECTIONS
-        from axrl.algo.objectives import OBJECTIVES
-
-        OBJECTIVES.params(self.loss, self.loss_args, "algo.loss_args")
-        for name, args in self.correction.items():
-            if args is not None:
-                CORRECTIONS.params(name, args, f"algo.correction.{name}")
-            else:
-                CORRECTIONS.get(name)
-        return self
 
 
 class MegatronSection(Section):
@@ -269,47 +212,11 @@ class R3ScopeSection(Section):
     loss_tokens_only: bool = Field(False, description="replay only at loss tokens (generated tokens as inputs)")
 
 
-class RayPlacementSection(Section):
-    """Where the Ray actors go (docs/distributed.md). `colocated`: one placement group holding the
-    train ranks and the engine; `separate`: one group for the train ranks, one for the engine."""
-
-    mode: Literal["colocated", "separate"] = "colocated"
-    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
-        "PACK", description="placement-group strategy of each group (Ray's names)")
-    train_cpus: float = Field(1.0, gt=0, description="CPUs reserved per train rank")
-    engine_cpus: float = Field(1.0, gt=0, description="CPUs reserved per engine actor")
-    train_gpus: float = Field(0.0, ge=0, description="GPUs reserved per train rank (fractions share a GPU: "
-                                                     "with engine_gpus, colocate engine and trainer on it)")
-    engine_gpus: float = Field(0.0, ge=0, description="GPUs reserved for the engine actor (or the SGLang "
-                                                      "servers' rollout actor)")
-    timeout_s: float = Field(30.0, gt=0, description="wait this long for the placement groups before "
-                                                     "refusing the placement")
-
-
-class RaySection(Section):
-    """`runtime.executor: ray` (docs/distributed.md)."""
-
-    address: str | None = Field(None, description="connect to this cluster (host:port of the head, or 'auto'); "
-                                                  "null starts a local one")
-    num_cpus: int | None = Field(None, ge=1, description="CPUs of a local cluster started for the run")
-    train_ranks: int = Field(1, ge=1, description="data-parallel torch ranks, one actor each (gloo group)")
-    engine_restarts: int = Field(2, ge=0, description="restarts of a dead engine actor (its requests in "
-                                                      "flight are re-run) before the run fails")
-    rollout_restarts: int = Field(2, ge=0, description="restarts of a dead rollout actor (the groups it had "
-                                                       "not handed over are re-run) before the run fails")
-    train_restarts: int = Field(2, ge=0, description="restarts of the train group from the last checkpoint "
-                                                     "after a train actor died, before the run stops")
-    call_timeout_s: float = Field(600.0, gt=0, description="a call to an actor that takes longer fails the actor")
-    heartbeat_s: float = Field(2.0, gt=0, description="how often the driver polls every actor's heartbeat "
-                                                      "into RUN/status.json (`axrl status RUN`)")
-    placement: RayPlacementSection = Field(default_factory=RayPlacementSection)
-
-
 class RuntimeSection(Section):
     executor: Literal["local", "ray"] = Field("local", description="local: every component in this process; "
                                               "ray: rollout, engine, learner and train ranks as Ray actors "
                                               "(pip install 'axrl[ray]')")
-    ray: RaySection = Field(default_factory=RaySection)
+    ray: RaySettings = Field(default_factory=RaySettings)
     threads: int = Field(1, ge=1, description="torch threads per process")
     deterministic: bool = Field(True, description="bitwise reproducible: fixed seeds and threads, and rollout "
                                                   "scheduled by counts (decode steps, finished groups), "
@@ -456,10 +363,6 @@ class Config(Section):
                              "not report, when requests run across a weight update (runtime.deterministic: false); "
                              "use 'recompute' (or 'drop') with rollout.engine=sglang")
         return self
-
-
-class ConfigError(ValueError):
-    """A config problem, already phrased for the user (key path, what was expected)."""
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:

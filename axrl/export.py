@@ -14,7 +14,7 @@ from pathlib import Path
 
 from axrl.config import ConfigError, load_config
 from axrl.runtime.checkpoint import STATE_FILE, list_checkpoints, load_checkpoint
-from axrl.runtime.components import make_train_backend
+from axrl.assembly.build import make_train_backend
 from axrl.tokenizer import load_tokenizer
 
 _CHECKPOINT_NAME = re.compile(r"^step_(\d{6,})$")

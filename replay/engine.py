@@ -27,10 +27,10 @@ import torch
 
 from axrl.config import Config, ConfigError, load_config
 from axrl.runtime.checkpoint import load_checkpoint
-from axrl.runtime.faults import lr_scale
-from axrl.runtime.components import make_tokenizer, make_train_backend
+from axrl.assembly.build import make_tokenizer, make_train_backend, policy_loss
+from axrl.assembly.settings import faults, routing_replay
 from axrl.runtime.records import UpdateResult
-from axrl.runtime.updates import CombinedHooks, policy_loss, routing_replay, run_updates
+from axrl.runtime.updates import CombinedHooks, run_updates
 from axrl.tokenizer import Tokenizer
 from axrl.trace import StepFile, TraceError
 from axrl.train.protocol import TrainBackend
@@ -294,7 +294,7 @@ def _replay_on(backend: TrainBackend, tokenizer: Tokenizer, inv: RunInventory, c
             say(f"re-running step {s} ({len(rec.updates)} update(s)) to rebuild the state before step {step}")
         t_up = time.perf_counter()
         try:
-            results = run_updates(backend, rec.batch, rec.splits, loss_fn, r3=routing_replay(cfg), lr_scale=lr_scale(cfg, s),
+            results = run_updates(backend, rec.batch, rec.splits, loss_fn, r3=routing_replay(cfg), lr_scale=faults(cfg).lr_scale_at(s),
                                   hooks=hooks)
         finally:
             if probe is not None:

@@ -45,8 +45,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from axrl.runtime.components import make_engine_model
-from axrl.runtime.updates import routing_replay
+from axrl.assembly.build import make_engine_model
+from axrl.assembly.settings import routing_replay
 from axrl.trace import StepFile
 from axrl.train.micro_batch import split_micro_batches
 from axrl.train.protocol import PackedBatch, R3Scope

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Callable
 
 from axrl.config import Config, ConfigError, load_config
-from axrl.runtime.components import make_tokenizer, make_train_backend
-from axrl.runtime.faults import lr_scale
-from axrl.runtime.updates import policy_loss, routing_replay, run_updates
+from axrl.assembly.build import make_tokenizer, make_train_backend, policy_loss
+from axrl.assembly.settings import faults, routing_replay
+from axrl.runtime.updates import run_updates
 from axrl.tokenizer import Tokenizer
 from axrl.trace import TraceError
 from axrl.train.protocol import TrainBackend
@@ -54,7 +54,7 @@ class PolicyState:
         rec = self.recorded(self.step)
         cfg, backend = self.cfg, self.backend
         results = run_updates(backend, rec.batch, rec.splits, policy_loss(cfg), r3=routing_replay(cfg),
-                              lr_scale=lr_scale(cfg, self.step))
+                              lr_scale=faults(cfg).lr_scale_at(self.step))
         found = compare_updates(rec, results)
         if results and results[-1].fingerprint != rec.fingerprint_after:
             found.append(Divergence(self.step, None, None, "weights_fingerprint_after", rec.fingerprint_after,

@@ -37,7 +37,8 @@ import torch
 
 from axrl.config import Config
 from axrl.rollout.trajectory import Trajectory
-from axrl.runtime.components import make_data, make_embedded_engine, make_engine_model, make_rollout, rollout_clock
+from axrl.assembly.build import make_data, make_embedded_engine, make_engine_model, make_rollout
+from axrl.assembly.settings import rollout_clock
 from axrl.trace import StepFile
 from replay.compare import Divergence
 from replay.engine_path import ClockSchedule, contexts_of, run_engine_path

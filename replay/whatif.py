@@ -35,13 +35,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from axrl.algo import segment_sum, token_advantages
-from axrl.algo.processor import AdvantageSettings, update_splits
+from axrl.algo.processor import update_splits
 from axrl.config import Config, ConfigError, apply_overrides, load_config
-from axrl.runtime.components import make_train_backend
-from axrl.runtime.faults import lr_scale
+from axrl.assembly.build import make_train_backend, policy_loss
+from axrl.assembly.settings import advantage_settings, faults, routing_replay
 from axrl.runtime.records import UpdateResult
-from axrl.runtime.reference import needs_reference, restore_reference, with_reference_logprobs
-from axrl.runtime.updates import policy_loss, routing_replay, run_updates
+from axrl.runtime.reference import restore_reference, with_reference_logprobs
+from axrl.runtime.updates import run_updates
 from axrl.tokenizer import Tokenizer
 from axrl.train.protocol import PackedBatch, TrainBackend
 from replay.plan import ReplayInputError
@@ -159,7 +159,7 @@ def summarize(results: Sequence[UpdateResult], sizes: Sequence[float] = ()) -> l
 def recompute_advantages(rec: RecordedStep, cfg: Config) -> torch.Tensor:
     """Token advantages from the recorded rewards, by the pipeline `AlgorithmProcessor` runs."""
     loss_tokens = segment_sum(rec.batch.loss_mask.double(), rec.batch.offsets).numpy()
-    adv = AdvantageSettings.from_algo(cfg.algo).sample_advantages(rec.rewards, rec.group_ids, rec.ok, loss_tokens)
+    adv = advantage_settings(cfg).sample_advantages(rec.rewards, rec.group_ids, rec.ok, loss_tokens)
     return token_advantages(adv, rec.batch.offsets, rec.batch.loss_mask)
 
 
@@ -201,19 +201,19 @@ def run_variant(variant: Variant, base_cfg: Config, rec: RecordedStep, state: di
 def _run_on(backend: TrainBackend, variant: Variant, base_cfg: Config, rec: RecordedStep,
             state: dict[str, Any], run_dir: Path) -> VariantResult:
     cfg, knobs, notes = variant.cfg, variant.knobs, []
-    needs_ref = needs_reference(cfg) and rec.batch.ref_logprobs is None
+    needs_ref = cfg.algo.kl_coef > 0 and rec.batch.ref_logprobs is None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "checkpoint config differs": that is the point of a variant
         if needs_ref:
             try:
-                restore_reference(backend, run_dir, cfg)
+                restore_reference(backend, run_dir, True)
             except FileNotFoundError as e:
                 raise ReplayInputError(f"what-if {variant.label}: {e}") from None
         backend.load_state_dict(state)
     batch = dataclasses.replace(rec.batch, temperature=cfg.rollout.temperature)
-    if AdvantageSettings.from_algo(cfg.algo) != AdvantageSettings.from_algo(base_cfg.algo):
+    if advantage_settings(cfg) != advantage_settings(base_cfg):
         batch = dataclasses.replace(batch, advantages=recompute_advantages(rec, cfg))
-        notes.append(f"advantages recomputed from the recorded rewards ({AdvantageSettings.from_algo(cfg.algo).describe()})")
+        notes.append(f"advantages recomputed from the recorded rewards ({advantage_settings(cfg).describe()})")
     forward_changed = (knobs.dtype not in (None, "float32")
                        or any(_get(cfg, p) != _get(base_cfg, p) for p in FORWARD_PATHS))
     if forward_changed:
@@ -221,7 +221,7 @@ def _run_on(backend: TrainBackend, variant: Variant, base_cfg: Config, rec: Reco
         batch = dataclasses.replace(batch, old_logprobs=old.logprobs)
         notes.append("old logprobs recomputed under the variant: its trainer forward differs")
     if needs_ref:
-        batch = with_reference_logprobs(backend, batch, cfg)
+        batch = with_reference_logprobs(backend, batch, cfg.algo.kl_coef > 0, routing_replay(cfg))
         notes.append("reference logprobs computed under the run's reference policy (checkpoint step_000000)")
     batch, dropped = drop_top_ratio(batch, knobs.drop_top_k)
     if dropped:
@@ -237,7 +237,7 @@ def _run_on(backend: TrainBackend, variant: Variant, base_cfg: Config, rec: Reco
     sizes = UpdateSizes(backend)
     try:
         results = run_updates(backend, batch, splits, policy_loss(cfg), r3=routing_replay(cfg),
-                              lr_scale=lr_scale(cfg, rec.step), hooks=sizes)
+                              lr_scale=faults(cfg).lr_scale_at(rec.step), hooks=sizes)
     except ValueError as e:  # e.g. an R3 scope naming layers the model does not have
         raise ReplayInputError(f"what-if {variant.label}: {e}") from None
     return VariantResult(label=variant.label, assignments=variant.assignments, updates=summarize(results, sizes.sizes),

@@ -327,7 +327,7 @@ def branch_batch() -> tuple[PackedBatch, torch.Tensor, dict[str, int]]:
 
 def test_ppo_branches_values_gradients_clipfrac() -> None:
     batch, lp0, idx = branch_batch()
-    cfg = PolicyLossConfig(clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    cfg = PolicyLossConfig(clip_low=0.2, clip_high=0.28, dual_clip=3.0, tis=False)
     ctx = ctx_for(batch)
     lp = lp0.clone().requires_grad_(True)
     ent = torch.zeros_like(lp)
@@ -362,7 +362,7 @@ def test_ppo_branches_values_gradients_clipfrac() -> None:
 
     # without dual clip the bad-action token is unbounded: loss 1.5·5, gradient 1.5·5
     lp2 = lp0.clone().requires_grad_(True)
-    loss2, m2 = make_policy_loss(PolicyLossConfig(dual_clip=None))(lp2, ent, batch, ctx)
+    loss2, m2 = make_policy_loss(PolicyLossConfig(dual_clip=None, tis=False))(lp2, ent, batch, ctx)
     loss2.backward()
     assert float(lp2.grad[idx["dual_neg"]]) == pytest.approx(1.5 * 5.0 / M)
     assert m2["dual_clipfrac"] == 0.0
@@ -372,7 +372,7 @@ def test_ppo_branches_values_gradients_clipfrac() -> None:
 def test_symmetric_clip_band() -> None:
     batch, lp0, idx = branch_batch()
     # 0.15 keeps every hand-picked ratio off the band edges (an edge is a rounding coin-flip)
-    cfg = PolicyLossConfig(clip_low=0.15, clip_high=0.15)
+    cfg = PolicyLossConfig(clip_low=0.15, clip_high=0.15, tis=False)
     lp = lp0.clone().requires_grad_(True)
     loss, metrics = make_policy_loss(cfg)(lp, torch.zeros_like(lp), batch, ctx_for(batch))
     want, _, flags = reference_loss(batch, lp0, torch.zeros_like(lp0), cfg, ctx_for(batch))
@@ -389,7 +389,7 @@ def test_on_policy_without_old_logprobs_is_reinforce() -> None:
     batch.ref_logprobs = None
     ctx = ctx_for(batch)
     lp = lp0.clone().requires_grad_(True)
-    loss, metrics = make_policy_loss(PolicyLossConfig())(lp, torch.zeros_like(lp), batch, ctx)
+    loss, metrics = make_policy_loss(PolicyLossConfig(tis=False))(lp, torch.zeros_like(lp), batch, ctx)
     loss.backward()
     m = batch.loss_mask > 0
     expected_grad = torch.where(m, -batch.advantages / ctx.num_loss_tokens, torch.zeros_like(lp0))
@@ -441,11 +441,11 @@ def test_tis_weights_and_cap() -> None:
 # --------------------------------------------------------------------------- full loss vs reference
 
 FULL_CFGS = [
-    PolicyLossConfig(),
-    PolicyLossConfig(clip_low=0.2, clip_high=0.2, loss_agg="seq-mean-token-mean"),
+    PolicyLossConfig(tis=False),
+    PolicyLossConfig(clip_low=0.2, clip_high=0.2, loss_agg="seq-mean-token-mean", tis=False),
     PolicyLossConfig(dual_clip=3.0, tis=True, tis_cap=1.5, kl_coef=0.05, kl_estimator="k3",
                      entropy_coef=0.01),
-    PolicyLossConfig(kl_coef=0.1, kl_estimator="k1", loss_agg="seq-mean-token-sum"),
+    PolicyLossConfig(kl_coef=0.1, kl_estimator="k1", loss_agg="seq-mean-token-sum", tis=False),
     PolicyLossConfig(kl_coef=0.1, kl_estimator="k2", tis=True, entropy_coef=0.02,
                      loss_agg="seq-mean-token-sum-norm", agg_norm_len=16),
 ]
@@ -586,7 +586,7 @@ def test_extreme_log_ratio_is_clamped() -> None:
                         advantages=torch.tensor([0.0, -1.0, 1.0]),
                         old_logprobs=torch.tensor([0.0, -200.0, -1.0]))
     lp = torch.tensor([0.0, -1.0, -1.0], requires_grad=True)  # ρ = e^199 without the clamp
-    loss, metrics = make_policy_loss(PolicyLossConfig())(lp, torch.zeros(T), batch, ctx_for(batch))
+    loss, metrics = make_policy_loss(PolicyLossConfig(tis=False))(lp, torch.zeros(T), batch, ctx_for(batch))
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
     assert metrics["ratio_max"] == pytest.approx(math.exp(20.0), rel=1e-5)
@@ -602,10 +602,10 @@ def test_validation_errors() -> None:
     ctx = ctx_for(batch)
     batch.ref_logprobs = None
     with pytest.raises(ValueError):
-        make_policy_loss(PolicyLossConfig(kl_coef=0.1))(lp0, ent0, batch, ctx)
+        make_policy_loss(PolicyLossConfig(kl_coef=0.1, tis=False))(lp0, ent0, batch, ctx)
     batch.advantages = None
     with pytest.raises(ValueError):
-        make_policy_loss(PolicyLossConfig())(lp0, ent0, batch, ctx)
+        make_policy_loss(PolicyLossConfig(tis=False))(lp0, ent0, batch, ctx)
 
 
 def test_reduce_microbatch_metrics() -> None:

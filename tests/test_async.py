@@ -24,7 +24,7 @@ from trace_util import trace_datasets
 from axrl.agents.tasks import get_task
 from axrl.config import load_config
 from axrl.model import build_model, preset_config, save_hf
-from axrl.runtime.loop import train
+from axrl.assembly.build import train
 from axrl.runtime.warmup import warm_up
 from axrl.tokenizer import Tokenizer
 from axrl.train import TorchBackend, TorchBackendConfig

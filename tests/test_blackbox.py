@@ -242,12 +242,13 @@ def test_agent_config_keys_reach_the_player_and_the_proxy(tok):
     """`agent.fork_server: false` starts each episode as a fresh process (no fork server is
     made); `agent.coalesce_ms` sets the proxy's coalescing window."""
     from axrl.config import Config
+    from axrl.assembly.settings import agent_settings
     from axrl.runtime.components import make_agent
 
     cfg = Config.model_validate({"runtime": {"deterministic": False},
                                  "agent": {"command": AGENT, "fork_server": False, "coalesce_ms": 4,
                                            "verifier": VERIFIER}})
-    proxy, player = make_agent(cfg, tok)
+    proxy, player = make_agent(agent_settings(cfg), tok, cfg.rollout.max_context_len)
     try:
         assert proxy.coalescer.window_s == pytest.approx(0.004)
         assert player.agent.fork_server is False

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from axrl.config import load_config
-from axrl.runtime.updates import policy_loss
+from axrl.assembly.build import policy_loss
 from axrl.train.protocol import LossContext, PackedBatch
 
 

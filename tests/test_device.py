@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from axrl.cli import app as axrl_app
 from axrl.config import ConfigError, load_config
-from axrl.runtime.components import build_components
+from axrl.assembly.build import build_components
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model.preset=micro-moe", "warmup.steps=0", "eval.every=0", "data.prompts_per_step=2",

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 from axrl.cli import app as axrl_app  # noqa: E402
 from axrl.config import load_config  # noqa: E402
-from axrl.runtime.components import build_components  # noqa: E402
+from axrl.assembly.build import build_components  # noqa: E402
 from axrl_debug.cli import app as debug_app  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

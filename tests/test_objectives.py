@@ -121,7 +121,7 @@ CASES = [("grpo2", {}), ("grpo2", {"dual_soft_clip": 1.5}), ("cispo", {}), ("top
 def test_objective_matches_reference(name, args, mode):
     batch, lp0, _ = make_batch([6, 9, 3, 12, 5, 8], seed=7, empty_sample=2, spread=0.5)
     lo, hi = (0.2, 0.28) if not name.startswith("gspo") else (0.05, 0.08)
-    cfg = PolicyLossConfig(loss=name, loss_args=args, clip_low=lo, clip_high=hi, loss_agg=mode)
+    cfg = PolicyLossConfig(loss=name, loss_args=args, clip_low=lo, clip_high=hi, loss_agg=mode, tis=False)
     loss, grad, metrics = run_loss(cfg, batch, lp0)
     want, want_grad, rules = objective_ref(name, batch, lp0, lo, hi, mode, **args)
     assert loss.item() == pytest.approx(want, rel=1e-10, abs=1e-14)
@@ -144,7 +144,7 @@ def test_gspo_and_gspo_token_give_the_same_gradient_with_sequence_advantages():
     for mode in AGGS:
         grads = {}
         for name in ("gspo", "gspo_token"):
-            loss, grads[name], _ = run_loss(PolicyLossConfig(loss=name, clip_low=0.05, clip_high=0.05, loss_agg=mode),
+            loss, grads[name], _ = run_loss(PolicyLossConfig(loss=name, clip_low=0.05, clip_high=0.05, loss_agg=mode, tis=False),
                                             batch, lp0)
         torch.testing.assert_close(grads["gspo"], grads["gspo_token"], rtol=1e-10, atol=1e-15)
         assert grads["gspo"].abs().sum() > 0
@@ -175,7 +175,7 @@ def test_grpo2_case_rows():
              "neg_up_in": (2.0, -1.0), "neg_up_above": (4.0, -1.0), "neg_down_in": (0.9, -1.0),
              "neg_down_below": (0.5, -1.0), "zero_adv_up": (1.5, 0.0)}
     batch, lp0, idx = case_batch(cases)
-    loss, grad, metrics = run_loss(PolicyLossConfig(loss="grpo2", clip_low=0.2, clip_high=0.28), batch, lp0)
+    loss, grad, metrics = run_loss(PolicyLossConfig(loss="grpo2", clip_low=0.2, clip_high=0.28, tis=False), batch, lp0)
     M = 8
     lp = {n: -1.0 + math.log(r) for n, (r, _) in cases.items()}
     want = {  # name: (w, gradient kept?)
@@ -210,7 +210,7 @@ def test_topr_case_rows(level):
             batch.advantages[2 * k + 1] = cases[name][1]
             idx[name] = 2 * k + 1
         lp0 = lp
-    loss, grad, metrics = run_loss(PolicyLossConfig(loss="topr", loss_args={"level": level}, loss_agg="token-mean"),
+    loss, grad, metrics = run_loss(PolicyLossConfig(loss="topr", loss_args={"level": level}, loss_agg="token-mean", tis=False),
                                    batch, lp0)
     want_w = {"pos_up": 1.0, "pos_down": 1.0, "neg_down": 0.6, "neg_up": 1.0}
     M = 4
@@ -230,8 +230,8 @@ def test_topr_sequence_level_uses_the_product_ratio():
                         advantages=torch.tensor([0.0, -1.0, -1.0], dtype=torch.float64),
                         old_logprobs=torch.full((3,), -1.0, dtype=torch.float64))
     lp0 = torch.tensor([0.0, -1.0 + math.log(0.5), -1.0 + math.log(1.6)], dtype=torch.float64)
-    _, g_tok, _ = run_loss(PolicyLossConfig(loss="topr"), batch, lp0)
-    _, g_seq, _ = run_loss(PolicyLossConfig(loss="topr", loss_args={"level": "sequence"}), batch, lp0)
+    _, g_tok, _ = run_loss(PolicyLossConfig(loss="topr", tis=False), batch, lp0)
+    _, g_seq, _ = run_loss(PolicyLossConfig(loss="topr", loss_args={"level": "sequence"}, tis=False), batch, lp0)
     assert g_tok[1:].tolist() == pytest.approx([0.5 / 2, 1.0 / 2])
     assert g_seq[1:].tolist() == pytest.approx([0.8 / 2, 0.8 / 2])
 
@@ -284,9 +284,9 @@ def test_correction_matches_reference(name, params):
     batch, lp0, _ = make_batch([6, 9, 4, 12, 7], seed=13, spread=0.2)
     batch.rollout_logprobs[int(batch.offsets[3]) + 5] = NAN  # a loss token without a rollout logprob
     w, rules = correction_ref(name, batch, **params)
-    cfg = PolicyLossConfig(correction={name: params})
+    cfg = PolicyLossConfig(correction={name: params}, tis=False)
     loss, grad, metrics = run_loss(cfg, batch, lp0)
-    base_loss, base_grad, _ = run_loss(PolicyLossConfig(), batch, lp0)  # ppo without corrections
+    base_loss, base_grad, _ = run_loss(PolicyLossConfig(tis=False), batch, lp0)  # ppo without corrections
     m = batch.loss_mask > 0
     got_w = metrics["tokens/is_weight"]
     torch.testing.assert_close(got_w[m], torch.tensor(w, dtype=got_w.dtype)[m], rtol=1e-6, atol=0)
@@ -301,7 +301,7 @@ def test_correction_matches_reference(name, params):
 def test_corrections_combine_by_product_and_legacy_tis_is_the_token_correction():
     batch, lp0, _ = make_batch([8, 10, 6], seed=21, spread=0.2)
     combo = {"tis": {"cap": 1.3}, "icepop": {"low": 0.8, "high": 1.25}}
-    _, g_both, m_both = run_loss(PolicyLossConfig(correction=combo), batch, lp0)
+    _, g_both, m_both = run_loss(PolicyLossConfig(correction=combo, tis=False), batch, lp0)
     w_tis, _ = correction_ref("tis", batch, level="token", cap=1.3)
     w_ice, _ = correction_ref("icepop", batch, low=0.8, high=1.25)
     m = batch.loss_mask > 0
@@ -309,11 +309,11 @@ def test_corrections_combine_by_product_and_legacy_tis_is_the_token_correction()
     torch.testing.assert_close(m_both["tokens/is_weight"][m], want[m].float(), rtol=1e-6, atol=0)
     # algo.tis / tis_cap are the token-level tis correction
     _, g_legacy, _ = run_loss(PolicyLossConfig(tis=True, tis_cap=1.3), batch, lp0)
-    _, g_explicit, _ = run_loss(PolicyLossConfig(correction={"tis": {"level": "token", "cap": 1.3}}), batch, lp0)
+    _, g_explicit, _ = run_loss(PolicyLossConfig(correction={"tis": {"level": "token", "cap": 1.3}}, tis=False), batch, lp0)
     torch.testing.assert_close(g_legacy, g_explicit, rtol=0, atol=0)
     # an explicit entry wins over the short form, null switches it off
     _, g_off, m_off = run_loss(PolicyLossConfig(tis=True, correction={"tis": None}), batch, lp0)
-    _, g_plain, _ = run_loss(PolicyLossConfig(), batch, lp0)
+    _, g_plain, _ = run_loss(PolicyLossConfig(tis=False), batch, lp0)
     torch.testing.assert_close(g_off, g_plain, rtol=0, atol=0)
     assert "is_weight_mean" not in m_off and "tis_weight_mean" in m_off  # diagnostics stay
 
@@ -321,7 +321,7 @@ def test_corrections_combine_by_product_and_legacy_tis_is_the_token_correction()
 def test_ppo_loss_rules_mark_the_clipped_branches():
     from tests.test_algo import branch_batch
     batch, lp0, idx = branch_batch()
-    _, _, metrics = run_loss(PolicyLossConfig(dual_clip=3.0), batch, lp0)
+    _, _, metrics = run_loss(PolicyLossConfig(dual_clip=3.0, tis=False), batch, lp0)
     rule = {n: int(metrics["tokens/loss_rule"][k]) for n, k in idx.items()}
     assert rule == {"inside_pos": 0, "above_pos": LossRule.CLIP_HIGH, "below_pos": 0, "below_neg": LossRule.CLIP_LOW,
                     "above_neg": 0, "dual_neg": LossRule.DUAL_CLIP, "inside_neg": 0, "zero_adv": 0}
@@ -361,7 +361,7 @@ def test_a_new_objective_is_one_function_and_one_registration():
 
     try:
         cfg = load_config(None, ["algo.loss=test_scaled_reinforce", "algo.loss_args={scale: 2.0}", "algo.tis=false"])
-        from axrl.runtime.updates import policy_loss
+        from axrl.assembly.build import policy_loss
         batch, lp0, _ = make_batch([5, 7], seed=1)
         loss, grad, metrics = run_loss(policy_loss(cfg).cfg, batch, lp0)
         m = batch.loss_mask > 0

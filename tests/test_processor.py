@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from axrl.algo.processor import (AdvantageSettings, AlgorithmProcessor, informative_groups, overlong_penalty,
-                                 prompts_to_roll_out, update_splits)
+from axrl.algo.processor import AdvantageSettings, informative_groups, overlong_penalty, update_splits
+from axrl.assembly.build import make_processor
+from axrl.assembly.settings import prompts_to_roll_out
 from axrl.config import load_config
 from axrl.rollout.trajectory import Trajectory
 
@@ -46,12 +47,12 @@ def test_dynamic_sampling_keeps_the_first_informative_groups():
              traj(2, 11, 0, 3), traj(3, 11, 1, 4),      # kept
              traj(4, 12, 1, 2), traj(5, 12, 0, 5),      # kept
              traj(6, 13, 0, 3), traj(7, 13, 1, 3)]      # informative but surplus
-    p = AlgorithmProcessor.from_config(cfg)(trajs)
+    p = make_processor(cfg)(trajs)
     assert [t.group_id for t in p.trajectories] == [11, 11, 12, 12]
     assert p.dropped_groups == 2 and p.rolled_out_groups == 4
     assert p.batch.num_samples == 4 and p.sample_advantages.abs().sum() > 0
     off = load_config(None, ["data.prompts_per_step=2"])
-    assert prompts_to_roll_out(off) == 2 and AlgorithmProcessor.from_config(off)(trajs).batch.num_samples == 8
+    assert prompts_to_roll_out(off) == 2 and make_processor(off)(trajs).batch.num_samples == 8
 
 
 def test_penalty_clip_and_balance_by_hand():
@@ -83,7 +84,7 @@ def test_penalty_clip_and_balance_by_hand():
     # the processor runs the same pipeline and records the penalty
     cfg = load_config(None, ["algo.advantage_clip=1.0", "algo.advantage_balance=true",
                              "algo.overlong_penalty={max_len: 8, cache_len: 4}"])
-    p = AlgorithmProcessor.from_config(cfg)(trajs)
+    p = make_processor(cfg)(trajs)
     assert torch.equal(p.sample_advantages, got)
     assert p.penalties.tolist()[:2] == [0.0, -1.0]
     with pytest.raises(Exception, match="cache_len"):

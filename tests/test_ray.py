@@ -20,7 +20,7 @@ ray = pytest.importorskip("ray")
 from trace_util import trace_datasets  # noqa: E402
 from axrl.config import ConfigError, load_config  # noqa: E402
 from axrl.runtime.events import read_events  # noqa: E402
-from axrl.runtime.loop import train  # noqa: E402
+from axrl.assembly.build import train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(600)
@@ -250,13 +250,14 @@ ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, _node
 gpus = ["runtime.executor=ray", "runtime.device=cuda", "runtime.ray.placement.train_cpus=0.5",
         "runtime.ray.placement.engine_cpus=0.5"]
 cfg = load_config(sys.argv[1], gpus + ["runtime.ray.placement.train_gpus=0.5", "runtime.ray.placement.engine_gpus=0.5"])
-placement = place(ray, cfg)
+placement = place(ray, cfg.runtime.ray.placement, 1)
 probe = ray.remote(lambda: ray.get_gpu_ids())
 slots = {"train": placement.train[0], "engine": placement.engine}
 out = {name: ray.get(probe.options(**slot.options()).remote()) for name, slot in slots.items()}
 placement.release(ray)
 try:
-    place(ray, load_config(sys.argv[1], gpus + ["runtime.ray.placement.train_gpus=1", "runtime.ray.placement.engine_gpus=1"]))
+    place(ray, load_config(sys.argv[1], gpus + ["runtime.ray.placement.train_gpus=1",
+                                                "runtime.ray.placement.engine_gpus=1"]).runtime.ray.placement, 1)
 except ConfigError as e:
     out["refused"] = str(e)
 print(json.dumps(out))
@@ -439,10 +440,10 @@ def test_data_parallel_ranks_sum_to_the_one_process_gradient_and_stay_identical(
     the same grad norm and the same weights after the update (to rounding), identical ranks."""
     import torch
 
-    from axrl.runtime.components import make_tokenizer, make_train_backend
+    from axrl.assembly.build import make_tokenizer, make_train_backend, policy_loss
+    from axrl.assembly.settings import run_settings
     from axrl.runtime.events import EventLog
     from axrl.runtime.ray.executor import RayExecutor
-    from axrl.runtime.updates import policy_loss
     from axrl.train.protocol import PackedBatch
 
     c = cfg("runtime.executor=ray", "runtime.ray.train_ranks=2", *SMALL, "train.lr=1e-2")
@@ -457,7 +458,7 @@ def test_data_parallel_ranks_sum_to_the_one_process_gradient_and_stay_identical(
                         advantages=torch.randn(T, generator=g))
     old = local.forward(batch).logprobs
     batch = PackedBatch(**{**batch.__dict__, "old_logprobs": old, "rollout_logprobs": old})
-    executor = RayExecutor(c, EventLog())
+    executor = RayExecutor(run_settings(c), c.runtime.ray, EventLog())
     try:
         group = executor.start_train_group()
         before = group.fingerprint()

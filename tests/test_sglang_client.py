@@ -285,7 +285,8 @@ def test_watchdog_restart_is_resynced_before_the_next_request(setup, tmp_path):
 def test_run_connects_to_given_urls_and_pushes_its_weights(setup, tmp_path):
     from axrl.config import load_config
     from axrl.inference.sglang.factory import build_sglang_engine
-    from axrl.runtime.components import make_train_backend
+    from axrl.assembly.build import make_train_backend
+    from axrl.assembly.settings import rollout_settings
     from axrl.tokenizer import Tokenizer
 
     launcher = setup["launcher"]
@@ -293,7 +294,7 @@ def test_run_connects_to_given_urls_and_pushes_its_weights(setup, tmp_path):
                              "rollout.sglang.urls=[" + ",".join(launcher.urls) + "]"])
     tok = Tokenizer.default()
     backend = make_train_backend(cfg, tok)
-    engine = build_sglang_engine(cfg, backend, tok)
+    engine = build_sglang_engine(cfg.rollout.sglang, rollout_settings(cfg).served, backend, tok)
     try:
         assert engine.launcher is None and engine.weight_version == 0
         for url in launcher.urls:  # the servers now hold the run's (seed 1) weights, not their own

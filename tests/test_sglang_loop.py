@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 from axrl.config import load_config
+from axrl.assembly.settings import rollout_settings
 from axrl.inference.sglang.factory import server_command
-from axrl.runtime.loop import train
+from axrl.assembly.build import train
 
 SHRINK = ["steps=2", "warmup.steps=5", "data.prompts_per_step=4", "rollout.group_size=4", "eval.every=0",
           "checkpoint.every=10", "r3=true"]
@@ -75,7 +76,7 @@ def test_train_on_sglang_engine_end_to_end(tmp_path):
 def test_missing_sglang_is_a_clear_error(overrides, says):
     cfg = load_config("examples/quickstart.yaml", ["rollout.engine=sglang", *overrides])
     with pytest.raises(ValueError, match=re.escape(says)) as info:
-        server_command(cfg)
+        server_command(cfg.rollout.sglang, rollout_settings(cfg).served)
     assert "rollout.sglang.server=axrl" in str(info.value) and "scripts/sglang-cpu-env.sh" in str(info.value)
 
 

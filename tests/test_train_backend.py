@@ -533,7 +533,7 @@ def test_loss_token_columns_come_back_in_batch_order():
     b = make_batch()
     b = replace(b, old_logprobs=be.forward(b).logprobs + 0.3 * torch.randn(b.num_tokens),
                 rollout_logprobs=torch.where(b.loss_mask > 0, torch.randn(b.num_tokens) * 0.2 - 2, torch.nan))
-    loss = make_policy_loss(PolicyLossConfig(correction={"tis": {"cap": 1.1}}))
+    loss = make_policy_loss(PolicyLossConfig(correction={"tis": {"cap": 1.1}}, tis=False))
     m = be.forward_backward(b, loss)
     assert len(m.micro_batches) > 1 and set(m.tokens) == {"is_weight", "loss_rule"}
     # the columns over the whole batch equal the loss evaluated on the whole batch at once

@@ -21,15 +21,11 @@ S = 0) gives 0 rather than NaN.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
+from axrl.algo.modes import LOSS_AGG_MODES, LossAgg
 from axrl.train.protocol import LossContext
 
-LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                                   "seq-mean-token-sum-norm")
 
 __all__ = ["LossAgg", "LOSS_AGG_MODES", "aggregate_loss", "aggregation_weights", "segment_sum"]
 

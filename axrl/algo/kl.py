@@ -21,11 +21,9 @@ verl "low_var_kl" default anyway; k2 is the choice for a gradient-faithful rever
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-KLEstimator = Literal["k1", "k2", "k3"]
+from axrl.algo.modes import KLEstimator
 
 __all__ = ["KLEstimator", "kl_penalty", "kl_k1", "kl_k2", "kl_k3"]
 

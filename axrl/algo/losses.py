@@ -47,92 +47,22 @@ Per-token columns (`TOKEN_COLUMN_PREFIX`, [T_mb]; the backend concatenates them 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-from pydantic import BaseModel
 
-from axrl.algo.aggregation import LOSS_AGG_MODES, LossAgg, aggregate_loss
-from axrl.algo.corrections import CORRECTIONS, Correction
+from axrl.algo.aggregation import aggregate_loss
+from axrl.algo.corrections import CORRECTIONS
 from axrl.algo.corrections.tis import TisParams
-from axrl.algo.kl import KLEstimator, kl_penalty
+from axrl.algo.kl import kl_penalty
+from axrl.algo.loss_config import PolicyLossConfig
 from axrl.algo.objectives import OBJECTIVES
 from axrl.algo.terms import RULE_NAMES, ClipBand, CorrectionInputs, LossRule, TokenInputs
 from axrl.train.metrics import TOKEN_COLUMN_PREFIX
 from axrl.train.protocol import LossContext, PackedBatch
 
 __all__ = ["PolicyLossConfig", "PolicyLoss", "LossTerms", "make_policy_loss"]
-
-
-@dataclass(frozen=True)
-class PolicyLossConfig:
-    """Knobs of the policy loss (module docstring has the formulas).
-
-    loss / loss_args: the objective's registry name and its parameters (validated by it).
-    correction: {name: params} of the rollout↔trainer corrections (validated by each; None = off).
-    clip_low / clip_high: ε_low, ε_high of the ratio band [1 − ε_low, 1 + ε_high].
-    dual_clip: c > 1 for dual-clip PPO, None to disable.
-    tis / tis_cap: short form of `correction: {tis: {level: token, cap: tis_cap}}` (ignored when
-        `correction` names `tis`); tis_cap is also the cap of the `tis_*` diagnostics.
-    kl_coef / kl_estimator: β and "k1" | "k2" | "k3" for the KL(π ‖ π_ref) penalty (β > 0 needs
-        ref_logprobs). kl_log_ratio_clamp: optional clamp of ref − lp inside the estimator.
-    entropy_coef: α of the entropy bonus (subtracted from the loss).
-    loss_agg: see `axrl.algo.aggregation`; agg_norm_len: L for "seq-mean-token-sum-norm".
-    log_ratio_clamp: lp − old is clamped to [−c, c] before exp, so a wildly off-policy token
-        cannot overflow ρ to inf (and inf · 0 → NaN). ±20 (ρ ∈ [2e-9, 5e8]) never binds in a
-        sane update. None disables.
-    """
-
-    loss: str = "ppo"
-    loss_args: Mapping[str, Any] = field(default_factory=dict)
-    correction: Mapping[str, Mapping[str, Any] | None] = field(default_factory=dict)
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: float | None = None
-    tis: bool = False
-    tis_cap: float = 2.0
-    kl_coef: float = 0.0
-    kl_estimator: KLEstimator = "k3"
-    kl_log_ratio_clamp: float | None = None
-    entropy_coef: float = 0.0
-    loss_agg: LossAgg = "token-mean"
-    agg_norm_len: float | None = None
-    log_ratio_clamp: float | None = 20.0
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.clip_low <= 1.0:
-            raise ValueError(f"clip_low must be in [0, 1], got {self.clip_low}")
-        if self.clip_high < 0.0:
-            raise ValueError(f"clip_high must be >= 0, got {self.clip_high}")
-        if self.dual_clip is not None and not self.dual_clip > 1.0:
-            raise ValueError(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
-        if not self.tis_cap > 0.0:
-            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
-        if self.kl_coef < 0.0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
-        if self.kl_estimator not in ("k1", "k2", "k3"):
-            raise ValueError(f"kl_estimator must be 'k1', 'k2' or 'k3', got {self.kl_estimator!r}")
-        if self.loss_agg not in LOSS_AGG_MODES:
-            raise ValueError(f"loss_agg must be one of {LOSS_AGG_MODES}, got {self.loss_agg!r}")
-        if self.loss_agg == "seq-mean-token-sum-norm" and not (self.agg_norm_len or 0) > 0:
-            raise ValueError("loss_agg 'seq-mean-token-sum-norm' needs agg_norm_len > 0")
-        if self.log_ratio_clamp is not None and not self.log_ratio_clamp > 0:
-            raise ValueError(f"log_ratio_clamp must be > 0 (or None), got {self.log_ratio_clamp}")
-        self.objective_params()
-        self.corrections()
-
-    def objective_params(self) -> BaseModel:
-        """The objective's validated parameters (ValueError naming `algo.loss_args.<key>`)."""
-        return OBJECTIVES.params(self.loss, self.loss_args, "algo.loss_args")
-
-    def corrections(self) -> list[tuple[Correction, BaseModel]]:
-        """The corrections in effect with their validated parameters, in a fixed (name) order."""
-        chosen = dict(self.correction)
-        if self.tis and "tis" not in chosen:
-            chosen["tis"] = {"level": "token", "cap": self.tis_cap}
-        return [(CORRECTIONS.get(name), CORRECTIONS.params(name, args, f"algo.correction.{name}"))
-                for name, args in sorted(chosen.items()) if args is not None]
 
 
 @dataclass

@@ -12,7 +12,6 @@ which recomputes advantages from the recorded rewards for what-ifs:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -20,12 +19,11 @@ import numpy as np
 import torch
 
 from axrl.algo.advantages import compute_advantages, token_advantages
-from axrl.config import AlgoSection, Config
 from axrl.rollout.trajectory import Trajectory
 from axrl.train.protocol import PackedBatch
 
 __all__ = ["AdvantageSettings", "AlgorithmProcessor", "ProcessedBatch", "informative_groups", "overlong_penalty",
-           "prompts_to_roll_out", "update_splits"]
+           "update_splits"]
 
 
 def update_splits(group_ids: Sequence[int] | np.ndarray, updates: int) -> list[list[int]]:
@@ -61,13 +59,6 @@ def informative_groups(rewards: np.ndarray, group_ids: np.ndarray, ok: np.ndarra
     return keep
 
 
-def prompts_to_roll_out(cfg: Config) -> int:
-    """Prompts a step rolls out: `data.prompts_per_step`, more with dynamic sampling (its oversample)."""
-    ds = cfg.algo.dynamic_sampling
-    n = cfg.data.prompts_per_step
-    return math.ceil(n * ds.oversample) if ds.enabled else n
-
-
 @dataclass(frozen=True)
 class AdvantageSettings:
     """How sample advantages come from rewards (the module docstring's pipeline)."""
@@ -76,13 +67,6 @@ class AdvantageSettings:
     advantage_clip: float | None = None
     advantage_balance: bool = False
     overlong: tuple[int, int] | None = None   # (max_len, cache_len)
-
-    @classmethod
-    def from_algo(cls, a: AlgoSection) -> "AdvantageSettings":
-        estimator = "dr_grpo" if a.advantage == "grpo" and not a.normalize_std else a.advantage
-        ol = a.overlong_penalty
-        return cls(estimator, a.advantage_clip, a.advantage_balance,
-                   None if ol is None else (ol.max_len, ol.cache_len))
 
     def describe(self) -> str:
         """e.g. "grpo, clipped to ±1, negative mass balanced" (for notes and logs)."""
@@ -156,12 +140,6 @@ class AlgorithmProcessor:
         self.estimator = self.settings.estimator
         self.temperature = temperature
         self.keep_groups = keep_groups
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> "AlgorithmProcessor":
-        a = cfg.algo
-        return cls(temperature=cfg.rollout.temperature, settings=AdvantageSettings.from_algo(a),
-                   keep_groups=cfg.data.prompts_per_step if a.dynamic_sampling.enabled else None)
 
     def _dynamic_sampling(self, trajectories: list[Trajectory]) -> tuple[list[Trajectory], int, int]:
         groups = list(dict.fromkeys(t.group_id for t in trajectories))

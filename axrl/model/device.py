@@ -8,7 +8,8 @@ import re
 
 import torch
 
-from axrl.config import DEVICE_PATTERN
+# runtime.device: the device kinds the torch trainer and the embedded engine run on.
+DEVICE_PATTERN = r"^(cpu|cuda(:\d+)?)$"
 
 
 def resolve_device(spec: str) -> torch.device:

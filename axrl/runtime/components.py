@@ -1,15 +1,16 @@
-"""Build a run's components from its config: the one place that maps config sections onto
-constructors.
+"""The components of a run, built from settings objects (never from the config: `axrl.assembly`
+maps config sections onto these settings, then calls the factories here — in this process, or
+inside the Ray actors of `axrl.runtime.ray`, which are handed the same settings).
 
-Used by the loop (`axrl train`) and by replay, which must build the trainer exactly as training
-did — so replay imports this module, never the loop.
+Each factory takes the small settings object of what it builds; `RunSettings` is only their
+bundle, so a Ray actor can be handed the parts it builds from.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -17,14 +18,15 @@ from axrl.agents.proxy import ProxyServer
 from axrl.agents.proxy.service import AgentService
 from axrl.agents.tasks import Task
 from axrl.agents.tasks.resolve import resolve_task
-from axrl.algo.processor import AlgorithmProcessor, prompts_to_roll_out
-from axrl.config import Config, ConfigError
+from axrl.algo.loss_config import PolicyLossConfig
+from axrl.algo.processor import AdvantageSettings, AlgorithmProcessor
 from axrl.data import PromptLoader
+from axrl.errors import ConfigError
 from axrl.inference.embedded import EmbeddedEngine
 from axrl.inference.protocol import InferenceEngine, SamplingParams
+from axrl.inference.sglang.settings import ServedModel, SGLangSettings
 from axrl.model import ModelConfig, Qwen3ForCausalLM, build_model, load_hf, load_weights_into, preset_config
 from axrl.model.device import resolve_device
-from axrl.rollout.agent_loop import opening
 from axrl.rollout.blackbox import AgentSpec, BlackBoxPlayer, load_callable
 from axrl.rollout.control import BatchSource, RolloutControl
 from axrl.rollout.pool import TrajectoryPool
@@ -33,14 +35,143 @@ from axrl.rollout.schedule import Schedule
 from axrl.rollout.worker import RolloutPolicy, RolloutWorker
 from axrl.runtime.evaluator import Evaluator
 from axrl.runtime.events import EventLog
-from axrl.runtime.learner import Learner, StepLearner
-from axrl.runtime.train_worker import TrainWorker
+from axrl.runtime.faults import Faults
+from axrl.runtime.learner import Learner, RecordSettings, StepLearner
+from axrl.runtime.train_worker import TrainStepSettings, TrainWorker
 from axrl.sync import WeightSync
 from axrl.tokenizer import Tokenizer, load_tokenizer
 from axrl.trace import RunDir
 from axrl.train import TorchBackend, TorchBackendConfig
 from axrl.train.protocol import TrainBackend
 
+
+# -- settings ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the policy comes from and where it lives: `path` (an HF directory, with its own
+    tokenizer) or a random-init `preset`; dtype and device of the trainer and the embedded engine."""
+
+    path: str | None = None
+    preset: str | None = "tiny-moe"
+    init_seed: int = 0
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: str = "cpu"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    """The train backend: which one, and its constructor's config (`TorchBackendConfig`, or
+    `MegatronBackendConfig` for `kind="megatron"`)."""
+
+    kind: Literal["torch", "megatron"]
+    config: TorchBackendConfig
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The embedded engine's constructor knobs (slots, context, prefix cache)."""
+
+    max_batch_size: int = 64
+    max_context_len: int = 512
+    prefix_cache: bool = False
+    prefix_cache_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """The task and its prompt stream: a built-in or user task (`task`, `task_args`), or a prompt
+    file scored by a `reward` function; whether the run needs demonstrations (warm-up) and held-out
+    prompts (evaluation)."""
+
+    task: str = "calculator"
+    path: str | None = None
+    reward: str | None = None
+    task_args: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    warmup: bool = False
+    evaluate: bool = False
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """A black-box agent: how to run it (`AgentSpec`, with `function` / `verifier` as 'module:fn'
+    strings, loaded where the episodes run) and its recording proxy's address."""
+
+    command: list[str] | None = None
+    function: str | None = None
+    prompt_via: Literal["stdin", "argument"] = "stdin"
+    timeout_s: float = 120.0
+    max_concurrent: int = 16
+    verifier: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    model_name: str = "axrl-policy"
+    host: str = "127.0.0.1"
+    port: int = 0
+    allow_remote: bool = False
+    render_tools: bool = True
+    fork_server: bool = True
+    coalesce_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """Held-out evaluation every `every` steps (0 = off): `prompts` × `samples_per_prompt`."""
+
+    every: int = 0
+    prompts: int = 32
+    samples_per_prompt: int = 2
+
+
+@dataclass(frozen=True)
+class RolloutSideSettings:
+    """Everything around the rollout engine: sampling, episode limits, the schedule and what it
+    does with episodes caught by weight updates, the agent (if black-box) and the evaluator."""
+
+    engine: Literal["embedded", "sglang"]
+    embedded: EngineSettings
+    sglang: SGLangSettings | None
+    served: ServedModel
+    group_size: int
+    sampling: SamplingParams            # stop_token_ids: the tokenizer's, added where it is built
+    max_turns: int
+    schedule: Schedule
+    policy: RolloutPolicy
+    clock: Clock
+    seed: int
+    threads: int
+    agent: AgentSettings | None = None
+    eval: EvalSettings = field(default_factory=EvalSettings)
+
+
+@dataclass(frozen=True)
+class LearnerSettings:
+    """The learner: advantages and packing, the train step, and what is recorded."""
+
+    advantages: AdvantageSettings
+    keep_groups: int | None          # dynamic sampling: groups trained of those rolled out
+    temperature: float               # the rollout's: the trainer's logprobs use it too
+    step: TrainStepSettings
+    record: RecordSettings
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The bundle a run is built from (`axrl.assembly.run_settings(cfg)`)."""
+
+    model: ModelSource
+    data: DataSettings
+    backend: BackendSettings
+    rollout: RolloutSideSettings
+    learner: LearnerSettings
+    threads: int = 1
+
+
+# -- the components --------------------------------------------------------------------------------
 
 @dataclass
 class Components:
@@ -64,6 +195,14 @@ class Components:
     events: EventLog = field(default_factory=EventLog)   # faults and recoveries (RUN/events.jsonl)
     executor: Any = None                                 # runtime.executor: ray — its RayExecutor
     proxy: ProxyServer | None = None   # the black-box agent's recording proxy (config `agent`)
+    record: RecordSettings = field(default_factory=RecordSettings)   # what the local learner records
+
+    def open_learner(self, run: RunDir) -> StepLearner:
+        """The run's learner, recording into `run`: in-process, or the Ray learner actor's handle."""
+        if self.executor is not None:
+            return self.executor.start_learner(run.path, self.backend, self.rollout)
+        assert self.trainer is not None
+        return Learner(self.trainer, run, self.record)
 
     def attach(self, run_path: Path) -> None:
         """Record the run's events (this process' and its actors') into `run_path` from now on."""
@@ -101,124 +240,82 @@ class RolloutSide:
     evaluator: Evaluator | None
 
 
-def rollout_clock(cfg: Config) -> Clock:
-    """How rollout is scheduled (`axrl.rollout.clock`): free-running unless `runtime.deterministic`;
-    then by engine iterations (the embedded engine, built clocked) or by request rounds (an SGLang
-    server, or the embedded engine with `rollout.clock: rounds`, e.g. to compare the two)."""
-    if not cfg.runtime.deterministic:
-        return "free"
-    if cfg.rollout.clock != "auto":
-        return cfg.rollout.clock
-    return "iterations" if cfg.rollout.engine == "embedded" else "rounds"
-
-
-def check_context(cfg: Config, tokenizer: Tokenizer, task: Task, loader: PromptLoader, probe: int = 16) -> None:
-    """Refuse a `rollout.max_context_len` that cannot hold the task's prompts with room to
-    generate (the run would train on nothing), naming the prompt and its length."""
-    r = cfg.rollout
-    longest, where = max((len(opening(tokenizer, task.make_env(), loader.prompt_at(i))[1]),
-                          loader.prompt_at(i).prompt_id) for i in range(probe))
-    if longest >= r.max_context_len:
-        raise ConfigError(f"rollout.max_context_len={r.max_context_len} cannot hold the task's prompts: prompt "
-                          f"{where!r} renders to {longest} tokens, leaving no room to generate; set "
-                          f"rollout.max_context_len to at least {longest + r.max_new_tokens} "
-                          f"(the prompt + rollout.max_new_tokens={r.max_new_tokens})")
-
-
-def build_components(cfg: Config) -> Components:
-    tokenizer = make_tokenizer(cfg)
-    task, loader = make_data(cfg)
-    check_context(cfg, tokenizer, task, loader)
-    events = EventLog()
-    if cfg.runtime.executor == "ray":
-        # The same components as Ray actors behind the same protocols (axrl/runtime/ray/).
-        from axrl.runtime.ray.executor import RayExecutor
-
-        executor = RayExecutor(cfg, events)
-        try:
-            backend: TrainBackend = executor.start_train_group()
-            rollout = executor.start_rollout()
-            executor.start_monitor()
-        except BaseException:
-            executor.close()
-            raise
-        return Components(tokenizer, task, loader, backend, None, None, rollout, rollout, None,
-                          rollout.evaluator, events=events, executor=executor)
-    backend = make_train_backend(cfg, tokenizer)
-    engine = make_engine(cfg, backend, tokenizer)
-    side = make_rollout_side(cfg, tokenizer, task, loader, engine, backend.model_config,
-                             lambda clocked: make_embedded_engine(cfg, backend, tokenizer, clocked=clocked))
-    trainer = TrainWorker(backend, AlgorithmProcessor.from_config(cfg), cfg, side.sync,
-                          backend.model_config.num_experts)
+def build_local(s: RunSettings) -> Components:
+    """Every component of a run in this process (`runtime.executor: local`)."""
+    tokenizer = make_tokenizer(s.model)
+    task, loader = make_data(s.data)
+    backend = make_train_backend(s.model, s.backend, tokenizer)
+    engine = make_engine(s.model, s.rollout, backend, tokenizer)
+    side = make_rollout_side(s.rollout, tokenizer, task, loader, engine, backend.model_config,
+                             lambda clocked: make_embedded_engine(s.model, s.rollout.embedded, backend, tokenizer,
+                                                                  clocked=clocked))
+    trainer = make_train_worker(s.learner, backend, side.sync)
     return Components(tokenizer, task, loader, backend, engine, side.sync, side.pool, side.rollout, trainer,
-                      side.evaluator, events=events, proxy=side.proxy)
+                      side.evaluator, proxy=side.proxy, record=s.learner.record)
 
 
-def make_rollout_side(cfg: Config, tokenizer: Tokenizer, task: Task, loader: PromptLoader, engine: InferenceEngine,
-                      model_config: ModelConfig, eval_engine: Callable[[bool], InferenceEngine]) -> RolloutSide:
+def make_processor(s: LearnerSettings) -> AlgorithmProcessor:
+    """Rewards → advantages → the packed batch, as the learner builds it."""
+    return AlgorithmProcessor(temperature=s.temperature, settings=s.advantages, keep_groups=s.keep_groups)
+
+
+def make_train_worker(s: LearnerSettings, backend: TrainBackend, sync: WeightSync) -> TrainWorker:
+    """The trainer side of a step over `backend`, posting new weights to `sync`."""
+    return TrainWorker(backend, make_processor(s), s.step, sync, backend.model_config.num_experts)
+
+
+def make_rollout_side(s: RolloutSideSettings, tokenizer: Tokenizer, task: Task, loader: PromptLoader,
+                      engine: InferenceEngine, model_config: ModelConfig,
+                      eval_engine: Callable[[bool], InferenceEngine]) -> RolloutSide:
     """Everything around the rollout engine (in the run's process, or in the Ray rollout actor):
     the black-box agent's proxy and its agent service, the rollout worker, and the evaluator on an
     engine of its own (`eval_engine(clocked)`)."""
-    proxy, player = make_agent(cfg, tokenizer)
-    rollout, sync, pool = make_rollout(cfg, tokenizer, task, loader, engine, model_config, player=player)
+    proxy, player = make_agent(s.agent, tokenizer, s.embedded.max_context_len)
+    rollout, sync, pool = make_rollout(s, tokenizer, task, loader, engine, model_config, player=player)
     if proxy is not None:  # agents with their own engine push into the same pool
         proxy.registry.service = AgentService(
-            tokenizer, pool.add, current_version=lambda: sync.version, max_context_len=cfg.rollout.max_context_len,
+            tokenizer, pool.add, current_version=lambda: sync.version, max_context_len=s.embedded.max_context_len,
             routing_shape=((sum(map(model_config.is_moe_layer, range(model_config.num_hidden_layers))),
                             model_config.num_experts_per_tok, model_config.num_experts)
                            if model_config.is_moe else None))
     evaluator = None
-    if cfg.eval.every:
-        r, sampling = cfg.rollout, rollout.settings.sampling
-        eval_settings = RolloutSettings(group_size=cfg.eval.samples_per_prompt, sampling=sampling,
-                                        max_turns=r.max_turns, max_context_len=r.max_context_len, return_routing=False)
-        eval_clock: Clock = "free" if rollout_clock(cfg) == "free" else "iterations"
+    if s.eval.every:
+        eval_settings = RolloutSettings(group_size=s.eval.samples_per_prompt, sampling=rollout.settings.sampling,
+                                        max_turns=s.max_turns, max_context_len=s.embedded.max_context_len,
+                                        return_routing=False)
+        eval_clock: Clock = "free" if s.clock == "free" else "iterations"
         evaluator = Evaluator(eval_engine(eval_clock == "iterations"), tokenizer, task, eval_settings,
-                              prompts=cfg.eval.prompts, seed=cfg.seed, clock=eval_clock, player=player)
+                              prompts=s.eval.prompts, seed=s.seed, clock=eval_clock, player=player)
     return RolloutSide(rollout, sync, pool, proxy, evaluator)
 
 
-def open_learner(cfg: Config, c: Components, run: RunDir) -> StepLearner:
-    """The run's learner, recording into `run`: in-process, or the Ray learner actor's handle."""
-    if c.executor is not None:
-        return c.executor.start_learner(run.path, c.backend, c.rollout)
-    assert c.trainer is not None
-    return Learner(cfg, c.trainer, run)
-
-
-def make_rollout(cfg: Config, tokenizer: Tokenizer, task: Task, loader: PromptLoader, engine: InferenceEngine,
-                 model_config: ModelConfig, player: BlackBoxPlayer | None = None,
+def make_rollout(s: RolloutSideSettings, tokenizer: Tokenizer, task: Task, loader: PromptLoader,
+                 engine: InferenceEngine, model_config: ModelConfig, player: BlackBoxPlayer | None = None,
                  ) -> tuple[RolloutWorker, WeightSync, TrajectoryPool]:
     """The rollout worker of a run on `engine`, with the weight sync it listens to and the pool it
     fills (rollout replay builds them the same way); `player`: a black-box agent plays the episodes."""
-    r = cfg.rollout
-    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, stop_token_ids=tokenizer.stop_token_ids)
-    settings = RolloutSettings(group_size=r.group_size, sampling=sampling, max_turns=r.max_turns,
-                               max_context_len=r.max_context_len, return_routing=model_config.is_moe)
-    # Dynamic sampling (DAPO) rolls out more groups per step than it trains (the processor keeps
-    # the informative ones): batches are sealed at that size.
-    schedule = Schedule(cfg.runtime.mode, prompts_to_roll_out(cfg), r.max_staleness, clocked=cfg.runtime.deterministic)
-    policy = RolloutPolicy(partial_rollout=r.partial_rollout, stale_policy=r.stale_policy, max_reruns=r.max_reruns,
-                           max_live_episodes=r.max_live_episodes or r.max_batch_size, release_memory=r.release_memory)
+    sampling = SamplingParams(max_new_tokens=s.sampling.max_new_tokens, temperature=s.sampling.temperature,
+                              top_p=s.sampling.top_p, top_k=s.sampling.top_k, stop_token_ids=tokenizer.stop_token_ids)
+    settings = RolloutSettings(group_size=s.group_size, sampling=sampling, max_turns=s.max_turns,
+                               max_context_len=s.embedded.max_context_len, return_routing=model_config.is_moe)
     sync = WeightSync(version=0)
-    pool = TrajectoryPool(r.group_size)
-    rollout = RolloutWorker(engine, tokenizer, task.make_env, loader, settings, schedule, policy, sync, pool,
-                            clock=rollout_clock(cfg), seed=cfg.seed, threads=cfg.runtime.threads, player=player)
+    pool = TrajectoryPool(s.group_size)
+    rollout = RolloutWorker(engine, tokenizer, task.make_env, loader, settings, s.schedule, s.policy, sync, pool,
+                            clock=s.clock, seed=s.seed, threads=s.threads, player=player)
     return rollout, sync, pool
 
 
-def make_data(cfg: Config) -> tuple[Task, PromptLoader]:
+def make_data(s: DataSettings) -> tuple[Task, PromptLoader]:
     """The run's task and its prompt stream (position p = group p)."""
-    task = resolve_task(cfg.data, warmup=cfg.warmup.steps > 0, evaluate=cfg.eval.every > 0)
-    loader = (PromptLoader.from_file(cfg.data.path, seed=cfg.seed) if cfg.data.path
-              else PromptLoader.from_task(task, seed=cfg.seed))
+    task = resolve_task(s, warmup=s.warmup, evaluate=s.evaluate)
+    loader = (PromptLoader.from_file(s.path, seed=s.seed) if s.path else PromptLoader.from_task(task, seed=s.seed))
     return task, loader
 
 
-def make_agent(cfg: Config, tokenizer: Tokenizer) -> tuple[ProxyServer | None, BlackBoxPlayer | None]:
-    """The black-box agent of config section `agent`: its proxy (started) and the episode player."""
-    a = cfg.agent
+def make_agent(a: AgentSettings | None, tokenizer: Tokenizer,
+               max_context_len: int) -> tuple[ProxyServer | None, BlackBoxPlayer | None]:
+    """The black-box agent: its proxy (started) and the episode player (None, None without one).
+    A ConfigError names the `agent.*` key at fault."""
     if a is None:
         return None, None
     try:
@@ -230,86 +327,73 @@ def make_agent(cfg: Config, tokenizer: Tokenizer) -> tuple[ProxyServer | None, B
                             allow_remote=a.allow_remote, coalesce_window_s=a.coalesce_ms / 1000).start()
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return proxy, BlackBoxPlayer(spec, proxy, max_context_len=cfg.rollout.max_context_len)
+    return proxy, BlackBoxPlayer(spec, proxy, max_context_len=max_context_len)
 
 
-def make_tokenizer(cfg: Config) -> Tokenizer:
+def make_tokenizer(source: ModelSource) -> Tokenizer:
     """The run's tokenizer and chat template: `model.path`'s own, else the built-in one."""
-    return load_tokenizer(cfg.model.path)
+    return load_tokenizer(source.path)
 
 
-def initial_model(cfg: Config, tokenizer: Tokenizer) -> Qwen3ForCausalLM:
-    """The policy before any training: `model.path` loaded, or a random-init `model.preset`."""
-    dtype = getattr(torch, cfg.model.dtype)
-    device = resolve_device(cfg.runtime.device)
-    if cfg.model.path:
-        return load_hf(cfg.model.path, dtype=dtype).to(device)
-    model_cfg = preset_config(cfg.model.preset, vocab_size=tokenizer.vocab_size,
+def initial_model(source: ModelSource, tokenizer: Tokenizer) -> Qwen3ForCausalLM:
+    """The policy before any training: `path` loaded, or a random-init `preset`."""
+    device = resolve_device(source.device)
+    if source.path:
+        return load_hf(source.path, dtype=source.torch_dtype).to(device)
+    model_cfg = preset_config(source.preset, vocab_size=tokenizer.vocab_size,
                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    return build_model(model_cfg, seed=cfg.model.init_seed, dtype=dtype).to(device)
+    return build_model(model_cfg, seed=source.init_seed, dtype=source.torch_dtype).to(device)
 
 
-def make_train_backend(cfg: Config, tokenizer: Tokenizer, *, compute_dtype: str | None = None,
+def make_train_backend(source: ModelSource, s: BackendSettings, tokenizer: Tokenizer, *,
                        megatron_group: Callable[..., Any] | None = None) -> TrainBackend:
     """The RL trainer of a run, before any state is loaded (replay builds it the same way).
-
-    `compute_dtype` ("float32" | "bfloat16") overrides the forward's compute dtype (a replay
-    what-if); the weights, gradients and optimizer state keep the model's dtype.
-    `megatron_group` builds the Megatron backend's ranks (Ray actors under `runtime.executor: ray`).
-    """
-    model = initial_model(cfg, tokenizer)
-    t = cfg.train
-    common = dict(
-        lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-        lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=cfg.steps * t.updates_per_step,
-        micro_batch_tokens=t.micro_batch_tokens, seed=cfg.seed, num_threads=cfg.runtime.threads,
-        deterministic=cfg.runtime.deterministic, prefix_merge=t.prefix_merge)
-    if compute_dtype is not None:
-        common["dtype"] = compute_dtype
-    if t.backend == "megatron":
+    `megatron_group` builds the Megatron backend's ranks (Ray actors under `runtime.executor: ray`)."""
+    model = initial_model(source, tokenizer)
+    if s.kind == "megatron":
         # Imported here: `import axrl` and the torch path never import megatron-core (2-6 s).
-        from axrl.train.megatron import MegatronBackend, MegatronBackendConfig
+        from axrl.train.megatron import MegatronBackend
 
-        m = t.megatron
-        return MegatronBackend(model, MegatronBackendConfig(
-            **common, tensor_parallel=m.tensor_parallel, expert_parallel=m.expert_parallel,
-            sequence_parallel=m.sequence_parallel, moe_dispatcher=m.moe_dispatcher,
-            data_parallel=m.data_parallel), tokenizer=tokenizer, group=megatron_group)
-    return TorchBackend(model, TorchBackendConfig(**common), tokenizer=tokenizer)
+        return MegatronBackend(model, s.config, tokenizer=tokenizer, group=megatron_group)
+    return TorchBackend(model, s.config, tokenizer=tokenizer)
 
 
-def make_engine(cfg: Config, backend: TrainBackend, tokenizer: Tokenizer) -> InferenceEngine:
+def make_engine(source: ModelSource, s: RolloutSideSettings, backend: TrainBackend,
+                tokenizer: Tokenizer) -> InferenceEngine:
     """The rollout engine of a run, holding the trainer's current weights."""
-    if cfg.rollout.engine == "sglang":
+    if s.engine == "sglang":
         # Launches (or connects to) SGLang / `axrl serve` servers holding an exported copy of the model.
         from axrl.inference.sglang.factory import build_sglang_engine
 
-        return build_sglang_engine(cfg, backend, tokenizer)
-    return make_embedded_engine(cfg, backend, tokenizer, clocked=rollout_clock(cfg) == "iterations")
+        assert s.sglang is not None
+        return build_sglang_engine(s.sglang, s.served, backend, tokenizer)
+    return make_embedded_engine(source, s.embedded, backend, tokenizer, clocked=s.clock == "iterations")
 
 
-def fresh_engine_model(cfg: Config, model_config: ModelConfig) -> Qwen3ForCausalLM:
+def fresh_engine_model(source: ModelSource, model_config: ModelConfig) -> Qwen3ForCausalLM:
     """A model of the policy's shape on the run's device and dtype, for an engine to load weights into."""
-    return Qwen3ForCausalLM(model_config).to(resolve_device(cfg.runtime.device), getattr(torch, cfg.model.dtype)).eval()
+    return Qwen3ForCausalLM(model_config).to(resolve_device(source.device), source.torch_dtype).eval()
 
 
-def make_engine_model(cfg: Config, model_config: ModelConfig, weights: dict[str, torch.Tensor]) -> Qwen3ForCausalLM:
+def make_engine_model(source: ModelSource, model_config: ModelConfig,
+                      weights: dict[str, torch.Tensor]) -> Qwen3ForCausalLM:
     """The embedded engine's own copy of the policy (device and dtype of the run), holding `weights`."""
-    model = fresh_engine_model(cfg, model_config)
+    model = fresh_engine_model(source, model_config)
     load_weights_into(model, weights, source="the trainer's weights")
     return model
 
 
-def make_embedded_engine(cfg: Config, backend: TrainBackend, tokenizer: Tokenizer, *, clocked: bool) -> EmbeddedEngine:
+def make_embedded_engine(source: ModelSource, s: EngineSettings, backend: TrainBackend, tokenizer: Tokenizer, *,
+                         clocked: bool) -> EmbeddedEngine:
     """An in-process engine with its own copy of the trainer's weights, as a remote server would
     hold; weight sync copies into it. A clocked engine is stepped by its rollout driver."""
-    model = make_engine_model(cfg, backend.model_config, dict(backend.named_weights()))
-    return embedded_engine_for(cfg, model, tokenizer, clocked=clocked)
+    model = make_engine_model(source, backend.model_config, dict(backend.named_weights()))
+    return embedded_engine_for(s, model, tokenizer, clocked=clocked)
 
 
-def embedded_engine_for(cfg: Config, model: Qwen3ForCausalLM, tokenizer: Tokenizer, *, clocked: bool) -> EmbeddedEngine:
+def embedded_engine_for(s: EngineSettings, model: Qwen3ForCausalLM, tokenizer: Tokenizer, *,
+                        clocked: bool) -> EmbeddedEngine:
     """The embedded engine of a run around `model` (also what a Ray engine actor builds)."""
-    return EmbeddedEngine(model.eval(), max_batch_size=cfg.rollout.max_batch_size,
-                          max_seq_len=cfg.rollout.max_context_len, eos_token_id=tokenizer.eos_token_id,
-                          clocked=clocked, prefix_cache=cfg.rollout.prefix_cache,
-                          prefix_cache_tokens=cfg.rollout.prefix_cache_tokens)
+    return EmbeddedEngine(model.eval(), max_batch_size=s.max_batch_size, max_seq_len=s.max_context_len,
+                          eos_token_id=tokenizer.eos_token_id, clocked=clocked, prefix_cache=s.prefix_cache,
+                          prefix_cache_tokens=s.prefix_cache_tokens)

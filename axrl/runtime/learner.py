@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import time
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from axrl.config import Config
 from axrl.rollout.pool import Batch
 from axrl.runtime.progress import PhaseTimer
 from axrl.runtime.records import step_metrics, step_record
-from axrl.runtime.spike_trigger import SpikeTrigger
+from axrl.runtime.spike_trigger import SpikeSettings, SpikeTrigger
 from axrl.runtime.train_worker import TrainWorker
 from axrl.trace import RunDir
 
@@ -37,10 +37,22 @@ class StepLearner(Protocol):
         """Train on `batch` (sealed batch `step`, or a reference to it), record it; the metrics."""
 
 
+@dataclass(frozen=True)
+class RecordSettings:
+    """What the learner records of each step: the trace file (with routing or not) and the
+    online spike trigger's deep dumps."""
+
+    trace: bool = True
+    routing: bool = True
+    spike: SpikeSettings = field(default_factory=SpikeSettings)
+
+
 class Learner:
-    def __init__(self, cfg: Config, trainer: TrainWorker, run: RunDir) -> None:
-        self.cfg, self.trainer, self.run = cfg, trainer, run
-        self.trigger = SpikeTrigger.from_config(cfg, run.path)  # trace.spike_ratio (off by default)
+    """The in-process learner: train worker + recording (`StepLearner`)."""
+
+    def __init__(self, trainer: TrainWorker, run: RunDir, record: RecordSettings) -> None:
+        self.trainer, self.run, self.record = trainer, run, record
+        self.trigger = SpikeTrigger.for_run(record.spike, run.path)  # trace.spike_ratio (off by default)
 
     def step(self, batch: Batch, step: int, timer: PhaseTimer) -> dict[str, Any]:
         """Train on `batch` at weight version `step` (posting version `step + 1`) and write its trace record."""
@@ -48,10 +60,10 @@ class Learner:
         self.trigger.before_step(backend)
         outcome = self.trainer.step(batch, step, timer)
         metrics = step_metrics(outcome)
-        metrics.update(self.trigger.after_step(backend, self.cfg, outcome))  # the deep dump, now
-        if self.cfg.trace.enabled:
+        metrics.update(self.trigger.after_step(backend, self.trainer.settings, outcome))  # the deep dump, now
+        if self.record.trace:
             timer.show("record")
             t0 = time.perf_counter()
-            self.run.write_step(step_record(outcome, rng_digest(), routing=self.cfg.trace.routing))
+            self.run.write_step(step_record(outcome, rng_digest(), routing=self.record.routing))
             metrics["time_record"] = time.perf_counter() - t0
         return metrics

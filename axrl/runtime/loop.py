@@ -1,7 +1,8 @@
 """The training loop, in-process: rollout → pool → advantages → train → weight sync → record.
 
-Read top to bottom: `build_components()` wires the long-lived components from the config,
-`start()` prepares the run directory (warm-up, or resume), `train()` runs the steps. The
+Read top to bottom: `train()` takes the long-lived components (wired by `axrl.assembly` from the
+config) and the loop's own `LoopSettings`; `start()` prepares the run directory (warm-up, or
+resume), then one `run_step()` per step. The
 rollout worker produces into the pool from its own thread for the whole run; each step here
 takes batch w from the pool, trains on it and posts the new weights. `runtime.mode` decides
 only *when* the worker may generate and sync (axrl/rollout/schedule.py): in a synchronous run
@@ -14,20 +15,47 @@ and the Megatron-core backend.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from axrl.config import Config, config_to_dict
 from axrl.runtime.checkpoint import clean_partial, latest_checkpoint, load_checkpoint, save_checkpoint
-from axrl.runtime.components import Components, build_components, open_learner, rollout_clock
+from axrl.runtime.components import Components
 from axrl.runtime.learner import StepLearner
 from axrl.runtime.metrics_log import MetricsLog
 from axrl.runtime.progress import PhaseTimer, TrainProgress
 from axrl.runtime.reference import keep_reference, restore_reference
 from axrl.runtime.warmup import warm_up
 from axrl.trace import RunDir
+
+
+@dataclass(frozen=True)
+class WarmupSettings:
+    """Supervised warm-up on the task's demonstrations before RL (`steps` 0 = none)."""
+
+    steps: int = 0
+    batch_size: int = 16
+    lr: float = 1e-3
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """What the loop itself needs: how many steps, when to evaluate and checkpoint, the warm-up,
+    whether a KL reference is kept, and what goes into the run directory's `config.yaml` and
+    `manifest.json` (the resolved config as plain data, so replay can rebuild the run)."""
+
+    steps: int
+    seed: int = 0
+    eval_every: int = 0
+    checkpoint_every: int = 5
+    checkpoint_keep: int = 0
+    warmup: WarmupSettings = field(default_factory=WarmupSettings)
+    needs_reference: bool = False                       # algo.kl_coef > 0
+    tensorboard: bool = False
+    config: dict[str, Any] = field(default_factory=dict)      # RUN/config.yaml
+    manifest: dict[str, Any] = field(default_factory=dict)    # backend, engine, mode, rollout_clock
 
 
 def evaluate(c: Components, version: int) -> float:
@@ -42,7 +70,8 @@ def checkpoint_state(c: Components, next_step: int) -> dict[str, Any]:
     return {"policy_version": next_step, "data": c.loader.state(), "rollout": c.rollout.snapshot(next_step)}
 
 
-def start(cfg: Config, c: Components, run: RunDir, resume: bool, progress: TrainProgress) -> tuple[int, dict | None]:
+def start(s: LoopSettings, c: Components, run: RunDir, resume: bool,
+          progress: TrainProgress) -> tuple[int, dict | None]:
     """Prepare the run directory and the trainer state; load the engine with the weights the
     first step's rollout uses. Returns (first step, rollout state to resume from)."""
     if resume:
@@ -55,55 +84,45 @@ def start(cfg: Config, c: Components, run: RunDir, resume: bool, progress: Train
             progress.log(f"--resume: {run.path} has no checkpoint yet (stopped during its warm-up?): "
                          "starting it again from the beginning")
             run.truncate_after(-1)
-            return start(cfg, c, run, False, progress)
+            return start(s, c, run, False, progress)
         first, path = found
         with warnings.catch_warnings():
             # Config changes on resume were already reported, by key (axrl.runtime.resume).
             warnings.filterwarnings("ignore", message=".*checkpoint config differs")
-            restore_reference(c.backend, run.path, cfg)  # algo.kl_coef > 0: the weights at RL start
+            restore_reference(c.backend, run.path, s.needs_reference)  # algo.kl_coef > 0: the weights at RL start
             state = load_checkpoint(path, c.backend)
         c.loader.load_state(state["data"])
         c.rollout.load_weights(c.backend.sync_source(), int(state["policy_version"]))
-        _update_recorded_config(run, cfg)
+        if run.read_config() != s.config:  # config.yaml describes the run as it continues (replay reads it)
+            run.write_config(s.config)
         # Steps recorded after the checkpoint are discarded and redone, so each step is in the trace once.
         removed = run.truncate_after(first - 1)
         run.record_resume(first)
         progress.log(f"resumed from {path.name}: redoing {len(removed)} recorded step(s) after it")
         # Checkpoints of synchronous runs from before the rollout worker kept only the data position.
         return first, state.get("rollout") or {"next_position": c.loader.position, "pending": []}
-    run.write_config(config_to_dict(cfg))
-    run.write_manifest(seed=cfg.seed, backend=cfg.train.backend, engine=cfg.rollout.engine,
-                       threads=torch.get_num_threads(),
-                       extra={"task": c.task.name, "mode": cfg.runtime.mode,
-                              "rollout_clock": rollout_clock(cfg)})
-    if cfg.warmup.steps:
-        with progress.stage("warm-up", cfg.warmup.steps) as advance:
-            losses = warm_up(c.backend, c.tokenizer, c.task, steps=cfg.warmup.steps,
-                             batch_size=cfg.warmup.batch_size, lr=cfg.warmup.lr, seed=cfg.seed,
-                             on_step=lambda i, loss: advance(f"loss {loss:.3f}"))
+    run.write_config(s.config)
+    m = s.manifest
+    run.write_manifest(seed=s.seed, backend=m["backend"], engine=m["engine"], threads=torch.get_num_threads(),
+                       extra={"task": c.task.name, "mode": m["mode"], "rollout_clock": m["rollout_clock"]})
+    w = s.warmup
+    if w.steps:
+        with progress.stage("warm-up", w.steps) as advance:
+            losses = warm_up(c.backend, c.tokenizer, c.task, steps=w.steps, batch_size=w.batch_size, lr=w.lr,
+                             seed=s.seed, on_step=lambda i, loss: advance(f"loss {loss:.3f}"))
         c.backend.reset_optimizer()  # RL starts with a fresh optimizer and schedule
-        progress.log(f"warm-up: {cfg.warmup.steps} supervised steps, loss {losses[0]:.3f} → {losses[-1]:.3f}")
+        progress.log(f"warm-up: {w.steps} supervised steps, loss {losses[0]:.3f} → {losses[-1]:.3f}")
     c.rollout.load_weights(c.backend.sync_source(), 0)
-    keep_reference(c.backend, cfg)  # algo.kl_coef > 0: the reference policy is the state at RL start
+    keep_reference(c.backend, s.needs_reference)  # algo.kl_coef > 0: the reference policy is the state at RL start
     save_checkpoint(run.path, 0, c.backend, checkpoint_state(c, 0))
     return 0, None
 
 
-def _update_recorded_config(run: RunDir, cfg: Config) -> None:
-    """On resume, config.yaml must describe the run as it continues (replay reads it)."""
-    recorded = run.read_config()
-    if recorded == config_to_dict(cfg):
-        return
-    if cfg.train.lr_schedule != "constant" and recorded.get("steps") != cfg.steps:
-        raise ValueError(f"--resume: changing steps ({recorded.get('steps')} → {cfg.steps}) would change the "
-                         f"'{cfg.train.lr_schedule}' learning-rate schedule of steps already trained")
-    run.write_config(config_to_dict(cfg))
-
-
-def run_step(cfg: Config, c: Components, learner: StepLearner, step: int, progress: TrainProgress) -> dict[str, Any]:
+def run_step(s: LoopSettings, c: Components, learner: StepLearner, step: int,
+             progress: TrainProgress) -> dict[str, Any]:
     """One step: take batch `step` from the pool, train on it, post the new weights, record it."""
     eval_reward = None
-    if c.evaluator is not None and step % cfg.eval.every == 0:
+    if c.evaluator is not None and step % s.eval_every == 0:
         progress.phase("eval")
         eval_reward = evaluate(c, step)  # of the policy before this step
     timer = PhaseTimer(progress)
@@ -112,41 +131,46 @@ def run_step(cfg: Config, c: Components, learner: StepLearner, step: int, progre
     metrics = learner.step(batch, step, timer)
     if eval_reward is not None:
         metrics["eval_reward"] = eval_reward
-    if c.evaluator is not None and step + 1 == cfg.steps:
+    if c.evaluator is not None and step + 1 == s.steps:
         progress.phase("eval")
         metrics["eval_reward_final"] = evaluate(c, step + 1)  # of the policy after the last step
     return metrics
 
 
-def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Path:
-    """Run (or resume) a training run; returns the run directory."""
-    run_path = Path(run_dir)
+def check_run_dir(run_path: Path, resume: bool) -> None:
+    """Refuse a run directory that cannot take this run: a non-empty one for a new run, a
+    directory without config.yaml for --resume."""
     if not resume and run_path.exists() and any(run_path.iterdir()):
         raise FileExistsError(f"run directory {run_path} is not empty; pass --resume to continue it "
                               "or choose another --run-dir")
     if resume and not (run_path / "config.yaml").is_file():
         raise FileNotFoundError(f"--resume: {run_path} is not a run directory (no config.yaml)")
-    c = build_components(cfg)  # first: a config that cannot run fails before the run directory exists
+
+
+def train(s: LoopSettings, c: Components, run_dir: str | Path, resume: bool = False) -> Path:
+    """Run (or resume) a training run on built components (closed at the end); returns the run
+    directory. `check_run_dir` first: a run that cannot start fails before anything is built."""
+    run_path = Path(run_dir)
     try:
         run = RunDir(run_path)
         c.attach(run.path)  # faults and recoveries so far, then as they happen
-        log = MetricsLog(run, tensorboard=cfg.logging.tensorboard)
+        log = MetricsLog(run, tensorboard=s.tensorboard)
     except BaseException:
         c.close()
         raise
     try:
-        with TrainProgress(cfg.steps, below=None if c.executor is None else c.executor.health) as progress:
-            first, rollout_state = start(cfg, c, run, resume, progress)
-            learner = open_learner(cfg, c, run)
+        with TrainProgress(s.steps, below=None if c.executor is None else c.executor.health) as progress:
+            first, rollout_state = start(s, c, run, resume, progress)
+            learner = c.open_learner(run)
             progress.progress.update(progress.task, completed=first)
             c.rollout.start(first, rollout_state)
-            for step in range(first, cfg.steps):
-                metrics = run_step(cfg, c, learner, step, progress)
+            for step in range(first, s.steps):
+                metrics = run_step(s, c, learner, step, progress)
                 log.write(metrics)
-                if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.steps:
+                if (step + 1) % s.checkpoint_every == 0 or step + 1 == s.steps:
                     progress.phase("checkpoint")
                     save_checkpoint(run.path, step + 1, c.backend, checkpoint_state(c, step + 1),
-                                    keep=cfg.checkpoint.keep)
+                                    keep=s.checkpoint_keep)
                 progress.step_done(metrics)
     finally:
         log.close()

@@ -8,30 +8,27 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from axrl.config import Config
 from axrl.runtime.checkpoint import checkpoint_dir, load_checkpoint
-from axrl.runtime.updates import routing_replay
-from axrl.train.protocol import PackedBatch, TrainBackend
+from axrl.train.protocol import R3, PackedBatch, TrainBackend
 
 REFERENCE = "ref"
 
-__all__ = ["REFERENCE", "keep_reference", "needs_reference", "restore_reference", "with_reference_logprobs"]
+__all__ = ["REFERENCE", "keep_reference", "restore_reference", "with_reference_logprobs"]
+
+# Each function takes `needed` — whether the run has a KL penalty (`algo.kl_coef > 0`) — and does
+# nothing without one, so callers need no branch of their own.
 
 
-def needs_reference(cfg: Config) -> bool:
-    return cfg.algo.kl_coef > 0
-
-
-def keep_reference(backend: TrainBackend, cfg: Config) -> None:
+def keep_reference(backend: TrainBackend, needed: bool) -> None:
     """At RL start (after the warm-up): keep the current weights as the reference."""
-    if needs_reference(cfg):
+    if needed:
         backend.keep_weights(REFERENCE)
 
 
-def restore_reference(backend: TrainBackend, run_dir: Path, cfg: Config) -> None:
+def restore_reference(backend: TrainBackend, run_dir: Path, needed: bool) -> None:
     """Keep the reference from the run's `step_000000` checkpoint (on resume, in replay), leaving
     the backend in that state: the caller loads the state it continues from afterwards."""
-    if not needs_reference(cfg):
+    if not needed:
         return
     path = checkpoint_dir(Path(run_dir), 0)
     if not path.is_dir():
@@ -41,9 +38,9 @@ def restore_reference(backend: TrainBackend, run_dir: Path, cfg: Config) -> None
     backend.keep_weights(REFERENCE)
 
 
-def with_reference_logprobs(backend: TrainBackend, batch: PackedBatch, cfg: Config) -> PackedBatch:
+def with_reference_logprobs(backend: TrainBackend, batch: PackedBatch, needed: bool, r3: R3) -> PackedBatch:
     """The batch with the reference's logprobs (prepare phase; unchanged when no KL penalty)."""
-    if not needs_reference(cfg):
+    if not needed:
         return batch
-    ref = backend.forward(dataclasses.replace(batch, old_logprobs=None), r3=routing_replay(cfg), weights=REFERENCE)
+    ref = backend.forward(dataclasses.replace(batch, old_logprobs=None), r3=r3, weights=REFERENCE)
     return dataclasses.replace(batch, ref_logprobs=ref.logprobs)

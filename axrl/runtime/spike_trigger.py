@@ -16,18 +16,28 @@ import json
 import math
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from axrl.config import Config
 from axrl.runtime.dump import DumpProbe, dump_path
-from axrl.runtime.faults import lr_scale
 from axrl.runtime.records import TrainedStep
-from axrl.runtime.updates import policy_loss, routing_replay, run_updates
+from axrl.runtime.train_worker import TrainStepSettings
+from axrl.runtime.updates import run_updates
 from axrl.train.determinism import capture_rng_state, restore_rng_state
 from axrl.train.protocol import TrainBackend
 
-__all__ = ["SpikeTrigger"]
+__all__ = ["SpikeSettings", "SpikeTrigger"]
+
+
+@dataclass(frozen=True)
+class SpikeSettings:
+    """`trace.spike_*`: fire when a step's largest update grad norm exceeds `ratio` × the rolling
+    median of the last `window` steps' (after `min_history` of them); ratio None = off."""
+
+    ratio: float | None = None
+    window: int = 20
+    min_history: int = 3
 
 
 class SpikeTrigger:
@@ -41,11 +51,10 @@ class SpikeTrigger:
         self._before: dict[str, Any] | None = None
 
     @classmethod
-    def from_config(cls, cfg: Config, run_dir: Path) -> "SpikeTrigger":
+    def for_run(cls, t: SpikeSettings, run_dir: Path) -> "SpikeTrigger":
         """The run's trigger; on resume its history is the grad norms in metrics.jsonl."""
-        t = cfg.trace
         history: list[float] = []
-        if t.spike_ratio is not None:
+        if t.ratio is not None:
             path = Path(run_dir) / "metrics.jsonl"
             if path.is_file():
                 for line in path.read_text().splitlines():
@@ -56,7 +65,7 @@ class SpikeTrigger:
                     value = row.get("grad_norm_max", row.get("grad_norm"))
                     if isinstance(value, (int, float)):
                         history.append(float(value))
-        return cls(t.spike_ratio, t.spike_window, t.spike_min_history, run_dir, history)
+        return cls(t.ratio, t.window, t.min_history, run_dir, history)
 
     @property
     def enabled(self) -> bool:
@@ -72,7 +81,7 @@ class SpikeTrigger:
         recent = [g for g in self.history[-self.window:] if math.isfinite(g)]
         return statistics.median(recent) if len(recent) >= self.min_history else None
 
-    def after_step(self, backend: TrainBackend, cfg: Config, outcome: TrainedStep) -> dict[str, Any]:
+    def after_step(self, backend: TrainBackend, step: TrainStepSettings, outcome: TrainedStep) -> dict[str, Any]:
         """Check the step; on a spike write its dump and mark it. Returns metrics.jsonl additions."""
         if not self.enabled:
             return {}
@@ -86,24 +95,24 @@ class SpikeTrigger:
         if before is None:
             raise RuntimeError("SpikeTrigger.after_step without before_step: the state before the step is needed")
         t0 = time.perf_counter()
-        path, verdict = self._dump(backend, cfg, outcome, before)
+        path, verdict = self._dump(backend, step, outcome, before)
         ratio = peak / median
         outcome.marks.update(spike=1, spike_grad_norm_ratio=ratio, spike_dump=str(path))
         return {"spike": 1, "spike_grad_norm_ratio": ratio, "spike_dump": str(path), "spike_dump_verdict": verdict,
                 "time_spike_dump": time.perf_counter() - t0}
 
-    def _dump(self, backend: TrainBackend, cfg: Config, outcome: TrainedStep,
+    def _dump(self, backend: TrainBackend, step: TrainStepSettings, outcome: TrainedStep,
               before: dict[str, Any]) -> tuple[Path, str]:
         rng = capture_rng_state()
         after = backend.state_dict()
         batch = outcome.processed.batch
         splits = [u.samples for u in outcome.updates]
-        r3 = routing_replay(cfg)
+        r3 = step.r3
         backend.load_state_dict(before)
-        probe = DumpProbe(backend, policy_loss(cfg), batch, splits, r3=r3)
+        probe = DumpProbe(backend, step.loss_fn, batch, splits, r3=r3)
         try:
-            results = run_updates(backend, batch, splits, probe.loss_fn, r3=r3, lr_scale=lr_scale(cfg, outcome.step),
-                                  hooks=probe)
+            results = run_updates(backend, batch, splits, probe.loss_fn, r3=r3,
+                                  lr_scale=step.faults.lr_scale_at(outcome.step), hooks=probe)
         finally:
             probe.close()
         same = [r.fingerprint for r in results] == [u.fingerprint for u in outcome.updates]

@@ -12,20 +12,52 @@ sync: post the new weights; the rollout worker loads them when its schedule says
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
 
+from axrl.algo import PolicyLoss, make_policy_loss
+from axrl.algo.loss_config import PolicyLossConfig
 from axrl.algo.processor import AlgorithmProcessor, ProcessedBatch
-from axrl.config import Config
 from axrl.rollout.pool import Batch
-from axrl.runtime.faults import lr_scale, perturb_batch
+from axrl.runtime.faults import Faults
 from axrl.runtime.progress import PhaseTimer
 from axrl.runtime.records import TrainedStep
 from axrl.runtime.reference import with_reference_logprobs
-from axrl.runtime.updates import policy_loss, routing_replay, run_updates
+from axrl.runtime.updates import run_updates
 from axrl.sync import WeightSync
-from axrl.train.protocol import ForwardResult, TrainBackend
+from axrl.train.protocol import R3, ForwardResult, TrainBackend
+
+
+@dataclass(frozen=True)
+class TrainStepSettings:
+    """What the trainer does with each sealed batch.
+
+    loss: the policy loss's knobs; r3: routing replay (`R3`, from `r3` / `r3_scope`);
+    updates_per_step: optimizer updates (mini-batches) per step; behaviour_logprob: also compute
+    each token's logprob under the weights that generated it; keep_versions: how many past
+    versions' weights that needs (the staleness bound η of an async run, else 0); faults: the
+    run's deliberate faults (off by default).
+    """
+
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    r3: R3 = False
+    updates_per_step: int = 1
+    behaviour_logprob: bool = False
+    keep_versions: int = 0
+    faults: Faults = field(default_factory=Faults)
+
+    @property
+    def needs_reference(self) -> bool:
+        """A KL penalty needs the frozen reference policy's logprobs."""
+        return self.loss.kl_coef > 0
+
+    @cached_property
+    def loss_fn(self) -> PolicyLoss:
+        """The step's `LossFn`, built once per run (a frozen settings object: it cannot change)."""
+        return make_policy_loss(self.loss)
 
 
 def version_key(version: int) -> str:
@@ -34,30 +66,30 @@ def version_key(version: int) -> str:
 
 
 class TrainWorker:
-    def __init__(self, backend: TrainBackend, processor: AlgorithmProcessor, cfg: Config, sync: WeightSync,
-                 num_experts: int) -> None:
-        self.backend, self.processor, self.cfg, self.sync, self.num_experts = backend, processor, cfg, sync, num_experts
+    def __init__(self, backend: TrainBackend, processor: AlgorithmProcessor, settings: TrainStepSettings,
+                 sync: WeightSync, num_experts: int) -> None:
+        self.backend, self.processor, self.settings, self.sync = backend, processor, settings, sync
+        self.num_experts = num_experts
         # Behaviour logprobs of tokens up to η versions old need those versions' weights.
-        self.keep_versions = (cfg.rollout.max_staleness if cfg.trace.behaviour_logprob and cfg.runtime.mode == "async"
-                              else 0)
+        self.keep_versions = settings.keep_versions
 
     def step(self, batch: Batch, step: int, timer: PhaseTimer) -> TrainedStep:
         """Train on `batch` at weight version `step` and post version `step + 1`."""
-        cfg, backend = self.cfg, self.backend
+        s, backend = self.settings, self.backend
         with timer("prepare"):
             processed = self.processor(batch.trajectories)
-            processed.batch = perturb_batch(cfg, step, processed.batch)  # faults.rollout_logprob_noise; no-op by default
-            old = backend.forward(processed.batch, r3=routing_replay(cfg))
+            processed.batch = s.faults.perturb(step, processed.batch)  # faults.rollout_logprob_noise; no-op by default
+            old = backend.forward(processed.batch, r3=s.r3)
             processed.batch = dataclasses.replace(processed.batch, old_logprobs=old.logprobs)
-            processed.batch = with_reference_logprobs(backend, processed.batch, cfg)  # algo.kl_coef > 0
-            behaviour = self.behaviour_logprobs(processed, old, step) if cfg.trace.behaviour_logprob else None
+            processed.batch = with_reference_logprobs(backend, processed.batch, s.needs_reference, s.r3)
+            behaviour = self.behaviour_logprobs(processed, old, step) if s.behaviour_logprob else None
         if self.keep_versions:
             backend.keep_weights(version_key(step))
         fingerprint_before = backend.fingerprint()
         with timer("train"):
             # Shared with replay/, which re-runs these updates from the trace (axrl/runtime/updates.py).
-            updates = run_updates(backend, processed.batch, processed.update_splits(cfg.train.updates_per_step),
-                                  policy_loss(cfg), r3=routing_replay(cfg), lr_scale=lr_scale(cfg, step))
+            updates = run_updates(backend, processed.batch, processed.update_splits(s.updates_per_step),
+                                  s.loss_fn, r3=s.r3, lr_scale=s.faults.lr_scale_at(step))
         with timer("sync"):
             self.sync.post(step + 1, backend.sync_source())
             if self.keep_versions:
@@ -78,7 +110,7 @@ class TrainWorker:
         for v in sorted(set(versions[(versions >= 0) & (versions != step)].tolist())):
             rows = sorted(set(sample_of[versions == v].tolist()))
             sub = batch.select(rows)
-            res = self.backend.forward(sub, r3=routing_replay(self.cfg), weights=version_key(v))
+            res = self.backend.forward(sub, r3=self.settings.r3, weights=version_key(v))
             idx = torch.cat([torch.arange(int(batch.offsets[r]), int(batch.offsets[r + 1])) for r in rows])
             pick = versions[idx] == v
             out[idx[pick]] = res.logprobs[pick]

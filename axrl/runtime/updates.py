@@ -1,4 +1,4 @@
-"""The training part of a step — the loss from the config and the optimizer updates.
+"""The training part of a step — the optimizer updates.
 
 Shared by the loop (`run_step`) and by deterministic re-execution (`replay/`): a replayed step
 runs exactly this code on the batch rebuilt from the trace, so bitwise agreement with the
@@ -9,28 +9,8 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from axrl.algo import PolicyLoss, PolicyLossConfig, make_policy_loss
-from axrl.config import Config
 from axrl.runtime.records import UpdateResult
-from axrl.train.protocol import R3, LossFn, PackedBatch, R3Scope, TrainBackend
-
-
-def policy_loss(cfg: Config) -> PolicyLoss:
-    """The step's `LossFn`, from the `algo` section."""
-    a = cfg.algo
-    return make_policy_loss(PolicyLossConfig(
-        loss=a.loss, loss_args=dict(a.loss_args), correction=dict(a.correction),
-        clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, tis=a.tis, tis_cap=a.tis_cap,
-        kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, loss_agg=a.loss_agg))
-
-
-def routing_replay(cfg: Config) -> R3:
-    """The backends' `r3` argument from `r3` and `r3_scope`: off, full or a partial `R3Scope`."""
-    s = cfg.r3_scope
-    if not cfg.r3 or s is None:
-        return cfg.r3
-    return R3Scope(layers=None if s.layers is None else tuple(s.layers), exclude_layers=tuple(s.exclude_layers),
-                   loss_tokens_only=s.loss_tokens_only)
+from axrl.train.protocol import R3, LossFn, PackedBatch, TrainBackend
 
 
 class UpdateHooks(Protocol):

@@ -1,4 +1,4 @@
-"""Build the SGLang rollout engine of a run from `rollout.sglang` (launch servers or connect)."""
+"""Build the SGLang rollout engine of a run from its `SGLangSettings` (launch servers or connect)."""
 
 from __future__ import annotations
 
@@ -8,21 +8,20 @@ import sys
 import tempfile
 from pathlib import Path
 
-from axrl.config import Config
 from axrl.inference.sglang.client import SGLangEngine
 from axrl.inference.sglang.launcher import SGLangLauncher
+from axrl.inference.sglang.settings import ServedModel, SGLangSettings
 from axrl.tokenizer import Tokenizer
 from axrl.train.protocol import TrainBackend
 
 CPU_COMPAT = Path(__file__).with_name("cpu_compat.py")
 
 
-def server_command(cfg: Config) -> tuple[list[str], list[str]]:
-    """(argv prefix that starts one server, flags for every server) for `rollout.sglang`."""
-    s, r = cfg.rollout.sglang, cfg.rollout
+def server_command(s: SGLangSettings, r: ServedModel) -> tuple[list[str], list[str]]:
+    """(argv prefix that starts one server, flags for every server)."""
     if s.server == "axrl":
         args = ["--max-running-requests", str(r.max_batch_size), "--context-length", str(r.max_context_len),
-                "--random-seed", str(cfg.seed), "--threads", str(cfg.runtime.threads), "--dtype", cfg.model.dtype]
+                "--random-seed", str(r.seed), "--threads", str(r.threads), "--dtype", r.dtype]
         if not r.prefix_cache:  # the run's own setting: its rollouts then equal an in-process engine's
             args.append("--disable-radix-cache")
         return [sys.executable, "-m", "axrl.cli", "serve"], args
@@ -31,8 +30,8 @@ def server_command(cfg: Config) -> tuple[list[str], list[str]]:
     command = [python, str(CPU_COMPAT)] if s.cpu_compat else [python, "-m", "sglang.launch_server"]
     # --dtype explicitly: with "auto" SGLang serves a float32 checkpoint in float16 (measured: 2e-3
     # logprob mismatch instead of 5e-7).
-    return command, ["--random-seed", str(cfg.seed), "--context-length", str(r.max_context_len),
-                     "--max-running-requests", str(r.max_batch_size), "--dtype", cfg.model.dtype]
+    return command, ["--random-seed", str(r.seed), "--context-length", str(r.max_context_len),
+                     "--max-running-requests", str(r.max_batch_size), "--dtype", r.dtype]
 
 
 def _check_sglang(python: str) -> None:
@@ -52,9 +51,9 @@ def _check_sglang(python: str) -> None:
         raise ValueError(f"rollout.sglang.python={python} has no sglang package; {hint}")
 
 
-def build_sglang_engine(cfg: Config, backend: TrainBackend, tokenizer: Tokenizer) -> SGLangEngine:
+def build_sglang_engine(s: SGLangSettings, served: ServedModel, backend: TrainBackend,
+                        tokenizer: Tokenizer) -> SGLangEngine:
     """Launch (or connect to) the servers and return a client holding the trainer's current weights."""
-    s = cfg.rollout.sglang
     model_cfg = backend.model_config
     export = Path(s.export_dir) if s.export_dir else Path(tempfile.mkdtemp(prefix="axrl-sglang-"))
     temporary = [] if s.export_dir else [export]
@@ -70,12 +69,12 @@ def build_sglang_engine(cfg: Config, backend: TrainBackend, tokenizer: Tokenizer
         # Servers started elsewhere hold their own weights: give them the run's.
         engine.update_weights(dict(backend.named_weights()), version=0)
         return engine
-    command, args = server_command(cfg)
+    command, args = server_command(s, served)
     if model_cfg.is_moe:
         args.append("--enable-return-routed-experts")
     launcher = SGLangLauncher(initial, num_servers=s.num_servers, base_port=s.base_port,
                               server_args=[*args, *s.server_args], command=command,
-                              env={"OMP_NUM_THREADS": str(cfg.runtime.threads), "TOKENIZERS_PARALLELISM": "false"},
+                              env={"OMP_NUM_THREADS": str(served.threads), "TOKENIZERS_PARALLELISM": "false"},
                               startup_timeout_s=s.startup_timeout_s, log_dir=s.log_dir, watchdog_s=s.watchdog_s)
     urls = launcher.start()
     try:

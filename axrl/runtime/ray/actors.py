@@ -1,6 +1,7 @@
 """The actor classes of `runtime.executor: ray`. Plain classes: `executor.py` wraps them with
-`ray.remote` and the placement; they build their component from the run's config exactly as
-`axrl.runtime.components` does in-process, so a component behaves the same in either executor.
+`ray.remote` and the placement; they are handed settings objects and build their component with
+the factories of `axrl.runtime.components`, as a local run does, so a component behaves the same
+in either executor.
 
 Every method runs under the actor's `Activity` (what it does, since when), reported by
 `activity()` in its own concurrency group, so the monitor sees a busy actor as alive.
@@ -17,9 +18,10 @@ from typing import Any
 
 import torch
 
-from axrl.config import Config
-from axrl.model.device import resolve_device
 from axrl.inference.protocol import GenerateRequest, GenerateResult
+from axrl.model.device import resolve_device
+from axrl.runtime.components import (BackendSettings, EngineSettings, ModelSource, embedded_engine_for,
+                                     initial_model, make_tokenizer, make_train_backend)
 from axrl.runtime.ray.activity import Activity
 from axrl.runtime.ray.handles import DataPlane, WeightsHandle, payload_bytes, rank_label
 from axrl.train.protocol import ForwardResult, LossContext, LossFn, PackedBatch, StepStats, TrainMetrics
@@ -31,14 +33,11 @@ class EngineActor:
     """An embedded engine in its own process. Finished requests are collected here and handed to
     the caller with the next `step` (clocked) or `drain` (free-running) call."""
 
-    def __init__(self, cfg: dict[str, Any], clocked: bool) -> None:
-        from axrl.runtime.components import embedded_engine_for, initial_model, make_tokenizer
-
-        config = Config.model_validate(cfg)
-        torch.set_num_threads(config.runtime.threads)
-        tokenizer = make_tokenizer(config)
+    def __init__(self, source: ModelSource, settings: EngineSettings, threads: int, clocked: bool) -> None:
+        torch.set_num_threads(threads)
+        tokenizer = make_tokenizer(source)
         # The initial weights; the loop loads the trainer's before the first rollout.
-        self.engine = embedded_engine_for(config, initial_model(config, tokenizer), tokenizer, clocked=clocked)
+        self.engine = embedded_engine_for(settings, initial_model(source, tokenizer), tokenizer, clocked=clocked)
         self.activity_ = Activity("engine")
         self._cv = threading.Condition()
         self._finished: list[Finished] = []
@@ -136,12 +135,9 @@ class TrainRankActor:
     `MegatronBackend`, whose tensor/data-parallel ranks are Megatron rank actors of their own in
     `megatron_slots` (axrl/runtime/ray/megatron_ranks.py)."""
 
-    def __init__(self, cfg: dict[str, Any], rank: int, world: int,
-                 megatron_slots: list[dict[str, Any]] | None = None) -> None:
-        from axrl.runtime.components import make_tokenizer, make_train_backend
-
-        config = Config.model_validate(cfg)
-        torch.set_num_threads(config.runtime.threads)
+    def __init__(self, source: ModelSource, backend: BackendSettings, threads: int, call_timeout_s: float,
+                 rank: int, world: int, megatron_slots: list[dict[str, Any]] | None = None) -> None:
+        torch.set_num_threads(threads)
         self.rank, self.world = rank, world
         self.megatron_ranks: Any = None     # the head's RayRankGroup
         self.plane = DataPlane(in_driver=False)  # what this rank moves by reference (Megatron shares)
@@ -151,10 +147,10 @@ class TrainRankActor:
 
             def group(*args: Any) -> RayRankGroup:
                 self.megatron_ranks = RayRankGroup(*args, slots=megatron_slots, plane=self.plane,
-                                                   call_timeout_s=config.runtime.ray.call_timeout_s)
+                                                   call_timeout_s=call_timeout_s)
                 return self.megatron_ranks
-        self.backend = make_train_backend(config, make_tokenizer(config), megatron_group=group)
-        self.device = resolve_device(config.runtime.device)
+        self.backend = make_train_backend(source, backend, make_tokenizer(source), megatron_group=group)
+        self.device = resolve_device(source.device)
         self.activity_ = Activity(rank_label(rank))
 
     def pid(self) -> int:

@@ -10,7 +10,8 @@ import os
 import socket
 from types import ModuleType
 
-from axrl.config import Config, ConfigError
+from axrl.errors import ConfigError
+from axrl.runtime.ray.settings import RaySettings
 
 RAY_EXTRA = "pip install 'axrl[ray]'"
 
@@ -46,11 +47,10 @@ def worker_env() -> dict[str, str]:
     return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
-def connect(cfg: Config) -> ModuleType:
+def connect(r: RaySettings) -> ModuleType:
     """Connect to `runtime.ray.address` or start a local cluster (reusing one this process already
     joined, e.g. in tests). Returns the `ray` module."""
     ray = import_ray()
-    r = cfg.runtime.ray
     if r.address is not None:
         check_address(r.address)  # also when this process already joined a cluster: the key must be right
     if ray.is_initialized():

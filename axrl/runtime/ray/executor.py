@@ -1,4 +1,5 @@
-"""The Ray side of `build_components`: connect, place, start the train group and the engine.
+"""The Ray executor: connect, place, start the train group, the rollout side and the learner as
+actors, each handed the settings objects of what it builds (never the config).
 
 Everything that can refuse the run does so here, before the run directory exists: a missing
 Ray (the extra), a bad `runtime.ray.address`, an impossible `runtime.ray.placement`.
@@ -10,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from axrl.config import Config, config_to_dict
+from axrl.runtime.components import RunSettings
 from axrl.runtime.events import EventLog
 from axrl.runtime.health_table import health_table
 from axrl.runtime.ray.actors import TrainRankActor
@@ -18,9 +19,10 @@ from axrl.runtime.ray.cluster import connect, import_ray
 from axrl.runtime.ray.handles import DataPlane
 from axrl.runtime.ray.learner import LearnerActor, RayLearner
 from axrl.runtime.ray.monitor import Monitor
-from axrl.runtime.ray.placement import Placement, place
+from axrl.runtime.ray.placement import Placement, place, train_slots
 from axrl.runtime.ray.reaper import start_reaper
 from axrl.runtime.ray.rollout import RayRollout, RolloutActor
+from axrl.runtime.ray.settings import RaySettings
 from axrl.runtime.ray.train_group import RayTrainGroup
 from axrl.trace.run_dir import atomic_write_text
 
@@ -33,21 +35,21 @@ MONITOR_GROUPS = {"monitor": 1, "poll": 1}
 class RayExecutor:
     """Owns the cluster connection and the placement groups of one run."""
 
-    def __init__(self, cfg: Config, events: EventLog) -> None:
+    def __init__(self, settings: RunSettings, ray_settings: RaySettings, events: EventLog) -> None:
         ray = import_ray()
-        self.owns_cluster = not ray.is_initialized() and cfg.runtime.ray.address is None
-        self.ray = connect(cfg)
+        self.owns_cluster = not ray.is_initialized() and ray_settings.address is None
+        self.ray = connect(ray_settings)
         # A local cluster of this run's own: reaped with the driver, however the driver ends.
         self.reaper = start_reaper() if self.owns_cluster else None
-        self.cfg, self.events, self.plane = cfg, events, DataPlane()
-        self._cfg_dict = config_to_dict(cfg)
+        self.settings, self.r, self.events, self.plane = settings, ray_settings, events, DataPlane()
         self.train_group: RayTrainGroup | None = None
         self.rollout: RayRollout | None = None
         self.learner: RayLearner | None = None
         self.monitor: Monitor | None = None
         self.placement: Placement | None = None
         try:
-            self.placement = place(self.ray, cfg)
+            self.placement = place(self.ray, ray_settings.placement,
+                                   train_slots(settings.backend, ray_settings.train_ranks))
         except BaseException:
             self.close()
             raise
@@ -55,18 +57,19 @@ class RayExecutor:
     def start_train_group(self) -> RayTrainGroup:
         """Torch: one `TrainRankActor` per data-parallel rank, each in its slot. Megatron: one head
         actor holding the backend (no CPUs of its own), its Megatron ranks in the slots."""
-        world = self.cfg.runtime.ray.train_ranks
+        world, s = self.r.train_ranks, self.settings
         remote = self.ray.remote(concurrency_groups=MONITOR_GROUPS)(TrainRankActor)
+        build = (s.model, s.backend, s.threads, self.r.call_timeout_s)
 
         def make_ranks() -> list[Any]:
-            if self.cfg.train.backend == "megatron":
+            if s.backend.kind == "megatron":
                 slots = [slot.options() for slot in self.placement.train]
-                return [remote.options(num_cpus=0).remote(self._cfg_dict, 0, 1, slots)]
-            return [remote.options(**slot.options())
-                    .remote(self._cfg_dict, rank, world) for rank, slot in enumerate(self.placement.train)]
+                return [remote.options(num_cpus=0).remote(*build, 0, 1, slots)]
+            return [remote.options(**slot.options()).remote(*build, rank, world)
+                    for rank, slot in enumerate(self.placement.train)]
 
         self.train_group = RayTrainGroup.start(self.ray, make_ranks, events=self.events, plane=self.plane,
-                                               call_timeout_s=self.cfg.runtime.ray.call_timeout_s)
+                                               call_timeout_s=self.r.call_timeout_s)
         nodes = self.ray.get([r.node.remote() for r in self.train_group.ranks])
         self.events.record("actors_started", component="train group", ranks=world, pids=self.train_group.pids,
                            nodes=nodes)
@@ -75,22 +78,19 @@ class RayExecutor:
     def start_rollout(self) -> RayRollout:
         """The rollout actor; it starts its engine actor in the engine's placement slot. Scheduled
         with no CPUs of its own (as the driver is): its work is the agent loop between engine steps."""
-        from axrl.runtime.components import rollout_clock
-
         assert self.train_group is not None
         remote = self.ray.remote(concurrency_groups=MONITOR_GROUPS)(RolloutActor)
         engine_options, train = self.placement.engine.options(), self.train_group.attachment()
-        clocked = rollout_clock(self.cfg) == "iterations"
+        s, r = self.settings, self.r
         # SGLang servers are the rollout actor's own processes: it takes the engine's slot.
-        options = engine_options if self.cfg.rollout.engine == "sglang" else {"num_cpus": 0}
+        options = engine_options if s.rollout.engine == "sglang" else {"num_cpus": 0}
 
         def make_actor() -> Any:
-            return remote.options(**options).remote(self._cfg_dict, train, engine_options, clocked, MONITOR_GROUPS)
+            return remote.options(**options).remote(s, r, train, engine_options, MONITOR_GROUPS)
 
-        r = self.cfg.runtime.ray
         self.rollout = RayRollout(self.ray, make_actor, restarts=r.rollout_restarts, events=self.events,
                                   plane=self.plane, call_timeout_s=r.call_timeout_s,
-                                  evaluates=bool(self.cfg.eval.every))
+                                  evaluates=bool(s.rollout.eval.every))
         self.events.record("actors_started", component="rollout worker", pid=self.rollout.pid,
                            nodes=[self.rollout.node()])
         return self.rollout
@@ -98,9 +98,10 @@ class RayExecutor:
     def start_learner(self, run_path: Path, backend: RayTrainGroup, rollout: RayRollout) -> RayLearner:
         """The learner actor, recording into `run_path`, over the train group's ranks."""
         remote = self.ray.remote(concurrency_groups=MONITOR_GROUPS)(LearnerActor)
-        actor = remote.options(num_cpus=0).remote(self._cfg_dict, str(run_path), backend.attachment())
+        actor = remote.options(num_cpus=0).remote(self.settings.learner, self.settings.threads, self.r.call_timeout_s,
+                                                  str(run_path), backend.attachment())
         self.learner = RayLearner(self.ray, actor, backend=backend, rollout=rollout, plane=self.plane,
-                                  call_timeout_s=self.cfg.runtime.ray.call_timeout_s)
+                                  call_timeout_s=self.r.call_timeout_s)
         self.events.record("actors_started", component="learner", pid=self.learner.pid,
                            nodes=[self.ray.get(actor.node.remote())])
         if self.monitor is not None:
@@ -119,7 +120,7 @@ class RayExecutor:
             sources["train group"] = self.train_group.activity
         if self.rollout is not None:
             sources["rollout"] = self.rollout.activity
-        self.monitor = Monitor(sources, self.events, self.cfg.runtime.ray.heartbeat_s).start()
+        self.monitor = Monitor(sources, self.events, self.r.heartbeat_s).start()
         return self.monitor
 
     def health(self) -> Any:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from axrl.config import Config
+from axrl.runtime.components import LearnerSettings, make_train_worker
 from axrl.runtime.events import EventLog
 from axrl.runtime.ray.activity import Activity
 from axrl.runtime.ray.calls import close_actor, is_dead, unwrap
@@ -26,26 +26,22 @@ from axrl.runtime.ray.train_group import RayTrainGroup, TrainGroupLost
 
 
 class LearnerActor:
-    def __init__(self, cfg: dict[str, Any], run_path: str, attachment: dict[str, Any]) -> None:
+    def __init__(self, settings: LearnerSettings, threads: int, call_timeout_s: float, run_path: str,
+                 attachment: dict[str, Any]) -> None:
         import ray
 
-        from axrl.algo.processor import AlgorithmProcessor
         from axrl.runtime.learner import Learner
-        from axrl.runtime.train_worker import TrainWorker
         from axrl.sync import WeightSync
         from axrl.trace import RunDir
 
-        config = Config.model_validate(cfg)
-        torch.set_num_threads(config.runtime.threads)
+        torch.set_num_threads(threads)
         self.events, self.plane = EventLog(), DataPlane(in_driver=False)
         self.events.attach(Path(run_path))
         self.activity_ = Activity("learner")
         backend = RayTrainGroup.attach(ray, attachment, events=self.events, plane=self.plane,
-                                       call_timeout_s=config.runtime.ray.call_timeout_s)
+                                       call_timeout_s=call_timeout_s)
         self.sync = WeightSync(version=0)
-        trainer = TrainWorker(backend, AlgorithmProcessor.from_config(config), config, self.sync,
-                              backend.model_config.num_experts)
-        self.learner = Learner(config, trainer, RunDir(run_path))
+        self.learner = Learner(make_train_worker(settings, backend, self.sync), RunDir(run_path), settings.record)
 
     def pid(self) -> int:
         return os.getpid()

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from axrl.config import Config, ConfigError
+from axrl.errors import ConfigError
+from axrl.runtime.components import BackendSettings
+from axrl.runtime.ray.settings import RayPlacementSettings
 
 
 @dataclass
@@ -49,20 +51,19 @@ class Placement:
         self.groups = []
 
 
-def train_slots(cfg: Config) -> int:
+def train_slots(backend: BackendSettings, train_ranks: int) -> int:
     """Train actors that need a slot: the torch ranks, or the Megatron world (tensor × data parallel)."""
-    if cfg.train.backend == "megatron":
+    if backend.kind == "megatron":
         from axrl.train.megatron.backend import auto_data_parallel  # no megatron-core import
 
-        m = cfg.train.megatron
+        m = backend.config
         return m.tensor_parallel * (m.data_parallel or auto_data_parallel(m.tensor_parallel, m.expert_parallel))
-    return cfg.runtime.ray.train_ranks
+    return train_ranks
 
 
-def _describe(cfg: Config) -> str:
-    p = cfg.runtime.ray.placement
+def _describe(p: RayPlacementSettings, ranks: int) -> str:
     gpus = (f" (train_gpus={p.train_gpus}, engine_gpus={p.engine_gpus})" if p.train_gpus or p.engine_gpus else "")
-    return (f"runtime.ray.placement (mode {p.mode}, strategy {p.strategy}): {train_slots(cfg)} train rank(s) × "
+    return (f"runtime.ray.placement (mode {p.mode}, strategy {p.strategy}): {ranks} train rank(s) × "
             f"train_cpus={p.train_cpus} + 1 engine × engine_cpus={p.engine_cpus}{gpus}")
 
 
@@ -70,17 +71,16 @@ def _bundle(cpus: float, gpus: float) -> dict[str, float]:
     return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
 
 
-def place(ray: ModuleType, cfg: Config) -> Placement:
-    """Reserve the run's placement groups, or raise ConfigError naming the keys."""
+def place(ray: ModuleType, p: RayPlacementSettings, ranks: int) -> Placement:
+    """Reserve the run's placement groups for `ranks` train actors and the engine, or raise
+    ConfigError naming the keys."""
     from ray.util.placement_group import placement_group
 
-    p = cfg.runtime.ray.placement
-    ranks = train_slots(cfg)
     resources = ray.cluster_resources()
     for kind, need in (("CPU", ranks * p.train_cpus + p.engine_cpus), ("GPU", ranks * p.train_gpus + p.engine_gpus)):
         have = float(resources.get(kind, 0.0))
         if need > have:
-            raise ConfigError(f"{_describe(cfg)} needs {need:g} {kind}s; the cluster has {have:g} "
+            raise ConfigError(f"{_describe(p, ranks)} needs {need:g} {kind}s; the cluster has {have:g} "
                               f"(lower runtime.ray.train_ranks or the *_{kind.lower()}s, or add nodes)")
     train_bundles = [_bundle(p.train_cpus, p.train_gpus) for _ in range(ranks)]
     engine_bundle = _bundle(p.engine_cpus, p.engine_gpus)
@@ -94,7 +94,7 @@ def place(ray: ModuleType, cfg: Config) -> Placement:
         placement.release(ray)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         per_node = sorted((float(n["Resources"].get("CPU", 0)) for n in nodes), reverse=True)
-        raise ConfigError(f"{_describe(cfg)} cannot be placed within runtime.ray.placement.timeout_s="
+        raise ConfigError(f"{_describe(p, ranks)} cannot be placed within runtime.ray.placement.timeout_s="
                           f"{p.timeout_s:g} s on {len(nodes)} node(s) with CPUs {per_node} (STRICT_PACK needs one "
                           "node holding every bundle, STRICT_SPREAD one node per bundle; free CPUs may be taken "
                           "by other work)")

@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from axrl.config import Config
 from axrl.runtime.events import EventLog
 from axrl.runtime.ray.train_group import TrainGroupLost
 
@@ -21,19 +20,21 @@ class TrainGroupFailed(RuntimeError):
     """The train group died more often than `runtime.ray.train_restarts` allows."""
 
 
-def train_with_recovery(cfg: Config, run_dir: str | Path, resume: bool, train: Callable[..., Path]) -> Path:
-    """`train(cfg, run_dir, resume=...)`, resumed from the last checkpoint after a train-group loss."""
+def train_with_recovery(run_dir: str | Path, resume: bool, train: Callable[[bool], Path], *,
+                        max_restarts: int) -> Path:
+    """`train(resume)`, resumed from the last checkpoint after a train-group loss, at most
+    `max_restarts` (`runtime.ray.train_restarts`) times."""
     restarts = 0
     while True:
         try:
-            return train(cfg, run_dir, resume=resume)
+            return train(resume)
         except TrainGroupLost as e:
             log = EventLog()
             log.attach(Path(run_dir))
-            if restarts >= cfg.runtime.ray.train_restarts:
+            if restarts >= max_restarts:
                 log.record("run_stopped", component="train group", reason=str(e), restarts=restarts)
                 raise TrainGroupFailed(f"the train group died again after {restarts} restart(s) "
-                                       f"(runtime.ray.train_restarts={cfg.runtime.ray.train_restarts}): {e}") from e
+                                       f"(runtime.ray.train_restarts={max_restarts}): {e}") from e
             restarts += 1
             log.record("train_group_restart", component="train group", restart=restarts,
                        reason=str(e.__cause__ or e)[:300], action="resume from the last checkpoint")

@@ -21,11 +21,13 @@ from typing import Any, Callable
 
 import torch
 
-from axrl.config import Config
+from axrl.runtime.components import (RunSettings, embedded_engine_for, fresh_engine_model, make_data, make_engine,
+                                     make_rollout_side, make_tokenizer)
 from axrl.runtime.events import EventLog
 from axrl.runtime.ray.activity import Activity
 from axrl.runtime.ray.calls import call_or_restart, close_actor, unwrap
 from axrl.runtime.ray.handles import DataPlane, WeightsHandle, metadata_bytes, payload_bytes
+from axrl.runtime.ray.settings import RaySettings
 
 
 class RolloutActorLost(RuntimeError):
@@ -39,41 +41,40 @@ class RolloutActor:
     weight handles it is given are fetched here and sent on by the configured route (disk or
     process group). `train`: an attachment to the train group (the servers' initial export)."""
 
-    def __init__(self, cfg: dict[str, Any], train: dict[str, Any], engine_options: dict[str, Any],
-                 clocked: bool, monitor_groups: dict[str, int]) -> None:
+    def __init__(self, settings: RunSettings, r: RaySettings, train: dict[str, Any], engine_options: dict[str, Any],
+                 monitor_groups: dict[str, int]) -> None:
         import ray
 
-        from axrl.runtime.components import (embedded_engine_for, fresh_engine_model, make_data, make_engine,
-                                             make_rollout_side, make_tokenizer)
         from axrl.runtime.ray.actors import EngineActor
         from axrl.runtime.ray.engine import RayEngine
         from axrl.runtime.ray.train_group import RayTrainGroup
 
-        config = Config.model_validate(cfg)
-        torch.set_num_threads(config.runtime.threads)
+        torch.set_num_threads(settings.threads)
         self.events, self.plane = EventLog(), DataPlane(in_driver=False)
         self.activity_ = Activity("rollout worker")
-        tokenizer = make_tokenizer(config)
-        task, loader = make_data(config)
-        r = config.runtime.ray
+        source, s = settings.model, settings.rollout
+        tokenizer = make_tokenizer(source)
+        task, loader = make_data(settings.data)
         group = RayTrainGroup.attach(ray, train, events=self.events, plane=self.plane, call_timeout_s=r.call_timeout_s)
         model_config = group.model_config
         self.engine: Any
-        if config.rollout.engine == "sglang":
-            self.engine = make_engine(config, group, tokenizer)
+        if s.engine == "sglang":
+            self.engine = make_engine(source, s, group, tokenizer)
             self.events.record("actors_started", component="engine", servers=list(self.engine.urls),
                                nodes=[ray.get_runtime_context().get_node_id()])
         else:
             remote = ray.remote(concurrency_groups=monitor_groups)(EngineActor)
-            self.engine = RayEngine(ray, lambda: remote.options(**engine_options).remote(cfg, clocked),
+            clocked = s.clock == "iterations"
+            self.engine = RayEngine(ray, lambda: remote.options(**engine_options).remote(
+                                        source, s.embedded, settings.threads, clocked),
                                     clocked=clocked, restarts=r.engine_restarts, events=self.events,
                                     plane=self.plane, call_timeout_s=r.call_timeout_s)
             self.events.record("actors_started", component="engine", pid=self.engine.pid,
                                nodes=[ray.get(self.engine.node())])
         self._fetches_weights = not isinstance(self.engine, RayEngine)
         self.side = make_rollout_side(
-            config, tokenizer, task, loader, self.engine, model_config,
-            lambda clocked: embedded_engine_for(config, fresh_engine_model(config, model_config), tokenizer,
+            s, tokenizer, task, loader, self.engine, model_config,
+            lambda clocked: embedded_engine_for(s.embedded, fresh_engine_model(source, model_config), tokenizer,
                                                 clocked=clocked))
 
     def _weights(self, source: Any) -> Any:

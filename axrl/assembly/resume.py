@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from axrl.config import Config, ConfigError, config_to_dict, load_config
+from axrl.config import Config, config_to_dict, load_config
+from axrl.errors import ConfigError
 
 #: Config keys (and sections) a resumed run cannot change: the recorded steps would no longer
 #: be the same run's (prompts, sample identities, weights layout, what the warm-up produced).
@@ -69,6 +70,9 @@ def resume_config(run_dir: Path, given: Path | None, overrides: list[str]) -> Re
     if refused:
         raise ConfigError(f"--resume: {_listing(refused)} cannot change mid-run; start a new run (another "
                           "--run-dir) to train with it")
+    if cfg.train.lr_schedule != "constant" and recorded.steps != cfg.steps:
+        raise ConfigError(f"--resume: changing steps ({recorded.steps} → {cfg.steps}) would change the "
+                          f"'{cfg.train.lr_schedule}' learning-rate schedule of steps already trained")
     if applied:
         notes.append(f"applied from --set: {_listing(applied)}")
     if given is not None and given.is_file() and given.resolve() != recorded_path.resolve():

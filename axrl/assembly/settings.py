@@ -1,0 +1,204 @@
+"""Config → settings: each config section becomes the small settings object of the component it
+configures. The one place (with `axrl.assembly.build`) that reads `axrl.config`; everything below
+takes these objects, so a component can be built — in this process or in a Ray actor — without
+knowing the YAML.
+"""
+
+from __future__ import annotations
+
+import math
+
+from axrl.algo.loss_config import PolicyLossConfig
+from axrl.algo.processor import AdvantageSettings
+from axrl.config import Config, config_to_dict
+from axrl.inference.protocol import SamplingParams
+from axrl.inference.sglang.settings import ServedModel
+from axrl.rollout.runner import Clock
+from axrl.rollout.schedule import Schedule
+from axrl.rollout.worker import RolloutPolicy
+from axrl.runtime.components import (AgentSettings, BackendSettings, DataSettings, EngineSettings, EvalSettings,
+                                     LearnerSettings, ModelSource, RolloutSideSettings, RunSettings)
+from axrl.runtime.faults import Faults
+from axrl.runtime.learner import RecordSettings
+from axrl.runtime.loop import LoopSettings, WarmupSettings
+from axrl.runtime.spike_trigger import SpikeSettings
+from axrl.runtime.train_worker import TrainStepSettings
+from axrl.train import TorchBackendConfig
+from axrl.train.protocol import R3, R3Scope
+
+__all__ = ["advantage_settings", "backend_settings", "data_settings", "engine_settings", "faults",
+           "learner_settings", "loop_settings", "loss_config", "model_source", "prompts_to_roll_out",
+           "rollout_clock", "rollout_settings", "routing_replay", "run_settings", "step_settings"]
+
+
+def run_settings(cfg: Config) -> RunSettings:
+    """Everything a run is built from."""
+    return RunSettings(model=model_source(cfg), data=data_settings(cfg), backend=backend_settings(cfg),
+                       rollout=rollout_settings(cfg), learner=learner_settings(cfg), threads=cfg.runtime.threads)
+
+
+# -- model and trainer ----------------------------------------------------------------------------
+
+def model_source(cfg: Config, *, dtype: str | None = None) -> ModelSource:
+    """`model` + `runtime.device`; `dtype` overrides `model.dtype` (a replay what-if)."""
+    m = cfg.model
+    return ModelSource(path=m.path, preset=m.preset, init_seed=m.init_seed, dtype=dtype or m.dtype,  # type: ignore[arg-type]
+                       device=cfg.runtime.device)
+
+
+def backend_settings(cfg: Config, *, compute_dtype: str | None = None) -> BackendSettings:
+    """`train` (+ the run's seed, threads, determinism). `compute_dtype` ("float32" | "bfloat16")
+    overrides the forward's compute dtype (a replay what-if); weights, gradients and optimizer
+    state keep the model's dtype."""
+    t = cfg.train
+    common = dict(
+        lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+        lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=cfg.steps * t.updates_per_step,
+        micro_batch_tokens=t.micro_batch_tokens, seed=cfg.seed, num_threads=cfg.runtime.threads,
+        deterministic=cfg.runtime.deterministic, prefix_merge=t.prefix_merge)
+    if compute_dtype is not None:
+        common["dtype"] = compute_dtype
+    if t.backend == "megatron":
+        from axrl.train.megatron import MegatronBackendConfig  # imports no megatron-core
+
+        m = t.megatron
+        return BackendSettings("megatron", MegatronBackendConfig(
+            **common, tensor_parallel=m.tensor_parallel, expert_parallel=m.expert_parallel,
+            sequence_parallel=m.sequence_parallel, moe_dispatcher=m.moe_dispatcher, data_parallel=m.data_parallel))
+    return BackendSettings("torch", TorchBackendConfig(**common))
+
+
+# -- the train step ----------------------------------------------------------------------------------
+
+def loss_config(cfg: Config) -> PolicyLossConfig:
+    """The policy loss's knobs: the `algo` section without its advantage knobs (same type)."""
+    return cfg.algo.loss_fields()
+
+
+def routing_replay(cfg: Config) -> R3:
+    """The backends' `r3` argument from `r3` and `r3_scope`: off, full or a partial `R3Scope`."""
+    s = cfg.r3_scope
+    if not cfg.r3 or s is None:
+        return cfg.r3
+    return R3Scope(layers=None if s.layers is None else tuple(s.layers), exclude_layers=tuple(s.exclude_layers),
+                   loss_tokens_only=s.loss_tokens_only)
+
+
+def faults(cfg: Config) -> Faults:
+    """`faults` (+ the run's seed, which seeds the logprob noise)."""
+    f = cfg.faults
+    return Faults(seed=cfg.seed,
+                  lr_scale=None if f.lr_scale is None else (f.lr_scale.step, f.lr_scale.factor),
+                  rollout_logprob_noise=(None if f.rollout_logprob_noise is None
+                                         else (f.rollout_logprob_noise.step, f.rollout_logprob_noise.std)))
+
+
+def step_settings(cfg: Config) -> TrainStepSettings:
+    """What the trainer does with each sealed batch."""
+    behaviour = cfg.trace.behaviour_logprob
+    return TrainStepSettings(
+        loss=loss_config(cfg), r3=routing_replay(cfg), updates_per_step=cfg.train.updates_per_step,
+        behaviour_logprob=behaviour,
+        # Behaviour logprobs of tokens up to η versions old need those versions' weights.
+        keep_versions=cfg.rollout.max_staleness if behaviour and cfg.runtime.mode == "async" else 0,
+        faults=faults(cfg))
+
+
+def advantage_settings(cfg: Config) -> AdvantageSettings:
+    """How sample advantages come from rewards (`algo.advantage`, `normalize_std`, clip, balance,
+    overlong penalty)."""
+    a = cfg.algo
+    estimator = "dr_grpo" if a.advantage == "grpo" and not a.normalize_std else a.advantage
+    ol = a.overlong_penalty
+    return AdvantageSettings(estimator, a.advantage_clip, a.advantage_balance,
+                             None if ol is None else (ol.max_len, ol.cache_len))
+
+
+def learner_settings(cfg: Config) -> LearnerSettings:
+    """Advantages, the train step and what is recorded."""
+    t = cfg.trace
+    return LearnerSettings(
+        advantages=advantage_settings(cfg),
+        keep_groups=cfg.data.prompts_per_step if cfg.algo.dynamic_sampling.enabled else None,
+        temperature=cfg.rollout.temperature, step=step_settings(cfg),
+        record=RecordSettings(trace=t.enabled, routing=t.routing,
+                              spike=SpikeSettings(t.spike_ratio, t.spike_window, t.spike_min_history)))
+
+
+# -- rollout -------------------------------------------------------------------------------------------
+
+def rollout_clock(cfg: Config) -> Clock:
+    """How rollout is scheduled (`axrl.rollout.clock`): free-running unless `runtime.deterministic`;
+    then by engine iterations (the embedded engine, built clocked) or by request rounds (an SGLang
+    server, or the embedded engine with `rollout.clock: rounds`, e.g. to compare the two)."""
+    if not cfg.runtime.deterministic:
+        return "free"
+    if cfg.rollout.clock != "auto":
+        return cfg.rollout.clock
+    return "iterations" if cfg.rollout.engine == "embedded" else "rounds"
+
+
+def prompts_to_roll_out(cfg: Config) -> int:
+    """Prompts a step rolls out: `data.prompts_per_step`, more with dynamic sampling (its oversample)."""
+    ds = cfg.algo.dynamic_sampling
+    n = cfg.data.prompts_per_step
+    return math.ceil(n * ds.oversample) if ds.enabled else n
+
+
+def data_settings(cfg: Config) -> DataSettings:
+    """`data` (+ whether the run warms up and evaluates: what the task must provide)."""
+    d = cfg.data
+    return DataSettings(task=d.task, path=d.path, reward=d.reward, task_args=dict(d.task_args), seed=cfg.seed,
+                        warmup=cfg.warmup.steps > 0, evaluate=cfg.eval.every > 0)
+
+
+def engine_settings(cfg: Config) -> EngineSettings:
+    """The embedded engine's slots, context and prefix cache (`rollout.*`)."""
+    r = cfg.rollout
+    return EngineSettings(max_batch_size=r.max_batch_size, max_context_len=r.max_context_len,
+                          prefix_cache=r.prefix_cache, prefix_cache_tokens=r.prefix_cache_tokens)
+
+
+def agent_settings(cfg: Config) -> AgentSettings | None:
+    """The black-box agent of section `agent` (None: the task's env plays the episodes)."""
+    a = cfg.agent
+    if a is None:
+        return None
+    return AgentSettings(command=None if a.command is None else list(a.command), function=a.function,
+                         prompt_via=a.prompt_via, timeout_s=a.timeout_s, max_concurrent=a.max_concurrent,
+                         verifier=a.verifier, env=dict(a.env), model_name=a.model_name, host=a.host, port=a.port,
+                         allow_remote=a.allow_remote, render_tools=a.render_tools, fork_server=a.fork_server,
+                         coalesce_ms=a.coalesce_ms)
+
+
+def rollout_settings(cfg: Config) -> RolloutSideSettings:
+    """`rollout` (+ `agent`, `eval` and the run's mode, seed and threads): the rollout side."""
+    r = cfg.rollout
+    # Dynamic sampling (DAPO) rolls out more groups per step than it trains (the processor keeps
+    # the informative ones): batches are sealed at that size.
+    schedule = Schedule(cfg.runtime.mode, prompts_to_roll_out(cfg), r.max_staleness, clocked=cfg.runtime.deterministic)
+    policy = RolloutPolicy(partial_rollout=r.partial_rollout, stale_policy=r.stale_policy, max_reruns=r.max_reruns,
+                           max_live_episodes=r.max_live_episodes or r.max_batch_size, release_memory=r.release_memory)
+    served = ServedModel(max_batch_size=r.max_batch_size, max_context_len=r.max_context_len, seed=cfg.seed,
+                         threads=cfg.runtime.threads, dtype=cfg.model.dtype, prefix_cache=r.prefix_cache)
+    return RolloutSideSettings(
+        engine=r.engine, embedded=engine_settings(cfg), sglang=r.sglang if r.engine == "sglang" else None,
+        served=served, group_size=r.group_size,
+        sampling=SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                top_k=r.top_k),
+        max_turns=r.max_turns, schedule=schedule, policy=policy, clock=rollout_clock(cfg), seed=cfg.seed,
+        threads=cfg.runtime.threads, agent=agent_settings(cfg),
+        eval=EvalSettings(every=cfg.eval.every, prompts=cfg.eval.prompts, samples_per_prompt=cfg.eval.samples_per_prompt))
+
+
+# -- the loop ---------------------------------------------------------------------------------------------
+
+def loop_settings(cfg: Config) -> LoopSettings:
+    """`steps`, `eval.every`, `checkpoint`, `warmup`, `logging` and what the run directory records."""
+    w = cfg.warmup
+    return LoopSettings(
+        steps=cfg.steps, seed=cfg.seed, eval_every=cfg.eval.every, checkpoint_every=cfg.checkpoint.every,
+        checkpoint_keep=cfg.checkpoint.keep, warmup=WarmupSettings(w.steps, w.batch_size, w.lr),
+        needs_reference=cfg.algo.kl_coef > 0, tensorboard=cfg.logging.tensorboard, config=config_to_dict(cfg),
+        manifest={"backend": cfg.train.backend, "engine": cfg.rollout.engine, "mode": cfg.runtime.mode,
+                  "rollout_clock": rollout_clock(cfg)})
