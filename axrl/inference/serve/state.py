@@ -137,6 +137,7 @@ class AxrlServer:
 
     @staticmethod
     def per_request(body: dict[str, Any], key: str, n: int, batched: bool, default: Any) -> list[Any]:
+        """`body[key]` for each of the n requests: a batch gives one value per request, else one for all."""
         value = body.get(key, default)
         if batched and isinstance(value, list) and key != "input_ids":
             if len(value) != n:
@@ -149,6 +150,7 @@ class AxrlServer:
         return [value] * n
 
     def encode_text(self, text: Any) -> Any:
+        """Token ids of a text (or of each text of a list); a 400 without a tokenizer."""
         if self.tokenizer is None:
             raise ApiError(400, f"text: the model directory {self.cfg.model_path} has no tokenizer; send input_ids")
         if isinstance(text, str):
@@ -158,9 +160,11 @@ class AxrlServer:
         raise ApiError(400, "text must be a string or a list of strings")
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids` ("" without a tokenizer)."""
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) if self.tokenizer else ""
 
     def to_wire(self, res: GenerateResult, req: GenerateRequest, opt: dict[str, Any]) -> dict[str, Any]:
+        """`res` as SGLang's /generate reply (text, output_ids, meta_info) with the output options `opt`."""
         texts = None
         if opt["text_in_logprobs"] and self.tokenizer is not None:
             texts = [self.tokenizer.decode([t]) for t in res.output_ids]
@@ -179,10 +183,12 @@ class AxrlServer:
         return [asyncio.wrap_future(f) for f in futures]
 
     def done(self, requests: list[GenerateRequest]) -> None:
+        """Forget finished requests (abort_all no longer reaches them)."""
         for r in requests:
             self.live.discard(r.rid)
 
     def abort_all(self) -> int:
+        """Abort every request in flight; how many were."""
         return sum(self.engine.abort(rid) for rid in list(self.live))
 
     async def run(self, requests: list[GenerateRequest], is_disconnected: Any) -> list[GenerateResult]:
