@@ -128,8 +128,8 @@ def serve(
         raise fail(f"--decode-impl {decode_impl!r}: choose fused or model")
     if max_running_requests < 1 or context_length < 2 or threads < 1:
         raise fail("--max-running-requests and --threads must be >= 1, --context-length >= 2")
-    from axrl.inference.server import ServeConfig
-    from axrl.inference.server import serve as run_server
+    from axrl.inference.serve import ServeConfig
+    from axrl.inference.serve import serve as run_server
 
     try:
         run_server(ServeConfig(

@@ -159,7 +159,7 @@ def test_export_loads_in_transformers_and_axrl_serve(trained, checkpoint, tmp_pa
 
     from fastapi.testclient import TestClient
 
-    from axrl.inference.server import ServeConfig, build_server, create_app
+    from axrl.inference.serve import ServeConfig, build_server, create_app
     server = build_server(ServeConfig(model_path=str(out), context_length=256))
     with TestClient(create_app(server)) as http:
         reply = http.post("/v1/chat/completions", json={"model": "export", "messages": CONVERSATION[:2],

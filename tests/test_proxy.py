@@ -141,7 +141,7 @@ def test_stop_strings_cut_the_reply_and_the_kept_ids(proxy, tok):
 
 
 def engine_seed(session, call: int, base: int) -> int:
-    from axrl.agents.proxy.openai_api import MAX_N
+    from axrl.agents.proxy.openai_routes import MAX_N
     from axrl.inference.sampling import derive_seed
 
     return derive_seed(base, call * MAX_N + 1)

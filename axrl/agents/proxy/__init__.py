@@ -1,7 +1,7 @@
 """The recording OpenAI-compatible proxy for black-box agents (docs/agents.md, "Bring your own agent")."""
 
-from axrl.agents.proxy.openai_api import ProxyError, SessionPolicy
+from axrl.agents.proxy.registry import SessionPolicy
 from axrl.agents.proxy.server import ProxyServer, engine_submit
 from axrl.agents.proxy.session import FORK_ID_STRIDE, Session, Turn
 
-__all__ = ["FORK_ID_STRIDE", "ProxyError", "ProxyServer", "Session", "SessionPolicy", "Turn", "engine_submit"]
+__all__ = ["FORK_ID_STRIDE", "ProxyServer", "Session", "SessionPolicy", "Turn", "engine_submit"]

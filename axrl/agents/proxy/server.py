@@ -26,9 +26,9 @@ from typing import Any, Callable
 
 import uvicorn
 
-from axrl.agents.proxy.app import SessionRegistry, create_app
+from axrl.agents.proxy.app import create_app
 from axrl.agents.proxy.coalesce import CallCoalescer
-from axrl.agents.proxy.openai_api import SessionPolicy
+from axrl.agents.proxy.registry import SessionPolicy, SessionRegistry
 from axrl.agents.proxy.session import Session
 from axrl.inference.protocol import GenerateRequest, InferenceEngine
 from axrl.tokenizer import Tokenizer

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from axrl.agents.proxy.openai_api import ProxyError, bad
+from axrl.inference.openai.errors import ApiError, bad
 from axrl.rollout.trajectory import FINISH_REASONS, Trajectory
 from axrl.tokenizer import Tokenizer
 
@@ -58,9 +58,9 @@ class AgentService:
         self.api_key: str | None = None   # set: POST /v1/trajectories needs "Bearer <api_key>"
 
     def validate(self, body: Any) -> Trajectory:
-        """The trajectory of `body`, or a ProxyError(400) naming the offending field."""
+        """The trajectory of `body`, or an ApiError(400) naming the offending field."""
         if not isinstance(body, dict):
-            raise ProxyError(400, "the /v1/trajectories body must be a JSON object")
+            raise ApiError(400, "the /v1/trajectories body must be a JSON object")
         unknown = sorted(set(body) - _FIELDS)
         if unknown:
             raise bad(unknown[0], f"unknown field (expected {sorted(_FIELDS)})")
@@ -137,5 +137,5 @@ class AgentService:
         try:
             self.sink(traj)
         except ValueError as e:  # e.g. the group already has its group_size samples
-            raise ProxyError(409, f"group_id: {e}", param="group_id") from None
+            raise ApiError(409, f"group_id: {e}", param="group_id") from None
         return traj

@@ -1,13 +1,13 @@
-"""The state behind `axrl serve`: the engine, its tokenizer, request parsing and weight sync.
+"""The state behind `axrl serve`: the engine, its tokenizer, /generate parsing and weight sync.
 
-`axrl.inference.server` puts the HTTP routes on it (SGLang's API) and `axrl.inference.openai_compat`
-the OpenAI ones; both import this module, neither imports the other's internals back.
+The route modules of this package (`sglang_routes`, `weight_routes`, `openai_routes`) put the
+HTTP endpoints on it; each imports this module, none imports another's internals. Client errors
+are `axrl.inference.openai.errors.ApiError` (status 400 unless said otherwise).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -17,6 +17,8 @@ from typing import Any, AsyncIterator
 import torch
 
 from axrl.inference.embedded import EmbeddedEngine
+from axrl.inference.openai.errors import ApiError
+from axrl.inference.openai.streaming import DONE, sse
 from axrl.inference.protocol import GenerateRequest, GenerateResult
 from axrl.inference.sglang.wire import parse_weight_version, result_to_wire, sampling_from_wire
 from axrl.model import hf_state_dict, load_hf
@@ -53,27 +55,6 @@ class ServeConfig:
     log_level: str = "warning"
 
 
-class BadRequest(ValueError):
-    """Client error → HTTP ``code`` (400) with this message."""
-
-    code = 400
-
-
-class ModelNotFound(BadRequest):
-    """A request for a model this server does not serve → HTTP 404."""
-
-    code = 404
-
-
-_ERROR_TYPES = {400: "BadRequest", 404: "NotFoundError"}
-
-
-def error_body(message: str, code: int = 400) -> dict[str, Any]:
-    """SGLang's (OpenAI-style) error object."""
-    return {"object": "error", "message": message, "type": _ERROR_TYPES.get(code, "InternalServerError"),
-            "code": code}
-
-
 class AxrlServer:
     """State behind the HTTP app: the engine, its tokenizer and the weight-sync machinery."""
 
@@ -102,13 +83,14 @@ class AxrlServer:
     def parse_generate(self, body: Any) -> tuple[list[GenerateRequest], list[dict[str, Any]], bool]:
         """Requests of a /generate body, per-request output options, and whether it was a batch."""
         if not isinstance(body, dict):
-            raise BadRequest("the /generate body must be a JSON object")
+            raise ApiError(400, "the /generate body must be a JSON object")
         unknown = sorted(set(body) - _GENERATE_FIELDS)
         if unknown:
-            raise BadRequest(f"{unknown[0]}: unknown /generate field (supported: {sorted(_GENERATE_FIELDS - _IGNORED_GENERATE)})")
+            raise ApiError(400, f"{unknown[0]}: unknown /generate field "
+                           f"(supported: {sorted(_GENERATE_FIELDS - _IGNORED_GENERATE)})")
         ids, text = body.get("input_ids"), body.get("text")
         if ids is None and text is None:
-            raise BadRequest("input_ids: a request needs input_ids (or text)")
+            raise ApiError(400, "input_ids: a request needs input_ids (or text)")
         if ids is None:
             ids = self.encode_text(text)
         batched = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
@@ -116,14 +98,14 @@ class AxrlServer:
         n = len(prompts)
         if body.get("logprob_start_len") not in (None, -1) and not (isinstance(body["logprob_start_len"], list)
                                                                      and set(body["logprob_start_len"]) <= {-1}):
-            raise BadRequest("logprob_start_len: only -1 (output tokens only) is supported by axrl serve")
+            raise ApiError(400, "logprob_start_len: only -1 (output tokens only) is supported by axrl serve")
         if body.get("top_logprobs_num") not in (None, 0):
-            raise BadRequest("top_logprobs_num: top logprobs are not supported by axrl serve (use 0)")
+            raise ApiError(400, "top_logprobs_num: top logprobs are not supported by axrl serve (use 0)")
         routed = body.get("return_routed_experts", False)
         if not isinstance(routed, bool):
-            raise BadRequest(f"return_routed_experts must be true or false, got {routed!r}")
+            raise ApiError(400, f"return_routed_experts must be true or false, got {routed!r}")
         if routed and not self.cfg.enable_return_routed_experts:
-            raise BadRequest("return_routed_experts: start the server with --enable-return-routed-experts")
+            raise ApiError(400, "return_routed_experts: start the server with --enable-return-routed-experts")
         sampling = self.per_request(body, "sampling_params", n, batched, default=None)
         logprob = self.per_request(body, "return_logprob", n, batched, default=False)
         starts = self.per_request(body, "routed_experts_start_len", n, batched, default=0)
@@ -135,17 +117,18 @@ class AxrlServer:
             raw_sp = sampling[i] or {}
             sp = sampling_from_wire(raw_sp, f"sampling_params{at}")
             if not isinstance(logprob[i], bool):
-                raise BadRequest(f"return_logprob{at} must be true or false, got {logprob[i]!r}")
+                raise ApiError(400, f"return_logprob{at} must be true or false, got {logprob[i]!r}")
             start = starts[i]
             if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-                raise BadRequest(f"routed_experts_start_len{at} must be an int >= 0, got {start!r}")
+                raise ApiError(400, f"routed_experts_start_len{at} must be an int >= 0, got {start!r}")
             if isinstance(prompts[i], list) and start > len(prompts[i]):
-                raise BadRequest(f"routed_experts_start_len{at}={start} is beyond the prompt's {len(prompts[i])} tokens")
+                raise ApiError(400, f"routed_experts_start_len{at}={start} is beyond the prompt's "
+                               f"{len(prompts[i])} tokens")
             rid = rids[i] if rids[i] is not None else uuid.uuid4().hex
             if not isinstance(rid, str) or not rid:
-                raise BadRequest(f"rid{at} must be a non-empty string, got {rid!r}")
+                raise ApiError(400, f"rid{at} must be a non-empty string, got {rid!r}")
             if not isinstance(prompts[i], list):
-                raise BadRequest(f"input_ids{at} must be a list of token ids")
+                raise ApiError(400, f"input_ids{at} must be a list of token ids")
             requests.append(GenerateRequest(input_ids=prompts[i], sampling_params=sp, return_logprob=logprob[i],
                                             return_routed_experts=routed, routed_experts_start_len=start, rid=rid))
             options.append({"skip_special_tokens": bool(raw_sp.get("skip_special_tokens", True)),
@@ -154,30 +137,34 @@ class AxrlServer:
 
     @staticmethod
     def per_request(body: dict[str, Any], key: str, n: int, batched: bool, default: Any) -> list[Any]:
+        """`body[key]` for each of the n requests: a batch gives one value per request, else one for all."""
         value = body.get(key, default)
         if batched and isinstance(value, list) and key != "input_ids":
             if len(value) != n:
-                raise BadRequest(f"{key}: {len(value)} values for a batch of {n} requests")
+                raise ApiError(400, f"{key}: {len(value)} values for a batch of {n} requests")
             return value
         if isinstance(value, list) and key in ("rid", "routed_experts_start_len", "return_logprob"):
-            raise BadRequest(f"{key}: a list is only valid for a batch (list-valued input_ids)")
+            raise ApiError(400, f"{key}: a list is only valid for a batch (list-valued input_ids)")
         if batched and key == "rid" and value is not None:
-            raise BadRequest("rid: a batch needs one rid per request (a list)")
+            raise ApiError(400, "rid: a batch needs one rid per request (a list)")
         return [value] * n
 
     def encode_text(self, text: Any) -> Any:
+        """Token ids of a text (or of each text of a list); a 400 without a tokenizer."""
         if self.tokenizer is None:
-            raise BadRequest(f"text: the model directory {self.cfg.model_path} has no tokenizer; send input_ids")
+            raise ApiError(400, f"text: the model directory {self.cfg.model_path} has no tokenizer; send input_ids")
         if isinstance(text, str):
             return self.tokenizer.encode(text)
         if isinstance(text, list) and all(isinstance(t, str) for t in text):
             return [self.tokenizer.encode(t) for t in text]
-        raise BadRequest("text must be a string or a list of strings")
+        raise ApiError(400, "text must be a string or a list of strings")
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids` ("" without a tokenizer)."""
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) if self.tokenizer else ""
 
     def to_wire(self, res: GenerateResult, req: GenerateRequest, opt: dict[str, Any]) -> dict[str, Any]:
+        """`res` as SGLang's /generate reply (text, output_ids, meta_info) with the output options `opt`."""
         texts = None
         if opt["text_in_logprobs"] and self.tokenizer is not None:
             texts = [self.tokenizer.decode([t]) for t in res.output_ids]
@@ -186,20 +173,22 @@ class AxrlServer:
                               id_texts=texts)
 
     def submit(self, requests: list[GenerateRequest]) -> list[asyncio.Future]:
-        """Submit atomically (one admission, as in-process); ValueError → BadRequest."""
+        """Submit atomically (one admission, as in-process); ValueError → a 400."""
         try:
             futures = self.engine.submit_many(requests)
         except ValueError as e:
-            raise BadRequest(str(e)) from None
+            raise ApiError(400, str(e)) from None
         for r in requests:
             self.live.add(r.rid)
         return [asyncio.wrap_future(f) for f in futures]
 
     def done(self, requests: list[GenerateRequest]) -> None:
+        """Forget finished requests (abort_all no longer reaches them)."""
         for r in requests:
             self.live.discard(r.rid)
 
     def abort_all(self) -> int:
+        """Abort every request in flight; how many were."""
         return sum(self.engine.abort(rid) for rid in list(self.live))
 
     async def run(self, requests: list[GenerateRequest], is_disconnected: Any) -> list[GenerateResult]:
@@ -257,13 +246,13 @@ class AxrlServer:
                                              routed_experts=None, finish_reason=None,  # type: ignore[arg-type]
                                              weight_version=self.engine.weight_version,
                                              prompt_tokens=len(req.input_ids))
-                    yield _sse(self.to_wire(partial, req, opt))
+                    yield sse(self.to_wire(partial, req, opt))
                 await asyncio.wait([future], timeout=_STREAM_POLL_S)
-            yield _sse(self.to_wire(future.result(), req, opt))
-            yield b"data: [DONE]\n\n"
+            yield sse(self.to_wire(future.result(), req, opt))
+            yield DONE
         except Exception as e:  # noqa: BLE001 — SGLang reports stream errors in-band
-            yield _sse({"error": {"message": f"{type(e).__name__}: {e}"}})
-            yield b"data: [DONE]\n\n"
+            yield sse({"error": {"message": f"{type(e).__name__}: {e}"}})
+            yield DONE
         finally:
             if not future.done():  # the client went away mid-stream
                 self.engine.abort(req.rid)
@@ -275,7 +264,7 @@ class AxrlServer:
         if weight_version is None:
             return self.engine.weight_version, self.version_label
         if not isinstance(weight_version, (str, int)) or isinstance(weight_version, bool):
-            raise BadRequest(f"weight_version must be a string, got {weight_version!r}")
+            raise ApiError(400, f"weight_version must be a string, got {weight_version!r}")
         parsed = parse_weight_version(weight_version)
         if parsed is not None:
             return parsed, None
@@ -285,10 +274,11 @@ class AxrlServer:
         """`updates` completed with the current values of every other weight (partial updates)."""
         unknown = sorted(set(updates) - set(self.shapes) - {"lm_head.weight"})
         if unknown:
-            raise BadRequest(f"names: {unknown[:5]} are not weights of this model")
+            raise ApiError(400, f"names: {unknown[:5]} are not weights of this model")
         for name, t in updates.items():
             if name in self.shapes and tuple(t.shape) != self.shapes[name]:
-                raise BadRequest(f"shapes: '{name}' has shape {list(t.shape)}, the model's is {list(self.shapes[name])}")
+                raise ApiError(400, f"shapes: '{name}' has shape {list(t.shape)}, "
+                               f"the model's is {list(self.shapes[name])}")
         current = hf_state_dict(self.engine.model)
         return {**{k: v.clone() for k, v in current.items() if k not in updates}, **updates}
 
@@ -299,12 +289,8 @@ class AxrlServer:
         try:
             await asyncio.to_thread(self.engine.update_weights, source, version)
         except (ValueError, FileNotFoundError) as e:
-            raise BadRequest(str(e)) from None
+            raise ApiError(400, str(e)) from None
         self.version_label = label
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
 def build_server(cfg: ServeConfig) -> AxrlServer:

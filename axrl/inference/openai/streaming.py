@@ -1,0 +1,101 @@
+"""The SSE path of the OpenAI endpoints: OpenAI's chunks from each choice's progress.
+
+A backend reports, per poll, each choice's progress: the text that may be sent so far
+(cumulative; held back where it could still become a stop string or a tool call), its `Final`
+state once it ended, or None when nothing changed. `sse_stream` turns that into chunks —
+chat: a role chunk per choice, content deltas, one `tool_calls` delta, a finish chunk;
+completions: text chunks, a finish chunk — then the usage chunk if asked, then `data: [DONE]`.
+`axrl serve` reports progress as tokens arrive; the proxy, whose engines have no token
+stream, reports every choice final at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, AsyncIterator, Callable, Union
+
+from axrl.inference.openai.replies import Envelope
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event holding `obj` as JSON."""
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+@dataclasses.dataclass
+class Final:
+    """A choice that ended: its whole content (chat: the text before any tool call), its tool
+    calls, finish reason, and fields its finish chunk carries beside them (`extras`)."""
+
+    content: str | None
+    finish_reason: str
+    tool_calls: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+# One choice's news of a poll: the text sendable so far, its end, or nothing new.
+Progress = Union[str, Final, None]
+
+
+class _Chunks:
+    """The chunks of one call's stream."""
+
+    def __init__(self, envelope: Envelope) -> None:
+        self.head, self.chat = envelope.head(stream=True), envelope.chat
+
+    def choice(self, k: int, text: str | None = None, finish: str | None = None, **extra: Any) -> bytes:
+        """One choice's chunk: chat puts the text (and tool calls, role) in a delta."""
+        if self.chat:
+            delta = {**({"content": text} if text is not None else {}),
+                     **{key: extra.pop(key) for key in ("role", "tool_calls") if key in extra}}
+            choice: dict[str, Any] = {"index": k, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": k, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return sse({**self.head, "choices": [{**choice, **extra}]})
+
+    def final(self, k: int, state: Final, sent: int) -> list[bytes]:
+        """The chunks that end choice k: the content not sent yet, its tool calls, its finish."""
+        out = []
+        rest = (state.content or "")[sent:]
+        if rest:
+            out.append(self.choice(k, rest))
+        if state.tool_calls:
+            out.append(self.choice(k, None, tool_calls=[{"index": i, **c} for i, c in enumerate(state.tool_calls)]))
+        out.append(self.choice(k, None, state.finish_reason, **state.extras))
+        return out
+
+    def usage(self, usage: dict[str, Any]) -> bytes:
+        return sse({**self.head, "choices": [], "usage": usage})
+
+
+async def sse_stream(envelope: Envelope, n: int, progress: AsyncIterator[list[Progress]],
+                     usage: Callable[[], dict[str, Any]] | None) -> AsyncIterator[bytes]:
+    """The SSE chunks of `n` choices from their `progress` (a list of `Progress` per poll);
+    `usage()` is sent at the end when given and every choice finished. An error once the headers
+    went out is reported in-band, then `[DONE]`."""
+    chunks = _Chunks(envelope)
+    sent, finished = [0] * n, [False] * n   # characters of each reply already sent; its end sent
+    try:
+        if envelope.chat:
+            for k in range(n):
+                yield chunks.choice(k, "", role="assistant")
+        async for states in progress:
+            for k, state in enumerate(states):
+                if finished[k] or state is None:
+                    continue
+                if isinstance(state, Final):
+                    finished[k] = True
+                    for chunk in chunks.final(k, state, sent[k]):
+                        yield chunk
+                elif len(state) > sent[k]:
+                    yield chunks.choice(k, state[sent[k]:])
+                    sent[k] = len(state)
+        if usage is not None and all(finished):
+            yield chunks.usage(usage())
+        yield DONE
+    except Exception as e:  # noqa: BLE001 — errors after the headers went out are reported in-band
+        yield sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "InternalServerError"}})
+        yield DONE
