@@ -327,14 +327,13 @@ def kill_when(run_dir: Path, component: str, after_steps: int, killed: list) -> 
 def run_with_kill(tmp_path: Path, component: str, *extra: str) -> tuple[Path, list]:
     import threading
 
-    from axrl.runtime.ray.recovery import train_with_recovery
-
     out, killed = tmp_path / "run", []
     killer = threading.Thread(target=kill_when, args=(out, component, 1, killed), daemon=True)
     killer.start()
-    # Longer turns than TINY's, and a fast heartbeat, so the kill lands on work in flight.
-    train_with_recovery(cfg("runtime.executor=ray", "steps=5", "rollout.max_new_tokens=48", "rollout.group_size=4",
-                            "data.prompts_per_step=4", "runtime.ray.heartbeat_s=0.05", *extra), out, False, train)
+    # Longer turns than TINY's, and a fast heartbeat, so the kill lands on work in flight. Under Ray,
+    # `train` resumes a lost train group from its last checkpoint (runtime.ray.train_restarts).
+    train(cfg("runtime.executor=ray", "steps=5", "rollout.max_new_tokens=48", "rollout.group_size=4",
+              "data.prompts_per_step=4", "runtime.ray.heartbeat_s=0.05", *extra), out, False)
     killer.join(timeout=5)
     return out, killed
 
@@ -411,12 +410,12 @@ def test_train_restarts_are_bounded_then_the_run_stops_naming_the_key(tmp_path):
     from axrl.runtime.ray.train_group import TrainGroupLost
 
     calls = []
-    def dies(cfg, run_dir, resume):
+    def dies(resume):
         calls.append(resume)
-        Path(run_dir).mkdir(exist_ok=True)
+        (tmp_path / "r").mkdir(exist_ok=True)
         raise TrainGroupLost("a train rank died (ActorDiedError)")
     with pytest.raises(TrainGroupFailed, match=r"runtime.ray.train_restarts=1"):
-        train_with_recovery(cfg("runtime.executor=ray", "runtime.ray.train_restarts=1"), tmp_path / "r", False, dies)
+        train_with_recovery(tmp_path / "r", False, dies, max_restarts=1)
     assert calls == [False, True]   # the first attempt, then one resume from the checkpoint
     assert [e["event"] for e in read_events(tmp_path / "r")] == ["train_group_restart", "run_stopped"]
 
