@@ -164,9 +164,7 @@ def make_rollout_side(cfg: Config, tokenizer: Tokenizer, task: Task, loader: Pro
     if proxy is not None:  # agents with their own engine push into the same pool
         proxy.registry.service = AgentService(
             tokenizer, pool.add, current_version=lambda: sync.version, max_context_len=cfg.rollout.max_context_len,
-            routing_shape=((sum(map(model_config.is_moe_layer, range(model_config.num_hidden_layers))),
-                            model_config.num_experts_per_tok, model_config.num_experts)
-                           if model_config.is_moe else None))
+            routing_shape=model_config.routing_shape())
     evaluator = None
     if cfg.eval.every:
         r, sampling = cfg.rollout, rollout.settings.sampling
