@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from axrl.config import Config
-from axrl.rollout.trajectory import Trajectory
+from axrl.core.trajectory import Trajectory
 from axrl.runtime.components import make_data, make_embedded_engine, make_engine_model, make_rollout, rollout_clock
 from axrl.trace import StepFile
 from replay.compare import Divergence

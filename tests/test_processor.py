@@ -13,7 +13,7 @@ import torch
 from axrl.algo.processor import (AdvantageSettings, AlgorithmProcessor, informative_groups, overlong_penalty,
                                  prompts_to_roll_out, update_splits)
 from axrl.config import load_config
-from axrl.rollout.trajectory import Trajectory
+from axrl.core.trajectory import Trajectory
 
 torch.set_num_threads(1)
 
