@@ -36,9 +36,9 @@ import numpy as np
 import torch
 
 from axrl.config import Config
-from axrl.rollout.trajectory import Trajectory
 from axrl.assembly.build import make_data, make_embedded_engine, make_engine_model, make_rollout
 from axrl.assembly.settings import rollout_clock
+from axrl.core.trajectory import Trajectory
 from axrl.trace import StepFile
 from replay.compare import Divergence
 from replay.engine_path import ClockSchedule, contexts_of, run_engine_path

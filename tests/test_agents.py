@@ -22,12 +22,12 @@ from axrl.agents.env import Env, Prompt, StepOutcome, assistant_text, replay_con
 from axrl.agents.tasks import TASKS, get_task
 from axrl.agents.tasks.calculator import CalculatorError, evaluate
 from axrl.agents.tasks.common import format_number, parse_answer
+from axrl.core.trajectory import Trajectory
 from axrl.data import PromptDataError, PromptLoader, read_prompt_file
 from axrl.inference.embedded import EmbeddedEngine
 from axrl.inference.protocol import GenerateRequest, GenerateResult, InferenceEngine, SamplingParams
 from axrl.model import build_model, preset_config
 from axrl.rollout.agent_loop import run_episode, turn_seed
-from axrl.rollout.trajectory import Trajectory
 from axrl.tokenizer import Tokenizer
 
 torch.set_num_threads(1)

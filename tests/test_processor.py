@@ -14,7 +14,7 @@ from axrl.algo.processor import AdvantageSettings, informative_groups, overlong_
 from axrl.assembly.build import make_processor
 from axrl.assembly.settings import prompts_to_roll_out
 from axrl.config import load_config
-from axrl.rollout.trajectory import Trajectory
+from axrl.core.trajectory import Trajectory
 
 torch.set_num_threads(1)
 

@@ -13,6 +13,7 @@ import torch
 
 from axrl.agents.env import Prompt, StepOutcome
 from axrl.agents.tasks import get_task
+from axrl.core.trajectory import Trajectory
 from axrl.data import PromptLoader
 from axrl.inference import EmbeddedEngine, GenerateRequest, SamplingParams
 from axrl.inference.protocol import ClockedEngine
@@ -21,7 +22,6 @@ from axrl.rollout.episode_engine import continuation, splice
 from axrl.rollout.pool import PoolFailure, TrajectoryPool
 from axrl.rollout.runner import EpisodeRunner, EpisodeSpec, RolloutSettings, run_all, sample_seed
 from axrl.rollout.schedule import Schedule
-from axrl.rollout.trajectory import Trajectory
 from axrl.tokenizer import Tokenizer
 
 torch.set_num_threads(1)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from axrl.algo.advantages import compute_advantages, token_advantages
-from axrl.rollout.trajectory import Trajectory
+from axrl.core.trajectory import Trajectory
 from axrl.train.protocol import PackedBatch
 
 __all__ = ["AdvantageSettings", "AlgorithmProcessor", "ProcessedBatch", "informative_groups", "overlong_penalty",

@@ -429,7 +429,7 @@ class _Scheduler:
             tokens, block = prefix_cache
             self.prefix_cache = PrefixCache(
                 self.cache, num_blocks=max(1, tokens // block), block_size=block,
-                routing_shape=(cfg.num_hidden_layers, cfg.num_experts_per_tok) if self.is_moe else None)
+                routing_shape=cfg.routing_shape()[:2] if self.is_moe else None)
         self.slots: list[_Sequence | None] = [None] * engine.max_batch_size
         # Bumped whenever a slot is taken or freed; the next decode step's inputs are reused only
         # while it stands still (see `decode_step`).

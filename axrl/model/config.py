@@ -71,6 +71,19 @@ class ModelConfig:
         return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
                 and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
+    def routing_shape(self) -> tuple[int, int, int] | None:
+        """``(layers, top_k, num_experts)`` of the expert routing recorded per token; None for a
+        dense model.
+
+        ``layers`` is every decoder layer, dense ones (``mlp_only_layers``, ``decoder_sparse_step``)
+        included with zero rows, not only the MoE layers: that is the layout the model's forward
+        returns (``Qwen3ForCausalLM(return_routing=True)``), the engines send (SGLang's
+        ``[tokens, num_hidden_layers, top_k]``), R3 replays and the trace's ``/routing`` holds.
+        """
+        if not self.is_moe:
+            return None
+        return self.num_hidden_layers, self.num_experts_per_tok, self.num_experts
+
     @property
     def model_type(self) -> str:
         return "qwen3_moe" if self.is_moe else "qwen3"

@@ -17,7 +17,7 @@ Turn ``i`` is the i-th assistant action followed by the env's reaction to it (tu
 reset). The stream ends with the last generated token: glue and observations after the final
 turn are never appended, since no model reads them.
 
-Finish reasons (``Trajectory.finish_reason``):
+Finish reasons (``Trajectory.finish_reason``, one of ``axrl.core.outcomes.FINISH_REASONS``):
 
 * ``stop``: the env ended the episode after a complete assistant turn.
 * ``length``: the env ended the episode after a turn that hit the per-turn token limit. A
@@ -43,9 +43,10 @@ import traceback
 import numpy as np
 
 from axrl.agents.env import Env, Message, Prompt
+from axrl.core.token_stream import append_generated, assistant_close_ids, reply_glue, routing_rows, token_versions
+from axrl.core.trajectory import Trajectory
 from axrl.inference.protocol import GenerateRequest, GenerateResult, InferenceEngine, SamplingParams
 from axrl.inference.sampling import derive_seed
-from axrl.rollout.trajectory import Trajectory
 from axrl.tokenizer import Tokenizer
 
 ERROR_TAIL_CHARS = 2000  # enough for the failing frames, small enough for a trace attribute
@@ -85,34 +86,19 @@ async def run_episode(
     except Exception as exc:
         return _failed(traj, exc, routing, [])
     traj.info["messages"] = conversation
-    if len(prompt_ids) >= max_context_len:  # not even one token of room to generate
-        traj.append(prompt_ids[:max_context_len], generated=False, turn=0)
-        traj.prompt_len = traj.num_tokens
-        traj.info["prompt_truncated"] = len(prompt_ids) > max_context_len
+    if not _append_prompt(traj, prompt_ids, max_context_len):
         return _finish(traj, "context", 0.0, routing)
-    traj.append(prompt_ids, generated=False, turn=0)
-    traj.prompt_len = len(prompt_ids)
-    close_ids = _assistant_close_ids(tokenizer)  # e.g. ids of "<|im_end|>\n"
+    close_ids = _close_ids(tokenizer)  # e.g. ids of "<|im_end|>\n"
     next_turn_ids = tokenizer.generation_prompt_ids()
 
     for turn in range(1, max_turns + 1):
-        room = max_context_len - traj.num_tokens  # >= 1: segments are appended only if they leave room
-        held = sum(len(chunk) for chunk in routing)
-        request = GenerateRequest(
-            input_ids=traj.token_ids.tolist(),  # whole stream: the engine keeps no prefix cache
-            sampling_params=dataclasses.replace(
-                sampling, max_new_tokens=min(sampling.max_new_tokens, room),
-                seed=turn_seed(sampling.seed, turn)),
-            return_logprob=True,
-            return_routed_experts=return_routing,
-            routed_experts_start_len=held,
-            sticky_key=f"{group_id}:{sample_id}",  # one server per episode: its prefix stays cached
-        )
+        request = _turn_request(traj, routing, sampling, turn, max_context_len=max_context_len,
+                                return_routing=return_routing, sticky_key=f"{group_id}:{sample_id}")
         result = await engine.generate(request)
         # Resumed after weight updates (partial_rollout: recompute), see axrl.rollout.episode_engine.
         traj.continuations += int(result.meta.get("continuations", 0))
         _append_generated(traj, result, turn)
-        _collect_routing(routing, request, result, held)
+        _collect_routing(routing, request, result)
         traj.num_turns = turn
         if result.finish_type == "abort":
             return _finish(traj, "abort", reward, routing)
@@ -130,7 +116,7 @@ async def run_episode(
                 # A turn cut by the context limit filled the stream exactly.
                 reason = ("context" if traj.num_tokens >= max_context_len else "length") if truncated else "stop"
                 return _finish(traj, reason, reward, routing)
-            segment = list(close_ids[1:] if closed else close_ids)
+            segment = reply_glue(close_ids, closed)
             for message in outcome.observation:
                 segment += tokenizer.encode_message(message)
         except Exception as exc:
@@ -163,15 +149,42 @@ def turn_seed(seed: int | None, turn: int) -> int | None:
     return None if seed is None else derive_seed(int(seed), int(turn))
 
 
-def _assistant_close_ids(tokenizer: Tokenizer) -> list[int]:
-    """Ids the template puts after an assistant message's text: its end-of-turn token (which
-    the model generates) followed by glue the model never generates (ChatML: a newline)."""
-    marker = "\x00"  # a character no template emits on its own
-    text = str(tokenizer.apply_chat_template([{"role": "assistant", "content": marker}], tokenize=False))
-    ids = tokenizer.encode(text[text.rindex(marker) + 1:])
+def _append_prompt(traj: Trajectory, prompt_ids: list[int], max_context_len: int) -> bool:
+    """Append the rendered prompt as turn 0; False when it leaves no room to generate (it is then
+    cut at the limit, ``info["prompt_truncated"]`` says whether anything was cut)."""
+    if len(prompt_ids) >= max_context_len:  # not even one token of room to generate
+        traj.append(prompt_ids[:max_context_len], generated=False, turn=0)
+        traj.prompt_len = traj.num_tokens
+        traj.info["prompt_truncated"] = len(prompt_ids) > max_context_len
+        return False
+    traj.append(prompt_ids, generated=False, turn=0)
+    traj.prompt_len = len(prompt_ids)
+    return True
+
+
+def _close_ids(tokenizer: Tokenizer) -> list[int]:
+    """The template's assistant close ids; the first must be the eos token, since the loop tells a
+    turn the model ended itself by its last id (and closes a cut one with that id, masked)."""
+    ids = assistant_close_ids(tokenizer)
     if not ids or ids[0] != tokenizer.eos_token_id:
         raise ValueError("chat template must close an assistant message with the eos token")
     return ids
+
+
+def _turn_request(traj: Trajectory, routing: list[np.ndarray], sampling: SamplingParams, turn: int, *,
+                  max_context_len: int, return_routing: bool, sticky_key: str) -> GenerateRequest:
+    """The request of turn ``turn``: the whole stream so far, asking for at most the room left."""
+    room = max_context_len - traj.num_tokens  # >= 1: segments are appended only if they leave room
+    return GenerateRequest(
+        input_ids=traj.token_ids.tolist(),  # whole stream: the engine keeps no prefix cache
+        sampling_params=dataclasses.replace(
+            sampling, max_new_tokens=min(sampling.max_new_tokens, room),
+            seed=turn_seed(sampling.seed, turn)),
+        return_logprob=True,
+        return_routed_experts=return_routing,
+        routed_experts_start_len=sum(len(chunk) for chunk in routing),
+        sticky_key=sticky_key,  # one server per episode: its prefix stays cached
+    )
 
 
 def _append_generated(traj: Trajectory, result: GenerateResult, turn: int) -> None:
@@ -181,21 +194,13 @@ def _append_generated(traj: Trajectory, result: GenerateResult, turn: int) -> No
     if len(logprobs) != len(ids):
         raise RuntimeError(f"engine returned {len(logprobs)} logprobs for {len(ids)} output tokens "
                            f"(request {result.rid})")
-    versions = list(result.output_weight_versions)
-    if len(versions) != len(ids):  # engines that only report the final version
-        versions = [result.weight_version] * len(ids)
-    start = 0
-    for end in range(1, len(ids) + 1):  # one append per run of equal versions
-        if end == len(ids) or versions[end] != versions[start]:
-            traj.append(ids[start:end], generated=True, turn=turn, version=int(versions[start]),
-                        logprobs=logprobs[start:end])
-            start = end
+    versions = token_versions(result.output_weight_versions, result.weight_version, len(ids))
+    append_generated(traj, ids, logprobs, versions, turn=turn)
 
 
-def _collect_routing(routing: list[np.ndarray], request: GenerateRequest, result: GenerateResult,
-                     held: int) -> None:
+def _collect_routing(routing: list[np.ndarray], request: GenerateRequest, result: GenerateResult) -> None:
     """Keep the new routing rows; check they continue exactly where the held rows stop."""
-    rows = result.routed_experts
+    rows, held = result.routed_experts, request.routed_experts_start_len
     if not request.return_routed_experts or rows is None:
         return
     expected = len(request.input_ids) + len(result.output_ids) - 1 - held
@@ -211,10 +216,7 @@ def _finish(traj: Trajectory, reason: str, reward: float, routing: list[np.ndarr
     traj.finish_reason = reason
     traj.reward = reward
     if routing:
-        rows = np.concatenate(routing)
-        # Tokens that never went through the model (the last one) get zero rows.
-        pad = np.zeros((traj.num_tokens - rows.shape[0], *rows.shape[1:]), dtype=rows.dtype)
-        traj.routed_experts = np.concatenate([rows, pad])
+        traj.routed_experts = routing_rows(routing, traj.num_tokens)
     traj.check()
     return traj
 

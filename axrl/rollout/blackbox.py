@@ -41,8 +41,8 @@ from axrl.agents.env import Prompt
 from axrl.agents.forkserver import ForkServer, forkable
 from axrl.agents.proxy import ProxyServer, SessionPolicy, Turn
 from axrl.agents.proxy.session import Session
+from axrl.core.trajectory import Trajectory
 from axrl.inference.protocol import InferenceEngine, SamplingParams
-from axrl.rollout.trajectory import Trajectory
 
 STDERR_TAIL_CHARS = 2000
 # verifier(prompt, conversation) -> reward; conversation: the path's messages, normalised

@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from axrl.rollout.trajectory import Trajectory
+from axrl.core.trajectory import Trajectory
 
 
 @dataclass

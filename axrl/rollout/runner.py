@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import Callable, Literal, Protocol
 
 from axrl.agents.env import Env, Prompt
+from axrl.core.trajectory import Trajectory
 from axrl.inference.protocol import InferenceEngine, SamplingParams
 from axrl.rollout.agent_loop import run_episode
 from axrl.rollout.clock import EngineClock
 from axrl.rollout.episode_engine import EpisodeEngine
-from axrl.rollout.trajectory import Trajectory
 from axrl.tokenizer import Tokenizer
 
 

@@ -28,12 +28,12 @@ from typing import Any, Callable, Literal
 import torch
 
 from axrl.agents.env import Env
+from axrl.core.trajectory import Trajectory
 from axrl.data import PromptLoader
 from axrl.inference.protocol import InferenceEngine
 from axrl.rollout.pool import Batch, Group, GroupFate, TrajectoryPool
 from axrl.rollout.runner import Clock, EpisodeRunner, EpisodeSpec, Player, RolloutSettings, sample_seed
 from axrl.rollout.schedule import Schedule
-from axrl.rollout.trajectory import Trajectory
 from axrl.sync import WeightSync
 from axrl.tokenizer import Tokenizer
 

@@ -275,9 +275,7 @@ def make_rollout_side(s: RolloutSideSettings, tokenizer: Tokenizer, task: Task, 
     if proxy is not None:  # agents with their own engine push into the same pool
         proxy.registry.service = AgentService(
             tokenizer, pool.add, current_version=lambda: sync.version, max_context_len=s.embedded.max_context_len,
-            routing_shape=((sum(map(model_config.is_moe_layer, range(model_config.num_hidden_layers))),
-                            model_config.num_experts_per_tok, model_config.num_experts)
-                           if model_config.is_moe else None))
+            routing_shape=model_config.routing_shape())
     evaluator = None
     if s.eval.every:
         eval_settings = RolloutSettings(group_size=s.eval.samples_per_prompt, sampling=rollout.settings.sampling,

@@ -13,9 +13,9 @@ from typing import Mapping
 import torch
 
 from axrl.agents.tasks import Task
+from axrl.core.trajectory import Trajectory
 from axrl.inference.protocol import InferenceEngine
 from axrl.rollout.runner import Clock, EpisodeRunner, EpisodeSpec, Player, RolloutSettings, run_all, sample_seed
-from axrl.rollout.trajectory import Trajectory
 from axrl.tokenizer import Tokenizer
 
 

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from axrl.algo.processor import ProcessedBatch
+from axrl.core.trajectory import Trajectory
 from axrl.rollout.pool import Batch
-from axrl.rollout.trajectory import Trajectory
 from axrl.train.protocol import ForwardResult, StepStats, TrainMetrics
 from axrl.trace import StepRecord
 from axrl.trace.quantities import mean_abs_delta

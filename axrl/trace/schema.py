@@ -4,14 +4,14 @@ Everything here is public: other tools (``axrl_debug``, ``replay``, users' noteb
 by these names. Policy (see docs/trace-format.md): *add* datasets/attrs freely; never rename,
 retype or change the meaning of an existing one without bumping ``SCHEMA_VERSION``.
 
-This module only depends on numpy so that readers stay light.
+This module only depends on numpy (and ``axrl.core``, numpy only) so that readers stay light.
 
 Symbolic dimensions used in shapes:
 
 ====  =====================================================================
 N     samples in the step (rows of ``/samples``)
 T     tokens of all samples concatenated (rows of ``/tokens``)
-L, k  MoE layers, experts per token (``/routing``)
+L, k  decoder layers (rows of dense layers are zeros), experts per token (``/routing``)
 U     optimizer updates taken in the step
 S     entries of ``/train/update_samples`` (sum of samples over updates)
 M     micro-batches over all updates
@@ -27,6 +27,8 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
+
+from axrl.core.outcomes import FINISH_REASONS, STATUSES
 
 SCHEMA_VERSION = 1
 
@@ -139,9 +141,9 @@ DATASETS: tuple[DatasetSpec, ...] = (
     DatasetSpec("/samples/reward", "reward", "float64", ("N",), True,
                 "scalar reward of the trajectory (NaN if it could not be scored)"),
     DatasetSpec("/samples/finish_reason", "finish_reason", STR, ("N",), True,
-                "'stop' | 'length' | 'abort' | 'truncated' | 'failed' | ... (engine/agent)"),
+                " | ".join(map(repr, FINISH_REASONS))),
     DatasetSpec("/samples/status", "status", STR, ("N",), True,
-                "'ok' | 'failed'"),
+                " | ".join(map(repr, STATUSES))),
     DatasetSpec("/samples/error", "error", STR, ("N",), True,
                 "error message when status != 'ok', else ''"),
     DatasetSpec("/samples/session_id", "session_id", STR, ("N",), False,
@@ -241,8 +243,9 @@ LOSS_RULE_CODES: dict[int, tuple[str, str]] = {
 # Which datasets get chunked + compressed (the large per-token ones).
 TOKEN_GROUPS = (G_TOKENS, G_ROUTING)
 
-KNOWN_FINISH_REASONS = ("stop", "length", "abort", "truncated", "failed")
-KNOWN_STATUSES = ("ok", "failed")
+# The values /samples/finish_reason and /samples/status hold (one definition: axrl.core.outcomes).
+KNOWN_FINISH_REASONS = FINISH_REASONS
+KNOWN_STATUSES = STATUSES
 
 
 def routing_dtype(num_experts: int) -> np.dtype:

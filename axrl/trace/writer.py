@@ -274,19 +274,48 @@ class _Prepared:
 
 
 def prepare(record: StepRecord) -> _Prepared:
-    """Validate ``record`` and convert every field to its schema dtype. Raises TraceValidationError."""
+    """Validate ``record`` and convert every field to its schema dtype. Raises TraceValidationError.
+
+    Phase by phase, in file order (the first bad field found is the one reported): samples [N],
+    tokens [T], routing, optimizer updates [U], micro-batches [M], pool, extra columns, root attrs.
+    """
     r = record
-    ds: dict[str, Any] = {}
     if not isinstance(r.step, (int, np.integer)) or int(r.step) < 0:
         raise _fail("step", f"must be an int >= 0, got {r.step!r}")
     if not isinstance(r.policy_version, (int, np.integer)):
         raise _fail("policy_version", f"must be an int, got {r.policy_version!r}")
+    ds = _samples(r)
+    off = ds["/samples/offsets"]
+    n, t = off.size - 1, int(off[-1])
+    ds.update(_tokens(r, t))
+    routing, group_attrs = _routing(r, t)
+    ds.update(routing)
+    ds.update(_updates(r, n))
+    u = ds["/train/updates/sample_offsets"].size - 1
+    micro_batches, m = _micro_batches(r, n, u)
+    ds.update(micro_batches)
+    ds["/train/weights_fingerprint_before"] = _as_str("weights_fingerprint_before", r.weights_fingerprint_before)
+    ds["/train/weights_fingerprint_after"] = _as_str("weights_fingerprint_after", r.weights_fingerprint_after)
+    ds.update(_pool(r))
+    ds.update(_extras(r, n, t))
+    return _Prepared(ds, _root_attrs(r, n, t, u, m), group_attrs)
 
-    # ---- samples
+
+def _as_spec_dtype(spec: S.DatasetSpec, value: Any) -> np.ndarray:
+    """``value`` as the dtype of the schema dataset ``spec`` (strings, integers range-checked, floats)."""
+    if spec.dtype == S.STR:
+        return _as_str_array(spec.field, value)
+    if spec.np_dtype.kind in "iu":
+        return _as_int(spec.field, value, spec.np_dtype)
+    return _as_float(spec.field, value, spec.np_dtype)
+
+
+def _samples(r: StepRecord) -> dict[str, Any]:
+    """The /samples datasets: the CSR offsets, then one row per sample."""
     off = _as_int("sample_offsets", r.sample_offsets, np.int64)
     _check_offsets("sample_offsets", off, None, "T")
-    n, t = off.size - 1, int(off[-1])
-    ds["/samples/offsets"] = off
+    n = off.size - 1
+    ds: dict[str, Any] = {"/samples/offsets": off}
     lengths = np.diff(off)
     for spec in S.DATASETS:
         if not spec.path.startswith("/samples/") or spec.path == "/samples/offsets":
@@ -296,90 +325,94 @@ def prepare(record: StepRecord) -> _Prepared:
             value = [""] * n
         if value is None and not spec.required:
             continue
-        if spec.dtype == S.STR:
-            a = _as_str_array(spec.field, value)
-        elif spec.np_dtype.kind in "iu":
-            a = _as_int(spec.field, value, spec.np_dtype)
-        else:
-            a = _as_float(spec.field, value, spec.np_dtype)
+        a = _as_spec_dtype(spec, value)
         _check_shape(spec.field, a, (n,), "N = len(sample_offsets) - 1")
         ds[spec.path] = a
     pl = ds["/samples/prompt_len"]
     if n and (bool((pl < 0).any()) or bool((pl > lengths).any())):
         i = int(np.nonzero((pl < 0) | (pl > lengths))[0][0])
         raise _fail("prompt_len", f"sample {i}: prompt_len {pl[i]} not in [0, {lengths[i]}] (its length)")
+    return ds
 
-    # ---- tokens
+
+def _tokens(r: StepRecord, t: int) -> dict[str, Any]:
+    """The /tokens datasets, one entry per token of all samples (T = ``t``)."""
+    ds: dict[str, Any] = {}
     for spec in S.DATASETS:
         if not spec.path.startswith("/tokens/"):
             continue
         value = getattr(r, spec.field)
         if value is None and not spec.required:
             continue
-        if spec.np_dtype.kind in "iu":
-            a = _as_int(spec.field, value, spec.np_dtype)
-        else:
-            a = _as_float(spec.field, value, spec.np_dtype)
+        a = _as_spec_dtype(spec, value)
         _check_shape(spec.field, a, (t,), "T = sample_offsets[-1]")
         ds[spec.path] = a
     lm = ds["/tokens/loss_mask"]
     if t and int(lm.max()) > 1:
         raise _fail("loss_mask", "values must be 0 or 1")
+    return ds
 
-    # ---- routing
+
+def _routing(r: StepRecord, t: int) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """The /routing datasets ([T, L, k] expert ids stored in the smallest dtype that holds
+    ``num_experts``) and the group's attrs; none without routing or ``num_experts``."""
+    ds: dict[str, Any] = {}
     group_attrs: dict[str, dict[str, Any]] = {}
     have_routing = r.routing_rollout is not None or r.routing_train is not None
     if r.routing_rollout_valid is not None and r.routing_rollout is None:
         raise _fail("routing_rollout_valid", "given without routing_rollout")
-    if have_routing:
-        if r.num_experts is None:
-            raise _fail("num_experts", "is required when routing is recorded")
-        ne = int(r.num_experts)
-        try:
-            rdt = S.routing_dtype(ne)
-        except ValueError as e:
-            raise _fail("num_experts", str(e)) from None
-        group_attrs[S.G_ROUTING] = {S.ROUTING_ATTR_NUM_EXPERTS: np.int64(ne)}
-        valid = None
-        if r.routing_rollout_valid is not None:
-            valid = _as_int("routing_rollout_valid", r.routing_rollout_valid, np.uint8)
-            _check_shape("routing_rollout_valid", valid, (t,), "T")
-            if t and int(valid.max()) > 1:
-                raise _fail("routing_rollout_valid", "values must be 0 or 1")
-            ds["/routing/rollout_valid"] = valid
-        lk = None
-        for fname, path in (("routing_rollout", "/routing/rollout"), ("routing_train", "/routing/train")):
-            value = getattr(r, fname)
-            if value is None:
-                continue
-            a = np.asarray(value)
-            if a.ndim != 3 or a.shape[0] != t or a.shape[1] < 1 or a.shape[2] < 1:
-                raise _fail(fname, f"shape {a.shape}, expected (T={t}, L, k) with L, k >= 1")
-            if lk is not None and a.shape[1:] != lk:
-                raise _fail(fname, f"shape {a.shape} disagrees with routing_rollout's (L, k) = {lk}")
-            lk = a.shape[1:]
-            if a.size and a.dtype.kind not in "iu":
-                raise _fail(fname, f"dtype {a.dtype} is not an integer type")
-            if fname == "routing_rollout" and valid is not None and t and not valid.all():
-                a = a.copy()
-                a[valid == 0] = 0
-            if a.size:
-                lo, hi = int(a.min()), int(a.max())
-                if lo < 0 or hi >= ne:
-                    raise _fail(fname, f"expert ids [{lo}, {hi}] outside [0, num_experts={ne})")
-            ds[path] = np.ascontiguousarray(a, dtype=rdt)
-    elif r.num_experts is not None:
-        group_attrs[S.G_ROUTING] = {S.ROUTING_ATTR_NUM_EXPERTS: np.int64(int(r.num_experts))}
+    if not have_routing:
+        if r.num_experts is not None:
+            group_attrs[S.G_ROUTING] = {S.ROUTING_ATTR_NUM_EXPERTS: np.int64(int(r.num_experts))}
+        return ds, group_attrs
+    if r.num_experts is None:
+        raise _fail("num_experts", "is required when routing is recorded")
+    ne = int(r.num_experts)
+    try:
+        rdt = S.routing_dtype(ne)
+    except ValueError as e:
+        raise _fail("num_experts", str(e)) from None
+    group_attrs[S.G_ROUTING] = {S.ROUTING_ATTR_NUM_EXPERTS: np.int64(ne)}
+    valid = None
+    if r.routing_rollout_valid is not None:
+        valid = _as_int("routing_rollout_valid", r.routing_rollout_valid, np.uint8)
+        _check_shape("routing_rollout_valid", valid, (t,), "T")
+        if t and int(valid.max()) > 1:
+            raise _fail("routing_rollout_valid", "values must be 0 or 1")
+        ds["/routing/rollout_valid"] = valid
+    lk = None
+    for fname, path in (("routing_rollout", "/routing/rollout"), ("routing_train", "/routing/train")):
+        value = getattr(r, fname)
+        if value is None:
+            continue
+        a = np.asarray(value)
+        if a.ndim != 3 or a.shape[0] != t or a.shape[1] < 1 or a.shape[2] < 1:
+            raise _fail(fname, f"shape {a.shape}, expected (T={t}, L, k) with L, k >= 1")
+        if lk is not None and a.shape[1:] != lk:
+            raise _fail(fname, f"shape {a.shape} disagrees with routing_rollout's (L, k) = {lk}")
+        lk = a.shape[1:]
+        if a.size and a.dtype.kind not in "iu":
+            raise _fail(fname, f"dtype {a.dtype} is not an integer type")
+        if fname == "routing_rollout" and valid is not None and t and not valid.all():
+            a = a.copy()
+            a[valid == 0] = 0  # rows never fed to the model are stored as zeros
+        if a.size:
+            lo, hi = int(a.min()), int(a.max())
+            if lo < 0 or hi >= ne:
+                raise _fail(fname, f"expert ids [{lo}, {hi}] outside [0, num_experts={ne})")
+        ds[path] = np.ascontiguousarray(a, dtype=rdt)
+    return ds, group_attrs
 
-    # ---- train composition
+
+def _updates(r: StepRecord, n: int) -> dict[str, Any]:
+    """The optimizer updates: which samples each trained on, per-update metrics, per-tensor
+    gradient norms and weight fingerprints."""
     uoff = _as_int("update_sample_offsets", r.update_sample_offsets, np.int64)
     us = _as_int("update_samples", r.update_samples, np.int64)
     _check_index("update_samples", us, n)
     _check_offsets("update_sample_offsets", uoff, us.size, "len(update_samples)")
     u = uoff.size - 1
-    ds["/train/update_samples"] = us
-    ds["/train/updates/sample_offsets"] = uoff
-
+    ds: dict[str, Any] = {"/train/update_samples": us, "/train/updates/sample_offsets": uoff}
     metrics = dict(r.update_metrics or {})
     if u > 0 or metrics:
         missing = [k for k in S.UPDATE_REQUIRED if k not in metrics]
@@ -405,7 +438,12 @@ def prepare(record: StepRecord) -> _Prepared:
         fp = _as_str_array("update_fingerprints", r.update_fingerprints)
         _check_shape("update_fingerprints", fp, (u,), "U")
         ds["/train/updates/weights_fingerprint_after"] = fp
+    return ds
 
+
+def _micro_batches(r: StepRecord, n: int, u: int) -> tuple[dict[str, Any], int]:
+    """The micro-batches (which samples each held, per-micro-batch metrics) and their number M."""
+    ds: dict[str, Any] = {}
     mb = dict(r.micro_batch_metrics or {})
     m = None
     if mb:
@@ -439,20 +477,18 @@ def prepare(record: StepRecord) -> _Prepared:
     upd = ds[f"{S.G_MICRO_BATCHES}/update"]
     if upd.size and (upd.min() < 0 or upd.max() >= u or bool((np.diff(upd) < 0).any())):
         raise _fail("micro_batch_metrics['update']", f"must be non-decreasing update indices in [0, U={u})")
+    return ds, m
 
-    ds["/train/weights_fingerprint_before"] = _as_str("weights_fingerprint_before", r.weights_fingerprint_before)
-    ds["/train/weights_fingerprint_after"] = _as_str("weights_fingerprint_after", r.weights_fingerprint_after)
 
-    # ---- pool (optional; datasets of one symbolic dimension share its length)
+def _pool(r: StepRecord) -> dict[str, Any]:
+    """The optional /pool datasets; those of one symbolic dimension must share its length."""
+    ds: dict[str, Any] = {}
     lengths_of: dict[str, tuple[int, str]] = {}
     for spec in S.DATASETS:
         value = getattr(r, spec.field) if spec.path.startswith(S.G_POOL + "/") else None
         if value is None:
             continue
-        if spec.dtype == S.STR:
-            a = _as_str_array(spec.field, value)
-        else:
-            a = _as_int(spec.field, value, spec.np_dtype)
+        a = _as_spec_dtype(spec, value)
         dim = spec.shape[0]
         if a.ndim != 1:
             raise _fail(spec.field, f"must be 1-D ({dim}), got shape {a.shape}")
@@ -460,8 +496,12 @@ def prepare(record: StepRecord) -> _Prepared:
             raise _fail(spec.field, f"has {a.size} entries, {lengths_of[dim][1]} has {lengths_of[dim][0]} ({dim})")
         lengths_of.setdefault(dim, (a.size, spec.field))
         ds[spec.path] = a
+    return ds
 
-    # ---- extras
+
+def _extras(r: StepRecord, n: int, t: int) -> dict[str, Any]:
+    """The recorder's extra per-sample and per-token columns (never a schema dataset's name)."""
+    ds: dict[str, Any] = {}
     for where, group, length, lname in (("extra_samples", S.G_SAMPLES, n, "N"),
                                         ("extra_tokens", S.G_TOKENS, t, "T")):
         for k, v in (getattr(r, where) or {}).items():
@@ -470,8 +510,11 @@ def prepare(record: StepRecord) -> _Prepared:
             if path in S.DATASETS_BY_PATH:
                 raise _fail(where, f"{k!r} collides with the schema dataset {path}")
             ds[path] = _as_extra(where, k, v, length, lname)
+    return ds
 
-    # ---- root attrs
+
+def _root_attrs(r: StepRecord, n: int, t: int, u: int, m: int) -> dict[str, Any]:
+    """The file's root attributes: the reserved ones, wall times per phase, the recorder's own."""
     from .. import __version__ as axrl_version
 
     root: dict[str, Any] = {
@@ -498,7 +541,7 @@ def prepare(record: StepRecord) -> _Prepared:
         if k in S.RESERVED_ROOT_ATTRS or k.startswith(S.WALL_TIME_PREFIX):
             raise _fail("attrs", f"attribute name {k!r} is reserved")
         root[k] = _as_attr(f"attrs[{k!r}]", v)
-    return _Prepared(ds, root, group_attrs)
+    return root
 
 
 # ============================================================================ writing

@@ -137,7 +137,7 @@ def use_r3(cfg: ModelConfig, batch: PackedBatch, r3: R3) -> R3Scope | None:
     re = batch.routed_experts
     if re is None:
         raise ValueError("r3=True but PackedBatch.routed_experts is None")
-    want = (cfg.num_hidden_layers, cfg.num_experts_per_tok)
+    want = cfg.routing_shape()[:2]
     if re.ndim != 3 or tuple(re.shape[1:]) != want:
         raise ValueError(f"PackedBatch.routed_experts has shape {tuple(re.shape)}, expected [T, {want[0]}, {want[1]}]")
     if re.numel() and (int(re.min()) < 0 or int(re.max()) >= cfg.num_experts):

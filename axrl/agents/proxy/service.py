@@ -24,8 +24,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from axrl.core.outcomes import FINISH_REASONS
+from axrl.core.trajectory import Trajectory
 from axrl.inference.openai.errors import ApiError, bad
-from axrl.rollout.trajectory import FINISH_REASONS, Trajectory
 from axrl.tokenizer import Tokenizer
 
 EXTERNAL_ID_BASE = 1 << 40
@@ -52,7 +53,8 @@ class AgentService:
                  current_version: Callable[[], int], max_context_len: int,
                  routing_shape: tuple[int, int, int] | None = None) -> None:
         self.tokenizer, self.sink, self.current_version = tokenizer, sink, current_version
-        self.max_context_len, self.routing_shape = max_context_len, routing_shape  # (layers, top_k, experts)
+        # (layers, top_k, experts): ModelConfig.routing_shape(), the shape the engine's routing has
+        self.max_context_len, self.routing_shape = max_context_len, routing_shape
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self.api_key: str | None = None   # set: POST /v1/trajectories needs "Bearer <api_key>"

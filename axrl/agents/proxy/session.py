@@ -32,8 +32,9 @@ from typing import Any, Callable
 import numpy as np
 
 from axrl.agents.env import Message
+from axrl.core.token_stream import append_generated, assistant_close_ids, reply_glue, routing_rows, token_versions
+from axrl.core.trajectory import Trajectory
 from axrl.inference.protocol import GenerateResult
-from axrl.rollout.trajectory import Trajectory
 from axrl.tokenizer import Tokenizer
 
 # Fork paths of sample s get ids s + k · FORK_ID_STRIDE (k ≥ 1): unique while sample ids stay
@@ -139,8 +140,7 @@ class Session:
         self.last_activity = time.monotonic()
         self.ended = threading.Event()
         self._lock = threading.Lock()
-        close = _close_ids(tokenizer)
-        self._close_ids, self._glue_after_close = close, close[1:]
+        self._close_ids = assistant_close_ids(tokenizer)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def end(self, *, failed: bool = False, error: str = "") -> None:
@@ -178,7 +178,7 @@ class Session:
                 k = len(parent.messages) + 1
                 base = str(tok.apply_chat_template(messages[:k], tools=tools or None, tokenize=False))
                 if full.startswith(base):
-                    glue = self._glue_after_close if parent.closed else self._close_ids
+                    glue = reply_glue(self._close_ids, parent.closed)
                     prompt = parent.stream + glue + tok.encode(full[len(base):])
                     self._measure_drift(parent, messages, k, tools, base, glue)
                     return Prepared(prompt, parent.index, len(parent.stream) - 1, norm, tools_key)
@@ -234,7 +234,7 @@ class Session:
         """Keep one choice of a call (``output_ids``: the ids kept after a stop-string cut)."""
         ids = list(result.output_ids if output_ids is None else output_ids)
         n = len(ids)
-        versions = list(result.output_weight_versions) or [result.weight_version] * len(result.output_ids)
+        versions = token_versions(result.output_weight_versions, result.weight_version, len(result.output_ids))
         routing = result.routed_experts
         if routing is not None:  # rows of the prompt and of the kept outputs but the last
             routing = np.asarray(routing[: len(prep.prompt_ids) + n - 1 - prep.start_len], np.int32)
@@ -294,7 +294,7 @@ class Session:
                     traj.append(t.output_ids, generated=False, turn=depth)
                 else:
                     trained.add(t.index)
-                    _append_versions(traj, t, depth)
+                    append_generated(traj, t.output_ids, t.logprobs, t.versions, turn=depth)
                 held = len(t.stream)
                 if t.routing is not None:
                     rows.append(t.routing)
@@ -310,9 +310,7 @@ class Session:
             else:
                 traj.reward = (self.final_reward or 0.0) + sum(t.reward for t in path)
             if rows and len(rows) == len(path):
-                routing = np.concatenate(rows)
-                pad = np.zeros((traj.num_tokens - routing.shape[0], *routing.shape[1:]), routing.dtype)
-                traj.routed_experts = np.concatenate([routing, pad])
+                traj.routed_experts = routing_rows(rows, traj.num_tokens)
             traj.check()
             out.append(traj)
         return out
@@ -322,20 +320,3 @@ class Session:
         leaf = path[-1]
         return list(leaf.messages) + ([leaf.reply] if leaf.reply is not None else
                                       [{"role": "assistant", "content": leaf.text, "tool_calls": []}])
-
-
-def _append_versions(traj: Trajectory, t: Turn, depth: int) -> None:
-    """A turn's generated ids, one segment per run of equal weight versions."""
-    start = 0
-    for end in range(1, len(t.output_ids) + 1):
-        if end == len(t.output_ids) or t.versions[end] != t.versions[start]:
-            traj.append(t.output_ids[start:end], generated=True, turn=depth, version=int(t.versions[start]),
-                        logprobs=t.logprobs[start:end])
-            start = end
-
-
-def _close_ids(tokenizer: Tokenizer) -> list[int]:
-    """Ids the template puts after an assistant message's text: its turn-end token, then glue."""
-    marker = "\x00"
-    text = str(tokenizer.apply_chat_template([{"role": "assistant", "content": marker}], tokenize=False))
-    return tokenizer.encode(text[text.rindex(marker) + 1:])

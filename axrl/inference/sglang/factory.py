@@ -59,7 +59,7 @@ def build_sglang_engine(s: SGLangSettings, served: ServedModel, backend: TrainBa
     temporary = [] if s.export_dir else [export]
     # Servers load an HF directory, so the run's initial model is exported first.
     initial = backend.export_hf(export / "initial")
-    routing = (model_cfg.num_hidden_layers, model_cfg.num_experts_per_tok) if model_cfg.is_moe else None
+    routing = model_cfg.routing_shape()[:2] if model_cfg.is_moe else None
     common = dict(max_concurrency=s.max_concurrency, timeout_s=s.timeout_s, retries=s.retries, backoff_s=s.backoff_s,
                   weight_sync=s.weight_sync, sync_backend=s.sync_backend, export_dir=export / "sync",
                   model_dir=initial, routing_shape=routing, vocab_size=model_cfg.vocab_size)

@@ -1,4 +1,4 @@
-"""What a rollout produces: one token-level trajectory per sample, ready to pack and to trace."""
+"""One sample as a token stream: what rollouts and agents produce, the trainer packs and the trace records."""
 
 from __future__ import annotations
 
@@ -6,9 +6,6 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
-
-FINISH_REASONS = ("stop", "length", "context", "max_turns", "abort", "failed")
-
 
 _COLUMNS = {"token_ids": np.int32, "loss_mask": np.uint8, "turn": np.int32, "policy_version": np.int32,
             "rollout_logprob": np.float32}
@@ -42,8 +39,8 @@ class Trajectory:
     prompt_len: int = 0
     num_turns: int = 0
     reward: float = 0.0
-    finish_reason: str = "stop"
-    status: str = "ok"  # "ok" | "failed" (env/tool raised; kept in the trace, never trained on)
+    finish_reason: str = "stop"  # one of axrl.core.outcomes.FINISH_REASONS
+    status: str = "ok"  # one of STATUSES: "failed" (env/tool raised) is kept in the trace, never trained on
     error: str = ""
     continuations: int = 0  # requests interrupted by a weight update and resumed under the new weights
     # Black-box sessions (axrl.agents.proxy): the session, the sample this path forks from (−1:
