@@ -473,7 +473,8 @@ def _explain_token(state: PolicyState, ch: _Chosen, run: _TrainerRun, key: Key, 
         engine_logprob=engine_lp, trainer_logprob=engine_lp + g0, gap=g0,
         engine_reproduces_rollout=bool(np.float32(engine_lp).view(np.uint32)
                                        == np.float32(st.rollout[a + t]).view(np.uint32)),
-        trainer_reproduces_old=bool(np.float32(trainer_old).view(np.uint32) == np.float32(st.old[a + t]).view(np.uint32)),
+        trainer_reproduces_old=bool(np.float32(trainer_old).view(np.uint32)
+                                    == np.float32(st.old[a + t]).view(np.uint32)),
         rows=rows_out, r3_gap=run.r3_gap[key], named=_named(rows_out, g0), token_logit=[e_logit, t_logit],
         logit_ulp=ulp, removed_at=_removed_at(rows_out, g0), flip=_flip(rows_out, g0, run.r3_gap[key]),
         hidden_norms=norms)

@@ -12,7 +12,7 @@ from axrl.train.torch_backend import TorchBackend, TorchBackendConfig
 
 __all__ = [
     "BackendConfig", "ForwardResult", "LossContext", "LossFn", "PackedBatch", "PaddedMicroBatch", "RngState",
-    "StepStats", "TorchBackend", "TorchBackendConfig", "TrainBackend", "TrainMetrics", "capture_rng_state", "clip_grads_",
-    "grad_norm", "lr_at", "micro_batches", "next_token_logprobs", "pad_micro_batch", "restore_rng_state",
+    "StepStats", "TorchBackend", "TorchBackendConfig", "TrainBackend", "TrainMetrics", "capture_rng_state",
+    "clip_grads_", "grad_norm", "lr_at", "micro_batches", "next_token_logprobs", "pad_micro_batch", "restore_rng_state",
     "set_determinism", "split_micro_batches", "unpad", "weights_fingerprint",
 ]

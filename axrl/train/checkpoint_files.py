@@ -104,7 +104,8 @@ def warn_config_diff(config: BackendConfig, saved: dict[str, Any], source: str) 
     # A common field the checkpoint predates (e.g. prefix_merge) had its default then; fields
     # of one backend only (Megatron's layout) still show up when moving between backends.
     saved = {**BackendConfig().to_dict(), **saved}
-    diff = {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)}
+    diff = {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current))
+            if saved.get(k) != current.get(k)}
     if diff:
         warnings.warn(f"{source}: checkpoint config differs from the current one (saved, current): {diff}",
                       stacklevel=3)

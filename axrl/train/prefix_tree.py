@@ -114,7 +114,8 @@ class _Trie:
     label: list[int] = field(default_factory=list)
     children: list[list[int]] = field(default_factory=lambda: [[]])   # children[0] is the root's
     by_key: list[dict[tuple[int, int], int]] = field(default_factory=lambda: [{}])
-    by_tok: list[dict[int, int]] = field(default_factory=lambda: [{}])  # first child with a token (a last token may join it)
+    # first child with a given token (a last token may join it)
+    by_tok: list[dict[int, int]] = field(default_factory=lambda: [{}])
 
     def new_node(self, parent: int, t: int, d: int, lab: int) -> int:
         self.tok.append(t), self.depth.append(d), self.label.append(lab)
