@@ -15,7 +15,7 @@ engine/trainer mismatch to a layer and component by activation patching.
 
 from replay.compare import Divergence
 from replay.dump import DUMP_FORMAT, DUMP_VERSION, DumpProbe, dump_path, read_dump
-from replay.engine import ReplayResult, StepReplay, replay_step
+from replay.train_step import ReplayResult, StepReplay, replay_step
 from replay.explain import ExplainResult, TokenExplanation, explain_step
 from replay.environment import REQUIREMENTS, current_environment, environment_warnings
 from replay.plan import ReplayInputError, ReplayPlan, RunInventory

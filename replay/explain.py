@@ -47,9 +47,10 @@ import torch
 
 from axrl.assembly.build import make_engine_model
 from axrl.assembly.settings import routing_replay
+from axrl.model import ModelConfig
 from axrl.trace import StepFile
 from axrl.train.micro_batch import split_micro_batches
-from axrl.train.protocol import PackedBatch, R3Scope
+from axrl.train.protocol import R3, ForwardResult, PackedBatch, R3Scope, TrainBackend
 from replay.engine_path import Context, EnginePath, contexts_of, run_engine_path
 from replay.plan import ReplayInputError
 from replay.policy import PolicyState, policy_before
@@ -319,7 +320,7 @@ def _explain(state: PolicyState, step: int, tokens: list[tuple[int, int]] | None
     sub = rec.batch if len(rows) == rec.batch.num_samples else rec.batch.select(rows)
     sub_row = {r: i for i, r in enumerate(rows)}
     t2 = time.perf_counter()
-    explained = _trainer_side(state, st, sub, rows, sub_row, chosen, contexts, of_token, ep, say)
+    explained = _trainer_side(state, _Chosen(st, sub, sub_row, chosen, contexts, of_token, ep), say)
     timings["trainer_seconds"] = time.perf_counter() - t2
     timings["total_seconds"] = time.perf_counter() - t0
     fid = ep.fidelity(st.rollout, st.off)
@@ -336,130 +337,178 @@ def _gap_at(logprobs: torch.Tensor, sub: PackedBatch, tokens: list[tuple[int, in
     return {key: float(logprobs[int(off[i]) + t]) - engine[key] for key, (i, t) in zip(engine, tokens)}
 
 
-def _trainer_side(state: PolicyState, st: _Step, sub: PackedBatch, rows: list[int], sub_row: dict[int, int],
-                  chosen: list[tuple[int, int]], contexts: list[Context], of_token: dict, ep: EnginePath,
-                  say: Progress) -> list[TokenExplanation]:
+Key = tuple[int, int]   # a chosen token: (sample row in the step, token index in the sample)
+
+
+@dataclass
+class _Chosen:
+    """The tokens being explained and where they sit on both paths."""
+
+    st: _Step                     # the step's recorded columns
+    sub: PackedBatch              # the trainer path's input: the micro-batches holding the chosen tokens
+    sub_row: dict[int, int]       # step row → row of `sub`
+    keys: list[Key]               # the chosen tokens, in order
+    contexts: list[Context]       # the engine path's requests
+    of_token: dict[Key, int]      # chosen token → its request (index into `contexts`)
+    ep: EnginePath                # the engine path's results
+    engine_lp: dict[Key, float] = field(init=False)   # the engine path's logprob of each chosen token
+
+    def __post_init__(self) -> None:
+        self.engine_lp = {(r, t): float(self.ep.logprob[self.of_token[(r, t)]][t]) for r, t in self.keys}
+
+    def in_sub(self, keys: list[Key]) -> list[Key]:
+        """`keys` as (row of `sub`, token index)."""
+        return [(self.sub_row[r], t) for r, t in keys]
+
+
+@dataclass
+class _TrainerRun:
+    """The trainer path's baseline (as trained) and the gaps left under each intervention."""
+
+    base: ForwardResult                           # the baseline forward (as trained)
+    states: dict[int, dict[tuple[str, int], torch.Tensor]]  # sub row → hook point → captured rows
+    gap0: dict[Key, float]                        # trainer − engine logprob, unpatched
+    remaining: dict[tuple[str, int], dict[Key, float]] = field(default_factory=dict)  # gap after each patch point
+    r3_gap: dict[Key, float] = field(default_factory=dict)            # with the engine's routing everywhere
+    router_gap: dict[int, dict[Key, float]] = field(default_factory=dict)  # with it in one MoE layer
+
+
+def _trainer_side(state: PolicyState, ch: _Chosen, say: Progress) -> list[TokenExplanation]:
+    """Run the trainer path's baseline, the activation patches and the routing replays, then explain
+    each chosen token from them."""
     backend, mcfg = state.backend, state.backend.model_config
-    L = mcfg.num_hidden_layers
-    moe = {i for i in range(L) if mcfg.is_moe_layer(i)}
-    points = patch_points(L)
-    engine_lp = {(r, t): float(ep.logprob[of_token[(r, t)]][t]) for r, t in chosen}
-    sub_tokens = [(sub_row[r], t) for r, t in chosen]
+    moe = {i for i in range(mcfg.num_hidden_layers) if mcfg.is_moe_layer(i)}
     # Baseline: the trainer as trained, capturing the chosen samples' hook points.
-    say(f"trainer path: {sub.num_samples} sample(s) in {len(rows)} row(s), baseline + patches")
-    base_probe = _TrainerProbe(capture={sub_row[r] for r, _ in chosen})
+    say(f"trainer path: {ch.sub.num_samples} sample(s) in {len(ch.sub_row)} row(s), baseline + patches")
+    base_probe = _TrainerProbe(capture={ch.sub_row[r] for r, _ in ch.keys})
     r3 = routing_replay(state.cfg)  # the trainer's forward as the loop ran it (R3 runs replay routing)
-    base = backend.probe_forward(sub, base_probe, r3=r3)
+    base = backend.probe_forward(ch.sub, base_probe, r3=r3)
     if base is None:
         raise ReplayInputError("the run's train backend cannot hook its model (explain needs train.backend: torch)")
-    gap0 = _gap_at(base.logprobs, sub, sub_tokens, engine_lp)
-    # Patches: one forward per (pass, point). A sample's chosen tokens of one turn share that turn's
-    # request (one set of engine states); pass j patches every sample with its j-th such request, so
-    # there are as many passes as the most turns any one sample has chosen tokens in.
-    remaining: dict[tuple[str, int], dict] = {}
-    router_gap: dict[int, dict] = {}
+    run = _TrainerRun(base, base_probe.states, _gap_at(base.logprobs, ch.sub, ch.in_sub(ch.keys), ch.engine_lp))
+    _patch_gaps(backend, ch, run, patch_points(mcfg.num_hidden_layers), r3)
+    _routing_gaps(backend, ch, run, moe)
+    return [_explain_token(state, ch, run, key, moe) for key in ch.keys]
+
+
+def _patch_gaps(backend: TrainBackend, ch: _Chosen, run: _TrainerRun, points: list[tuple[str, int]], r3: R3) -> None:
+    """`run.remaining`: the gap left with the engine's states patched in at each point, one forward per
+    (pass, point). A sample's chosen tokens of one turn share that turn's request (one set of engine
+    states); pass j patches every sample with its j-th such request, so there are as many passes as
+    the most turns any one sample has chosen tokens in."""
     per_sample: dict[int, list[int]] = {}
-    for r, t in chosen:
-        c = of_token[(r, t)]
+    for r, t in ch.keys:
+        c = ch.of_token[(r, t)]
         if c not in per_sample.setdefault(r, []):
             per_sample[r].append(c)
     for j in range(max(len(v) for v in per_sample.values())):
         in_pass = {v[j] for v in per_sample.values() if j < len(v)}
-        keys = [key for key in chosen if of_token[key] in in_pass]
-        toks = [(sub_row[r], t) for r, t in keys]
-        eng = {key: engine_lp[key] for key in keys}
+        keys = [key for key in ch.keys if ch.of_token[key] in in_pass]
+        eng = {key: ch.engine_lp[key] for key in keys}
         for point in points:
             values = {}
             for (r, t) in keys:
-                c = of_token[(r, t)]
-                buf = ep.states[c].get(point)
+                c = ch.of_token[(r, t)]
+                buf = ch.ep.states[c].get(point)
                 if buf is not None:
-                    values[sub_row[r]] = buf[:contexts[c].end - 1]  # positions the engine computed
-            if all(_same_states(v, base_probe.states[i].get(point)) for i, v in values.items()):
+                    values[ch.sub_row[r]] = buf[:ch.contexts[c].end - 1]  # positions the engine computed
+            if all(_same_states(v, run.states[i].get(point)) for i, v in values.items()):
                 # The engine's states equal the trainer's there: the patched forward is the baseline.
-                remaining.setdefault(point, {}).update({key: gap0[key] for key in keys})
+                run.remaining.setdefault(point, {}).update({key: run.gap0[key] for key in keys})
                 continue
-            res = backend.probe_forward(sub, _TrainerProbe(patch=point, patch_values=values), r3=r3)
-            remaining.setdefault(point, {}).update(_gap_at(res.logprobs, sub, toks, eng))
-    # R3 with the engine's routing (rows from the first request that computed each position): in
-    # every MoE layer, and in each one alone (does that layer's expert choice carry the gap?).
-    r3_gap = {key: float("nan") for key in chosen}
-    router_gap: dict[int, dict] = {layer: dict(r3_gap) for layer in moe}
-    if moe and sub.routed_experts is not None:
-        routed = sub.routed_experts.clone()
-        for c, rt in zip(contexts, ep.routing):
-            if rt is None or c.sample not in sub_row:
-                continue
-            a = int(sub.offsets[sub_row[c.sample]])
-            earlier = [o for o in contexts if o.sample == c.sample and o.turn < c.turn]
-            first = max([o.end - 1 for o in earlier], default=0)
-            routed[a + first:a + rt.shape[0]] = torch.from_numpy(rt[first:].astype(np.int64))
-        forced = dataclasses.replace(sub, routed_experts=routed)
-        # A layer where the engine chose exactly the baseline's experts (same order) at every position
-        # of the chosen samples replays nothing new: R3 there is the baseline, no forward needed.
-        spans = [(int(sub.offsets[sub_row[r]]), int(sub.offsets[sub_row[r] + 1])) for r in {r for r, _ in chosen}]
-        differs = {layer for layer in moe if any(not torch.equal(routed[a:b, layer], base.routed_experts[a:b, layer])
-                                                for a, b in spans)} if base.routed_experts is not None else set(moe)
-        r3_gap = (_gap_at(backend.forward(forced, r3=True).logprobs, sub, sub_tokens, engine_lp) if differs
-                  else dict(gap0))
-        for layer in sorted(moe):
-            if layer not in differs:
-                router_gap[layer] = dict(gap0)
-                continue
-            res = backend.forward(forced, r3=R3Scope(layers=(layer,)))
-            router_gap[layer] = _gap_at(res.logprobs, sub, sub_tokens, engine_lp)
-    tok = state.tokenizer
-    out = []
-    for key in chosen:
-        r, t = key
-        c = of_token[key]
-        ctx = contexts[c]
-        g0 = gap0[key]
-        a = int(st.off[r])
-        est = ep.states[c]
-        tst = base_probe.states[sub_row[r]]
-        p = t - 1
-        rows_out, prev = [], g0
-        prev_point = ("in", 0)
-        norms: dict[str, list[float]] = {}
-        emb_diff = _diff(est[("in", 0)][p], tst[("in", 0)][p])
-        rows_out.append(LayerRow("embedding", emb_diff[0], emb_diff[1], remaining[("in", 0)][key],
-                                 _share(g0, g0, remaining[("in", 0)][key])))
-        prev = remaining[("in", 0)][key]
-        norms["in 0"] = [_norm(est[("in", 0)][p]), _norm(tst[("in", 0)][p])]
-        for point in points[1:]:
-            name = component_name(point, moe)
-            e_now, t_now = _state(est, point, p), _state(tst, point, p)
-            if point[0] in ("mid", "out"):  # the component's own output: the residual update it made
-                e_out, t_out = e_now - _state(est, prev_point, p), t_now - _state(tst, prev_point, p)
-            else:
-                e_out, t_out = e_now, t_now
-            rel, mx = _diff(e_out, t_out)
-            g = remaining[point][key]
-            router = None
-            if point[0] == "out" and point[1] in moe:
-                router = _router(est, tst, point[1], p, ctx.end - 1, mcfg.num_experts_per_tok)
-                router["r3_layer_gap"] = router_gap[point[1]][key]
-            rows_out.append(LayerRow(name, rel, mx, g, _share(g0, prev, g), router))
-            norms[f"{point[0]} {point[1]}" if point[1] >= 0 else point[0]] = [_norm(e_now), _norm(t_now)]
-            prev, prev_point = g, point
-        named = _named(rows_out, g0)
-        tid = int(st.ids[a + t])
-        e_logit, t_logit = float(est[("logits", -1)][p, tid]), float(tst[("logits", -1)][p, tid])
-        ulp = float(torch.finfo(est[("logits", -1)].dtype).eps) * 2.0 ** np.floor(np.log2(max(abs(t_logit), 1e-30)))
-        removed_at = _removed_at(rows_out, g0)
-        flip = _flip(rows_out, g0, r3_gap[key])
-        out.append(TokenExplanation(
-            sample_id=int(st.sids[r]), sample_row=r, token=t, turn=ctx.turn, position=t - ctx.start, token_id=tid,
-            text=tok.decode([tid]), rollout_logprob=float(st.rollout[a + t]), old_logprob=float(st.old[a + t]),
-            engine_logprob=engine_lp[key], trainer_logprob=engine_lp[key] + g0, gap=g0,
-            engine_reproduces_rollout=bool(np.float32(engine_lp[key]).view(np.uint32)
-                                           == np.float32(st.rollout[a + t]).view(np.uint32)),
-            trainer_reproduces_old=bool(np.float32(base.logprobs[int(sub.offsets[sub_row[r]]) + t]).view(np.uint32)
-                                        == np.float32(st.old[a + t]).view(np.uint32)),
-            rows=rows_out, r3_gap=r3_gap[key], named=named, token_logit=[e_logit, t_logit], logit_ulp=ulp,
-            removed_at=removed_at, flip=flip, hidden_norms=norms))
-    return out
+            res = backend.probe_forward(ch.sub, _TrainerProbe(patch=point, patch_values=values), r3=r3)
+            run.remaining.setdefault(point, {}).update(_gap_at(res.logprobs, ch.sub, ch.in_sub(keys), eng))
+
+
+def _routing_gaps(backend: TrainBackend, ch: _Chosen, run: _TrainerRun, moe: set[int]) -> None:
+    """`run.r3_gap` / `run.router_gap`: the gap under R3 with the engine's routing (rows from the first
+    request that computed each position), in every MoE layer and in each one alone (does that
+    layer's expert choice carry the gap?); NaN without MoE layers or recorded routing."""
+    sub, base = ch.sub, run.base
+    run.r3_gap = {key: float("nan") for key in ch.keys}
+    run.router_gap = {layer: dict(run.r3_gap) for layer in moe}
+    if not moe or sub.routed_experts is None:
+        return
+    routed = sub.routed_experts.clone()
+    for c, rt in zip(ch.contexts, ch.ep.routing):
+        if rt is None or c.sample not in ch.sub_row:
+            continue
+        a = int(sub.offsets[ch.sub_row[c.sample]])
+        earlier = [o for o in ch.contexts if o.sample == c.sample and o.turn < c.turn]
+        first = max([o.end - 1 for o in earlier], default=0)
+        routed[a + first:a + rt.shape[0]] = torch.from_numpy(rt[first:].astype(np.int64))
+    forced = dataclasses.replace(sub, routed_experts=routed)
+    # A layer where the engine chose exactly the baseline's experts (same order) at every position
+    # of the chosen samples replays nothing new: R3 there is the baseline, no forward needed.
+    spans = [(int(sub.offsets[ch.sub_row[r]]), int(sub.offsets[ch.sub_row[r] + 1])) for r in {r for r, _ in ch.keys}]
+    differs = {layer for layer in moe if any(not torch.equal(routed[a:b, layer], base.routed_experts[a:b, layer])
+                                            for a, b in spans)} if base.routed_experts is not None else set(moe)
+    sub_tokens = ch.in_sub(ch.keys)
+    run.r3_gap = (_gap_at(backend.forward(forced, r3=True).logprobs, sub, sub_tokens, ch.engine_lp) if differs
+                  else dict(run.gap0))
+    for layer in sorted(moe):
+        if layer not in differs:
+            run.router_gap[layer] = dict(run.gap0)
+            continue
+        res = backend.forward(forced, r3=R3Scope(layers=(layer,)))
+        run.router_gap[layer] = _gap_at(res.logprobs, sub, sub_tokens, ch.engine_lp)
+
+
+def _explain_token(state: PolicyState, ch: _Chosen, run: _TrainerRun, key: Key, moe: set[int]) -> TokenExplanation:
+    """One chosen token's explanation from the trainer run: its per-component rows, the named cause,
+    the logits at the predicting position and whether each path reproduces its recording."""
+    r, t = key
+    st, ctx = ch.st, ch.contexts[ch.of_token[key]]
+    g0, a, p = run.gap0[key], int(st.off[r]), t - 1
+    est, tst = ch.ep.states[ch.of_token[key]], run.states[ch.sub_row[r]]
+    rows_out, norms = _layer_rows(state.backend.model_config, run, key, (est, tst), moe, ctx.end - 1)
+    tid = int(st.ids[a + t])
+    e_logit, t_logit = float(est[("logits", -1)][p, tid]), float(tst[("logits", -1)][p, tid])
+    ulp = float(torch.finfo(est[("logits", -1)].dtype).eps) * 2.0 ** np.floor(np.log2(max(abs(t_logit), 1e-30)))
+    engine_lp = ch.engine_lp[key]
+    trainer_old = run.base.logprobs[int(ch.sub.offsets[ch.sub_row[r]]) + t]
+    return TokenExplanation(
+        sample_id=int(st.sids[r]), sample_row=r, token=t, turn=ctx.turn, position=t - ctx.start, token_id=tid,
+        text=state.tokenizer.decode([tid]), rollout_logprob=float(st.rollout[a + t]), old_logprob=float(st.old[a + t]),
+        engine_logprob=engine_lp, trainer_logprob=engine_lp + g0, gap=g0,
+        engine_reproduces_rollout=bool(np.float32(engine_lp).view(np.uint32)
+                                       == np.float32(st.rollout[a + t]).view(np.uint32)),
+        trainer_reproduces_old=bool(np.float32(trainer_old).view(np.uint32)
+                                    == np.float32(st.old[a + t]).view(np.uint32)),
+        rows=rows_out, r3_gap=run.r3_gap[key], named=_named(rows_out, g0), token_logit=[e_logit, t_logit],
+        logit_ulp=ulp, removed_at=_removed_at(rows_out, g0), flip=_flip(rows_out, g0, run.r3_gap[key]),
+        hidden_norms=norms)
+
+
+def _layer_rows(mcfg: ModelConfig, run: _TrainerRun, key: Key, paths: tuple[dict, dict], moe: set[int],
+                end: int) -> tuple[list[LayerRow], dict[str, list[float]]]:
+    """Per component in depth order, the engine/trainer divergence at the predicting position and the
+    gap patching leaves right after it; and per hook point both paths' hidden-state norms there.
+    `paths`: the engine's and the trainer's captured states; `end`: positions of the token's request."""
+    est, tst = paths
+    g0, p = run.gap0[key], key[1] - 1
+    first = ("in", 0)
+    emb_diff = _diff(est[first][p], tst[first][p])
+    rows_out = [LayerRow("embedding", emb_diff[0], emb_diff[1], run.remaining[first][key],
+                         _share(g0, g0, run.remaining[first][key]))]
+    norms = {"in 0": [_norm(est[first][p]), _norm(tst[first][p])]}
+    prev, prev_point = run.remaining[first][key], first
+    for point in patch_points(mcfg.num_hidden_layers)[1:]:
+        e_now, t_now = _state(est, point, p), _state(tst, point, p)
+        if point[0] in ("mid", "out"):  # the component's own output: the residual update it made
+            e_out, t_out = e_now - _state(est, prev_point, p), t_now - _state(tst, prev_point, p)
+        else:
+            e_out, t_out = e_now, t_now
+        rel, mx = _diff(e_out, t_out)
+        g = run.remaining[point][key]
+        router = None
+        if point[0] == "out" and point[1] in moe:
+            router = _router(est, tst, point[1], p, end, mcfg.num_experts_per_tok)
+            router["r3_layer_gap"] = run.router_gap[point[1]][key]
+        rows_out.append(LayerRow(component_name(point, moe), rel, mx, g, _share(g0, prev, g), router))
+        norms[f"{point[0]} {point[1]}" if point[1] >= 0 else point[0]] = [_norm(e_now), _norm(t_now)]
+        prev, prev_point = g, point
+    return rows_out, norms
 
 
 def _same_states(engine: torch.Tensor, trainer: torch.Tensor | None) -> bool:

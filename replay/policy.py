@@ -1,6 +1,6 @@
 """The trainer at the start of a recorded step: what rollout replay and mismatch attribution start from.
 
-Built exactly as training replay builds it (replay/engine.py): the backend from `RUN/config.yaml`
+Built exactly as training replay builds it (replay/train_step.py): the backend from `RUN/config.yaml`
 by `make_train_backend`, the newest loadable checkpoint at or before the step, then the recorded
 updates of the steps in between re-run by the loop's own `run_updates`, each checked against its
 recording (a divergence while rebuilding is reported, not hidden).
@@ -20,7 +20,7 @@ from axrl.tokenizer import Tokenizer
 from axrl.trace import TraceError
 from axrl.train.protocol import TrainBackend
 from replay.compare import Divergence, compare_updates
-from replay.engine import load_start
+from replay.train_step import load_start
 from replay.plan import ReplayInputError, RunInventory
 from replay.recorded import RecordedStep, load_recorded_step
 

@@ -542,3 +542,28 @@ def test_loss_token_columns_come_back_in_batch_order():
     torch.testing.assert_close(m.tokens["is_weight"], direct["tokens/is_weight"])
     assert torch.equal(m.tokens["loss_rule"], direct["tokens/loss_rule"])
     assert (m.tokens["is_weight"][b.loss_mask > 0] < 1.1 + 1e-6).all()
+
+
+def test_packed_batch_to_moves_every_tensor_once():
+    b = make_batch()
+    b.old_logprobs = torch.zeros(b.num_tokens)
+    assert b.to("cpu") is b and b.to(torch.device("cpu")) is b  # already there: no copy, no re-validation
+    if torch.cuda.is_available():
+        moved = b.to("cuda")
+        assert all(t.device.type == "cuda" for t in (moved.input_ids, moved.offsets, moved.loss_mask,
+                                                     moved.advantages, moved.old_logprobs))
+        assert moved.ref_logprobs is None and moved.to("cuda") is moved and moved.to("cpu").input_ids.is_cpu
+        assert torch.equal(moved.to("cpu").advantages, b.advantages)
+
+
+def test_shared_backend_modules_and_config():
+    """The backends share settings, optimizer arithmetic, the R3 check and checkpoint files through
+    neutral modules: megatron/ never imports the torch backend."""
+    from axrl.train.settings import BackendConfig
+
+    for path in (REPO / "axrl" / "train" / "megatron").glob("*.py"):
+        assert "torch_backend" not in path.read_text(), path
+    assert issubclass(TorchBackendConfig, BackendConfig)
+    assert TorchBackendConfig.from_dict(TorchBackendConfig(lr=0.5).to_dict()) == TorchBackendConfig(lr=0.5)
+    with pytest.raises(ValueError, match=r"unknown TorchBackendConfig field\(s\) \['tensor_parallel'\]"):
+        TorchBackendConfig.from_dict({"tensor_parallel": 2})

@@ -98,6 +98,12 @@ class PaddedMicroBatch:
     cols: torch.Tensor                     # int64 [T]: position of packed token t within its row
     forced_experts: torch.Tensor | None    # int64 [b, S, L, k] (R3), padding rows = expert 0; −1 = route freely
 
+    def to(self, device: torch.device | str) -> "PaddedMicroBatch":
+        """The same micro-batch with every tensor on `device`."""
+        return PaddedMicroBatch(self.input_ids.to(device), self.attention_mask.to(device), self.rows.to(device),
+                                self.cols.to(device),
+                                None if self.forced_experts is None else self.forced_experts.to(device))
+
 
 def pad_micro_batch(mb: PackedBatch, *, pad_id: int = 0, with_routing: bool = False,
                     device: torch.device | str | None = None, scope: R3Scope | None = None) -> PaddedMicroBatch:
@@ -123,9 +129,8 @@ def pad_micro_batch(mb: PackedBatch, *, pad_id: int = 0, with_routing: bool = Fa
         forced[rows, cols] = re.long().cpu()
         if scope is not None and not scope.full:
             restrict_routing_(forced, scope, rows, cols, mb.loss_mask.cpu() > 0)
-    to = (lambda t: t.to(device)) if device is not None else (lambda t: t)
-    return PaddedMicroBatch(to(input_ids), to(attention_mask), to(rows), to(cols),
-                            None if forced is None else to(forced))
+    padded = PaddedMicroBatch(input_ids, attention_mask, rows, cols, forced)
+    return padded if device is None else padded.to(device)
 
 
 def restrict_routing_(forced: torch.Tensor, scope: R3Scope, rows: torch.Tensor, cols: torch.Tensor,

@@ -32,7 +32,7 @@ shared slot is its training path's (`routing_source`; with no training path, the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -84,49 +84,77 @@ def build_prefix_tree(mb: PackedBatch) -> PrefixTree:
     """The prefix tree of a micro-batch's samples (pure function of its token ids and loss mask)."""
     ids = mb.input_ids.tolist()
     offsets = mb.offsets.tolist()
-    loss = (mb.loss_mask > 0).tolist()
-    T = len(ids)
-    # Nodes in creation order; DFS renumbers them into slots at the end.
-    tok: list[int] = []
-    depth: list[int] = []
-    label: list[int] = []
-    children: list[list[int]] = [[]]        # children[0] is the virtual root's
-    by_key: list[dict[tuple[int, int], int]] = [{}]
-    by_tok: list[dict[int, int]] = [{}]     # first child with a given token (a last token may join it)
-    node_of = [0] * T                       # node of each packed token (+1: index 0 is the root)
+    trie = _Trie(node_of=[0] * len(ids))
+    trie.add_labelled_tokens(ids, offsets)
+    trie.add_last_tokens(ids, offsets)
+    order, slot_of, end = _dfs_order(trie.children)
+    token_slot = [slot_of[n] for n in trie.node_of]
+    pred_slot, owner, source = _training_paths(token_slot, offsets, (mb.loss_mask > 0).tolist(), len(order))
+    as_t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    return PrefixTree(
+        input_ids=as_t([trie.tok[n - 1] for n in order]),
+        position_ids=as_t([trie.depth[n - 1] for n in order]),
+        subtree_end=as_t([end[n] for n in order]),
+        labels=as_t([trie.label[n - 1] for n in order]),
+        label_owner=as_t(owner),
+        token_slot=as_t(token_slot),
+        pred_slot=as_t(pred_slot),
+        routing_source=as_t(source),
+    )
 
-    def new_node(parent: int, t: int, d: int, lab: int) -> int:
-        tok.append(t), depth.append(d), label.append(lab)
-        children.append([]), by_key.append({}), by_tok.append({})
-        n = len(tok)  # node ids start at 1
-        children[parent].append(n)
-        by_tok[parent].setdefault(t, n)
+
+@dataclass
+class _Trie:
+    """The slots as trie nodes in creation order (node ids start at 1; 0 is the virtual root);
+    `_dfs_order` renumbers them into slots."""
+
+    node_of: list[int]                    # node of each packed token
+    tok: list[int] = field(default_factory=list)
+    depth: list[int] = field(default_factory=list)
+    label: list[int] = field(default_factory=list)
+    children: list[list[int]] = field(default_factory=lambda: [[]])   # children[0] is the root's
+    by_key: list[dict[tuple[int, int], int]] = field(default_factory=lambda: [{}])
+    # first child with a given token (a last token may join it)
+    by_tok: list[dict[int, int]] = field(default_factory=lambda: [{}])
+
+    def new_node(self, parent: int, t: int, d: int, lab: int) -> int:
+        self.tok.append(t), self.depth.append(d), self.label.append(lab)
+        self.children.append([]), self.by_key.append({}), self.by_tok.append({})
+        n = len(self.tok)
+        self.children[parent].append(n)
+        self.by_tok[parent].setdefault(t, n)
         return n
 
-    # Pass 1: every token with a label, keyed by (token, next token).
-    for i in range(len(offsets) - 1):
-        a, b = offsets[i], offsets[i + 1]
-        node = 0
-        for p in range(a, b - 1):
-            key = (ids[p], ids[p + 1])
-            child = by_key[node].get(key)
-            if child is None:
-                child = new_node(node, ids[p], p - a, ids[p + 1])
-                by_key[node][key] = child
-            node_of[p] = child
-            node = child
-    # Pass 2: last tokens (no label) join any existing slot of the same token and prefix; only
-    # after pass 1, so whether one joins does not depend on sample order.
-    for i in range(len(offsets) - 1):
-        a, b = offsets[i], offsets[i + 1]
-        parent = node_of[b - 2] if b - a > 1 else 0
-        child = by_tok[parent].get(ids[b - 1])
-        if child is None:
-            child = new_node(parent, ids[b - 1], b - 1 - a, -1)
-        node_of[b - 1] = child
+    def add_labelled_tokens(self, ids: list[int], offsets: list[int]) -> None:
+        """Pass 1: every token with a label, keyed by (token, next token)."""
+        for i in range(len(offsets) - 1):
+            a, b = offsets[i], offsets[i + 1]
+            node = 0
+            for p in range(a, b - 1):
+                key = (ids[p], ids[p + 1])
+                child = self.by_key[node].get(key)
+                if child is None:
+                    child = self.new_node(node, ids[p], p - a, ids[p + 1])
+                    self.by_key[node][key] = child
+                self.node_of[p] = child
+                node = child
 
-    # DFS pre-order (iterative; children in creation order).
-    n_nodes = len(tok)
+    def add_last_tokens(self, ids: list[int], offsets: list[int]) -> None:
+        """Pass 2: last tokens (no label) join any existing slot of the same token and prefix; only
+        after pass 1, so whether one joins does not depend on sample order."""
+        for i in range(len(offsets) - 1):
+            a, b = offsets[i], offsets[i + 1]
+            parent = self.node_of[b - 2] if b - a > 1 else 0
+            child = self.by_tok[parent].get(ids[b - 1])
+            if child is None:
+                child = self.new_node(parent, ids[b - 1], b - 1 - a, -1)
+            self.node_of[b - 1] = child
+
+
+def _dfs_order(children: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
+    """DFS pre-order of the trie (iterative; children in creation order): the nodes in slot order,
+    each node's slot and the end of its subtree's slot range (indexed by node id)."""
+    n_nodes = len(children) - 1
     slot_of = [0] * (n_nodes + 1)
     end = [0] * (n_nodes + 1)
     order: list[int] = []
@@ -140,12 +168,18 @@ def build_prefix_tree(mb: PackedBatch) -> PrefixTree:
         order.append(node)
         stack.append((node, True))
         stack.extend((c, False) for c in reversed(children[node]))
+    return order, slot_of, end
 
-    token_slot = [slot_of[n] for n in node_of]
-    pred_slot = [-1] * T
-    owner = [-1] * n_nodes        # by slot
-    owner_row = [-1] * n_nodes    # the owner's packed token at the slot
-    first_row = [-1] * n_nodes    # the first sample's packed token at the slot
+
+def _training_paths(token_slot: list[int], offsets: list[int], loss: list[bool],
+                    n_slots: int) -> tuple[list[int], list[int], list[int]]:
+    """Per token the slot predicting it (−1 at a sample's first token); per slot the sample that
+    trains its label (−1: none) and the packed token whose routing it replays (the owner's, else
+    the first sample's at the slot)."""
+    pred_slot = [-1] * len(token_slot)
+    owner = [-1] * n_slots        # by slot
+    owner_row = [-1] * n_slots    # the owner's packed token at the slot
+    first_row = [-1] * n_slots    # the first sample's packed token at the slot
     for i in range(len(offsets) - 1):
         a, b = offsets[i], offsets[i + 1]
         for p in range(a, b):
@@ -158,15 +192,4 @@ def build_prefix_tree(mb: PackedBatch) -> PrefixTree:
                 if loss[p] and owner[prev] < 0:
                     owner[prev], owner_row[prev] = i, p - 1
     source = [o if o >= 0 else f for o, f in zip(owner_row, first_row)]
-
-    as_t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
-    return PrefixTree(
-        input_ids=as_t([tok[n - 1] for n in order]),
-        position_ids=as_t([depth[n - 1] for n in order]),
-        subtree_end=as_t([end[n] for n in order]),
-        labels=as_t([label[n - 1] for n in order]),
-        label_owner=as_t(owner),
-        token_slot=as_t(token_slot),
-        pred_slot=as_t(pred_slot),
-        routing_source=as_t(source),
-    )
+    return pred_slot, owner, source

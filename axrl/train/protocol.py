@@ -67,6 +67,16 @@ class PackedBatch:
         """int64 [T]: the sample each token belongs to."""
         return torch.repeat_interleave(torch.arange(self.num_samples), self.lengths)
 
+    def to(self, device: torch.device | str) -> "PackedBatch":
+        """This batch with every tensor on `device`; the batch itself when they all are there already
+        (no copy, no re-validation)."""
+        device = torch.device(device)
+        tensors = {f.name: getattr(self, f.name) for f in fields(self)
+                   if isinstance(getattr(self, f.name), torch.Tensor)}
+        if all(_is_on(t, device) for t in tensors.values()):
+            return self
+        return replace(self, **{name: t.to(device) for name, t in tensors.items()})
+
     def select(self, samples: list[int]) -> "PackedBatch":
         """The sub-batch of the given samples, in the given order."""
         starts, ends = self.offsets[:-1], self.offsets[1:]
@@ -76,6 +86,11 @@ class PackedBatch:
         per_token = {f.name: getattr(self, f.name)[idx] for f in fields(self)
                      if isinstance(getattr(self, f.name), torch.Tensor) and f.name != "offsets"}
         return replace(self, offsets=offsets, **per_token)
+
+
+def _is_on(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether `t` lives on `device` (a device without an index, e.g. "cuda", matches any of its kind)."""
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
 
 
 @dataclass

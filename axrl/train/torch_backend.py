@@ -9,144 +9,32 @@ weights, as Megatron's bf16 mode does). Logprobs and entropy are always computed
 from __future__ import annotations
 
 import contextlib
-import json
-import math
-import os
-import warnings
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from axrl.model import ModelConfig, Qwen3ForCausalLM, hf_state_dict, load_weights_into, save_hf
-from axrl.train.determinism import RngState, capture_rng_state, restore_rng_state, set_determinism
+from axrl.train.checkpoint_files import check_optimizer_state, read_checkpoint, warn_config_diff, write_checkpoint
+from axrl.train.determinism import capture_rng_state, restore_rng_state, set_determinism
 from axrl.train.fingerprint import weights_fingerprint
-from axrl.train.metrics import reduce_microbatch_metrics
+from axrl.train.inspection import inspect_model
+from axrl.train.metrics import join_token_columns, reduce_microbatch_metrics, split_token_columns
 from axrl.train.micro_batch import (label_logprobs, micro_batch_ranges, next_token_logprobs, pad_micro_batch,
                                     restrict_routing_, unpad)
+from axrl.train.optim import adamw, clip_grads_, grad_norm, lr_at, tensor_grad_norms
 from axrl.train.prefix_tree import build_prefix_tree
-from axrl.train.inspection import inspect_model
-from axrl.train.metrics import join_token_columns, split_token_columns
 from axrl.train.protocol import (R3, ForwardProbe, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, R3Scope,
-                                 StepStats, TrainMetrics, r3_scope)
-
-CHECKPOINT_FORMAT = "axrl-torch-backend"
-CHECKPOINT_VERSION = 1
-MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE = (
-    "model.safetensors", "optimizer.safetensors", "rng.safetensors", "trainer_state.json")
-_ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")
+                                 StepStats, TrainMetrics)
+from axrl.train.r3 import use_r3
+from axrl.train.settings import BackendConfig
 
 
 @dataclass
-class TorchBackendConfig:
-    """Optimizer, schedule, micro-batching and determinism settings of `TorchBackend`."""
-
-    lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.01          # applied to matrices only (not norms), as Megatron does
-    grad_clip: float = 1.0              # max total L2 norm; 0 = off
-    lr_schedule: str = "constant"       # constant | cosine | linear (after warmup)
-    warmup_steps: int = 0
-    total_steps: int = 0                # updates over which cosine/linear decay to min_lr_ratio
-    min_lr_ratio: float = 0.0
-    micro_batch_tokens: int = 0         # real tokens per micro-batch; 0 = no limit
-    micro_batch_size: int = 0           # samples per micro-batch; 0 = no limit
-    dtype: str = "float32"              # float32 | bfloat16 (autocast compute dtype)
-    seed: int = 0
-    num_threads: int = 0                # torch intra-op threads; 0 = keep the current count
-    deterministic: bool = True
-    prefix_merge: bool = False          # one forward over each micro-batch's prefix tree (train/prefix_tree.py)
-
-    def __post_init__(self) -> None:
-        self.betas = (float(self.betas[0]), float(self.betas[1]))  # JSON gives a list back
-        if self.lr_schedule not in ("constant", "cosine", "linear"):
-            raise ValueError(f"lr_schedule must be constant|cosine|linear, got {self.lr_schedule!r}")
-        if self.lr_schedule != "constant" and self.total_steps <= self.warmup_steps:
-            raise ValueError(f"lr_schedule={self.lr_schedule!r} needs total_steps > warmup_steps "
-                             f"(got total_steps={self.total_steps}, warmup_steps={self.warmup_steps})")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be float32|bfloat16, got {self.dtype!r}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        for name in ("lr", "eps", "weight_decay", "grad_clip", "warmup_steps", "total_steps",
-                     "micro_batch_tokens", "micro_batch_size", "num_threads"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return json.loads(json.dumps(asdict(self)))
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TorchBackendConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown TorchBackendConfig field(s) {unknown}")
-        return cls(**d)
-
-
-def lr_at(config: TorchBackendConfig, step: int) -> float:
-    """Learning rate of update `step` (0-based count of applied updates).
-
-    Linear warmup reaches `lr` at update warmup_steps-1 (the first update already gets
-    lr/warmup_steps, not 0); then cosine/linear decay from `lr` at update warmup_steps to
-    `lr * min_lr_ratio` at update total_steps and after.
-    """
-    c = config
-    if step < c.warmup_steps:
-        return c.lr * (step + 1) / c.warmup_steps
-    if c.lr_schedule == "constant":
-        return c.lr
-    progress = min(1.0, (step - c.warmup_steps) / (c.total_steps - c.warmup_steps))
-    decay = 0.5 * (1.0 + math.cos(math.pi * progress)) if c.lr_schedule == "cosine" else 1.0 - progress
-    return c.lr * (c.min_lr_ratio + (1.0 - c.min_lr_ratio) * decay)
-
-
-def tensor_grad_norms(grads: list[torch.Tensor]) -> torch.Tensor:
-    """fp32 [P]: the L2 norm of each gradient tensor, in order."""
-    if not grads:
-        return torch.zeros(0)
-    return torch.stack([g.detach().float().norm(2).cpu() for g in grads])
-
-
-def grad_norm(grads: list[torch.Tensor], per_tensor: torch.Tensor | None = None) -> torch.Tensor:
-    """Total L2 norm (fp32 scalar) as the norm of per-tensor norms in a fixed order, like
-    `torch.nn.utils.clip_grad_norm_` without foreach: deterministic, no cross-thread reduction order.
-    `per_tensor`: the `tensor_grad_norms` of `grads` when already computed."""
-    if not grads:
-        return torch.zeros(())
-    return (tensor_grad_norms(grads) if per_tensor is None else per_tensor).norm(2)
-
-
-def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
-    """Scale grads in place so their total norm is at most `max_norm` (torch's formula)."""
-    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.device, g.dtype))
-
-
-def use_r3(cfg: ModelConfig, batch: PackedBatch, r3: R3) -> R3Scope | None:
-    """The R3 scope a forward replays `batch.routed_experts` under (None: no replay): r3 on an MoE
-    model, with routing of the right shape and range and scope layers that exist (else ValueError)."""
-    scope = r3_scope(r3)
-    if scope is None or not cfg.is_moe:
-        return None  # a dense model has no routing to replay
-    re = batch.routed_experts
-    if re is None:
-        raise ValueError("r3=True but PackedBatch.routed_experts is None")
-    want = cfg.routing_shape()[:2]
-    if re.ndim != 3 or tuple(re.shape[1:]) != want:
-        raise ValueError(f"PackedBatch.routed_experts has shape {tuple(re.shape)}, expected [T, {want[0]}, {want[1]}]")
-    if re.numel() and (int(re.min()) < 0 or int(re.max()) >= cfg.num_experts):
-        raise ValueError(f"PackedBatch.routed_experts holds expert ids outside [0, {cfg.num_experts})")
-    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
-    bad = [i for i in (scope.layers or ()) + scope.exclude_layers if i not in moe]
-    if bad:
-        raise ValueError(f"R3 scope layers {bad} are not MoE layers of the model (MoE layers: {moe})")
-    return scope
+class TorchBackendConfig(BackendConfig):
+    """Optimizer, schedule, micro-batching and determinism settings of `TorchBackend` (the shared
+    `BackendConfig`; the embedded backend has no settings of its own)."""
 
 
 class TorchBackend:
@@ -168,11 +56,8 @@ class TorchBackend:
         # One fixed parameter order drives grad norm, optimizer groups and checkpoints.
         self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._hf_names = [n for n, _ in self._params]  # the model's parameter names are HF names
-        decay = [p for _, p in self._params if p.ndim >= 2]
-        no_decay = [p for _, p in self._params if p.ndim < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=lr_at(config, 0), betas=config.betas, eps=config.eps, foreach=False, fused=False)
+        self.optimizer = adamw([p for _, p in self._params], lr=lr_at(config, 0), betas=config.betas, eps=config.eps,
+                               weight_decay=config.weight_decay)
         self.scheduler_step = 0     # applied updates; skipped (non-finite) updates don't count
         self.skipped_steps = 0
         self._has_grads = False
@@ -235,13 +120,6 @@ class TorchBackend:
         logprobs, entropy = label_logprobs(out.logits[0], tree.labels.to(dev), mb.temperature)
         routing = None if out.routed_experts is None else tree.unpack(out.routed_experts[0])
         return tree.unpack_predictions(logprobs), tree.unpack_predictions(entropy), routing, tree.num_slots
-
-    def _on_device(self, mb: PackedBatch) -> PackedBatch:
-        if self.device.type == "cpu":
-            return mb
-        moved = {f.name: getattr(mb, f.name).to(self.device) for f in fields(mb)
-                 if isinstance(getattr(mb, f.name), torch.Tensor)}
-        return replace(mb, **moved)
 
     def forward(self, batch: PackedBatch, *, r3: R3 = False, weights: str | None = None) -> ForwardResult:
         """No-grad logprobs/entropy [T] (fp32) and the routing [T, L, k] this forward used; under
@@ -313,7 +191,7 @@ class TorchBackend:
         columns: list[dict[str, torch.Tensor]] = []
         for mb in self._micro_batches(batch):
             logprobs, entropy, _, computed = self._run(mb, r3)
-            loss, metrics = loss_fn(logprobs, entropy, self._on_device(mb), ctx)
+            loss, metrics = loss_fn(logprobs, entropy, mb.to(self.device), ctx)
             if loss.requires_grad:
                 loss.backward()
             self._has_grads = True
@@ -399,9 +277,9 @@ class TorchBackend:
 
     def _load_state(self, state: dict[str, Any], sources: dict[str, str]) -> None:
         src = lambda key: sources.get(key, f"state dict['{key}']")  # noqa: E731
-        self._check_optimizer_state(state["optimizer"], src("optimizer"))
+        check_optimizer_state(dict(self._params), state["optimizer"], src("optimizer"))
         if state.get("config") is not None:
-            self._warn_config_diff(state["config"], src("config"))
+            warn_config_diff(self.config, state["config"], src("config"))
         try:  # first: a malformed RNG state fails before weights or moments change
             restore_rng_state(state["rng"])
         except ValueError as e:
@@ -419,116 +297,17 @@ class TorchBackend:
         self.optimizer.zero_grad(set_to_none=True)
         self._has_grads = False
 
-    def _check_optimizer_state(self, optim: dict[str, dict[str, torch.Tensor]], source: str) -> None:
-        """Validate before touching anything: all params or none (before the first update)."""
-        params = dict(self._params)
-        unknown = sorted(set(optim) - set(params))
-        missing = sorted(set(params) - set(optim)) if optim else []
-        if unknown or missing:
-            raise ValueError(f"{source}: optimizer state does not match the model's parameters "
-                             f"(unknown {unknown[:5]}, missing {missing[:5]})")
-        for name, s in optim.items():
-            if set(s) != set(_ADAM_KEYS):
-                raise ValueError(f"{source}: '{name}' has optimizer entries {sorted(s)}, expected {list(_ADAM_KEYS)}")
-            for k in ("exp_avg", "exp_avg_sq"):
-                if tuple(s[k].shape) != tuple(params[name].shape):
-                    raise ValueError(f"{source}: '{name}.{k}' has shape {tuple(s[k].shape)}, "
-                                     f"the parameter has {tuple(params[name].shape)}")
-
-    def _warn_config_diff(self, saved: dict[str, Any], source: str) -> None:
-        # The current config wins (a resume may change e.g. lr on purpose), but a silent change
-        # breaks bitwise continuation, so say so.
-        current = self.config.to_dict()
-        # A common field the checkpoint predates (e.g. prefix_merge) had its default then; fields
-        # of one backend only (Megatron's layout) still show up when moving between backends.
-        saved = {**TorchBackendConfig().to_dict(), **saved}
-        diff = {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)}
-        if diff:
-            warnings.warn(f"{source}: checkpoint config differs from the current one (saved, current): {diff}",
-                          stacklevel=3)
-
     def save(self, directory: str | Path) -> None:
-        """Write model/optimizer/rng safetensors and trainer_state.json (written last: its
-        presence marks a complete checkpoint). Each file is written to *.tmp then renamed."""
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        state = self.state_dict()
-        rng: RngState = state["rng"]
-        optim = {f"{name}.{k}": v.contiguous() for name, s in state["optimizer"].items() for k, v in s.items()}
-        _atomic(d / MODEL_FILE, lambda p: save_file(state["model"], p, metadata={"format": "pt"}))
-        _atomic(d / OPTIMIZER_FILE, lambda p: save_file(optim, p, metadata={"format": "axrl-adamw"}))
-        _atomic(d / RNG_FILE, lambda p: save_file(rng.tensors, p))
-        meta = {
-            "format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
-            "scheduler_step": state["scheduler_step"], "skipped_steps": state["skipped_steps"],
-            "weights_fingerprint": weights_fingerprint(state["model"]),
-            "config": state["config"], "rng": rng.meta,
-            "num_threads": torch.get_num_threads(), "torch_version": torch.__version__,
-        }
-        _atomic(d / STATE_FILE, lambda p: Path(p).write_text(json.dumps(meta, indent=1) + "\n"))
+        """Write model/optimizer/rng safetensors and trainer_state.json (`checkpoint_files`)."""
+        write_checkpoint(directory, self.state_dict())
 
     def load(self, directory: str | Path) -> None:
         """Restore a `save`d checkpoint; every file is validated (the weights against the recorded
         fingerprint) before any state is changed. Never unpickles."""
-        d = Path(directory)
-        state_path = d / STATE_FILE
-        meta = _read_json(state_path)
-        if meta.get("format") != CHECKPOINT_FORMAT or meta.get("version") != CHECKPOINT_VERSION:
-            raise ValueError(f"{state_path}: not a {CHECKPOINT_FORMAT} v{CHECKPOINT_VERSION} checkpoint "
-                             f"(format={meta.get('format')!r}, version={meta.get('version')!r})")
-        try:
-            scheduler_step, skipped, fp, config, rng_meta = (
-                int(meta["scheduler_step"]), int(meta.get("skipped_steps", 0)), str(meta["weights_fingerprint"]),
-                dict(meta["config"]), dict(meta["rng"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{state_path}: missing or malformed field ({e!r})") from e
-        model = _read_safetensors(d / MODEL_FILE)
-        if weights_fingerprint(model) != fp:
-            raise ValueError(f"{d / MODEL_FILE}: weights do not match the fingerprint recorded in "
-                             f"{STATE_FILE} (corrupt file or files from different checkpoints)")
-        optim: dict[str, dict[str, torch.Tensor]] = {}
-        for key, t in _read_safetensors(d / OPTIMIZER_FILE).items():
-            name, _, entry = key.rpartition(".")
-            optim.setdefault(name, {})[entry] = t
-        rng = RngState(tensors=_read_safetensors(d / RNG_FILE), meta=rng_meta)
-        self._load_state(
-            {"model": model, "optimizer": optim, "scheduler_step": scheduler_step, "skipped_steps": skipped,
-             "rng": rng, "config": config},
-            sources={"model": str(d / MODEL_FILE), "optimizer": str(d / OPTIMIZER_FILE),
-                     "rng": f"{d / RNG_FILE} + {STATE_FILE}", "config": str(state_path)})
+        self._load_state(*read_checkpoint(directory))
 
 
 def _aggregate(rows: list[dict[str, float]]) -> dict[str, float]:
     """Whole-call metrics. Loss functions normalise by batch-wide counts (LossContext), so
     micro-batch values add up; "*_max"/"*_min" keys combine by max/min."""
     return {**reduce_microbatch_metrics(rows), "num_micro_batches": float(len(rows))}
-
-
-def _atomic(path: Path, write: Callable[[str], None]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(str(tmp))
-    os.replace(tmp, path)
-
-
-_CHECKPOINT_FILES = f"{MODEL_FILE}, {OPTIMIZER_FILE}, {RNG_FILE} and {STATE_FILE}"
-
-
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: a TorchBackend checkpoint needs {_CHECKPOINT_FILES}")
-    try:
-        return load_file(str(path))
-    except Exception as e:  # safetensors raises its own error types for truncated/garbled files
-        raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: a TorchBackend checkpoint needs {_CHECKPOINT_FILES}")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return data

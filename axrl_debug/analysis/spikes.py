@@ -259,80 +259,125 @@ def attribute(reader: TraceReader, step: int, *, top: int = 5) -> dict[str, Any]
     if cols is None:
         return {"step": step, "error": "step file unreadable (see problems)"}
     d = cols.data
-    pv = int(cols.attrs.get("policy_version", -1))
     algo = (reader.config or {}).get("algo") or {}
-    off = np.asarray(d["/samples/offsets"], dtype=np.int64)
     lm = np.asarray(d["/tokens/loss_mask"]) != 0
-    t, n = lm.size, off.size - 1
-    lengths = np.diff(off)
-    sample_of = np.repeat(np.arange(n), lengths)
-    delta = np.asarray(d["/tokens/old_logprob"], dtype=np.float64) - \
-        np.asarray(d["/tokens/rollout_logprob"], dtype=np.float64)
-    analysed = lm & np.isfinite(delta)
-    delta0 = np.where(analysed, delta, 0.0)
-    contrib = loss_proxy(d, algo)
-    source, ratio = "proxy", None
     dump = replay_dump_path(reader.path, step)
-    if dump is not None:
-        try:
-            # plain h5py: a dump need not be a full step file (numeric datasets only, nothing unpickled)
-            with h5py.File(dump, "r") as f:
-                if "/tokens/loss_contribution" in f:
-                    contrib = np.where(lm, np.nan_to_num(_per_token(f["/tokens/loss_contribution"][()], t)), 0.0)
-                    source = "replay"
-                if "/tokens/ratio" in f:
-                    ratio = _per_token(f["/tokens/ratio"][()], t)
-        except Exception as e:  # a damaged dump must not hide the proxy answer
-            reader.report_problem(dump, f"{dump}: replay dump unreadable, using the proxy ({e})")
-    tv = np.asarray(d["/tokens/policy_version"], dtype=np.int64)
-    turn = np.asarray(d["/tokens/turn"], dtype=np.int64)
-    adv = np.asarray(d["/tokens/advantage"], dtype=np.float64)
-    sid = np.asarray(d["/samples/sample_id"])
-    gid = np.asarray(d["/samples/group_id"])
-    reward = np.asarray(d["/samples/reward"], dtype=np.float64)
-    nturns = np.asarray(d["/samples/num_turns"])
-    abs_c = np.abs(contrib)
-    total_abs = float(abs_c.sum())
-    s_contrib = np.bincount(sample_of, weights=contrib, minlength=n)
-    s_abs = np.bincount(sample_of, weights=abs_c, minlength=n)
-    s_logw = np.bincount(sample_of, weights=delta0, minlength=n)
-    s_maxabs = np.zeros(n)
-    if t:
-        np.maximum.at(s_maxabs, sample_of, np.abs(delta0))
-    gen_v = np.where(lm, tv, -1)
-
-    def sample_row(i: int) -> dict[str, Any]:
-        a, b = int(off[i]), int(off[i + 1])
-        versions = sorted({int(v) for v in np.unique(gen_v[a:b]) if v >= 0})
-        return {"sample_id": int(sid[i]), "row": i, "group_id": int(gid[i]), "reward": float(reward[i]),
-                "num_turns": int(nturns[i]), "tokens": b - a, "loss_tokens": int(lm[a:b].sum()),
-                "loss_contribution": float(s_contrib[i]),
-                "loss_share": float(s_abs[i]) / total_abs if total_abs > 0 else math.nan,
-                "seq_log_weight": float(s_logw[i]), "max_abs_delta": float(s_maxabs[i]),
-                "policy_versions": versions,
-                "max_version_lag": (pv - min(versions)) if versions else None}
-
-    def token_row(j: int) -> dict[str, Any]:
-        i = int(sample_of[j])
-        row = {"token": j, "sample_id": int(sid[i]), "row": i, "position": j - int(off[i]),
-               "turn": int(turn[j]), "policy_version": int(tv[j]), "version_lag": pv - int(tv[j]),
-               "advantage": float(adv[j]), "delta": float(delta[j]) if analysed[j] else math.nan,
-               "loss_contribution": float(contrib[j]),
-               "loss_share": float(abs_c[j]) / total_abs if total_abs > 0 else math.nan}
-        if ratio is not None:
-            row["ratio"] = float(ratio[j])
-        return row
-
-    def top_idx(score: np.ndarray, k: int) -> list[int]:
-        order = np.lexsort((np.arange(score.size), -score))   # stable: score desc, then index
-        return [int(i) for i in order[:k] if score[i] > 0]
-
+    contrib, source, ratio = _loss_contribution(reader, dump, d, algo, lm)
+    at = _Attribution.of(d, int(cols.attrs.get("policy_version", -1)), lm, contrib, ratio)
     return {
-        "step": step, "policy_version": pv, "source": source,
+        "step": step, "policy_version": at.pv, "source": source,
         "replay_dump": str(dump) if dump is not None else None,
         "loss_proxy_total": float(contrib.sum()),
-        "samples_by_loss": [sample_row(i) for i in top_idx(s_abs, top)],
-        "tokens_by_loss": [token_row(j) for j in top_idx(abs_c, top)],
-        "samples_by_weight": [sample_row(i) for i in top_idx(np.abs(s_logw), top)],
-        "tokens_by_weight": [token_row(j) for j in top_idx(np.abs(delta0), top)],
+        "samples_by_loss": [at.sample_row(i) for i in _top_idx(at.s_abs, top)],
+        "tokens_by_loss": [at.token_row(j) for j in _top_idx(at.abs_c, top)],
+        "samples_by_weight": [at.sample_row(i) for i in _top_idx(np.abs(at.s_logw), top)],
+        "tokens_by_weight": [at.token_row(j) for j in _top_idx(np.abs(at.delta0), top)],
     }
+
+
+def _loss_contribution(reader: TraceReader, dump: Path | None, d: Mapping[str, Any], algo: Mapping[str, Any],
+                       lm: np.ndarray) -> tuple[np.ndarray, str, np.ndarray | None]:
+    """Each token's loss contribution, where it came from ("proxy" | "replay") and the replayed
+    ratio: the replay dump's where it has them, else the proxy (module docstring)."""
+    contrib, source, ratio = loss_proxy(d, algo), "proxy", None
+    if dump is None:
+        return contrib, source, ratio
+    t = lm.size
+    try:
+        # plain h5py: a dump need not be a full step file (numeric datasets only, nothing unpickled)
+        with h5py.File(dump, "r") as f:
+            if "/tokens/loss_contribution" in f:
+                contrib = np.where(lm, np.nan_to_num(_per_token(f["/tokens/loss_contribution"][()], t)), 0.0)
+                source = "replay"
+            if "/tokens/ratio" in f:
+                ratio = _per_token(f["/tokens/ratio"][()], t)
+    except Exception as e:  # a damaged dump must not hide the proxy answer
+        reader.report_problem(dump, f"{dump}: replay dump unreadable, using the proxy ({e})")
+    return contrib, source, ratio
+
+
+def _top_idx(score: np.ndarray, k: int) -> list[int]:
+    """The indices of the `k` largest positive scores, largest first (ties: lower index first)."""
+    order = np.lexsort((np.arange(score.size), -score))   # stable: score desc, then index
+    return [int(i) for i in order[:k] if score[i] > 0]
+
+
+@dataclass
+class _Attribution:
+    """One step's columns for `attribute`: per token (T) and per sample (N), with the loss
+    contribution's and the importance weights' per-sample sums."""
+
+    pv: int                      # the step's policy version
+    off: np.ndarray              # [N + 1] sample offsets
+    lm: np.ndarray               # bool [T] loss mask
+    sample_of: np.ndarray        # [T] sample row of each token
+    delta: np.ndarray            # float64 [T] old − rollout logprob
+    analysed: np.ndarray         # bool [T] loss tokens with a finite Δ
+    delta0: np.ndarray           # [T] Δ at analysed tokens, else 0
+    contrib: np.ndarray          # [T] loss contribution
+    abs_c: np.ndarray            # [T] |contrib|
+    total_abs: float             # Σ |contrib|
+    ratio: np.ndarray | None     # [T] replayed π/π_old, when a replay dump has it
+    tv: np.ndarray               # [T] policy version that generated each token
+    turn: np.ndarray             # [T]
+    adv: np.ndarray              # [T] advantage
+    sid: np.ndarray              # [N] sample ids
+    gid: np.ndarray              # [N] group ids
+    reward: np.ndarray           # [N]
+    nturns: np.ndarray           # [N]
+    s_contrib: np.ndarray        # [N] Σ contrib
+    s_abs: np.ndarray            # [N] Σ |contrib|
+    s_logw: np.ndarray           # [N] Σ Δ over the sample's analysed tokens (sequence log weight)
+    s_maxabs: np.ndarray         # [N] max |Δ| over them
+
+    @classmethod
+    def of(cls, d: Mapping[str, Any], pv: int, lm: np.ndarray, contrib: np.ndarray,
+           ratio: np.ndarray | None) -> "_Attribution":
+        off = np.asarray(d["/samples/offsets"], dtype=np.int64)
+        t, n = lm.size, off.size - 1
+        sample_of = np.repeat(np.arange(n), np.diff(off))
+        delta = np.asarray(d["/tokens/old_logprob"], dtype=np.float64) - \
+            np.asarray(d["/tokens/rollout_logprob"], dtype=np.float64)
+        analysed = lm & np.isfinite(delta)
+        delta0 = np.where(analysed, delta, 0.0)
+        abs_c = np.abs(contrib)
+        s_maxabs = np.zeros(n)
+        if t:
+            np.maximum.at(s_maxabs, sample_of, np.abs(delta0))
+        return cls(pv=pv, off=off, lm=lm, sample_of=sample_of, delta=delta, analysed=analysed, delta0=delta0,
+                   contrib=contrib, abs_c=abs_c, total_abs=float(abs_c.sum()), ratio=ratio,
+                   tv=np.asarray(d["/tokens/policy_version"], dtype=np.int64),
+                   turn=np.asarray(d["/tokens/turn"], dtype=np.int64),
+                   adv=np.asarray(d["/tokens/advantage"], dtype=np.float64),
+                   sid=np.asarray(d["/samples/sample_id"]), gid=np.asarray(d["/samples/group_id"]),
+                   reward=np.asarray(d["/samples/reward"], dtype=np.float64),
+                   nturns=np.asarray(d["/samples/num_turns"]),
+                   s_contrib=np.bincount(sample_of, weights=contrib, minlength=n),
+                   s_abs=np.bincount(sample_of, weights=abs_c, minlength=n),
+                   s_logw=np.bincount(sample_of, weights=delta0, minlength=n), s_maxabs=s_maxabs)
+
+    def _share(self, abs_contrib: float) -> float:
+        return abs_contrib / self.total_abs if self.total_abs > 0 else math.nan
+
+    def sample_row(self, i: int) -> dict[str, Any]:
+        """Sample row `i`'s attribution entry."""
+        a, b = int(self.off[i]), int(self.off[i + 1])
+        gen_v = np.where(self.lm[a:b], self.tv[a:b], -1)  # versions of the generated (loss) tokens
+        versions = sorted({int(v) for v in np.unique(gen_v) if v >= 0})
+        return {"sample_id": int(self.sid[i]), "row": i, "group_id": int(self.gid[i]), "reward": float(self.reward[i]),
+                "num_turns": int(self.nturns[i]), "tokens": b - a, "loss_tokens": int(self.lm[a:b].sum()),
+                "loss_contribution": float(self.s_contrib[i]), "loss_share": self._share(float(self.s_abs[i])),
+                "seq_log_weight": float(self.s_logw[i]), "max_abs_delta": float(self.s_maxabs[i]),
+                "policy_versions": versions,
+                "max_version_lag": (self.pv - min(versions)) if versions else None}
+
+    def token_row(self, j: int) -> dict[str, Any]:
+        """Token `j`'s attribution entry."""
+        i = int(self.sample_of[j])
+        row = {"token": j, "sample_id": int(self.sid[i]), "row": i, "position": j - int(self.off[i]),
+               "turn": int(self.turn[j]), "policy_version": int(self.tv[j]), "version_lag": self.pv - int(self.tv[j]),
+               "advantage": float(self.adv[j]), "delta": float(self.delta[j]) if self.analysed[j] else math.nan,
+               "loss_contribution": float(self.contrib[j]), "loss_share": self._share(float(self.abs_c[j]))}
+        if self.ratio is not None:
+            row["ratio"] = float(self.ratio[j])
+        return row

@@ -19,11 +19,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 from axrl.model import ModelConfig, Qwen3ForCausalLM, hf_state_dict, load_weights_into, save_hf
+from axrl.train.checkpoint_files import check_optimizer_state, read_checkpoint, warn_config_diff, write_checkpoint
 from axrl.train.determinism import capture_rng_state, restore_rng_state, set_determinism
 from axrl.train.fingerprint import weights_fingerprint
 from axrl.train.metrics import TOKEN_COLUMN_PREFIX, join_token_columns, reduce_microbatch_metrics
+from axrl.train.optim import lr_at
 from axrl.train.protocol import R3, ForwardResult, Inspection, LossFn, PackedBatch, R3Scope, StepStats, TrainMetrics
-from axrl.train.torch_backend import TorchBackend, TorchBackendConfig, lr_at, use_r3
+from axrl.train.r3 import use_r3
+from axrl.train.settings import BackendConfig
 
 if TYPE_CHECKING:
     from axrl.train.megatron.parallel import RankGroup
@@ -63,8 +66,8 @@ def check_layout(tensor_parallel: int, expert_parallel: int, data_parallel: int,
 
 
 @dataclass
-class MegatronBackendConfig(TorchBackendConfig):
-    """`TorchBackendConfig` (optimizer, schedule, micro-batching, determinism) + the parallel layout.
+class MegatronBackendConfig(BackendConfig):
+    """`BackendConfig` (optimizer, schedule, micro-batching, determinism) + the parallel layout.
 
     World size = tensor_parallel × data_parallel (Megatron's layout, one machine); expert_parallel
     divides it. data_parallel 0 (default) derives the smallest that fits: EP / gcd(TP, EP), i.e.
@@ -168,7 +171,7 @@ class MegatronBackend:
         """`method(work, *args)` on every rank, each sent only its DP rank's `RankWork`."""
         from axrl.train.megatron.shares import split_for_ranks
 
-        works = split_for_ranks(_cpu(batch), self._data_parallel, self._knobs())
+        works = split_for_ranks(batch.to("cpu"), self._data_parallel, self._knobs())
         return self._group.call_each(method, [works[d] for d in self._dp_of], *args)
 
     def _use_r3(self, batch: PackedBatch, r3: R3) -> R3Scope | None:
@@ -314,9 +317,9 @@ class MegatronBackend:
         src = lambda key: sources.get(key, f"state dict['{key}']")  # noqa: E731
         weights = self._hf_weights()
         optim = state["optimizer"]
-        self._check_optimizer_state(optim, src("optimizer"))
+        check_optimizer_state(weights, optim, src("optimizer"))
         if state.get("config") is not None:
-            self._warn_config_diff(state["config"], src("config"))
+            warn_config_diff(self.config, state["config"], src("config"))
         try:
             restore_rng_state(state["rng"])
         except ValueError as e:
@@ -344,17 +347,15 @@ class MegatronBackend:
         self._has_grads = False
         self._weights = None
 
-    # The checkpoint files (safetensors + JSON, never pickle) and config-difference warning are the
-    # embedded backend's: same state layout, same validation.
-    @property
-    def _params(self) -> list[tuple[str, torch.Tensor]]:
-        """(HF name, weight) pairs: what the embedded backend's state checks compare against."""
-        return list(self._hf_weights().items())
+    # The checkpoint files (safetensors + JSON, never pickle) are the embedded backend's
+    # (`checkpoint_files`): same state layout, same validation.
+    def save(self, directory: str | Path) -> None:
+        """Write model/optimizer/rng safetensors and trainer_state.json (`checkpoint_files`)."""
+        write_checkpoint(directory, self.state_dict())
 
-    _check_optimizer_state = TorchBackend._check_optimizer_state
-    _warn_config_diff = TorchBackend._warn_config_diff
-    save = TorchBackend.save
-    load = TorchBackend.load
+    def load(self, directory: str | Path) -> None:
+        """Restore a `save`d checkpoint; every file is validated before any state is changed."""
+        self._load_state(*read_checkpoint(directory))
 
 
 def _by_micro_batch(answers: list[Any]) -> list[list[Any]]:
@@ -369,15 +370,6 @@ def _split_columns(row: dict[str, Any]) -> tuple[dict[str, float], dict[str, tor
     n = len(TOKEN_COLUMN_PREFIX)
     return ({k: v for k, v in row.items() if not k.startswith(TOKEN_COLUMN_PREFIX)},
             {k[n:]: v for k, v in row.items() if k.startswith(TOKEN_COLUMN_PREFIX)})
-
-
-def _cpu(batch: PackedBatch) -> PackedBatch:
-    from dataclasses import fields, replace
-
-    if batch.input_ids.device.type == "cpu":
-        return batch
-    return replace(batch, **{f.name: getattr(batch, f.name).cpu() for f in fields(batch)
-                             if isinstance(getattr(batch, f.name), torch.Tensor)})
 
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")

@@ -30,8 +30,8 @@ from axrl.train.micro_batch import (PaddedMicroBatch, label_logprobs, next_token
                                     restrict_routing_, unpad)
 from axrl.train.prefix_tree import PrefixTree
 from axrl.train.metrics import TOKEN_COLUMN_PREFIX, split_token_columns
-from axrl.train.protocol import LossFn, PackedBatch, R3Scope
-from axrl.train.torch_backend import clip_grads_
+from axrl.train.optim import adamw, clip_grads_
+from axrl.train.protocol import LossFn, R3Scope
 
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -207,15 +207,15 @@ class MegatronRank:
             logits = self.model(ids.to(dev), position_ids.to(dev), mask.to(dev))
         logits = logits[:b, :S]
         logprobs, entropy = next_token_logprobs(logits, pm.input_ids.to(dev), work.temperature)
+        rows, cols = pm.rows.to(dev), pm.cols.to(dev)
         routing = None
         if self.routers:
             if routing_out:  # the gather is a TP collective per layer: skipped when training
                 full_r3 = r3 is not None and r3.full
                 routing = pm.forced_experts.to(dev) if full_r3 else self._gather_routing(b_run, S_pad)[:b, :S]
-                routing = unpad(routing, pm.rows.to(dev), pm.cols.to(dev))
+                routing = unpad(routing, rows, cols)
             self._clear_routers()
-        return (unpad(logprobs, pm.rows.to(dev), pm.cols.to(dev)), unpad(entropy, pm.rows.to(dev), pm.cols.to(dev)),
-                routing, b_run * S_pad)
+        return unpad(logprobs, rows, cols), unpad(entropy, rows, cols), routing, b_run * S_pad
 
 
     def _run_merged(self, share: Share, work: RankWork, r3: R3Scope | None,
@@ -334,7 +334,7 @@ class MegatronRank:
                 (logprobs.sum() * 0.0).backward()
                 rows.append(None)
                 continue
-            loss, metrics = loss_fn(logprobs, entropy, _to(part, self.device), work.ctx)
+            loss, metrics = loss_fn(logprobs, entropy, part.to(self.device), work.ctx)
             if loss.requires_grad:
                 loss.backward()
             elif self.sizes.world_size > 1:
@@ -349,11 +349,8 @@ class MegatronRank:
     # ------------------------------------------------------------------ optimizer
     def _optimizer(self, slot: str, betas: tuple[float, float], eps: float, weight_decay: float) -> torch.optim.Optimizer:
         if slot not in self.optimizers:
-            decay = [p for _, p in self.params if p.ndim >= 2]
-            no_decay = [p for _, p in self.params if p.ndim < 2]
-            self.optimizers[slot] = torch.optim.AdamW(
-                [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                lr=0.0, betas=betas, eps=eps, foreach=False, fused=False)
+            self.optimizers[slot] = adamw([p for _, p in self.params], lr=0.0, betas=betas, eps=eps,
+                                          weight_decay=weight_decay)
         return self.optimizers[slot]
 
     def _partial_group(self, name: str) -> Any:
@@ -445,14 +442,6 @@ class MegatronRank:
 
     def drop_slot(self, slot: str) -> None:
         self.optimizers.pop(slot, None)
-
-
-def _to(mb: PackedBatch, device: torch.device) -> PackedBatch:
-    if device.type == "cpu":
-        return mb
-    from dataclasses import fields, replace
-    return replace(mb, **{f.name: getattr(mb, f.name).to(device) for f in fields(mb)
-                          if isinstance(getattr(mb, f.name), torch.Tensor)})
 
 
 def worker_setup(seed: int, num_threads: int) -> None:

@@ -1,4 +1,5 @@
-"""Deterministic re-execution of a recorded step.
+"""Deterministic re-execution of a recorded training step (the trainer side; the engine side is
+`replay/rollout.py` and `replay/engine_path.py`).
 
     result = replay_step("runs/demo", 12, dump=True, variants=[["algo.tis=false"]])
     result.verdict            # "bitwise-equal" | "diverged"
@@ -171,7 +172,7 @@ def replay_step(run_dir: str | Path, step: int, *, dump: bool = False, dump_to: 
     # caller its own back afterwards.
     threads_before = torch.get_num_threads()
     try:
-        return _replay(inv, cfg, step, plan, parsed, dump=dump, dump_to=dump_to, sweep=sweep, say=say)
+        return _replay(_Request(inv, cfg, step, plan, parsed, dump, dump_to, say), sweep)
     finally:
         torch.set_num_threads(threads_before)
 
@@ -223,19 +224,33 @@ def _sweep_variants(inv: RunInventory, cfg: Config, step: int, family: str, back
             for v in family_variants(family, cfg, backend.model_config, routing)]
 
 
-def _replay(inv: RunInventory, cfg: Config, step: int, plan: ReplayPlan, parsed: list[Variant], *, dump: bool,
-            dump_to: Path | None, sweep: str | None, say: Progress) -> ReplayResult:
+@dataclass
+class _Request:
+    """What `replay_step` was asked, validated: the run, its config, the step and its plan, the
+    what-if variants, the dump and where progress goes."""
+
+    inv: RunInventory
+    cfg: Config
+    step: int
+    plan: ReplayPlan
+    variants: list[Variant]
+    dump: bool
+    dump_to: Path | None
+    say: Progress
+
+
+def _replay(req: _Request, sweep: str | None) -> ReplayResult:
     t0 = time.perf_counter()
-    tokenizer = make_tokenizer(cfg)
+    tokenizer = make_tokenizer(req.cfg)
     try:
-        backend = make_train_backend(cfg, tokenizer)  # exactly as `axrl train` builds it
+        backend = make_train_backend(req.cfg, tokenizer)  # exactly as `axrl train` builds it
     except (NotImplementedError, ValueError, OSError) as e:
-        raise ReplayInputError(f"cannot build the trainer from {inv.run / 'config.yaml'}: {e}") from None
+        raise ReplayInputError(f"cannot build the trainer from {req.inv.run / 'config.yaml'}: {e}") from None
     try:
         if sweep is not None:
-            parsed = parsed + _sweep_variants(inv, cfg, step, sweep, backend)
-        result = _replay_on(backend, tokenizer, inv, cfg, step, plan, parsed, dump=dump, dump_to=dump_to, say=say,
-                            t0=t0)
+            req = dataclasses.replace(
+                req, variants=req.variants + _sweep_variants(req.inv, req.cfg, req.step, sweep, backend))
+        result = _replay_on(backend, tokenizer, req, t0)
     finally:
         backend.close()
     if sweep is not None:
@@ -244,10 +259,11 @@ def _replay(inv: RunInventory, cfg: Config, step: int, plan: ReplayPlan, parsed:
     return result
 
 
-def _replay_on(backend: TrainBackend, tokenizer: Tokenizer, inv: RunInventory, cfg: Config, step: int,
-               plan: ReplayPlan, parsed: list[Variant], *, dump: bool, dump_to: Path | None, say: Progress,
-               t0: float) -> ReplayResult:
-    k0, ckpt, notes = load_start(inv, plan, backend, step, say)
+def _replay_on(backend: TrainBackend, tokenizer: Tokenizer, req: _Request, t0: float) -> ReplayResult:
+    """Load the start checkpoint, re-run the steps from it to `req.step` (the last one instrumented),
+    then dump and run the what-if variants."""
+    inv, cfg, step, say = req.inv, req.cfg, req.step, req.say
+    k0, ckpt, notes = load_start(inv, req.plan, backend, step, say)
     timings: dict[str, float] = {"load_seconds": time.perf_counter() - t0}
     env = current_environment(cfg)
     warns = environment_warnings(inv.reader.manifest, env, _checkpoint_meta(ckpt)) + notes
@@ -255,78 +271,124 @@ def _replay_on(backend: TrainBackend, tokenizer: Tokenizer, inv: RunInventory, c
         say(f"warning: {w}")
 
     steps: list[StepReplay] = []
-    probe: DumpProbe | None = None
-    state_before: dict[str, Any] | None = None
+    target: _Instruments | None = None
     t_catch = time.perf_counter()
     for s in range(k0, step + 1):
-        path = inv.files[s]
-        try:
-            rec = load_recorded_step(path, cfg)
-        except (TraceError, ValueError, OSError, KeyError) as e:
-            inv.mark_bad(s)
-            raise ReplayInputError.for_step(f"step file {path} is damaged or incomplete: {e}", inv, step) from None
-        if cfg.r3 and rec.batch.routed_experts is None and not rec.dense(cfg):
-            raise ReplayInputError(f"step {s} was trained with r3 but {path} has no /routing/rollout "
-                                   "(trace.routing was off?): its forced routing cannot be re-applied")
-        mismatches: list[Divergence] = []
-        fp = backend.fingerprint()
-        if fp != rec.fingerprint_before:
-            mismatches.append(Divergence(s, None, None, "weights_fingerprint_before", rec.fingerprint_before, fp,
-                                         detail="the weights this step starts from differ from the recording"))
-        loss_fn: Any = policy_loss(cfg)
-        hooks: Any = None
-        sizes = None
-        old_s = None
+        rec = _load_recorded(inv, cfg, s, step)
+        mismatches = _check_weights_before(backend, rec, s)
         if s == step:
             timings["catch_up_seconds"] = time.perf_counter() - t_catch
             say(f"re-executing step {s} ({len(rec.updates)} update(s)) and comparing bit for bit")
-            if parsed:
-                state_before = backend.state_dict()  # what-if variants start from here
-            t_old = time.perf_counter()
-            mismatches += _check_prepare(rec, backend, cfg)
-            old_s = time.perf_counter() - t_old
-            if dump:
-                probe = DumpProbe(backend, loss_fn, rec.batch, rec.splits, r3=routing_replay(cfg))
-                loss_fn = probe.loss_fn
-            sizes = UpdateSizes(backend) if parsed else None  # what-ifs compare update sizes too
-            hooks = CombinedHooks(probe, sizes)
+            target = instruments = _instrument(backend, rec, cfg, req.variants, req.dump)
+            mismatches += target.mismatches
         else:
             say(f"re-running step {s} ({len(rec.updates)} update(s)) to rebuild the state before step {step}")
-        t_up = time.perf_counter()
-        try:
-            results = run_updates(backend, rec.batch, rec.splits, loss_fn, r3=routing_replay(cfg), lr_scale=faults(cfg).lr_scale_at(s),
-                                  hooks=hooks)
-        finally:
-            if probe is not None:
-                probe.close()
-        up_s = time.perf_counter() - t_up
-        mismatches += compare_updates(rec, results)
-        if results and results[-1].fingerprint != rec.fingerprint_after:
-            mismatches.append(Divergence(s, None, None, "weights_fingerprint_after", rec.fingerprint_after,
-                                         results[-1].fingerprint))
-        steps.append(StepReplay(s, rec, results, mismatches, up_s, old_s))
-        if mismatches:
-            say(f"step {s}: DIVERGED — {mismatches[0].describe()}")
+            instruments = _Instruments(loss_fn=policy_loss(cfg))
+        steps.append(_rerun_step(backend, rec, cfg, s, mismatches, instruments, say))
 
-    target = steps[-1]
-    timings["updates_seconds"] = target.seconds
-    timings["old_forward_seconds"] = target.old_forward_seconds or 0.0
-    timings["step_seconds"] = target.seconds + (target.old_forward_seconds or 0.0)
+    assert target is not None  # the loop's last step is the target
+    timings.update(_step_timings(steps[-1]))
+    sizes = target.sizes.sizes if target.sizes is not None else ()
+    result = ReplayResult(run=inv.run, step=step, checkpoint_step=k0, steps=steps, warnings=warns,
+                          environment=env, timings=timings, baseline=summarize(steps[-1].results, sizes))
+    if target.probe is not None:
+        _write_dump(result, target.probe, req.dump_to or dump_path(inv.run, step), say)
+    for v in req.variants:
+        say(f"what-if: {v.label}")
+        assert target.state_before is not None
+        result.variants.append(run_variant(v, cfg, steps[-1].recorded, target.state_before, tokenizer, inv.run))
+    return result
+
+
+@dataclass
+class _Instruments:
+    """How one step's updates run: the loss function and hooks, and for the target step what was
+    taken before them (the what-ifs' start state, the dump probe, the update sizes, the prepare check)."""
+
+    loss_fn: Any
+    hooks: Any = None
+    probe: DumpProbe | None = None
+    sizes: UpdateSizes | None = None
+    state_before: dict[str, Any] | None = None
+    old_seconds: float | None = None
+    mismatches: list[Divergence] = field(default_factory=list)
+
+
+def _load_recorded(inv: RunInventory, cfg: Config, s: int, step: int) -> RecordedStep:
+    """Step `s`'s recording, or ReplayInputError (the file damaged; R3 routing missing)."""
+    path = inv.files[s]
+    try:
+        rec = load_recorded_step(path, cfg)
+    except (TraceError, ValueError, OSError, KeyError) as e:
+        inv.mark_bad(s)
+        raise ReplayInputError.for_step(f"step file {path} is damaged or incomplete: {e}", inv, step) from None
+    if cfg.r3 and rec.batch.routed_experts is None and not rec.dense(cfg):
+        raise ReplayInputError(f"step {s} was trained with r3 but {path} has no /routing/rollout "
+                               "(trace.routing was off?): its forced routing cannot be re-applied")
+    return rec
+
+
+def _check_weights_before(backend: TrainBackend, rec: RecordedStep, s: int) -> list[Divergence]:
+    fp = backend.fingerprint()
+    if fp == rec.fingerprint_before:
+        return []
+    return [Divergence(s, None, None, "weights_fingerprint_before", rec.fingerprint_before, fp,
+                       detail="the weights this step starts from differ from the recording")]
+
+
+def _instrument(backend: TrainBackend, rec: RecordedStep, cfg: Config, variants: list[Variant],
+                dump: bool) -> _Instruments:
+    """Before the target step's updates: keep the what-ifs' start state, redo and check the prepare
+    forward, hook the dump probe and the update-size recorder."""
+    loss_fn: Any = policy_loss(cfg)
+    state_before = backend.state_dict() if variants else None  # what-if variants start from here
+    t_old = time.perf_counter()
+    mismatches = _check_prepare(rec, backend, cfg)
+    old_seconds = time.perf_counter() - t_old
+    probe = None
+    if dump:
+        probe = DumpProbe(backend, loss_fn, rec.batch, rec.splits, r3=routing_replay(cfg))
+        loss_fn = probe.loss_fn
+    sizes = UpdateSizes(backend) if variants else None  # what-ifs compare update sizes too
+    return _Instruments(loss_fn=loss_fn, hooks=CombinedHooks(probe, sizes), probe=probe, sizes=sizes,
+                        state_before=state_before, old_seconds=old_seconds, mismatches=mismatches)
+
+
+def _rerun_step(backend: TrainBackend, rec: RecordedStep, cfg: Config, s: int, mismatches: list[Divergence],
+                inst: _Instruments, say: Progress) -> StepReplay:
+    """Run step `s`'s recorded updates and compare them (and the weights after) with the recording."""
+    t_up = time.perf_counter()
+    try:
+        results = run_updates(backend, rec.batch, rec.splits, inst.loss_fn, r3=routing_replay(cfg),
+                              lr_scale=faults(cfg).lr_scale_at(s), hooks=inst.hooks)
+    finally:
+        if inst.probe is not None:
+            inst.probe.close()
+    up_s = time.perf_counter() - t_up
+    mismatches += compare_updates(rec, results)
+    if results and results[-1].fingerprint != rec.fingerprint_after:
+        mismatches.append(Divergence(s, None, None, "weights_fingerprint_after", rec.fingerprint_after,
+                                     results[-1].fingerprint))
+    if mismatches:
+        say(f"step {s}: DIVERGED — {mismatches[0].describe()}")
+    return StepReplay(s, rec, results, mismatches, up_s, inst.old_seconds)
+
+
+def _step_timings(target: StepReplay) -> dict[str, float]:
+    """The target step's re-execution times, beside the recorded ones."""
+    timings = {"updates_seconds": target.seconds, "old_forward_seconds": target.old_forward_seconds or 0.0,
+               "step_seconds": target.seconds + (target.old_forward_seconds or 0.0)}
     wt = target.recorded.wall_times
     if "train" in wt:
         timings["recorded_train_seconds"] = wt["train"]
         timings["recorded_step_seconds"] = wt["train"] + wt.get("prepare", 0.0)
-    result = ReplayResult(run=inv.run, step=step, checkpoint_step=k0, steps=steps, warnings=warns,
-                          environment=env, timings=timings,
-                          baseline=summarize(target.results, sizes.sizes if sizes is not None else ()))
-    if probe is not None:
-        first = result.first_divergence
-        result.dump_path = probe.write(dump_to or dump_path(inv.run, step), updates=result.baseline, attrs={
-            "step": step, "run": str(inv.run), "verdict": result.verdict, "checkpoint_step": k0, "source": "replay",
-            "first_divergence": "" if first is None else first.describe()})
-        say(f"wrote {result.dump_path}")
-    for v in parsed:
-        say(f"what-if: {v.label}")
-        assert state_before is not None
-        result.variants.append(run_variant(v, cfg, target.recorded, state_before, tokenizer, inv.run))
-    return result
+    return timings
+
+
+def _write_dump(result: ReplayResult, probe: DumpProbe, path: Path, say: Progress) -> None:
+    first = result.first_divergence
+    result.dump_path = probe.write(path, updates=result.baseline, attrs={
+        "step": result.step, "run": str(result.run), "verdict": result.verdict,
+        "checkpoint_step": result.checkpoint_step, "source": "replay",
+        "first_divergence": "" if first is None else first.describe()})
+    say(f"wrote {result.dump_path}")
