@@ -1,12 +1,18 @@
-"""What an actor is doing: every actor keeps one `Activity` and reports it with its heartbeat."""
+"""What an actor is doing: every actor keeps one `Activity` and reports it with its heartbeat.
+
+`ActorBase` is what every actor class of `runtime.executor: ray` answers the driver about itself
+(pid, node, heartbeat rows); `reported` runs a method under the actor's `Activity`.
+"""
 
 from __future__ import annotations
 
+import functools
 import os
+import socket
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 
 class Activity:
@@ -58,3 +64,50 @@ class Activity:
                     "calls": self._calls, "errors": self._errors, "last_error": self._last_error,
                     "rates": {k: round(v / up, 3) for k, v in self._counters.items()},
                     "totals": dict(self._counters)}
+
+
+class ActorBase:
+    """Mixin of every actor class: its process, its node and its heartbeat. A subclass keeps its
+    `Activity` in `self.activity_` (set by its constructor) and extends `activity()` with what it
+    adds to its row or the rows of the actors it runs."""
+
+    activity_: Activity
+
+    def pid(self) -> int:
+        """This actor's process id."""
+        return os.getpid()
+
+    def node(self) -> str:
+        """The Ray node this actor runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def activity(self) -> list[dict[str, Any]]:
+        """This actor's heartbeat row, first; an actor that runs others appends their rows."""
+        return [self.activity_.report()]
+
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def reported(method: Method) -> Method:
+    """Run an `ActorBase` method under the actor's `Activity`, as work named after the method
+    (so the monitor sees the actor busy with it, and its errors are counted)."""
+
+    @functools.wraps(method)
+    def run(self: ActorBase, *args: Any, **kwargs: Any) -> Any:
+        with self.activity_.doing(method.__name__):
+            return method(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
+
+def free_address() -> tuple[str, int]:
+    """(this node's address, a port free on it now): where rank 0 offers its process group."""
+    import ray
+
+    host = ray.util.get_node_ip_address()
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return host, int(s.getsockname()[1])

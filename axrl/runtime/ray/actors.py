@@ -4,16 +4,17 @@ the factories of `axrl.runtime.components`, as a local run does, so a component 
 in either executor.
 
 Every method runs under the actor's `Activity` (what it does, since when), reported by
-`activity()` in its own concurrency group, so the monitor sees a busy actor as alive.
+`activity()` (`ActorBase`) in its own concurrency group, so the monitor sees a busy actor as alive.
+Each backend call a train rank serves is a method of its own (`TrainRankActor.reset_optimizer`…),
+so the driver's calls name the method they reach.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import datetime
-import os
-import socket
 import threading
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,14 +23,15 @@ from axrl.inference.protocol import GenerateRequest, GenerateResult
 from axrl.model.device import resolve_device
 from axrl.runtime.components import (BackendSettings, EngineSettings, ModelSource, embedded_engine_for,
                                      initial_model, make_tokenizer, make_train_backend)
-from axrl.runtime.ray.activity import Activity
+from axrl.runtime.ray.activity import Activity, ActorBase, free_address, reported
 from axrl.runtime.ray.handles import DataPlane, WeightsHandle, payload_bytes, rank_label
-from axrl.train.protocol import ForwardResult, LossContext, LossFn, PackedBatch, StepStats, TrainMetrics
+from axrl.train.protocol import (R3, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, StepStats,
+                                 TrainMetrics)
 
 Finished = tuple[str, GenerateResult | None, BaseException | None]   # (rid, result, error)
 
 
-class EngineActor:
+class EngineActor(ActorBase):
     """An embedded engine in its own process. Finished requests are collected here and handed to
     the caller with the next `step` (clocked) or `drain` (free-running) call."""
 
@@ -41,15 +43,6 @@ class EngineActor:
         self.activity_ = Activity("engine")
         self._cv = threading.Condition()
         self._finished: list[Finished] = []
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def node(self) -> str:
-        """The Ray node this actor runs on."""
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
 
     def _collect(self, rid: str, future: concurrent.futures.Future) -> None:
         error = future.exception()
@@ -104,10 +97,12 @@ class EngineActor:
     def health(self) -> dict[str, Any]:
         return self.engine.health()
 
-    def activity(self) -> dict[str, Any]:
-        report = self.activity_.report()
-        report["engine"] = {k: v for k, v in self.engine.health().items() if k in ("weight_version", "running", "waiting")}
-        return report
+    def activity(self) -> list[dict[str, Any]]:
+        """[This actor's heartbeat, with the engine's weight version and queue lengths]."""
+        rows = super().activity()
+        rows[0]["engine"] = {k: v for k, v in self.engine.health().items()
+                             if k in ("weight_version", "running", "waiting")}
+        return rows
 
     def shutdown(self) -> list[Finished]:
         self.engine.shutdown()
@@ -126,7 +121,7 @@ class GlobalContext:
         return self.loss_fn(logprobs, entropy, mb, self.ctx)
 
 
-class TrainRankActor:
+class TrainRankActor(ActorBase):
     """One data-parallel rank of the torch backend. Ranks start from the same seed (identical
     weights), compute their own rows, all-reduce the gradients (gloo) before each optimizer step,
     and so stay identical; rank 0 answers for the group (weights, checkpoints, exports).
@@ -153,23 +148,10 @@ class TrainRankActor:
         self.device = resolve_device(source.device)
         self.activity_ = Activity(rank_label(rank))
 
-    def pid(self) -> int:
-        return os.getpid()
-
-    def node(self) -> str:
-        """The Ray node this actor runs on."""
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
     def rendezvous(self) -> str:
         """host:port for the process group (asked of rank 0): this node's address, a free port."""
-        import ray
-
-        host = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return f"{host}:{s.getsockname()[1]}"
+        host, port = free_address()
+        return f"{host}:{port}"
 
     def init_group(self, address: str, timeout_s: float = 120.0) -> None:
         if self.world > 1:
@@ -228,10 +210,56 @@ class TrainRankActor:
             p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
             offset += n
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """The backend's small calls (reset_optimizer, keep/forget_weights, fingerprint, state, save…)."""
-        with self.activity_.doing(method):
-            return getattr(self.backend, method)(*args, **kwargs)
+    # -- the backend's small calls: every rank makes the state changes, rank 0 answers questions --
+    @reported
+    def reset_optimizer(self) -> None:
+        """The backend's `reset_optimizer`."""
+        self.backend.reset_optimizer()
+
+    @reported
+    def keep_weights(self, key: str) -> None:
+        """The backend's `keep_weights`: a copy of the weights now, under `key`."""
+        self.backend.keep_weights(key)
+
+    @reported
+    def forget_weights(self, key: str) -> None:
+        """The backend's `forget_weights`: drop the copy kept under `key`."""
+        self.backend.forget_weights(key)
+
+    @reported
+    def fingerprint(self) -> str:
+        """The backend's `fingerprint` of this rank's weights."""
+        return self.backend.fingerprint()
+
+    @reported
+    def inspect(self, batch: PackedBatch, loss_fn: LossFn, r3: R3 = False) -> Inspection | None:
+        """The backend's `inspect` of the whole `batch` (rank 0 answers for the group)."""
+        return self.backend.inspect(batch, loss_fn, r3=r3)
+
+    @reported
+    def state_dict(self) -> dict[str, Any]:
+        """The backend's `state_dict` (weights and optimizer state)."""
+        return self.backend.state_dict()
+
+    @reported
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The backend's `load_state_dict`."""
+        self.backend.load_state_dict(state)
+
+    @reported
+    def save(self, directory: str) -> None:
+        """The backend's `save` into `directory` (on this rank's node)."""
+        self.backend.save(directory)
+
+    @reported
+    def load(self, directory: str) -> None:
+        """The backend's `load` from `directory` (on this rank's node)."""
+        self.backend.load(directory)
+
+    @reported
+    def export_hf(self, directory: str) -> Path:
+        """The backend's `export_hf` into `directory`: the path it wrote."""
+        return self.backend.export_hf(directory)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {n: t.detach().clone() for n, t in self.backend.named_weights()}
@@ -247,7 +275,7 @@ class TrainRankActor:
 
     def activity(self) -> list[dict[str, Any]]:
         """This rank's heartbeat (and, as the Megatron head, its rank actors')."""
-        rows = [self.activity_.report()]
+        rows = super().activity()
         if self.megatron_ranks is not None:
             rows += self.megatron_ranks.activity()
         return rows

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from axrl.inference.protocol import GenerateRequest, GenerateResult, settle_future
 from axrl.runtime.events import EventLog
-from axrl.runtime.ray.calls import call_or_restart, close_actor, is_dead, unwrap
+from axrl.runtime.ray.calls import RestartableActor, close_actor, is_dead, unwrap
 from axrl.runtime.ray.handles import DataPlane, WeightsHandle, payload_bytes
 
 
@@ -34,16 +34,16 @@ class EngineActorLost(RuntimeError):
 class RayEngine:
     def __init__(self, ray: Any, make_actor: Callable[[], Any], *, clocked: bool, restarts: int, events: EventLog,
                  plane: DataPlane, call_timeout_s: float = 600.0) -> None:
-        self._ray, self._make_actor, self.clocked = ray, make_actor, clocked
-        self._max_restarts, self.restarts, self._events, self._plane = restarts, 0, events, plane
-        self._timeout = call_timeout_s
+        self._ray, self.clocked, self._plane, self._timeout = ray, clocked, plane, call_timeout_s
         self._lock = threading.RLock()
         self._pending: OrderedDict[str, tuple[GenerateRequest, concurrent.futures.Future]] = OrderedDict()
         self._version = 0
         self._source: Any = None            # the last weights given (an object ref), reloaded after a restart
         self._closed = False
-        self._actor = make_actor()
-        self.pid = self._get(self._actor.pid.remote())
+        # The swap holds the handle's lock: what is in flight is resubmitted before anything is added.
+        self._remote = RestartableActor(ray, make_actor, get=self._get, resume=self._resumed, events=events,
+                                        component="engine", name="engine actor", budget=restarts,
+                                        key="runtime.ray.engine_restarts", lost=EngineActorLost, lock=self._lock)
         self._poller: threading.Thread | None = None
         if not clocked:  # a free-running engine finishes requests on its own: collect them
             self._poller = threading.Thread(target=self._poll, name="axrl-ray-engine-poll", daemon=True)
@@ -56,34 +56,31 @@ class RayEngine:
     def _dead(self, error: BaseException) -> bool:
         return is_dead(self._ray, error)
 
-    def _call(self, method: str, *args: Any) -> Any:
-        """Call the actor; when it is dead, restart it (resubmitting what is in flight) and retry once."""
-        return call_or_restart(self._ray, lambda: self._actor,
-                               lambda actor: self._get(getattr(actor, method).remote(*args)), self._restart, method,
-                               closed=lambda: self._closed)
+    def _call(self, remote: Callable[[Any], Any], what: str) -> Any:
+        """`remote(actor)`'s answer; when the actor is dead, restart it (resubmitting what is in
+        flight) and retry once."""
+        return self._remote.call(remote, what, closed=lambda: self._closed)
 
-    def _restart(self, dead: Any, reason: str) -> None:
-        with self._lock:
-            if dead is not self._actor:  # another thread already restarted it
-                return
-            if self.restarts >= self._max_restarts:
-                self._events.record("actor_failed", component="engine", pid=self.pid, reason=reason,
-                                    restarts=self.restarts)
-                raise EngineActorLost(f"the engine actor died again ({reason}) after {self.restarts} restart(s) "
-                                      f"(runtime.ray.engine_restarts={self._max_restarts}); the run stops")
-            self.restarts += 1
-            close_actor(self._ray, dead, ask=False)
-            old_pid = self.pid
-            self._actor = self._make_actor()
-            self.pid = self._get(self._actor.pid.remote())
-            if self._source is not None:
-                self._get(self._actor.update_weights.remote(self._source, self._version))
-            requests = [req for req, _ in self._pending.values()]
-            if requests:
-                self._get(self._actor.submit_many.remote(requests))
-            self._events.record("actor_restarted", component="engine", reason=reason, old_pid=old_pid,
-                                new_pid=self.pid, weight_version=self._version, requeued_requests=len(requests),
-                                requeued_rids=[r.rid for r in requests], restart=self.restarts)
+    def _resumed(self, actor: Any) -> dict[str, Any]:
+        """Bring a new actor to where the dead one was (called under the lock): the last weights
+        loaded, every request in flight resubmitted in order. The event's fields."""
+        if self._source is not None:
+            self._get(actor.update_weights.remote(self._source, self._version))
+        requests = [req for req, _ in self._pending.values()]
+        if requests:
+            self._get(actor.submit_many.remote(requests))
+        return {"weight_version": self._version, "requeued_requests": len(requests),
+                "requeued_rids": [r.rid for r in requests]}
+
+    @property
+    def pid(self) -> int:
+        """The current engine actor's process id."""
+        return self._remote.pid
+
+    @property
+    def restarts(self) -> int:
+        """How often the engine actor was restarted so far."""
+        return self._remote.restarts
 
     def _resolve(self, finished: list[tuple[str, GenerateResult | None, BaseException | None]]) -> None:
         for rid, result, error in finished:
@@ -98,7 +95,7 @@ class RayEngine:
         """Free-running engines: collect finished requests (in the actor's own poll thread, so
         submissions are never queued behind the wait); a dead actor is restarted like on a call."""
         while not self._closed:
-            actor = self._actor
+            actor = self._remote.actor
             try:
                 self._resolve(self._get(actor.drain.options(concurrency_group="poll").remote(0.2)))
             except Exception as e:  # noqa: BLE001
@@ -107,7 +104,7 @@ class RayEngine:
                 try:
                     if not self._dead(e):
                         raise
-                    self._restart(actor, f"drain: {type(e).__name__}")
+                    self._remote.restart(actor, f"drain: {type(e).__name__}")
                 except Exception as fatal:  # noqa: BLE001 — fail what is in flight rather than hang
                     with self._lock:
                         pending, self._pending = list(self._pending.values()), OrderedDict()
@@ -127,7 +124,7 @@ class RayEngine:
                 self._pending[req.rid] = (req, f)
         self._plane.moved("engine_requests", 4 * sum(len(r.input_ids) for r in requests))
         try:
-            actor = self._actor
+            actor = self._remote.actor
             self._get(actor.submit_many.remote(requests))
         except Exception as e:  # noqa: BLE001
             if not self._dead(e):
@@ -135,11 +132,11 @@ class RayEngine:
                     for req in requests:
                         self._pending.pop(req.rid, None)
                 raise unwrap(e)
-            self._restart(actor, f"submit_many: {type(e).__name__}")  # resubmits these too
+            self._remote.restart(actor, f"submit_many: {type(e).__name__}")  # resubmits these too
         return futures
 
     def step(self) -> bool:
-        worked, finished = self._call("step")
+        worked, finished = self._call(lambda a: a.step.remote(), "step")
         self._resolve(finished)
         return bool(worked)
 
@@ -155,24 +152,24 @@ class RayEngine:
             ref = source  # an HF directory the actor reads itself
         with self._lock:
             self._source = ref
-            new = self._call("update_weights", ref, version)
+            new = self._call(lambda a: a.update_weights.remote(ref, version), "update_weights")
             self._version = int(new)
         return self._version
 
     def release_memory(self) -> None:
-        self._call("release_memory")
+        self._call(lambda a: a.release_memory.remote(), "release_memory")
 
     def resume_memory(self) -> None:
-        self._call("resume_memory")
+        self._call(lambda a: a.resume_memory.remote(), "resume_memory")
 
     def abort(self, rid: str) -> bool:
-        found, finished = self._call("abort", rid)
+        found, finished = self._call(lambda a: a.abort.remote(rid), "abort")
         self._resolve(finished)
         return bool(found)
 
     def health(self) -> dict[str, Any]:
         try:
-            return {**self._get(self._actor.health.remote()), "pid": self.pid, "restarts": self.restarts}
+            return {**self._get(self._remote.actor.health.remote()), "pid": self.pid, "restarts": self.restarts}
         except Exception as e:  # noqa: BLE001 — report, do not raise: health is a question
             return {"ok": False, "weight_version": self._version, "running": 0, "waiting": len(self._pending),
                     "error": f"{type(e).__name__}: {e}", "pid": self.pid, "restarts": self.restarts}
@@ -180,13 +177,14 @@ class RayEngine:
     def activity(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """The actor's heartbeat (answered by its monitor thread even while it works), with the
         driver's count of requests in flight and the restarts so far."""
-        report = self._ray.get(self._actor.activity.options(concurrency_group="monitor").remote(), timeout=timeout_s)
+        report = self._ray.get(self._remote.actor.activity.options(concurrency_group="monitor").remote(),
+                               timeout=timeout_s)[0]
         with self._lock:
             return {**report, "in_flight": len(self._pending), "restarts": self.restarts}
 
     def node(self) -> Any:
         """Object ref of the Ray node id the actor runs on."""
-        return self._actor.node.options(concurrency_group="monitor").remote()
+        return self._remote.actor.node.options(concurrency_group="monitor").remote()
 
     @property
     def weight_version(self) -> int:
@@ -197,7 +195,7 @@ class RayEngine:
             return
         self._closed = True
         try:
-            self._resolve(self._get(self._actor.shutdown.remote()))
+            self._resolve(self._get(self._remote.actor.shutdown.remote()))
         except Exception:  # noqa: BLE001 — a dead actor has nothing left to finish
             pass
         with self._lock:
@@ -207,4 +205,4 @@ class RayEngine:
                                                 weight_version=self._version))
         if self._poller is not None:
             self._poller.join(timeout=5)
-        close_actor(self._ray, self._actor, ask=False)
+        close_actor(self._ray, self._remote.actor, ask=False)

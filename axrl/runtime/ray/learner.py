@@ -10,7 +10,6 @@ metrics, its phase times and the handle of the new weights (an object reference 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +17,14 @@ import torch
 
 from axrl.runtime.components import LearnerSettings, make_train_worker
 from axrl.runtime.events import EventLog
-from axrl.runtime.ray.activity import Activity
+from axrl.runtime.ray.activity import Activity, ActorBase
 from axrl.runtime.ray.calls import close_actor, is_dead, unwrap
 from axrl.runtime.ray.handles import DataPlane, metadata_bytes
 from axrl.runtime.ray.rollout import RayRollout
 from axrl.runtime.ray.train_group import RayTrainGroup, TrainGroupLost
 
 
-class LearnerActor:
+class LearnerActor(ActorBase):
     def __init__(self, settings: LearnerSettings, threads: int, call_timeout_s: float, run_path: str,
                  attachment: dict[str, Any]) -> None:
         import ray
@@ -43,15 +42,6 @@ class LearnerActor:
         self.sync = WeightSync(version=0)
         self.learner = Learner(make_train_worker(settings, backend, self.sync), RunDir(run_path), settings.record)
 
-    def pid(self) -> int:
-        return os.getpid()
-
-    def node(self) -> str:
-        """The Ray node this actor runs on."""
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
     def step(self, batch_refs: list[Any], step: int, times: dict[str, float]) -> tuple[dict[str, Any], dict[str, float],
                                                                                        list[Any]]:
         """Train on the batch behind `batch_refs[0]` and record it: (metrics, phase times, [new weights handle])."""
@@ -66,9 +56,6 @@ class LearnerActor:
             metrics = self.learner.step(batch, step, timer)
             self.activity_.count("steps")
             return metrics, timer.times, [self.sync.get()[1]]
-
-    def activity(self) -> dict[str, Any]:
-        return {**self.activity_.report(), "pid": os.getpid()}
 
     def close(self) -> dict[str, Any]:
         """What this actor moved (for the driver's data-plane account)."""
@@ -108,7 +95,8 @@ class RayLearner:
         self._rollout.post_weights(step + 1, weights[0])
         return metrics
 
-    def activity(self, timeout_s: float = 5.0) -> dict[str, Any]:
+    def activity(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+        """The learner actor's heartbeat (answered by its monitor thread even while it trains)."""
         return self._ray.get(self._actor.activity.options(concurrency_group="monitor").remote(), timeout=timeout_s)
 
     def close(self) -> None:

@@ -15,34 +15,24 @@ reference is sent, so a rank fetches its own rows and the TP ranks of one DP ran
 
 from __future__ import annotations
 
-import os
-import socket
 from typing import Any
 
 from axrl.model import ModelConfig
-from axrl.runtime.ray.activity import Activity
+from axrl.runtime.ray.activity import Activity, ActorBase, free_address
 from axrl.runtime.ray.calls import close_actor
 from axrl.runtime.ray.handles import DataPlane, payload_bytes, rank_label
 from axrl.train.megatron.model import ParallelSizes
 
 
-class MegatronRankActor:
+class MegatronRankActor(ActorBase):
     def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world = rank, world
         self.activity_ = Activity(rank_label(rank, "megatron"))
         self.state: Any = None
 
-    def pid(self) -> int:
-        return os.getpid()
-
     def rendezvous(self) -> tuple[str, int]:
         """(this node's address, a free port) for the process group (asked of rank 0)."""
-        import ray
-
-        host = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return host, int(s.getsockname()[1])
+        return free_address()
 
     def init(self, host: str, port: int, model_cfg: ModelConfig, sizes: ParallelSizes, dispatcher: str,
              weights: dict[str, Any], seed: int, num_threads: int) -> None:
@@ -64,9 +54,6 @@ class MegatronRankActor:
 
     def fetched_bytes(self) -> int:
         return int(self.activity_.total("fetched_bytes"))
-
-    def activity(self) -> dict[str, Any]:
-        return {**self.activity_.report(), "pid": os.getpid()}
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -148,8 +135,10 @@ class RayRankGroup:
             raise RuntimeError("the Megatron backend's rank actors are closed")
 
     def activity(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
-        return self._ray.get([a.activity.options(concurrency_group="monitor").remote() for a in self.actors],
-                             timeout=timeout_s)
+        """Every rank actor's heartbeat, in rank order."""
+        per_rank = self._ray.get([a.activity.options(concurrency_group="monitor").remote() for a in self.actors],
+                                 timeout=timeout_s)
+        return [row for rows in per_rank for row in rows]
 
     def close(self) -> None:
         if self._closed:

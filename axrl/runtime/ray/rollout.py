@@ -15,7 +15,6 @@ restart is an event; after `runtime.ray.rollout_restarts` of them the run fails.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,8 +23,8 @@ import torch
 from axrl.runtime.components import (RunSettings, embedded_engine_for, fresh_engine_model, make_data, make_engine,
                                      make_rollout_side, make_tokenizer)
 from axrl.runtime.events import EventLog
-from axrl.runtime.ray.activity import Activity
-from axrl.runtime.ray.calls import call_or_restart, close_actor, unwrap
+from axrl.runtime.ray.activity import Activity, ActorBase
+from axrl.runtime.ray.calls import RestartableActor, close_actor, unwrap
 from axrl.runtime.ray.handles import DataPlane, WeightsHandle, metadata_bytes, payload_bytes
 from axrl.runtime.ray.settings import RaySettings
 
@@ -34,7 +33,7 @@ class RolloutActorLost(RuntimeError):
     """The rollout actor died more often than `runtime.ray.rollout_restarts` allows."""
 
 
-class RolloutActor:
+class RolloutActor(ActorBase):
     """The rollout side in its own process. `rollout.engine: embedded`: its engine is an engine
     actor of its own (`RayEngine`); `sglang`: this actor is the servers' manager — it launches (or
     connects to) them and runs the SGLang client, with the launcher's restart-and-resync, and the
@@ -88,15 +87,6 @@ class RolloutActor:
             return weights
         return source
 
-    def pid(self) -> int:
-        return os.getpid()
-
-    def node(self) -> str:
-        """The Ray node this actor runs on."""
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
     def attach(self, run_path: str) -> None:
         """Record this actor's events (the engine's restarts) into RUN/events.jsonl from now on."""
         self.events.attach(Path(run_path))
@@ -134,14 +124,16 @@ class RolloutActor:
 
     def activity(self) -> list[dict[str, Any]]:
         """This worker's heartbeat and its engine actor's (with the requests in flight)."""
-        report = {**self.activity_.report(), "pid": os.getpid()}
+        rows = super().activity()
         if self._fetches_weights:   # SGLang servers: their health is the client's
-            return [{**report, "engine": self.engine.health()}]
+            rows[0]["engine"] = self.engine.health()
+            return rows
         try:
-            return [report, self.engine.activity()]
+            rows.append(self.engine.activity())
         except Exception as e:  # noqa: BLE001 — an unreachable engine is a row, not a crash
-            return [report, {"component": "engine", "state": "unreachable", "pid": self.engine.pid,
-                             "last_error": f"{type(e).__name__}: {str(e)[:200]}"}]
+            rows.append({"component": "engine", "state": "unreachable", "pid": self.engine.pid,
+                         "last_error": f"{type(e).__name__}: {str(e)[:200]}"})
+        return rows
 
     def stop(self) -> None:
         self.side.rollout.stop()
@@ -164,15 +156,24 @@ class RayRollout:
 
     def __init__(self, ray: Any, make_actor: Callable[[], Any], *, restarts: int, events: EventLog, plane: DataPlane,
                  call_timeout_s: float, evaluates: bool) -> None:
-        self._ray, self._make_actor, self._max_restarts = ray, make_actor, restarts
-        self._events, self._plane, self._timeout = events, plane, call_timeout_s
-        self.restarts = 0
+        self._ray, self._events, self._plane, self._timeout = ray, events, plane, call_timeout_s
         self._run_path: str | None = None
         self._weights: tuple[Any, int] | None = None       # the last weights given: (source, version)
         self._resume: tuple[int, dict[str, Any] | None] | None = None   # where a new actor starts
-        self._actor = make_actor()
-        self.pid = self._get(self._actor.pid.remote())
+        self._remote = RestartableActor(ray, make_actor, get=self._get, resume=self._resumed, events=events,
+                                        component="rollout worker", name="rollout actor", budget=restarts,
+                                        key="runtime.ray.rollout_restarts", lost=RolloutActorLost)
         self.evaluator = RayEvaluator(self) if evaluates else None
+
+    @property
+    def pid(self) -> int:
+        """The current rollout actor's process id."""
+        return self._remote.pid
+
+    @property
+    def restarts(self) -> int:
+        """How often the rollout actor was restarted so far."""
+        return self._remote.restarts
 
     # -- calls -----------------------------------------------------------------------------------
     def _get(self, ref: Any) -> Any:
@@ -181,84 +182,75 @@ class RayRollout:
         except self._ray.exceptions.RayTaskError as e:
             raise unwrap(e) from None
 
-    def _call(self, method: str, *args: Any) -> Any:
-        """Call the actor; when it is dead, start a new one where the dead one was and retry once."""
-        return call_or_restart(self._ray, lambda: self._actor,
-                               lambda actor: self._get(getattr(actor, method).remote(*args)), self._restart, method)
+    def _call(self, remote: Callable[[Any], Any], what: str) -> Any:
+        """`remote(actor)`'s answer; when the actor is dead, start a new one where the dead one
+        was and retry once."""
+        return self._remote.call(remote, what)
 
-    def _restart(self, dead: Any, reason: str) -> None:
-        if self.restarts >= self._max_restarts:
-            self._events.record("actor_failed", component="rollout worker", pid=self.pid, reason=reason,
-                                restarts=self.restarts)
-            raise RolloutActorLost(f"the rollout actor died again ({reason}) after {self.restarts} restart(s) "
-                                   f"(runtime.ray.rollout_restarts={self._max_restarts}); the run stops")
-        self.restarts += 1
-        close_actor(self._ray, dead, ask=False)
-        old_pid = self.pid
-        self._actor = self._make_actor()
-        self.pid = self._get(self._actor.pid.remote())
+    def _resumed(self, actor: Any) -> dict[str, Any]:
+        """Bring a new actor to where the dead one was: attached to the run, the last weights
+        loaded, started at the step being taken from the last snapshot. The event's fields."""
         if self._run_path is not None:
-            self._get(self._actor.attach.remote(self._run_path))
+            self._get(actor.attach.remote(self._run_path))
         if self._weights is not None:
-            self._get(self._actor.load_weights.remote(*self._weights))
-        fields: dict[str, Any] = {}
+            self._get(actor.load_weights.remote(*self._weights))
+        fields: dict[str, Any] = {"weight_version": None if self._weights is None else self._weights[1]}
         if self._resume is not None:
             first, state = self._resume
-            self._get(self._actor.start.remote(first, state))
-            fields = {"next_step": first, "rerun_groups": list((state or {}).get("pending", []))}
-        self._events.record("actor_restarted", component="rollout worker", reason=reason, old_pid=old_pid,
-                            new_pid=self.pid, weight_version=None if self._weights is None else self._weights[1],
-                            restart=self.restarts, **fields)
+            self._get(actor.start.remote(first, state))
+            fields.update(next_step=first, rerun_groups=list((state or {}).get("pending", [])))
+        return fields
 
     # -- RolloutControl and BatchSource --------------------------------------------------------------
     def attach(self, run_path: Path) -> None:
-        self._run_path = str(run_path)
-        self._call("attach", self._run_path)
+        self._run_path = path = str(run_path)
+        self._call(lambda a: a.attach.remote(path), "attach")
 
     def load_weights(self, source: Any, version: int) -> None:
         self._weights = (source, version)
         self._plane.moved("step_metadata", metadata_bytes(source))
-        self._call("load_weights", source, version)
+        self._call(lambda a: a.load_weights.remote(source, version), "load_weights")
 
     def post_weights(self, version: int, source: WeightsHandle) -> None:
         self._weights = (source, version)
         self._plane.moved("step_metadata", metadata_bytes(source))
-        self._call("post_weights", version, source)
+        self._call(lambda a: a.post_weights.remote(version, source), "post_weights")
 
     def start(self, first_step: int, state: dict[str, Any] | None = None) -> None:
         self._resume = (first_step, state)
-        self._call("start", first_step, state)
+        self._call(lambda a: a.start.remote(first_step, state), "start")
 
     def take(self, step: int, timeout: float | None = None) -> list[Any]:
         """[An object reference to sealed batch `step`] (the learner fetches it)."""
-        refs, snapshot = self._call("take", step)
+        refs, snapshot = self._call(lambda a: a.take.remote(step), "take")
         self._resume = (step + 1, snapshot)
         self._plane.moved("step_metadata", metadata_bytes([refs, snapshot]))
         return refs
 
     def snapshot(self, next_step: int) -> dict[str, Any]:
-        return self._call("snapshot", next_step)
+        return self._call(lambda a: a.snapshot.remote(next_step), "snapshot")
 
     def evaluate(self, source: WeightsHandle, version: int) -> float:
-        return float(self._call("evaluate", source, version))
+        return float(self._call(lambda a: a.evaluate.remote(source, version), "evaluate"))
 
     def activity(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
-        rows = self._ray.get(self._actor.activity.options(concurrency_group="monitor").remote(), timeout=timeout_s)
+        rows = self._ray.get(self._remote.actor.activity.options(concurrency_group="monitor").remote(),
+                             timeout=timeout_s)
         rows[0]["restarts"] = self.restarts
         return rows
 
     def node(self) -> str:
         """The Ray node the rollout actor runs on."""
-        return self._get(self._actor.node.remote())
+        return self._get(self._remote.actor.node.remote())
 
     def stop(self) -> None:
         try:
-            self._get(self._actor.stop.remote())
+            self._get(self._remote.actor.stop.remote())
         except Exception:  # noqa: BLE001 — a dead actor has stopped
             pass
 
     def close(self) -> None:
-        plane = close_actor(self._ray, self._actor)
+        plane = close_actor(self._ray, self._remote.actor)
         if plane is not None:
             self._plane.merge(plane)
 

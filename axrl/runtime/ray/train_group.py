@@ -55,10 +55,10 @@ class RayTrainGroup:
         """Create the ranks and form their gloo process group."""
         group = cls(ray, make_ranks(), model_config=None, pids=[], events=events, plane=plane,  # type: ignore[arg-type]
                     call_timeout_s=call_timeout_s)
-        group.pids = group._all("pid")
+        group.pids = group._each(lambda r: r.pid.remote())
         if group.world > 1:
             address = group._get(group.ranks[0].rendezvous.remote())
-            group._get([r.init_group.remote(address) for r in group.ranks])
+            group._each(lambda r: r.init_group.remote(address))
         group._model_config = group._get(group.ranks[0].model_config.remote())
         return group
 
@@ -96,12 +96,10 @@ class RayTrainGroup:
             raise TrainGroupLost(f"a train rank died ({type(e).__name__}); the train group restarts from the last "
                                  "checkpoint (runtime.ray.train_restarts)") from e
 
-    def _all(self, method: str, *args: Any) -> list[Any]:
-        return self._get([getattr(r, method).remote(*args) for r in self.ranks])
-
-    def _call_all(self, method: str, *args: Any) -> Any:
-        """A backend call every rank makes (state changes); rank 0's answer."""
-        return self._get([r.call.remote(method, *args) for r in self.ranks])[0]
+    def _each(self, call: Callable[[Any], Any]) -> list[Any]:
+        """Every rank's answer to `call(rank)` (which starts one remote call on that rank), in
+        rank order. State changes go to every rank, so the ranks stay identical."""
+        return self._get([call(r) for r in self.ranks])
 
     def _shards(self, batch: PackedBatch) -> list[tuple[Any, PackedBatch]]:
         """(object ref, shard) per rank; the whole batch as one shard on a single rank."""
@@ -153,16 +151,16 @@ class RayTrainGroup:
                             tokens=tokens)
 
     def optimizer_step(self, *, lr: float | None = None, lr_scale: float = 1.0) -> StepStats:
-        return self._all("optimizer_step", lr, lr_scale)[0]
+        return self._each(lambda r: r.optimizer_step.remote(lr, lr_scale))[0]
 
     def reset_optimizer(self) -> None:
-        self._call_all("reset_optimizer")
+        self._each(lambda r: r.reset_optimizer.remote())
 
     def keep_weights(self, key: str) -> None:
-        self._call_all("keep_weights", key)
+        self._each(lambda r: r.keep_weights.remote(key))
 
     def forget_weights(self, key: str) -> None:
-        self._call_all("forget_weights", key)
+        self._each(lambda r: r.forget_weights.remote(key))
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         weights = self._get(self.ranks[0].named_weights.remote())
@@ -174,14 +172,14 @@ class RayTrainGroup:
         return self._get(self.ranks[0].put_weights.remote(None))[0]
 
     def fingerprint(self) -> str:
-        return self._get(self.ranks[0].call.remote("fingerprint"))
+        return self._get(self.ranks[0].fingerprint.remote())
 
     def fingerprints(self) -> list[str]:
         """Every rank's fingerprint (equal while the group is healthy)."""
-        return self._get([r.call.remote("fingerprint") for r in self.ranks])
+        return self._each(lambda r: r.fingerprint.remote())
 
     def inspect(self, batch: PackedBatch, loss_fn: LossFn, *, r3: R3 = False) -> Inspection | None:
-        return self._get(self.ranks[0].call.remote("inspect", batch, loss_fn, r3=r3))
+        return self._get(self.ranks[0].inspect.remote(batch, loss_fn, r3))
 
     def probe_forward(self, batch: PackedBatch, probe: Any, *, r3: R3 = False) -> ForwardResult | None:
         """None: a probe observes and patches the model in its own process, and the model lives
@@ -189,20 +187,20 @@ class RayTrainGroup:
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        return self._get(self.ranks[0].call.remote("state_dict"))
+        return self._get(self.ranks[0].state_dict.remote())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._call_all("load_state_dict", state)
+        self._each(lambda r: r.load_state_dict.remote(state))
 
     def save(self, directory: str | Path) -> None:
         # The ranks are identical: rank 0 writes (on its node's disk: the run directory must be shared).
-        self._get(self.ranks[0].call.remote("save", str(directory)))
+        self._get(self.ranks[0].save.remote(str(directory)))
 
     def load(self, directory: str | Path) -> None:
-        self._call_all("load", str(directory))
+        self._each(lambda r: r.load.remote(str(directory)))
 
     def export_hf(self, directory: str | Path) -> Path:
-        return Path(self._get(self.ranks[0].call.remote("export_hf", str(directory))))
+        return Path(self._get(self.ranks[0].export_hf.remote(str(directory))))
 
     def activity(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
         """Every rank's heartbeat (answered by its monitor thread even while it trains)."""
@@ -211,7 +209,7 @@ class RayTrainGroup:
         return [row for rows in per_rank for row in rows]
 
     def fetched_bytes(self) -> list[int]:
-        return self._all("fetched_bytes")
+        return self._each(lambda r: r.fetched_bytes.remote())
 
     def close(self) -> None:
         if self._closed:
