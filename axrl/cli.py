@@ -64,8 +64,8 @@ def status(
     events: int = typer.Option(10, "--events", help="How many of the latest events to show."),
 ) -> None:
     """Show a run's actors (state, heartbeat, current work, errors) and its fault/recovery events."""
-    from axrl.runtime.events import read_events
-    from axrl.runtime.ray.monitor import read_status
+    from axrl.recording.events import read_events
+    from axrl.ray_executor.monitor import read_status
 
     if not (run_dir / "config.yaml").is_file():
         raise fail(f"{run_dir} is not a run directory (no config.yaml)")
@@ -76,7 +76,7 @@ def status(
     else:
         import time
 
-        from axrl.runtime.health_table import health_table
+        from axrl.console.health_table import health_table
 
         table = health_table(snapshot["actors"], snapshot["time"],
                              title=f"actors, {time.time() - snapshot['time']:.0f} s ago")

@@ -1,12 +1,12 @@
 """The `axrl-debug` command line: each command lives in `axrl_debug/commands/<name>.py` and
-registers itself on the shared app (`axrl_debug/app.py`) when imported."""
+registers itself on the shared app (`axrl_debug/commands/base.py`) when imported."""
 
 from __future__ import annotations
 
 import importlib
 import sys
 
-from axrl_debug.app import app
+from axrl_debug.commands.base import app
 
 # Command name → module. Keep one entry per line.
 COMMANDS = {

@@ -6,7 +6,7 @@ quickstart's 16 prompts × 8 samples, 10× the prompts with two data-parallel tr
 quickstart shape on the Megatron backend with expert parallel 2 (so data parallel 2: two Megatron
 rank actors, each with half of every micro-batch) — plus the quickstart shape with
 `runtime.executor: local` for the step-time ratio. Each ray run writes RUN/data_plane.json
-(axrl/runtime/ray/handles.py: `DataPlane`): the bytes of every payload the driver serialised or
+(axrl/ray_executor/handles.py: `DataPlane`): the bytes of every payload the driver serialised or
 received, by category, and the bytes that moved between actors by object reference (weight
 snapshots: train rank 0 → engine), plus what each train rank (and Megatron rank) fetched against
 its share.

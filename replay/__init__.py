@@ -16,7 +16,8 @@ engine/trainer mismatch to a layer and component by activation patching.
 from replay.compare import Divergence
 from replay.dump import DUMP_FORMAT, DUMP_VERSION, DumpProbe, dump_path, read_dump
 from replay.train_step import ReplayResult, StepReplay, replay_step
-from replay.explain import ExplainResult, TokenExplanation, explain_step
+from replay.explain import explain_step
+from replay.explain_report import ExplainResult, TokenExplanation
 from replay.environment import REQUIREMENTS, current_environment, environment_warnings
 from replay.plan import ReplayInputError, ReplayPlan, RunInventory
 from replay.recorded import RecordedStep, RecordedUpdate, load_recorded_step

@@ -30,7 +30,7 @@ from axrl.config import Config, ConfigError, load_config
 from axrl.runtime.checkpoint import load_checkpoint
 from axrl.assembly.build import make_tokenizer, make_train_backend, policy_loss
 from axrl.assembly.settings import faults, routing_replay
-from axrl.runtime.records import UpdateResult
+from axrl.recording.records import UpdateResult
 from axrl.runtime.updates import CombinedHooks, run_updates
 from axrl.tokenizer import Tokenizer
 from axrl.trace import StepFile, TraceError

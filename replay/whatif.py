@@ -39,7 +39,7 @@ from axrl.algo.processor import update_splits
 from axrl.config import Config, ConfigError, apply_overrides, load_config
 from axrl.assembly.build import make_train_backend, policy_loss
 from axrl.assembly.settings import advantage_settings, faults, routing_replay
-from axrl.runtime.records import UpdateResult
+from axrl.recording.records import UpdateResult
 from axrl.runtime.reference import restore_reference, with_reference_logprobs
 from axrl.runtime.updates import run_updates
 from axrl.tokenizer import Tokenizer

@@ -19,7 +19,7 @@ ray = pytest.importorskip("ray")
 
 from trace_util import trace_datasets  # noqa: E402
 from axrl.config import ConfigError, load_config  # noqa: E402
-from axrl.runtime.events import read_events  # noqa: E402
+from axrl.recording.events import read_events  # noqa: E402
 from axrl.assembly.build import train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,8 +151,8 @@ def test_megatron_rank_actors_each_fetch_only_their_data_parallel_share(cluster)
     import torch
 
     from axrl.model import build_model, preset_config
-    from axrl.runtime.ray.handles import DataPlane, payload_bytes
-    from axrl.runtime.ray.megatron_ranks import RayRankGroup
+    from axrl.ray_executor.handles import DataPlane, payload_bytes
+    from axrl.ray_executor.megatron_ranks import RayRankGroup
     from axrl.train.megatron import MegatronBackend, MegatronBackendConfig
     from tests.test_train_backend import make_batch, pg_loss
 
@@ -243,7 +243,7 @@ GPU_PLACEMENT = """
 import json, sys
 import ray
 from axrl.config import ConfigError, load_config
-from axrl.runtime.ray.placement import place
+from axrl.ray_executor.placement import place
 # A CPU machine: Ray is told the node has one GPU; it schedules and assigns it like a real one.
 ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, _node_ip_address="127.0.0.1",
          logging_level="warning", log_to_driver=False)
@@ -292,7 +292,7 @@ def test_gpu_keys_name_what_is_missing():
 def test_without_ray_the_error_names_the_extra(monkeypatch):
     import builtins
 
-    from axrl.runtime.ray.cluster import import_ray
+    from axrl.ray_executor.cluster import import_ray
 
     real = builtins.__import__
     def no_ray(name, *args, **kwargs):
@@ -307,7 +307,7 @@ def test_without_ray_the_error_names_the_extra(monkeypatch):
 def kill_when(run_dir: Path, component: str, after_steps: int, killed: list) -> None:
     """Kill (SIGKILL, by PID) the actor of `component` once `after_steps` steps are recorded and
     the run's health table (RUN/status.json) shows its PID (the engine's with requests in flight)."""
-    from axrl.runtime.ray.monitor import read_status
+    from axrl.ray_executor.monitor import read_status
 
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -365,7 +365,7 @@ def test_status_table_keeps_actor_names_whole_beside_a_long_error():
     a dead engine leaves on the rollout worker) wraps in its own column, never the actor's name."""
     from rich.console import Console
 
-    from axrl.runtime.health_table import health_table
+    from axrl.console.health_table import health_table
 
     rows = [{"component": "train rank 0", "state": "idle", "pid": 17341, "heartbeat": 0.0, "calls": 51, "errors": 0},
             {"component": "rollout worker", "state": "busy", "pid": 17371, "heartbeat": 0.0, "calls": 6, "errors": 1,
@@ -406,8 +406,8 @@ def test_killed_train_actor_restarts_the_group_from_the_last_checkpoint(cluster,
 
 
 def test_train_restarts_are_bounded_then_the_run_stops_naming_the_key(tmp_path):
-    from axrl.runtime.ray.recovery import TrainGroupFailed, train_with_recovery
-    from axrl.runtime.ray.train_group import TrainGroupLost
+    from axrl.ray_executor.recovery import TrainGroupFailed, train_with_recovery
+    from axrl.ray_executor.train_group import TrainGroupLost
 
     calls = []
     def dies(resume):
@@ -441,8 +441,8 @@ def test_data_parallel_ranks_sum_to_the_one_process_gradient_and_stay_identical(
 
     from axrl.assembly.build import make_tokenizer, make_train_backend, policy_loss
     from axrl.assembly.settings import run_settings
-    from axrl.runtime.events import EventLog
-    from axrl.runtime.ray.executor import RayExecutor
+    from axrl.recording.events import EventLog
+    from axrl.ray_executor.executor import RayExecutor
     from axrl.train.protocol import PackedBatch
 
     c = cfg("runtime.executor=ray", "runtime.ray.train_ranks=2", *SMALL, "train.lr=1e-2")

@@ -20,7 +20,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from axrl.runtime.events import read_events  # noqa: E402
+from axrl.recording.events import read_events  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))

@@ -14,7 +14,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from axrl.cli import app
-from axrl.runtime.progress import TrainProgress
+from axrl.console.progress import TrainProgress
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"

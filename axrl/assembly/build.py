@@ -26,7 +26,7 @@ from axrl.rollout.pool import TrajectoryPool
 from axrl.rollout.worker import RolloutWorker
 from axrl.runtime import components as factories
 from axrl.runtime.components import Components, RunSettings
-from axrl.runtime.events import EventLog
+from axrl.recording.events import EventLog
 from axrl.runtime.loop import check_run_dir
 from axrl.runtime.loop import train as run_loop
 from axrl.sync import WeightSync
@@ -47,7 +47,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Path:
         return run_loop(S.loop_settings(cfg), components, run_dir, resume=resume)
 
     if cfg.runtime.executor == "ray":
-        from axrl.runtime.ray.recovery import train_with_recovery
+        from axrl.ray_executor.recovery import train_with_recovery
 
         return train_with_recovery(run_dir, resume, once, max_restarts=cfg.runtime.ray.train_restarts)
     return once(resume)
@@ -66,8 +66,8 @@ def build_components(cfg: Config) -> Components:
 
 def _build_on_ray(cfg: Config, settings: RunSettings, tokenizer: Tokenizer, task: Task,
                   loader: PromptLoader) -> Components:
-    """The same components as Ray actors behind the same protocols (axrl/runtime/ray/)."""
-    from axrl.runtime.ray.executor import RayExecutor
+    """The same components as Ray actors behind the same protocols (axrl/ray_executor/)."""
+    from axrl.ray_executor.executor import RayExecutor
 
     events = EventLog()
     executor = RayExecutor(settings, cfg.runtime.ray, events)

@@ -22,7 +22,7 @@ from axrl.runtime.faults import Faults
 from axrl.runtime.learner import RecordSettings
 from axrl.runtime.loop import LoopSettings, WarmupSettings
 from axrl.runtime.spike_trigger import SpikeSettings
-from axrl.runtime.train_worker import TrainStepSettings
+from axrl.runtime.step_trainer import TrainStepSettings
 from axrl.train import TorchBackendConfig
 from axrl.train.protocol import R3, R3Scope
 

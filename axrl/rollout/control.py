@@ -2,7 +2,7 @@
 it for a checkpoint (`RolloutControl`), and take sealed batches from it (`BatchSource`).
 
 The in-process `RolloutWorker` and `TrajectoryPool` are them; under `runtime.executor: ray` one
-driver-side handle of the rollout actor is both (`axrl/runtime/ray/rollout.py`) and its `take`
+driver-side handle of the rollout actor is both (`axrl/ray_executor/rollout.py`) and its `take`
 returns a reference to the batch, not the batch.
 """
 

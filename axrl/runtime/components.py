@@ -1,6 +1,6 @@
 """The components of a run, built from settings objects (never from the config: `axrl.assembly`
 maps config sections onto these settings, then calls the factories here — in this process, or
-inside the Ray actors of `axrl.runtime.ray`, which are handed the same settings).
+inside the Ray actors of `axrl.ray_executor`, which are handed the same settings).
 
 Each factory takes the small settings object of what it builds; `RunSettings` is only their
 bundle, so a Ray actor can be handed the parts it builds from.
@@ -34,10 +34,10 @@ from axrl.rollout.runner import Clock, RolloutSettings
 from axrl.rollout.schedule import Schedule
 from axrl.rollout.worker import RolloutPolicy, RolloutWorker
 from axrl.runtime.evaluator import Evaluator
-from axrl.runtime.events import EventLog
+from axrl.recording.events import EventLog
 from axrl.runtime.faults import Faults
 from axrl.runtime.learner import Learner, RecordSettings, StepLearner
-from axrl.runtime.train_worker import TrainStepSettings, TrainWorker
+from axrl.runtime.step_trainer import TrainStepSettings, StepTrainer
 from axrl.sync import WeightSync
 from axrl.tokenizer import Tokenizer, load_tokenizer
 from axrl.trace import RunDir
@@ -190,7 +190,7 @@ class Components:
     sync: WeightSync | None
     pool: BatchSource
     rollout: RolloutControl
-    trainer: TrainWorker | None
+    trainer: StepTrainer | None
     evaluator: Evaluator | None
     events: EventLog = field(default_factory=EventLog)   # faults and recoveries (RUN/events.jsonl)
     executor: Any = None                                 # runtime.executor: ray — its RayExecutor
@@ -249,7 +249,7 @@ def build_local(s: RunSettings) -> Components:
     side = make_rollout_side(s.rollout, tokenizer, task, loader, engine, backend.model_config,
                              lambda clocked: make_embedded_engine(s.model, s.rollout.embedded, backend, tokenizer,
                                                                   clocked=clocked))
-    trainer = make_train_worker(s.learner, backend, side.sync)
+    trainer = make_step_trainer(s.learner, backend, side.sync)
     return Components(tokenizer, task, loader, backend, engine, side.sync, side.pool, side.rollout, trainer,
                       side.evaluator, proxy=side.proxy, record=s.learner.record)
 
@@ -259,9 +259,9 @@ def make_processor(s: LearnerSettings) -> AlgorithmProcessor:
     return AlgorithmProcessor(temperature=s.temperature, settings=s.advantages, keep_groups=s.keep_groups)
 
 
-def make_train_worker(s: LearnerSettings, backend: TrainBackend, sync: WeightSync) -> TrainWorker:
+def make_step_trainer(s: LearnerSettings, backend: TrainBackend, sync: WeightSync) -> StepTrainer:
     """The trainer side of a step over `backend`, posting new weights to `sync`."""
-    return TrainWorker(backend, make_processor(s), s.step, sync, backend.model_config.num_experts)
+    return StepTrainer(backend, make_processor(s), s.step, sync, backend.model_config.num_experts)
 
 
 def make_rollout_side(s: RolloutSideSettings, tokenizer: Tokenizer, task: Task, loader: PromptLoader,

@@ -5,7 +5,7 @@ updates, weight post), the metrics.jsonl line, the online spike trigger and the 
 file. The loop hands it the batch and gets back only the metrics, so the heavy parts of a step
 (trajectories, the packed batch, per-token trainer outputs) never need to be where the loop
 is: under `runtime.executor: ray` this same object runs in an actor next to the train ranks
-(`axrl/runtime/ray/learner.py`) and the driver passes it an object reference.
+(`axrl/ray_executor/learner.py`) and the driver passes it an object reference.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any, Protocol
 import torch
 
 from axrl.rollout.pool import Batch
-from axrl.runtime.progress import PhaseTimer
-from axrl.runtime.records import step_metrics, step_record
+from axrl.console.progress import PhaseTimer
+from axrl.recording.records import step_metrics, step_record
 from axrl.runtime.spike_trigger import SpikeSettings, SpikeTrigger
-from axrl.runtime.train_worker import TrainWorker
+from axrl.runtime.step_trainer import StepTrainer
 from axrl.trace import RunDir
 
 
@@ -50,7 +50,7 @@ class RecordSettings:
 class Learner:
     """The in-process learner: train worker + recording (`StepLearner`)."""
 
-    def __init__(self, trainer: TrainWorker, run: RunDir, record: RecordSettings) -> None:
+    def __init__(self, trainer: StepTrainer, run: RunDir, record: RecordSettings) -> None:
         self.trainer, self.run, self.record = trainer, run, record
         self.trigger = SpikeTrigger.for_run(record.spike, run.path)  # trace.spike_ratio (off by default)
 

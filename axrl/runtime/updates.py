@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from axrl.runtime.records import UpdateResult
+from axrl.recording.records import UpdateResult
 from axrl.train.protocol import R3, LossFn, PackedBatch, TrainBackend
 
 

@@ -2,7 +2,7 @@
 ``golden``/``check`` and ``export`` share.
 
 Sources: the scalars the training loop already logged to ``metrics.jsonl`` (reward, loss,
-grad_norm, clipfrac, mismatch — see ``axrl/runtime/records.py``) are taken from there when the
+grad_norm, clipfrac, mismatch — see ``axrl/recording/records.py``) are taken from there when the
 row has a finite value, because that is what the run itself reported; otherwise, and for every
 metric the loop does not log (k3 KL, routing agreement, version lag, …), they are computed from
 the step file. ``df.attrs["sources"]`` says which metric came from where.

@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from axrl.trace import SchemaVersionError, TraceError, TraceReader
-from axrl_debug.app import BadInput, err, out
+from axrl_debug.commands.base import BadInput, err, out
 
 STEP_OPTION_HELP = "Analyse only step N."
 STEPS_OPTION_HELP = "Analyse steps A:B (inclusive; either end may be left open, e.g. 10: or :5)."

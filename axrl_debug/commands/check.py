@@ -10,7 +10,7 @@ import typer
 
 from axrl_debug.analysis.frames import step_table
 from axrl_debug.analysis.gate import GoldenError, check as run_check, junit_xml, parse_tol, read_golden
-from axrl_debug.app import EXIT_FAILED, JSON_OPTION, BadInput, app, err, out, print_json, run_command
+from axrl_debug.commands.base import EXIT_FAILED, JSON_OPTION, BadInput, app, err, out, print_json, run_command
 from axrl_debug.commands._common import fmt, open_run, report_problems, show, simple_table
 
 

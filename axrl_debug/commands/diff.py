@@ -12,7 +12,7 @@ import typer
 from axrl.trace import TraceReader
 from axrl_debug.analysis.diff import DEFAULT_DIFF_METRICS, diff_tables
 from axrl_debug.analysis.frames import step_table
-from axrl_debug.app import EXIT_FAILED, JSON_OPTION, BadInput, app, out, print_json, run_command
+from axrl_debug.commands.base import EXIT_FAILED, JSON_OPTION, BadInput, app, out, print_json, run_command
 from axrl_debug.commands._common import fmt, open_run, report_problems, show, simple_table
 
 

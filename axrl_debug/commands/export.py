@@ -29,7 +29,7 @@ import typer
 from axrl.trace import TraceReader
 from axrl.trace.reader import StepColumns, step_token_frame
 from axrl_debug.analysis.frames import step_table
-from axrl_debug.app import JSON_OPTION, BadInput, app, out, print_json, run_command
+from axrl_debug.commands.base import JSON_OPTION, BadInput, app, out, print_json, run_command
 from axrl_debug.commands._common import STEPS_OPTION_HELP, open_run, report_problems, select_steps
 
 FORMATS = ("parquet", "csv")

@@ -10,7 +10,7 @@ import typer
 from axrl_debug.analysis.frames import step_table
 from axrl_debug.analysis.gate import (DEFAULT_ATOL, DEFAULT_GOLDEN_METRICS, DEFAULT_RTOL, make_golden,
                                       parse_tol, write_golden)
-from axrl_debug.app import JSON_OPTION, BadInput, app, err, out, print_json, run_command
+from axrl_debug.commands.base import JSON_OPTION, BadInput, app, err, out, print_json, run_command
 from axrl_debug.commands._common import STEPS_OPTION_HELP, open_run, report_problems, select_steps
 
 TOL_HELP = "Per-metric tolerance stored in the golden file: METRIC=RTOL or METRIC=RTOL,ATOL (repeatable)."

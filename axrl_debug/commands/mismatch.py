@@ -13,7 +13,7 @@ import typer
 from axrl.tokenizer import run_tokenizer
 from axrl_debug.analysis.mismatch import MismatchConfig, attach_context, mismatch_report
 from axrl_debug.analysis.objective import objective_report
-from axrl_debug.app import JSON_OPTION, BadInput, app, err, out, print_json, run_command
+from axrl_debug.commands.base import JSON_OPTION, BadInput, app, err, out, print_json, run_command
 from axrl_debug.commands._common import (STEP_OPTION_HELP, STEPS_OPTION_HELP, fmt, open_run, pct,
                                          report_problems, select_steps, show, simple_table)
 

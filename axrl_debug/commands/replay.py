@@ -14,7 +14,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from axrl_debug.app import EXIT_FAILED, EXIT_OK, JSON_OPTION, BadInput, app, err, out, print_json, run_command
+from axrl_debug.commands.base import EXIT_FAILED, EXIT_OK, JSON_OPTION, BadInput, app, err, out, print_json, run_command
 
 if TYPE_CHECKING:  # the replay library (and torch) load only when the command runs
     from replay import ReplayResult

@@ -12,7 +12,7 @@ import typer
 from axrl_debug.analysis.frames import step_table
 from axrl_debug.analysis.param_grads import gradient_attribution
 from axrl_debug.analysis.spikes import DEFAULT_SPIKE_METRICS, SpikeConfig, attribute, detect
-from axrl_debug.app import JSON_OPTION, BadInput, app, out, print_json, run_command
+from axrl_debug.commands.base import JSON_OPTION, BadInput, app, out, print_json, run_command
 from axrl_debug.commands._common import (STEPS_OPTION_HELP, fmt, open_run, pct, report_problems,
                                          select_steps, show, simple_table)
 

@@ -9,12 +9,12 @@ from typing import Any
 
 import typer
 
-from axrl.runtime.events import read_events
+from axrl.recording.events import read_events
 from axrl_debug.analysis.frames import step_table
 from axrl_debug.analysis.objective import objective_by_step
 from axrl_debug.analysis.sessions import sessions_by_step
 from axrl_debug.analysis.spikes import SpikeConfig, detect
-from axrl_debug.app import JSON_OPTION, app, out, print_json, run_command
+from axrl_debug.commands.base import JSON_OPTION, app, out, print_json, run_command
 from axrl_debug.commands._common import (STEPS_OPTION_HELP, fmt, open_run, pct, report_problems,
                                          select_steps, show, simple_table)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import typer
 
-from axrl_debug.app import BadInput, app, run_command
+from axrl_debug.commands.base import BadInput, app, run_command
 from axrl_debug.commands._common import describe_steps, nearest_steps
 
 

@@ -7,7 +7,7 @@
 - `main`: `serve`, the `axrl serve` process.
 """
 
-from axrl.inference.serve.app import create_app
+from axrl.inference.serve.serve_app import create_app
 from axrl.inference.serve.main import serve, startup_message
 from axrl.inference.serve.state import AxrlServer, ServeConfig, build_server
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from axrl.inference.serve.app import create_app
+from axrl.inference.serve.serve_app import create_app
 from axrl.inference.serve.state import AxrlServer, ServeConfig, build_server
 from axrl.model import hf_state_dict
 

@@ -7,7 +7,7 @@ Both are a `RankGroup`: `call(method, *args) -> [result of rank 0, rank 1, …]`
 Workers get batches and return results through pipes; an exception in any worker is re-raised in
 the driver with the worker's traceback, and every wait has a timeout so a wedged collective cannot
 hang the caller. Under `runtime.executor: ray` the ranks are Ray actors
-(`axrl/runtime/ray/megatron_ranks.py`), behind the same protocol.
+(`axrl/ray_executor/megatron_ranks.py`), behind the same protocol.
 """
 
 from __future__ import annotations

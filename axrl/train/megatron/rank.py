@@ -1,7 +1,7 @@
 """One rank of the Megatron backend: its shard of the `GPTModel`, its optimizer, and the
 forward / backward / step of its part of a packed batch. Runs in the driver process at world
 size 1, otherwise in each worker process (`parallel.py`) or Ray rank actor
-(`axrl/runtime/ray/megatron_ranks.py`).
+(`axrl/ray_executor/megatron_ranks.py`).
 
 A rank is sent only its own rows: the backend cuts the batch into micro-batches and each
 micro-batch into DP shares (`shares.py`), and a DP rank gets its `RankWork` — its share of every

@@ -23,8 +23,8 @@ from axrl.inference.protocol import GenerateRequest, GenerateResult
 from axrl.model.device import resolve_device
 from axrl.runtime.components import (BackendSettings, EngineSettings, ModelSource, embedded_engine_for,
                                      initial_model, make_tokenizer, make_train_backend)
-from axrl.runtime.ray.activity import Activity, ActorBase, free_address, reported
-from axrl.runtime.ray.handles import DataPlane, WeightsHandle, payload_bytes, rank_label
+from axrl.ray_executor.activity import Activity, ActorBase, free_address, reported
+from axrl.ray_executor.handles import DataPlane, WeightsHandle, payload_bytes, rank_label
 from axrl.train.protocol import (R3, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, StepStats,
                                  TrainMetrics)
 
@@ -128,7 +128,7 @@ class TrainRankActor(ActorBase):
 
     With `train.backend: megatron` there is one of these, the group's head: it holds the
     `MegatronBackend`, whose tensor/data-parallel ranks are Megatron rank actors of their own in
-    `megatron_slots` (axrl/runtime/ray/megatron_ranks.py)."""
+    `megatron_slots` (axrl/ray_executor/megatron_ranks.py)."""
 
     def __init__(self, source: ModelSource, backend: BackendSettings, threads: int, call_timeout_s: float,
                  rank: int, world: int, megatron_slots: list[dict[str, Any]] | None = None) -> None:
@@ -138,7 +138,7 @@ class TrainRankActor(ActorBase):
         self.plane = DataPlane(in_driver=False)  # what this rank moves by reference (Megatron shares)
         group = None
         if megatron_slots is not None:
-            from axrl.runtime.ray.megatron_ranks import RayRankGroup
+            from axrl.ray_executor.megatron_ranks import RayRankGroup
 
             def group(*args: Any) -> RayRankGroup:
                 self.megatron_ranks = RayRankGroup(*args, slots=megatron_slots, plane=self.plane,

@@ -22,9 +22,9 @@ from collections import OrderedDict
 from typing import Any, Callable, Iterable, Mapping
 
 from axrl.inference.protocol import GenerateRequest, GenerateResult, settle_future
-from axrl.runtime.events import EventLog
-from axrl.runtime.ray.calls import RestartableActor, close_actor, is_dead, unwrap
-from axrl.runtime.ray.handles import DataPlane, WeightsHandle, payload_bytes
+from axrl.recording.events import EventLog
+from axrl.ray_executor.calls import RestartableActor, close_actor, is_dead, unwrap
+from axrl.ray_executor.handles import DataPlane, WeightsHandle, payload_bytes
 
 
 class EngineActorLost(RuntimeError):

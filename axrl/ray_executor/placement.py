@@ -15,7 +15,7 @@ from typing import Any
 
 from axrl.errors import ConfigError
 from axrl.runtime.components import BackendSettings
-from axrl.runtime.ray.settings import RayPlacementSettings
+from axrl.ray_executor.settings import RayPlacementSettings
 
 
 @dataclass

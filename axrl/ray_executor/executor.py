@@ -12,18 +12,18 @@ from pathlib import Path
 from typing import Any
 
 from axrl.runtime.components import RunSettings
-from axrl.runtime.events import EventLog
-from axrl.runtime.health_table import health_table
-from axrl.runtime.ray.actors import TrainRankActor
-from axrl.runtime.ray.cluster import connect, import_ray
-from axrl.runtime.ray.handles import DataPlane
-from axrl.runtime.ray.learner import LearnerActor, RayLearner
-from axrl.runtime.ray.monitor import Monitor
-from axrl.runtime.ray.placement import Placement, place, train_slots
-from axrl.runtime.ray.reaper import start_reaper
-from axrl.runtime.ray.rollout import RayRollout, RolloutActor
-from axrl.runtime.ray.settings import RaySettings
-from axrl.runtime.ray.train_group import RayTrainGroup
+from axrl.recording.events import EventLog
+from axrl.console.health_table import health_table
+from axrl.ray_executor.actors import TrainRankActor
+from axrl.ray_executor.cluster import connect, import_ray
+from axrl.ray_executor.handles import DataPlane
+from axrl.ray_executor.learner import LearnerActor, RayLearner
+from axrl.ray_executor.monitor import Monitor
+from axrl.ray_executor.placement import Placement, place, train_slots
+from axrl.ray_executor.reaper import start_reaper
+from axrl.ray_executor.rollout import RayRollout, RolloutActor
+from axrl.ray_executor.settings import RaySettings
+from axrl.ray_executor.train_group import RayTrainGroup
 from axrl.trace.run_dir import atomic_write_text
 
 DATA_PLANE_FILE = "data_plane.json"

@@ -11,7 +11,7 @@ import socket
 from types import ModuleType
 
 from axrl.errors import ConfigError
-from axrl.runtime.ray.settings import RaySettings
+from axrl.ray_executor.settings import RaySettings
 
 RAY_EXTRA = "pip install 'axrl[ray]'"
 

@@ -1,4 +1,4 @@
-"""TrainWorker: the trainer side of a step — a sealed batch in, new weights out.
+"""StepTrainer: the trainer side of a step — a sealed batch in, new weights out.
 
 prepare: advantages and packing (the AlgorithmProcessor), then the trainer's recompute of every
 token's logprob before the update (`old_logprob`, the proximal policy of decoupled PPO) and,
@@ -23,8 +23,8 @@ from axrl.algo.loss_config import PolicyLossConfig
 from axrl.algo.processor import AlgorithmProcessor, ProcessedBatch
 from axrl.rollout.pool import Batch
 from axrl.runtime.faults import Faults
-from axrl.runtime.progress import PhaseTimer
-from axrl.runtime.records import TrainedStep
+from axrl.console.progress import PhaseTimer
+from axrl.recording.records import TrainedStep
 from axrl.runtime.reference import with_reference_logprobs
 from axrl.runtime.updates import run_updates
 from axrl.sync import WeightSync
@@ -65,7 +65,7 @@ def version_key(version: int) -> str:
     return f"v{version}"
 
 
-class TrainWorker:
+class StepTrainer:
     def __init__(self, backend: TrainBackend, processor: AlgorithmProcessor, settings: TrainStepSettings,
                  sync: WeightSync, num_experts: int) -> None:
         self.backend, self.processor, self.settings, self.sync = backend, processor, settings, sync

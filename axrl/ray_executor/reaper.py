@@ -7,7 +7,7 @@ while the driver lives it keeps a snapshot (refreshed every second) of the drive
 processes; when its stdin closes — the driver shut the cluster down, or died — it kills those
 still running (same PID *and* start time, so a reused PID is never hit).
 
-    python -m axrl.runtime.ray.reaper DRIVER_PID
+    python -m axrl.ray_executor.reaper DRIVER_PID
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def main(driver: int) -> None:
 
 def start_reaper() -> subprocess.Popen:
     """Start the reaper for this process (the driver); close its stdin to make it reap now."""
-    return subprocess.Popen([sys.executable, "-m", "axrl.runtime.ray.reaper", str(os.getpid())],
+    return subprocess.Popen([sys.executable, "-m", "axrl.ray_executor.reaper", str(os.getpid())],
                             stdin=subprocess.PIPE, start_new_session=True)
 
 

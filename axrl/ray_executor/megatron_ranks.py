@@ -18,9 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 from axrl.model import ModelConfig
-from axrl.runtime.ray.activity import Activity, ActorBase, free_address
-from axrl.runtime.ray.calls import close_actor
-from axrl.runtime.ray.handles import DataPlane, payload_bytes, rank_label
+from axrl.ray_executor.activity import Activity, ActorBase, free_address
+from axrl.ray_executor.calls import close_actor
+from axrl.ray_executor.handles import DataPlane, payload_bytes, rank_label
 from axrl.train.megatron.model import ParallelSizes
 
 

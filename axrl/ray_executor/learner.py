@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from axrl.runtime.components import LearnerSettings, make_train_worker
-from axrl.runtime.events import EventLog
-from axrl.runtime.ray.activity import Activity, ActorBase
-from axrl.runtime.ray.calls import close_actor, is_dead, unwrap
-from axrl.runtime.ray.handles import DataPlane, metadata_bytes
-from axrl.runtime.ray.rollout import RayRollout
-from axrl.runtime.ray.train_group import RayTrainGroup, TrainGroupLost
+from axrl.runtime.components import LearnerSettings, make_step_trainer
+from axrl.recording.events import EventLog
+from axrl.ray_executor.activity import Activity, ActorBase
+from axrl.ray_executor.calls import close_actor, is_dead, unwrap
+from axrl.ray_executor.handles import DataPlane, metadata_bytes
+from axrl.ray_executor.rollout import RayRollout
+from axrl.ray_executor.train_group import RayTrainGroup, TrainGroupLost
 
 
 class LearnerActor(ActorBase):
@@ -40,14 +40,14 @@ class LearnerActor(ActorBase):
         backend = RayTrainGroup.attach(ray, attachment, events=self.events, plane=self.plane,
                                        call_timeout_s=call_timeout_s)
         self.sync = WeightSync(version=0)
-        self.learner = Learner(make_train_worker(settings, backend, self.sync), RunDir(run_path), settings.record)
+        self.learner = Learner(make_step_trainer(settings, backend, self.sync), RunDir(run_path), settings.record)
 
     def step(self, batch_refs: list[Any], step: int, times: dict[str, float]) -> tuple[dict[str, Any], dict[str, float],
                                                                                        list[Any]]:
         """Train on the batch behind `batch_refs[0]` and record it: (metrics, phase times, [new weights handle])."""
         import ray
 
-        from axrl.runtime.progress import PhaseTimer
+        from axrl.console.progress import PhaseTimer
 
         with self.activity_.doing(f"step {step}"):
             batch = ray.get(batch_refs[0])

@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from axrl.algo import LossRule, PolicyLoss, aggregation_weights
-from axrl.runtime.records import UpdateResult
+from axrl.recording.records import UpdateResult
 from axrl.trace import SCHEMA_VERSION
 from axrl.train.protocol import R3, Inspection, LossContext, PackedBatch, TrainBackend
 

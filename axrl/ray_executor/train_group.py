@@ -20,9 +20,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 from axrl.model.config import ModelConfig
-from axrl.runtime.events import EventLog
-from axrl.runtime.ray.calls import close_actor
-from axrl.runtime.ray.handles import DataPlane, WeightsHandle, payload_bytes, rank_label, shard_rows
+from axrl.recording.events import EventLog
+from axrl.ray_executor.calls import close_actor
+from axrl.ray_executor.handles import DataPlane, WeightsHandle, payload_bytes, rank_label, shard_rows
 from axrl.train.metrics import reduce_microbatch_metrics
 from axrl.train.protocol import (R3, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, StepStats,
                                  TrainMetrics)

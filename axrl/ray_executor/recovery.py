@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from axrl.runtime.events import EventLog
-from axrl.runtime.ray.train_group import TrainGroupLost
+from axrl.recording.events import EventLog
+from axrl.ray_executor.train_group import TrainGroupLost
 
 
 class TrainGroupFailed(RuntimeError):

@@ -22,11 +22,11 @@ import torch
 
 from axrl.runtime.components import (RunSettings, embedded_engine_for, fresh_engine_model, make_data, make_engine,
                                      make_rollout_side, make_tokenizer)
-from axrl.runtime.events import EventLog
-from axrl.runtime.ray.activity import Activity, ActorBase
-from axrl.runtime.ray.calls import RestartableActor, close_actor, unwrap
-from axrl.runtime.ray.handles import DataPlane, WeightsHandle, metadata_bytes, payload_bytes
-from axrl.runtime.ray.settings import RaySettings
+from axrl.recording.events import EventLog
+from axrl.ray_executor.activity import Activity, ActorBase
+from axrl.ray_executor.calls import RestartableActor, close_actor, unwrap
+from axrl.ray_executor.handles import DataPlane, WeightsHandle, metadata_bytes, payload_bytes
+from axrl.ray_executor.settings import RaySettings
 
 
 class RolloutActorLost(RuntimeError):
@@ -44,9 +44,9 @@ class RolloutActor(ActorBase):
                  monitor_groups: dict[str, int]) -> None:
         import ray
 
-        from axrl.runtime.ray.actors import EngineActor
-        from axrl.runtime.ray.engine import RayEngine
-        from axrl.runtime.ray.train_group import RayTrainGroup
+        from axrl.ray_executor.actors import EngineActor
+        from axrl.ray_executor.engine import RayEngine
+        from axrl.ray_executor.train_group import RayTrainGroup
 
         torch.set_num_threads(settings.threads)
         self.events, self.plane = EventLog(), DataPlane(in_driver=False)
