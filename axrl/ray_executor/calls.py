@@ -24,6 +24,23 @@ def unwrap(error: Any) -> BaseException:
     return cause if isinstance(cause, BaseException) else error
 
 
+class RestartingHandle:
+    """A driver-side handle over a `RestartableActor` (`self._remote`): the current actor's pid
+    and how often it was restarted."""
+
+    _remote: "RestartableActor"
+
+    @property
+    def pid(self) -> int:
+        """The current actor's process id."""
+        return self._remote.pid
+
+    @property
+    def restarts(self) -> int:
+        """How often the actor was restarted so far."""
+        return self._remote.restarts
+
+
 class RestartableActor:
     """One actor behind a driver-side handle, replaced when it dies, at most `budget` times.
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from axrl.inference.protocol import GenerateRequest, GenerateResult, settle_future
 from axrl.recording.events import EventLog
-from axrl.ray_executor.calls import RestartableActor, close_actor, is_dead, unwrap
+from axrl.ray_executor.calls import RestartableActor, RestartingHandle, close_actor, is_dead, unwrap
 from axrl.ray_executor.handles import DataPlane, WeightsHandle, payload_bytes
 
 
@@ -31,7 +31,7 @@ class EngineActorLost(RuntimeError):
     """The engine actor died more often than `runtime.ray.engine_restarts` allows."""
 
 
-class RayEngine:
+class RayEngine(RestartingHandle):
     def __init__(self, ray: Any, make_actor: Callable[[], Any], *, clocked: bool, restarts: int, events: EventLog,
                  plane: DataPlane, call_timeout_s: float = 600.0) -> None:
         self._ray, self.clocked, self._plane, self._timeout = ray, clocked, plane, call_timeout_s
@@ -71,16 +71,6 @@ class RayEngine:
             self._get(actor.submit_many.remote(requests))
         return {"weight_version": self._version, "requeued_requests": len(requests),
                 "requeued_rids": [r.rid for r in requests]}
-
-    @property
-    def pid(self) -> int:
-        """The current engine actor's process id."""
-        return self._remote.pid
-
-    @property
-    def restarts(self) -> int:
-        """How often the engine actor was restarted so far."""
-        return self._remote.restarts
 
     def _resolve(self, finished: list[tuple[str, GenerateResult | None, BaseException | None]]) -> None:
         for rid, result, error in finished:

@@ -24,7 +24,7 @@ from axrl.runtime.components import (RunSettings, embedded_engine_for, fresh_eng
                                      make_rollout_side, make_tokenizer)
 from axrl.recording.events import EventLog
 from axrl.ray_executor.activity import Activity, ActorBase
-from axrl.ray_executor.calls import RestartableActor, close_actor, unwrap
+from axrl.ray_executor.calls import RestartableActor, RestartingHandle, close_actor, unwrap
 from axrl.ray_executor.handles import DataPlane, WeightsHandle, metadata_bytes, payload_bytes
 from axrl.ray_executor.settings import RaySettings
 
@@ -151,7 +151,7 @@ class RolloutActor(ActorBase):
         return self.plane.snapshot()
 
 
-class RayRollout:
+class RayRollout(RestartingHandle):
     """The driver's handle of the rollout actor (see the module docstring)."""
 
     def __init__(self, ray: Any, make_actor: Callable[[], Any], *, restarts: int, events: EventLog, plane: DataPlane,
@@ -164,16 +164,6 @@ class RayRollout:
                                         component="rollout worker", name="rollout actor", budget=restarts,
                                         key="runtime.ray.rollout_restarts", lost=RolloutActorLost)
         self.evaluator = RayEvaluator(self) if evaluates else None
-
-    @property
-    def pid(self) -> int:
-        """The current rollout actor's process id."""
-        return self._remote.pid
-
-    @property
-    def restarts(self) -> int:
-        """How often the rollout actor was restarted so far."""
-        return self._remote.restarts
 
     # -- calls -----------------------------------------------------------------------------------
     def _get(self, ref: Any) -> Any:

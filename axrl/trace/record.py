@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -388,14 +388,8 @@ def _updates(r: StepRecord, n: int) -> dict[str, Any]:
         missing = [k for k in S.UPDATE_REQUIRED if k not in metrics]
         if missing:
             raise _fail("update_metrics", f"missing required column(s) {missing}")
-    for k in S.UPDATE_REQUIRED:
-        metrics.setdefault(k, np.zeros(0))
-    for k, v in metrics.items():
-        _check_name("update_metrics", k)
-        if k in S.UPDATE_RESERVED:
-            raise _fail("update_metrics", f"column name {k!r} is reserved")
-        ds[f"{S.G_UPDATES}/{k}"] = _as_metric_column("update_metrics", k, v, u, "U = len(update_sample_offsets) - 1",
-                                                     S.UPDATE_REQUIRED)
+    ds.update(_metric_columns("update_metrics", metrics, S.G_UPDATES, S.UPDATE_REQUIRED, S.UPDATE_RESERVED, u,
+                              "U = len(update_sample_offsets) - 1"))
     if (r.param_names is None) != (r.param_grad_norm is None):
         raise _fail("param_grad_norm", "param_names and param_grad_norm go together")
     if r.param_names is not None:
@@ -409,6 +403,21 @@ def _updates(r: StepRecord, n: int) -> dict[str, Any]:
         _check_shape("update_fingerprints", fp, (u,), "U")
         ds["/train/updates/weights_fingerprint_after"] = fp
     return ds
+
+
+def _metric_columns(where: str, metrics: dict[str, Any], group: str, required: Mapping[str, str],
+                    reserved: Collection[str], length: int, length_name: str) -> dict[str, Any]:
+    """One dataset per metric column under `group` (required ones present even when empty), each
+    checked for its name and its length."""
+    for k in required:
+        metrics.setdefault(k, np.zeros(0))
+    out: dict[str, Any] = {}
+    for k, v in metrics.items():
+        _check_name(where, k)
+        if k in reserved:
+            raise _fail(where, f"column name {k!r} is reserved")
+        out[f"{group}/{k}"] = _as_metric_column(where, k, v, length, length_name, required)
+    return out
 
 
 def _micro_batches(r: StepRecord, n: int, u: int) -> tuple[dict[str, Any], int]:
@@ -436,14 +445,8 @@ def _micro_batches(r: StepRecord, n: int, u: int) -> tuple[dict[str, Any], int]:
         ds["/train/micro_batches/sample_offsets"] = moff
     if m is None:
         m = 0
-    for k in S.MICRO_BATCH_REQUIRED:
-        mb.setdefault(k, np.zeros(0))
-    for k, v in mb.items():
-        _check_name("micro_batch_metrics", k)
-        if k in S.MICRO_BATCH_RESERVED:
-            raise _fail("micro_batch_metrics", f"column name {k!r} is reserved")
-        ds[f"{S.G_MICRO_BATCHES}/{k}"] = _as_metric_column("micro_batch_metrics", k, v, m, "M",
-                                                           S.MICRO_BATCH_REQUIRED)
+    ds.update(_metric_columns("micro_batch_metrics", mb, S.G_MICRO_BATCHES, S.MICRO_BATCH_REQUIRED,
+                              S.MICRO_BATCH_RESERVED, m, "M"))
     upd = ds[f"{S.G_MICRO_BATCHES}/update"]
     if upd.size and (upd.min() < 0 or upd.max() >= u or bool((np.diff(upd) < 0).any())):
         raise _fail("micro_batch_metrics['update']", f"must be non-decreasing update indices in [0, U={u})")
