@@ -2,7 +2,7 @@
 
 Each *context* is one engine request of a recorded sample: turn k's prompt (the stream up to the
 turn's first generated token) is prefilled, then the turn's recorded tokens are fed one decode
-step at a time, exactly as the engine's scheduler does (`axrl.inference.embedded._Scheduler`):
+step at a time, exactly as the engine's scheduler does (`axrl.inference.scheduler.Scheduler`):
 the fused prefill over packed prompts, one `FusedDecoder.step` per iteration over slots [0, n)
 (idle rows fed token 0 at position 0), `lm_head` on the running rows, and the sampler's logprob
 `log_softmax(logits.float() / T)` at the recorded token.
@@ -247,7 +247,7 @@ def _run_batch(model: Qwen3ForCausalLM, decoder: FusedDecoder, cache: StaticKVCa
 class _Clocked:
     """The engine clock and scheduler of a synchronous step, teacher-forced (see the module doc).
 
-    Mirrors `RolloutWorker._main` / `EngineClock` / `_Scheduler.iterate`: after each engine
+    Mirrors `RolloutWorker._main` / `EngineClock` / `Scheduler.iterate`: after each engine
     iteration the worker admits groups with the live count it had *before* the iteration's finished
     episodes left (their tasks run only in the settle that follows), again with the fresh count if
     that admitted anything; then everything requested is submitted in sample-id order; the next

@@ -396,6 +396,39 @@ def test_bad_requests_raise_value_error_naming_the_field(moe_engine, kwargs, fie
     assert moe_engine.health()["waiting"] == 0
 
 
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(sampling_params=SamplingParams(max_new_tokens=True)), "sampling_params.max_new_tokens"),
+    (dict(sampling_params=SamplingParams(top_k=2.5)), "sampling_params.top_k"),
+    (dict(sampling_params=SamplingParams(seed=2 ** 64)), "sampling_params.seed"),
+    (dict(sampling_params={"max_new_tokens": 4, "temprature": 0.0}), "sampling_params"),
+    (dict(sampling_params="greedy"), "sampling_params"),
+    (dict(rid=""), "rid"),
+])
+def test_a_request_validates_itself_naming_the_field(kwargs, field):
+    """The checks live with the request: no engine needed, and the engine raises the same."""
+    req = GenerateRequest(**{"input_ids": [1, 2, 3], **kwargs})
+    with pytest.raises(ValueError, match=field):
+        req.validated(vocab_size=1024)
+
+
+def test_the_callers_request_is_never_modified(moe_engine):
+    """`sampling_params` given as an SGLang-style dict is parsed into a new request inside the
+    engine; the caller's object (and its dict) stay exactly as they were."""
+    sp = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    reqs = [GenerateRequest(list(p), dict(sp), return_logprob=True, rid=f"dict-{i}") for i, p in enumerate(PROMPTS)]
+    before = [GenerateRequest(list(r.input_ids), dict(sp), return_logprob=True, rid=r.rid) for r in reqs]
+    results = [f.result(timeout=60) for f in moe_engine.submit_many(reqs)]
+    one = GenerateRequest([5, 6], dict(sp), rid="dict-one")
+    single = asyncio.run(moe_engine.generate(one))
+    assert reqs == before and all(type(r.sampling_params) is dict for r in reqs)
+    assert one == GenerateRequest([5, 6], dict(sp), rid="dict-one")
+    typed = moe_engine.generate_batch([GenerateRequest(list(p), SamplingParams(**sp), return_logprob=True)
+                                       for p in PROMPTS])
+    assert [r.output_ids for r in results] == [r.output_ids for r in typed]
+    assert [r.output_logprobs for r in results] == [r.output_logprobs for r in typed]
+    assert len(single.output_ids) == 6
+
+
 def test_duplicate_rid_in_flight_is_rejected(moe_model):
     with EmbeddedEngine(moe_model, max_batch_size=1, max_seq_len=4096) as engine:
         long_sp = SamplingParams(max_new_tokens=4000, temperature=0.0, ignore_eos=True)

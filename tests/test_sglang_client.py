@@ -205,6 +205,20 @@ def test_killed_server_is_restarted_resynced_and_requests_complete(setup):
     _restore(setup)
 
 
+def test_the_callers_request_is_never_modified(setup):
+    """`sampling_params` as an SGLang-style dict: sent parsed, the caller's request left as it was."""
+    engine = setup["engine"]
+    sp = {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}
+    reqs = [GenerateRequest(list(p), dict(sp), return_logprob=True, rid=f"dict-{i}") for i, p in enumerate(PROMPTS)]
+    before = [GenerateRequest(list(r.input_ids), dict(sp), return_logprob=True, rid=r.rid) for r in reqs]
+    got = [f.result(timeout=120) for f in engine.submit_many(reqs)]
+    assert reqs == before and all(type(r.sampling_params) is dict for r in reqs)
+    typed = engine.generate_batch([_req(p, max_new=5) for p in PROMPTS])
+    assert [g.output_ids for g in got] == [t.output_ids for t in typed]
+    with pytest.raises(ValueError, match="sampling_params.top_k"):  # checked here, before anything is sent
+        engine.submit(GenerateRequest([1, 2], {"top_k": 0}))
+
+
 def test_errors_are_clear(setup, tmp_path):
     with pytest.raises(ValueError, match=r"urls\[0\]"):
         SGLangEngine(["localhost:30000"])
