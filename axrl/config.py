@@ -17,7 +17,7 @@ from axrl.algo.loss_config import PolicyLossConfig
 from axrl.errors import ConfigError
 from axrl.inference.sglang.settings import SGLangSettings
 from axrl.model.device import DEVICE_PATTERN
-from axrl.ray_executor.settings import RayPlacementSettings, RaySettings
+from axrl.ray_executor.settings import RaySettings
 
 
 class Section(BaseModel):

@@ -16,23 +16,23 @@ import torch
 from axrl.agents.tasks import Task
 from axrl.algo import PolicyLoss
 from axrl.algo.processor import AlgorithmProcessor
+from axrl.assembly import settings as S
 from axrl.config import Config
 from axrl.data import PromptLoader
 from axrl.errors import ConfigError
 from axrl.inference.embedded import EmbeddedEngine
 from axrl.model import ModelConfig, Qwen3ForCausalLM
+from axrl.recording.events import EventLog
 from axrl.rollout.agent_loop import opening
 from axrl.rollout.pool import TrajectoryPool
 from axrl.rollout.worker import RolloutWorker
 from axrl.runtime import components as factories
 from axrl.runtime.components import Components, RunSettings
-from axrl.recording.events import EventLog
 from axrl.runtime.loop import check_run_dir
 from axrl.runtime.loop import train as run_loop
 from axrl.sync import WeightSync
 from axrl.tokenizer import Tokenizer
 from axrl.train.protocol import TrainBackend
-from axrl.assembly import settings as S
 
 __all__ = ["build_components", "check_context", "make_data", "make_embedded_engine", "make_engine_model",
            "make_processor", "make_rollout", "make_tokenizer", "make_train_backend", "policy_loss", "train"]
@@ -61,7 +61,7 @@ def build_components(cfg: Config) -> Components:
     check_context(cfg, tokenizer, task, loader)
     if cfg.runtime.executor == "ray":
         return _build_on_ray(cfg, settings, tokenizer, task, loader)
-    return factories.build_local(settings)
+    return factories.build_local(settings, tokenizer, task, loader)
 
 
 def _build_on_ray(cfg: Config, settings: RunSettings, tokenizer: Tokenizer, task: Task,

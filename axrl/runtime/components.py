@@ -18,7 +18,6 @@ from axrl.agents.proxy import ProxyServer
 from axrl.agents.proxy.service import AgentService
 from axrl.agents.tasks import Task
 from axrl.agents.tasks.resolve import resolve_task
-from axrl.algo.loss_config import PolicyLossConfig
 from axrl.algo.processor import AdvantageSettings, AlgorithmProcessor
 from axrl.data import PromptLoader
 from axrl.errors import ConfigError
@@ -35,7 +34,6 @@ from axrl.rollout.schedule import Schedule
 from axrl.rollout.worker import RolloutPolicy, RolloutWorker
 from axrl.runtime.evaluator import Evaluator
 from axrl.recording.events import EventLog
-from axrl.runtime.faults import Faults
 from axrl.runtime.learner import Learner, RecordSettings, StepLearner
 from axrl.runtime.step_trainer import TrainStepSettings, StepTrainer
 from axrl.sync import WeightSync
@@ -240,10 +238,9 @@ class RolloutSide:
     evaluator: Evaluator | None
 
 
-def build_local(s: RunSettings) -> Components:
-    """Every component of a run in this process (`runtime.executor: local`)."""
-    tokenizer = make_tokenizer(s.model)
-    task, loader = make_data(s.data)
+def build_local(s: RunSettings, tokenizer: Tokenizer, task: Task, loader: PromptLoader) -> Components:
+    """Every component of a run in this process (`runtime.executor: local`), around the run's
+    tokenizer and prompt stream (`make_tokenizer(s.model)`, `make_data(s.data)`)."""
     backend = make_train_backend(s.model, s.backend, tokenizer)
     engine = make_engine(s.model, s.rollout, backend, tokenizer)
     side = make_rollout_side(s.rollout, tokenizer, task, loader, engine, backend.model_config,
