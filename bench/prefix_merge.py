@@ -11,7 +11,9 @@ policy loss, 1 thread, the default micro-batch budget (4096 tokens):
 
 The two ways take turns (`--repeats` rounds, median) so machine noise hits both alike. Tokens
 computed: what the forward runs over — padded [b, S] slots unmerged, tree slots merged. Before
-timing, the max |Δ| of logprobs between the two (they compute the same function).
+timing, the max |Δ| of logprobs between the two (they compute the same function; at random init
+logits are near uniform, so this is a smoke check — on trained weights and against the engine's
+logprobs see bench/prefix_merge_exactness.py).
 
     python bench/prefix_merge.py [--preset tiny-moe] [--groups 2] [--repeats 5]
 

@@ -1,5 +1,6 @@
 """Prefix-tree merged training (`train.prefix_merge`): the tree's layout, labels and loss mask at
-forks, and merged vs unmerged equality of logprobs, entropy, loss, every gradient and R3 routing."""
+forks, and merged vs unmerged equality of logprobs, entropy, loss, every gradient and R3 routing;
+at the quickstart's model size on long shared prefixes, also against the embedded engine."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import random
 import pytest
 import torch
 
+from axrl.inference import EmbeddedEngine, GenerateRequest, SamplingParams
 from axrl.model import build_model, preset_config
 from axrl.train import LossContext, PackedBatch, TorchBackend, TorchBackendConfig
 from axrl.train.micro_batch import micro_batches, shared_with_previous, split_micro_batches
@@ -126,6 +128,76 @@ def test_merged_equals_unmerged(seed, preset):
     ga, gb = grads(flat), grads(merged)
     for name in ga:
         assert (ga[name] - gb[name]).abs().max() < 1e-5 * max(1.0, float(ga[name].abs().max())), name
+
+
+def engine_rollouts(engine: EmbeddedEngine, vocab: int) -> tuple[PackedBatch, torch.Tensor]:
+    """A batch of long shared prefixes sampled by `engine`, and the engine's logprob of each token
+    (0 where the environment wrote it): two GRPO groups of 4 three-turn episodes on a 320-token
+    prompt, and one 32-turn episode on a 300-token prompt as per-turn samples (sample k is the
+    stream up to the end of turn k, trained on turn k) — 616 tokens by its last turn."""
+    rnd = random.Random(0)
+    env = lambda n: [rnd.randrange(vocab) for _ in range(n)]  # noqa: E731
+    samples: list[list[int]] = []
+    loss: list[list[int]] = []
+    rollout: list[list[float]] = []
+
+    def sample(streams: list[list[int]], seed: int, n: int) -> list[tuple[list[int], list[float]]]:
+        reqs = [GenerateRequest(list(s), SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True,
+                                                        seed=seed + j), return_logprob=True)
+                for j, s in enumerate(streams)]
+        return [(r.output_ids, r.output_logprobs) for r in engine.generate_batch(reqs)]
+
+    for g in range(2):
+        prompt = env(320)
+        streams = [list(prompt) for _ in range(4)]
+        masks, lps = [[0] * 320 for _ in range(4)], [[0.0] * 320 for _ in range(4)]
+        for turn in range(3):
+            for j, (ids, lp) in enumerate(sample(streams, 100 * g + 10 * turn, 8)):
+                obs = env(6) if turn < 2 else []
+                streams[j] += ids + obs
+                masks[j] += [1] * len(ids) + [0] * len(obs)
+                lps[j] += lp + [0.0] * len(obs)
+        samples += streams
+        loss += masks
+        rollout += lps
+    stream, lps = env(300), [0.0] * 300
+    for turn in range(32):
+        if turn:
+            stream, lps = stream + env(4), lps + [0.0] * 4
+        ((ids, lp),) = sample([stream], 1000 + turn, 6)
+        loss.append([0] * len(stream) + [1] * len(ids))
+        stream, lps = stream + ids, lps + lp
+        samples.append(list(stream))
+        rollout.append(list(lps))
+    return pack(samples, loss), torch.tensor([x for lp in rollout for x in lp])
+
+
+def test_quickstart_size_long_prefixes_match_unmerged_and_the_engine():
+    """The quickstart's model (tiny-moe) on prompts of 300+ tokens and a 32-turn episode: merged
+    logprobs within 1e-5 of unmerged on every loss token, and no further from the rollout's
+    (embedded engine) logprobs than unmerged — what the mismatch corrections (TIS) rely on.
+
+    Initialised at 0.1 instead of the preset's 0.02 so that logits are far from uniform: at 0.02
+    every logprob is about -log(1024) and float rounding hardly shows. Compare on the *same*
+    weights: two runs, one merged, are not (docs/prefix-merge.md, *Merged and unmerged runs*)."""
+    cfg = preset_config("tiny-moe", initializer_range=0.1)
+    model = build_model(cfg, seed=0)
+    with EmbeddedEngine(model, max_batch_size=8, max_seq_len=1024) as engine:
+        batch, engine_lp = engine_rollouts(engine, cfg.vocab_size)
+    assert int(batch.lengths.max()) > 600 and build_prefix_tree(batch).num_slots < batch.num_tokens / 10
+    out = {m: TorchBackend(model, TorchBackendConfig(num_threads=1, prefix_merge=m)).forward(batch)
+           for m in (False, True)}
+    on_loss = batch.loss_mask > 0
+    gap = lambda a, b: (a - b)[on_loss].abs()  # noqa: E731
+    between = gap(out[True].logprobs, out[False].logprobs)
+    merged, flat = gap(out[True].logprobs, engine_lp), gap(out[False].logprobs, engine_lp)
+    print(f"\nmax |merged - unmerged| {between.max():.1e}; vs engine: unmerged max {flat.max():.1e} "
+          f"mean {flat.mean():.1e}, merged max {merged.max():.1e} mean {merged.mean():.1e}")
+    assert between.max() < 1e-5
+    assert torch.equal(out[True].routed_experts, out[False].routed_experts)
+    # Rounding-level noise either way (~1e-6 here), so "no further" with a margin for it.
+    assert merged.mean() <= 1.25 * flat.mean()
+    assert merged.max() <= 2 * flat.max()
 
 
 def test_merged_budget_counts_tree_slots():
