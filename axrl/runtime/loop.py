@@ -25,6 +25,7 @@ from axrl.runtime.checkpoint import clean_partial, latest_checkpoint, load_check
 from axrl.runtime.components import Components
 from axrl.runtime.learner import StepLearner
 from axrl.recording.metrics_log import MetricsLog
+from axrl.recording.trackers import MlflowSettings, WandbSettings
 from axrl.console.progress import PhaseTimer, TrainProgress
 from axrl.runtime.reference import keep_reference, restore_reference
 from axrl.runtime.warmup import warm_up
@@ -54,6 +55,8 @@ class LoopSettings:
     warmup: WarmupSettings = field(default_factory=WarmupSettings)
     needs_reference: bool = False                       # algo.kl_coef > 0
     tensorboard: bool = False
+    wandb: WandbSettings | None = None                  # logging.wandb (None: off)
+    mlflow: MlflowSettings | None = None                # logging.mlflow (None: off)
     config: dict[str, Any] = field(default_factory=dict)      # RUN/config.yaml
     manifest: dict[str, Any] = field(default_factory=dict)    # backend, engine, mode, rollout_clock
 
@@ -154,10 +157,11 @@ def train(s: LoopSettings, c: Components, run_dir: str | Path, resume: bool = Fa
     try:
         run = RunDir(run_path)
         c.attach(run.path)  # faults and recoveries so far, then as they happen
-        log = MetricsLog(run, tensorboard=s.tensorboard)
+        log = MetricsLog(run, tensorboard=s.tensorboard, wandb=s.wandb, mlflow=s.mlflow, config=s.config)
     except BaseException:
         c.close()
         raise
+    ok = False
     try:
         with TrainProgress(s.steps, below=None if c.executor is None else c.executor.health) as progress:
             first, rollout_state = start(s, c, run, resume, progress)
@@ -172,7 +176,8 @@ def train(s: LoopSettings, c: Components, run_dir: str | Path, resume: bool = Fa
                     save_checkpoint(run.path, step + 1, c.backend, checkpoint_state(c, step + 1),
                                     keep=s.checkpoint_keep)
                 progress.step_done(metrics)
+        ok = True
     finally:
-        log.close()
+        log.close(ok=ok)  # the trackers' runs end as finished or failed
         c.close()
     return run_path
