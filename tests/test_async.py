@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -247,32 +246,44 @@ def test_deterministic_async_runs_write_identical_traces(warm_model, tmp_path):
 
 
 def test_sigkill_and_resume_lose_no_group_and_train_none_twice(warm_model, tmp_path):
-    """Killed at random points (mid-step, mid-checkpoint, …) and resumed until done: every group
-    started is trained once, recorded as dropped, or pending in the final checkpoint."""
-    run_dir, rng = tmp_path / "run", random.Random(0)
+    """SIGKILLed three times, each at a point the test picks by watching the run directory — while
+    step 1's trace file is written (or just after), while the checkpoint before step 3 is written
+    (or just after), at the step boundary after the next one — with groups in flight each time
+    (async), and resumed until done: every group started is trained once, recorded as dropped, or
+    pending in the final checkpoint. Each point comes at least one whole step before the end, so
+    the run is still going when it is reached, however fast the machine."""
+    run_dir = tmp_path / "run"
+    trace, ckpt = run_dir / "trace", run_dir / "checkpoints"
     extra = ("steps=6", "rollout.max_staleness=2", "rollout.partial_rollout=recompute")
     args = _axrl(run_dir, warm_model, *extra)
-    def recorded() -> int:
-        return len(list((run_dir / "trace").glob("step_*.h5")))
-
-    kills = 0
-    for attempt in range(8):
-        proc = subprocess.Popen(args + (["--resume"] if attempt else []), env=ENV, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE)
-        if kills < 3:  # kill it somewhere after its next 0-2 steps: mid-step, mid-record, mid-checkpoint
-            target = recorded() + rng.randint(0, 2)
-            while proc.poll() is None and recorded() < target:
-                time.sleep(0.01)
-            time.sleep(rng.uniform(0.0, 0.4))
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
-                kills += 1
-                continue
-        assert proc.wait(timeout=600) == 0, proc.stderr.read().decode()[-2000:]
-        if recorded() == 6:
-            break
-    assert kills == 3
+    # (what is under way, files whose appearance marks it, the checkpoint the resume starts from)
+    # (with the checkpoint after a step written within the ~2 ms the test takes to notice, one later)
+    kill_points = [("writing step 1's trace file", [trace / "step_000001.h5.tmp", trace / "step_000001.h5"], (1, 2)),
+                   ("writing the checkpoint before step 3", [ckpt / "step_000003.tmp", ckpt / "step_000003"], (2, 3)),
+                   ("the step boundary before step 4", [ckpt / "step_000004" / "state.json"], (4,))]
+    stderr = tmp_path / "stderr.txt"
+    for attempt, (what, marks, _) in enumerate(kill_points):
+        assert not any(m.exists() for m in marks), (what, "reached before the run started")
+        with open(stderr, "w") as err:
+            proc = subprocess.Popen(args + (["--resume"] if attempt else []), env=ENV, stdout=subprocess.DEVNULL,
+                                    stderr=err)
+        deadline = time.monotonic() + 600
+        while not any(m.exists() for m in marks):
+            assert proc.poll() is None, f"the run exited ({proc.returncode}) before {what}: {stderr.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, f"{what}: not reached in 600 s"
+            time.sleep(0.002)
+        assert proc.poll() is None, f"the run was over at {what}: {stderr.read_text()[-2000:]}"
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait() == -signal.SIGKILL
+    with open(stderr, "w") as err:
+        done = subprocess.run(args + ["--resume"], env=ENV, stdout=subprocess.DEVNULL, stderr=err, timeout=600)
+    assert done.returncode == 0, stderr.read_text()[-2000:]
+    assert len(list(trace.glob("step_*.h5"))) == 6
+    # Each resume started where its kill left the run: the kills landed where the test put them.
+    resumes = [r["from_step"] for r in json.loads((run_dir / "manifest.json").read_text())["resumes"]]
+    assert len(resumes) == 3, resumes
+    for (what, _, expected), got in zip(kill_points, resumes):
+        assert got in expected, (what, resumes)
     trained, dropped = [], []
     for s in steps(run_dir):
         trained += np.unique(s["samples/group_id"]).tolist()

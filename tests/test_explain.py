@@ -130,7 +130,6 @@ def test_cli_json_png_and_bad_input(run, tmp_path):
 def test_tui_token_detail_explain_action(run):
     import asyncio
 
-    pytest.importorskip("textual")
     from axrl_debug.tui.app import DebugApp
     from axrl_debug.tui.screens import ExplainScreen, TokensScreen
 
