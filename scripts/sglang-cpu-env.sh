@@ -11,7 +11,10 @@
 # built by this script for the same versions is left as is. Prints the time it took.
 #
 # Env: AXRL_SGLANG_VERSION (default 0.5.23), AXRL_SGLANG_TORCH (default 2.13.0),
-#      AXRL_SGLANG_TRITON (default 3.9.0), AXRL_SGLANG_BASE_PYTHON (default python3.11).
+#      AXRL_SGLANG_TRITON (default 3.9.0), AXRL_SGLANG_BASE_PYTHON (default python3.11),
+#      AXRL_TORCH_INDEX_URL (the index torch comes from; default: pip's own, unless that would
+#      bring a CUDA build, then PyTorch's CPU index https://download.pytorch.org/whl/cpu),
+#      AXRL_SGLANG_TORCH_SPEC (a wheel file or another spec for torch).
 set -euo pipefail
 
 DIR="${1:-.sglang-venv}"
@@ -44,13 +47,30 @@ PIP=("$PY" -m pip install --disable-pip-version-check --progress-bar off)
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 echo "torch==${TORCH_VERSION}" > "$work/constraints.txt"
-# A local +cpu wheel (pip's find-links) sorts above PyPI's CUDA build of the same version;
-# AXRL_SGLANG_TORCH_SPEC can name a wheel file or another spec (checked below either way).
-"${PIP[@]}" "${AXRL_SGLANG_TORCH_SPEC:-torch==${TORCH_VERSION}}"
+# A local CPU wheel (pip's find-links) sorts above PyPI's CUDA build of the same version; where
+# there is none, PyPI's Linux wheel is the CUDA build (multi-GB of nvidia-* packages), so a
+# resolution that would bring nvidia-* packages switches to PyTorch's CPU index — the equivalent of
+#   pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+# AXRL_TORCH_INDEX_URL names the index instead; AXRL_SGLANG_TORCH_SPEC a wheel file or another spec
+# (checked below either way: by what the build is, torch.version.cuda, not by its version label).
+TORCH_SPEC="${AXRL_SGLANG_TORCH_SPEC:-torch==${TORCH_VERSION}}"
+torch_index=()
+if [[ -n "${AXRL_TORCH_INDEX_URL:-}" ]]; then
+  torch_index=(--index-url "$AXRL_TORCH_INDEX_URL")
+elif [[ -z "${AXRL_TORCH_INDEX_URL+set}" ]] \
+     && "${PIP[@]}" -q --dry-run --ignore-installed --report "$work/torch.json" "$TORCH_SPEC" >/dev/null 2>&1 \
+     && "$PY" -c 'import json, sys; sys.exit(not any(i["metadata"]["name"].lower().startswith("nvidia-")
+                  for i in json.load(open(sys.argv[1]))["install"]))' "$work/torch.json"; then
+  echo "sglang-cpu-env: $TORCH_SPEC resolves to a CUDA build here: installing it from https://download.pytorch.org/whl/cpu"
+  torch_index=(--index-url "https://download.pytorch.org/whl/cpu")
+fi
+"${PIP[@]}" "$TORCH_SPEC" "${torch_index[@]}"
 "$PY" - <<EOF
 import torch, sys
-if torch.version.cuda is not None or not torch.__version__.startswith("${TORCH_VERSION}"):
-    sys.exit(f"sglang-cpu-env: expected a CPU torch ${TORCH_VERSION}, got {torch.__version__} (cuda={torch.version.cuda})")
+if torch.version.cuda is not None or torch.__version__.split("+")[0] != "${TORCH_VERSION}":
+    sys.exit(f"sglang-cpu-env: expected a CPU build of torch ${TORCH_VERSION}, got {torch.__version__} "
+             f"(cuda={torch.version.cuda}); on a CPU-only machine set "
+             "AXRL_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu")
 EOF
 
 # 2. sglang's own requirement list, read from the wheel's metadata, minus what is CUDA-only or

@@ -590,8 +590,8 @@ ROWS = [
 
 
 def test_loader_reads_jsonl_and_parquet(tmp_path):
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa  # a dependency of axrl
+    import pyarrow.parquet as pq
     write_jsonl(tmp_path / "p.jsonl", ROWS)
     table = pa.Table.from_pylist([{**r, "prompt": r["prompt"] if isinstance(r["prompt"], list)
                                    else [{"role": "user", "content": r["prompt"]}],
@@ -630,8 +630,8 @@ def test_loader_bad_rows_name_file_and_line(tmp_path):
         write_jsonl(tmp_path / "bad.jsonl", rows)
         with pytest.raises(PromptDataError, match=message):
             PromptLoader.from_file(tmp_path / "bad.jsonl")
-    pq = pytest.importorskip("pyarrow.parquet")
     import pyarrow as pa
+    import pyarrow.parquet as pq
     pq.write_table(pa.Table.from_pylist([{"prompt": "ok"}, {"prompt": None}]), tmp_path / "bad.parquet")
     with pytest.raises(PromptDataError, match=r"bad\.parquet row 1: missing required field 'prompt'"):
         read_prompt_file(tmp_path / "bad.parquet")

@@ -59,7 +59,7 @@ def test_the_example_agent_runs_unmodified_and_is_scored(tok):
 
 def test_an_agents_sdk_agent_runs_unchanged(tok):
     """examples/agents/calculator_agents_sdk.py: the OpenAI Agents SDK's own loop, unmodified."""
-    pytest.importorskip("agents")
+    import agents  # noqa: F401  (openai-agents: the test extra installs it)
     prompt = TASKS["calculator"]().prompt(0, 4)
     engine = ScriptedEngine(calculator_policy(tok))
     command = ["python", str(ROOT / "examples/agents/calculator_agents_sdk.py")]

@@ -20,7 +20,7 @@ from tests.test_train_backend import make_batch, pg_loss
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device (scripts/gpu-check-megatron.sh)", allow_module_level=True)
-pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install 'axrl[megatron]')")
+import megatron.core  # noqa: E402,F401  (the test extra installs it: a broken import fails)
 
 from axrl.train.megatron import MegatronBackend, MegatronBackendConfig  # noqa: E402
 

@@ -10,7 +10,7 @@ import torch
 from axrl.model import ModelConfig, build_model, load_hf, preset_config, save_hf
 from axrl.tokenizer import Tokenizer
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (the test extra installs it: a broken import fails)
 
 torch.set_num_threads(1)
 

@@ -22,7 +22,7 @@ from axrl.trace import StepFile
 from axrl_debug.cli import app as debug_app
 from hf_checkpoint import MODEL_VOCAB, write_checkpoint
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (the test extra installs it: a broken import fails)
 torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parents[1]

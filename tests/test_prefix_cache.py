@@ -137,18 +137,36 @@ def test_full_pool_of_locked_blocks_skips_caching():
 
 
 def test_abort_releases_the_prefix_and_later_requests_agree(model):
+    """A running request that holds a cached prefix is aborted mid-generation (a clocked engine, so
+    the test decides when): it finishes as "abort" with its partial output, its lock on the prefix
+    is released, the prefix stays cached, and a later request over it equals no cache."""
     prompt = list(range(5, 60))
     long = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
-    with engine(model) as cached, engine(model, prefix_cache=False) as plain:
-        cached.generate_batch([req(prompt)])
+
+    def run(eng, request):
+        fut = eng.submit(request)
+        while not fut.done():
+            eng.step()
+        return fut.result()
+
+    with engine(model, clocked=True) as cached, engine(model, prefix_cache=False) as plain:
+        run(cached, req(prompt))                    # caches the prompt's whole blocks
         fut = cached.submit(req(prompt, long, rid="victim"))
-        assert cached.abort("victim") or fut.done()
-        res = fut.result(timeout=30)
-        assert res.finish_type in ("abort", "length")
+        for _ in range(4):                          # admitted over the cached prefix, prefilled, decoding
+            cached.step()
         pc = cached._scheduler.prefix_cache
+        assert not fut.done() and any(n.ref > 0 for n in pc.nodes)   # running, holding its prefix
+        assert cached.abort("victim")
+        cached.step()                               # the scheduler finishes it between two iterations
+        assert fut.done()
+        res = fut.result()
+        assert res.finish_type == "abort" and 0 < len(res.output_ids) < 200
+        assert res.meta["cached_tokens"] == 48
         assert all(n.ref == 0 for n in pc.nodes)    # no lock outlives its request
         follow = prompt + res.output_ids[:5] + [3, 4, 5]
-        assert_same(cached.generate_batch([req(follow)])[0], plain.generate_batch([req(follow)])[0])
+        again = run(cached, req(follow))
+        assert again.meta["cached_tokens"] >= 48    # the released prefix is still served
+        assert_same(again, plain.generate_batch([req(follow)])[0])
 
 
 def test_weight_update_invalidates_the_cache(model):

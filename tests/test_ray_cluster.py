@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ray = pytest.importorskip("ray")
+import ray  # noqa: E402  (the test extra installs it: a broken import fails)
 
 from axrl.recording.events import read_events  # noqa: E402
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from test_tui_trace import DISAGREE, SECOND, WORST, build_run, write_replay_dump
 
-pytest.importorskip("textual")
+import textual  # noqa: E402,F401  (a dependency of axrl: a broken import fails)
 
 from axrl_debug.tui.app import DebugApp  # noqa: E402
 from axrl_debug.tui.help import HelpScreen  # noqa: E402

@@ -11,11 +11,10 @@ from typing import Any
 
 import h5py
 import numpy as np
-import pytest
 
 from test_tui_trace import WORST, build_run
 
-pytest.importorskip("textual")
+import textual  # noqa: E402,F401  (a dependency of axrl: a broken import fails)
 
 from axrl_debug.tui.app import DebugApp  # noqa: E402
 from axrl_debug.tui.data import RunModel  # noqa: E402

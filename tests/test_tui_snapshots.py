@@ -12,7 +12,7 @@ import pytest
 
 from test_tui_trace import build_run
 
-pytest.importorskip("pytest_textual_snapshot")
+import pytest_textual_snapshot  # noqa: E402,F401  (the test extra installs it)
 
 from axrl_debug.tui.app import DebugApp  # noqa: E402
 
