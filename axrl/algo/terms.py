@@ -29,7 +29,7 @@ class LossRule(IntFlag):
     DUAL_CLIP = 4        # dual-clip PPO bound −c·A taken (A < 0): no gradient
     SOFT_CLIP = 8        # weight capped but gradient kept (grpo2 A < 0 above dual_soft_clip, CISPO, TOPR)
     RATIO_CLAMP = 16     # |log π_θ − log π_old| beyond log_ratio_clamp (the ratio was clamped)
-    TIS_TRUNCATED = 32   # train/rollout weight truncated at the TIS cap
+    TIS_TRUNCATED = 32   # train/rollout weight truncated at the TIS cap (or algo.behaviour_weight_cap)
     MIS_MASKED = 64      # train/rollout weight outside [lower, upper]: masked (MIS)
     VETO = 128           # sequence dropped: one of its tokens had a train/rollout ratio below the veto threshold
     ICEPOP_MASKED = 256  # train/rollout ratio outside [α, β]: masked (IcePop)

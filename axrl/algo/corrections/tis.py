@@ -1,8 +1,11 @@
 """`tis`: truncated importance sampling — weight each loss token by the train/rollout likelihood
-ratio, truncated at `cap`:
+ratio, truncated at `cap` (`cap: null`: not truncated, the plain importance weight):
 
     w = min(exp(ℓ), cap),   ℓ = log π_train − log π_rollout at the level:
         token: the token's own;  sequence: the sum over the sample;  geometric: the mean over the sample
+
+With `cap: null` at token level this is the behaviour weight π_prox/μ of decoupled PPO (AReaL), the
+weight asynchronous runs train with (`algo.decoupled`, `algo.behaviour_weight_cap`).
 
 Sources: Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"
 (token TIS); verl rollout importance sampling (sequence / geometric levels).
@@ -21,7 +24,7 @@ from axrl.algo.terms import CorrectionInputs, CorrectionTerms, LossRule, flag
 class TisParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     level: Level = "token"
-    cap: float = Field(2.0, gt=0)
+    cap: float | None = Field(2.0, gt=0, description="truncation (null: none, the plain importance weight)")
 
 
 @correction("tis", params=TisParams, rules=LossRule.TIS_TRUNCATED | LossRule.NO_ROLLOUT,
@@ -29,7 +32,11 @@ class TisParams(BaseModel):
             source="Yao et al. 2025 (off-policy TIS); verl rollout IS levels")
 def tis(x: CorrectionInputs, p: TisParams) -> CorrectionTerms:
     ok = x.available
-    raw = torch.exp(x.log_ratio(p.level))  # may be inf for a huge ratio: the cap maps it to `cap`
-    capped = (raw > p.cap) & ok
-    weight = torch.where(ok, raw.clamp(max=p.cap), torch.ones_like(raw))
+    raw = torch.exp(x.log_ratio(p.level))  # may be inf for a huge ratio: a cap maps it to `cap`
+    if p.cap is None:
+        capped = torch.zeros_like(ok)
+        weight = torch.where(ok, raw, torch.ones_like(raw))
+    else:
+        capped = (raw > p.cap) & ok
+        weight = torch.where(ok, raw.clamp(max=p.cap), torch.ones_like(raw))
     return CorrectionTerms(weight, flag(capped, LossRule.TIS_TRUNCATED) | flag(x.mask & ~ok, LossRule.NO_ROLLOUT))
