@@ -129,6 +129,22 @@ def test_an_explicit_tis_correction_is_the_behaviour_weight_of_an_async_run():
     assert torch.allclose(loss.double(), decoupled_ppo_reference(lp0, prox, behav, adv, mask, cap=3.0), rtol=1e-10)
 
 
+def test_an_overflowing_behaviour_weight_is_guarded_by_the_log_ratio_clamp():
+    """Uncapped, w = exp(old − rollout) would overflow to inf for a broken engine logprob and make the
+    whole update non-finite; its log is clamped at log_ratio_clamp (20), as the PPO ratio's is."""
+    lp0, prox, behav, adv, mask = _inputs()
+    behav = behav.clone()
+    behav[5:9] = prox[5:9] - 100.0                    # w = e^100: inf in float32
+    mask[5:9] = 1
+    loss, grad, metrics = _run(["runtime.mode=async"], lp0.float(), prox.float(), behav.float(), adv.float(),
+                               mask.float())
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    guarded = prox + torch.clamp(behav - prox, min=-20.0)   # w = min(π_prox/μ, e^20)
+    want = decoupled_ppo_reference(lp0, prox, guarded, adv, mask)
+    assert torch.allclose(loss.double(), want, rtol=1e-5)
+    assert metrics["rule_ratio_clamp_frac"] == pytest.approx(4 / float(mask.sum()), rel=1e-6)
+
+
 def test_recorded_async_config_round_trips_to_the_same_loss():
     """config.yaml holds every key (decoupled: null, behaviour_weight_cap: null): a resumed or replayed
     asynchronous run resolves to the same uncapped objective."""

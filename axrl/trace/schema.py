@@ -255,7 +255,7 @@ LOSS_RULE_CODES: dict[int, tuple[str, str]] = {
     2: ("clip_low", "ratio below the band's floor with A < 0: no gradient (ppo, gspo, grpo2)"),
     4: ("dual_clip", "dual-clip bound -c*A taken (ppo, A < 0): no gradient"),
     8: ("soft_clip", "weight capped, gradient kept (grpo2 A < 0 above dual_soft_clip, cispo, topr)"),
-    16: ("ratio_clamp", "|log ratio| beyond log_ratio_clamp (ratio clamped)"),
+    16: ("ratio_clamp", "|log ratio| beyond log_ratio_clamp (ratio clamped; or an untruncated behaviour weight's)"),
     32: ("tis_truncated", "train/rollout weight truncated at the TIS cap (or algo.behaviour_weight_cap)"),
     64: ("mis_masked", "train/rollout weight outside [lower, upper]: masked (MIS)"),
     128: ("veto", "sequence dropped: a token's train/rollout ratio below the veto threshold"),
