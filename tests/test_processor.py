@@ -143,7 +143,7 @@ def test_dynamic_sampling_drops_are_in_the_trace_and_replay_reproduces_them(tmp_
         gen = np.isfinite(sf["/pool/tokens/rollout_logprob"])
         assert gen.any() and (sf["/pool/tokens/policy_version"][gen] == 1).all()
         assert sf["/pool/dropped_min_version"].tolist() == [1, 1]
-        # the dropped samples' rewards decided the drop: all-equal groups, or informative surplus
+        # the trained rows are /samples rows only: no pool sample is in any update
         assert len(sf["/samples/sample_id"]) == 8 and int(sf["/train/update_samples"].max()) < 8
 
     result = replay_rollout(run, 1)
