@@ -380,6 +380,13 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _decoupled(self) -> "Config":
+        # the loss of an asynchronous run is decoupled PPO unless algo.decoupled: false; refuse here,
+        # before any work, what would drop or silently re-cap its behaviour weight
+        self.algo.resolved(self.runtime.mode == "async")
+        return self
+
+    @model_validator(mode="after")
     def _async_rollout(self) -> "Config":
         if (self.runtime.mode == "async" and self.rollout.engine == "sglang" and not self.runtime.deterministic
                 and self.rollout.partial_rollout == "continue"):

@@ -13,9 +13,10 @@ iteration by iteration: the step's episodes are admitted group by group under th
 previous turn (all submissions between two iterations in sample-id order), the engine admits them
 into the lowest free slots, prefills them and decodes slots [0, n) — so every GEMM has the shape it
 had. Without one, the requests of one turn run as one batch (an approximation). Neither covers
-continuations of requests interrupted by a weight update (asynchronous runs) or groups the
-processor dropped before the trace (dynamic sampling). `EnginePath.fidelity` says how far the
-re-computed logprobs are from the recorded ones.
+continuations of requests interrupted by a weight update (asynchronous runs). Groups dynamic
+sampling dropped are recorded under /pool (`replay.rollout.rolled_out` appends them to the step's
+samples), so the schedule holds every episode the engine ran. `EnginePath.fidelity` says how far
+the re-computed logprobs are from the recorded ones.
 
 Used by mismatch attribution (replay/explain.py, with an `ActivationProbe` capturing every hook
 point) and by the teacher-forced rollout check of SGLang runs (replay/rollout.py).

@@ -201,7 +201,8 @@ def _replay(state: PolicyState, cfg: Config, step: int, start: int, hook: Weight
                 notes.append(f"step {w}: faults.rollout_logprob_noise added noise to the recorded rollout logprobs; "
                              "they are not compared")
             steps.append(compare_batch(state.inventory.files[w], w, batch.trajectories,
-                                       compare_logprobs=not ignore_logprobs))
+                                       compare_logprobs=not ignore_logprobs,
+                                       dynamic_sampling=cfg.algo.dynamic_sampling.enabled))
             if w < step:
                 say(f"re-executing the training of step {w} to post version {w + 1}")
                 train_mismatches += state.advance()
@@ -213,15 +214,51 @@ def _replay(state: PolicyState, cfg: Config, step: int, start: int, hook: Weight
                                train_mismatches, time.perf_counter() - t0, notes)
 
 
-def compare_batch(path: Path, step: int, trajectories: list[Trajectory], *,
-                  compare_logprobs: bool = True) -> StepComparison:
-    """Compare re-generated trajectories with the step file, sample by sample (by sample id)."""
+@dataclass
+class RolledOut:
+    """Every sample a step rolled out, as recorded: the trained ones (/samples, rows [0, trained))
+    followed by those dynamic sampling dropped (/pool/samples), in one CSR over their tokens."""
+
+    off: np.ndarray          # int64 [N+1]
+    sids: np.ndarray         # int64 [N]
+    gids: np.ndarray         # int64 [N]
+    ids: np.ndarray
+    turn: np.ndarray
+    rollout_logprob: np.ndarray
+    policy_version: np.ndarray
+    routing: np.ndarray | None   # [T, L, k] engine routing, None when a part lacks it
+    trained: int             # rows [0, trained) are /samples; the rest /pool/samples
+    has_pool_samples: bool
+
+
+def rolled_out(sf: StepFile) -> RolledOut:
+    """The step's rolled-out samples from an open step file (see `RolledOut`)."""
+    off = sf["/samples/offsets"].astype(np.int64)
+    parts = [(off, sf["/samples/sample_id"], sf["/samples/group_id"], sf["/tokens/ids"], sf["/tokens/turn"],
+              sf["/tokens/rollout_logprob"], sf["/tokens/policy_version"], sf.get("/routing/rollout"))]
+    pool = "/pool/samples/offsets" in sf
+    if pool:
+        parts.append((sf["/pool/samples/offsets"].astype(np.int64), sf["/pool/samples/sample_id"],
+                      sf["/pool/samples/group_id"], sf["/pool/tokens/ids"], sf["/pool/tokens/turn"],
+                      sf["/pool/tokens/rollout_logprob"], sf["/pool/tokens/policy_version"],
+                      sf.get("/pool/routing/rollout")))
+    offs = [parts[0][0]] + [p[0][1:] + int(parts[0][0][-1]) for p in parts[1:]]
+    cat = lambda i: np.concatenate([np.asarray(p[i]) for p in parts])  # noqa: E731
+    routing = None if any(p[7] is None for p in parts) else cat(7)
+    return RolledOut(np.concatenate(offs), cat(1).astype(np.int64), cat(2).astype(np.int64), cat(3), cat(4), cat(5),
+                     cat(6), routing, len(off) - 1, pool)
+
+
+def compare_batch(path: Path, step: int, trajectories: list[Trajectory], *, compare_logprobs: bool = True,
+                  dynamic_sampling: bool = False) -> StepComparison:
+    """Compare re-generated trajectories with the step file, sample by sample (by sample id): the
+    trained samples and those dynamic sampling dropped (/pool/samples). A re-generated sample the
+    file does not hold is a divergence too — except, with `dynamic_sampling`, in a step file
+    without /pool/samples (written before the dropped samples were recorded)."""
     with StepFile(path) as sf:
-        off = sf["/samples/offsets"].astype(np.int64)
-        sids = sf["/samples/sample_id"].astype(np.int64)
-        ids, turn = sf["/tokens/ids"], sf["/tokens/turn"]
-        lp, ver = sf["/tokens/rollout_logprob"], sf["/tokens/policy_version"]
-        routing = sf.get("/routing/rollout")
+        ro = rolled_out(sf)
+    off, sids, ids, turn, lp, ver, routing = (ro.off, ro.sids, ro.ids, ro.turn, ro.rollout_logprob,
+                                              ro.policy_version, ro.routing)
     replayed = {t.sample_id: t for t in trajectories}
     differing: list[int] = []
     first: RolloutDivergence | None = None
@@ -230,6 +267,12 @@ def compare_batch(path: Path, step: int, trajectories: list[Trajectory], *,
         first = RolloutDivergence(step, missing[0], None, 0, None, "samples",
                                   f"{len(sids)} samples", f"sample {missing[0]} was not re-generated")
         differing += missing
+    known = set(sids.tolist())
+    extra = [s for s in sorted(replayed) if s not in known]
+    if extra and not (dynamic_sampling and not ro.has_pool_samples):
+        first = first or RolloutDivergence(step, extra[0], None, 0, None, "samples", f"{len(sids)} samples",
+                                           f"sample {extra[0]} was re-generated but is not in the step file")
+        differing += extra
     for r in np.argsort(sids, kind="stable"):
         sid = int(sids[r])
         traj = replayed.get(sid)
@@ -314,11 +357,14 @@ def teacher_forced_check(run_dir: str | Path, step: int, *, top: int = 10,
     try:
         cfg = state.cfg
         with StepFile(state.inventory.files[step]) as sf:
-            off = sf["/samples/offsets"].astype(np.int64)
-            ids, turn = sf["/tokens/ids"], sf["/tokens/turn"]
-            rec, old, ver = sf["/tokens/rollout_logprob"], sf["/tokens/old_logprob"], sf["/tokens/policy_version"]
-            sids = sf["/samples/sample_id"].astype(np.int64)
-            gids = sf["/samples/group_id"].astype(np.int64)
+            # the samples dynamic sampling dropped ran in the engine batches too: the clock schedule
+            # replays them (rows past the trained ones; they have no trainer logprob)
+            ro = rolled_out(sf)
+            old_trained = sf["/tokens/old_logprob"]
+        off, ids, turn, rec, ver, sids, gids = (ro.off, ro.ids, ro.turn, ro.rollout_logprob, ro.policy_version,
+                                                ro.sids, ro.gids)
+        old = np.full(len(ids), np.nan, np.float32)
+        old[:len(old_trained)] = old_trained
         generated = np.isfinite(rec) & (ver == step)
         contexts = contexts_of(off, ids, turn, generated)
         model = make_engine_model(cfg, state.backend.model_config, dict(state.backend.named_weights()))
@@ -330,7 +376,7 @@ def teacher_forced_check(run_dir: str | Path, step: int, *, top: int = 10,
         for c, lp in zip(contexts, path.logprob):
             a = int(off[c.sample])
             emb[a + c.start:a + c.end] = lp[c.start:c.end]
-        mask = generated & np.isfinite(emb)
+        mask = generated & np.isfinite(emb) & np.isfinite(old)
         e, r, o = emb[mask].astype(np.float64), rec[mask].astype(np.float64), old[mask].astype(np.float64)
         summary = {"mean_abs_embedded_vs_recorded": float(np.mean(np.abs(e - r))) if mask.any() else 0.0,
                    "mean_abs_trainer_vs_embedded": float(np.mean(np.abs(o - e))) if mask.any() else 0.0,

@@ -50,6 +50,7 @@ def test_dynamic_sampling_keeps_the_first_informative_groups():
     p = make_processor(cfg)(trajs)
     assert [t.group_id for t in p.trajectories] == [11, 11, 12, 12]
     assert p.dropped_groups == 2 and p.rolled_out_groups == 4
+    assert [t.sample_id for t in p.dropped] == [0, 1, 6, 7]   # handed back for the trace, in rollout order
     assert p.batch.num_samples == 4 and p.sample_advantages.abs().sum() > 0
     off = load_config(None, ["data.prompts_per_step=2"])
     assert prompts_to_roll_out(off) == 2 and make_processor(off)(trajs).batch.num_samples == 8
@@ -95,3 +96,69 @@ def test_update_splits_keep_groups_whole():
     assert update_splits([0, 0, 1, 1, 1, 2, 3, 3], 2) == [[0, 1, 2, 3, 4], [5, 6, 7]]
     assert update_splits([5, 5, 6], 4) == [[0, 1], [2]]
     assert math.isclose(len(update_splits(list(range(9)), 3)[0]), 3)
+
+
+# ---------------------------------------------------------------------------- dropped groups in the trace
+def _ds_run(path):
+    from typer.testing import CliRunner
+
+    from axrl.cli import app
+
+    settings = ["model.preset=micro-moe", "warmup.steps=30", "data.task=echo", "data.task_args={}",
+                "data.prompts_per_step=2", "rollout.group_size=4", "eval.every=0", "runtime.threads=1",
+                "checkpoint.every=1", "rollout.max_new_tokens=12", "steps=2",
+                "algo.dynamic_sampling={enabled: true, oversample: 2}"]
+    args = ["train", "examples/quickstart.yaml", "--run-dir", str(path)]
+    for s in settings:
+        args += ["--set", s]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    return path
+
+
+def test_dynamic_sampling_drops_are_in_the_trace_and_replay_reproduces_them(tmp_path):
+    """A dynamic-sampling step rolls out 4 groups and trains 2: the other 2 are in its step file
+    under /pool — listed with reason `dynamic_sampling`, their samples (rewards, tokens, logprobs,
+    versions, routing) in /pool/samples and /pool/tokens, never in /samples or /train — and rollout
+    replay re-generates and compares them bit for bit (a changed pool token is reported)."""
+    import shutil
+
+    import h5py
+
+    from axrl.trace import StepFile, TraceReader
+    from replay.rollout import replay_rollout, teacher_forced_check
+
+    run = _ds_run(tmp_path / "ds")
+    metrics = TraceReader(run).metrics()
+    assert [m["dropped_groups"] for m in metrics] == [2, 2]
+    with StepFile(run / "trace" / "step_000001.h5") as sf:
+        assert sf["/pool/dropped_reason"].tolist() == ["dynamic_sampling"] * 2
+        dropped = sf["/pool/dropped_group_id"]
+        gids, sids = sf["/pool/samples/group_id"], sf["/pool/samples/sample_id"]
+        assert sorted(set(gids.tolist())) == sorted(dropped.tolist()) and len(sids) == 8
+        assert not set(gids.tolist()) & set(sf["/samples/group_id"].tolist())
+        assert np.isfinite(sf["/pool/samples/reward"]).all()
+        off = sf["/pool/samples/offsets"]
+        assert off[-1] == len(sf["/pool/tokens/ids"]) == len(sf["/pool/routing/rollout"])
+        gen = np.isfinite(sf["/pool/tokens/rollout_logprob"])
+        assert gen.any() and (sf["/pool/tokens/policy_version"][gen] == 1).all()
+        assert sf["/pool/dropped_min_version"].tolist() == [1, 1]
+        # the trained rows are /samples rows only: no pool sample is in any update
+        assert len(sf["/samples/sample_id"]) == 8 and int(sf["/train/update_samples"].max()) < 8
+
+    result = replay_rollout(run, 1)
+    assert result.verdict == "bitwise-equal", result.first_divergence
+    assert result.steps[0].samples == 16    # the 8 trained and the 8 dropped
+    tf = teacher_forced_check(run, 1)       # the clock schedule holds the dropped episodes too
+    assert tf.fidelity["bitwise_equal"] == tf.fidelity["tokens"] > tf.tokens
+
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    with h5py.File(copy / "trace" / "step_000001.h5", "r+") as f:
+        ids = f["/pool/tokens/ids"]
+        t = int(np.flatnonzero(np.isfinite(f["/pool/tokens/rollout_logprob"][:]))[0])
+        ids[t] = (int(ids[t]) + 1) % 50
+        sample = int(f["/pool/samples/sample_id"][np.searchsorted(f["/pool/samples/offsets"][:], t, "right") - 1])
+    changed = replay_rollout(copy, 1)
+    assert changed.verdict == "diverged"
+    assert changed.first_divergence.sample_id == sample and changed.first_divergence.field == "token_id"

@@ -127,8 +127,18 @@ def make_record(step: int = 0, *, seed: int = 0, n_groups: int = 4, group_size: 
         micro_batch_sample_offsets=np.array(mb_off, np.int64), micro_batch_samples=np.array(mb_samples, np.int64),
         update_fingerprints=[f"{u:064x}" for u in range(updates)],
         weights_fingerprint_before="f" * 64, weights_fingerprint_after=f"{updates - 1:064x}",
-        pool_dropped_group_id=np.array([7, 9], np.int64) + 10 * step, pool_dropped_reason=["stale", "partial_drop"],
-        pool_dropped_min_version=np.array([step - 3, -1], np.int32), pool_rerun_group_id=np.array([5], np.int64),
+        pool_dropped_group_id=np.array([7, 9, 8], np.int64) + 10 * step,
+        pool_dropped_reason=["stale", "partial_drop", "dynamic_sampling"],
+        pool_dropped_min_version=np.array([step - 3, -1, step], np.int32), pool_rerun_group_id=np.array([5], np.int64),
+        # the dynamic-sampling group's two samples (3 + 2 tokens), never trained
+        pool_sample_offsets=np.array([0, 3, 5], np.int64), pool_sample_id=np.array([80, 81], np.int64) + 100 * step,
+        pool_group_id=np.array([8, 8], np.int64) + 10 * step, pool_prompt_id=["gsm8k/train/8"] * 2,
+        pool_prompt_len=np.array([2, 1], np.int32), pool_num_turns=np.array([1, 1], np.int32),
+        pool_reward=np.array([1.0, 1.0]), pool_finish_reason=["stop", "length"], pool_status=["ok", "ok"],
+        pool_token_ids=np.array([5, 6, 7, 5, 9], np.int32), pool_turn=np.zeros(5, np.int16),
+        pool_token_policy_version=np.array([-1, -1, step, -1, step], np.int32),
+        pool_rollout_logprob=np.array([np.nan, np.nan, -0.5, np.nan, -1.5], np.float32),
+        pool_routing_rollout=rng.integers(0, num_experts, (5, num_layers, topk)).astype(np.int64),
         session_id=[f"s{i // 2}" for i in range(n)], fork_of=np.where(np.arange(n) % 2, 100 * step, -1),
         drift_tokens=rng.integers(0, 3, n).astype(np.int32),
         wall_times={"rollout": 0.75, "advantages": 0.001, "train": 1.25, "sync": 0.01},
@@ -313,6 +323,10 @@ def _bad(rec: StepRecord, **changes) -> StepRecord:
     (lambda r: dict(extra_samples={"reward": np.zeros(r.num_samples)}), "extra_samples"),
     (lambda r: dict(attrs={"step": 3}), "attrs"),
     (lambda r: dict(step=-1), "step"),
+    (lambda r: dict(pool_group_id=np.asarray(r.pool_group_id) + 100), "pool_group_id"),
+    (lambda r: dict(pool_token_ids=np.asarray(r.pool_token_ids)[:-1]), "pool_token_ids"),
+    (lambda r: dict(pool_reward=None), "pool_reward"),
+    (lambda r: dict(pool_routing_rollout=np.asarray(r.pool_routing_rollout) + 8), "pool_routing_rollout"),
 ])
 def test_validation_names_field(tmp_path, changes, field):
     rec = make_record()

@@ -25,7 +25,18 @@ class PolicyLossConfig(BaseModel):
     clip_low / clip_high: ε_low, ε_high of the ratio band [1 − ε_low, 1 + ε_high].
     dual_clip: c > 1 for dual-clip PPO, None to disable.
     tis / tis_cap: short form of `correction: {tis: {level: token, cap: tis_cap}}` (ignored when
-        `correction` names `tis`); tis_cap is also the cap of the `tis_*` diagnostics.
+        `correction` names `tis`); tis_cap is also the cap of the `tis_*` diagnostics. Not decoupled
+        runs only: a decoupled loss's token weight is the behaviour weight below.
+    decoupled: decoupled PPO (AReaL) — every loss token is weighted by the behaviour weight
+        w_t = π_prox/μ = exp(old − rollout), a plain importance weight, uncapped unless
+        `behaviour_weight_cap`. null: follow `runtime.mode` (true in asynchronous runs, where
+        μ is a stale engine; resolved by `axrl.assembly.settings.loss_config`; a bare
+        PolicyLossConfig with null is not decoupled). The weight is the token-level `tis`
+        correction with cap `behaviour_weight_cap` (None: no cap), replacing the `tis` short form;
+        an explicit `correction.tis` is used as the behaviour weight instead. Switching it off in a
+        decoupled loss (`tis: false`, `correction.tis: null`) is refused: set `decoupled: false`.
+    behaviour_weight_cap: truncate the behaviour weight at this value (null: uncapped, AReaL's
+        default); only with a decoupled loss.
     kl_coef / kl_estimator: β and "k1" | "k2" | "k3" for the KL(π ‖ π_ref) penalty (β > 0 needs
         ref_logprobs). kl_log_ratio_clamp: optional clamp of ref − lp inside the estimator.
     entropy_coef: α of the entropy bonus (subtracted from the loss).
@@ -46,8 +57,13 @@ class PolicyLossConfig(BaseModel):
     clip_low: float = Field(0.2, ge=0, le=1)
     clip_high: float = Field(0.28, ge=0)
     dual_clip: float | None = Field(None, gt=1)
-    tis: bool = Field(True, description="short form of correction.tis (token level, cap tis_cap)")
+    tis: bool = Field(True, description="short form of correction.tis (token level, cap tis_cap); not decoupled "
+                                        "runs")
     tis_cap: float = Field(2.0, gt=0)
+    decoupled: bool | None = Field(None, description="decoupled PPO: weight every loss token by π_prox/μ (the "
+                                                     "behaviour weight); null: on in asynchronous runs")
+    behaviour_weight_cap: float | None = Field(None, gt=0, description="truncate the decoupled behaviour weight "
+                                                                       "at this value (null: uncapped)")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty against the frozen reference (the weights at RL start)")
     kl_estimator: KLEstimator = "k3"
     kl_log_ratio_clamp: float | None = Field(None, gt=0, description="clamp ref − logprob to [−c, c] inside the "
@@ -65,8 +81,20 @@ class PolicyLossConfig(BaseModel):
             raise ValueError("loss_agg 'seq-mean-token-sum-norm' needs agg_norm_len > 0 (the constant L it "
                              "divides by, e.g. rollout.max_new_tokens × rollout.max_turns)")
         self.objective_params()
-        self.corrections()
+        self._corrections(undecided_ok=True)  # decoupled: null is decided by the run's mode (`resolved`)
         return self
+
+    def resolved(self, asynchronous: bool) -> "PolicyLossConfig":
+        """This loss config for a run of the given mode: `decoupled: null` becomes true in an
+        asynchronous run (left null, i.e. off, in a synchronous one, so a default sync config stays
+        equal to `PolicyLossConfig()`). Validated: a combination refused for the run's mode raises
+        ValueError naming `algo.<key>`."""
+        if self.decoupled is not None or not asynchronous:
+            self.corrections()
+            return self
+        out = self.model_copy(update={"decoupled": True})
+        out.corrections()
+        return out
 
     def loss_fields(self) -> "PolicyLossConfig":
         """This config as a plain `PolicyLossConfig` (a YAML `algo` section minus its advantage knobs),
@@ -83,10 +111,42 @@ class PolicyLossConfig(BaseModel):
 
     def corrections(self) -> list[tuple[Any, BaseModel]]:
         """The corrections in effect with their validated parameters, in a fixed (name) order."""
+        return self._corrections(undecided_ok=False)
+
+    def _corrections(self, undecided_ok: bool) -> list[tuple[Any, BaseModel]]:
         from axrl.algo.corrections import CORRECTIONS
 
         chosen = dict(self.correction)
-        if self.tis and "tis" not in chosen:
-            chosen["tis"] = {"level": "token", "cap": self.tis_cap}
+        if self.decoupled:
+            self._check_decoupled()
+            if "tis" not in chosen:
+                chosen["tis"] = {"level": "token", "cap": self.behaviour_weight_cap}
+        else:
+            if self.behaviour_weight_cap is not None and not (undecided_ok and self.decoupled is None):
+                raise ValueError("algo.behaviour_weight_cap caps the behaviour weight of decoupled PPO (asynchronous "
+                                 "runs, or algo.decoupled: true); this loss is not decoupled: cap its TIS weight "
+                                 "with algo.tis_cap or correction.tis.cap")
+            if self.tis and "tis" not in chosen:
+                chosen["tis"] = {"level": "token", "cap": self.tis_cap}
         return [(CORRECTIONS.get(name), CORRECTIONS.params(name, args, f"algo.correction.{name}"))
                 for name, args in sorted(chosen.items()) if args is not None]
+
+    def _check_decoupled(self) -> None:
+        """A decoupled loss never drops or silently re-caps its behaviour weight."""
+        why = ("decoupled PPO (asynchronous runs) weights every loss token by the behaviour weight "
+               "π_prox/μ = exp(old_logprob − rollout_logprob), the token `tis` correction")
+        off = ("to train without it (a gradient biased by staleness) set algo.decoupled: false")
+        if "tis" in self.correction:
+            if self.correction["tis"] is None:
+                raise ValueError(f"algo.correction.tis: null would drop the behaviour weight: {why}; {off}")
+            if self.behaviour_weight_cap is not None:
+                raise ValueError("algo.behaviour_weight_cap and algo.correction.tis both set the behaviour weight of "
+                                 "decoupled PPO; keep one (correction.tis.cap caps it)")
+            return
+        if not self.tis:
+            raise ValueError(f"algo.tis: false would drop the behaviour weight: {why}; {off}")
+        if self.tis_cap != PolicyLossConfig.model_fields["tis_cap"].default:
+            raise ValueError(f"algo.tis_cap ({self.tis_cap:g}) caps the TIS weight of runs that are not decoupled; "
+                             "the behaviour weight of decoupled PPO is uncapped unless algo.behaviour_weight_cap: "
+                             f"set algo.behaviour_weight_cap: {self.tis_cap:g} to cap it (or leave tis_cap at its "
+                             "default)")

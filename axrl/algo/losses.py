@@ -153,7 +153,7 @@ class PolicyLoss:
         weight = torch.ones_like(lp_det)
         tis_diag = None
         if mb.rollout_logprobs is not None:
-            cin = CorrectionInputs(old, aux(mb.rollout_logprobs), mask, offsets)
+            cin = CorrectionInputs(old, aux(mb.rollout_logprobs), mask, offsets, cfg.log_ratio_clamp)
             for c, params in self.correction_list:
                 out = c.terms(cin, params)
                 weight, rules = weight * out.weight, rules | out.rules

@@ -12,7 +12,7 @@ which recomputes advantages from the recorded rewards for what-ifs:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -118,6 +118,8 @@ class ProcessedBatch:
     penalties: np.ndarray | None = None   # float64 [N], overlong penalty added to the reward (None: off)
     dropped_groups: int = 0           # dynamic sampling: groups rolled out but not trained
     rolled_out_groups: int = 0
+    dropped: list[Trajectory] = field(default_factory=list)  # their samples, in rollout order (recorded
+                                                             # in the trace's /pool, never trained)
 
     def update_splits(self, updates: int) -> list[list[int]]:
         """Sample indices of each optimizer update (`update_splits` over the batch's group ids)."""
@@ -129,7 +131,8 @@ class AlgorithmProcessor:
 
     Failed trajectories (an env or tool raised) stay in the batch — and so in the trace — with an
     all-zero loss mask, and are left out of their group's reward statistics. With `keep_groups`
-    (dynamic sampling) only the first `keep_groups` groups whose rewards differ are kept.
+    (dynamic sampling) only the first `keep_groups` groups whose rewards differ are kept; the
+    others are handed back as `ProcessedBatch.dropped` (the trace records them under /pool).
     """
 
     def __init__(self, estimator: str = "grpo", normalize_std: bool = True, temperature: float = 1.0, *,
@@ -141,10 +144,12 @@ class AlgorithmProcessor:
         self.temperature = temperature
         self.keep_groups = keep_groups
 
-    def _dynamic_sampling(self, trajectories: list[Trajectory]) -> tuple[list[Trajectory], int, int]:
+    def _dynamic_sampling(self, trajectories: list[Trajectory]
+                          ) -> tuple[list[Trajectory], list[Trajectory], int]:
+        """(kept, dropped, groups rolled out)."""
         groups = list(dict.fromkeys(t.group_id for t in trajectories))
         if self.keep_groups is None:
-            return trajectories, 0, len(groups)
+            return trajectories, [], len(groups)
         rewards = np.asarray([t.reward for t in trajectories], dtype=np.float64)
         gids = np.asarray([t.group_id for t in trajectories])
         ok = np.asarray([t.status == "ok" for t in trajectories])
@@ -153,12 +158,14 @@ class AlgorithmProcessor:
         if not keep:  # nothing informative: train the first groups as rolled out (zero advantage)
             keep = groups[: self.keep_groups]
         chosen = set(keep)
-        return [t for t in trajectories if t.group_id in chosen], len(groups) - len(keep), len(groups)
+        return ([t for t in trajectories if t.group_id in chosen], [t for t in trajectories if t.group_id not in chosen],
+                len(groups))
 
     def __call__(self, trajectories: list[Trajectory]) -> ProcessedBatch:
         if not trajectories:
             raise ValueError("AlgorithmProcessor: no trajectories to process")
         trajectories, dropped, rolled_out = self._dynamic_sampling(trajectories)
+        dropped_groups = len(dict.fromkeys(t.group_id for t in dropped))
         ok = np.asarray([t.status == "ok" for t in trajectories])
         rewards = np.asarray([t.reward for t in trajectories], dtype=np.float64)
         groups = np.asarray([t.group_id for t in trajectories], dtype=np.int64)
@@ -183,5 +190,5 @@ class AlgorithmProcessor:
         )
         return ProcessedBatch(batch=batch, trajectories=trajectories, sample_advantages=adv,
                               rewards=torch.tensor(rewards, dtype=torch.float32),
-                              penalties=self.settings.penalties(loss_tokens), dropped_groups=dropped,
-                              rolled_out_groups=rolled_out)
+                              penalties=self.settings.penalties(loss_tokens), dropped_groups=dropped_groups,
+                              rolled_out_groups=rolled_out, dropped=dropped)

@@ -28,8 +28,8 @@ class LossRule(IntFlag):
     CLIP_LOW = 2         # ratio below the band's floor with A < 0: no gradient (PPO, GSPO, grpo2)
     DUAL_CLIP = 4        # dual-clip PPO bound −c·A taken (A < 0): no gradient
     SOFT_CLIP = 8        # weight capped but gradient kept (grpo2 A < 0 above dual_soft_clip, CISPO, TOPR)
-    RATIO_CLAMP = 16     # |log π_θ − log π_old| beyond log_ratio_clamp (the ratio was clamped)
-    TIS_TRUNCATED = 32   # train/rollout weight truncated at the TIS cap
+    RATIO_CLAMP = 16     # |log π_θ − log π_old| (or an untruncated behaviour weight's log) beyond log_ratio_clamp
+    TIS_TRUNCATED = 32   # train/rollout weight truncated at the TIS cap (or algo.behaviour_weight_cap)
     MIS_MASKED = 64      # train/rollout weight outside [lower, upper]: masked (MIS)
     VETO = 128           # sequence dropped: one of its tokens had a train/rollout ratio below the veto threshold
     ICEPOP_MASKED = 256  # train/rollout ratio outside [α, β]: masked (IcePop)
@@ -110,12 +110,14 @@ class ObjectiveTerms:
 @dataclass
 class CorrectionInputs:
     """What a rollout↔trainer correction sees, all [T_mb]: old = log π_old (detached), rollout =
-    log π_rollout (NaN where the engine gave none), mask = loss tokens."""
+    log π_rollout (NaN where the engine gave none), mask = loss tokens; log_ratio_clamp: the loss's
+    `log_ratio_clamp`, the overflow guard of an untruncated weight (`tis` with `cap: null`)."""
 
     old: torch.Tensor
     rollout: torch.Tensor
     mask: torch.Tensor
     offsets: torch.Tensor
+    log_ratio_clamp: float | None = None
 
     @property
     def available(self) -> torch.Tensor:

@@ -72,8 +72,9 @@ def backend_settings(cfg: Config, *, compute_dtype: str | None = None) -> Backen
 # -- the train step ----------------------------------------------------------------------------------
 
 def loss_config(cfg: Config) -> PolicyLossConfig:
-    """The policy loss's knobs: the `algo` section without its advantage knobs (same type)."""
-    return cfg.algo.loss_fields()
+    """The policy loss's knobs: the `algo` section without its advantage knobs (same type), for the
+    run's mode (`algo.decoupled: null` is decoupled PPO in an asynchronous run)."""
+    return cfg.algo.loss_fields().resolved(cfg.runtime.mode == "async")
 
 
 def routing_replay(cfg: Config) -> R3:

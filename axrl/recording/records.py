@@ -212,7 +212,7 @@ def step_record(o: TrainedStep, rng_digest: str = "", routing: bool = True) -> S
         routing_rollout_valid=routing_valid,
         routing_train=None if routing_train is None else routing_train.numpy(),
         behaviour_train_logprob=None if o.behaviour is None else o.behaviour.numpy(),
-        **_pool_columns(o.batch),
+        **_pool_columns(o.batch, o.processed.dropped, routing),
         **_session_columns(trajs),
         extra_samples=extra_samples,
         wall_times=o.wall_times,
@@ -229,13 +229,49 @@ def _session_columns(trajs: list[Trajectory]) -> dict[str, Any]:
             "drift_tokens": [t.drift_tokens for t in trajs]}
 
 
-def _pool_columns(batch: Batch) -> dict[str, Any]:
-    """The /pool datasets of a step: only when something was dropped or re-run."""
+DYNAMIC_SAMPLING = "dynamic_sampling"   # /pool/dropped_reason of the groups dynamic sampling did not select
+
+
+def _pool_columns(batch: Batch, dropped: list[Trajectory], routing: bool = True) -> dict[str, Any]:
+    """The /pool datasets of a step: only when something was dropped or re-run. Groups the pool
+    dropped (staleness) are listed; groups dynamic sampling dropped are listed with their samples
+    (/pool/samples, /pool/tokens, /pool/routing), which were rolled out for this step but never trained."""
     out: dict[str, Any] = {}
-    if batch.dropped:
-        out.update(pool_dropped_group_id=[f.group_id for f in batch.dropped],
-                   pool_dropped_reason=[f.reason for f in batch.dropped],
-                   pool_dropped_min_version=[f.min_version for f in batch.dropped])
+    ids = [f.group_id for f in batch.dropped]
+    reasons = [f.reason for f in batch.dropped]
+    versions = [f.min_version for f in batch.dropped]
+    for g in dict.fromkeys(t.group_id for t in dropped):
+        generated = [int(v) for t in dropped if t.group_id == g for v in np.asarray(t.policy_version) if v >= 0]
+        ids.append(g)
+        reasons.append(DYNAMIC_SAMPLING)
+        versions.append(min(generated, default=-1))
+    if ids:
+        out.update(pool_dropped_group_id=ids, pool_dropped_reason=reasons, pool_dropped_min_version=versions)
     if batch.reruns:
         out["pool_rerun_group_id"] = list(batch.reruns)
+    if dropped:
+        out.update(_pool_samples(dropped, routing))
+    return out
+
+
+def _pool_samples(trajs: list[Trajectory], routing: bool) -> dict[str, Any]:
+    """/pool/samples and /pool/tokens (and /pool/routing/rollout for MoE) of never-trained samples."""
+    lengths = [t.num_tokens for t in trajs]
+    out: dict[str, Any] = dict(
+        pool_sample_offsets=np.cumsum([0] + lengths), pool_sample_id=[t.sample_id for t in trajs],
+        pool_group_id=[t.group_id for t in trajs], pool_prompt_id=[t.prompt_id for t in trajs],
+        pool_prompt_len=[t.prompt_len for t in trajs], pool_num_turns=[t.num_turns for t in trajs],
+        pool_reward=[t.reward for t in trajs], pool_finish_reason=[t.finish_reason for t in trajs],
+        pool_status=[t.status for t in trajs],
+        pool_token_ids=np.concatenate([np.asarray(t.token_ids) for t in trajs]),
+        pool_turn=np.concatenate([np.asarray(t.turn) for t in trajs]),
+        pool_token_policy_version=np.concatenate([np.asarray(t.policy_version) for t in trajs]),
+        pool_rollout_logprob=np.concatenate([np.asarray(t.rollout_logprob, np.float32) for t in trajs]))
+    if routing and all(t.routed_experts is not None for t in trajs):
+        rows = []
+        for t in trajs:  # the final token of each trajectory never went through the engine: stored as zeros
+            r = np.asarray(t.routed_experts).astype(np.int64)
+            r[-1:] = 0
+            rows.append(r)
+        out["pool_routing_rollout"] = np.concatenate(rows)
     return out

@@ -78,6 +78,21 @@ class StepRecord:
     pool_dropped_reason: Sequence[str] | None = None  # str [D]
     pool_dropped_min_version: Any = None     # int32 [D]
     pool_rerun_group_id: Any = None          # int64 [R]   groups re-run while the batch was filled
+    # the samples of dropped groups (dynamic sampling): CSR over their own tokens [DT]
+    pool_sample_offsets: Any = None          # int64 [DN+1]
+    pool_sample_id: Any = None               # int64 [DN]
+    pool_group_id: Any = None                # int64 [DN]
+    pool_prompt_id: Sequence[str] | None = None  # str [DN]
+    pool_prompt_len: Any = None              # int32 [DN]
+    pool_num_turns: Any = None               # int32 [DN]
+    pool_reward: Any = None                  # float64 [DN]
+    pool_finish_reason: Sequence[str] | None = None  # str [DN]
+    pool_status: Sequence[str] | None = None  # str [DN]
+    pool_token_ids: Any = None               # int32 [DT]
+    pool_turn: Any = None                    # int16 [DT]
+    pool_token_policy_version: Any = None    # int32 [DT]
+    pool_rollout_logprob: Any = None         # float32 [DT]
+    pool_routing_rollout: Any = None         # [DT, L, k] expert ids (as input), engine; needs num_experts
     session_id: Sequence[str] | None = None  # str [N]   black-box agent sessions ('' white-box)
     fork_of: Any = None                      # int64 [N] sample a session path forks from (-1: none)
     drift_tokens: Any = None                 # int32 [N] re-tokenisation drift of the sample's replies
@@ -453,13 +468,16 @@ def _micro_batches(r: StepRecord, n: int, u: int) -> tuple[dict[str, Any], int]:
     return ds, m
 
 
+_POOL_SAMPLE_GROUPS = (S.G_POOL_SAMPLES + "/", S.G_POOL_TOKENS + "/", S.G_POOL_ROUTING + "/")
+
+
 def _pool(r: StepRecord) -> dict[str, Any]:
     """The optional /pool datasets; those of one symbolic dimension must share its length."""
     ds: dict[str, Any] = {}
     lengths_of: dict[str, tuple[int, str]] = {}
     for spec in S.DATASETS:
         value = getattr(r, spec.field) if spec.path.startswith(S.G_POOL + "/") else None
-        if value is None:
+        if value is None or spec.path.startswith(_POOL_SAMPLE_GROUPS):
             continue
         a = _as_spec_dtype(spec, value)
         dim = spec.shape[0]
@@ -469,6 +487,44 @@ def _pool(r: StepRecord) -> dict[str, Any]:
             raise _fail(spec.field, f"has {a.size} entries, {lengths_of[dim][1]} has {lengths_of[dim][0]} ({dim})")
         lengths_of.setdefault(dim, (a.size, spec.field))
         ds[spec.path] = a
+    ds.update(_pool_samples(r, ds.get("/pool/dropped_group_id")))
+    return ds
+
+
+def _pool_samples(r: StepRecord, dropped: np.ndarray | None) -> dict[str, Any]:
+    """/pool/samples, /pool/tokens, /pool/routing: all or none (routing optional), in their own CSR;
+    every sample's group among /pool/dropped_group_id."""
+    specs = [s for s in S.DATASETS if s.path.startswith(_POOL_SAMPLE_GROUPS)]
+    given = [s for s in specs if getattr(r, s.field) is not None]
+    if not given:
+        return {}
+    missing = [s.field for s in specs if getattr(r, s.field) is None and s.field != "pool_routing_rollout"]
+    if missing:
+        raise _fail(missing[0], f"is required with the other pool sample fields ({given[0].field} is given)")
+    off = _as_int("pool_sample_offsets", r.pool_sample_offsets, np.int64)
+    _check_offsets("pool_sample_offsets", off, None, "DT")
+    n, t = off.size - 1, int(off[-1])
+    ds: dict[str, Any] = {"/pool/samples/offsets": off}
+    for spec in specs:
+        if spec.field in ("pool_sample_offsets", "pool_routing_rollout"):
+            continue
+        a = _as_spec_dtype(spec, getattr(r, spec.field))
+        dim = spec.shape[0]
+        _check_shape(spec.field, a, (n if dim == "DN" else t,),
+                     "DN = len(pool_sample_offsets) - 1" if dim == "DN" else "DT = pool_sample_offsets[-1]")
+        ds[spec.path] = a
+    groups = ds["/pool/samples/group_id"]
+    if groups.size and (dropped is None or not np.isin(groups, dropped).all()):
+        raise _fail("pool_group_id", "every pool sample's group must be in pool_dropped_group_id")
+    if r.pool_routing_rollout is not None:
+        if r.num_experts is None:
+            raise _fail("num_experts", "is required when pool routing is recorded")
+        a = np.asarray(r.pool_routing_rollout)
+        if a.ndim != 3 or a.shape[0] != t:
+            raise _fail("pool_routing_rollout", f"shape {a.shape}, expected (DT={t}, L, k)")
+        if a.size and (a.dtype.kind not in "iu" or int(a.min()) < 0 or int(a.max()) >= int(r.num_experts)):
+            raise _fail("pool_routing_rollout", f"expert ids must be integers in [0, num_experts={r.num_experts})")
+        ds["/pool/routing/rollout"] = np.ascontiguousarray(a, dtype=S.routing_dtype(int(r.num_experts)))
     return ds
 
 

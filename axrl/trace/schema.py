@@ -208,11 +208,34 @@ DATASETS: tuple[DatasetSpec, ...] = (
     DatasetSpec("/pool/dropped_group_id", "pool_dropped_group_id", "int64", ("D",), False,
                 "groups dropped while this step's batch was filled"),
     DatasetSpec("/pool/dropped_reason", "pool_dropped_reason", STR, ("D",), False,
-                "'stale' | 'max_reruns' (too stale to train) | 'partial_drop' (running at a weight update)"),
+                "'stale' | 'max_reruns' (too stale to train) | 'partial_drop' (running at a weight update) | "
+                "'dynamic_sampling' (rolled out for this step, not selected by algo.dynamic_sampling)"),
     DatasetSpec("/pool/dropped_min_version", "pool_dropped_min_version", "int32", ("D",), False,
                 "oldest weight version among the dropped group's generated tokens (-1: none generated yet)"),
     DatasetSpec("/pool/rerun_group_id", "pool_rerun_group_id", "int64", ("R",), False,
                 "groups found too stale while this step's batch was filled and started again"),
+    # --- pool samples: the complete samples of dropped groups (dynamic sampling), never trained;
+    #     the columns of /samples and /tokens they share, same dtypes and alignment, own CSR
+    DatasetSpec("/pool/samples/offsets", "pool_sample_offsets", "int64", ("DN+1",), False,
+                "CSR: tokens of pool sample i are offsets[i]:offsets[i+1] of every /pool/tokens dataset"),
+    DatasetSpec("/pool/samples/sample_id", "pool_sample_id", "int64", ("DN",), False, "as /samples/sample_id"),
+    DatasetSpec("/pool/samples/group_id", "pool_group_id", "int64", ("DN",), False,
+                "as /samples/group_id; every group is in /pool/dropped_group_id"),
+    DatasetSpec("/pool/samples/prompt_id", "pool_prompt_id", STR, ("DN",), False, "as /samples/prompt_id"),
+    DatasetSpec("/pool/samples/prompt_len", "pool_prompt_len", "int32", ("DN",), False, "as /samples/prompt_len"),
+    DatasetSpec("/pool/samples/num_turns", "pool_num_turns", "int32", ("DN",), False, "as /samples/num_turns"),
+    DatasetSpec("/pool/samples/reward", "pool_reward", "float64", ("DN",), False, "as /samples/reward"),
+    DatasetSpec("/pool/samples/finish_reason", "pool_finish_reason", STR, ("DN",), False,
+                "as /samples/finish_reason"),
+    DatasetSpec("/pool/samples/status", "pool_status", STR, ("DN",), False, "as /samples/status"),
+    DatasetSpec("/pool/tokens/ids", "pool_token_ids", "int32", ("DT",), False, "as /tokens/ids"),
+    DatasetSpec("/pool/tokens/turn", "pool_turn", "int16", ("DT",), False, "as /tokens/turn"),
+    DatasetSpec("/pool/tokens/policy_version", "pool_token_policy_version", "int32", ("DT",), False,
+                "as /tokens/policy_version"),
+    DatasetSpec("/pool/tokens/rollout_logprob", "pool_rollout_logprob", "float32", ("DT",), False,
+                "as /tokens/rollout_logprob (NaN where not generated)"),
+    DatasetSpec("/pool/routing/rollout", "pool_routing_rollout", ROUTING, ("DT", "L", "k"), False,
+                "as /routing/rollout (rows never fed to the engine stored as zeros; num_experts: /routing's attr)"),
 )
 DATASETS_BY_PATH = {d.path: d for d in DATASETS}
 DATASETS_BY_FIELD = {d.field: d for d in DATASETS}
@@ -232,16 +255,20 @@ LOSS_RULE_CODES: dict[int, tuple[str, str]] = {
     2: ("clip_low", "ratio below the band's floor with A < 0: no gradient (ppo, gspo, grpo2)"),
     4: ("dual_clip", "dual-clip bound -c*A taken (ppo, A < 0): no gradient"),
     8: ("soft_clip", "weight capped, gradient kept (grpo2 A < 0 above dual_soft_clip, cispo, topr)"),
-    16: ("ratio_clamp", "|log ratio| beyond log_ratio_clamp (ratio clamped)"),
-    32: ("tis_truncated", "train/rollout weight truncated at the TIS cap"),
+    16: ("ratio_clamp", "|log ratio| beyond log_ratio_clamp (ratio clamped; or an untruncated behaviour weight's)"),
+    32: ("tis_truncated", "train/rollout weight truncated at the TIS cap (or algo.behaviour_weight_cap)"),
     64: ("mis_masked", "train/rollout weight outside [lower, upper]: masked (MIS)"),
     128: ("veto", "sequence dropped: a token's train/rollout ratio below the veto threshold"),
     256: ("icepop_masked", "train/rollout ratio outside [low, high]: masked (IcePop)"),
     512: ("no_rollout", "loss token without a finite rollout logprob (corrections left it at weight 1)"),
 }
 
+G_POOL_SAMPLES = "/pool/samples"
+G_POOL_TOKENS = "/pool/tokens"
+G_POOL_ROUTING = "/pool/routing"
+
 # Which datasets get chunked + compressed (the large per-token ones).
-TOKEN_GROUPS = (G_TOKENS, G_ROUTING)
+TOKEN_GROUPS = (G_TOKENS, G_ROUTING, G_POOL_TOKENS, G_POOL_ROUTING)
 
 # The values /samples/finish_reason and /samples/status hold (one definition: axrl.core.outcomes).
 KNOWN_FINISH_REASONS = FINISH_REASONS
