@@ -18,6 +18,7 @@ from axrl.errors import ConfigError
 from axrl.inference.sglang.settings import SGLangSettings
 from axrl.model.device import DEVICE_PATTERN
 from axrl.ray_executor.settings import RaySettings
+from axrl.recording.trackers import MlflowSettings, WandbSettings
 
 
 class Section(BaseModel):
@@ -199,32 +200,10 @@ class TraceSection(Section):
     spike_min_history: int = Field(3, ge=1, description="steps needed before the trigger can fire")
 
 
-class WandbSection(Section):
-    """Weights & Biases (`pip install 'axrl[tracking]'`): every metric of metrics.jsonl and, at the
-    end, the reward plot; files in RUN/wandb/."""
-
-    project: str = Field("axrl", min_length=1, description="W&B project")
-    mode: Literal["online", "offline"] = Field("offline", description="offline: local files only (`wandb sync "
-                                               "RUN/wandb` uploads them later); online: also stream them "
-                                               "(needs `wandb login`)")
-    entity: str | None = Field(None, description="W&B entity (user or team); null: your default")
-    name: str | None = Field(None, description="run name; null: the run directory's name")
-
-
-class MlflowSection(Section):
-    """MLflow (`pip install 'axrl[tracking]'`): every metric of metrics.jsonl and, at the end, the
-    reward plot and config.yaml as artifacts."""
-
-    tracking_uri: str | None = Field(None, description="MLflow tracking URI (a server, sqlite:///..., ...); "
-                                     "null: a sqlite store in RUN/mlflow/")
-    experiment: str = Field("axrl", min_length=1, description="MLflow experiment (created if missing)")
-    run_name: str | None = Field(None, description="run name; null: the run directory's name")
-
-
 class LoggingSection(Section):
     tensorboard: bool = Field(False, description="also write metrics as TensorBoard event files (RUN/tensorboard)")
-    wandb: WandbSection | None = Field(None, description="also log to a Weights & Biases run (null: off)")
-    mlflow: MlflowSection | None = Field(None, description="also log to an MLflow run (null: off)")
+    wandb: WandbSettings | None = Field(None, description="also log to a Weights & Biases run (null: off)")
+    mlflow: MlflowSettings | None = Field(None, description="also log to an MLflow run (null: off)")
 
 
 class R3ScopeSection(Section):

@@ -13,7 +13,6 @@ from axrl.algo.processor import AdvantageSettings
 from axrl.config import Config, config_to_dict
 from axrl.inference.protocol import SamplingParams
 from axrl.inference.sglang.settings import ServedModel
-from axrl.recording.trackers import MlflowSettings, WandbSettings
 from axrl.rollout.runner import Clock
 from axrl.rollout.schedule import Schedule
 from axrl.rollout.worker import RolloutPolicy
@@ -197,14 +196,12 @@ def rollout_settings(cfg: Config) -> RolloutSideSettings:
 
 def loop_settings(cfg: Config) -> LoopSettings:
     """`steps`, `eval.every`, `checkpoint`, `warmup`, `logging` and what the run directory records."""
-    w, wb, mf = cfg.warmup, cfg.logging.wandb, cfg.logging.mlflow
+    w = cfg.warmup
     return LoopSettings(
         steps=cfg.steps, seed=cfg.seed, eval_every=cfg.eval.every, checkpoint_every=cfg.checkpoint.every,
         checkpoint_keep=cfg.checkpoint.keep, warmup=WarmupSettings(w.steps, w.batch_size, w.lr),
         needs_reference=cfg.algo.kl_coef > 0, tensorboard=cfg.logging.tensorboard,
-        wandb=None if wb is None else WandbSettings(project=wb.project, mode=wb.mode, entity=wb.entity, name=wb.name),
-        mlflow=None if mf is None else MlflowSettings(tracking_uri=mf.tracking_uri, experiment=mf.experiment,
-                                                      run_name=mf.run_name),
+        wandb=cfg.logging.wandb, mlflow=cfg.logging.mlflow,
         config=config_to_dict(cfg),
         manifest={"backend": cfg.train.backend, "engine": cfg.rollout.engine, "mode": cfg.runtime.mode,
                   "rollout_clock": rollout_clock(cfg)})

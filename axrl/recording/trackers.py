@@ -20,9 +20,10 @@ import math
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from axrl.recording.reward_plot import save_reward_plot
 from axrl.trace import RunDir
@@ -37,24 +38,29 @@ MLFLOW_HINT = ("logging.mlflow needs mlflow (mlflow-skinny, with sqlalchemy and 
                "pip install 'axrl[tracking]'")
 
 
-@dataclass(frozen=True)
-class WandbSettings:
-    """`logging.wandb`: a W&B run in RUN/wandb/. `offline` writes only local files (`wandb sync
-    RUN/wandb` uploads them later); `online` also streams them (needs `wandb login`)."""
+class WandbSettings(BaseModel):
+    """`logging.wandb` (the YAML section is this type): a W&B run in RUN/wandb/."""
 
-    project: str = "axrl"
-    mode: Literal["online", "offline"] = "offline"
-    entity: str | None = None
-    name: str | None = None                 # None: the run directory's name
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    project: str = Field("axrl", min_length=1, description="W&B project")
+    mode: Literal["online", "offline"] = Field("offline", description="offline: local files only (`wandb sync "
+                                               "RUN/wandb` uploads them later); online: also stream them "
+                                               "(needs `wandb login`)")
+    entity: str | None = Field(None, description="W&B entity (user or team); null: your default")
+    name: str | None = Field(None, description="run name; null: the run directory's name")
 
 
-@dataclass(frozen=True)
-class MlflowSettings:
-    """`logging.mlflow`: an MLflow run. `tracking_uri` None: a sqlite store in RUN/mlflow/."""
+class MlflowSettings(BaseModel):
+    """`logging.mlflow` (the YAML section is this type): an MLflow run; the reward plot and
+    config.yaml go with it as artifacts."""
 
-    tracking_uri: str | None = None
-    experiment: str = "axrl"
-    run_name: str | None = None             # None: the run directory's name
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tracking_uri: str | None = Field(None, description="MLflow tracking URI (a server, sqlite:///..., ...); "
+                                     "null: a sqlite store in RUN/mlflow/")
+    experiment: str = Field("axrl", min_length=1, description="MLflow experiment (created if missing)")
+    run_name: str | None = Field(None, description="run name; null: the run directory's name")
 
 
 def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
