@@ -76,18 +76,28 @@ class _Capture:
         self.buffers: list[dict[tuple[str, int], torch.Tensor]] = [{} for _ in contexts]
         self.rows: list[tuple[int, int] | None] = []        # row -> (context, position)
         self.final_rows: list[tuple[int, int] | None] = []  # the same for the "final" point
+        self._grouped: tuple[list | None, dict[int, tuple[torch.Tensor, torch.Tensor]]] = (None, {})
+
+    def _groups(self, layout: list[tuple[int, int] | None]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Per wanted context, the rows of the forward it has and their positions (a position held
+        by several rows: the last one, as row-by-row copies in order would leave it)."""
+        if self._grouped[0] is not layout:
+            by: dict[int, dict[int, int]] = {}
+            for r, where in enumerate(layout):
+                if where is not None and (self.wanted is None or where[0] in self.wanted):
+                    by.setdefault(where[0], {})[where[1]] = r
+            self._grouped = (layout, {c: (torch.tensor(list(m.values()), dtype=torch.int64),
+                                          torch.tensor(list(m), dtype=torch.int64)) for c, m in by.items()})
+        return self._grouped[1]
 
     def at(self, point: str, layer: int, x: torch.Tensor) -> torch.Tensor:
         layout = self.final_rows if point == "final" else self.rows
-        for r, where in enumerate(layout):
-            if where is None:
-                continue
-            c, pos = where
-            if self.wanted is None or c in self.wanted:
-                self._store(c, (point, layer), pos, x[r])
+        for c, (src, dst) in self._groups(layout).items():
+            self._store(c, (point, layer), dst, x[src.to(x.device)])
         return x
 
-    def _store(self, c: int, key: tuple[str, int], pos: int, row: torch.Tensor) -> None:
+    def _store(self, c: int, key: tuple[str, int], pos: int | torch.Tensor, row: torch.Tensor) -> None:
+        """`row` [dim] at position `pos`, or rows [n, dim] at positions `pos` [n]."""
         buf = self.buffers[c].get(key)
         if buf is None:
             buf = self.buffers[c][key] = torch.full((self.contexts[c].end, row.shape[-1]), float("nan"),

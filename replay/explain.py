@@ -49,7 +49,7 @@ from axrl.assembly.build import make_engine_model
 from axrl.assembly.settings import routing_replay
 from axrl.model import ModelConfig
 from axrl.trace import StepFile
-from axrl.train.micro_batch import split_micro_batches
+from axrl.train.micro_batch import label_logprobs, micro_batch_ranges, split_micro_batches
 from axrl.train.protocol import R3, ForwardResult, PackedBatch, R3Scope, TrainBackend
 from replay.engine_path import Context, EnginePath, contexts_of, run_engine_path
 from replay.plan import ReplayInputError
@@ -83,17 +83,24 @@ def component_name(after: tuple[str, int], moe: set[int]) -> str:
 # ------------------------------------------------------------------------------------------ probes
 class _TrainerProbe:
     """A `ForwardProbe` on the trainer: copies the hook points of some samples (`capture`: batch
-    row → positions kept) and/or replaces one point's rows with given values (`patch_values`:
-    batch row → tensor [P, dim] for positions 0..P−1)."""
+    row → positions kept) and/or replaces, per batch row, one point's first positions with given
+    values (`patches`: batch row → (hook point, tensor [P, dim] for positions 0..P−1)) — rows of one
+    forward may each be patched at a different point (the batched patch variants)."""
 
-    def __init__(self, capture: set[int] | None = None, patch: tuple[str, int] | None = None,
-                 patch_values: dict[int, torch.Tensor] | None = None) -> None:
-        self.capture, self.patch, self.patch_values = capture or set(), patch, patch_values or {}
+    def __init__(self, capture: set[int] | None = None,
+                 patches: dict[int, tuple[tuple[str, int], torch.Tensor]] | None = None) -> None:
+        self.capture, self.patches = capture or set(), patches or {}
         self.states: dict[int, dict[tuple[str, int], torch.Tensor]] = {}
         self.samples: list[int] = []
+        self._at: dict[tuple[str, int], list[tuple[int, torch.Tensor]]] = {}
 
     def begin(self, samples: list[int], rows: torch.Tensor, cols: torch.Tensor) -> None:
         self.samples = samples
+        self._at = {}
+        for i, s in enumerate(samples):
+            if s in self.patches:
+                point, values = self.patches[s]
+                self._at.setdefault(point, []).append((i, values))
 
     def at(self, point: str, layer: int, x: torch.Tensor) -> torch.Tensor:
         B = len(self.samples)
@@ -101,15 +108,15 @@ class _TrainerProbe:
         for i, s in enumerate(self.samples):
             if s in self.capture:
                 self.states.setdefault(s, {})[(point, layer)] = view[i].detach().cpu().clone()
-        if self.patch != (point, layer):
+        patches = self._at.get((point, layer))
+        if not patches:
             return x
         out = view.clone()
-        for i, s in enumerate(self.samples):
-            values = self.patch_values.get(s)
-            if values is not None:
-                # Positions the engine never computed at this point (NaN rows) keep the trainer's own.
-                have = torch.isfinite(values.float()).all(-1).nonzero()[:, 0]
-                out[i, have.to(out.device)] = values[have].to(out.device, out.dtype)
+        for i, values in patches:
+            # Positions the engine never computed at this point (NaN rows) keep the trainer's own.
+            have = torch.isfinite(values.float()).all(-1).nonzero()[:, 0]
+            have = have[have < out.shape[1]]
+            out[i, have.to(out.device)] = values[have].to(out.device, out.dtype)
         return out.view(x.shape)
 
 
@@ -254,7 +261,7 @@ def _explain(state: PolicyState, step: int, tokens: list[tuple[int, int]] | None
     sub = rec.batch if len(rows) == rec.batch.num_samples else rec.batch.select(rows)
     sub_row = {r: i for i, r in enumerate(rows)}
     t2 = time.perf_counter()
-    explained = _trainer_side(state, _Chosen(st, sub, sub_row, chosen, contexts, of_token, ep), say)
+    explained = _trainer_side(state, _Chosen(st, sub, sub_row, chosen, contexts, of_token, ep), say, timings)
     timings["trainer_seconds"] = time.perf_counter() - t2
     timings["total_seconds"] = time.perf_counter() - t0
     fid = ep.fidelity(ro.rollout_logprob, ro.off)
@@ -307,9 +314,12 @@ class _TrainerRun:
     router_gap: dict[int, dict[Key, float]] = field(default_factory=dict)  # with it in one MoE layer
 
 
-def _trainer_side(state: PolicyState, ch: _Chosen, say: Progress) -> list[TokenExplanation]:
+def _trainer_side(state: PolicyState, ch: _Chosen, say: Progress,
+                  timings: dict[str, float] | None = None) -> list[TokenExplanation]:
     """Run the trainer path's baseline, the activation patches and the routing replays, then explain
-    each chosen token from them."""
+    each chosen token from them (their times into `timings`: baseline, patches, routing)."""
+    timings = {} if timings is None else timings
+    t0 = time.perf_counter()
     backend, mcfg = state.backend, state.backend.model_config
     moe = {i for i in range(mcfg.num_hidden_layers) if mcfg.is_moe_layer(i)}
     # Baseline: the trainer as trained, capturing the chosen samples' hook points.
@@ -320,41 +330,146 @@ def _trainer_side(state: PolicyState, ch: _Chosen, say: Progress) -> list[TokenE
     if base is None:
         raise ReplayInputError("the run's train backend cannot hook its model (explain needs train.backend: torch)")
     run = _TrainerRun(base, base_probe.states, _gap_at(base.logprobs, ch.sub, ch.in_sub(ch.keys), ch.engine_lp))
-    _patch_gaps(backend, ch, run, patch_points(mcfg.num_hidden_layers), r3)
-    _routing_gaps(backend, ch, run, moe)
-    return [_explain_token(state, ch, run, key, moe) for key in ch.keys]
+    t1 = time.perf_counter()
+    layout = _Layout.of(backend, ch.sub, state.cfg)
+    _patch_gaps(backend, ch, run, patch_points(mcfg.num_hidden_layers), r3, layout)
+    t2 = time.perf_counter()
+    _routing_gaps(backend, ch, run, moe, layout)
+    t3 = time.perf_counter()
+    out = [_explain_token(state, ch, run, key, moe) for key in ch.keys]
+    timings.update({"trainer_baseline_seconds": t1 - t0, "patch_seconds": t2 - t1, "routing_seconds": t3 - t2,
+                    "rows_seconds": time.perf_counter() - t3})
+    return out
 
 
-def _patch_gaps(backend: TrainBackend, ch: _Chosen, run: _TrainerRun, points: list[tuple[str, int]], r3: R3) -> None:
-    """`run.remaining`: the gap left with the engine's states patched in at each point, one forward per
-    (pass, point). A sample's chosen tokens of one turn share that turn's request (one set of engine
-    states); pass j patches every sample with its j-th such request, so there are as many passes as
-    the most turns any one sample has chosen tokens in."""
-    per_sample: dict[int, list[int]] = {}
-    for r, t in ch.keys:
-        c = ch.of_token[(r, t)]
-        if c not in per_sample.setdefault(r, []):
-            per_sample[r].append(c)
-    for j in range(max(len(v) for v in per_sample.values())):
-        in_pass = {v[j] for v in per_sample.values() if j < len(v)}
-        keys = [key for key in ch.keys if ch.of_token[key] in in_pass]
-        eng = {key: ch.engine_lp[key] for key in keys}
+# Padded positions (rows × longest) per batched forward of copies: bounds the activations (the
+# attention scores grow with rows × longest²) where the run's micro-batches have no token limit.
+VARIANT_TOKENS = 8192
+
+
+def _truncated(batch: PackedBatch, rows: list[tuple[int, int]]) -> PackedBatch:
+    """A batch of copies of `batch`'s samples cut to their first tokens: `rows` as (sample, length);
+    a sample may appear several times (one copy per patch variant)."""
+    starts = batch.offsets[:-1]
+    idx = torch.cat([torch.arange(int(starts[i]), int(starts[i]) + n) for i, n in rows])
+    lengths = torch.tensor([n for _, n in rows], dtype=torch.int64)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    per_token = {f.name: getattr(batch, f.name)[idx] for f in dataclasses.fields(batch)
+                 if isinstance(getattr(batch, f.name), torch.Tensor) and f.name != "offsets"}
+    return dataclasses.replace(batch, offsets=offsets, **per_token)
+
+
+@dataclass
+class _Layout:
+    """The trainer path's padding, to run cut copies of `sub`'s samples as the baseline ran them:
+    a sample's positions compute bitwise as in its own micro-batch when the copy's micro-batch is
+    padded to the same length (on CPU, how many rows a micro-batch has and what they hold do not
+    change a row's bits; its padded length does, through the attention's blocking)."""
+
+    padded: dict[int, int]     # sub row → its micro-batch's padded length
+    longest: dict[int, int]    # sub row → its micro-batch's longest row (the filler that pads a copy batch)
+    rows_cap: dict[int, int]   # padded length → rows a copy batch of it may hold (one backend micro-batch)
+
+    @classmethod
+    def of(cls, backend: TrainBackend, sub: PackedBatch, cfg: Any) -> "_Layout":
+        bc = getattr(backend, "config", None)
+        tokens = int(getattr(bc, "micro_batch_tokens", cfg.train.micro_batch_tokens) or 0)
+        size = int(getattr(bc, "micro_batch_size", 0) or 0)
+        merged = bool(getattr(bc, "prefix_merge", cfg.train.prefix_merge))
+        lengths = sub.lengths.tolist()
+        padded, longest, cap = {}, {}, {}
+        for rg in micro_batch_ranges(sub, tokens, size, merged=merged):
+            top = max(rg, key=lambda i: lengths[i])
+            S = lengths[top]
+            for i in rg:
+                padded[i], longest[i] = S, top
+            # rows × S within the token budget: the backend runs a copy batch as one micro-batch
+            cap[S] = max(1, min(tokens // S if tokens else VARIANT_TOKENS // S, size or 1 << 30))
+        return cls(padded, longest, cap)
+
+    def batches(self, source: PackedBatch, items: list[tuple[int, int]]) -> list[tuple[list[int], PackedBatch]]:
+        """`items` (sub row, length to keep) as batches of copies cut from `source` (`sub` or a
+        variant of it with the same offsets), each padded like its rows' micro-batches:
+        (indices into `items`, the batch, whose row j is item j; an unused filler row may follow)."""
+        by_padded: dict[int, list[int]] = {}
+        for k, (i, _) in enumerate(items):
+            by_padded.setdefault(self.padded[i], []).append(k)
+        out = []
+        for S, ks in sorted(by_padded.items()):
+            filler = self.longest[items[ks[0]][0]]
+            per = max(1, self.rows_cap[S] - 1)
+            for j in range(0, len(ks), per):
+                part = ks[j:j + per]
+                # the filler's own copies keep their full length: the batch is then padded to S already
+                spec = [(items[k][0], S if items[k][0] == filler else items[k][1]) for k in part]
+                if all(n < S for _, n in spec):
+                    spec.append((filler, S))
+                out.append((part, _truncated(source, spec)))
+        return out
+
+
+LOGITS = ("logits", -1)
+
+
+def _logits_patched(ch: _Chosen, trainer: torch.Tensor, values: torch.Tensor, keys: list[Key],
+                    device: torch.device | str) -> dict[Key, float]:
+    """The gap of `keys` with the engine's logits `values` patched in (NaN rows: the trainer's own)."""
+    rows = []
+    for _, t in keys:
+        v = values[t - 1] if t - 1 < values.shape[0] else None
+        rows.append(v if v is not None and bool(torch.isfinite(v.float()).all()) else trainer[t - 1])
+    labels = torch.tensor([int(ch.st.ids[int(ch.st.off[r]) + t]) for r, t in keys], dtype=torch.int64)
+    logits = torch.stack(rows).to(device=device, dtype=trainer.dtype)
+    lp, _ = label_logprobs(logits, labels.to(device), ch.sub.temperature)
+    return {key: float(x) - ch.engine_lp[key] for key, x in zip(keys, lp.tolist())}
+
+
+def _patch_gaps(backend: TrainBackend, ch: _Chosen, run: _TrainerRun, points: list[tuple[str, int]], r3: R3,
+                layout: _Layout) -> None:
+    """`run.remaining`: the gap left with the engine's states patched in at each point.
+
+    A variant is one (request, patch point): a copy of the request's sample, cut after its last
+    chosen token of that request (a token's logprob depends on its own sample's earlier positions
+    only), with the engine's states at that point (the positions of the request it computed)
+    patched in. A sample's chosen tokens of one request share that request's states, so they share
+    a variant; its tokens of another turn get their own copy (their patches would interact within
+    one row). All variants are stacked along the batch dimension and run in a few batched
+    forwards, each holding copies of one padded length and padded to it (`_Layout`): every
+    variant then computes the bits one forward of its whole micro-batch per patch point did.
+    Skipped, with the same result: a variant whose engine states equal the trainer's there (the
+    baseline: the unpatched gap) and the logits point (only the log-softmax follows it; computed
+    directly on the patched rows)."""
+    device = getattr(backend, "device", None)
+    by_request: dict[int, list[Key]] = {}
+    for key in ch.keys:
+        by_request.setdefault(ch.of_token[key], []).append(key)
+    variants: list[tuple[int, int, tuple[str, int], torch.Tensor, list[Key]]] = []  # sub row, length, point, values, keys
+    for c, keys in by_request.items():
+        i = ch.sub_row[keys[0][0]]
+        n = max(t for _, t in keys) + 1
         for point in points:
-            values = {}
-            for (r, t) in keys:
-                c = ch.of_token[(r, t)]
-                buf = ch.ep.states[c].get(point)
-                if buf is not None:
-                    values[ch.sub_row[r]] = buf[:ch.contexts[c].end - 1]  # positions the engine computed
-            if all(_same_states(v, run.states[i].get(point)) for i, v in values.items()):
-                # The engine's states equal the trainer's there: the patched forward is the baseline.
+            buf = ch.ep.states[c].get(point)
+            values = None if buf is None else buf[:min(ch.contexts[c].end - 1, n)]  # positions the engine computed
+            if values is None or _same_states(values, run.states[i].get(point)):
                 run.remaining.setdefault(point, {}).update({key: run.gap0[key] for key in keys})
                 continue
-            res = backend.probe_forward(ch.sub, _TrainerProbe(patch=point, patch_values=values), r3=r3)
-            run.remaining.setdefault(point, {}).update(_gap_at(res.logprobs, ch.sub, ch.in_sub(keys), eng))
+            if point == LOGITS and device is not None and run.states[i].get(point) is not None:
+                # Only the log-softmax follows the logits: computed here on the patched rows, as the
+                # patched forward's would be (same function, same device, the trainer's logits dtype).
+                run.remaining.setdefault(point, {}).update(_logits_patched(ch, run.states[i][point], values, keys, device))
+                continue
+            variants.append((i, n, point, values, keys))
+    for ks, batch in layout.batches(ch.sub, [(v[0], v[1]) for v in variants]):
+        part = [variants[k] for k in ks]
+        probe = _TrainerProbe(patches={row: (point, values) for row, (_, _, point, values, _) in enumerate(part)})
+        logprobs = backend.probe_forward(batch, probe, r3=r3).logprobs
+        for row, (_, _, point, _, keys) in enumerate(part):
+            a = int(batch.offsets[row])
+            run.remaining.setdefault(point, {}).update(
+                {(r, t): float(logprobs[a + t]) - ch.engine_lp[(r, t)] for r, t in keys})
 
 
-def _routing_gaps(backend: TrainBackend, ch: _Chosen, run: _TrainerRun, moe: set[int]) -> None:
+def _routing_gaps(backend: TrainBackend, ch: _Chosen, run: _TrainerRun, moe: set[int], layout: _Layout) -> None:
     """`run.r3_gap` / `run.router_gap`: the gap under R3 with the engine's routing (rows from the first
     request that computed each position), in every MoE layer and in each one alone (does that
     layer's expert choice carry the gap?); NaN without MoE layers or recorded routing."""
@@ -371,21 +486,37 @@ def _routing_gaps(backend: TrainBackend, ch: _Chosen, run: _TrainerRun, moe: set
         earlier = [o for o in ch.contexts if o.sample == c.sample and o.turn < c.turn]
         first = max([o.end - 1 for o in earlier], default=0)
         routed[a + first:a + rt.shape[0]] = torch.from_numpy(rt[first:].astype(np.int64))
+    # The forwards run the chosen samples only, each cut after its last chosen token (a token's
+    # logprob depends on its own sample's earlier positions only). A sample where the engine chose
+    # exactly the baseline's experts (same order) at each replayed layer up to there replays nothing
+    # new: R3 there is the baseline computation, so its gap is the unpatched one, no forward needed.
+    need: dict[int, int] = {}
+    for r, t in ch.keys:
+        need[ch.sub_row[r]] = max(need.get(ch.sub_row[r], 0), t + 1)
     forced = dataclasses.replace(sub, routed_experts=routed)
-    # A layer where the engine chose exactly the baseline's experts (same order) at every position
-    # of the chosen samples replays nothing new: R3 there is the baseline, no forward needed.
-    spans = [(int(sub.offsets[ch.sub_row[r]]), int(sub.offsets[ch.sub_row[r] + 1])) for r in {r for r, _ in ch.keys}]
-    differs = {layer for layer in moe if any(not torch.equal(routed[a:b, layer], base.routed_experts[a:b, layer])
-                                            for a, b in spans)} if base.routed_experts is not None else set(moe)
-    sub_tokens = ch.in_sub(ch.keys)
-    run.r3_gap = (_gap_at(backend.forward(forced, r3=True).logprobs, sub, sub_tokens, ch.engine_lp) if differs
-                  else dict(run.gap0))
+    starts = {i: int(sub.offsets[i]) for i in need}
+    differs = {(i, layer): base.routed_experts is None or not torch.equal(routed[a:a + need[i], layer],
+                                                                         base.routed_experts[a:a + need[i], layer])
+               for i, a in starts.items() for layer in moe}
+
+    def gaps(layers: list[int], r3: R3) -> dict[Key, float]:
+        rows = [i for i in sorted(need) if any(differs[(i, layer)] for layer in layers)]
+        out = {key: run.gap0[key] for key in ch.keys}
+        if not rows:
+            return out
+        start: dict[int, tuple[torch.Tensor, int]] = {}
+        for ks, batch in layout.batches(forced, [(i, need[i]) for i in rows]):
+            logprobs = backend.forward(batch, r3=r3).logprobs
+            start.update({rows[k]: (logprobs, int(batch.offsets[j])) for j, k in enumerate(ks)})
+        for r, t in ch.keys:
+            if ch.sub_row[r] in start:
+                logprobs, a = start[ch.sub_row[r]]
+                out[(r, t)] = float(logprobs[a + t]) - ch.engine_lp[(r, t)]
+        return out
+
+    run.r3_gap = gaps(sorted(moe), True)
     for layer in sorted(moe):
-        if layer not in differs:
-            run.router_gap[layer] = dict(run.gap0)
-            continue
-        res = backend.forward(forced, r3=R3Scope(layers=(layer,)))
-        run.router_gap[layer] = _gap_at(res.logprobs, sub, sub_tokens, ch.engine_lp)
+        run.router_gap[layer] = gaps([layer], R3Scope(layers=(layer,)))
 
 
 def _explain_token(state: PolicyState, ch: _Chosen, run: _TrainerRun, key: Key, moe: set[int]) -> TokenExplanation:
