@@ -163,3 +163,31 @@ def test_tui_token_detail_explain_action(run):
             assert isinstance(app.screen, TokensScreen)
 
     asyncio.run(main())
+
+
+def test_cut_copies_padded_like_their_micro_batch_reproduce_the_baseline_bits(run):
+    """What the batched patch variants rest on (replay/explain.py `_Layout`): copies of samples, cut
+    after any token, repeated, stacked with copies of other samples and padded like their own
+    micro-batch, compute bit for bit what the trainer's forward of the micro-batches computed (the
+    patched forwards are then those of one forward per micro-batch and patch point, as before)."""
+    import torch
+
+    from replay.explain import _Layout, _TrainerProbe
+    from replay.policy import policy_before
+
+    state = policy_before(run, 1)
+    try:
+        batch = state.recorded(1).batch
+        base = state.backend.probe_forward(batch, _TrainerProbe()).logprobs
+        layout = _Layout.of(state.backend, batch, state.cfg)
+        assert len(set(layout.padded.values())) > 1  # several micro-batches, padded differently
+        lengths = batch.lengths.tolist()
+        items = [(i, max(2, lengths[i] - cut)) for cut in (0, 3, 7) for i in range(batch.num_samples)]
+        for ks, copies in layout.batches(batch, items):
+            lp = state.backend.probe_forward(copies, _TrainerProbe()).logprobs
+            for j, k in enumerate(ks):
+                i, n = items[k]
+                a, b = int(copies.offsets[j]), int(batch.offsets[i])
+                assert torch.equal(lp[a:a + n], base[b:b + n]), (i, n)
+    finally:
+        state.close()
