@@ -334,7 +334,7 @@ def _trainer_side(state: PolicyState, ch: _Chosen, say: Progress,
     layout = _Layout.of(backend, ch.sub, state.cfg)
     _patch_gaps(backend, ch, run, patch_points(mcfg.num_hidden_layers), r3, layout)
     t2 = time.perf_counter()
-    _routing_gaps(backend, ch, run, moe, layout)
+    _routing_gaps(backend, ch, run, moe, layout, per_sample=not r3)
     t3 = time.perf_counter()
     out = [_explain_token(state, ch, run, key, moe) for key in ch.keys]
     timings.update({"trainer_baseline_seconds": t1 - t0, "patch_seconds": t2 - t1, "routing_seconds": t3 - t2,
@@ -469,7 +469,8 @@ def _patch_gaps(backend: TrainBackend, ch: _Chosen, run: _TrainerRun, points: li
                 {(r, t): float(logprobs[a + t]) - ch.engine_lp[(r, t)] for r, t in keys})
 
 
-def _routing_gaps(backend: TrainBackend, ch: _Chosen, run: _TrainerRun, moe: set[int], layout: _Layout) -> None:
+def _routing_gaps(backend: TrainBackend, ch: _Chosen, run: _TrainerRun, moe: set[int], layout: _Layout, *,
+                  per_sample: bool = True) -> None:
     """`run.r3_gap` / `run.router_gap`: the gap under R3 with the engine's routing (rows from the first
     request that computed each position), in every MoE layer and in each one alone (does that
     layer's expert choice carry the gap?); NaN without MoE layers or recorded routing."""
@@ -490,17 +491,23 @@ def _routing_gaps(backend: TrainBackend, ch: _Chosen, run: _TrainerRun, moe: set
     # logprob depends on its own sample's earlier positions only). A sample where the engine chose
     # exactly the baseline's experts (same order) at each replayed layer up to there replays nothing
     # new: R3 there is the baseline computation, so its gap is the unpatched one, no forward needed.
+    # Not `per_sample` (the run itself replays routing, so the baseline forced the layers a
+    # one-layer R3 leaves free): every chosen sample runs when one of them differs, as a layer.
     need: dict[int, int] = {}
     for r, t in ch.keys:
         need[ch.sub_row[r]] = max(need.get(ch.sub_row[r], 0), t + 1)
     forced = dataclasses.replace(sub, routed_experts=routed)
-    starts = {i: int(sub.offsets[i]) for i in need}
-    differs = {(i, layer): base.routed_experts is None or not torch.equal(routed[a:a + need[i], layer],
-                                                                         base.routed_experts[a:a + need[i], layer])
-               for i, a in starts.items() for layer in moe}
+    # compared up to the last chosen token per sample, or over the whole sample (as a layer was)
+    spans = {i: (int(sub.offsets[i]), int(sub.offsets[i]) + need[i] if per_sample else int(sub.offsets[i + 1]))
+             for i in need}
+    differs = {(i, layer): base.routed_experts is None or not torch.equal(routed[a:b, layer],
+                                                                         base.routed_experts[a:b, layer])
+               for i, (a, b) in spans.items() for layer in moe}
 
     def gaps(layers: list[int], r3: R3) -> dict[Key, float]:
         rows = [i for i in sorted(need) if any(differs[(i, layer)] for layer in layers)]
+        if rows and not per_sample:
+            rows = sorted(need)
         out = {key: run.gap0[key] for key in ch.keys}
         if not rows:
             return out
