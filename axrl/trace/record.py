@@ -302,17 +302,8 @@ def _samples(r: StepRecord) -> dict[str, Any]:
     n = off.size - 1
     ds: dict[str, Any] = {"/samples/offsets": off}
     lengths = np.diff(off)
-    for spec in S.DATASETS:
-        if not spec.path.startswith("/samples/") or spec.path == "/samples/offsets":
-            continue
-        value = getattr(r, spec.field)
-        if spec.field == "error" and value is None:
-            value = [""] * n
-        if value is None and not spec.required:
-            continue
-        a = _as_spec_dtype(spec, value)
-        _check_shape(spec.field, a, (n,), "N = len(sample_offsets) - 1")
-        ds[spec.path] = a
+    ds.update(_record_columns(r, "/samples/", n, "N = len(sample_offsets) - 1",
+                              defaults={"error": [""] * n}, skip=("/samples/offsets",)))
     pl = ds["/samples/prompt_len"]
     if n and (bool((pl < 0).any()) or bool((pl > lengths).any())):
         i = int(np.nonzero((pl < 0) | (pl > lengths))[0][0])
@@ -320,18 +311,28 @@ def _samples(r: StepRecord) -> dict[str, Any]:
     return ds
 
 
-def _tokens(r: StepRecord, t: int) -> dict[str, Any]:
-    """The /tokens datasets, one entry per token of all samples (T = ``t``)."""
+def _record_columns(r: StepRecord, prefix: str, length: int, dims: str, *,
+                    defaults: Mapping[str, Any] | None = None, skip: Collection[str] = ()) -> dict[str, Any]:
+    """The schema's datasets under `prefix` from the record's fields, each `length` long; an
+    optional field left None is not stored (unless `defaults` gives its value)."""
     ds: dict[str, Any] = {}
     for spec in S.DATASETS:
-        if not spec.path.startswith("/tokens/"):
+        if not spec.path.startswith(prefix) or spec.path in skip:
             continue
         value = getattr(r, spec.field)
+        if value is None and defaults is not None:
+            value = defaults.get(spec.field)
         if value is None and not spec.required:
             continue
         a = _as_spec_dtype(spec, value)
-        _check_shape(spec.field, a, (t,), "T = sample_offsets[-1]")
+        _check_shape(spec.field, a, (length,), dims)
         ds[spec.path] = a
+    return ds
+
+
+def _tokens(r: StepRecord, t: int) -> dict[str, Any]:
+    """The /tokens datasets, one entry per token of all samples (T = ``t``)."""
+    ds = _record_columns(r, "/tokens/", t, "T = sample_offsets[-1]")
     lm = ds["/tokens/loss_mask"]
     if t and int(lm.max()) > 1:
         raise _fail("loss_mask", "values must be 0 or 1")
