@@ -177,6 +177,62 @@ def test_errors_are_openai_shaped_and_never_end_the_session(calc, proxy, tok):
         client.chat.completions.create(model="policy", messages=QUESTION)
 
 
+def test_the_fast_call_path_answers_as_the_fastapi_routes(proxy, tok):
+    """`CallRoutes` (what ProxyServer serves the model calls with) and the FastAPI routes of
+    record give the same status, headers and body, for replies and every kind of error."""
+    from fastapi.testclient import TestClient
+
+    from axrl.agents.proxy.proxy_app import create_app
+
+    def failing(_request):
+        raise RuntimeError("engine down")
+
+    app = TestClient(create_app(proxy.registry), raise_server_exceptions=False)
+    engine = ScriptedEngine(calculator_policy(tok))
+    sessions = {}
+    for name in ("ok", "ended", "broken"):
+        sessions[name], _ = open_session(proxy, engine, tok)
+    sessions["broken"].submit = failing
+    sessions["ended"].end()
+
+    def strip(body):  # the per-call random parts
+        text = json.dumps(body)
+        for key in ("id", "created"):
+            body.pop(key, None)
+        for choice in body.get("choices", []):
+            for call in (choice.get("message") or {}).get("tool_calls") or []:
+                call.pop("id")
+        return body, "Traceback" in text
+
+    cases = [("ok", "chat/completions", {"model": "m", "messages": QUESTION, "tools": TOOLS}, None),
+             ("ok", "chat/completions", {"model": "m", "messages": QUESTION, "stream": True}, None),
+             ("ok", "completions", {"prompt": "2 + 2 =", "max_tokens": 4}, None),
+             ("ok", "chat/completions", {"messages": QUESTION, "temperature": 5}, None),
+             ("ok", "chat/completions", b"{not json", None),
+             ("ok", "chat/completions", {"messages": QUESTION}, "sk-wrong"),
+             ("nope", "chat/completions", {"messages": QUESTION}, None),
+             ("ended", "completions", {"prompt": "x"}, None),
+             ("broken", "chat/completions", {"messages": QUESTION}, None)]
+    for name, endpoint, body, key in cases:
+        session = sessions.get(name)
+        path = f"/sessions/{session.id if session else name}/v1/{endpoint}"
+        headers = {"Authorization": f"Bearer {key or (session.api_key if session else 'x')}"}
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        fast = httpx.post(proxy.url + path, content=content, headers=headers)
+        slow = app.post(path, content=content, headers=headers)
+        assert fast.status_code == slow.status_code, (name, endpoint, body)
+        assert fast.headers.get("content-type") == slow.headers.get("content-type")
+        if "event-stream" in fast.headers["content-type"]:
+            assert [json.loads(x[6:]).get("choices") for x in fast.text.split("\n\n") if x.startswith("data: {")] == \
+                [json.loads(x[6:]).get("choices") for x in slow.text.split("\n\n") if x.startswith("data: {")]
+        else:
+            assert strip(fast.json()) == strip(slow.json()), (name, endpoint, body)
+            assert fast.headers["content-length"] == slow.headers["content-length"]
+    assert fast.status_code == 500 and "engine down" in fast.json()["error"]["message"]
+    for session in sessions.values():
+        proxy.close_session(session)
+
+
 def test_context_limit_is_a_400(proxy, tok):
     engine = ScriptedEngine(lambda p: tok.encode("ok") + [tok.eos_token_id])
     session = proxy.open_session(engine_submit(engine), SessionPolicy(SamplingParams()), max_context_len=16)

@@ -26,10 +26,12 @@ from typing import Any, Callable
 
 import uvicorn
 
+from axrl.agents.proxy.openai_routes import CallRoutes
 from axrl.agents.proxy.proxy_app import create_app
 from axrl.agents.proxy.coalesce import CallCoalescer
 from axrl.agents.proxy.registry import SessionPolicy, SessionRegistry
 from axrl.agents.proxy.session import Session
+from axrl.inference.openai.http import OneSendH11Protocol
 from axrl.inference.protocol import GenerateRequest, InferenceEngine
 from axrl.tokenizer import Tokenizer
 
@@ -74,7 +76,10 @@ class ProxyServer:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(create_app(self.registry), log_level="warning", access_log=False, lifespan="off")
+        # The model calls skip FastAPI's stack (CallRoutes); h11 (httptools is not a dependency)
+        # sends a reply's head and body in one write (OneSendH11Protocol).
+        app = CallRoutes(create_app(self.registry), self.registry)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", http=OneSendH11Protocol)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=lambda: asyncio.run(self._server.serve(sockets=[sock])),
                                         name="axrl-proxy", daemon=True)
