@@ -61,8 +61,10 @@ class DriverWire:
 
     def __init__(self, plane: Any) -> None:
         self.plane = plane
-        self._seen: set[bytes] = set()      # references whose value was counted already
-        self._method: dict[bytes, str] = {}  # reference → the actor method whose result it is
+        # References whose value was counted already, and reference → the actor method whose
+        # result it is: the latest `REMEMBER` of each (a long run's heartbeats would grow them).
+        self._seen: dict[bytes, None] = {}
+        self._method: dict[bytes, str] = {}
         self._local = threading.local()
         self._saved: list[tuple[Any, str, Any]] = []
 
@@ -96,7 +98,7 @@ class DriverWire:
                 ref = original(value, *args, **kwargs)
                 if wire._outermost():
                     wire._count("put", value)
-                    wire._seen.add(ref.binary())
+                    wire._remember(wire._seen, ref.binary(), None)
                 return ref
             return counted_put
 
@@ -108,7 +110,7 @@ class DriverWire:
                 out = original(method, args, kwargs, *rest, **options)
                 for ref in out if isinstance(out, list) else [out]:
                     if hasattr(ref, "binary"):
-                        wire._method[ref.binary()] = name
+                        wire._remember(wire._method, ref.binary(), name)
                 return out
             return counted_call
 
@@ -138,6 +140,14 @@ class DriverWire:
             if DriverWire._open is self:
                 DriverWire._open = None
 
+    REMEMBER = 1 << 16
+
+    def _remember(self, where: dict[bytes, Any], key: bytes, value: Any) -> None:
+        with DriverWire._lock:
+            where[key] = value
+            if len(where) > self.REMEMBER:
+                del where[next(iter(where))]
+
     def _outermost(self) -> bool:
         """Not inside another counted call (Ray's own calls made on behalf of one)."""
         return not getattr(self._local, "busy", False)
@@ -158,8 +168,8 @@ class DriverWire:
                 with DriverWire._lock:
                     if key in self._seen:
                         continue
-                    self._seen.add(key)
-                method = self._method.pop(key, None)
+                    method = self._method.pop(key, None)
+                self._remember(self._seen, key, None)
             else:
                 method = None
             self._count(f"result {method}" if method else "get", v)
