@@ -6,15 +6,17 @@ quickstart's 16 prompts × 8 samples, 10× the prompts with two data-parallel tr
 quickstart shape on the Megatron backend with expert parallel 2 (so data parallel 2: two Megatron
 rank actors, each with half of every micro-batch) — plus the quickstart shape with
 `runtime.executor: local` for the step-time ratio. Each ray run writes RUN/data_plane.json
-(axrl/ray_executor/handles.py: `DataPlane`): the bytes of every payload the driver serialised or
-received, by category, and the bytes that moved between actors by object reference (weight
-snapshots: train rank 0 → engine), plus what each train rank (and Megatron rank) fetched against
-its share.
+(axrl/ray_executor/handles.py: `DataPlane`): what crossed the driver, measured in the driver
+process (axrl/ray_executor/wire.py: every `ray.get`, `ray.put`, actor call and actor start, at
+Ray's serialised size, each object once; start-up, heartbeats, checkpoint calls and the close
+included), and each object an actor put in the object store for another actor (batch, shards,
+weight snapshots, Megatron shares), once, at its serialised size; plus what each train rank (and
+Megatron rank) fetched against its share (tensor bytes).
 
     python bench/ray_data_plane.py [--steps 3] [--big-steps 2] [--rounds 2]
 
-Last line: JSON with `driver_bytes_fraction` (driver bytes / payload bytes, the largest over the
-shapes), the per-shape breakdowns, per-rank fetched vs share, and `ray_vs_local_step_time`.
+Last line: JSON with `driver_bytes_fraction` (all the run's driver bytes / the bytes put by
+reference between actors, the largest over the shapes), the per-shape breakdowns, per-rank fetched vs share, and `ray_vs_local_step_time`.
 """
 
 from __future__ import annotations
@@ -46,12 +48,20 @@ def step_times(run_dir: Path) -> list[float]:
 
 
 def plane(run_dir: Path, steps: int) -> dict:
+    """The run's RUN/data_plane.json per step. `driver`: measured in the driver process at Ray's
+    serialised size (every get / put / actor call / actor start, each object once), start-up
+    included ("start <actor>": the settings handed to each actor). `by_ref`: each object an actor
+    put in the object store for another actor, once, at its serialised size — the denominator."""
     p = json.loads((run_dir / "data_plane.json").read_text())
     driver, by_ref = sum(p["driver"].values()), sum(p["by_ref"].values())
-    return {"steps": steps, "driver_bytes_per_step": driver / steps, "payload_bytes_per_step": (driver + by_ref) / steps,
-            "driver_bytes_fraction": driver / (driver + by_ref),
+    startup = sum(n for k, n in p["driver"].items() if k.startswith("start "))
+    return {"steps": steps, "driver_bytes_per_step": driver / steps, "payload_bytes_per_step": by_ref / steps,
+            "driver_bytes_fraction": driver / by_ref,
+            "driver_bytes_total": driver, "driver_startup_bytes": startup,
+            "driver_bytes_per_step_without_startup": (driver - startup) / steps,
             "driver_by_category_per_step": {k: v / steps for k, v in sorted(p["driver"].items())},
             "by_reference_per_step": {k: v / steps for k, v in sorted(p["by_ref"].items())},
+            "actor_calls_tensor_bytes_per_step": {k: v / steps for k, v in sorted(p.get("actor_calls", {}).items())},
             "rank_fetched_bytes": p["rank_fetched"], "rank_share_bytes": p["rank_share"]}
 
 
@@ -80,9 +90,9 @@ def main() -> None:
         # Steady state: the first step of each run includes start-up (cluster, actors, first sync).
         local_t, ray_t = statistics.median(local_times), statistics.median(ray_times)
     for name, s in shapes.items():
-        print(f"{name}: driver {s['driver_bytes_per_step'] / 1e6:.2f} MB/step of payload "
-              f"{s['payload_bytes_per_step'] / 1e6:.2f} MB/step ({100 * s['driver_bytes_fraction']:.1f} %); "
-              f"driver: {', '.join(f'{k} {v / 1e6:.2f} MB' for k, v in s['driver_by_category_per_step'].items())}; "
+        print(f"{name}: driver {s['driver_bytes_per_step']:.0f} B/step of payload "
+              f"{s['payload_bytes_per_step'] / 1e6:.2f} MB/step ({100 * s['driver_bytes_fraction']:.3f} %); "
+              f"driver: {', '.join(f'{k} {v:.0f} B' for k, v in s['driver_by_category_per_step'].items())}; "
               f"by reference: {', '.join(f'{k} {v / 1e6:.2f} MB' for k, v in s['by_reference_per_step'].items())}")
         print(f"  per rank fetched {s['rank_fetched_bytes']} vs share {s['rank_share_bytes']}")
     print(f"step time (median of steps after the first, {args.rounds} alternating rounds): local {local_t:.2f} s "

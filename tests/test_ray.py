@@ -21,6 +21,7 @@ from trace_util import trace_datasets  # noqa: E402
 from axrl.config import ConfigError, load_config  # noqa: E402
 from axrl.recording.events import read_events  # noqa: E402
 from axrl.assembly.build import train  # noqa: E402
+from axrl.ray_executor.wire import wire_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(600)
@@ -79,12 +80,60 @@ def test_ray_sync_run_writes_the_local_trace_bit_for_bit(cluster, local_run, tmp
     events = read_events(out)
     assert [e["component"] for e in events if e["event"] == "actors_started"] == [
         "train group", "rollout worker", "engine", "learner"]
-    # The driver passed references and step metadata only: the trajectories, batches, per-token
-    # outputs and weights moved between the actors.
+    # What crossed the driver, measured (every get / put / actor call / actor start of this
+    # process at Ray's serialised size): the actors' settings at start-up, heartbeats, and per step
+    # the calls and their answers. The trajectories, batches, per-token outputs and weights moved
+    # between the actors.
     plane = json.loads((out / "data_plane.json").read_text())
-    driver, between = sum(plane["driver"].values()), sum(plane["by_ref"].values())
-    assert set(plane["driver"]) <= {"step_metadata"} and driver < 0.01 * (driver + between)
-    assert {"trajectories", "batch", "forward_results", "engine_results", "weights"} <= set(plane["by_ref"])
+    driver, between = plane["driver"], plane["by_ref"]
+    assert {"start RolloutActor", "start LearnerActor", "start TrainRankActor", "call step", "result step",
+            "call take", "result take", "result activity"} <= set(driver)
+    assert {"trajectories", "batch", "weights"} == set(between)
+    assert {"forward_results", "engine_results", "train_metrics"} <= set(plane["actor_calls"])
+    # Per step, the driver must carry the step's metrics row (learner → driver: what metrics.jsonl
+    # gets), the batch reference with the rollout snapshot, the weights handle, and heartbeats:
+    # a few times the metrics row. The batch itself (serialised) is far larger.
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics_row = max(wire_bytes(r) for r in rows)
+    per_step = sum(n for k, n in driver.items() if not k.startswith("start ")) / len(rows)
+    assert per_step < 8 * metrics_row + 4096, (per_step, metrics_row, driver)
+    assert per_step < 0.5 * between["batch"] / len(rows) and sum(driver.values()) < 0.05 * sum(between.values())
+
+
+def test_driver_wire_counts_a_payload_through_the_driver_once(cluster):
+    """The accounting catches what really crosses the driver: an array sent as a call's argument,
+    a result twice its size (read twice, counted once), an array put by the driver, an actor's
+    start-up arguments — each at its serialised size."""
+    from axrl.ray_executor.handles import DataPlane
+    from axrl.ray_executor.wire import DriverWire
+
+    @ray.remote(num_cpus=0)
+    class Echo:
+        def __init__(self, settings: dict) -> None:
+            self.settings = settings
+
+        def twice(self, a: np.ndarray) -> np.ndarray:
+            return np.concatenate([a, a])
+
+    plane = DataPlane()
+    wire = DriverWire(plane).open()
+    try:
+        a = np.ones(250_000, dtype=np.float32)   # 1 MB
+        echo = Echo.remote({"key": "x" * 5000})
+        ref = echo.twice.remote(a)
+        assert ray.get(ref).nbytes == 2 * a.nbytes
+        ray.get([ref])                           # the same object again: not counted again
+        put = ray.put(a)
+        ray.get(put)                             # the driver's own put: counted once, as the put
+    finally:
+        wire.close()
+    got = plane.snapshot()["driver"]
+    assert set(got) == {"start Echo", "call twice", "result twice", "put"}
+    assert a.nbytes < got["call twice"] < a.nbytes + 1024
+    assert 2 * a.nbytes < got["result twice"] < 2 * a.nbytes + 1024
+    assert a.nbytes < got["put"] < a.nbytes + 1024
+    assert 5000 < got["start Echo"] < 6000
+    assert ray.get.__name__ == "get"            # closed: Ray's own functions are back
 
 
 def expected_ids(steps: int, prompts: int = 2, group: int = 2) -> list[list[int]]:
@@ -139,7 +188,10 @@ def test_megatron_ranks_as_actors_write_the_local_megatron_trace_bit_for_bit(clu
     plane = json.loads((out / "data_plane.json").read_text())
     fetched = {k: v for k, v in plane["rank_fetched"].items() if k.startswith("megatron")}
     assert sorted(fetched) == ["megatron rank 0", "megatron rank 1"]
-    assert fetched["megatron rank 0"] == fetched["megatron rank 1"] == plane["by_ref"]["megatron_shares"] > 0
+    assert fetched["megatron rank 0"] == fetched["megatron rank 1"] == plane["rank_share"]["megatron rank 0"] > 0
+    # by reference: the one object per call, at its serialised size (its tensors and the pickled
+    # structure around them)
+    assert plane["by_ref"]["megatron_shares"] > fetched["megatron rank 0"]
 
 
 @pytest.mark.slow
@@ -185,7 +237,11 @@ def test_megatron_rank_actors_each_fetch_only_their_data_parallel_share(cluster)
         assert groups[0].fetched_bytes() == expected
         whole = 2 * payload_bytes(batch)
         assert all(0.3 * whole < n < 0.7 * whole for n in expected.values()), (expected, whole)
-        assert plane.snapshot()["by_ref"]["megatron_shares"] == sum(expected.values())  # one object per DP rank
+        snap = plane.snapshot()
+        assert snap["rank_share"] == expected
+        # one object per DP rank and call (4), each at its serialised size: its tensors plus the
+        # pickled structure around them (a few KB per object at this tiny size)
+        assert sum(expected.values()) < snap["by_ref"]["megatron_shares"] < sum(expected.values()) + 4 * 8192
     finally:
         local.close()
         on_ray.close()
@@ -229,6 +285,9 @@ def test_free_running_ray_run_with_warm_up_and_eval(cluster, tmp_path):
     assert [m["step"] for m in metrics] == [0, 1]
     assert "eval_reward" in metrics[0] and "eval_reward_final" in metrics[1]
     assert sample_ids(out) == expected_ids(2)
+    # The supervised warm-up runs in the driver: its batches cross the driver (put, measured).
+    driver = json.loads((out / "data_plane.json").read_text())["driver"]
+    assert driver["put"] > max(n for k, n in driver.items() if k != "put")
 
 
 def test_bad_address_fails_before_work_naming_the_key(tmp_path):

@@ -25,6 +25,7 @@ from axrl.runtime.components import (BackendSettings, EngineSettings, ModelSourc
                                      initial_model, make_tokenizer, make_train_backend)
 from axrl.ray_executor.activity import Activity, ActorBase, free_address, reported
 from axrl.ray_executor.handles import DataPlane, WeightsHandle, payload_bytes, rank_label
+from axrl.ray_executor.wire import wire_bytes
 from axrl.train.protocol import (R3, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, StepStats,
                                  TrainMetrics)
 
@@ -135,7 +136,7 @@ class TrainRankActor(ActorBase):
         torch.set_num_threads(threads)
         self.rank, self.world = rank, world
         self.megatron_ranks: Any = None     # the head's RayRankGroup
-        self.plane = DataPlane(in_driver=False)  # what this rank moves by reference (Megatron shares)
+        self.plane = DataPlane(in_driver=False)  # what this rank puts by reference (weights, Megatron shares)
         group = None
         if megatron_slots is not None:
             from axrl.ray_executor.megatron_ranks import RayRankGroup
@@ -271,7 +272,9 @@ class TrainRankActor(ActorBase):
 
         with self.activity_.doing("put_weights"):
             weights = self.named_weights()
-            return [WeightsHandle(ray.put(weights), version, payload_bytes(weights))]
+            ref, nbytes = ray.put(weights), wire_bytes(weights)
+            self.plane.by_reference("weights", nbytes)   # once per snapshot, however many fetch it
+            return [WeightsHandle(ref, version, nbytes)]
 
     def activity(self) -> list[dict[str, Any]]:
         """This rank's heartbeat (and, as the Megatron head, its rank actors')."""

@@ -25,6 +25,7 @@ from axrl.inference.protocol import GenerateRequest, GenerateResult, settle_futu
 from axrl.recording.events import EventLog
 from axrl.ray_executor.calls import RestartableActor, RestartingHandle, close_actor, is_dead, unwrap
 from axrl.ray_executor.handles import DataPlane, WeightsHandle, payload_bytes
+from axrl.ray_executor.wire import wire_bytes
 
 
 class EngineActorLost(RuntimeError):
@@ -112,7 +113,6 @@ class RayEngine(RestartingHandle):
         with self._lock:
             for req, f in zip(requests, futures):
                 self._pending[req.rid] = (req, f)
-        self._plane.moved("engine_requests", 4 * sum(len(r.input_ids) for r in requests))
         try:
             actor = self._remote.actor
             self._get(actor.submit_many.remote(requests))
@@ -132,12 +132,11 @@ class RayEngine(RestartingHandle):
 
     def update_weights(self, source: Any, version: int | None = None) -> int:
         if isinstance(source, WeightsHandle):
-            ref = source.ref  # the actor fetches it from the train rank's object store
-            self._plane.by_reference("weights", source.nbytes)
+            ref = source.ref  # the actor fetches it from the train rank's object store (counted there, once)
         elif isinstance(source, Mapping):
             weights = {n: t.detach() for n, t in source.items()}
             ref = self._ray.put(weights)
-            self._plane.moved("weights", payload_bytes(weights))
+            self._plane.by_reference("weights", wire_bytes(weights))
         else:
             ref = source  # an HF directory the actor reads itself
         with self._lock:

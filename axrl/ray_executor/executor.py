@@ -17,6 +17,7 @@ from axrl.console.health_table import health_table
 from axrl.ray_executor.actors import TrainRankActor
 from axrl.ray_executor.cluster import connect, import_ray
 from axrl.ray_executor.handles import DataPlane
+from axrl.ray_executor.wire import DriverWire
 from axrl.ray_executor.learner import LearnerActor, RayLearner
 from axrl.ray_executor.monitor import Monitor
 from axrl.ray_executor.placement import Placement, place, train_slots
@@ -42,6 +43,9 @@ class RayExecutor:
         # A local cluster of this run's own: reaped with the driver, however the driver ends.
         self.reaper = start_reaper() if self.owns_cluster else None
         self.settings, self.r, self.events, self.plane = settings, ray_settings, events, DataPlane()
+        # From here until `close` writes RUN/data_plane.json, every get / put / actor call / actor
+        # start of this process is measured at its serialised size (wire.py).
+        self.wire: DriverWire | None = DriverWire(self.plane).open()
         self.train_group: RayTrainGroup | None = None
         self.rollout: RayRollout | None = None
         self.learner: RayLearner | None = None
@@ -148,6 +152,9 @@ class RayExecutor:
         for actor in (self.learner, self.rollout):   # their data-plane accounts are folded in here
             if actor is not None:
                 actor.close()
+        if self.wire is not None:
+            self.wire.close()
+            self.wire = None
         if self.events.run_path is not None:  # what moved through the driver and what by reference
             atomic_write_text(self.events.run_path / DATA_PLANE_FILE,
                               json.dumps(self.plane.snapshot(), indent=1, sort_keys=True) + "\n")

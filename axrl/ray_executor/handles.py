@@ -4,7 +4,9 @@ A `Shard` is one train rank's rows of a packed batch, put in the object store on
 fetches only its own shard (never the whole batch). A `WeightsHandle` is a snapshot of the train
 group's weights that rank 0 put in the object store: engines fetch it themselves, so weight sync
 never passes through the driver. `payload_bytes` measures tensors and arrays inside any result,
-for the data-plane accounting (`DataPlane`, read by bench/ray_data_plane.py).
+for the per-rank shares and the tensor bytes of actor calls (`DataPlane`, read by
+bench/ray_data_plane.py); what crosses the driver and what is put by reference is measured at
+Ray's serialised size (axrl/ray_executor/wire.py).
 """
 
 from __future__ import annotations
@@ -33,24 +35,6 @@ def payload_bytes(obj: Any) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(payload_bytes(v) for v in obj) if obj and not isinstance(obj[0], (int, float)) else 8 * len(obj)
     return 0
-
-
-def metadata_bytes(obj: Any) -> int:
-    """Serialised size of small metadata: object references (their ids), strings, numbers and
-    the containers of them, plus any tensors and arrays inside (`payload_bytes`)."""
-    if isinstance(obj, (torch.Tensor, np.ndarray)):
-        return payload_bytes(obj)
-    if hasattr(obj, "binary") and callable(obj.binary):   # a ray.ObjectRef
-        return len(obj.binary())
-    if isinstance(obj, (str, bytes)):
-        return len(obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return sum(metadata_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
-    if isinstance(obj, dict):
-        return sum(metadata_bytes(k) + metadata_bytes(v) for k, v in obj.items())
-    if isinstance(obj, (list, tuple, set)):
-        return sum(metadata_bytes(v) for v in obj)
-    return 8
 
 
 def shard_rows(batch: PackedBatch, ranks: int) -> list[list[int]]:
@@ -84,26 +68,42 @@ class WeightsHandle:
 
 @dataclass
 class DataPlane:
-    """Bytes per category that a process sent or received. The driver's plane (`in_driver`)
-    counts what passed through the driver; an actor's counts what moved between actors (by
-    object reference or actor to actor) and is folded into the driver's with `merge`. Per rank
-    (by label: "train rank 0", "megatron rank 1"), the bytes of its share as the sender counted
-    them, and what the rank itself says it fetched. Thread-safe."""
+    """Bytes per category that a process sent or received.
+
+    In the driver (`in_driver`), `driver` holds what really crossed the driver, measured by
+    `wire.DriverWire` at Ray's serialised size (every `ray.get` / `ray.put` / actor call / actor
+    start of the driver process, each object once); the handles' own `moved` and `by_reference`
+    add nothing there (the wire sees those bytes). In an actor, `by_reference` counts an object
+    the actor put in the object store for another actor, once, at its serialised size
+    (`wire.wire_bytes`), and `moved` the tensor and array bytes (`payload_bytes`) of an actor
+    call's arguments or answer between actors (`actor_calls`: not serialised sizes, not in the
+    driver fraction); both are folded into the driver's with `merge`. Per rank (by label: "train
+    rank 0", "megatron rank 1"), the tensor bytes of its share as the sender counted them, and
+    what the rank itself says it fetched. Thread-safe."""
 
     in_driver: bool = True
     driver: dict[str, int] = field(default_factory=dict)
     by_ref: dict[str, int] = field(default_factory=dict)
+    actor_calls: dict[str, int] = field(default_factory=dict)
     rank_share: dict[str, int] = field(default_factory=dict)
     rank_fetched: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def crossed(self, category: str, nbytes: int) -> None:
+        """`nbytes` (serialised, measured) that crossed the driver process."""
+        self._add(self.driver, category, nbytes)
+
     def moved(self, category: str, nbytes: int) -> None:
-        """`nbytes` of `category` serialised or received by this process."""
-        self._add(self.driver if self.in_driver else self.by_ref, category, nbytes)
+        """`nbytes` of tensors and arrays in an actor call between actors (nothing in the driver:
+        what the driver sends or receives, the wire measures)."""
+        if not self.in_driver:
+            self._add(self.actor_calls, category, nbytes)
 
     def by_reference(self, category: str, nbytes: int) -> None:
-        """`nbytes` this process handed on by object reference, without holding them."""
-        self._add(self.by_ref, category, nbytes)
+        """An object of `nbytes` (serialised) this actor put in the object store for another
+        actor; call it once per object (nothing in the driver: the wire counts its puts)."""
+        if not self.in_driver:
+            self._add(self.by_ref, category, nbytes)
 
     def _add(self, where: dict[str, int], category: str, nbytes: int) -> None:
         with self._lock:
@@ -119,14 +119,12 @@ class DataPlane:
 
     def merge(self, snapshot: dict[str, Any]) -> None:
         """Fold in an actor's `snapshot()`: all it counted moved between actors, not through the driver."""
-        for part in ("driver", "by_ref"):
-            for category, n in snapshot[part].items():
-                self._add(self.by_ref, category, n)
-        for part, where in (("rank_share", self.rank_share), ("rank_fetched", self.rank_fetched)):
-            for rank, n in snapshot[part].items():
-                self._add(where, rank, n)
+        for part, where in (("by_ref", self.by_ref), ("actor_calls", self.actor_calls),
+                            ("rank_share", self.rank_share), ("rank_fetched", self.rank_fetched)):
+            for key, n in snapshot.get(part, {}).items():
+                self._add(where, key, n)
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            return {"driver": dict(self.driver), "by_ref": dict(self.by_ref),
+            return {"driver": dict(self.driver), "by_ref": dict(self.by_ref), "actor_calls": dict(self.actor_calls),
                     "rank_share": dict(self.rank_share), "rank_fetched": dict(self.rank_fetched)}

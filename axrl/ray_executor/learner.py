@@ -19,7 +19,7 @@ from axrl.runtime.components import LearnerSettings, make_step_trainer
 from axrl.recording.events import EventLog
 from axrl.ray_executor.activity import Activity, ActorBase
 from axrl.ray_executor.calls import close_actor, is_dead, unwrap
-from axrl.ray_executor.handles import DataPlane, metadata_bytes
+from axrl.ray_executor.handles import DataPlane
 from axrl.ray_executor.rollout import RayRollout
 from axrl.ray_executor.train_group import RayTrainGroup, TrainGroupLost
 
@@ -90,7 +90,6 @@ class RayLearner:
     def step(self, batch: list[Any], step: int, timer: Any) -> dict[str, Any]:
         timer.show("train")
         metrics, times, weights = self._get(self._actor.step.remote(batch, step, dict(timer.times)))
-        self._plane.moved("step_metadata", metadata_bytes([batch, step, metrics, times]))
         timer.times.update(times)
         self._rollout.post_weights(step + 1, weights[0])
         return metrics

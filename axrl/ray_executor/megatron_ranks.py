@@ -21,6 +21,7 @@ from axrl.model import ModelConfig
 from axrl.ray_executor.activity import Activity, ActorBase, free_address
 from axrl.ray_executor.calls import close_actor
 from axrl.ray_executor.handles import DataPlane, payload_bytes, rank_label
+from axrl.ray_executor.wire import wire_bytes
 from axrl.train.megatron.model import ParallelSizes
 
 
@@ -117,7 +118,7 @@ class RayRankGroup:
         for obj in firsts:
             if id(obj) not in refs:
                 refs[id(obj)] = (self._ray.put(obj), payload_bytes(obj))
-                self._plane.by_reference("megatron_shares", refs[id(obj)][1])
+                self._plane.by_reference("megatron_shares", wire_bytes(obj))
         for r, obj in enumerate(firsts):
             self._plane.shared(rank_label(r, "megatron"), refs[id(obj)][1])
         rest = self._ray.put(args)

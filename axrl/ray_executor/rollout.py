@@ -25,7 +25,8 @@ from axrl.runtime.components import (RunSettings, embedded_engine_for, fresh_eng
 from axrl.recording.events import EventLog
 from axrl.ray_executor.activity import Activity, ActorBase
 from axrl.ray_executor.calls import RestartableActor, RestartingHandle, close_actor, unwrap
-from axrl.ray_executor.handles import DataPlane, WeightsHandle, metadata_bytes, payload_bytes
+from axrl.ray_executor.handles import DataPlane, WeightsHandle
+from axrl.ray_executor.wire import wire_bytes
 from axrl.ray_executor.settings import RaySettings
 
 
@@ -82,9 +83,7 @@ class RolloutActor(ActorBase):
         import ray
 
         if self._fetches_weights and isinstance(source, WeightsHandle):
-            weights = ray.get(source.ref)
-            self.plane.moved("weights", payload_bytes(weights))
-            return weights
+            return ray.get(source.ref)   # counted once, where train rank 0 put it
         return source
 
     def attach(self, run_path: str) -> None:
@@ -104,7 +103,7 @@ class RolloutActor(ActorBase):
 
         with self.activity_.doing(f"take {step}"):
             batch = self.side.pool.take(step)
-            self.plane.by_reference("trajectories", payload_bytes(batch))
+            self.plane.by_reference("trajectories", wire_bytes(batch))
             self.activity_.count("batches")
             return [ray.put(batch)], self.side.rollout.snapshot(step + 1)
 
@@ -198,12 +197,10 @@ class RayRollout(RestartingHandle):
 
     def load_weights(self, source: Any, version: int) -> None:
         self._weights = (source, version)
-        self._plane.moved("step_metadata", metadata_bytes(source))
         self._call(lambda a: a.load_weights.remote(source, version), "load_weights")
 
     def post_weights(self, version: int, source: WeightsHandle) -> None:
         self._weights = (source, version)
-        self._plane.moved("step_metadata", metadata_bytes(source))
         self._call(lambda a: a.post_weights.remote(version, source), "post_weights")
 
     def start(self, first_step: int, state: dict[str, Any] | None = None) -> None:
@@ -214,7 +211,6 @@ class RayRollout(RestartingHandle):
         """[An object reference to sealed batch `step`] (the learner fetches it)."""
         refs, snapshot = self._call(lambda a: a.take.remote(step), "take")
         self._resume = (step + 1, snapshot)
-        self._plane.moved("step_metadata", metadata_bytes([refs, snapshot]))
         return refs
 
     def snapshot(self, next_step: int) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from axrl.model.config import ModelConfig
 from axrl.recording.events import EventLog
 from axrl.ray_executor.calls import close_actor
 from axrl.ray_executor.handles import DataPlane, WeightsHandle, payload_bytes, rank_label, shard_rows
+from axrl.ray_executor.wire import wire_bytes
 from axrl.train.metrics import reduce_microbatch_metrics
 from axrl.train.protocol import (R3, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, StepStats,
                                  TrainMetrics)
@@ -113,10 +114,10 @@ class RayTrainGroup:
             shards = [batch.select(r) for r in rows]
         out = []
         for i, s in enumerate(shards):
-            n = payload_bytes(s)
-            self._plane.moved("batch", n)
-            self._plane.shared(rank_label(i), n)
-            out.append((self._ray.put(s), s))
+            self._plane.shared(rank_label(i), payload_bytes(s))
+            ref = self._ray.put(s)
+            self._plane.by_reference("batch", wire_bytes(s))
+            out.append((ref, s))
         return out
 
     # -- TrainBackend ----------------------------------------------------------------------------
