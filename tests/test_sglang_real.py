@@ -399,9 +399,9 @@ def _train_on_real_sglang(tmp_path: Path, example: str, sets: dict[str, object],
     return run
 
 
-def _mismatch_report(run: Path) -> dict:
+def _mismatch_report(run: Path, top: int = 0) -> dict:
     out = subprocess.run([sys.executable, "-c", "from axrl_debug.cli import app; app()", "mismatch", str(run),
-                          "--json", "--top", "0"], cwd=REPO, env=RUN_ENV, capture_output=True, text=True, timeout=300)
+                          "--json", "--top", str(top)], cwd=REPO, env=RUN_ENV, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)
 
@@ -410,17 +410,37 @@ def _mismatch_report(run: Path) -> dict:
 def test_train_with_real_sglang_and_mismatch_analysis(tmp_path):
     """A short `axrl train` of the default example with SGLang as the rollout engine (launched by
     the run through cpu_compat), then `axrl-debug mismatch` on its trace: with float32 serving the
-    trainer and SGLang agree to float rounding, and the routing SGLang reported is the trainer's."""
+    trainer and SGLang agree to float rounding, and the routing SGLang reported is the trainer's.
+
+    Float32 rounding differs between SGLang's batched kernels and the trainer's forward, so a
+    router score that is a near-tie can pick a different top-k expert set on one side (seen in CI:
+    1 (token, layer) row in ~13k). Such a flip legitimately moves that token's logprob by ~1e-3, so
+    the test allows rare flips but requires the worst token to be one whose predicting forward
+    routed differently — the attribution `axrl-debug mismatch` itself reports."""
     run = _train_on_real_sglang(tmp_path, "examples/quickstart.yaml",
                                 {"steps": 2, "warmup.steps": 20, "eval.every": 0, "data.prompts_per_step": 4,
                                  "rollout.group_size": 4}, "e2e_train_s")
-    report = _mismatch_report(run)
+    report = _mismatch_report(run, top=50)
     m, routing = report["metrics"], report["routing"]
     _report("e2e_mismatch", {"tokens": report["tokens"]["analysed"], "mean_abs": m["mean_abs"], "max_abs": m["max_abs"],
                              "k3": m["k3"], "routing_agreement": routing["agreement"], "routing_rows": routing["rows"]})
     assert report["tokens"]["analysed"] > 100
-    assert m["mean_abs"] < 1e-5 and m["max_abs"] < 1e-3 and m["frac_outside_clip"] == 0.0
-    assert routing["agreement"] == 1.0
+    assert routing["agreement"] >= 0.999, "more than near-tie routing flips: SGLang and the trainer route differently"
+    _assert_float_rounding(report)
+
+
+def _assert_float_rounding(report: dict, tol: float = 1e-3) -> None:
+    """Rollout and trainer logprobs agree to float32 rounding: a mean far below ``tol`` and nothing
+    outside the clip range; the worst token is within ``tol`` unless a near-tie routing flip in the
+    forward that predicted it explains it (then it must be that token, and still small)."""
+    m, routing = report["metrics"], report["routing"]
+    assert m["mean_abs"] < 1e-5 and m["frac_outside_clip"] == 0.0, m
+    if m["max_abs"] < tol:
+        return
+    assert routing is not None and routing["agreement"] < 1.0, f"|Δ| above float rounding with identical routing: {m}"
+    worst = report["top"][0]
+    assert worst["routing"] == "differs", f"the worst token is not one whose routing flipped: {worst}"
+    assert m["max_abs"] < 0.05, m
 
 
 @real_sglang
@@ -439,9 +459,9 @@ def test_blackbox_agent_trains_through_the_proxy_with_real_sglang(tmp_path):
     with h5py.File(run / "trace/step_000001.h5") as f:
         sessions = [s.decode() for s in f["/samples/session_id"][:]]
         assert len(set(sessions)) == 4 and all(sessions)
-    report = _mismatch_report(run)
+    report = _mismatch_report(run, top=50)
     m = report["metrics"]
     _report("blackbox_mismatch", {"tokens": report["tokens"]["analysed"], "mean_abs": m["mean_abs"],
                                   "max_abs": m["max_abs"]})
     assert report["tokens"]["analysed"] > 0
-    assert m["mean_abs"] < 1e-5 and m["max_abs"] < 1e-3
+    _assert_float_rounding(report)
