@@ -185,6 +185,10 @@ class EvalSection(Section):
 class CheckpointSection(Section):
     every: int = Field(5, ge=1, description="save every K steps (and at the end)")
     keep: int = Field(0, ge=0, description="keep the newest K checkpoints (0 = all)")
+    quiescent: bool = Field(True, description="deterministic async runs drain the rollout pipeline at each "
+                                              "checkpoint, so --resume continues the uninterrupted schedule bit for "
+                                              "bit (costs one synchronous step per `every` steps); false: resume "
+                                              "restarts the groups in flight under the checkpoint's weights")
 
 
 class TraceSection(Section):

@@ -53,7 +53,7 @@ def settings(model: Path, *extra: str) -> list[str]:
     return ["steps=4", f"model.path={model}", "warmup.steps=0", "data.task=echo", f"data.task_args={ECHO_TAIL}",
             "data.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=12", "rollout.max_turns=4",
             "rollout.max_context_len=192", "rollout.max_batch_size=8", "algo.loss_agg=token-mean", "train.lr=3e-3",
-            "train.updates_per_step=1", "eval.every=0", "checkpoint.every=1", "runtime.threads=1",
+            "train.updates_per_step=1", "eval.every=0", "checkpoint.every=1", "checkpoint.quiescent=false", "runtime.threads=1",
             "runtime.mode=async", "trace.behaviour_logprob=true", *extra]
 
 
@@ -259,8 +259,14 @@ def test_deterministic_async_runs_write_identical_traces(warm_model, tmp_path):
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for i in range(2)]
     for p in procs:
         assert p.wait(timeout=600) == 0, p.stderr.read().decode()[-2000:]
-    a, b = trace_datasets(tmp_path / "r0"), trace_datasets(tmp_path / "r1")
+    assert_same_traces(tmp_path / "r0", tmp_path / "r1")
+
+
+def assert_same_traces(run_a: Path, run_b: Path) -> None:
+    """Every dataset of every step file equal, bit for bit."""
+    a, b = trace_datasets(run_a), trace_datasets(run_b)
     assert a.keys() == b.keys() and len(a) > 100
+
     def same(x, y) -> bool:
         x, y = np.asarray(x), np.asarray(y)
         return x.tolist() == y.tolist() if x.dtype == object else x.tobytes() == y.tobytes()
@@ -284,7 +290,22 @@ def test_sigkill_and_resume_lose_no_group_and_train_none_twice(warm_model, tmp_p
     kill_points = [("writing step 1's trace file", [trace / "step_000001.h5.tmp", trace / "step_000001.h5"], (1, 2)),
                    ("writing the checkpoint before step 3", [ckpt / "step_000003.tmp", ckpt / "step_000003"], (2, 3)),
                    ("the step boundary before step 4", [ckpt / "step_000004" / "state.json"], (4,))]
-    stderr = tmp_path / "stderr.txt"
+    _kill_and_resume(args, run_dir, kill_points, tmp_path / "stderr.txt", steps=6)
+    trained, dropped = [], []
+    for s in steps(run_dir):
+        trained += np.unique(s["samples/group_id"]).tolist()
+        dropped += s.get("pool/dropped_group_id", np.zeros(0, int)).tolist()
+    final = json.loads((run_dir / "checkpoints" / "step_000006" / "state.json").read_text())["rollout"]
+    accounted = trained + dropped + final["pending"]
+    assert len(accounted) == len(set(accounted)), "a group was trained (or dropped) twice"
+    assert set(range(final["next_position"])) == set(accounted), "a started group was lost"
+
+
+def _kill_and_resume(args: list[str], run_dir: Path, kill_points: list[tuple[str, list[Path], tuple[int, ...]]],
+                     stderr: Path, steps: int) -> None:
+    """Start the run, SIGKILL it at each kill point (the first of its files to appear) and
+    --resume it, then resume it to the end; each resume must start at a checkpoint the point
+    allows (the kills landed where the test put them)."""
     for attempt, (what, marks, _) in enumerate(kill_points):
         assert not any(m.exists() for m in marks), (what, "reached before the run started")
         with open(stderr, "w") as err:
@@ -301,20 +322,33 @@ def test_sigkill_and_resume_lose_no_group_and_train_none_twice(warm_model, tmp_p
     with open(stderr, "w") as err:
         done = subprocess.run(args + ["--resume"], env=ENV, stdout=subprocess.DEVNULL, stderr=err, timeout=600)
     assert done.returncode == 0, stderr.read_text()[-2000:]
-    assert len(list(trace.glob("step_*.h5"))) == 6
-    # Each resume started where its kill left the run: the kills landed where the test put them.
+    assert len(list((run_dir / "trace").glob("step_*.h5"))) == steps
     resumes = [r["from_step"] for r in json.loads((run_dir / "manifest.json").read_text())["resumes"]]
-    assert len(resumes) == 3, resumes
+    assert len(resumes) == len(kill_points), resumes
     for (what, _, expected), got in zip(kill_points, resumes):
         assert got in expected, (what, resumes)
-    trained, dropped = [], []
-    for s in steps(run_dir):
-        trained += np.unique(s["samples/group_id"]).tolist()
-        dropped += s.get("pool/dropped_group_id", np.zeros(0, int)).tolist()
-    final = json.loads((run_dir / "checkpoints" / "step_000006" / "state.json").read_text())["rollout"]
-    accounted = trained + dropped + final["pending"]
-    assert len(accounted) == len(set(accounted)), "a group was trained (or dropped) twice"
-    assert set(range(final["next_position"])) == set(accounted), "a started group was lost"
+
+
+def test_sigkill_and_resume_continue_the_uninterrupted_schedule_bitwise(warm_model, tmp_path):
+    """checkpoint.quiescent (the default): a deterministic async run (η = 2, checkpoints every 2
+    steps) killed while step 1 is written, while step 3 is written, and just after the checkpoint
+    before step 4 (groups of batch 4 already running), then resumed, writes every step file bit
+    for bit as the uninterrupted run does. The pipeline drains only at the checkpoints: steps 2
+    and 4 train lag-0 tokens only, the others train stale ones."""
+    extra = ("steps=6", "rollout.max_staleness=2", "rollout.partial_rollout=continue", "checkpoint.every=2",
+             "checkpoint.quiescent=true")
+    whole = subprocess.Popen(_axrl(tmp_path / "whole", warm_model, *extra), env=ENV, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE)
+    run_dir = tmp_path / "killed"
+    trace, ckpt = run_dir / "trace", run_dir / "checkpoints"
+    kill_points = [("writing step 1's trace file", [trace / "step_000001.h5.tmp", trace / "step_000001.h5"], (0,)),
+                   ("writing step 3's trace file", [trace / "step_000003.h5.tmp", trace / "step_000003.h5"], (2,)),
+                   ("the checkpoint before step 4", [ckpt / "step_000004" / "state.json"], (4,))]
+    _kill_and_resume(_axrl(run_dir, warm_model, *extra), run_dir, kill_points, tmp_path / "stderr.txt", steps=6)
+    assert whole.wait(timeout=600) == 0, whole.stderr.read().decode()[-2000:]
+    assert_same_traces(tmp_path / "whole", run_dir)
+    lag_max = [max(int(s["version"] - v.min()) if v.size else 0 for v in sample_versions(s)) for s in steps(run_dir)]
+    assert lag_max[2] == lag_max[4] == 0 and max(lag_max[1], lag_max[3], lag_max[5]) > 0, lag_max
 
 
 # ---------------------------------------------------------------- logs

@@ -263,7 +263,7 @@ def test_async_ray_run_honours_the_staleness_bound(cluster, tmp_path):
     """No trained token is more than max_staleness = 1 weight versions older than the weights it is
     trained on, and the bound is reached: the engine actor generated ahead of the trainer (a run
     that behaved synchronously, every token of lag 0, would test nothing)."""
-    out = train(cfg("runtime.executor=ray", "runtime.mode=async", "rollout.max_staleness=1", "steps=4"),
+    out = train(cfg("runtime.executor=ray", "runtime.mode=async", "rollout.max_staleness=1", "steps=4", "checkpoint.quiescent=false"),
                 tmp_path / "async")
     lags = []
     for f in sorted((out / "trace").glob("step_*.h5")):
@@ -357,7 +357,7 @@ def test_gpu_keys_name_what_is_missing():
     with pytest.raises(Exception, match="set runtime.device: cuda"):
         cfg("runtime.executor=ray", "runtime.ray.placement.train_gpus=1")
     with pytest.raises(Exception, match="rollout.release_memory.*runtime.mode: sync"):
-        cfg("rollout.release_memory=true", "runtime.mode=async")
+        cfg("rollout.release_memory=true", "runtime.mode=async", "checkpoint.quiescent=false")
 
 
 def test_without_ray_the_error_names_the_extra(monkeypatch):

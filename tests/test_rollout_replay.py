@@ -43,7 +43,7 @@ def sync_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory) -> Path:
-    return train(tmp_path_factory.mktemp("rollout") / "async", "steps=3", "runtime.mode=async",
+    return train(tmp_path_factory.mktemp("rollout") / "async", "steps=3", "runtime.mode=async", "checkpoint.quiescent=false",
                  "rollout.max_staleness=1")
 
 

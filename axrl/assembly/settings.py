@@ -177,7 +177,8 @@ def rollout_settings(cfg: Config) -> RolloutSideSettings:
     r = cfg.rollout
     # Dynamic sampling (DAPO) rolls out more groups per step than it trains (the processor keeps
     # the informative ones): batches are sealed at that size.
-    schedule = Schedule(cfg.runtime.mode, prompts_to_roll_out(cfg), r.max_staleness, clocked=cfg.runtime.deterministic)
+    schedule = Schedule(cfg.runtime.mode, prompts_to_roll_out(cfg), r.max_staleness, clocked=cfg.runtime.deterministic,
+                        drain_every=cfg.checkpoint.every if cfg.checkpoint.quiescent else 0)
     policy = RolloutPolicy(partial_rollout=r.partial_rollout, stale_policy=r.stale_policy, max_reruns=r.max_reruns,
                            max_live_episodes=r.max_live_episodes or r.max_batch_size, release_memory=r.release_memory)
     served = ServedModel(max_batch_size=r.max_batch_size, max_context_len=r.max_context_len, seed=cfg.seed,

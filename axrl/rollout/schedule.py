@@ -17,6 +17,13 @@ more than η; a synchronous run is the case η = 0 (every token of step w genera
   two decode steps. A deterministic (clocked) asynchronous run syncs at a point defined by counts
   only: version w reaches the engine when batch w is sealed — the moment the trainer can start
   step w — so the schedule never depends on how fast the trainer happened to be.
+* Drain points (clocked async with `checkpoint.quiescent`): at every checkpoint boundary b (a
+  multiple of `checkpoint.every`) the pipeline drains: no group of batch b or later starts before
+  the engine holds version b, which it receives as soon as batch b − 1 is sealed and step b − 1
+  trained. A checkpoint before step b then has no episode in flight that started under an older
+  version, and a resume from it continues the uninterrupted run's schedule bit for bit (a group
+  still pending there started under version b, as it restarts). The price is one synchronous step
+  per `checkpoint.every` steps.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ class Schedule:
     groups_per_step: int              # P
     max_staleness: int = 1            # η of async runs
     clocked: bool = True              # deterministic: every decision a function of counts
+    drain_every: int = 0              # C: the pipeline drains at steps C, 2C, … (clocked async; 0 = never)
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
@@ -39,6 +47,8 @@ class Schedule:
             raise ValueError(f"groups_per_step must be >= 1, got {self.groups_per_step}")
         if self.mode == "async" and self.max_staleness < 1:
             raise ValueError(f"an async run needs max_staleness >= 1, got {self.max_staleness}")
+        if self.drain_every < 0:
+            raise ValueError(f"drain_every must be >= 0, got {self.drain_every}")
 
     @property
     def eta(self) -> int:
@@ -47,7 +57,20 @@ class Schedule:
 
     def capacity(self, engine_version: int) -> int:
         """Groups that may have been started in total while the engine holds `engine_version`."""
-        return (engine_version + self.eta + 1) * self.groups_per_step
+        ahead = engine_version + self.eta + 1
+        if self.drains:  # not past the next drain point b: batches < b only
+            ahead = min(ahead, (engine_version // self.drain_every + 1) * self.drain_every)
+        return ahead * self.groups_per_step
+
+    @property
+    def drains(self) -> bool:
+        """Whether the pipeline drains at checkpoint boundaries (see the module docstring)."""
+        return self.sync_at_seal and self.drain_every > 0
+
+    def drains_before(self, step: int) -> bool:
+        """Whether the engine takes version `step` as soon as the trainer posts it, with nothing in
+        flight (a drain point), rather than when batch `step` is sealed."""
+        return self.drains and step > 0 and step % self.drain_every == 0
 
     def fresh(self, min_version: int | None, step: int) -> bool:
         """Whether a group whose oldest generated token has `min_version` (None: no generated

@@ -235,6 +235,13 @@ class RolloutWorker:
                 self._next_batch += 1
             self.pool.publish(batch)
             sealed_any = True
+            if self.schedule.drains_before(w + 1):
+                # A drain point: nothing is in flight (capacity stopped at batch w); take version
+                # w + 1 once step w is trained, so every group of batch w + 1 starts under it.
+                await self.sync.wait_for(w + 1, stop=lambda: self._stop)
+                if self._stop:
+                    return sealed_any
+                self._apply_posted()
         return sealed_any
 
     def _stale(self, group: Group) -> None:
