@@ -146,6 +146,22 @@ def test_dynamic_sampling_drops_are_in_the_trace_and_replay_reproduces_them(tmp_
         # the trained rows are /samples rows only: no pool sample is in any update
         assert len(sf["/samples/sample_id"]) == 8 and int(sf["/train/update_samples"].max()) < 8
 
+    # `axrl-debug summary` reports what the pool left out, per step, from the step files
+    from typer.testing import CliRunner
+
+    from axrl_debug.cli import app as debug_app
+    import json
+    shown = CliRunner().invoke(debug_app, ["summary", str(run), "--json"])
+    assert shown.exit_code == 0, shown.output
+    pool = json.loads(shown.output)["pool"]
+    with StepFile(run / "trace" / "step_000000.h5") as sf:
+        tokens0 = len(sf["/pool/tokens/ids"])
+    assert [(r["step"], r["dropped_groups"], r["dropped_by_reason"], r["dropped_samples"]) for r in pool] == \
+        [(0, 2, {"dynamic_sampling": 2}, 8), (1, 2, {"dynamic_sampling": 2}, 8)]
+    assert pool[0]["dropped_tokens"] == tokens0 > 0
+    text = CliRunner().invoke(debug_app, ["summary", str(run)])
+    assert "rollout pool" in text.output and "dynamic_sampling 2" in text.output
+
     result = replay_rollout(run, 1)
     assert result.verdict == "bitwise-equal", result.first_divergence
     assert result.steps[0].samples == 16    # the 8 trained and the 8 dropped

@@ -12,6 +12,7 @@ import typer
 from axrl.recording.events import read_events
 from axrl_debug.analysis.frames import step_table
 from axrl_debug.analysis.objective import objective_by_step
+from axrl_debug.analysis.pool import pool_by_step
 from axrl_debug.analysis.sessions import sessions_by_step
 from axrl_debug.analysis.spikes import SpikeConfig, detect
 from axrl_debug.commands.base import JSON_OPTION, app, out, print_json, run_command
@@ -55,6 +56,18 @@ def show_sessions(rows: list[dict[str, Any]]) -> None:
               f"{drift} sample(s) with drift", highlight=False)
 
 
+def show_pool(rows: list[dict[str, Any]]) -> None:
+    """Per step: groups the pool dropped (by reason) or re-ran, and the dropped samples recorded."""
+    show(simple_table("rollout pool (dropped groups are recorded under /pool, never trained)",
+                      ["step", "dropped groups", "reasons", "re-run groups", "dropped samples", "tokens",
+                       "reward"],
+                      [[str(r["step"]), str(r["dropped_groups"]),
+                        ", ".join(f"{k} {v}" for k, v in r["dropped_by_reason"].items()),
+                        str(r["rerun_groups"]), str(r["dropped_samples"]), str(r["dropped_tokens"]),
+                        fmt(r["dropped_reward_mean"], 3) if r["dropped_reward_mean"] is not None else "–"]
+                       for r in rows]))
+
+
 @app.command()
 def summary(
     run: Path = typer.Argument(..., help="Run directory (holds manifest.json, metrics.jsonl, trace/)."),
@@ -66,7 +79,8 @@ def summary(
     """One row per step: reward, loss, grad norm, clip fraction, share of loss tokens the corrections
     masked (when any did), mismatch (mean and max |Δ|, k3 KL; with /tokens/behaviour_train_logprob
     also its engine and staleness parts), MoE routing agreement, policy-version lag and spike flags;
-    a run with a black-box agent also gets its sessions' forks and re-tokenisation drift per step;
+    a run with a black-box agent also gets its sessions' forks and re-tokenisation drift per step,
+    a run that dropped or re-ran groups (staleness, dynamic sampling) what its pool left out;
     --json adds the share of loss tokens per objective/correction rule.
 
     Scalars the training loop logged (reward, loss, grad_norm, clipfrac, mismatch) come from
@@ -85,11 +99,12 @@ def summary(
         # Faults and recoveries (RUN/events.jsonl: actor deaths, restarts, train-group resumes).
         faults = [e for e in read_events(reader.path) if e["event"] not in ("actors_started",)]
         sessions = sessions_by_step(reader, list(df["step"]))
+        pool = pool_by_step(reader, list(df["step"]))
         if json_out:
             cols = [c for c in flagged.columns if not c.endswith("_z")]
             print_json({"run": str(reader.path), "steps": records(flagged[cols]),
                         "sources": df.attrs.get("sources", {}), "spikes": spikes, "worst": worst,
-                        "sessions": sessions, "problems": problems, **({"events": faults} if faults else {})})
+                        "sessions": sessions, "pool": pool, "problems": problems, **({"events": faults} if faults else {})})
             return 0
         split = "mismatch_engine" in flagged
         rows = []
@@ -107,6 +122,8 @@ def summary(
              *(["|Δ_eng|", "|Δ_stale|"] if split else []), "k3", "routing", "lag", "spikes"], rows))
         if sessions:
             show_sessions(sessions)
+        if pool:
+            show_pool(pool)
         if worst.get("mismatch"):
             w = worst["mismatch"]
             out.print(f"worst mismatch: step {w['step']} (mean |Δ| {fmt(w['value'], 3)}) — "
