@@ -228,6 +228,55 @@ def test_info_and_health(setup):
     assert http.post("/flush_cache").status_code == 200
 
 
+def _followed(engine, req):
+    """`token_stream.follow` of one request on `engine`: the snapshots, with the time each arrived."""
+    import asyncio
+
+    from axrl.inference.token_stream import follow
+
+    async def run():
+        t0, seen = time.perf_counter(), []
+        async for snap in follow(engine, req.rid, engine.submit(req), poll_s=0.001):
+            seen.append((time.perf_counter() - t0, snap))
+        return seen
+    return asyncio.run(run())
+
+
+def _check_token_stream(seen, expected):
+    """Snapshots grow by prefixes of the final result, the first arrives well before the end."""
+    *partials, (t_end, final) = seen
+    assert final.output_ids == expected.output_ids and final.output_logprobs == expected.output_logprobs
+    assert len(partials) >= 3, f"only {len(partials)} chunks before the result"
+    sizes = [len(ids) for _, (ids, _) in partials]
+    assert sizes == sorted(set(sizes)) and sizes[-1] <= len(final.output_ids)
+    for _, (ids, logprobs) in partials:
+        assert ids == final.output_ids[:len(ids)] and logprobs == final.output_logprobs[:len(ids)]
+    assert partials[0][0] < 0.5 * t_end, (partials[0][0], t_end)
+
+
+def test_tokens_stream_from_the_embedded_engine_and_through_the_sglang_client(setup):
+    """Token streaming on the engine protocol: the embedded engine reports a request's tokens while
+    it generates them, and so does the SGLang client for a `stream=True` request (it streams
+    `axrl serve`'s /generate) — every snapshot a prefix of the final result, the first long
+    before it."""
+    from axrl.inference.sglang.client import SGLangEngine
+
+    ref = setup["ref"]
+    expected = ref.generate_batch([_req(PROMPTS[1], 96)])[0]
+    req = _req(PROMPTS[1], 96)
+    _check_token_stream(_followed(ref, req), expected)
+    client = SGLangEngine(setup["launcher"].urls, model_dir=setup["dir"])
+    try:
+        streamed = _req(PROMPTS[1], 96)
+        streamed.stream = True
+        _check_token_stream(_followed(client, streamed), expected)
+        plain = _followed(client, _req(PROMPTS[1], 96))     # not streamed: one snapshot, the result
+        assert len(plain) == 1 and plain[0][1].output_ids == expected.output_ids
+        assert client.progress(streamed.rid) is None        # forgotten once finished
+    finally:
+        client.shutdown()
+
+
 def test_release_and_resume_memory_occupation(setup):
     """SGLang's memory endpoints, through the SGLang client: the KV cache is freed and allocated
     again, and greedy outputs after a resume are the same as before the release."""

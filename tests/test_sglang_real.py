@@ -205,6 +205,35 @@ def test_routed_experts_shape_and_agreement_with_model_routing(server, models):
     np.testing.assert_array_equal(tail.routed_experts, full.routed_experts[10:])
 
 
+# -- token streaming -----------------------------------------------------------------------------------
+@real_sglang
+def test_stream_request_reports_tokens_while_sglang_generates_them(server, models):
+    """A `stream=True` request: the client reads SGLang's streamed /generate, and
+    `token_stream.follow` sees growing prefixes of the final result long before it ends; the
+    result equals the non-streamed one (greedy)."""
+    import asyncio
+
+    from axrl.inference.token_stream import follow
+
+    _, engine = server
+    prompt = prompts(load_hf(models["seed0"]).config.vocab_size)[1]
+    plain = engine.generate_batch([GenerateRequest(prompt, greedy(128), return_logprob=True)], timeout=300)[0]
+    req = GenerateRequest(prompt, greedy(128), return_logprob=True, stream=True)
+
+    async def run():
+        t0, seen = time.perf_counter(), []
+        async for snap in follow(engine, req.rid, engine.submit(req), poll_s=0.002):
+            seen.append((time.perf_counter() - t0, snap))
+        return seen
+    *partials, (t_end, final) = asyncio.run(run())
+    _report("stream_chunks_before_result", {"chunks": len(partials), "first_s": round(partials[0][0], 3) if partials
+                                            else None, "end_s": round(t_end, 3)})
+    assert final.output_ids == plain.output_ids and len(final.output_logprobs) == 128
+    assert len(partials) >= 3 and partials[0][0] < 0.5 * t_end
+    for _, (ids, logprobs) in partials:
+        assert ids == final.output_ids[:len(ids)] and len(logprobs) == len(ids)
+
+
 # -- abort ---------------------------------------------------------------------------------------------
 @real_sglang
 def test_abort_stops_a_running_request(server):

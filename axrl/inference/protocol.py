@@ -85,6 +85,10 @@ class GenerateRequest:
     # Routing hint for multi-server engines: requests with the same key go to the same server, so
     # a trajectory's turns reuse that server's prefix cache. Single-engine implementations ignore it.
     sticky_key: str | None = None
+    # Make the tokens observable while they are generated (`axrl.inference.token_stream`): engines
+    # whose progress is local (the embedded one) always are; the SGLang client then streams the
+    # request's `/generate` (single requests only; a batch is sent whole).
+    stream: bool = False
 
     def validated(self, *, vocab_size: int | None = None,
                   max_seq_len: int | None = None) -> tuple["GenerateRequest", list[int]]:
@@ -169,6 +173,16 @@ def settle_future(future: concurrent.futures.Future, result: Any = None,
             future.set_result(result)
     except concurrent.futures.InvalidStateError:  # cancelled concurrently
         pass
+
+
+@runtime_checkable
+class ReportsProgress(Protocol):
+    """An engine that can say what a request in flight has generated so far (token streaming)."""
+
+    def progress(self, rid: str) -> tuple[list[int], list[float]] | None:
+        """The output ids (and logprobs, when requested) of request `rid` so far; None when it is
+        not in flight (finished, unknown, or not observable: see `GenerateRequest.stream`)."""
+        ...
 
 
 @runtime_checkable

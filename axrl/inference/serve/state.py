@@ -21,6 +21,7 @@ from axrl.inference.openai.errors import ApiError
 from axrl.inference.openai.streaming import DONE, sse
 from axrl.inference.protocol import GenerateRequest, GenerateResult
 from axrl.inference.sglang.wire import parse_weight_version, result_to_wire, sampling_from_wire
+from axrl.inference.token_stream import follow
 from axrl.model import hf_state_dict, load_hf
 from axrl.tokenizer import Tokenizer
 
@@ -234,21 +235,15 @@ class AxrlServer:
             self.done(requests)
 
     async def stream(self, req: GenerateRequest, opt: dict[str, Any]) -> AsyncIterator[bytes]:
-        """SSE: cumulative chunks as tokens arrive, the final result, then [DONE]."""
+        """SSE: cumulative chunks as tokens arrive (`token_stream.follow`), the final result, then [DONE]."""
         (future,) = self.submit([req])
-        sent = -1
         try:
-            while not future.done():
-                snap = self.engine.progress(req.rid)
-                if snap is not None and len(snap[0]) > sent:
-                    sent = len(snap[0])
-                    partial = GenerateResult(rid=req.rid, output_ids=snap[0], output_logprobs=snap[1],
-                                             routed_experts=None, finish_reason=None,  # type: ignore[arg-type]
-                                             weight_version=self.engine.weight_version,
-                                             prompt_tokens=len(req.input_ids))
-                    yield sse(self.to_wire(partial, req, opt))
-                await asyncio.wait([future], timeout=_STREAM_POLL_S)
-            yield sse(self.to_wire(future.result(), req, opt))
+            async for snap in follow(self.engine, req.rid, future):
+                if not isinstance(snap, GenerateResult):
+                    snap = GenerateResult(rid=req.rid, output_ids=snap[0], output_logprobs=snap[1],
+                                          routed_experts=None, finish_reason=None,  # type: ignore[arg-type]
+                                          weight_version=self.engine.weight_version, prompt_tokens=len(req.input_ids))
+                yield sse(self.to_wire(snap, req, opt))
             yield DONE
         except Exception as e:  # noqa: BLE001 — SGLang reports stream errors in-band
             yield sse({"error": {"message": f"{type(e).__name__}: {e}"}})

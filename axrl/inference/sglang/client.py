@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import shutil
 import tempfile
 import threading
@@ -45,8 +46,8 @@ from axrl.inference.sglang.routing import Router, split_batches
 from axrl.inference.sglang.transport import BlockingTransport, Retryable, ServerUnavailable, backoff_delay, \
     error_message
 from axrl.inference.sglang.weight_updater import WeightUpdater
-from axrl.inference.sglang.wire import WireError, batch_to_wire, parse_weight_version, request_to_wire, \
-    result_from_wire
+from axrl.inference.sglang.wire import WireError, batch_to_wire, parse_weight_version, progress_from_chunk, \
+    request_to_wire, result_from_wire
 
 __all__ = ["SGLangEngine", "ServerUnavailable"]  # ServerUnavailable: re-exported from transport
 
@@ -100,6 +101,7 @@ class SGLangEngine:
 
         self._lock = threading.Lock()  # guards _inflight, _aborted and _router
         self._inflight: dict[str, tuple[int, str]] = {}   # rid → (server, wire rid)
+        self._progress: dict[str, tuple[list[int], list[float]]] = {}  # streamed requests: ids, logprobs so far
         self._aborted: set[str] = set()
         self._running = [0] * len(self.urls)
         self._router = Router(len(self.urls))
@@ -216,6 +218,7 @@ class SGLangEngine:
             for r in reqs:
                 self._inflight.pop(r.rid, None)
                 self._aborted.discard(r.rid)
+                self._progress.pop(r.rid, None)
         for k, f in enumerate(futures):
             outcome = by_index[k]
             if isinstance(outcome, BaseException):
@@ -245,7 +248,8 @@ class SGLangEngine:
                         aborted = all(r.rid in self._aborted for r in reqs)
                     if aborted:  # aborted while queued here or waiting to be re-sent: nothing to run
                         return [self._aborted_result(r) for r in reqs]
-                    resp = await self._http.post(url + "/generate", json=body)
+                    resp = await (self._post_streaming(url, body, reqs[0]) if len(reqs) == 1 and reqs[0].stream
+                                  else self._http.post(url + "/generate", json=body))
             except httpx.TransportError as e:
                 error = e
                 if isinstance(e, httpx.TimeoutException):  # it may still run there: free its slot
@@ -272,6 +276,37 @@ class SGLangEngine:
         raise ServerUnavailable(f"{self.urls[server]}/generate failed after {self.retries + 1} attempts "
                                 f"(retries={self.retries}, backoff_s={self.backoff_s}): "
                                 f"{type(error).__name__}: {error}")
+
+    async def _post_streaming(self, url: str, body: dict[str, Any], req: GenerateRequest) -> httpx.Response:
+        """POST a streaming `/generate`: each chunk becomes the request's `progress`; returns the
+        last chunk as the response a non-streaming call would have got (or the error response)."""
+        last = None
+        async with self._http.stream("POST", url + "/generate", json=body) as resp:
+            if resp.status_code >= 400:
+                await resp.aread()
+                return resp
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:  # SGLang reports a failure once streaming started in-band
+                    raise WireError(f"{url}/generate failed mid-stream: {chunk['error']}")
+                snap = progress_from_chunk(chunk, req)
+                with self._lock:
+                    self._progress[req.rid] = snap
+                last = chunk
+        if last is None:
+            raise WireError(f"{url}/generate ended its stream without a chunk (request {req.rid})")
+        return httpx.Response(resp.status_code, json=last)
+
+    def progress(self, rid: str) -> tuple[list[int], list[float]] | None:
+        """What request `rid` has generated so far, for requests submitted with `stream=True`
+        (see `axrl.inference.token_stream`); None otherwise or once it finished."""
+        with self._lock:
+            return self._progress.get(rid)
 
     def _aborted_result(self, req: GenerateRequest) -> GenerateResult:
         return GenerateResult(rid=req.rid, output_ids=[], output_logprobs=[], routed_experts=None,

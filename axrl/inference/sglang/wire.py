@@ -105,7 +105,19 @@ def request_to_wire(req: GenerateRequest, rid: str | None = None) -> dict[str, A
     if req.return_routed_experts:
         body["return_routed_experts"] = True
         body["routed_experts_start_len"] = req.routed_experts_start_len
+    if req.stream:
+        body["stream"] = True
     return body
+
+
+def progress_from_chunk(chunk: Any, req: GenerateRequest) -> tuple[list[int], list[float]]:
+    """The (output ids, logprobs) so far of one streamed `/generate` chunk. SGLang's chunks are
+    cumulative unless the server runs with `--incremental-streaming-output` (AxRL never sets it)."""
+    if not isinstance(chunk, dict) or not isinstance(chunk.get("meta_info"), dict):
+        raise WireError(f"/generate stream chunk is not {{text, output_ids, meta_info}}: {str(chunk)[:200]}")
+    ids = [int(t) for t in chunk.get("output_ids") or []]
+    triples = chunk["meta_info"].get("output_token_logprobs") or [] if req.return_logprob else []
+    return ids, [float("nan") if t[0] is None else float(t[0]) for t in triples[:len(ids)]]
 
 
 def batch_to_wire(reqs: list[GenerateRequest], rids: list[str], per_request_start_len: bool) -> dict[str, Any]:
