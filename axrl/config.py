@@ -194,6 +194,9 @@ class CheckpointSection(Section):
 class TraceSection(Section):
     enabled: bool = True
     routing: bool = True
+    write_queue: int = Field(2, ge=0, description="step files are written by a background thread, at most this "
+                                                  "many steps queued (a full queue makes the step wait: "
+                                                  "time_record_wait); 0 = write in the step")
     behaviour_logprob: bool = Field(False, description="also record each token's trainer logprob under the "
                                                        "weights that generated it (async: splits the mismatch "
                                                        "into engine and staleness parts)")

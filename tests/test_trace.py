@@ -663,3 +663,53 @@ def test_compiled_fletcher32_reads_what_hdf5_reads(tmp_path):
     with h5py.File(path, "r") as f:
         with pytest.raises(ChecksumError, match="chunk 2"):
             read_checksummed(f["d3"], np.empty(padded_bytes(f["d3"]), np.uint8))
+
+
+# ---------------------------------------------------------------------------- the background writer
+def test_background_writer_keeps_order_bounds_the_queue_and_reports_failures(tmp_path):
+    """`StepWriter` (trace.write_queue): records are written in order by its thread, the same
+    files a direct write gives; with a slow disk the caller waits once the queue is full (and is
+    told how long); `flush` returns only when all are on disk; a failed write is raised on the
+    next call, naming the step, and later steps are not written past it."""
+    import threading
+
+    from axrl.recording.step_writer import StepWriter
+
+    run = RunDir(tmp_path / "run")
+    gate, written = threading.Event(), []
+
+    def slow_write(record):
+        gate.wait(10)
+        written.append(record.step)
+        return run.write_step(record)
+
+    writer = StepWriter(slow_write, max_pending=2)
+    assert writer.submit(make_record(0)) < 0.5 and writer.submit(make_record(1)) < 0.5
+    waits = []
+    t = threading.Thread(target=lambda: waits.append(writer.submit(make_record(2))))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive(), "a third record went into a queue of two while the first was still being written"
+    gate.set()
+    t.join(10)
+    assert waits and waits[0] >= 0.25
+    writer.flush()
+    assert written == [0, 1, 2] and run.completed_steps() == [0, 1, 2]
+    direct = write_step(tmp_path / "direct", make_record(1))
+    with StepFile(run.trace_dir / "step_000001.h5") as a, StepFile(direct) as b:
+        assert_records_equal(a.to_record(), b.to_record())
+
+    def failing(record):
+        if record.step == 4:
+            raise OSError("disk full")
+        return run.write_step(record)
+
+    bad = StepWriter(failing, max_pending=2)
+    bad.submit(make_record(3))
+    bad.submit(make_record(4))
+    bad.submit(make_record(5))
+    with pytest.raises(RuntimeError, match="step 4 failed: OSError: disk full"):
+        bad.flush()
+    with pytest.raises(RuntimeError, match="step 4"):
+        bad.close()
+    assert run.completed_steps() == [0, 1, 2, 3]

@@ -122,7 +122,7 @@ def learner_settings(cfg: Config) -> LearnerSettings:
         advantages=advantage_settings(cfg),
         keep_groups=cfg.data.prompts_per_step if cfg.algo.dynamic_sampling.enabled else None,
         temperature=cfg.rollout.temperature, step=step_settings(cfg),
-        record=RecordSettings(trace=t.enabled, routing=t.routing,
+        record=RecordSettings(trace=t.enabled, routing=t.routing, write_queue=t.write_queue,
                               spike=SpikeSettings(t.spike_ratio, t.spike_window, t.spike_min_history)))
 
 

@@ -149,9 +149,10 @@ class RayExecutor:
         """Release the placement groups; stop the local cluster this run started."""
         if self.monitor is not None:
             self.monitor.stop()
-        for actor in (self.learner, self.rollout):   # their data-plane accounts are folded in here
-            if actor is not None:
-                actor.close()
+        if self.learner is not None:   # the actors' data-plane accounts are folded in here
+            self.learner.shutdown()
+        if self.rollout is not None:
+            self.rollout.close()
         if self.wire is not None:
             self.wire.close()
             self.wire = None

@@ -55,10 +55,17 @@ class LearnerActor(ActorBase):
             timer.times.update(times)   # the driver's wait for the batch is part of the step's time
             metrics = self.learner.step(batch, step, timer)
             self.activity_.count("steps")
+            timer.times["written_through"] = self.learner.written_through()
             return metrics, timer.times, [self.sync.get()[1]]
 
+    def flush(self) -> float:
+        """Return once every step file recorded so far is on disk; the latest step on disk."""
+        self.learner.flush()
+        return self.learner.written_through()
+
     def close(self) -> dict[str, Any]:
-        """What this actor moved (for the driver's data-plane account)."""
+        """Write the queued step files; what this actor moved (for the driver's data-plane account)."""
+        self.learner.close()
         return self.plane.snapshot()
 
 
@@ -71,6 +78,7 @@ class RayLearner:
         self._ray, self._actor, self._backend, self._rollout = ray, actor, backend, rollout
         self._plane, self._timeout = plane, call_timeout_s
         self.pid = self._get(actor.pid.remote())
+        self._written_through: float = -1
 
     def _get(self, ref: Any) -> Any:
         try:
@@ -90,6 +98,7 @@ class RayLearner:
     def step(self, batch: list[Any], step: int, timer: Any) -> dict[str, Any]:
         timer.show("train")
         metrics, times, weights = self._get(self._actor.step.remote(batch, step, dict(timer.times)))
+        self._written_through = times.pop("written_through")
         timer.times.update(times)
         self._rollout.post_weights(step + 1, weights[0])
         return metrics
@@ -98,7 +107,23 @@ class RayLearner:
         """The learner actor's heartbeat (answered by its monitor thread even while it trains)."""
         return self._ray.get(self._actor.activity.options(concurrency_group="monitor").remote(), timeout=timeout_s)
 
+    def flush(self) -> None:
+        """Return once the actor has every step file recorded so far on disk."""
+        self._written_through = self._get(self._actor.flush.remote())
+
+    def written_through(self) -> float:
+        """The latest step whose trace file the actor had on disk when it last answered."""
+        return self._written_through
+
     def close(self) -> None:
+        """Write the step files still queued (the loop's end; the actor stays up until `shutdown`)."""
+        try:
+            self.flush()
+        except TrainGroupLost:  # a dead learner has nothing left to write; the loop reports why it stopped
+            pass
+
+    def shutdown(self) -> None:
+        """Stop the actor (the executor's close), folding its data-plane account into the driver's."""
         plane = close_actor(self._ray, self._actor)
         if plane is not None:
             self._plane.merge(plane)

@@ -11,6 +11,7 @@ is: under `runtime.executor: ray` this same object runs in an actor next to the 
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -20,6 +21,7 @@ import torch
 from axrl.rollout.pool import Batch
 from axrl.console.progress import PhaseTimer
 from axrl.recording.records import step_metrics, step_record
+from axrl.recording.step_writer import StepWriter
 from axrl.runtime.spike_trigger import SpikeSettings, SpikeTrigger
 from axrl.runtime.step_trainer import StepTrainer
 from axrl.trace import RunDir
@@ -36,6 +38,15 @@ class StepLearner(Protocol):
     def step(self, batch: Any, step: int, timer: PhaseTimer) -> dict[str, Any]:
         """Train on `batch` (sealed batch `step`, or a reference to it), record it; the metrics."""
 
+    def flush(self) -> None:
+        """Return once every step recorded so far is on disk (before a checkpoint)."""
+
+    def close(self) -> None:
+        """Write what is still queued and stop recording."""
+
+    def written_through(self) -> float:
+        """The latest step whose trace file is on disk (-1: none yet; inf: the trace is off)."""
+
 
 @dataclass(frozen=True)
 class RecordSettings:
@@ -45,6 +56,7 @@ class RecordSettings:
     trace: bool = True
     routing: bool = True
     spike: SpikeSettings = field(default_factory=SpikeSettings)
+    write_queue: int = 2        # step files written in the background, at most this many queued (0: in the step)
 
 
 class Learner:
@@ -53,6 +65,7 @@ class Learner:
     def __init__(self, trainer: StepTrainer, run: RunDir, record: RecordSettings) -> None:
         self.trainer, self.run, self.record = trainer, run, record
         self.trigger = SpikeTrigger.for_run(record.spike, run.path)  # trace.spike_ratio (off by default)
+        self.writer = StepWriter(run.write_step, record.write_queue) if record.trace else None
 
     def step(self, batch: Batch, step: int, timer: PhaseTimer) -> dict[str, Any]:
         """Train on `batch` at weight version `step` (posting version `step + 1`) and write its trace record."""
@@ -61,9 +74,27 @@ class Learner:
         outcome = self.trainer.step(batch, step, timer)
         metrics = step_metrics(outcome)
         metrics.update(self.trigger.after_step(backend, self.trainer.settings, outcome))  # the deep dump, now
-        if self.record.trace:
+        if self.writer is not None:
             timer.show("record")
             t0 = time.perf_counter()
-            self.run.write_step(step_record(outcome, rng_digest(), routing=self.record.routing))
+            waited = self.writer.submit(step_record(outcome, rng_digest(), routing=self.record.routing))
+            # The step's own cost of recording (building the record, waiting for room in the
+            # queue); the write itself runs in the background (its latest duration beside it).
             metrics["time_record"] = time.perf_counter() - t0
+            metrics["time_record_wait"] = waited
+            metrics["time_record_write"] = self.writer.last_write_s
         return metrics
+
+    def flush(self) -> None:
+        """Return once every step file submitted so far is on disk."""
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        """Write the step files still queued; stop the writer thread."""
+        if self.writer is not None:
+            self.writer.close()
+
+    def written_through(self) -> float:
+        """The latest step whose trace file is on disk (-1: none yet; inf: the trace is off)."""
+        return math.inf if self.writer is None else self.writer.written_through

@@ -15,6 +15,7 @@ and the Megatron-core backend.
 from __future__ import annotations
 
 import warnings
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,14 @@ def run_step(s: LoopSettings, c: Components, learner: StepLearner, step: int,
     return metrics
 
 
+def log_written(log: MetricsLog, unlogged: deque[dict[str, Any]], learner: StepLearner) -> None:
+    """Write the metrics lines of the steps whose trace file is on disk (the background writer's
+    `written_through`), in order: metrics.jsonl never holds a step the trace does not."""
+    through = learner.written_through()
+    while unlogged and unlogged[0]["step"] <= through:
+        log.write(unlogged.popleft())
+
+
 def check_run_dir(run_path: Path, resume: bool) -> None:
     """Refuse a run directory that cannot take this run: a non-empty one for a new run, a
     directory without config.yaml for --resume."""
@@ -166,16 +175,24 @@ def train(s: LoopSettings, c: Components, run_dir: str | Path, resume: bool = Fa
         with TrainProgress(s.steps, below=None if c.executor is None else c.executor.health) as progress:
             first, rollout_state = start(s, c, run, resume, progress)
             learner = c.open_learner(run)
-            progress.progress.update(progress.task, completed=first)
-            c.rollout.start(first, rollout_state)
-            for step in range(first, s.steps):
-                metrics = run_step(s, c, learner, step, progress)
-                log.write(metrics)
-                if (step + 1) % s.checkpoint_every == 0 or step + 1 == s.steps:
-                    progress.phase("checkpoint")
-                    save_checkpoint(run.path, step + 1, c.backend, checkpoint_state(c, step + 1),
-                                    keep=s.checkpoint_keep)
-                progress.step_done(metrics)
+            unlogged: deque[dict[str, Any]] = deque()   # metrics of steps whose file is not on disk yet
+            try:
+                progress.progress.update(progress.task, completed=first)
+                c.rollout.start(first, rollout_state)
+                for step in range(first, s.steps):
+                    metrics = run_step(s, c, learner, step, progress)
+                    unlogged.append(metrics)
+                    if (step + 1) % s.checkpoint_every == 0 or step + 1 == s.steps:
+                        progress.phase("checkpoint")
+                        learner.flush()  # every step before the checkpoint is on disk with it
+                        log_written(log, unlogged, learner)
+                        save_checkpoint(run.path, step + 1, c.backend, checkpoint_state(c, step + 1),
+                                        keep=s.checkpoint_keep)
+                    log_written(log, unlogged, learner)
+                    progress.step_done(metrics)
+            finally:
+                learner.close()  # the step files still queued are written, even when a step failed
+                log_written(log, unlogged, learner)
         ok = True
     finally:
         log.close(ok=ok)  # the trackers' runs end as finished or failed
