@@ -24,7 +24,7 @@ import torch
 from typer.testing import CliRunner
 
 from axrl.agents.env import Prompt, StepOutcome
-from axrl.agents.tasks.calculator import SYSTEM_PROMPT
+from axrl.agents.tasks.calculator import CALCULATOR_TOOL, SYSTEM_PROMPT
 from axrl.cli import app as axrl_app
 from axrl.inference.protocol import SamplingParams
 from axrl.rollout.agent_loop import run_episode
@@ -187,7 +187,7 @@ def test_agent_loop_trains_exactly_the_generated_ids(name, dirs, hf):
 # -- (c) two training steps on the directory -----------------------------------------------------------
 
 TRAIN = ["steps=2", "warmup.steps=0", "data.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
-         "rollout.max_turns=2", "data.task_args={show_tool_schema: true}", "eval.every=0", "checkpoint.every=0",
+         "rollout.max_turns=2", "rollout.max_context_len=1024", "data.task_args={show_tool_schema: true}", "eval.every=0", "checkpoint.every=100",
          "runtime.threads=1"]
 
 
@@ -210,10 +210,13 @@ def test_train_two_steps_and_decode_the_trace(name, dirs, hf, tmp_path):
     # the prompt is this directory's template around the calculator task's system prompt and tools
     marker = "\x00"
     head = theirs.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT},
-                                       {"role": "user", "content": marker}], tools=TOOLS, tokenize=False)
+                                       {"role": "user", "content": marker}], tools=[CALCULATOR_TOOL],
+                                      tokenize=False)
     assert prompt.startswith(head[:head.index(marker)]) and prompt.endswith(EXPECTED[name][1])
     gen_ends = [i for i in range(1, len(first)) if mask[off[0] + i - 1] and not mask[off[0] + i]]
     assert all(first[i - 1] == tok.eos_token_id for i in gen_ends)  # turns close with this template's token
+    from axrl_debug.tui.data import RunModel  # what axrl-debug decodes the run's trace with
+    assert RunModel(run).tokenizer.decode(first) == theirs.decode(first)
 
 
 # -- refusal and check-template ------------------------------------------------------------------------
