@@ -72,3 +72,10 @@ def write_convention_dir(path: Path, convention: Convention, *, seed: int = 0) -
                                                   **special)
     hf_tok.save_pretrained(path)
     return path
+
+
+if __name__ == "__main__":  # python tests/template_models.py CONVENTION DIR: a directory to try check-template on
+    import sys
+
+    out = write_convention_dir(Path(sys.argv[2]), CONVENTIONS[sys.argv[1]])
+    print(f"wrote a random-init Qwen3 with a {sys.argv[1]}-convention tokenizer and chat template to {out}")

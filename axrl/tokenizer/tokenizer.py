@@ -155,7 +155,7 @@ class Tokenizer:
         return after[0]
 
     def continuation_ids(self, history: list[Message], new_messages: list[Message],
-                         tools: list[dict[str, Any]] | None = None) -> list[int]:
+                         tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> list[int]:
         """Ids the template writes after the *text* of ``history``'s last message (an assistant
         reply): its close (the end-of-turn token first), ``new_messages``, then the generation
         prompt — what the agent loop appends after a reply.
@@ -166,22 +166,37 @@ class Tokenizer:
         the template would render differently *before* the reply is drift (``axrl.core.token_stream.drift_tokens``).
         """
         marked = [*history[:-1], {"role": "assistant", "content": _MARK}, *new_messages]
-        text = self._render(marked, tools=tools, add_generation_prompt=True)
+        text = self._render(marked, tools=tools, add_generation_prompt=add_generation_prompt)
         return self.encode(text[text.rindex(_MARK) + 1:])
 
-    def incremental_mismatch(self, conversation: list[Message], tools: list[dict[str, Any]] | None = None) -> str | None:
-        """Where the token stream the agent loop builds for ``conversation`` (its prompt rendered
-        once, each reply as the model's text, :meth:`continuation_ids` after it) differs from
-        rendering the conversation whole; None when they agree. A difference is drift: the
-        template re-renders history (e.g. strips reasoning from earlier turns)."""
+    def episode_ids(self, conversation: list[Message],
+                    tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[int]]:
+        """``conversation`` as the agent loop streams it, and its loss mask: the messages before
+        the first reply rendered once with the generation prompt; each reply as the text the
+        model generates for it (:meth:`reply_text`) and the end-of-turn token, mask 1; after
+        it, :meth:`continuation_ids` (the messages up to the next reply and its opening; after
+        the last reply only its close). What the supervised warm-up trains on."""
         turns = [i for i, m in enumerate(conversation) if m.get("role") == "assistant"]
         if not turns:
-            return None
-        parts = list(self.apply_chat_template(conversation[:turns[0]], tools=tools, add_generation_prompt=True))
+            ids = list(self.apply_chat_template(conversation, tools=tools, add_generation_prompt=True))
+            return ids, [0] * len(ids)
+        ids = list(self.apply_chat_template(conversation[:turns[0]], tools=tools, add_generation_prompt=True))
+        mask = [0] * len(ids)
         for i, nxt in zip(turns, turns[1:] + [len(conversation)]):
-            parts += self.encode(self.reply_text(conversation[i]))
-            parts += self.continuation_ids(conversation[:i + 1], conversation[i + 1:nxt], tools)
-        whole = list(self.apply_chat_template(conversation, tools=tools, add_generation_prompt=True))
+            reply = self.encode(self.reply_text(conversation[i])) + [self.eos_token_id]
+            after = self.continuation_ids(conversation[:i + 1], conversation[i + 1:nxt], tools,
+                                          add_generation_prompt=nxt > i + 1 or i != turns[-1])[1:]
+            ids += reply + after
+            mask += [1] * len(reply) + [0] * len(after)
+        return ids, mask
+
+    def incremental_mismatch(self, conversation: list[Message], tools: list[dict[str, Any]] | None = None) -> str | None:
+        """Where the token stream the agent loop builds for ``conversation`` (:meth:`episode_ids`)
+        differs from rendering the conversation whole; None when they agree. A difference is
+        drift: the template re-renders history (e.g. strips reasoning from earlier turns)."""
+        parts, _ = self.episode_ids(conversation, tools)
+        ends_with_reply = bool(conversation) and conversation[-1].get("role") == "assistant"
+        whole = list(self.apply_chat_template(conversation, tools=tools, add_generation_prompt=not ends_with_reply))
         if parts == whole:
             return None
         k = next((i for i, (a, b) in enumerate(zip(parts, whole)) if a != b), min(len(parts), len(whole)))
@@ -269,9 +284,10 @@ class Tokenizer:
         """Ids of one message as it appears inside a rendered conversation.
 
         Concatenating ``encode_message`` over a conversation, then ``generation_prompt_ids()``,
-        equals ``apply_chat_template(messages, tools, add_generation_prompt=True)`` when the
-        template is prefix-stable (ChatML is; :meth:`check_incremental` tells). Pass ``tools`` with
-        the first message only: the tools block is rendered in front of it.
+        equals ``apply_chat_template(messages, tools, add_generation_prompt=True)`` when every
+        message renders on its own (the shipped ChatML does; Llama's system header, Qwen's merged
+        tool results do not — the agent loop uses :meth:`continuation_ids`, which follows them).
+        Pass ``tools`` with the first message only: the tools block is rendered in front of it.
         """
         return self.apply_chat_template([message], tools=tools)
 
