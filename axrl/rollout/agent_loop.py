@@ -125,13 +125,7 @@ async def run_episode(
                 # A turn cut by the context limit filled the stream exactly.
                 reason = ("context" if traj.num_tokens >= max_context_len else "length") if truncated else "stop"
                 return _finish(traj, reason, reward, routing, drift)
-            # The reply's close (its end-of-turn token only when the model did not write it), the
-            # observation and the next generation prompt, as the template renders them after the reply.
-            continuation = tokenizer.continuation_ids(conversation, list(outcome.observation), tools)
-            if continuation[:1] != close_ids[:1]:
-                raise ValueError("the chat template does not close a reply followed by this observation with "
-                                 f"the end-of-turn token (it writes {tokenizer.decode(continuation[:8])!r})")
-            segment = reply_glue(continuation, closed)
+            segment = _observation_segment(tokenizer, conversation, outcome.observation, tools, closed)
         except Exception as exc:
             return _failed(traj, exc, routing, conversation)
         if turn == max_turns:
@@ -181,6 +175,18 @@ def _close_ids(tokenizer: Tokenizer) -> list[int]:
     if not ids or ids[0] != tokenizer.eos_token_id:
         raise ValueError("chat template must close an assistant message with the eos token")
     return ids
+
+
+def _observation_segment(tokenizer: Tokenizer, conversation: list[Message], observation: list[Message],
+                         tools: list[dict] | None, closed: bool) -> list[int]:
+    """What follows a reply in the stream: its close (the end-of-turn token only when the model did
+    not write it, ``closed``), the observation and the next generation prompt, as the template
+    renders them after the reply's text in the whole conversation."""
+    continuation = tokenizer.continuation_ids(conversation, list(observation), tools)
+    if continuation[:1] != [tokenizer.eos_token_id]:
+        raise ValueError("the chat template does not close a reply followed by this observation with the "
+                         f"end-of-turn token (it writes {tokenizer.decode(continuation[:8])!r})")
+    return reply_glue(continuation, closed)
 
 
 def _turn_request(traj: Trajectory, routing: list[np.ndarray], sampling: SamplingParams, turn: int, *,
