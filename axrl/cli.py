@@ -1,4 +1,5 @@
-"""The `axrl` command line: `axrl train`, `axrl serve`, and model utilities (`axrl model init|export|info`)."""
+"""The `axrl` command line: `axrl train`, `axrl serve`, and model utilities
+(`axrl model init|export|info|check-template`)."""
 
 from __future__ import annotations
 
@@ -202,6 +203,21 @@ def model_info(path: Path = typer.Argument(..., help="An HF model directory.")) 
                   f"{cfg.num_attention_heads} heads ({cfg.num_key_value_heads} kv), "
                   f"experts {cfg.num_experts} (top-{cfg.num_experts_per_tok if cfg.is_moe else 0}), "
                   f"vocab {cfg.vocab_size}, {model.num_parameters() / 1e6:.2f}M parameters")
+
+
+@model_app.command("check-template")
+def model_check_template(path: Path = typer.Argument(..., help="An HF model directory (or a tokenizer directory).")) -> None:
+    """Check that AxRL can follow a directory's chat template: run the load-time probes, compare
+    its rendering of a sample agent conversation with transformers' apply_chat_template, and say
+    what AxRL does with it (turn end, tool-call format, system role, drift). Exit 1 on a refusal
+    or a rendering that differs from transformers'."""
+    from axrl.tokenizer.template_report import check_template
+
+    report = check_template(path)
+    for line in report.lines:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    if not report.ok:
+        raise typer.Exit(1)
 
 
 if __name__ == "__main__":

@@ -105,27 +105,26 @@ QWEN_STYLE_TEMPLATE = r"""{%- if tools %}
 """
 
 
-def train_tokenizer() -> Tokenizer:
-    """A byte-level BPE unlike AxRL's: GPT-2 style pre-tokenisation, specials appended last."""
+def train_tokenizer(specials: tuple[str, ...] = SPECIALS) -> Tokenizer:
+    """A byte-level BPE unlike AxRL's: GPT-2 style pre-tokenisation, ``specials`` appended last."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, min_frequency=2, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus.generate(3000, seed=7), trainer=trainer, length=3000)
-    tok.add_special_tokens(list(SPECIALS))
+    tok.add_special_tokens(list(specials))
     return tok
 
 
-def write_checkpoint(path: Path, *, moe: bool = True, seed: int = 0) -> Path:
-    """`save_pretrained` of a random-init Qwen3(-MoE) and of its tokenizer, into ``path``."""
+def write_model(path: Path, *, moe: bool, seed: int, eos_token_id: int, pad_token_id: int,
+                generation_eos: list[int]) -> None:
+    """`save_pretrained` of a random-init Qwen3(-MoE) (config.json, weights, generation_config.json)."""
     import transformers
 
-    tok = train_tokenizer()
-    im_end, eot = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
     common = dict(vocab_size=MODEL_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
-                  eos_token_id=im_end, pad_token_id=eot, bos_token_id=None)
+                  eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=None)
     if moe:
         config = transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                              norm_topk_prob=True, **common)
@@ -135,8 +134,17 @@ def write_checkpoint(path: Path, *, moe: bool = True, seed: int = 0) -> Path:
         cls = transformers.Qwen3ForCausalLM
     torch.manual_seed(seed)
     model = cls(config)
-    model.generation_config = transformers.GenerationConfig(eos_token_id=[im_end, eot], pad_token_id=eot)
+    model.generation_config = transformers.GenerationConfig(eos_token_id=generation_eos, pad_token_id=pad_token_id)
     model.save_pretrained(path)
+
+
+def write_checkpoint(path: Path, *, moe: bool = True, seed: int = 0) -> Path:
+    """`save_pretrained` of a random-init Qwen3(-MoE) and of its tokenizer, into ``path``."""
+    import transformers
+
+    tok = train_tokenizer()
+    im_end, eot = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+    write_model(path, moe=moe, seed=seed, eos_token_id=im_end, pad_token_id=eot, generation_eos=[im_end, eot])
     hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
                                                   pad_token="<|endoftext|>", chat_template=QWEN_STYLE_TEMPLATE)
     hf_tok.save_pretrained(path)

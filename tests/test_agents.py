@@ -476,7 +476,7 @@ def test_calculator_env_rewards_and_errors():
         return [env.step(a) for a in actions]
 
     first, last = play(call("37 + 58"), "The answer is 95.")
-    assert first.observation == [{"role": "tool", "content": "95"}] and not first.done and first.reward == 0
+    assert first.observation == [{"role": "tool", "tool_call_id": "call00001", "content": "95"}] and not first.done and first.reward == 0
     assert last.done and last.reward == 1.0 and last.observation == [] and last.info["correct"]
     assert play("The answer is 95.")[0].reward == pytest.approx(0.1)  # right, but without the tool
     assert play(call("37 + 58"), "The answer is 96.")[-1].reward == 0.0

@@ -12,6 +12,7 @@ import pytest
 from axrl.tokenizer import Tokenizer, parse_tool_calls
 from axrl.tokenizer.build import ASSETS_DIR, VOCAB_SIZE, build
 from axrl.tokenizer.chat_template import SPECIAL_TOKENS
+from axrl.tokenizer.tool_calls import ToolCallFormat, parse_with_format
 
 TOOLS = [{
     "type": "function",
@@ -223,3 +224,27 @@ def test_parse_tool_calls_from_decoded_generation(tok: Tokenizer) -> None:
     ids.append(tok.im_end_id)
     (call,) = parse_tool_calls(tok.decode(ids))
     assert call["error"] is None and call["arguments"] == {"expression": "6 * 7"}
+
+
+MISTRAL, LLAMA = ToolCallFormat("[TOOL_CALLS]", ""), ToolCallFormat("", "")
+DEEPSEEK = ToolCallFormat("<｜tool▁call▁begin｜>function<｜tool▁sep｜>", "```<｜tool▁call▁end｜>", name_sep="\n```json\n")
+
+
+@pytest.mark.parametrize("fmt, text, expected", [
+    (MISTRAL, '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": "{}"}]',
+     [("f", {"a": 1}, None), ("g", {}, None)]),
+    (MISTRAL, "[TOOL_CALLS] [{oops", [(None, None, "invalid JSON after the tool call start")]),
+    (MISTRAL, "no calls here", []),
+    (LLAMA, '{"name": "f", "parameters": {"a": 1}}{"name": "g", "parameters": {}}', [("f", {"a": 1}, None),
+                                                                                    ("g", {}, None)]),
+    (LLAMA, 'The set {"name": "f"} is not a call: prose comes first', []),
+    (DEEPSEEK, '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{"a": 1}\n```<｜tool▁call▁end｜>'
+               '<｜tool▁call▁begin｜>function<｜tool▁sep｜>g\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+     [("f", {"a": 1}, None), ("g", {}, None)]),
+    (DEEPSEEK, '<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{"a": 1}',
+     [("f", {"a": 1}, "unterminated tool call (no '```<｜tool▁call▁end｜>')")]),
+])
+def test_parse_with_format(fmt: ToolCallFormat, text: str, expected: list) -> None:
+    """The untagged formats templates write: a start tag and a JSON list (Mistral), bare JSON
+    (Llama), the name outside the JSON (DeepSeek-V3); malformed calls are reported, not raised."""
+    assert [(c["name"], c["arguments"], c["error"]) for c in parse_with_format(text, fmt)] == expected

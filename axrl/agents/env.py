@@ -82,15 +82,11 @@ class Env(Protocol):
 
 def assistant_text(tokenizer: Tokenizer, message: Message) -> str:
     """The text the model generates for an assistant ``message`` (structured ``tool_calls``
-    rendered as ``<tool_call>`` blocks), i.e. what ``Env.step`` receives for it.
+    rendered the way the chat template writes them), i.e. what ``Env.step`` receives for it.
 
     Derived from the chat template so it stays right if the template changes.
     """
-    rendered = str(tokenizer.apply_chat_template([message], tokenize=False))
-    opening = str(tokenizer.apply_chat_template([], add_generation_prompt=True, tokenize=False))
-    closing = tokenizer.eos_token
-    start = rendered.index(opening) + len(opening)
-    return rendered[start:rendered.rindex(closing)]
+    return tokenizer.reply_text(message)
 
 
 def replay_conversation(env: Env, prompt: Prompt, conversation: list[Message],

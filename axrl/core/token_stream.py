@@ -9,6 +9,7 @@ and give every token one routing row; these functions are that shared part.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Protocol, Sequence
 
 import numpy as np
@@ -67,3 +68,14 @@ def routing_rows(chunks: Sequence[np.ndarray], num_tokens: int) -> np.ndarray:
     rows = np.concatenate(chunks)
     pad = np.zeros((num_tokens - rows.shape[0], *rows.shape[1:]), dtype=rows.dtype)
     return np.concatenate([rows, pad])
+
+
+def drift_tokens(stream: Sequence[int], rendered: Sequence[int]) -> int:
+    """How many tokens of an episode's ``stream`` the chat template would not render the same
+    for its finished conversation (``rendered``): 0 when the stream is a prefix of the rendering
+    (the rendering may add the close after the last reply). Re-rendered history (reasoning
+    stripped from earlier turns, trimmed replies) counts the stream tokens it leaves unmatched."""
+    if list(rendered[:len(stream)]) == list(stream):
+        return 0
+    matcher = difflib.SequenceMatcher(None, list(stream), list(rendered), autojunk=False)
+    return len(stream) - sum(block.size for block in matcher.get_matching_blocks())

@@ -93,8 +93,9 @@ def step_metrics(o: TrainedStep) -> dict[str, Any]:
 
 
 def _session_metrics(trajs: list[Trajectory]) -> dict[str, Any]:
-    """Black-box agent sessions of the batch: how many, their forks and re-tokenisation drift."""
-    if not any(t.session_id for t in trajs):
+    """Black-box agent sessions of the batch: how many, their forks and re-tokenisation drift
+    (also reported for white-box episodes whose template re-renders history, e.g. Qwen3)."""
+    if not any(t.session_id or t.drift_tokens for t in trajs):
         return {}
     return {"sessions": len({t.session_id for t in trajs if t.session_id}),
             "session_forks": sum(t.fork_of >= 0 for t in trajs),
@@ -222,8 +223,9 @@ def step_record(o: TrainedStep, rng_digest: str = "", routing: bool = True) -> S
 
 
 def _session_columns(trajs: list[Trajectory]) -> dict[str, Any]:
-    """/samples/{session_id, fork_of, drift_tokens}: only when a black-box agent made the batch."""
-    if not any(t.session_id for t in trajs):
+    """/samples/{session_id, fork_of, drift_tokens}: only when a black-box agent made the batch or
+    a white-box episode drifted (its template re-renders history: session_id '' then)."""
+    if not any(t.session_id or t.drift_tokens for t in trajs):
         return {}
     return {"session_id": [t.session_id for t in trajs], "fork_of": [t.fork_of for t in trajs],
             "drift_tokens": [t.drift_tokens for t in trajs]}

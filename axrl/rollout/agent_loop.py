@@ -2,8 +2,11 @@
 
 The stream is never re-tokenised: the prompt is rendered once, each assistant turn is the
 engine's own output ids, and everything in between is the chat template's rendering of the new
-messages only (the template is prefix-stable, see ``axrl.tokenizer.chat_template``). So the ids
-the trainer sees are exactly the ids the policy conditioned on.
+messages only (what the template writes after the reply's text, see
+:meth:`~axrl.tokenizer.Tokenizer.continuation_ids`). So the ids the trainer sees are exactly the
+ids the policy conditioned on. Where the template would render the finished conversation
+differently (Qwen3 strips ``<think>`` from earlier turns, Llama trims replies), the difference is
+counted in ``Trajectory.drift_tokens`` (recorded, never trained on).
 
 Layout of a trajectory (``turn`` index in brackets, ``*`` = generated, loss_mask 1)::
 
@@ -39,11 +42,13 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
+from typing import Callable
 
 import numpy as np
 
 from axrl.agents.env import Env, Message, Prompt
-from axrl.core.token_stream import append_generated, assistant_close_ids, reply_glue, routing_rows, token_versions
+from axrl.core.token_stream import (append_generated, assistant_close_ids, drift_tokens, reply_glue, routing_rows,
+                                    token_versions)
 from axrl.core.trajectory import Trajectory
 from axrl.inference.protocol import GenerateRequest, GenerateResult, InferenceEngine, SamplingParams
 from axrl.inference.sampling import derive_seed
@@ -87,9 +92,13 @@ async def run_episode(
         return _failed(traj, exc, routing, [])
     traj.info["messages"] = conversation
     if not _append_prompt(traj, prompt_ids, max_context_len):
-        return _finish(traj, "context", 0.0, routing)
+        return _finish(traj, "context", 0.0, routing)  # no reply: nothing can drift
     close_ids = _close_ids(tokenizer)  # e.g. ids of "<|im_end|>\n"
-    next_turn_ids = tokenizer.generation_prompt_ids()
+    tools = env.tools or None
+
+    def drift() -> int:  # what the template would render for the finished chat, against the stream
+        rendered = tokenizer.apply_chat_template(conversation, tools=tools)
+        return drift_tokens(traj.token_ids.tolist(), list(rendered))
 
     for turn in range(1, max_turns + 1):
         request = _turn_request(traj, routing, sampling, turn, max_context_len=max_context_len,
@@ -101,7 +110,7 @@ async def run_episode(
         _collect_routing(routing, request, result)
         traj.num_turns = turn
         if result.finish_type == "abort":
-            return _finish(traj, "abort", reward, routing)
+            return _finish(traj, "abort", reward, routing)  # the partial reply is in no message
 
         out = result.output_ids
         closed = bool(out) and out[-1] == close_ids[0]  # the model ended its own turn
@@ -115,17 +124,14 @@ async def run_episode(
             if outcome.done:
                 # A turn cut by the context limit filled the stream exactly.
                 reason = ("context" if traj.num_tokens >= max_context_len else "length") if truncated else "stop"
-                return _finish(traj, reason, reward, routing)
-            segment = reply_glue(close_ids, closed)
-            for message in outcome.observation:
-                segment += tokenizer.encode_message(message)
+                return _finish(traj, reason, reward, routing, drift)
+            segment = _observation_segment(tokenizer, conversation, outcome.observation, tools, closed)
         except Exception as exc:
             return _failed(traj, exc, routing, conversation)
         if turn == max_turns:
-            return _finish(traj, "max_turns", reward, routing)
-        segment += next_turn_ids
+            return _finish(traj, "max_turns", reward, routing, drift)
         if traj.num_tokens + len(segment) >= max_context_len:
-            return _finish(traj, "context", reward, routing)
+            return _finish(traj, "context", reward, routing, drift)
         traj.append(segment, generated=False, turn=turn)
         conversation.extend(outcome.observation)
     raise AssertionError("unreachable: the last turn returns max_turns")
@@ -171,6 +177,18 @@ def _close_ids(tokenizer: Tokenizer) -> list[int]:
     return ids
 
 
+def _observation_segment(tokenizer: Tokenizer, conversation: list[Message], observation: list[Message],
+                         tools: list[dict] | None, closed: bool) -> list[int]:
+    """What follows a reply in the stream: its close (the end-of-turn token only when the model did
+    not write it, ``closed``), the observation and the next generation prompt, as the template
+    renders them after the reply's text in the whole conversation."""
+    continuation = tokenizer.continuation_ids(conversation, list(observation), tools)
+    if continuation[:1] != [tokenizer.eos_token_id]:
+        raise ValueError("the chat template does not close a reply followed by this observation with the "
+                         f"end-of-turn token (it writes {tokenizer.decode(continuation[:8])!r})")
+    return reply_glue(continuation, closed)
+
+
 def _turn_request(traj: Trajectory, routing: list[np.ndarray], sampling: SamplingParams, turn: int, *,
                   max_context_len: int, return_routing: bool, sticky_key: str) -> GenerateRequest:
     """The request of turn ``turn``: the whole stream so far, asking for at most the room left."""
@@ -212,7 +230,10 @@ def _collect_routing(routing: list[np.ndarray], request: GenerateRequest, result
     routing.append(np.asarray(rows, dtype=np.int32))
 
 
-def _finish(traj: Trajectory, reason: str, reward: float, routing: list[np.ndarray]) -> Trajectory:
+def _finish(traj: Trajectory, reason: str, reward: float, routing: list[np.ndarray],
+            drift: Callable[[], int] | None = None) -> Trajectory:
+    if drift is not None:
+        traj.drift_tokens = drift()
     traj.finish_reason = reason
     traj.reward = reward
     if routing:

@@ -16,22 +16,11 @@ from axrl.train.protocol import PackedBatch, TrainBackend
 
 def conversation_tokens(tokenizer: Tokenizer, conversation: list[Message],
                         tools: list[dict] | None) -> tuple[list[int], list[int]]:
-    """Token ids of a conversation and a loss mask over what the policy would generate: each
-    assistant message's content through its `<|im_end|>` (not the `<|im_start|>assistant\\n`
-    header nor the newline after, which the agent loop supplies)."""
-    header = tokenizer.generation_prompt_ids()
-    ids: list[int] = []
-    mask: list[int] = []
-    for i, message in enumerate(conversation):
-        seg = tokenizer.encode_message(message, tools=tools if i == 0 else None)
-        if message["role"] == "assistant":
-            end = seg.index(tokenizer.eos_token_id) + 1
-            seg_mask = [0] * len(header) + [1] * (end - len(header)) + [0] * (len(seg) - end)
-        else:
-            seg_mask = [0] * len(seg)
-        ids += seg
-        mask += seg_mask
-    return ids, mask
+    """Token ids of a conversation as the agent loop would stream it, and a loss mask over what
+    the policy generates: each assistant reply's text through its end-of-turn token (not the
+    reply's opening nor the glue after, which the agent loop supplies); see
+    :meth:`~axrl.tokenizer.Tokenizer.episode_ids`."""
+    return tokenizer.episode_ids(conversation, tools)
 
 
 def demonstration_batch(tokenizer: Tokenizer, task: Task, prompts: list) -> PackedBatch:

@@ -24,6 +24,7 @@ renderings of its messages. Multi-turn agents rely on that to grow a token strea
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 from typing import Any
@@ -112,6 +113,8 @@ def compile_template(source: str) -> Template:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
+    # transformers' global, which Llama 3.2 templates call for "Today Date" when none is passed.
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     return env.from_string(source)
 
 

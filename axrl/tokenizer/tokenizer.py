@@ -13,7 +13,10 @@ from the directory's files, not assumed —
   ``eos_token_id``), all of which are ``stop_token_ids``;
 * the generation prompt is what ``add_generation_prompt`` adds to a conversation;
 * the tool-call format is the text the template wraps around a call's JSON (Qwen and ChatML:
-  ``<tool_call>`` … ``</tool_call>``), see :attr:`Tokenizer.tool_call_tags`.
+  ``<tool_call>`` … ``</tool_call>``), see :attr:`Tokenizer.tool_call_format`.
+
+Every probe renders messages in the Hugging Face convention (``axrl.tokenizer.template_probe``);
+a template that cannot render one of its shapes is refused here, naming the shape.
 """
 
 from __future__ import annotations
@@ -27,20 +30,14 @@ from typing import Any
 from tokenizers import Tokenizer as _HFTokenizer
 
 from axrl.tokenizer import chat_template as _ct
-from axrl.tokenizer.tool_calls import TOOL_CALL_END, TOOL_CALL_START, parse_tool_calls
+from axrl.tokenizer import template_probe as _probe
+from axrl.tokenizer.tool_calls import ToolCallFormat, parse_with_format
 
 Message = dict[str, Any]
 
 # Special-token strings transformers exposes to chat templates (`bos_token`, `eos_token`, …).
 TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 _MARK = "\x00"  # a character no template emits on its own
-# A conversation shaped like an agent episode: what incremental encoding must reproduce.
-_PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "probe",
-                                                "parameters": {"type": "object", "properties": {}}}}
-_PROBE = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-          {"role": "assistant", "content": "", "tool_calls": [{"name": "probe", "arguments": {"x": 1}}]},
-          {"role": "tool", "content": "r"}, {"role": "assistant", "content": "a"}]
-
 
 class Tokenizer:
     """Byte-level BPE tokenizer with special-token ids and chat-template rendering.
@@ -63,6 +60,7 @@ class Tokenizer:
         self.chat_template: str = _pick_template(self.config.get("chat_template"), source)
         # transformers renders templates with the special-token strings of the config.
         self.template_tokens = {k: v for k in TEMPLATE_TOKENS if (v := _token_str(self.config.get(k)))}
+        _probe.check_shapes(lambda m, **kw: self.apply_chat_template(m, tokenize=False, **kw), source)
         self._generation_prompt = self._generation_prompt_text()
         self.eos_token_id: int = self._turn_end_id()
         self.eos_token: str = self._tok.id_to_token(self.eos_token_id)
@@ -81,7 +79,10 @@ class Tokenizer:
         # ChatML markers, when the vocabulary has them (None otherwise).
         self.im_start_id: int | None = self._tok.token_to_id(_ct.IM_START)
         self.im_end_id: int | None = self._tok.token_to_id(_ct.IM_END)
-        self.tool_call_tags: tuple[str, str] | None = self._tool_call_tags()
+        self.tool_call_format: ToolCallFormat | None = _probe.tool_call_format(
+            self._render, self._generation_prompt, self.eos_token)
+        # The tagged formats (Qwen, ChatML): what streaming replies watch for.
+        self.tool_call_tags: tuple[str, str] | None = self.tool_call_format.tags if self.tool_call_format else None
 
     # -- loading / saving ---------------------------------------------------------------
 
@@ -153,40 +154,73 @@ class Tokenizer:
                              "needs one to know where a turn ends")
         return after[0]
 
-    def _tool_call_tags(self) -> tuple[str, str] | None:
-        """The text the template puts before and after a tool call's JSON object, stripped; None
-        when the template renders no tool calls."""
-        call = {"name": "probe", "arguments": {"x": 1}}
-        text = self._render([{"role": "assistant", "content": "", "tool_calls": [call]}])
-        body = text[len(self.generation_prompt_text()) if text.startswith(self.generation_prompt_text()) else 0:
-                    text.rfind(self.eos_token)]
-        if "probe" not in body or "{" not in body:
-            return None
-        before, after = body[:body.index("{")].strip(), body[body.rindex("}") + 1:].strip()
-        return (before, after) if before and after else None
+    def continuation_ids(self, history: list[Message], new_messages: list[Message],
+                         tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> list[int]:
+        """Ids the template writes after the *text* of ``history``'s last message (an assistant
+        reply): its close (the end-of-turn token first), ``new_messages``, then the generation
+        prompt — what the agent loop appends after a reply.
+
+        The whole conversation is rendered (with the reply's text replaced by a marker), so
+        templates that render a message depending on its neighbours (Qwen merges consecutive tool
+        results, Llama opens the conversation with a system header) are followed exactly; what
+        the template would render differently *before* the reply is drift (``axrl.core.token_stream.drift_tokens``).
+        """
+        marked = [*history[:-1], {"role": "assistant", "content": _MARK}, *new_messages]
+        text = self._render(marked, tools=tools, add_generation_prompt=add_generation_prompt)
+        return self.encode(text[text.rindex(_MARK) + 1:])
+
+    def episode_ids(self, conversation: list[Message],
+                    tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[int]]:
+        """``conversation`` as the agent loop streams it, and its loss mask: the messages before
+        the first reply rendered once with the generation prompt; each reply as the text the
+        model generates for it (:meth:`reply_text`) and the end-of-turn token, mask 1; after
+        it, :meth:`continuation_ids` (the messages up to the next reply and its opening; after
+        the last reply only its close). What the supervised warm-up trains on."""
+        turns = [i for i, m in enumerate(conversation) if m.get("role") == "assistant"]
+        if not turns:
+            ids = list(self.apply_chat_template(conversation, tools=tools, add_generation_prompt=True))
+            return ids, [0] * len(ids)
+        ids = list(self.apply_chat_template(conversation[:turns[0]], tools=tools, add_generation_prompt=True))
+        mask = [0] * len(ids)
+        for i, nxt in zip(turns, turns[1:] + [len(conversation)]):
+            reply = self.encode(self.reply_text(conversation[i])) + [self.eos_token_id]
+            after = self.continuation_ids(conversation[:i + 1], conversation[i + 1:nxt], tools,
+                                          add_generation_prompt=nxt > i + 1 or i != turns[-1])[1:]
+            ids += reply + after
+            mask += [1] * len(reply) + [0] * len(after)
+        return ids, mask
 
     def incremental_mismatch(self, conversation: list[Message], tools: list[dict[str, Any]] | None = None) -> str | None:
-        """Where encoding ``conversation`` message by message (as the agent loop and the warm-up
-        do) differs from rendering it whole; None when they agree."""
-        whole = list(self.apply_chat_template(conversation, tools=tools, add_generation_prompt=True))
-        parts: list[int] = []
-        for i, m in enumerate(conversation):
-            parts += self.encode_message(m, tools=tools if i == 0 else None)
-        parts += self.generation_prompt_ids()
+        """Where the token stream the agent loop builds for ``conversation`` (:meth:`episode_ids`)
+        differs from rendering the conversation whole; None when they agree. A difference is
+        drift: the template re-renders history (e.g. strips reasoning from earlier turns)."""
+        parts, _ = self.episode_ids(conversation, tools)
+        ends_with_reply = bool(conversation) and conversation[-1].get("role") == "assistant"
+        whole = list(self.apply_chat_template(conversation, tools=tools, add_generation_prompt=not ends_with_reply))
         if parts == whole:
             return None
         k = next((i for i, (a, b) in enumerate(zip(parts, whole)) if a != b), min(len(parts), len(whole)))
-        return (f"token {k}: message by message gives {self.decode(parts[k:k + 8])!r}, "
+        return (f"token {k}: the agent loop's stream has {self.decode(parts[k:k + 8])!r}, "
                 f"the whole conversation {self.decode(whole[k:k + 8])!r}")
 
     def check_incremental(self) -> None:
-        """Warn when the template renders an agent-shaped conversation differently message by
-        message than whole (e.g. merged tool results): the token stream the policy is trained on
-        then differs from what the template would render for the same chat (serving)."""
-        problem = self.incremental_mismatch(_PROBE, tools=[_PROBE_TOOL])
+        """Warn when the template renders an agent-shaped conversation differently from the
+        token stream the agent loop builds for it: that difference is drift (recorded per sample,
+        never trained on), and serving the same chat would show the model other tokens."""
+        problem = self.incremental_mismatch(_probe.EPISODE, tools=[_probe.PROBE_TOOL])
         if problem:
-            warnings.warn(f"{self.source}: the chat template is not prefix-stable ({problem}); AxRL's episodes "
-                          "are built message by message", stacklevel=2)
+            warnings.warn(f"{self.source}: the chat template re-renders history ({problem}); AxRL trains "
+                          "on the generated ids and records the difference as drift", stacklevel=2)
+
+    def reply_text(self, message: Message) -> str:
+        """The text the model generates for an assistant ``message``: its content and its
+        structured ``tool_calls`` as this template writes them, without the end-of-turn token."""
+        user = {"role": "user", "content": _MARK}
+        before = self._render([user], add_generation_prompt=True)
+        text = self._render([user, message])
+        if not text.startswith(before) or self.eos_token not in text[len(before):]:
+            raise ValueError(f"{self.source}: cannot isolate the text of assistant message {message!r}")
+        return text[len(before):text.rindex(self.eos_token)]
 
     # -- vocabulary ---------------------------------------------------------------------
 
@@ -250,24 +284,27 @@ class Tokenizer:
         """Ids of one message as it appears inside a rendered conversation.
 
         Concatenating ``encode_message`` over a conversation, then ``generation_prompt_ids()``,
-        equals ``apply_chat_template(messages, tools, add_generation_prompt=True)`` when the
-        template is prefix-stable (ChatML is; :meth:`check_incremental` tells). Pass ``tools`` with
-        the first message only: the tools block is rendered in front of it.
+        equals ``apply_chat_template(messages, tools, add_generation_prompt=True)`` when every
+        message renders on its own (the shipped ChatML does; Llama's system header, Qwen's merged
+        tool results do not — the agent loop uses :meth:`continuation_ids`, which follows them).
+        Pass ``tools`` with the first message only: the tools block is rendered in front of it.
         """
         return self.apply_chat_template([message], tools=tools)
 
     def generation_prompt_text(self) -> str:
-        """Text that opens an assistant turn (ChatML: ``<|im_start|>assistant\\n``)."""
+        """Text that opens an assistant turn (ChatML: ``<|im_start|>assistant\\n``; "" when nothing
+        does, as in Mistral's format, where the reply follows ``[/INST]``)."""
         return self._generation_prompt
 
     def _generation_prompt_text(self) -> str:
         # What add_generation_prompt appends to a conversation: templates may not render an empty one.
         probe = [{"role": "user", "content": _MARK}]
         with_prompt, without = self._render(probe, add_generation_prompt=True), self._render(probe)
-        if not with_prompt.startswith(without) or with_prompt == without:
-            raise ValueError(f"{self.source}: add_generation_prompt does not append an assistant opening to the "
-                             "rendered conversation")
-        return with_prompt[len(without):]
+        if not with_prompt.startswith(without):
+            raise ValueError(f"{self.source}: the chat template renders a conversation differently with "
+                             "add_generation_prompt (it must only append an assistant opening, if any); AxRL "
+                             "renders the prompt once and appends replies to it")
+        return with_prompt[len(without):]  # "" for templates where nothing opens a reply (Mistral)
 
     def generation_prompt_ids(self) -> list[int]:
         """Ids that open an assistant turn (``<|im_start|>assistant\\n``)."""
@@ -275,9 +312,8 @@ class Tokenizer:
 
     def parse_tool_calls(self, text: str) -> list[dict[str, Any]]:
         """The tool calls in assistant ``text``, in this template's format (see
-        :func:`axrl.tokenizer.parse_tool_calls`)."""
-        start, end = self.tool_call_tags or (TOOL_CALL_START, TOOL_CALL_END)
-        return parse_tool_calls(text, start=start, end=end)
+        :attr:`tool_call_format`; ``<tool_call>`` blocks when it has none)."""
+        return parse_with_format(text, self.tool_call_format)
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, eos={self.eos_token!r}, pad={self.pad_token!r})"

@@ -36,6 +36,7 @@ from axrl.agents.tasks.common import (
     sample_problem,
 )
 from axrl.tokenizer import parse_tool_calls
+from axrl.tokenizer.tool_calls import hf_tool_call, hf_tool_result
 
 NAME = "calculator"
 SYSTEM_PROMPT = "Use the calculator tool, then reply: The answer is N."
@@ -161,7 +162,7 @@ class CalculatorEnv:
                 self._calls += 1
                 if self._calls > self.config.max_tool_calls:
                     return StepOutcome([], 0.0, True, {"reason": "too_many_tool_calls", "tool_calls": self._calls})
-                observation.append({"role": "tool", "content": self._run(call)})
+                observation.append(hf_tool_result(self._run(call), self._calls))
             return StepOutcome(observation, 0.0, False, {"tool_calls": self._calls})
         answer = parse_answer(action)
         correct = answer is not None and answer == self._answer
@@ -204,8 +205,8 @@ def demonstration(prompt: Prompt, config: CalculatorConfig | None = None) -> lis
     result = format_number(evaluate(expression))
     return messages + [
         {"role": "assistant", "content": "",
-         "tool_calls": [{"name": "calculator", "arguments": {"expression": expression}}]},
-        {"role": "tool", "content": result},
+         "tool_calls": [hf_tool_call("calculator", {"expression": expression}, 1)]},
+        hf_tool_result(result, 1),
         {"role": "assistant", "content": f"The answer is {result}."},
     ]
 

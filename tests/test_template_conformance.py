@@ -1,0 +1,273 @@
+"""Template conformance: model directories in the chat conventions of Qwen3, ChatML / Qwen2.5,
+Llama 3.1 / 3.2, Mistral, DeepSeek-V3 and Gemma (tests/templates/, built by
+tests/template_models.py the way users make them), with transformers' own
+``AutoTokenizer.from_pretrained(dir).apply_chat_template`` as the oracle:
+
+(a) AxRL renders Hugging Face-form messages (tools, tool calls, tool results) exactly as
+    transformers does, text and ids;
+(b) the white-box agent loop trains on exactly the generated ids, renders everything between
+    replies as the template does, and counts where the template re-renders history as drift;
+(c) ``axrl train`` with ``model.path`` on the directory runs two steps and its trace decodes with
+    that directory's tokenizer;
+
+plus the refusal of templates AxRL cannot follow and ``axrl model check-template``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from axrl.agents.env import Prompt, StepOutcome
+from axrl.agents.tasks.calculator import CALCULATOR_TOOL, SYSTEM_PROMPT
+from axrl.cli import app as axrl_app
+from axrl.inference.protocol import SamplingParams
+from axrl.rollout.agent_loop import run_episode
+from axrl.tokenizer import load_tokenizer
+from axrl.tokenizer.tool_calls import hf_tool_call, hf_tool_result
+from axrl.trace import StepFile
+from agent_util import ScriptedEngine
+from hf_checkpoint import MODEL_VOCAB, write_checkpoint
+from template_models import CONVENTIONS, write_convention_dir
+
+import transformers  # noqa: E402  (the test extra installs it: a broken import fails)
+torch.set_num_threads(1)
+
+ROOT = Path(__file__).resolve().parents[1]
+NAMES = sorted(CONVENTIONS)
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate <x> & 'y'.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+CALLS = {"role": "assistant", "content": "", "tool_calls": [
+    hf_tool_call("calculator", {"expression": "37 + 58"}, 1), hf_tool_call("calculator", '{"expression": "2 * 3"}', 2)]}
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is 37 + 58? Ünïcödé ✓"},
+    CALLS, hf_tool_result("95", 1), hf_tool_result("6", 2),
+    {"role": "assistant", "content": "<think>\nadd\n</think>\n\nThe answer is 95."},
+    {"role": "user", "content": "And 1 + 1?"},
+]
+# What each convention's tokenizer should read off its template.
+EXPECTED = {  # name: (turn-end token, reply opening, tool-call start, templates that re-render history)
+    "qwen3": ("<|im_end|>", "<|im_start|>assistant\n", "<tool_call>", True),
+    "chatml": ("<|im_end|>", "<|im_start|>assistant\n", "<tool_call>", False),
+    "llama3": ("<|eot_id|>", "<|start_header_id|>assistant<|end_header_id|>\n\n", "", False),
+    "mistral": ("</s>", "", "[TOOL_CALLS]", True),
+    "deepseek_v3": ("<｜end▁of▁sentence｜>", "<｜Assistant｜>", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>", False),
+    "gemma": ("<end_of_turn>", "<start_of_turn>model\n", "```tool_call", False),
+}
+
+
+def cli(*args):
+    return CliRunner().invoke(axrl_app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("conventions")
+    return {name: write_convention_dir(root / name, CONVENTIONS[name]) for name in NAMES}
+
+
+@pytest.fixture(scope="module")
+def hf(dirs):
+    return {name: transformers.AutoTokenizer.from_pretrained(str(d)) for name, d in dirs.items()}
+
+
+# -- (a) rendering ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_rendering_equals_transformers(name, dirs, hf):
+    ours, theirs = load_tokenizer(dirs[name]), hf[name]
+    for tools in (None, TOOLS):
+        for gen in (False, True):
+            for messages in (CONVERSATION, CONVERSATION[:5]):
+                text = ours.apply_chat_template(messages, tools=tools, add_generation_prompt=gen, tokenize=False)
+                assert text == theirs.apply_chat_template(messages, tools=tools, add_generation_prompt=gen,
+                                                          tokenize=False)
+                assert ours.apply_chat_template(messages, tools=tools, add_generation_prompt=gen) == \
+                    theirs.encode(text, add_special_tokens=False)
+    # the tools, both calls and both results reach the rendering (not silently dropped)
+    whole = ours.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False)
+    assert all(s in whole for s in ("Evaluate <x> & 'y'.", "37 + 58", "2 * 3", "95", "6"))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_what_axrl_reads_off_the_template(name, dirs, hf):
+    tok, theirs = load_tokenizer(dirs[name]), hf[name]
+    turn_end, opening, call_start, _ = EXPECTED[name]
+    assert tok.eos_token == turn_end and tok.eos_token_id == theirs.convert_tokens_to_ids(turn_end)
+    assert tok.eos_token_id in tok.stop_token_ids
+    assert tok.generation_prompt_text() == opening
+    assert tok.tool_call_format is not None and tok.tool_call_format.start == call_start
+    # a reply written the way the template writes calls parses back to the same calls
+    calls = tok.parse_tool_calls(tok.reply_text(CALLS))
+    assert [(c["name"], c["arguments"], c["error"]) for c in calls] == [
+        ("calculator", {"expression": "37 + 58"}, None), ("calculator", {"expression": "2 * 3"}, None)]
+
+
+# -- (b) the agent loop's token stream ---------------------------------------------------------------
+
+ANSWERS = {"37 + 58": "95", "2 * 3": "6"}
+
+
+class _ToolEnv:
+    """Opening system + question; answers tool calls (parsed in the template's format) with their
+    results, a reasoning answer with a new question, and the last answer by ending."""
+
+    tools = TOOLS
+
+    def __init__(self, tok) -> None:
+        self.tok, self.steps, self.calls = tok, 0, []
+
+    def reset(self, prompt: Prompt) -> list[dict]:
+        return [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 37 + 58?"}]
+
+    def step(self, action: str) -> StepOutcome:
+        self.steps += 1
+        if self.steps == 1:
+            self.calls = self.tok.parse_tool_calls(action)
+            return StepOutcome([hf_tool_result(ANSWERS[c["arguments"]["expression"]], k + 1)
+                                for k, c in enumerate(self.calls)])
+        if self.steps == 2:
+            return StepOutcome([{"role": "user", "content": "And 1 + 1?"}])
+        return StepOutcome([], reward=1.0, done=True)
+
+
+def _episode(tok, replies: list[list[int]]):
+    turns = iter(replies)
+    engine = ScriptedEngine(lambda prompt: next(turns))
+    env = _ToolEnv(tok)
+    traj = asyncio.run(run_episode(engine, tok, env, Prompt("p", text="unused"), sample_id=0, group_id=0,
+                                   sampling=SamplingParams(max_new_tokens=200, temperature=1.0), max_turns=4,
+                                   max_context_len=4096))
+    return traj, env, engine
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_agent_loop_trains_exactly_the_generated_ids(name, dirs, hf):
+    tok, theirs = load_tokenizer(dirs[name]), hf[name]
+    texts = [tok.reply_text(CALLS), "<think>\nadd\n</think>\n\nThe answer is 95.", "2"]
+    replies = [tok.encode(t) + [tok.eos_token_id] for t in texts]
+    traj, env, engine = _episode(tok, replies)
+    assert traj.status == "ok" and traj.finish_reason == "stop" and traj.num_turns == 3
+    assert [c["name"] for c in env.calls] == ["calculator", "calculator"]      # the env read both calls
+    ids, mask, turn = traj.token_ids.tolist(), np.asarray(traj.loss_mask), np.asarray(traj.turn)
+    # token in, token out: the trained ids of turn i are exactly the ids the engine returned
+    for i, reply in enumerate(replies, start=1):
+        assert [t for t, m, k in zip(ids, mask, turn) if m and k == i] == reply
+    assert int(mask.sum()) == sum(map(len, replies))
+    # the prompt is transformers' rendering of the opening, up to the reply's opening
+    opening = env.reset(Prompt("p", text="unused"))
+    prompt = theirs.apply_chat_template(opening, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert ids[:traj.prompt_len] == theirs.encode(prompt, add_special_tokens=False)
+    # every request held the stream so far: what the model conditioned on is what is trained
+    assert all(ids[:len(r.input_ids)] == list(r.input_ids) for r in engine.requests)
+    # the finished chat as transformers renders it, the replies as plain text (what the loop holds)
+    chat = opening + [{"role": "assistant", "content": texts[0]}, hf_tool_result("95", 1), hf_tool_result("6", 2),
+                      {"role": "assistant", "content": texts[1]}, {"role": "user", "content": "And 1 + 1?"},
+                      {"role": "assistant", "content": texts[2]}]
+    rendered = theirs.encode(theirs.apply_chat_template(chat, tools=TOOLS, tokenize=False), add_special_tokens=False)
+    redraws = EXPECTED[name][3]
+    if redraws:
+        # e.g. Qwen3 strips the earlier <think>, Mistral moves the system prompt and tools to the
+        # last question: the stream keeps what the model saw and generated, the difference is drift
+        assert rendered[:len(ids)] != ids and traj.drift_tokens > 0
+    else:
+        assert rendered[:len(ids)] == ids and traj.drift_tokens == 0
+    if name == "qwen3":  # the stripped reasoning is what drifted: the think block's tokens, no more
+        think = tok.encode("<think>\nadd\n</think>")
+        assert len(think) <= traj.drift_tokens <= len(think) + 3
+    # the step record carries the drift of white-box samples too (/samples/drift_tokens, metrics)
+    from axrl.recording.records import _session_columns, _session_metrics
+    assert _session_columns([traj]).get("drift_tokens", [0]) == [traj.drift_tokens]
+    assert _session_metrics([traj]).get("drift_tokens", 0) == traj.drift_tokens
+
+
+# -- (c) two training steps on the directory -----------------------------------------------------------
+
+TRAIN = ["steps=2", "warmup.steps=0", "data.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
+         "rollout.max_turns=2", "rollout.max_context_len=1024", "data.task_args={show_tool_schema: true}", "eval.every=0", "checkpoint.every=100",
+         "runtime.threads=1"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_train_two_steps_and_decode_the_trace(name, dirs, hf, tmp_path):
+    run = tmp_path / "run"
+    args = ["train", ROOT / "examples" / "quickstart.yaml", "--run-dir", run, "--set", f"model.path={dirs[name]}"]
+    for s in TRAIN:
+        args += ["--set", s]
+    result = cli(*args)
+    assert result.exit_code == 0, result.output
+    tok, theirs = load_tokenizer(dirs[name]), hf[name]
+    with StepFile(run / "trace" / "step_000001.h5") as sf:
+        ids, off = sf["/tokens/ids"].astype(np.int64), sf["/samples/offsets"]
+        mask, prompt_len = sf["/tokens/loss_mask"], sf["/samples/prompt_len"]
+    assert ids.max() < MODEL_VOCAB
+    first = ids[off[0]:off[1]].tolist()
+    prompt = tok.decode(first[:int(prompt_len[0])])
+    assert prompt == theirs.decode(first[:int(prompt_len[0])])
+    # the prompt is this directory's template around the calculator task's system prompt and tools
+    marker = "\x00"
+    head = theirs.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT},
+                                       {"role": "user", "content": marker}], tools=[CALCULATOR_TOOL],
+                                      tokenize=False)
+    assert prompt.startswith(head[:head.index(marker)]) and prompt.endswith(EXPECTED[name][1])
+    gen_ends = [i for i in range(1, len(first)) if mask[off[0] + i - 1] and not mask[off[0] + i]]
+    assert all(first[i - 1] == tok.eos_token_id for i in gen_ends)  # turns close with this template's token
+    from axrl_debug.tui.data import RunModel  # what axrl-debug decodes the run's trace with
+    assert RunModel(run).tokenizer.decode(first) == theirs.decode(first)
+
+
+# -- refusal and check-template ------------------------------------------------------------------------
+
+def _with_template(src: Path, dst: Path, template: str) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    (dst / "chat_template.jinja").write_text(template, encoding="utf-8")
+    return dst
+
+
+NO_SYSTEM = ("{%- if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+             + CONVENTIONS["gemma"].template)
+FLAT_CALLS = CONVENTIONS["chatml"].template.replace("call.function.", "call.")
+
+
+@pytest.mark.parametrize("template, feature, advice", [
+    (NO_SYSTEM, "cannot render a system message: System role not supported", "fold it into the first user turn"),
+    (FLAT_CALLS, "cannot render an assistant tool call in the Hugging Face form", "read the call as tool_call.function"),
+])
+def test_a_template_axrl_cannot_follow_is_refused_naming_the_feature(template, feature, advice, dirs, tmp_path):
+    src = dirs["gemma" if template is NO_SYSTEM else "chatml"]
+    bad = _with_template(src, tmp_path / "bad", template)
+    with pytest.raises(ValueError) as err:
+        load_tokenizer(bad)
+    assert feature in str(err.value) and advice in str(err.value) and "check-template" in str(err.value)
+    result = cli("model", "check-template", bad)
+    assert result.exit_code == 1 and "refused" in result.output and feature in result.output
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3", "gemma"])
+def test_check_template_says_what_axrl_does(name, dirs):
+    result = cli("model", "check-template", dirs[name])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "AxRL can follow it" in out and "renders the sample conversation identically" in out
+    assert f"turn end       {EXPECTED[name][0]!r}" in out
+    if name == "qwen3":
+        assert "stripped from turns before the last question" in out and "recorded as drift" in out
+    if name == "llama3":
+        assert "bare JSON" in out and "ipython" in out and "no drift" in out
+    if name == "gemma":
+        assert "folded into a user turn" in out and "no drift" in out
+
+
+def test_the_existing_qwen_style_checkpoint_still_loads(tmp_path):
+    d = write_checkpoint(tmp_path / "qwen", moe=False)
+    result = cli("model", "check-template", d)
+    assert result.exit_code == 0 and "identically" in result.output, result.output
