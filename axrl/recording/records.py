@@ -222,11 +222,21 @@ def step_record(o: TrainedStep, rng_digest: str = "", routing: bool = True) -> S
 
 
 def _session_columns(trajs: list[Trajectory]) -> dict[str, Any]:
-    """/samples/{session_id, fork_of, drift_tokens}: only when a black-box agent made the batch."""
+    """/samples/{session_id, fork_of, fork_cause, drift_tokens} and /tokens/drift: only when a
+    black-box agent made the batch."""
     if not any(t.session_id for t in trajs):
         return {}
     return {"session_id": [t.session_id for t in trajs], "fork_of": [t.fork_of for t in trajs],
-            "drift_tokens": [t.drift_tokens for t in trajs]}
+            "fork_cause": [t.fork_cause for t in trajs], "drift_tokens": [t.drift_tokens for t in trajs],
+            "drift": np.concatenate([_drift_mask(t) for t in trajs])}
+
+
+def _drift_mask(traj: Trajectory) -> np.ndarray:
+    """1 on the tokens of the trajectory's drift spans."""
+    mask = np.zeros(traj.num_tokens, np.uint8)
+    for start, end in traj.drift_spans:
+        mask[start:end] = 1
+    return mask
 
 
 DYNAMIC_SAMPLING = "dynamic_sampling"   # /pool/dropped_reason of the groups dynamic sampling did not select
