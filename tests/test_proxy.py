@@ -371,10 +371,12 @@ def test_agent_service_validates_and_pools_trajectories(proxy, tok):
         n, p = len(ids), len(ids) - 5
         good = {"group_id": 7, "token_ids": ids, "loss_mask": [0] * p + [1] * 5, "reward": 1.0,
                 "logprobs": [None] * p + [-0.25] * 5, "policy_version": 3, "routing": [[[0, 1], [2, 3]]] * n}
-        r = httpx.post(f"{proxy.url}/v1/trajectories", json=good)
+        auth = {"Authorization": f"Bearer {proxy.registry.service.api_key}"}
+        assert httpx.post(f"{proxy.url}/v1/trajectories", json=good).status_code == 401  # no agent key
+        r = httpx.post(f"{proxy.url}/v1/trajectories", json=good, headers=auth)
         assert r.status_code == 200 and r.json()["trained_tokens"] == 5
         assert pool.num_complete() == 0
-        assert httpx.post(f"{proxy.url}/v1/trajectories", json={**good, "reward": 0.0}).status_code == 200
+        assert httpx.post(f"{proxy.url}/v1/trajectories", json={**good, "reward": 0.0}, headers=auth).status_code == 200
         assert pool.num_complete() == 1  # group_size trajectories of group 7: a complete group
         batch, _ = pool.seal(0, 1, lambda g: True)
         t = batch.trajectories[0]
@@ -386,7 +388,7 @@ def test_agent_service_validates_and_pools_trajectories(proxy, tok):
                               ({"token_ids": ids * 2, "loss_mask": [0] * p + [1] * (2 * n - p)}, "token_ids"),
                               ({"group_id": "g"}, "group_id"), ({"colour": 1}, "colour"),
                               ({"loss_mask": [0] * (n - 1)}, "loss_mask")]:
-            r = httpx.post(f"{proxy.url}/v1/trajectories", json={**good, **change})
+            r = httpx.post(f"{proxy.url}/v1/trajectories", json={**good, **change}, headers=auth)
             assert r.status_code == 400, (field, r.text)
             assert r.json()["error"]["param"] == field, (field, r.text)
     finally:

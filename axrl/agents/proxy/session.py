@@ -148,6 +148,14 @@ def _drift_detail(index: int, prep: Prepared) -> str:
             f"messages in {prep.drift.tokens} token(s), at tokens {spans}; the stream keeps the generated ids")
 
 
+def _span_turn(starts: list[int], start: int, end: int) -> int:
+    """The turn holding most tokens of [start, end) when reply i starts at ``starts[i - 1]`` (a
+    token diff may shift a span by a token across a turn boundary: "\n<think>…</think>" for
+    "<think>…</think>\n")."""
+    turns = [bisect.bisect_right(starts, i) for i in range(start, end)]
+    return max(set(turns), key=lambda t: (turns.count(t), -t))
+
+
 def _divergence_cause(path: list[Turn], primary: list[Turn]) -> str:
     """Why ``path`` is not the primary path: the fork cause of the later-made of the two turns
     where they part (the earlier one was there first, the later one forked from it)."""
@@ -220,7 +228,7 @@ class Session:
         prompt = parent.stream + reply_glue(self._close_ids, parent.closed) + tok.encode(appended)
         drift = drift_spans(prompt, tok.encode(full))
         starts = [len(t.prompt_ids) for t in chain]  # where reply i of the path starts
-        turns = tuple(bisect.bisect_right(starts, start) for start, _ in drift.spans)
+        turns = tuple(_span_turn(starts, a, b) for a, b in drift.spans)
         return Prepared(prompt, parent.index, len(parent.stream) - 1, norm, tools_key, cause=cause,
                         drift=drift, drift_turns=turns)
 
