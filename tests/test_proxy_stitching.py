@@ -247,3 +247,14 @@ def test_trajectory_intake_needs_the_agent_key(session, tok):
         r = httpx.post(url, json={**body, "group_id": gid}, headers={"Authorization": f"Bearer {key}"})
         assert r.status_code == 200, r.text
     assert pool.num_complete() == 2
+
+
+def test_the_debug_summary_counts_forks_by_cause(tmp_path):
+    from test_trace import make_record
+
+    from axrl.trace import TraceReader, write_step
+    from axrl_debug.analysis.sessions import sessions_by_step
+
+    write_step(tmp_path / "trace", make_record(step=0))  # every other sample a fork, cause "history edited"
+    (row,) = sessions_by_step(TraceReader(tmp_path))
+    assert row["forks"] > 0 and row["fork_causes"] == {HISTORY_EDITED: row["forks"]}
