@@ -291,9 +291,10 @@ class Session:
             siblings = self.turns[prep.parent].children if prep.parent is not None else self.roots()
             if siblings:
                 turn.fork_cause = N_CHOICES if prep.choices else (prep.cause or HISTORY_EDITED)
-                self.events.append(SessionEvent(
-                    "fork", index, f"turn {index} continues {'turn ' + str(prep.parent) if prep.parent else 'no turn'}"
-                    f", which already has {len(siblings)} continuation(s): {turn.fork_cause}", turn.fork_cause))
+                where = (f"continues turn {prep.parent}, which already has {len(siblings)} continuation(s)"
+                         if prep.parent is not None else f"starts a new root beside {len(siblings)} other(s)")
+                self.events.append(SessionEvent("fork", index, f"turn {index} {where}: {turn.fork_cause}",
+                                                turn.fork_cause))
             if prep.drift and not prep.choices:
                 self.events.append(SessionEvent("drift", index, _drift_detail(index, prep)))
             prep.choices += 1
