@@ -291,6 +291,8 @@ def test_rewritten_history_forks_and_shared_turns_train_once(calc, tok):
     assert [p.info["turns"] for p in paths] == [[4], [1, 3], [1, 2]]
     assert [p.sample_id for p in paths] == [7, 7 + FORK_ID_STRIDE, 7 + 2 * FORK_ID_STRIDE]
     assert [p.fork_of for p in paths] == [-1, 7, 7]
+    assert [t.fork_cause for t in session.turns.values()] == ["", "", "history edited", "history edited"]
+    assert [p.fork_cause for p in paths] == ["", "history edited", "history edited"]
     turn1 = len(session.turns[1].output_ids)
     # turn 1 is in two paths and trained in the first one only
     assert paths[1].loss_mask[paths[1].turn == 1][:turn1].sum() == turn1

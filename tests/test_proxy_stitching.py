@@ -206,8 +206,9 @@ def test_n_choices_fork_as_n_and_a_retry_as_an_edit(session):
     client.chat.completions.create(model="policy", messages=question, tools=TOOLS)  # the agent asks again
     assert [t.fork_cause for t in s.turns.values()] == ["", N_CHOICES, HISTORY_EDITED]
     paths = s.trajectories(sample_id=0, group_id=0, prompt_id="q")
-    assert [p.fork_cause for p in paths] == ["", HISTORY_EDITED, HISTORY_EDITED]
-    assert paths[2].info["turns"] == [1]
+    # the primary is the retry; the second choice is a path for n > 1, the first one's path is
+    # there because the agent asked again
+    assert [(p.info["turns"], p.fork_cause) for p in paths] == [([3], ""), ([2], N_CHOICES), ([1], HISTORY_EDITED)]
 
 
 def test_the_step_record_keeps_fork_causes_and_drift(session):

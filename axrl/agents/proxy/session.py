@@ -156,9 +156,13 @@ def _span_turn(starts: list[int], start: int, end: int) -> int:
     return max(set(turns), key=lambda t: (turns.count(t), -t))
 
 
-def _divergence_cause(path: list[Turn], primary: list[Turn]) -> str:
-    """Why ``path`` is not the primary path: the fork cause of the later-made of the two turns
-    where they part (the earlier one was there first, the later one forked from it)."""
+def _path_fork_cause(path: list[Turn], primary: list[Turn]) -> str:
+    """Why ``path`` is a path of its own: the cause of its deepest forked turn (where it last
+    branched off); for the path that was there first and others branched from, the cause of the
+    later-made of the two turns where it parts from the primary path."""
+    own = [t.fork_cause for t in path if t.fork_cause]
+    if own:
+        return own[-1]
     for mine, theirs in zip(path, primary):
         if mine.index != theirs.index:
             return max(mine, theirs, key=lambda t: t.index).fork_cause or HISTORY_EDITED
@@ -335,7 +339,7 @@ class Session:
             traj = self._path_sample(path, trained, sample_id=sample_id + k * FORK_ID_STRIDE, group_id=group_id,
                                      prompt_id=prompt_id)
             traj.fork_of = -1 if k == 0 else sample_id
-            traj.fork_cause = "" if k == 0 else _divergence_cause(path, primary)
+            traj.fork_cause = "" if k == 0 else _path_fork_cause(path, primary)
             if reward is not None:
                 traj.reward = float(reward(path))
             else:
