@@ -170,6 +170,22 @@ def test_a_reasoning_session_is_one_sample_with_its_drift(session, tok):
     assert "turn 1" in s.events[-1].detail and "turn 2" in s.events[-1].detail
 
 
+def test_an_agent_that_drops_the_reasoning_still_continues(session, tok):
+    """Agents often keep only the answer of a reply: the same turn, its reasoning kept (drift)."""
+    s, client, _, _ = session
+    question = [SYSTEM, {"role": "user", "content": "What is 37 + 58?"}]
+    msg = client.chat.completions.create(model="policy", messages=question, tools=TOOLS).choices[0].message
+    kept = msg.model_dump()
+    kept["content"] = msg.content.split("</think>")[-1]  # "": only the tool call is left
+    messages = question + [kept, {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "95"}]
+    client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+    assert [(t.index, t.parent, t.fork_cause) for t in s.turns.values()] == [(1, None, ""), (2, 1, "")]
+    (traj,) = s.trajectories(sample_id=0, group_id=0, prompt_id="q")
+    (a, b), = traj.drift_spans
+    assert "<think>\nI should compute 37 + 58" in tok.decode(traj.token_ids[a:b].tolist())
+    assert traj.token_ids.tolist() == s.turns[2].stream
+
+
 def test_an_edited_history_forks_with_its_cause(session):
     s, client, _, _ = session
     messages = solve(client, [SYSTEM, {"role": "user", "content": "What is 37 + 58?"}])

@@ -57,6 +57,7 @@ TOOLS_CHANGED = "tools changed"        # they extend a conversation held under o
 N_CHOICES = "n > 1"                    # a further choice of the same call
 TEMPLATE_UNSTABLE = "template not prefix-stable"  # the appended messages cannot be rendered alone
 FORK_CAUSES = (HISTORY_EDITED, TOOLS_CHANGED, N_CHOICES, TEMPLATE_UNSTABLE)
+REASONING_END = "</think>"  # what ends a reasoning block in a reply's text (Qwen3, DeepSeek-R1)
 
 
 class SessionError(ValueError):
@@ -81,6 +82,18 @@ def normalize(message: Message) -> dict[str, Any]:
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
     return {"role": message.get("role"), "content": (content or "").strip(), "tool_calls": calls,
             "name": message.get("name")}
+
+
+def same_reply(sent: dict[str, Any], reply: dict[str, Any]) -> bool:
+    """Whether the normalised assistant message an agent sent back is the ``reply`` the proxy
+    returned: equal, or equal once the reasoning (``<think>…</think>``) is left out of both —
+    agents and SDKs that drop the reasoning from the history they keep still continue the turn
+    (the stream keeps the generated reasoning; the difference is drift)."""
+    if sent == reply:
+        return True
+    def answer(m: dict[str, Any]) -> dict[str, Any]:
+        return {**m, "content": m["content"].rsplit(REASONING_END, 1)[-1].strip()}
+    return answer(sent) == answer(reply)
 
 
 @dataclass
@@ -257,7 +270,7 @@ class Session:
         cause if ``norm`` extends a deeper one under other tools (or nothing at all)."""
         extended = [t for t in self.turns.values()
                     if t.reply is not None and len(norm) > len(t.messages)
-                    and norm[len(t.messages)] == t.reply and norm[:len(t.messages)] == t.messages]
+                    and same_reply(norm[len(t.messages)], t.reply) and norm[:len(t.messages)] == t.messages]
         deepest = max(extended, key=lambda t: (len(t.messages), t.index), default=None)
         same = max((t for t in extended if t.tools_key == tools_key),
                    key=lambda t: (len(t.messages), t.index), default=None)
