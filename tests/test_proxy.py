@@ -317,9 +317,9 @@ def test_drift_is_detected_and_the_generated_ids_are_kept(proxy, tok):
     assert engine.requests[-1].input_ids[: len(session.turns[1].stream)] == session.turns[1].stream
     assert engine.requests[-1].input_ids != tok.apply_chat_template(msgs, add_generation_prompt=True)
     # the drift is turn 2's prompt against the template's rendering: the spelled reply of turn 1
-    assert session.turns[2].drift_tokens > 0 and session.turns[1].drift_tokens == 0
-    assert [e.kind for e in session.events] == ["drift"] and "(turn 1)" in session.events[0].detail
     (primary,) = session.trajectories(sample_id=0, group_id=0, prompt_id="q")
+    assert session.turns[2].drift_tokens > 0 and session.drift(session.turns[1]).tokens == 0
+    assert [e.kind for e in session.events] == ["drift"] and "(turn 1)" in session.events[0].detail
     assert primary.drift_tokens == session.turns[2].drift_tokens
     (start, end), = primary.drift_spans
     reply = len(session.turns[1].prompt_ids)

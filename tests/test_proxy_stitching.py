@@ -130,6 +130,20 @@ def test_the_template_drops_earlier_reasoning(tok):
     assert appended_text(tok, more, 3, TOOLS, whole) == "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_drift_spans_by_message_with_insertions_and_a_cost_cap(monkeypatch):
+    from axrl.agents.proxy import stitch
+
+    A = 0  # an anchor (a special token between messages)
+    assert not drift_spans([1, 2, A, 3], [1, 2, A, 3], anchors={A})
+    # a token the stream has and the rendering lacks, and one the rendering has and the stream lacks
+    d = drift_spans([1, 9, 2, A, 3, 4], [1, 2, A, 3, 5, 4], anchors={A})
+    assert d.spans == ((1, 2), (5, 6)) and d.tokens == 2  # the insertion marks the token it goes before
+    assert drift_spans([1, 5, 6, 7, 2], [1, 8, 6, 9, 2]).spans == ((1, 2), (3, 4))
+    monkeypatch.setattr(stitch, "MAX_DIFF_CELLS", 0)  # too long to diff token by token: one span
+    d = drift_spans([1, 5, 6, 7, 2], [1, 8, 6, 9, 2])
+    assert d.spans == ((1, 4),) and d.tokens == 3
+
+
 def test_a_reasoning_session_is_one_sample_with_its_drift(session, tok):
     s, client, engine, _ = session
     messages = solve(client, [SYSTEM, {"role": "user", "content": "What is 37 + 58?"}])
@@ -140,8 +154,9 @@ def test_a_reasoning_session_is_one_sample_with_its_drift(session, tok):
     # four calls, each continuing the previous one: one path, no fork
     assert [(t.index, t.parent, t.fork_cause) for t in s.turns.values()] == [
         (1, None, ""), (2, 1, ""), (3, 2, ""), (4, 3, "")]
-    assert s.forks == 0 and [e.kind for e in s.events] == ["drift", "drift"]
     (traj,) = s.trajectories(sample_id=3, group_id=1, prompt_id="q")
+    # the sample's drift is its last prompt's (the only one computed: the calls never wait for it)
+    assert s.forks == 0 and [(e.kind, e.turn) for e in s.events] == [("drift", 4)]
     assert traj.fork_of == -1 and traj.fork_cause == "" and traj.num_turns == 4
     # every prompt the engine got is the previous stream + the new messages: the generated ids
     # (with their reasoning) are what the model saw and what is trained

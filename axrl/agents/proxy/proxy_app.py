@@ -81,8 +81,9 @@ def _add_session_routes(app: FastAPI, registry: SessionRegistry) -> None:
         session, _ = registry.authorize(session_id, request.headers.get("authorization", ""))
         return {"id": session.id, "state": session.state, "turns": [
             {"index": t.index, "parent": t.parent, "prompt_tokens": len(t.prompt_ids),
-             "completion_tokens": len(t.output_ids), "drift_tokens": t.drift_tokens,
-             "drift_spans": [list(span) for span in t.drift.spans], "fork_cause": t.fork_cause, "reward": t.reward}
+             "completion_tokens": len(t.output_ids), "drift_tokens": session.drift(t).tokens,
+             "drift_spans": [list(span) for span in session.drift(t).spans], "fork_cause": t.fork_cause,
+             "reward": t.reward}
             for t in session.turns.values()], "events": [vars(e) for e in session.events],
             "final_reward": session.final_reward}
 

@@ -114,7 +114,9 @@ class Turn:
     closed: bool                     # the model ended its own turn (last id is the turn end)
     reply: dict[str, Any] | None = None  # normalised assistant message returned (chat)
     text: str = ""                   # the text returned (completions: prompt text + reply)
-    drift: Drift = Drift()           # where the prompt differs from the template's rendering
+    rendered: str = ""               # the template's text for the call ("": the prompt is that text)
+    drift: Drift | None = None       # where the prompt differs from `rendered` (Session.drift: on use)
+    drift_turns: tuple[int, ...] = ()  # the turn (in the sample) of each drift span
     fork_cause: str = ""             # why this turn is a fork (FORK_CAUSES); "" when it is none
     reward: float = 0.0              # per-turn reward (POST /sessions/{id}/reward with "turn")
     children: list[int] = field(default_factory=list)
@@ -125,7 +127,7 @@ class Turn:
 
     @property
     def drift_tokens(self) -> int:
-        return self.drift.tokens
+        return self.drift.tokens if self.drift is not None else 0
 
 
 @dataclass
@@ -139,8 +141,7 @@ class Prepared:
     tools_key: str
     text: str = ""
     cause: str = ""       # the fork cause when the call is attached other than as a continuation
-    drift: Drift = Drift()
-    drift_turns: tuple[int, ...] = ()  # the turn (in the sample) of each drift span
+    rendered: str = ""    # the template's text for the call when the prompt is stitched
     choices: int = 0      # choices of the call recorded so far (n > 1: the later ones are forks)
 
 
@@ -154,11 +155,12 @@ class SessionEvent:
     cause: str = ""      # a fork's cause (FORK_CAUSES)
 
 
-def _drift_detail(index: int, prep: Prepared) -> str:
+def _drift_detail(turn: Turn) -> str:
     """A drift event's text: the spans of the prompt that differ, with their turns."""
-    spans = ", ".join(f"{a}-{b} (turn {t})" for (a, b), t in zip(prep.drift.spans, prep.drift_turns))
-    return (f"turn {index}: its prompt differs from the template's rendering of its {len(prep.messages)} "
-            f"messages in {prep.drift.tokens} token(s), at tokens {spans}; the stream keeps the generated ids")
+    assert turn.drift is not None
+    spans = ", ".join(f"{a}-{b} (turn {t})" for (a, b), t in zip(turn.drift.spans, turn.drift_turns))
+    return (f"turn {turn.index}: its prompt differs from the template's rendering of its {len(turn.messages)} "
+            f"messages in {turn.drift.tokens} token(s), at tokens {spans}; the stream keeps the generated ids")
 
 
 def _span_turn(starts: list[int], start: int, end: int) -> int:
@@ -201,6 +203,7 @@ class Session:
         self.ended = threading.Event()
         self._lock = threading.Lock()
         self._close_ids = assistant_close_ids(tokenizer)
+        self._anchors = frozenset(tokenizer.special_token_ids)  # message boundaries, for the drift diff
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def end(self, *, failed: bool = False, error: str = "") -> None:
@@ -234,7 +237,6 @@ class Session:
             raise SessionError(f"messages: cannot render the chat template: {e}") from None
         with self._lock:
             parent, cause = self._extended_turn(norm, tools_key)
-            chain = self._chain(parent)
         if parent is None:
             return Prepared(tok.encode(full), None, 0, norm, tools_key, cause=cause)
         appended = appended_text(tok, messages, len(parent.messages) + 1, tools, full)
@@ -243,11 +245,7 @@ class Session:
         # After the generated ids: the rest of the template's turn close (the whole close, masked,
         # when the reply was cut before the model ended its turn), then the new messages.
         prompt = parent.stream + reply_glue(self._close_ids, parent.closed) + tok.encode(appended)
-        drift = drift_spans(prompt, tok.encode(full))
-        starts = [len(t.prompt_ids) for t in chain]  # where reply i of the path starts
-        turns = tuple(_span_turn(starts, a, b) for a, b in drift.spans)
-        return Prepared(prompt, parent.index, len(parent.stream) - 1, norm, tools_key, cause=cause,
-                        drift=drift, drift_turns=turns)
+        return Prepared(prompt, parent.index, len(parent.stream) - 1, norm, tools_key, cause=cause, rendered=full)
 
     def prepare_completion(self, prompt: str | list[int]) -> Prepared:
         """The prompt ids of a /v1/completions call: token ids as given; text stitched onto the
@@ -304,7 +302,7 @@ class Session:
                         ids, list(result.output_logprobs)[:n], versions[:n], routing, finish,
                         closed=bool(ids) and ids[-1] in eos,
                         reply=normalize(reply) if reply is not None else None,
-                        text=(prep.text + text) if not prep.messages else text, drift=prep.drift)
+                        text=(prep.text + text) if not prep.messages else text, rendered=prep.rendered)
             siblings = self.turns[prep.parent].children if prep.parent is not None else self.roots()
             if siblings:
                 turn.fork_cause = N_CHOICES if prep.choices else (prep.cause or HISTORY_EDITED)
@@ -312,14 +310,32 @@ class Session:
                          if prep.parent is not None else f"starts a new root beside {len(siblings)} other(s)")
                 self.events.append(SessionEvent("fork", index, f"turn {index} {where}: {turn.fork_cause}",
                                                 turn.fork_cause))
-            if prep.drift and not prep.choices:
-                self.events.append(SessionEvent("drift", index, _drift_detail(index, prep)))
             prep.choices += 1
             if prep.parent is not None:
                 self.turns[prep.parent].children.append(index)
             self.turns[index] = turn
             self.calls += 1
         return turn
+
+    def drift(self, turn: Turn) -> Drift:
+        """Where ``turn``'s prompt differs from the template's rendering of its conversation, with
+        the turn of each span; a drift event the first time it is found. Computed on first use
+        and kept (a sample's drift is its last prompt's, so most turns never need it, and the
+        agent's calls do not wait for it)."""
+        with self._lock:
+            if turn.drift is not None:
+                return turn.drift
+            chain = self._chain(turn)
+        drift = (drift_spans(turn.prompt_ids, self.tokenizer.encode(turn.rendered), anchors=self._anchors)
+                 if turn.rendered else Drift())
+        starts = [len(t.prompt_ids) for t in chain[:-1]]  # where reply i of the path starts
+        turns = tuple(_span_turn(starts, a, b) for a, b in drift.spans)
+        with self._lock:
+            if turn.drift is None:
+                turn.drift, turn.drift_turns = drift, turns
+                if drift:
+                    self.events.append(SessionEvent("drift", turn.index, _drift_detail(turn)))
+        return turn.drift
 
     def roots(self) -> list[int]:
         return [t.index for t in self.turns.values() if t.parent is None]
@@ -383,7 +399,8 @@ class Session:
         traj.num_turns = len(path)
         traj.finish_reason = leaf.finish
         traj.session_id = self.id
-        traj.drift_tokens, traj.drift_spans = leaf.drift.tokens, list(leaf.drift.spans)
+        drift = self.drift(leaf)
+        traj.drift_tokens, traj.drift_spans = drift.tokens, list(drift.spans)
         traj.info["turns"] = [t.index for t in path]
         if rows and len(rows) == len(path):
             traj.routed_experts = routing_rows(rows, traj.num_tokens)

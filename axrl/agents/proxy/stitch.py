@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 from axrl.agents.env import Message
 from axrl.core.token_stream import ChatRenderer
@@ -81,36 +81,60 @@ class Drift:
         return self.tokens > 0
 
 
-def drift_spans(stream: Sequence[int], rendered: Sequence[int]) -> Drift:
+# Above this many cells (tokens × tokens) a piece is not diffed token by token: it is one span
+# (difflib is quadratic in the worst case, and a prompt can be long and repetitive).
+MAX_DIFF_CELLS = 1 << 20
+
+
+def drift_spans(stream: Sequence[int], rendered: Sequence[int], anchors: Collection[int] = ()) -> Drift:
     """The spans of ``stream`` that differ from ``rendered`` (a token diff).
 
-    Tokens ``rendered`` has and ``stream`` lacks (an insertion) mark the ``stream`` token at the
-    insertion point, so that every drift has a position and a turn in the sample.
+    ``anchors`` are ids that mark message boundaries (the special tokens: ``<|im_start|>``,
+    ``<|im_end|>``): when both sides hold the same sequence of them, the pieces between them are
+    diffed pairwise — a message's drift stays in its message and the cost stays that of the
+    messages that differ. Tokens ``rendered`` has and ``stream`` lacks (an insertion) mark the
+    ``stream`` token at the insertion point, so that every drift has a position and a turn.
     """
     stream, rendered = list(stream), list(rendered)
     if stream == rendered:
         return Drift()
-    # The common head and tail are most of a long prompt: diff only the middle (the diff is
-    # quadratic in the worst case).
-    head = 0
-    while head < min(len(stream), len(rendered)) and stream[head] == rendered[head]:
-        head += 1
-    tail = 0
-    while (tail < min(len(stream), len(rendered)) - head
-           and stream[len(stream) - 1 - tail] == rendered[len(rendered) - 1 - tail]):
-        tail += 1
-    a, b = stream[head:len(stream) - tail], rendered[head:len(rendered) - tail]
+    cuts_a = [i for i, t in enumerate(stream) if t in anchors]
+    cuts_b = [i for i, t in enumerate(rendered) if t in anchors]
+    if [stream[i] for i in cuts_a] == [rendered[i] for i in cuts_b]:
+        bounds_a = list(zip([0] + [i + 1 for i in cuts_a], cuts_a + [len(stream)]))
+        bounds_b = list(zip([0] + [i + 1 for i in cuts_b], cuts_b + [len(rendered)]))
+    else:  # the message structure itself differs: one piece
+        bounds_a, bounds_b = [(0, len(stream))], [(0, len(rendered))]
     spans: list[tuple[int, int]] = []
     tokens = 0
-    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
-        if op == "equal":
-            continue
-        tokens += max(i2 - i1, j2 - j1)
-        start, end = head + i1, head + i2
-        if start == end:  # an insertion: mark the token it goes before (or the last one)
-            start, end = (start, start + 1) if start < len(stream) else (start - 1, start)
-        if spans and start <= spans[-1][1]:
-            spans[-1] = (spans[-1][0], max(end, spans[-1][1]))
-        else:
-            spans.append((start, end))
+    for (a0, a1), (b0, b1) in zip(bounds_a, bounds_b):
+        tokens += _diff_piece(stream, a0, a1, rendered, b0, b1, spans)
     return Drift(tuple(spans), tokens)
+
+
+def _diff_piece(stream: list[int], a0: int, a1: int, rendered: list[int], b0: int, b1: int,
+                spans: list[tuple[int, int]]) -> int:
+    """Diff ``stream[a0:a1]`` against ``rendered[b0:b1]``: add the differing spans (positions in
+    ``stream``) to ``spans``, return how many tokens differ."""
+    # The common head and tail are most of a piece: only the middle is diffed.
+    while a0 < a1 and b0 < b1 and stream[a0] == rendered[b0]:
+        a0, b0 = a0 + 1, b0 + 1
+    while a1 > a0 and b1 > b0 and stream[a1 - 1] == rendered[b1 - 1]:
+        a1, b1 = a1 - 1, b1 - 1
+    if a0 == a1 and b0 == b1:
+        return 0
+    if (a1 - a0) * (b1 - b0) > MAX_DIFF_CELLS or a0 == a1 or b0 == b1:
+        ops = [(a0, a1, b0, b1)]
+    else:
+        matcher = difflib.SequenceMatcher(None, stream[a0:a1], rendered[b0:b1], autojunk=False)
+        ops = [(a0 + i1, a0 + i2, b0 + j1, b0 + j2) for op, i1, i2, j1, j2 in matcher.get_opcodes() if op != "equal"]
+    tokens = 0
+    for i1, i2, j1, j2 in ops:
+        tokens += max(i2 - i1, j2 - j1)
+        if i1 == i2:  # an insertion: mark the token it goes before (or the last one)
+            i1, i2 = (i1, i1 + 1) if i1 < len(stream) else (i1 - 1, i1)
+        if spans and i1 <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(i2, spans[-1][1]))
+        else:
+            spans.append((i1, i2))
+    return tokens
