@@ -15,7 +15,7 @@ import pytest
 
 from agent_util import ScriptedEngine
 from axrl.agents.proxy import ProxyServer, SessionPolicy, engine_submit
-from axrl.agents.proxy.session import HISTORY_EDITED, N_CHOICES, TOOLS_CHANGED
+from axrl.agents.proxy.session import HISTORY_EDITED, N_CHOICES, TEMPLATE_UNSTABLE, TOOLS_CHANGED
 from axrl.agents.proxy.stitch import appended_text, drift_spans, render
 from axrl.inference.protocol import SamplingParams
 from axrl.tokenizer import Tokenizer
@@ -71,12 +71,16 @@ TOOLS = [{"type": "function", "function": {"name": "calculator", "description": 
 SYSTEM = {"role": "system", "content": "Think, use the calculator tool, then reply: The answer is N."}
 
 
+def with_template(path, template: str) -> Tokenizer:
+    """The default tokenizer with ``template``, loaded from a model-style directory at ``path``."""
+    Tokenizer.default().save(path)
+    (path / "chat_template.jinja").write_text(template, encoding="utf-8")
+    return Tokenizer.from_dir(path)
+
+
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory) -> Tokenizer:
-    """The default tokenizer with the reasoning template, loaded from a model-style directory."""
-    path = Tokenizer.default().save(tmp_path_factory.mktemp("reasoning-tokenizer"))
-    (path / "chat_template.jinja").write_text(REASONING_TEMPLATE, encoding="utf-8")
-    return Tokenizer.from_dir(path)
+    return with_template(tmp_path_factory.mktemp("reasoning-tokenizer"), REASONING_TEMPLATE)
 
 
 def reasoning_policy(tok: Tokenizer):
@@ -290,3 +294,25 @@ def test_the_debug_summary_counts_forks_by_cause(tmp_path):
     write_step(tmp_path / "trace", make_record(step=0))  # every other sample a fork, cause "history edited"
     (row,) = sessions_by_step(TraceReader(tmp_path))
     assert row["forks"] > 0 and row["fork_causes"] == {HISTORY_EDITED: row["forks"]}
+
+
+def test_a_template_that_cannot_render_appended_messages_alone_forks_with_its_cause(tmp_path):
+    """A template that renders an earlier reply only as "[earlier]" once anything follows it: the
+    appended messages cannot be told apart from the re-rendered reply, so the call is a new root
+    rendered whole — recorded, not silent."""
+    template = REASONING_TEMPLATE.replace("{{- content }}", "{{- content if loop.last else '[earlier]' }}")
+    tok = with_template(tmp_path, template)
+    engine = ScriptedEngine(lambda prompt: tok.encode("hello") + [tok.eos_token_id])
+    with ProxyServer(tok, model_name="policy") as proxy:
+        s = proxy.open_session(engine_submit(engine), SessionPolicy(SamplingParams(
+            max_new_tokens=8, stop_token_ids=tok.stop_token_ids), max_tokens=8), max_context_len=512)
+        client = openai.OpenAI(base_url=proxy.base_url(s), api_key=s.api_key, max_retries=0)
+        messages = [{"role": "user", "content": "hi"}]
+        reply = client.chat.completions.create(model="policy", messages=messages).choices[0].message
+        client.chat.completions.create(model="policy", messages=messages + [
+            reply.model_dump(), {"role": "user", "content": "again"}])
+    assert [(t.parent, t.fork_cause) for t in s.turns.values()] == [(None, ""), (None, TEMPLATE_UNSTABLE)]
+    assert s.turns[2].prompt_ids == tok.apply_chat_template(
+        messages + [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}],
+        add_generation_prompt=True)
+    assert [p.fork_cause for p in s.trajectories(sample_id=0, group_id=0, prompt_id="q")] == ["", TEMPLATE_UNSTABLE]
