@@ -98,6 +98,8 @@ def _session_metrics(trajs: list[Trajectory]) -> dict[str, Any]:
         return {}
     return {"sessions": len({t.session_id for t in trajs if t.session_id}),
             "session_forks": sum(t.fork_of >= 0 for t in trajs),
+            "session_fork_causes": {c: sum(t.fork_of >= 0 and t.fork_cause == c for t in trajs)
+                                    for c in sorted({t.fork_cause for t in trajs if t.fork_of >= 0})},
             "drift_samples": sum(t.drift_tokens > 0 for t in trajs),
             "drift_tokens": int(sum(t.drift_tokens for t in trajs))}
 
