@@ -89,11 +89,12 @@ def same_reply(sent: dict[str, Any], reply: dict[str, Any]) -> bool:
     returned: equal, or equal once the reasoning (``<think>…</think>``) is left out of both —
     agents and SDKs that drop the reasoning from the history they keep still continue the turn
     (the stream keeps the generated reasoning; the difference is drift)."""
-    if sent == reply:
-        return True
-    def answer(m: dict[str, Any]) -> dict[str, Any]:
-        return {**m, "content": m["content"].rsplit(REASONING_END, 1)[-1].strip()}
-    return answer(sent) == answer(reply)
+    return sent == reply or _without_reasoning(sent) == _without_reasoning(reply)
+
+
+def _without_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """A normalised message with the text up to its last ``</think>`` left out."""
+    return {**message, "content": message["content"].rsplit(REASONING_END, 1)[-1].strip()}
 
 
 @dataclass
