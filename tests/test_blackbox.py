@@ -133,6 +133,8 @@ def test_axrl_train_with_an_agent_end_to_end(tmp_path):
         assert len(set(sessions)) == 4 and all(sessions)
         assert (f["/samples/fork_of"][:] == -1).all()
         assert f["/samples/drift_tokens"].dtype.kind == "i"
+        assert [c.decode() for c in f["/samples/fork_cause"][:]] == [""] * len(sessions)  # no fork, no cause
+        assert f["/tokens/drift"].shape == f["/tokens/ids"].shape and not f["/tokens/drift"][:].any()
         lag = 1 - f["/tokens/policy_version"][:][f["/tokens/loss_mask"][:] == 1]
         assert lag.max() <= 1
     summary = subprocess.run([sys.executable, "-m", "axrl_debug.cli", "summary", str(run)], capture_output=True,

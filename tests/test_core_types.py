@@ -141,9 +141,11 @@ def test_engine_routing_of_a_model_with_dense_layers_is_accepted_by_the_agent_se
         body = {"group_id": 1, "token_ids": ids + out, "loss_mask": [0] * len(ids) + [1] * len(out),
                 "logprobs": [None] * len(ids) + list(result.output_logprobs), "reward": 1.0,
                 "routing": routing.tolist()}
-        r = httpx.post(f"{proxy.url}/v1/trajectories", json=body)
+        auth = {"Authorization": f"Bearer {proxy.registry.service.api_key}"}  # the run's agent key
+        r = httpx.post(f"{proxy.url}/v1/trajectories", json=body, headers=auth)
         assert r.status_code == 200, r.text
-        bad = httpx.post(f"{proxy.url}/v1/trajectories", json={**body, "routing": routing[:, :, :1].tolist()})
+        bad = httpx.post(f"{proxy.url}/v1/trajectories", json={**body, "routing": routing[:, :, :1].tolist()},
+                         headers=auth)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "routing"
     (traj,) = pooled
     np.testing.assert_array_equal(traj.routed_experts, routing)

@@ -291,6 +291,8 @@ def test_rewritten_history_forks_and_shared_turns_train_once(calc, tok):
     assert [p.info["turns"] for p in paths] == [[4], [1, 3], [1, 2]]
     assert [p.sample_id for p in paths] == [7, 7 + FORK_ID_STRIDE, 7 + 2 * FORK_ID_STRIDE]
     assert [p.fork_of for p in paths] == [-1, 7, 7]
+    assert [t.fork_cause for t in session.turns.values()] == ["", "", "history edited", "history edited"]
+    assert [p.fork_cause for p in paths] == ["", "history edited", "history edited"]
     turn1 = len(session.turns[1].output_ids)
     # turn 1 is in two paths and trained in the first one only
     assert paths[1].loss_mask[paths[1].turn == 1][:turn1].sum() == turn1
@@ -314,10 +316,14 @@ def test_drift_is_detected_and_the_generated_ids_are_kept(proxy, tok):
     # the second prompt carries the generated ids, not a re-tokenisation of "hello"
     assert engine.requests[-1].input_ids[: len(session.turns[1].stream)] == session.turns[1].stream
     assert engine.requests[-1].input_ids != tok.apply_chat_template(msgs, add_generation_prompt=True)
-    assert session.turns[1].drift_tokens > 0
-    assert [e.kind for e in session.events] == ["drift"]
-    primary = session.trajectories(sample_id=0, group_id=0, prompt_id="q")[0]
-    assert primary.drift_tokens == session.turns[1].drift_tokens
+    # the drift is turn 2's prompt against the template's rendering: the spelled reply of turn 1
+    (primary,) = session.trajectories(sample_id=0, group_id=0, prompt_id="q")
+    assert session.turns[2].drift_tokens > 0 and session.drift(session.turns[1]).tokens == 0
+    assert [e.kind for e in session.events] == ["drift"] and "(turn 1)" in session.events[0].detail
+    assert primary.drift_tokens == session.turns[2].drift_tokens
+    (start, end), = primary.drift_spans
+    reply = len(session.turns[1].prompt_ids)
+    assert reply <= start < end <= reply + len(spelled) and set(primary.turn[start:end]) == {1}
 
 
 # ---------------------------------------------------------------------------------- rewards, end, timeout
@@ -367,10 +373,12 @@ def test_agent_service_validates_and_pools_trajectories(proxy, tok):
         n, p = len(ids), len(ids) - 5
         good = {"group_id": 7, "token_ids": ids, "loss_mask": [0] * p + [1] * 5, "reward": 1.0,
                 "logprobs": [None] * p + [-0.25] * 5, "policy_version": 3, "routing": [[[0, 1], [2, 3]]] * n}
-        r = httpx.post(f"{proxy.url}/v1/trajectories", json=good)
+        auth = {"Authorization": f"Bearer {proxy.registry.service.api_key}"}
+        assert httpx.post(f"{proxy.url}/v1/trajectories", json=good).status_code == 401  # no agent key
+        r = httpx.post(f"{proxy.url}/v1/trajectories", json=good, headers=auth)
         assert r.status_code == 200 and r.json()["trained_tokens"] == 5
         assert pool.num_complete() == 0
-        assert httpx.post(f"{proxy.url}/v1/trajectories", json={**good, "reward": 0.0}).status_code == 200
+        assert httpx.post(f"{proxy.url}/v1/trajectories", json={**good, "reward": 0.0}, headers=auth).status_code == 200
         assert pool.num_complete() == 1  # group_size trajectories of group 7: a complete group
         batch, _ = pool.seal(0, 1, lambda g: True)
         t = batch.trajectories[0]
@@ -382,7 +390,7 @@ def test_agent_service_validates_and_pools_trajectories(proxy, tok):
                               ({"token_ids": ids * 2, "loss_mask": [0] * p + [1] * (2 * n - p)}, "token_ids"),
                               ({"group_id": "g"}, "group_id"), ({"colour": 1}, "colour"),
                               ({"loss_mask": [0] * (n - 1)}, "loss_mask")]:
-            r = httpx.post(f"{proxy.url}/v1/trajectories", json={**good, **change})
+            r = httpx.post(f"{proxy.url}/v1/trajectories", json={**good, **change}, headers=auth)
             assert r.status_code == 400, (field, r.text)
             assert r.json()["error"]["param"] == field, (field, r.text)
     finally:

@@ -44,10 +44,14 @@ class Trajectory:
     error: str = ""
     continuations: int = 0  # requests interrupted by a weight update and resumed under the new weights
     # Black-box sessions (axrl.agents.proxy): the session, the sample this path forks from (−1:
-    # none) and how many re-rendered tokens of its replies differed from the generated ones.
+    # none) and why (axrl.agents.proxy.session.FORK_CAUSES; "" for none), and the drift: the
+    # [start, end) token spans where the sample differs from the chat template's rendering of its
+    # conversation, and how many tokens differ.
     session_id: str = ""
     fork_of: int = -1
+    fork_cause: str = ""
     drift_tokens: int = 0
+    drift_spans: list[tuple[int, int]] = field(default_factory=list)
     forks: list["Trajectory"] = field(default_factory=list)  # the session's other paths, pooled with it
     info: dict[str, Any] = field(default_factory=dict)
 

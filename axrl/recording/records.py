@@ -99,6 +99,8 @@ def _session_metrics(trajs: list[Trajectory]) -> dict[str, Any]:
         return {}
     return {"sessions": len({t.session_id for t in trajs if t.session_id}),
             "session_forks": sum(t.fork_of >= 0 for t in trajs),
+            "session_fork_causes": {c: sum(t.fork_of >= 0 and t.fork_cause == c for t in trajs)
+                                    for c in sorted({t.fork_cause for t in trajs if t.fork_of >= 0})},
             "drift_samples": sum(t.drift_tokens > 0 for t in trajs),
             "drift_tokens": int(sum(t.drift_tokens for t in trajs))}
 
@@ -223,12 +225,22 @@ def step_record(o: TrainedStep, rng_digest: str = "", routing: bool = True) -> S
 
 
 def _session_columns(trajs: list[Trajectory]) -> dict[str, Any]:
-    """/samples/{session_id, fork_of, drift_tokens}: only when a black-box agent made the batch or
-    a white-box episode drifted (its template re-renders history: session_id '' then)."""
+    """/samples/{session_id, fork_of, fork_cause, drift_tokens} and /tokens/drift: only when a
+    black-box agent made the batch or a white-box episode drifted (its template re-renders
+    history: session_id '' then)."""
     if not any(t.session_id or t.drift_tokens for t in trajs):
         return {}
     return {"session_id": [t.session_id for t in trajs], "fork_of": [t.fork_of for t in trajs],
-            "drift_tokens": [t.drift_tokens for t in trajs]}
+            "fork_cause": [t.fork_cause for t in trajs], "drift_tokens": [t.drift_tokens for t in trajs],
+            "drift": np.concatenate([_drift_mask(t) for t in trajs])}
+
+
+def _drift_mask(traj: Trajectory) -> np.ndarray:
+    """1 on the tokens of the trajectory's drift spans."""
+    mask = np.zeros(traj.num_tokens, np.uint8)
+    for start, end in traj.drift_spans:
+        mask[start:end] = 1
+    return mask
 
 
 DYNAMIC_SAMPLING = "dynamic_sampling"   # /pool/dropped_reason of the groups dynamic sampling did not select

@@ -95,7 +95,9 @@ class StepRecord:
     pool_routing_rollout: Any = None         # [DT, L, k] expert ids (as input), engine; needs num_experts
     session_id: Sequence[str] | None = None  # str [N]   black-box agent sessions ('' white-box)
     fork_of: Any = None                      # int64 [N] sample a session path forks from (-1: none)
-    drift_tokens: Any = None                 # int32 [N] re-tokenisation drift of the sample's replies
+    fork_cause: Sequence[str] | None = None  # str [N]   why a session path forks ('' for none)
+    drift_tokens: Any = None                 # int32 [N] tokens differing from the template's rendering
+    drift: Any = None                        # uint8 [T] 1 in the drift spans of a session's sample
     wall_times: Mapping[str, float] = field(default_factory=dict)  # phase -> seconds
     rng_digest: str = ""
     attrs: Mapping[str, Any] = field(default_factory=dict)          # extra root attrs (scalars)

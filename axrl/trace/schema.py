@@ -150,9 +150,13 @@ DATASETS: tuple[DatasetSpec, ...] = (
                 "black-box agent session the sample was stitched from ('' for white-box episodes)"),
     DatasetSpec("/samples/fork_of", "fork_of", "int64", ("N",), False,
                 "sample id of the session path this one forks from (a rewritten history, n > 1); -1: none"),
+    DatasetSpec("/samples/fork_cause", "fork_cause", STR, ("N",), False,
+                "why the path forks: 'history edited' | 'tools changed' | 'n > 1' | "
+                "'template not prefix-stable'; '' for a primary path"),
     DatasetSpec("/samples/drift_tokens", "drift_tokens", "int32", ("N",), False,
-                "tokens of the replies the agent sent back that re-render differently from the generated "
-                "ids (re-tokenisation drift; the generated ids are what is trained)"),
+                "tokens where the sample differs from the chat template's rendering of its conversation "
+                "(drift: e.g. reasoning the template drops from earlier turns, a non-canonical tokenisation; "
+                "the generated ids are what is trained)"),
     # --- tokens
     DatasetSpec("/tokens/ids", "token_ids", "int32", ("T",), True, "token ids"),
     DatasetSpec("/tokens/loss_mask", "loss_mask", "uint8", ("T",), True,
@@ -169,6 +173,9 @@ DATASETS: tuple[DatasetSpec, ...] = (
                 "per-token advantage used by the loss"),
     DatasetSpec("/tokens/entropy", "entropy", "float16", ("T",), True,
                 "trainer entropy of the distribution that predicted token t"),
+    DatasetSpec("/tokens/drift", "drift", "uint8", ("T",), False,
+                "1 where the token is in a drift span of its sample (black-box): the sample differs there "
+                "from the chat template's rendering of its conversation; its turn is /tokens/turn"),
     DatasetSpec("/tokens/ref_logprob", "ref_logprob", "float32", ("T",), False,
                 "frozen reference policy's logprob (the weights at RL start; KL penalty), same convention"),
     DatasetSpec("/tokens/is_weight", "is_weight", "float32", ("T",), False,

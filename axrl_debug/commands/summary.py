@@ -41,18 +41,23 @@ def worst_steps(df: Any) -> dict[str, Any]:
 
 
 def show_sessions(rows: list[dict[str, Any]]) -> None:
-    """Black-box agent sessions per step: forks (rewritten histories, n > 1) and re-tokenisation drift."""
+    """Black-box agent sessions per step: forks (with their causes) and drift."""
     def ids(values: list[int]) -> str:
         return ", ".join(map(str, values[:4])) + (" …" if len(values) > 4 else "")
 
-    show(simple_table("black-box agent sessions (forks: extra root-to-leaf paths; drift: re-rendered replies "
-                      "that differ from the generated ids)",
+    show(simple_table("black-box agent sessions (forks: extra root-to-leaf paths; drift: samples that differ "
+                      "from the template's rendering of their conversation)",
                       ["step", "sessions", "failed", "fork paths", "drift samples", "drift tok", "fork / drift ids"],
                       [[str(r["step"]), str(r["sessions"]), str(r["failed_sessions"]), str(r["forks"]),
                         str(r["drift_samples"]), str(r["drift_tokens"]),
                         " / ".join(x for x in (ids(r["fork_ids"]), ids(r["drift_ids"])) if x)] for r in rows]))
     forks, drift = sum(r["forks"] for r in rows), sum(r["drift_samples"] for r in rows)
-    out.print(f"sessions: {sum(r['sessions'] for r in rows)} over {len(rows)} steps, {forks} fork path(s), "
+    causes: dict[str, int] = {}
+    for r in rows:
+        for cause, n in r.get("fork_causes", {}).items():
+            causes[cause or "unknown"] = causes.get(cause or "unknown", 0) + n
+    why = f" ({', '.join(f'{n} {c}' for c, n in sorted(causes.items()))})" if causes else ""
+    out.print(f"sessions: {sum(r['sessions'] for r in rows)} over {len(rows)} steps, {forks} fork path(s){why}, "
               f"{drift} sample(s) with drift", highlight=False)
 
 

@@ -227,7 +227,8 @@ def detect_spikes(steps: list[int], series: dict[str, list[float]],
 
 # ============================================================================ step
 _SAMPLE_COLS = ("sample_id", "group_id", "reward", "status", "finish_reason", "num_turns", "prompt_len",
-                "error", "prompt_id", "advantage", "session_id", "fork_of", "drift_tokens")
+                "error", "prompt_id", "advantage", "session_id", "fork_of", "fork_cause",
+                "drift_tokens")
 
 
 @dataclass

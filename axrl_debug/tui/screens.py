@@ -367,7 +367,8 @@ class TokensScreen(_View):
         if "session_id" in rec and rec["session_id"][row]:  # a black-box agent's session path
             status.append(f" · session {rec['session_id'][row]}")
             if "fork_of" in rec and int(rec["fork_of"][row]) >= 0:
-                status.append(f" · fork of {int(rec['fork_of'][row])}", "yellow")
+                cause = str(rec["fork_cause"][row]) if "fork_cause" in rec else ""
+                status.append(f" · fork of {int(rec['fork_of'][row])}" + (f" ({cause})" if cause else ""), "yellow")
             if "drift_tokens" in rec and int(rec["drift_tokens"][row]) > 0:
                 status.append(f" · drift {int(rec['drift_tokens'][row])} tok", "bold yellow")
         mx = m.stats.max_abs[row]

@@ -2,6 +2,6 @@
 
 from axrl.agents.proxy.registry import SessionPolicy
 from axrl.agents.proxy.server import ProxyServer, engine_submit
-from axrl.agents.proxy.session import FORK_ID_STRIDE, Session, Turn
+from axrl.agents.proxy.session import FORK_CAUSES, FORK_ID_STRIDE, Session, Turn
 
-__all__ = ["FORK_ID_STRIDE", "ProxyServer", "Session", "SessionPolicy", "Turn", "engine_submit"]
+__all__ = ["FORK_CAUSES", "FORK_ID_STRIDE", "ProxyServer", "Session", "SessionPolicy", "Turn", "engine_submit"]

@@ -6,7 +6,8 @@
     POST /sessions/{id}/reward                  {"reward": float, "turn": int (optional: per-turn)}
     POST /sessions/{id}/end                     {"failed": bool, "error": str} (both optional)
     GET  /sessions/{id}                         the session's turns, forks and drift (debugging)
-    POST /v1/trajectories                       token-level trajectories (axrl.agents.proxy.service)
+    POST /v1/trajectories                       token-level trajectories (axrl.agents.proxy.service; the
+                                                run's agent key: the service's or a live session's)
     GET  /health
 
 Every `/sessions/{id}/…` route checks `Authorization: Bearer <the session's key>` (401), an
@@ -80,7 +81,9 @@ def _add_session_routes(app: FastAPI, registry: SessionRegistry) -> None:
         session, _ = registry.authorize(session_id, request.headers.get("authorization", ""))
         return {"id": session.id, "state": session.state, "turns": [
             {"index": t.index, "parent": t.parent, "prompt_tokens": len(t.prompt_ids),
-             "completion_tokens": len(t.output_ids), "drift_tokens": t.drift_tokens, "reward": t.reward}
+             "completion_tokens": len(t.output_ids), "drift_tokens": session.drift(t).tokens,
+             "drift_spans": [list(span) for span in session.drift(t).spans], "fork_cause": t.fork_cause,
+             "reward": t.reward}
             for t in session.turns.values()], "events": [vars(e) for e in session.events],
             "final_reward": session.final_reward}
 
@@ -97,8 +100,7 @@ def _add_service_routes(app: FastAPI, registry: SessionRegistry) -> None:
         service = registry.service
         if service is None:
             raise ApiError(404, "this proxy has no agent service (POST /v1/trajectories)", code="no_service")
-        if service.api_key is not None and request.headers.get("authorization", "") != f"Bearer {service.api_key}":
-            raise ApiError(401, "Incorrect API key provided for the agent service", code="invalid_api_key")
+        registry.authorize_agent(request.headers.get("authorization", ""))
         traj = service.push(await json_body(request))
         return {"ok": True, "sample_id": traj.sample_id, "group_id": traj.group_id,
                 "tokens": traj.num_tokens, "trained_tokens": traj.num_generated}

@@ -78,3 +78,16 @@ class SessionRegistry:
                                code="staleness_bound")
         session.touch()
         return session, policy
+
+    def authorize_agent(self, authorization: str) -> None:
+        """Check that a request not addressed to one session (`POST /v1/trajectories`) comes from
+        the run's agents: its `Authorization` header holds the agent service's key or the key of
+        a live session (what every agent of the run is given); 401 otherwise. Without it any local
+        process could push samples into training."""
+        keys = {f"Bearer {s.api_key}" for s, _ in self.items()}
+        if self.service is not None:
+            keys.add(f"Bearer {self.service.api_key}")
+        if not authorization or authorization not in keys:
+            raise ApiError(401, "Incorrect API key provided: POST /v1/trajectories needs the run's agent key "
+                           "(the agent service's key, or a live session's: OPENAI_API_KEY of an agent)",
+                           code="invalid_api_key")

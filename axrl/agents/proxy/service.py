@@ -13,12 +13,17 @@ policy's, needed by the off-policy corrections), null elsewhere. `policy_version
 current version) is what the staleness bound checks. A group is complete — and can be trained —
 once `rollout.group_size` trajectories with its `group_id` arrived. Ids live in their own range
 (`EXTERNAL_ID_BASE` + …) so they never collide with the prompt stream's.
+
+Only the run's agents may push: the request's `Authorization: Bearer <key>` must hold the service's
+own key (`AgentService.api_key`) or the key of a live session of the proxy (the `OPENAI_API_KEY`
+every agent of the run is started with); anything else is a 401 (`SessionRegistry.authorize_agent`).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import secrets
 import threading
 from typing import Any, Callable
 
@@ -57,7 +62,8 @@ class AgentService:
         self.max_context_len, self.routing_shape = max_context_len, routing_shape
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        self.api_key: str | None = None   # set: POST /v1/trajectories needs "Bearer <api_key>"
+        # POST /v1/trajectories needs "Bearer <api_key>" (or a live session's key): the run's agent key
+        self.api_key = "sk-axrl-agent-" + secrets.token_urlsafe(24)
 
     def validate(self, body: Any) -> Trajectory:
         """The trajectory of `body`, or an ApiError(400) naming the offending field."""
