@@ -1,0 +1,242 @@
+"""LoRA (`train.lora`): adapters on a frozen base in the torch backend — zero-init B is the base
+model, merged weights reach the engine, only adapters train, checkpoints resume bit for bit, the
+PEFT export loads with `peft`, and a short `axrl train` + train-step replay stay bitwise."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from axrl.config import ConfigError, load_config
+from axrl.model import build_model, load_hf, preset_config, save_hf
+from axrl.train import LossContext, PackedBatch, TorchBackend, TorchBackendConfig
+from axrl.train.lora import LoRAConfig, target_group
+
+torch.set_num_threads(1)
+# micro-moe with a dense first layer: attention, a dense MLP and MoE experts all present.
+MODEL = preset_config("micro-moe", mlp_only_layers=[0])
+LORA = LoRAConfig(rank=4, alpha=8.0)
+
+
+def make_batch(lengths=(5, 9, 3, 12, 7), seed: int = 0) -> PackedBatch:
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    loss_mask = (torch.rand(T, generator=g) < 0.8).float()
+    loss_mask[offsets[:-1]] = 0.0
+    return PackedBatch(input_ids=torch.randint(0, MODEL.vocab_size, (T,), generator=g), offsets=offsets,
+                       loss_mask=loss_mask, advantages=torch.randn(T, generator=g), temperature=1.0)
+
+
+def pg_loss(logprobs, entropy, mb: PackedBatch, ctx: LossContext):
+    return -(mb.advantages * logprobs * mb.loss_mask).sum() / ctx.num_loss_tokens, {}
+
+
+def make_backend(lora: LoRAConfig | None = LORA, seed: int = 0, **cfg) -> TorchBackend:
+    return TorchBackend(build_model(MODEL, seed=0), TorchBackendConfig(lr=1e-2, num_threads=1, seed=seed,
+                                                                       lora=lora, **cfg))
+
+
+def train_steps(backend: TorchBackend, steps: int, first_seed: int = 0) -> None:
+    for i in range(steps):
+        backend.forward_backward(make_batch(seed=first_seed + i), pg_loss)
+        backend.optimizer_step()
+
+
+def engine_logprobs(weights: dict[str, torch.Tensor], batch: PackedBatch) -> torch.Tensor:
+    """Logprobs of a plain model (no adapters) holding `weights`: what the engine computes."""
+    plain = TorchBackend(build_model(MODEL, seed=1), TorchBackendConfig(num_threads=1))
+    plain.load_state_dict({**plain.state_dict(), "model": weights, "optimizer": {}})
+    return plain.forward(batch).logprobs
+
+
+# ---------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.lora={rank: 0}", "train.lora.rank"),
+    ("train.lora={alpha: -1}", "train.lora.alpha"),
+    ("train.lora={dropout: 1.5}", "train.lora.dropout"),
+    ("train.lora={targets: [attn, lm_head]}", "train.lora.targets: Value error, unknown target(s) ['lm_head']"),
+    ("train.lora={targets: []}", "train.lora.targets"),
+    ("train.lora={rnak: 8}", "train.lora.rnak: unknown key"),
+])
+def test_config_errors_name_the_field(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [override])
+
+
+def test_megatron_refuses_lora_at_config_time():
+    with pytest.raises(ConfigError, match="train.lora is implemented by the torch backend only; set train.backend: torch"):
+        load_config(None, ["train.lora={rank: 8}", "train.backend=megatron"])
+
+
+def test_config_reaches_the_backend():
+    from axrl.assembly.settings import backend_settings
+
+    cfg = load_config(None, ["train.lora={rank: 8, alpha: 16, targets: [attn]}"])
+    assert backend_settings(cfg).config.lora == LoRAConfig(rank=8, alpha=16.0, targets=("attn",))
+    assert backend_settings(load_config(None, [])).config.lora is None
+    # The checkpoint's JSON config round-trips.
+    c = backend_settings(cfg).config
+    assert TorchBackendConfig.from_dict(c.to_dict()) == c
+
+
+# ---------------------------------------------------------------- adapters
+
+
+def test_targets_choose_the_modules():
+    assert target_group("model.layers.0.self_attn.q_proj") == "attn"
+    assert target_group("model.layers.0.mlp.up_proj") == "mlp"
+    assert target_group("model.layers.1.mlp.experts.3.down_proj") == "experts"
+    assert target_group("model.layers.1.mlp.gate") is None          # the router stays frozen
+    assert target_group("lm_head") is None
+    names = lambda targets: list(make_backend(LoRAConfig(targets=targets)).lora.modules)  # noqa: E731
+    assert len(names(("attn",))) == 2 * 4
+    assert names(("mlp",)) == [f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    assert len(names(("experts",))) == MODEL.num_experts * 3
+    with pytest.raises(ValueError, match="has none of these modules"):
+        TorchBackend(build_model(preset_config("tiny-dense"), seed=0), TorchBackendConfig(lora=LoRAConfig(targets=("experts",))))
+
+
+def test_zero_b_is_the_base_model_and_a_is_seeded():
+    batch = make_batch()
+    base, lora = make_backend(lora=None), make_backend()
+    assert all(torch.count_nonzero(p) == 0 for n, p in lora.lora.named_parameters() if "lora_B" in n)
+    a, b = base.forward(batch), lora.forward(batch)
+    assert torch.equal(a.logprobs, b.logprobs) and torch.equal(a.entropy, b.entropy)
+    assert torch.equal(a.routed_experts, b.routed_experts)
+    assert base.fingerprint() == lora.fingerprint()   # merged with B = 0: the base weights exactly
+    same, other = make_backend().lora.state_dict(), make_backend(seed=1).lora.state_dict()
+    assert all(torch.equal(v, same[k]) for k, v in lora.lora.state_dict().items())
+    assert not torch.equal(other["model.layers.0.self_attn.q_proj.lora_A.weight"],
+                           same["model.layers.0.self_attn.q_proj.lora_A.weight"])
+
+
+def test_only_adapters_train_and_hold_optimizer_state():
+    backend, full = make_backend(), make_backend(lora=None)
+    base_before = {k: v.clone() for k, v in backend.model.state_dict().items()}
+    backend.forward_backward(make_batch(), pg_loss)
+    assert all(p.grad is None for p in backend.model.parameters())
+    assert all(p.grad is not None for _, p in backend.lora.named_parameters())
+    backend.optimizer_step()
+    train_steps(full, 1)
+    assert all(torch.equal(v, base_before[k]) for k, v in backend.model.state_dict().items())
+    adapters = dict(backend.lora.named_parameters())
+    state = {p: s for p, s in backend.optimizer.state.items()}
+    assert set(map(id, state)) == set(map(id, adapters.values()))
+    moments = lambda b: sum(s[k].numel() * s[k].element_size() for s in b.optimizer.state.values()  # noqa: E731
+                            for k in ("exp_avg", "exp_avg_sq"))
+    assert moments(backend) == 2 * 4 * sum(p.numel() for p in adapters.values())
+    assert moments(backend) < moments(full) / 5
+    assert all(torch.count_nonzero(p) > 0 for p in adapters.values())  # B moved off zero
+
+
+def test_merged_weights_reach_the_engine():
+    backend = make_backend()
+    train_steps(backend, 2)
+    base = dict(backend.model.state_dict())
+    merged = dict(backend.named_weights())
+    for name in backend.lora.modules:
+        A = backend.lora.A[name]
+        B = backend.lora.B[name]
+        assert torch.equal(merged[f"{name}.weight"], base[f"{name}.weight"] + (B @ A).detach() * LORA.scale)
+    untouched = set(merged) - {f"{n}.weight" for n in backend.lora.modules}
+    assert all(torch.equal(merged[k], base[k]) for k in untouched)
+    assert backend.sync_source().keys() == merged.keys()
+    # The engine runs the merged weights without adapters: same logprobs up to float rounding.
+    batch = make_batch(seed=7)
+    diff = (engine_logprobs(merged, batch) - backend.forward(batch).logprobs).abs().max()
+    assert 0 < diff < 1e-5
+
+
+def test_export_hf_writes_the_merged_model(tmp_path):
+    backend = make_backend()
+    train_steps(backend, 1)
+    before = backend.model.state_dict()["model.layers.0.self_attn.q_proj.weight"].clone()
+    backend.export_hf(tmp_path / "merged")
+    exported = load_hf(tmp_path / "merged").state_dict()
+    assert all(torch.equal(exported[k], v) for k, v in backend.named_weights())
+    assert torch.equal(backend.model.state_dict()["model.layers.0.self_attn.q_proj.weight"], before)
+
+
+def test_keep_weights_swaps_the_adapters():
+    backend = make_backend()
+    batch = make_batch(seed=3)
+    start = backend.forward(batch).logprobs
+    backend.keep_weights("ref")
+    train_steps(backend, 1)
+    assert not torch.equal(backend.forward(batch).logprobs, start)
+    assert torch.equal(backend.forward(batch, weights="ref").logprobs, start)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_checkpoint_resume_is_bitwise(tmp_path, dropout):
+    lora = LoRAConfig(rank=4, alpha=8.0, dropout=dropout)
+    straight = make_backend(lora)
+    train_steps(straight, 3)
+    first = make_backend(lora)
+    train_steps(first, 1)
+    first.save(tmp_path / "ckpt")
+    saved = json.loads((tmp_path / "ckpt" / "trainer_state.json").read_text())
+    assert saved["config"]["lora"] == {"rank": 4, "alpha": 8.0, "dropout": dropout,
+                                       "targets": ["attn", "mlp", "experts"]}
+    resumed = TorchBackend(build_model(MODEL, seed=5), TorchBackendConfig(lr=1e-2, num_threads=1, lora=lora))
+    resumed.load(tmp_path / "ckpt")
+    train_steps(resumed, 2, first_seed=1)
+    assert resumed.fingerprint() == straight.fingerprint()
+    a, b = straight.state_dict(), resumed.state_dict()
+    assert all(torch.equal(v, b["model"][k]) for k, v in a["model"].items())
+    for name, s in a["optimizer"].items():
+        assert all(torch.equal(t, b["optimizer"][name][k]) for k, t in s.items())
+
+
+def test_checkpoint_mismatch_is_refused(tmp_path):
+    make_backend().save(tmp_path / "lora")
+    make_backend(lora=None).save(tmp_path / "full")
+    with pytest.raises(ValueError, match="unexpected.*lora_A"):
+        make_backend(lora=None).load(tmp_path / "lora")
+    with pytest.raises(ValueError, match="LoRA adapters do not match train.lora"):
+        make_backend().load(tmp_path / "full")
+    with pytest.raises(ValueError, match="a different rank"):
+        make_backend(LoRAConfig(rank=2)).load(tmp_path / "lora")
+
+
+# ---------------------------------------------------------------- PEFT export
+
+
+@pytest.mark.parametrize("model, targets", [
+    (preset_config("micro-moe"), ("attn", "experts")),              # experts: PEFT fuses them as transformers does
+    (preset_config("micro-moe", num_experts=0), ("attn", "mlp")),   # a dense Qwen3
+])
+def test_peft_export_loads_with_peft(tmp_path, model, targets):
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    base_dir = save_hf(build_model(model, seed=0), tmp_path / "base")
+    backend = TorchBackend(load_hf(base_dir), TorchBackendConfig(lr=1e-2, num_threads=1,
+                                                                 lora=LoRAConfig(rank=4, alpha=8.0, targets=targets)))
+    train_steps(backend, 2)
+    backend.export_hf(tmp_path / "merged")
+    out = backend.export_adapter(tmp_path / "adapter", base_model=str(base_dir))
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    ids = make_batch().input_ids[None, :24]
+    load = lambda d: transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()  # noqa: E731
+    with torch.no_grad():
+        adapted = peft.PeftModel.from_pretrained(load(base_dir), out).eval()(ids).logits
+        merged, base = load(tmp_path / "merged")(ids).logits, load(base_dir)(ids).logits
+    assert (adapted - base).abs().max() > 1e-2    # the adapters were applied …
+    torch.testing.assert_close(adapted, merged, rtol=0, atol=1e-5)   # … as the merged model has them
+
+
+def test_peft_export_refuses_what_peft_cannot_place(tmp_path):
+    with pytest.raises(ValueError, match="dense MLP of an MoE model.*without --adapter-only"):
+        make_backend().export_adapter(tmp_path / "adapter")
+    with pytest.raises(ValueError, match="train.lora is null"):
+        make_backend(lora=None).export_adapter(tmp_path / "adapter")
