@@ -240,3 +240,114 @@ def test_peft_export_refuses_what_peft_cannot_place(tmp_path):
         make_backend().export_adapter(tmp_path / "adapter")
     with pytest.raises(ValueError, match="train.lora is null"):
         make_backend(lora=None).export_adapter(tmp_path / "adapter")
+
+
+# ---------------------------------------------------------------- a short run: trace, replay, export
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
+COMMON = ["model.preset=micro-moe", "data.task=echo", "data.task_args={}", "data.prompts_per_step=2",
+          "rollout.group_size=4", "eval.every=0", "runtime.threads=1", "algo.loss_agg=token-mean"]
+# A random-init model's frozen LM head keeps adapters from reaching any reward, so the base is a
+# model warmed up by full fine-tuning (echo demonstrations), exported, then trained with LoRA.
+WARM_BASE = ["steps=1", "warmup.steps=100", "checkpoint.every=1"]
+LORA_RUN = ["steps=3", "warmup.steps=0", "checkpoint.every=2", "train.lr=1e-3", "train.micro_batch_tokens=120",
+            "train.lora={rank: 8, alpha: 16, dropout: 0.1}"]
+
+
+def axrl_train(run_dir: Path, settings: list[str]) -> Path:
+    from typer.testing import CliRunner
+
+    from axrl.cli import app
+
+    args = ["train", str(QUICKSTART), "--run-dir", str(run_dir)]
+    for s in settings:
+        args += ["--set", s]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    from axrl.export import export_checkpoint
+
+    tmp = tmp_path_factory.mktemp("lora")
+    warm = axrl_train(tmp / "warm", COMMON + WARM_BASE)
+    base = export_checkpoint(warm, tmp / "base", step=0).out
+    return axrl_train(tmp / "run", COMMON + LORA_RUN + [f"model.path={base}"])
+
+
+def test_run_trains_adapters_and_the_engine_agrees(run):
+    import h5py
+
+    from axrl.train.checkpoint_files import read_checkpoint
+
+    state, _ = read_checkpoint(run / "checkpoints" / "step_000002")
+    assert all(k.endswith((".lora_A.weight", ".lora_B.weight")) for k in state["optimizer"])
+    assert any(k.endswith(".lora_B.weight") and torch.count_nonzero(v) for k, v in state["model"].items())
+    worst = 0.0
+    for step in range(3):
+        with h5py.File(run / "trace" / f"step_{step:06d}.h5") as f:
+            fingerprints = f["train/weights_fingerprint_before"][()], f["train/weights_fingerprint_after"][()]
+            generated = f["tokens/loss_mask"][:] > 0
+            diff = abs(f["tokens/old_logprob"][:] - f["tokens/rollout_logprob"][:])[generated]
+        assert fingerprints[0] != fingerprints[1]        # the merged weights moved
+        worst = max(worst, float(diff.max()))
+    # The engine runs the merged weights, the trainer base + adapters: float rounding apart.
+    assert worst < 1e-4
+
+
+@pytest.mark.parametrize("step", [1, 2])
+def test_replay_of_a_step_is_bitwise(run, step):
+    from typer.testing import CliRunner
+
+    from axrl_debug.cli import app
+
+    result = CliRunner().invoke(app, ["replay", str(run), "--step", str(step), "--json"])
+    doc = json.loads(result.stdout)
+    assert result.exit_code == 0, doc["first_divergence"]
+    assert doc["verdict"] == "bitwise-equal" and doc["steps"][-1]["fingerprint_after"]["equal"]
+
+
+def test_export_merged_and_adapter_only(run, tmp_path):
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from typer.testing import CliRunner
+
+    from axrl.cli import app
+
+    for args in (["--out", tmp_path / "merged"], ["--out", tmp_path / "adapter", "--adapter-only"]):
+        result = CliRunner().invoke(app, ["model", "export", str(run), "--step", "2", *map(str, args)])
+        assert result.exit_code == 0, result.output
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    base = Path(config["base_model_name_or_path"])
+    assert base == (run.parent / "base").resolve()      # the run's model.path
+    ids = make_batch().input_ids[None, :24]
+    load = lambda d: transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()  # noqa: E731
+    with torch.no_grad():
+        adapted = peft.PeftModel.from_pretrained(load(base), tmp_path / "adapter")(ids).logits
+        merged = load(tmp_path / "merged")(ids).logits
+    torch.testing.assert_close(adapted, merged, rtol=0, atol=1e-5)
+
+
+def test_adapter_of_a_preset_run_comes_with_its_base(tmp_path):
+    from axrl.export import export_adapter
+
+    backend = make_backend(LoRAConfig(targets=("attn",)))
+    train_steps(backend, 1)
+    export_adapter(backend, None, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((tmp_path / "out" / "base").resolve())
+    base = load_hf(tmp_path / "out" / "base").state_dict()
+    assert all(torch.equal(base[k], v) for k, v in backend.model.state_dict().items())   # unmerged
+
+
+def test_adapter_only_needs_a_lora_run(tmp_path):
+    from axrl.export import export_checkpoint
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000000").mkdir(parents=True)
+    (run / "checkpoints" / "step_000000" / "state.json").write_text("{}")
+    (run / "config.yaml").write_text("steps: 1\nmodel: {preset: micro-moe}\n")
+    with pytest.raises(ValueError, match="--adapter-only: .* trained no LoRA adapters"):
+        export_checkpoint(run, tmp_path / "out", adapter_only=True)

@@ -178,8 +178,11 @@ PEFT_CONFIG_NAME, PEFT_WEIGHTS_NAME = "adapter_config.json", "adapter_model.safe
 def peft_adapter_config(adapters: LoRAAdapters, base_model: str | None) -> dict[str, Any]:
     """PEFT's `adapter_config.json` for these adapters: the adapted modules listed by full HF name."""
     c = adapters.config
+    # PEFT refuses dropout on fused experts; dropout only acts in training, so inference is unchanged.
+    experts = any(target_group(name) == "experts" for name in adapters.modules)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-            "r": c.rank, "lora_alpha": c.alpha, "lora_dropout": c.dropout, "target_modules": list(adapters.modules),
+            "r": c.rank, "lora_alpha": c.alpha, "lora_dropout": 0.0 if experts else c.dropout,
+            "target_modules": list(adapters.modules),
             "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
             "modules_to_save": None, "use_rslora": False, "use_dora": False}
 
