@@ -174,6 +174,16 @@ def test_keep_weights_swaps_the_adapters():
     assert torch.equal(backend.forward(batch, weights="ref").logprobs, start)
 
 
+def test_inspect_reports_the_adapters_gradients():
+    backend = make_backend()
+    train_steps(backend, 1)
+    batch = make_batch(seed=4)
+    batch.old_logprobs = backend.forward(batch).logprobs
+    report = backend.inspect(batch, pg_loss)
+    assert report.param_names == [n for n, _ in backend.lora.named_parameters()]
+    assert bool((report.param_grad_norm > 0).any()) and bool(torch.isfinite(report.sample_grad_norm).all())
+
+
 # ---------------------------------------------------------------- checkpoints
 
 
