@@ -174,14 +174,20 @@ def test_keep_weights_swaps_the_adapters():
     assert torch.equal(backend.forward(batch, weights="ref").logprobs, start)
 
 
-def test_inspect_reports_the_adapters_gradients():
-    backend = make_backend()
-    train_steps(backend, 1)
+def test_inspect_reports_the_adapters_gradients_and_leaves_the_run_alone():
+    lora = LoRAConfig(rank=4, alpha=8.0, dropout=0.1)
     batch = make_batch(seed=4)
-    batch.old_logprobs = backend.forward(batch).logprobs
-    report = backend.inspect(batch, pg_loss)
-    assert report.param_names == [n for n, _ in backend.lora.named_parameters()]
+    inspected = make_backend(lora)    # (each backend re-seeds the global RNG: run one after the other)
+    train_steps(inspected, 1)
+    batch.old_logprobs = inspected.forward(batch).logprobs
+    report = inspected.inspect(batch, pg_loss)
+    assert report.param_names == [n for n, _ in inspected.lora.named_parameters()]
     assert bool((report.param_grad_norm > 0).any()) and bool(torch.isfinite(report.sample_grad_norm).all())
+    train_steps(inspected, 1, first_seed=1)
+    plain = make_backend(lora)
+    train_steps(plain, 2)
+    # Dropout draws from the global RNG; the inspection did not shift the next step's masks.
+    assert inspected.fingerprint() == plain.fingerprint()
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -183,8 +183,15 @@ class TorchBackend:
         return self._no_grad_forward(batch, r3, probe=probe)
 
     def inspect(self, batch: PackedBatch, loss_fn: LossFn, *, r3: R3 = False) -> Inspection:
-        return inspect_model(self.model, batch, loss_fn, r3=self._use_r3(batch, r3),
-                             autocast_bf16=self.config.dtype == "bfloat16", params=self._params)
+        # LoRA dropout draws from the global RNG in training-mode forwards: an inspection between
+        # two steps must leave the RNG where it was, or the next step would not re-execute bitwise.
+        rng = capture_rng_state() if self.lora and self.lora.config.dropout > 0 else None
+        try:
+            return inspect_model(self.model, batch, loss_fn, r3=self._use_r3(batch, r3),
+                                 autocast_bf16=self.config.dtype == "bfloat16", params=self._params)
+        finally:
+            if rng is not None:
+                restore_rng_state(rng)
 
     def close(self) -> None:
         """Nothing to release: the model lives in this process."""
