@@ -325,6 +325,15 @@ def test_replay_of_a_step_is_bitwise(run, step):
     assert doc["verdict"] == "bitwise-equal" and doc["steps"][-1]["fingerprint_after"]["equal"]
 
 
+def test_replay_cannot_vary_lora(run):
+    from typer.testing import CliRunner
+
+    from axrl_debug.cli import app
+
+    result = CliRunner().invoke(app, ["replay", str(run), "--step", "1", "--set", "train.lora.rank=4"])
+    assert result.exit_code == 2 and "train.lora.rank: cannot be varied in a replay" in " ".join(result.output.split())
+
+
 def test_export_merged_and_adapter_only(run, tmp_path):
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
