@@ -71,7 +71,8 @@ def export_checkpoint(run: str | Path, out: str | Path, step: int | None = None,
     try:
         load_checkpoint(checkpoints[step], backend)
         if adapter_only:
-            export_adapter(backend, cfg.model.path, out)  # type: ignore[arg-type]  # train.lora ⇒ TorchBackend
+            assert isinstance(backend, TorchBackend)  # the config allows train.lora on the torch backend only
+            export_adapter(backend, cfg.model.path, out)
         else:
             backend.export_hf(out)
     finally:

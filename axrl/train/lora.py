@@ -121,7 +121,8 @@ class LoRAAdapters:
 
     def delta(self, name: str) -> torch.Tensor:
         """(alpha / r) · B A of module `name`: what merging adds to its weight."""
-        return (self.B[name] @ self.A[name]).detach() * self.config.scale
+        with torch.no_grad():
+            return (self.B[name] @ self.A[name]) * self.config.scale
 
     def merged(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """HF-named `weights` with every adapted `{module}.weight` replaced by W + (alpha / r) · B A."""
