@@ -176,15 +176,22 @@ def model_export(
     out: Path = typer.Option(..., "--out", help="Directory to write (config.json, model.safetensors, tokenizer)."),
     step: int | None = typer.Option(None, "--step", help="Checkpoint to export: the policy after N RL steps "
                                     "(default: the newest checkpoint)."),
+    adapter_only: bool = typer.Option(False, "--adapter-only", help="A LoRA run (train.lora): write only its "
+                                      "adapters in PEFT's format (adapter_config.json + adapter_model.safetensors; "
+                                      "a preset run's base model goes to OUT/base). Default: the merged model."),
 ) -> None:
     """Write a trained checkpoint as a Hugging Face directory that transformers, SGLang and
-    `axrl serve` load."""
+    `axrl serve` load (a LoRA run: the merged model, or its adapters alone with --adapter-only)."""
     from axrl.export import export_checkpoint
 
     try:
-        done = export_checkpoint(run, out, step)
+        done = export_checkpoint(run, out, step, adapter_only=adapter_only)
     except (FileNotFoundError, FileExistsError, ValueError, NotImplementedError) as e:
         raise fail(str(e))
+    if adapter_only:
+        console.print(f"wrote the LoRA adapters of {done.checkpoint} (after {done.step} RL steps) to {done.out} "
+                      "in PEFT's format (PeftModel.from_pretrained on the base model in its adapter_config.json)")
+        return
     console.print(f"wrote {done.checkpoint} (the policy after {done.step} RL steps) to {done.out}; "
                   f"serve it with `axrl serve --model-path {done.out}`")
 

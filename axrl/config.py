@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from axrl.algo.loss_config import PolicyLossConfig
 from axrl.errors import ConfigError
@@ -19,6 +19,7 @@ from axrl.inference.sglang.settings import SGLangSettings
 from axrl.model.device import DEVICE_PATTERN
 from axrl.ray_executor.settings import RaySettings
 from axrl.recording.trackers import MlflowSettings, WandbSettings
+from axrl.train.lora import LORA_TARGETS
 
 
 class Section(BaseModel):
@@ -149,6 +150,27 @@ class MegatronSection(Section):
         return self
 
 
+class LoRASection(Section):
+    """`train.lora`: LoRA adapters on a frozen base model (torch backend; docs/algorithms.md "LoRA")."""
+
+    rank: int = Field(8, ge=1, description="r: the adapters' inner dimension")
+    alpha: float = Field(16.0, gt=0, description="the adapter output is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input while training")
+    targets: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1,
+                               description="what gets adapters: attn (q/k/v/o_proj), mlp (dense layers' "
+                                           "gate/up/down_proj), experts (each MoE expert's gate/up/down_proj)")
+
+    @field_validator("targets")
+    @classmethod
+    def _known_targets(cls, targets: list[str]) -> list[str]:
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        if unknown:
+            raise ValueError(f"unknown target(s) {unknown}; choose from {list(LORA_TARGETS)}")
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"targets repeat a name: {targets}")
+        return targets
+
+
 class TrainSection(Section):
     backend: Literal["torch", "megatron"] = "torch"
     megatron: MegatronSection = Field(default_factory=MegatronSection)
@@ -163,6 +185,14 @@ class TrainSection(Section):
     prefix_merge: bool = Field(False, description="train each micro-batch as one prefix tree: shared prefixes "
                                                   "computed once (docs/prefix-merge.md); the budget then counts "
                                                   "tree slots")
+    lora: LoRASection | None = Field(None, description="train LoRA adapters instead of all weights (null = off)")
+
+    @model_validator(mode="after")
+    def _lora_needs_torch(self) -> "TrainSection":
+        if self.lora is not None and self.backend != "torch":
+            raise ValueError(f"train.lora is implemented by the torch backend only; set train.backend: torch "
+                             f"(or remove train.lora), got train.backend: {self.backend}")
+        return self
 
 
 class WarmupSection(Section):

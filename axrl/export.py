@@ -4,6 +4,8 @@ The trainer is rebuilt from the run's config.yaml exactly as `axrl train` (and r
 the checkpoint is loaded into it through the TrainBackend protocol, and `export_hf` writes
 config.json, model.safetensors, generation_config.json and the run's tokenizer files: a
 directory that `transformers`, SGLang and `axrl serve` load. Either backend's checkpoints work.
+A LoRA run (`train.lora`) exports the merged model, or with `adapter_only` the adapters alone in
+PEFT's format (`export_adapter`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from pathlib import Path
 from axrl.config import ConfigError, load_config
 from axrl.runtime.checkpoint import STATE_FILE, list_checkpoints, load_checkpoint
 from axrl.assembly.build import make_train_backend
+from axrl.model import save_hf
 from axrl.tokenizer import load_tokenizer
+from axrl.train import TorchBackend
 
 _CHECKPOINT_NAME = re.compile(r"^step_(\d{6,})$")
 
@@ -36,8 +40,10 @@ def checkpoint_of(path: str | Path) -> tuple[Path, int] | None:
     return None
 
 
-def export_checkpoint(run: str | Path, out: str | Path, step: int | None = None) -> Exported:
-    """Write checkpoint ``step`` of ``run`` (default: the newest) to ``out`` as an HF directory.
+def export_checkpoint(run: str | Path, out: str | Path, step: int | None = None, *,
+                      adapter_only: bool = False) -> Exported:
+    """Write checkpoint ``step`` of ``run`` (default: the newest) to ``out`` as an HF directory
+    (a LoRA run: merged), or with ``adapter_only`` its LoRA adapters in PEFT's format (`export_adapter`).
 
     Raises FileNotFoundError / ValueError with a message naming the run, the step or the file."""
     run, out = Path(run), Path(out)
@@ -57,11 +63,29 @@ def export_checkpoint(run: str | Path, out: str | Path, step: int | None = None)
         cfg = load_config(run / "config.yaml")
     except ConfigError as e:
         raise ValueError(str(e)) from None
+    if adapter_only and cfg.train.lora is None:
+        raise ValueError(f"--adapter-only: {run} trained no LoRA adapters (train.lora is null); "
+                         "export the whole model without --adapter-only")
     tokenizer = load_tokenizer(cfg.model.path)
     backend = make_train_backend(cfg, tokenizer)
     try:
         load_checkpoint(checkpoints[step], backend)
-        backend.export_hf(out)
+        if adapter_only:
+            assert isinstance(backend, TorchBackend)  # the config allows train.lora on the torch backend only
+            export_adapter(backend, cfg.model.path, out)
+        else:
+            backend.export_hf(out)
     finally:
         backend.close()
     return Exported(out=out, step=step, checkpoint=checkpoints[step])
+
+
+def export_adapter(backend: TorchBackend, model_path: str | None, out: Path) -> None:
+    """The adapters in PEFT's format into ``out``, for the run's base model: ``model.path`` when the run
+    started from one, else (a random-init preset) the base weights themselves, written to ``out/base``."""
+    if model_path is not None:
+        backend.export_adapter(out, base_model=str(Path(model_path).resolve()))
+        return
+    base = out / "base"
+    save_hf(backend.model, base, backend.tokenizer)   # the frozen base: the model without its adapters
+    backend.export_adapter(out, base_model=str(base.resolve()))

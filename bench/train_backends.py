@@ -9,7 +9,8 @@ median. Backends: `torch`, `megatron` (world size 1, in-process) and, with `--tp
 parallel layout `megatron_tp{T}_ep{E}` (`--tp 2`: tensor + expert parallel 2; `--ep 2`: TP 1,
 experts over 2 data-parallel ranks; world size = TP × DP worker processes with 1 thread each:
 more cores than the others, so its ratio is not a like-for-like efficiency figure on a 2-core
-machine).
+machine), and `torch_lora`: the torch backend training LoRA adapters (`--lora-rank`, alpha = 2 × rank,
+every target) on the same frozen model, against `torch` as full fine-tuning.
 
     python bench/train_backends.py [--preset tiny-moe] [--samples 16] [--repeats 15] [--tp 2] [--ep 2]
 
@@ -18,7 +19,9 @@ entropy, routing agreement, and after one update the loss, grad-norm and weight 
 (Megatron vs torch, and TP/EP vs Megatron world size 1).
 
 Ends with one JSON line: median step seconds per backend, `megatron_vs_torch_ratio`
-(> 1 = Megatron slower) and the logprob / grad-norm parity figures.
+(> 1 = Megatron slower), the logprob / grad-norm parity figures, and LoRA against full fine-tuning:
+`lora_vs_full_step_time` (median step time ratio, < 1 = LoRA faster) and `lora_vs_full_optimizer_bytes`
+(AdamW state bytes ratio), with the absolute `torch_optimizer_bytes` / `torch_lora_optimizer_bytes`.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from axrl.algo import PolicyLossConfig, make_policy_loss  # noqa: E402
 from axrl.model import build_model, preset_config  # noqa: E402
 from axrl.train import PackedBatch, TorchBackend, TorchBackendConfig  # noqa: E402
+from axrl.train.lora import LoRAConfig  # noqa: E402
 
 
 def make_batch(samples: int, min_len: int, max_len: int, vocab: int, seed: int = 0) -> PackedBatch:
@@ -53,6 +57,11 @@ def make_batch(samples: int, min_len: int, max_len: int, vocab: int, seed: int =
                        temperature=0.7)
 
 
+def optimizer_bytes(backend: TorchBackend) -> int:
+    """Bytes of the AdamW state (moments and step counters) the backend holds."""
+    return sum(t.numel() * t.element_size() for s in backend.optimizer.state.values() for t in s.values())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny-moe")
@@ -65,6 +74,7 @@ def main() -> None:
                     "unless --ep is given)")
     ap.add_argument("--ep", type=int, default=0, help="also time expert parallel (data parallel derived: "
                     "world = TP x DP with EP dividing it)")
+    ap.add_argument("--lora-rank", type=int, default=8, help="rank of the torch_lora backend (alpha = 2 x rank)")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -75,7 +85,9 @@ def main() -> None:
     loss_fn = make_policy_loss(PolicyLossConfig(tis=True))
     common = dict(lr=1e-5, micro_batch_tokens=args.micro_batch_tokens, num_threads=1)
     backends = {"torch": TorchBackend(build_model(cfg, seed=0), TorchBackendConfig(**common)),
-                "megatron": MegatronBackend(build_model(cfg, seed=0), MegatronBackendConfig(**common))}
+                "megatron": MegatronBackend(build_model(cfg, seed=0), MegatronBackendConfig(**common)),
+                "torch_lora": TorchBackend(build_model(cfg, seed=0), TorchBackendConfig(
+                    **common, lora=LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank)))}
     tp = max(args.tp, 1)
     ep = args.ep or (tp if cfg.is_moe else 1)
     parallel = f"megatron_tp{tp}_ep{ep}" if tp * ep > 1 else None
@@ -94,17 +106,20 @@ def main() -> None:
             m = b.forward_backward(batch, loss_fn)
             stats[name] = (m.loss, b.optimizer_step().grad_norm)
         for name in list(backends)[1:]:
-            ref = "torch" if name == "megatron" else "megatron"
+            ref = "torch" if name in ("megatron", "torch_lora") else "megatron"
             a, o = fwd[ref], fwd[name]
             wa, wb = dict(backends[ref].named_weights()), dict(backends[name].named_weights())
-            parity.update({
+            entries = {
                 f"{name}_vs_{ref}_logprob_max_diff": float((a.logprobs - o.logprobs).abs().max()),
                 f"{name}_vs_{ref}_entropy_max_diff": float((a.entropy - o.entropy).abs().max()),
                 f"{name}_vs_{ref}_routing_agreement": float((a.routed_experts == o.routed_experts).float().mean())
                 if a.routed_experts is not None else 1.0,
                 f"{name}_vs_{ref}_loss_diff": abs(stats[ref][0] - stats[name][0]),
                 f"{name}_vs_{ref}_grad_norm_rel_diff": abs(stats[ref][1] - stats[name][1]) / stats[ref][1],
-                f"{name}_vs_{ref}_weight_max_diff_after_update": max(float((wa[k] - wb[k]).abs().max()) for k in wa)})
+                f"{name}_vs_{ref}_weight_max_diff_after_update": max(float((wa[k] - wb[k]).abs().max()) for k in wa)}
+            if name == "torch_lora":  # other parameters train: only the zero-B forward and loss compare
+                entries = {k: v for k, v in entries.items() if "grad_norm" not in k and "weight" not in k}
+            parity.update(entries)
         for _ in range(args.repeats):
             for name, b in backends.items():
                 t = time.perf_counter()
@@ -129,10 +144,19 @@ def main() -> None:
     out = {"preset": args.preset, "tokens": batch.num_tokens,
            **{f"{name}_step_s": round(v, 4) for name, v in med.items()},
            "megatron_vs_torch_ratio": round(med["megatron"] / med["torch"], 3),
-           **{k: float(f"{v:.3g}") for k, v in parity.items() if "logprob" in k or "grad_norm" in k}}
+           **{k: float(f"{v:.3g}") for k, v in parity.items() if "logprob" in k or "grad_norm" in k},
+           **lora_vs_full(backends, med)}
     if parallel:
         out[f"{parallel}_vs_torch_ratio"] = round(med[parallel] / med["torch"], 3)
     print(json.dumps(out))
+
+
+def lora_vs_full(backends: dict, med: dict[str, float]) -> dict[str, float]:
+    """LoRA against full fine-tuning on the torch backend: step-time and optimizer-state ratios."""
+    full, lora = optimizer_bytes(backends["torch"]), optimizer_bytes(backends["torch_lora"])
+    return {"lora_vs_full_step_time": round(med["torch_lora"] / med["torch"], 3),
+            "lora_vs_full_optimizer_bytes": float(f"{lora / full:.3g}"),
+            "torch_optimizer_bytes": full, "torch_lora_optimizer_bytes": lora}
 
 
 if __name__ == "__main__":

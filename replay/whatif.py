@@ -106,6 +106,9 @@ def parse_variant(config_path: Path, assignments: Sequence[str]) -> Variant:
         if key == "train.dtype":
             raise ReplayInputError("--set train.dtype: not a config key; use replay.dtype=bfloat16|float32 "
                                    "(the trainer's compute dtype)", None)
+        if key == "train.lora" or key.startswith("train.lora."):
+            raise ReplayInputError(f"--set {key}: cannot be varied in a replay: the run's checkpoints hold its "
+                                   "trained weights as they are (base + LoRA adapters, or full)", None)
         if not _allowed(key):
             raise ReplayInputError(
                 f"--set {key}: cannot be varied in a replay (it acts before the training part of the step, "

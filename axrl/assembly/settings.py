@@ -24,6 +24,7 @@ from axrl.runtime.loop import LoopSettings, WarmupSettings
 from axrl.runtime.spike_trigger import SpikeSettings
 from axrl.runtime.step_trainer import TrainStepSettings
 from axrl.train import TorchBackendConfig
+from axrl.train.lora import LoRAConfig
 from axrl.train.protocol import R3, R3Scope
 
 __all__ = ["advantage_settings", "backend_settings", "data_settings", "engine_settings", "faults",
@@ -65,7 +66,9 @@ def backend_settings(cfg: Config, *, compute_dtype: str | None = None) -> Backen
         return BackendSettings("megatron", MegatronBackendConfig(
             **common, tensor_parallel=m.tensor_parallel, expert_parallel=m.expert_parallel,
             sequence_parallel=m.sequence_parallel, moe_dispatcher=m.moe_dispatcher, data_parallel=m.data_parallel))
-    return BackendSettings("torch", TorchBackendConfig(**common))
+    lora = None if t.lora is None else LoRAConfig(rank=t.lora.rank, alpha=t.lora.alpha, dropout=t.lora.dropout,
+                                                  targets=tuple(t.lora.targets))
+    return BackendSettings("torch", TorchBackendConfig(**common, lora=lora))
 
 
 # -- the train step ----------------------------------------------------------------------------------

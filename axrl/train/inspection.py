@@ -70,11 +70,14 @@ class _Hooks:
 
 
 def inspect_model(model: Qwen3ForCausalLM, batch: PackedBatch, loss_fn: LossFn, *, r3: R3Scope | None,
-                  autocast_bf16: bool = False) -> Inspection:
+                  autocast_bf16: bool = False, params: list[tuple[str, torch.Tensor]] | None = None) -> Inspection:
     """Activation norms, router load/entropy and per-sample gradients of `batch` (one optimizer
-    batch, old logprobs set) under `loss_fn`, normalised as the whole batch (`LossContext`)."""
+    batch, old logprobs set) under `loss_fn`, normalised as the whole batch (`LossContext`).
+    `params`: the (name, tensor) trained (default: the model's own trainable parameters; LoRA
+    adapters live outside the model)."""
     device = next(model.parameters()).device
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if params is None:
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     ctx = LossContext.of(batch)
     hooks = _Hooks(model)
     T, N = batch.num_tokens, batch.num_samples

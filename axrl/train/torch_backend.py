@@ -20,6 +20,7 @@ from axrl.train.checkpoint_files import check_optimizer_state, read_checkpoint, 
 from axrl.train.determinism import capture_rng_state, restore_rng_state, set_determinism
 from axrl.train.fingerprint import weights_fingerprint
 from axrl.train.inspection import inspect_model
+from axrl.train.lora import LoRAAdapters, LoRAConfig, export_peft
 from axrl.train.metrics import join_token_columns, reduce_microbatch_metrics, split_token_columns
 from axrl.train.micro_batch import (label_logprobs, micro_batch_ranges, next_token_logprobs, pad_micro_batch,
                                     restrict_routing_, unpad)
@@ -34,7 +35,14 @@ from axrl.train.settings import BackendConfig
 @dataclass
 class TorchBackendConfig(BackendConfig):
     """Optimizer, schedule, micro-batching and determinism settings of `TorchBackend` (the shared
-    `BackendConfig`; the embedded backend has no settings of its own)."""
+    `BackendConfig`) plus `lora`: train LoRA adapters on a frozen base (None = full fine-tuning)."""
+
+    lora: LoRAConfig | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.lora, dict):  # from `to_dict` / a checkpoint's JSON
+            self.lora = LoRAConfig(**self.lora)
 
 
 class TorchBackend:
@@ -53,8 +61,11 @@ class TorchBackend:
         self.model = model
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
+        # With LoRA the base is frozen and only the adapters (PEFT names) train.
+        self.lora = None if config.lora is None else LoRAAdapters(model, config.lora, config.seed)
         # One fixed parameter order drives grad norm, optimizer groups and checkpoints.
         self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._params += self.lora.named_parameters() if self.lora else []
         self._hf_names = [n for n, _ in self._params]  # the model's parameter names are HF names
         self.optimizer = adamw([p for _, p in self._params], lr=lr_at(config, 0), betas=config.betas, eps=config.eps,
                                weight_decay=config.weight_decay)
@@ -172,8 +183,15 @@ class TorchBackend:
         return self._no_grad_forward(batch, r3, probe=probe)
 
     def inspect(self, batch: PackedBatch, loss_fn: LossFn, *, r3: R3 = False) -> Inspection:
-        return inspect_model(self.model, batch, loss_fn, r3=self._use_r3(batch, r3),
-                             autocast_bf16=self.config.dtype == "bfloat16")
+        # LoRA dropout draws from the global RNG in training-mode forwards: an inspection between
+        # two steps must leave the RNG where it was, or the next step would not re-execute bitwise.
+        rng = capture_rng_state() if self.lora and self.lora.config.dropout > 0 else None
+        try:
+            return inspect_model(self.model, batch, loss_fn, r3=self._use_r3(batch, r3),
+                                 autocast_bf16=self.config.dtype == "bfloat16", params=self._params)
+        finally:
+            if rng is not None:
+                restore_rng_state(rng)
 
     def close(self) -> None:
         """Nothing to release: the model lives in this process."""
@@ -244,8 +262,10 @@ class TorchBackend:
 
     # ------------------------------------------------------------------ weights
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Current weights under HF names (tied lm_head omitted); views, not copies."""
-        return iter(hf_state_dict(self.model).items())
+        """Current weights under HF names (tied lm_head omitted); views, not copies. With LoRA the
+        adapted weights are merged (new tensors): what the engine runs and the trace fingerprints."""
+        weights = hf_state_dict(self.model)
+        return iter((self.lora.merged(weights) if self.lora else weights).items())
 
     def sync_source(self) -> dict[str, torch.Tensor]:
         """The HF-named weights (views; `WeightSync.post` takes the copy)."""
@@ -255,16 +275,28 @@ class TorchBackend:
         return weights_fingerprint(self.named_weights())
 
     def export_hf(self, directory: str | Path) -> Path:
-        return save_hf(self.model, directory, self.tokenizer)
+        """The model as an HF directory; with LoRA the merged model (`lora.export_peft` writes the
+        adapters alone)."""
+        with self.lora.merged_into_model() if self.lora else contextlib.nullcontext():
+            return save_hf(self.model, directory, self.tokenizer)
+
+    def export_adapter(self, directory: str | Path, base_model: str | None = None) -> Path:
+        """The LoRA adapters alone in PEFT's format for the base model at `base_model` (`lora.export_peft`)."""
+        if self.lora is None:
+            raise ValueError("no LoRA adapters to export: train.lora is null (full fine-tuning); "
+                             "export the whole model instead")
+        return export_peft(self.lora, directory, base_model, moe=self.model.config.is_moe)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """A copy of everything needed to continue bitwise: weights (HF names), AdamW moments
-        and steps per param name, schedule counters, global RNG states and the config."""
+        """A copy of everything needed to continue bitwise: weights (HF names; with LoRA the base
+        weights and the adapters under their PEFT names), AdamW moments and steps per param name,
+        schedule counters, global RNG states and the config."""
         optim = {name: {k: v.detach().clone() for k, v in self.optimizer.state[p].items()}
                  for name, p in self._params if p in self.optimizer.state}
+        adapters = self.lora.state_dict() if self.lora else {}
         return {
-            "model": {k: v.clone() for k, v in hf_state_dict(self.model).items()},
+            "model": {**{k: v.clone() for k, v in hf_state_dict(self.model).items()}, **adapters},
             "optimizer": optim,
             "scheduler_step": self.scheduler_step,
             "skipped_steps": self.skipped_steps,
@@ -284,7 +316,7 @@ class TorchBackend:
             restore_rng_state(state["rng"])
         except ValueError as e:
             raise ValueError(f"{src('rng')}: {e}") from e
-        load_weights_into(self.model, state["model"], source=src("model"))
+        self._load_weights(state["model"], src("model"))
         self.optimizer.state.clear()
         params = dict(self._params)
         for name, s in state["optimizer"].items():
@@ -296,6 +328,16 @@ class TorchBackend:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.optimizer.zero_grad(set_to_none=True)
         self._has_grads = False
+
+    def _load_weights(self, weights: dict[str, torch.Tensor], source: str) -> None:
+        """The checkpoint's base weights into the model, its adapters (if any) into the adapters."""
+        own = self.lora.owns if self.lora else (lambda key: False)
+        adapters = {k: v for k, v in weights.items() if own(k)}
+        if self.lora:
+            self.lora.check(adapters, source)  # before the base weights change
+        load_weights_into(self.model, {k: v for k, v in weights.items() if not own(k)}, source=source)
+        if self.lora:
+            self.lora.load_state_dict(adapters, source)
 
     def save(self, directory: str | Path) -> None:
         """Write model/optimizer/rng safetensors and trainer_state.json (`checkpoint_files`)."""
