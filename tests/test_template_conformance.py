@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 
 from axrl.agents.env import Prompt, StepOutcome
 from axrl.agents.tasks.calculator import CALCULATOR_TOOL, SYSTEM_PROMPT
+from axrl.tokenizer import parse_tool_calls
 from axrl.cli import app as axrl_app
 from axrl.inference.protocol import SamplingParams
 from axrl.rollout.agent_loop import run_episode
@@ -116,8 +117,9 @@ ANSWERS = {"37 + 58": "95", "2 * 3": "6"}
 
 
 class _ToolEnv:
-    """Opening system + question; answers tool calls (parsed in the template's format) with their
-    results, a reasoning answer with a new question, and the last answer by ending."""
+    """Opening system + question; answers tool calls with their results, a reasoning answer with a
+    new question, and the last answer by ending. It reads calls the way every env does — as
+    ``<tool_call>`` blocks (`env_action` rewrites the template's own format into them)."""
 
     tools = TOOLS
 
@@ -130,7 +132,7 @@ class _ToolEnv:
     def step(self, action: str) -> StepOutcome:
         self.steps += 1
         if self.steps == 1:
-            self.calls = self.tok.parse_tool_calls(action)
+            self.calls = parse_tool_calls(action)
             return StepOutcome([hf_tool_result(ANSWERS[c["arguments"]["expression"]], k + 1)
                                 for k, c in enumerate(self.calls)])
         if self.steps == 2:
@@ -271,3 +273,21 @@ def test_the_existing_qwen_style_checkpoint_still_loads(tmp_path):
     d = write_checkpoint(tmp_path / "qwen", moe=False)
     result = cli("model", "check-template", d)
     assert result.exit_code == 0 and "identically" in result.output, result.output
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_calculator_env_reads_tool_calls_in_every_template_format(name, dirs):
+    """A reply whose tool call is written the template's way (bare JSON, `[TOOL_CALLS]`, name
+    outside the JSON …) reaches the calculator env as calls it executes: `env_action` rewrites
+    them into the `<tool_call>` blocks envs read, the prose before them kept."""
+    from axrl.agents.env import env_action
+    from axrl.agents.tasks.calculator import CalculatorEnv
+
+    tok = load_tokenizer(dirs[name])
+    reply = tok.reply_text({"role": "assistant", "content": "",
+                            "tool_calls": [hf_tool_call("calculator", {"expression": "37 + 58"}, 1)]})
+    env = CalculatorEnv()
+    env.reset(Prompt("p", text="What is 37 + 58?", fields={"answer": 95}))
+    outcome = env.step(env_action(tok, reply))
+    assert not outcome.done and [m["content"] for m in outcome.observation] == ["95"], (reply, outcome)
+    assert env_action(tok, "The answer is 95.") == "The answer is 95."   # no call: the text as it is

@@ -11,8 +11,11 @@ concurrent episode.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from axrl.tokenizer.tool_calls import TOOL_CALL_END, TOOL_CALL_START
 
 if TYPE_CHECKING:
     from axrl.tokenizer import Tokenizer
@@ -76,8 +79,27 @@ class Env(Protocol):
 
     def step(self, action: str) -> StepOutcome:
         """Consume the assistant's text for one turn (tool calls included, as
-        ``<tool_call>`` blocks, without the end-of-turn token)."""
+        ``<tool_call>`` blocks whatever the chat template's own format — see `env_action` —,
+        without the end-of-turn token)."""
         ...
+
+
+def env_action(tokenizer: Tokenizer, text: str) -> str:
+    """What ``Env.step`` receives for a reply the model wrote as ``text``: the reply itself when
+    the chat template writes tool calls as ``<tool_call>`` blocks, else its tool calls rewritten
+    into them (Llama's bare JSON, Mistral's ``[TOOL_CALLS]`` list, DeepSeek's name-outside
+    form …), the prose before the first call kept. So an env parses one format, whatever the
+    model's template; the trained tokens are the model's own and are not touched."""
+    fmt = tokenizer.tool_call_format
+    if fmt is None or fmt.tags == (TOOL_CALL_START, TOOL_CALL_END):
+        return text
+    calls = tokenizer.parse_tool_calls(text)
+    if not calls:
+        return text
+    at = text.find(fmt.start) if fmt.start else len(text) - len(text.lstrip())
+    blocks = [c["raw"] if c.get("error") else json.dumps({"name": c["name"], "arguments": c["arguments"]})
+              for c in calls]
+    return text[:max(at, 0)] + "".join(f"{TOOL_CALL_START}{b}{TOOL_CALL_END}" for b in blocks)
 
 
 def assistant_text(tokenizer: Tokenizer, message: Message) -> str:
@@ -106,7 +128,7 @@ def replay_conversation(env: Env, prompt: Prompt, conversation: list[Message],
         message = conversation[i]
         if message.get("role") != "assistant":
             raise ValueError(f"message {i}: expected an assistant turn, got role {message.get('role')!r}")
-        outcome = env.step(assistant_text(tokenizer, message))
+        outcome = env.step(env_action(tokenizer, assistant_text(tokenizer, message)))
         total += float(outcome.reward)
         i += 1
         if outcome.done:

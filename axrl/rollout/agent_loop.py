@@ -46,7 +46,7 @@ from typing import Callable
 
 import numpy as np
 
-from axrl.agents.env import Env, Message, Prompt
+from axrl.agents.env import Env, Message, Prompt, env_action
 from axrl.core.token_stream import (append_generated, assistant_close_ids, drift_tokens, reply_glue, routing_rows,
                                     token_versions)
 from axrl.core.trajectory import Trajectory
@@ -118,7 +118,7 @@ async def run_episode(
         conversation.append({"role": "assistant", "content": text})
         truncated = result.finish_type == "length"
         try:
-            outcome = env.step(text)
+            outcome = env.step(env_action(tokenizer, text))
             reward += float(outcome.reward)
             traj.info["env_info"] = outcome.info
             if outcome.done:
