@@ -5,6 +5,7 @@ to the plain reply, errors naming the field; and the token-level recording of ea
 from __future__ import annotations
 
 import json
+import re
 
 import anthropic
 import openai
@@ -235,3 +236,86 @@ def test_responses_errors_name_the_field(proxy, tok):
             client.responses.create(model="m", **kw)
         assert e.value.body["param"] == field and e.value.body["message"].startswith(field + ":"), e.value.body
     assert not session.turns
+
+
+def test_the_fast_call_path_answers_as_the_fastapi_routes(proxy, tok):
+    """`CallRoutes` (what ProxyServer serves) and the FastAPI routes of record agree on the new
+    routes: status and body of replies and errors, with either way of sending the key."""
+    import httpx
+    from fastapi.testclient import TestClient
+
+    from axrl.agents.proxy.proxy_app import create_app
+
+    session, base = open_session(proxy, ScriptedEngine(calculator_policy(tok)), tok)
+    path = "/sessions/" + base.split("/sessions/")[1]
+    msgs = [{"role": "user", "content": QUESTION}]
+    cases = [("messages", {"model": "m", "max_tokens": 64, "messages": msgs, "tools": ANTHROPIC_TOOLS}),
+             ("messages", {"model": "m", "messages": msgs}), ("messages", b"{not json"),
+             ("responses", {"model": "m", "input": QUESTION, "tools": RESPONSES_TOOLS}),
+             ("responses", {"model": "m", "input": 3})]
+    app = TestClient(create_app(proxy.registry), raise_server_exceptions=False)
+    for (route, body), key in zip(cases * 2, [{"x-api-key": session.api_key}] * 5 + [{"x-api-key": "sk-no"}] * 5):
+        kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+        fast = httpx.post(f"{base}/{route}", headers=key, **kw)
+        slow = app.post(f"{path}/{route}", headers=key, **kw)
+        assert fast.status_code == slow.status_code, (route, body)
+        assert _strip(fast.json()) == _strip(slow.json()), (route, body)
+
+
+def _strip(reply: dict) -> dict:
+    """A reply without its per-call random ids and times."""
+    text = json.dumps(reply)
+    for key in ("id", "created_at", "call_id"):
+        text = re.sub(rf'"{key}": "?[\w-]+"?', f'"{key}": 0', text)
+    return json.loads(text)
+
+
+# ---------------------------------------------------------------------------- axrl serve
+
+@pytest.fixture(scope="module")
+def serve(tok):
+    """`axrl serve`'s app over a tiny random-init engine, in process (the SDKs talk to it through
+    Starlette's TestClient as their HTTP client)."""
+    from fastapi.testclient import TestClient
+
+    from axrl.inference.serve.serve_app import create_app
+    from axrl.inference.serve.state import AxrlServer, ServeConfig
+
+    server = AxrlServer(tiny_engine(tok), ServeConfig(model_path="tiny", max_running_requests=8), tok)
+    with TestClient(create_app(server)) as http:
+        yield http
+
+
+def test_serve_answers_both_apis_as_its_chat_path(serve):
+    msgs = [{"role": "user", "content": "What is 2 + 2?"}]
+    chat = serve.post("/v1/chat/completions", json={"model": "tiny", "messages": msgs, "max_tokens": 8,
+                                                    "temperature": 0}).json()
+    text, usage = chat["choices"][0]["message"]["content"], chat["usage"]
+    claude_client = anthropic.Anthropic(base_url="http://testserver", api_key="-", http_client=serve, max_retries=0)
+    kw = dict(model="tiny", max_tokens=8, messages=msgs, extra_body={"temperature": 0})
+    message = claude_client.messages.create(**kw)
+    assert message.content[0].text == text and message.model == "tiny"
+    assert (message.usage.input_tokens, message.usage.output_tokens) == (usage["prompt_tokens"],
+                                                                         usage["completion_tokens"])
+    with claude_client.messages.stream(**kw) as events:
+        assert events.get_final_message().model_dump(exclude={"id"}) == message.model_dump(exclude={"id"})
+    gpt_client = openai.OpenAI(base_url="http://testserver/v1", api_key="-", http_client=serve, max_retries=0)
+    response = gpt_client.responses.create(model="tiny", input=msgs, max_output_tokens=8, temperature=0)
+    assert response.output_text == text and response.usage.total_tokens == usage["total_tokens"]
+    assert response.status == ("incomplete" if chat["choices"][0]["finish_reason"] == "length" else "completed")
+    events = list(gpt_client.responses.create(model="tiny", input=msgs, max_output_tokens=8, temperature=0,
+                                              stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
+
+
+def test_serve_errors_are_each_apis_own(serve):
+    claude_client = anthropic.Anthropic(base_url="http://testserver", api_key="-", http_client=serve, max_retries=0)
+    with pytest.raises(anthropic.NotFoundError) as e:
+        claude_client.messages.create(model="other", max_tokens=8, messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["error"]["type"] == "not_found_error" and "model" in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError, match="messages"):
+        claude_client.messages.create(model="tiny", max_tokens=8, messages=[])
+    gpt_client = openai.OpenAI(base_url="http://testserver/v1", api_key="-", http_client=serve, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        gpt_client.responses.create(model="tiny", input="x", temperature=3)
+    assert e.value.body["param"] == "temperature"

@@ -54,7 +54,8 @@ def to_chat(body: Any) -> dict[str, Any]:
                             "max_tokens": schema.integer(body, "max_tokens", 1, 1 << 20)}
     if body.get("model") is not None:
         chat["model"] = body["model"]
-    schema.number(body, "temperature", 0.0, 1.0)
+    schema.number(body, "temperature", 0.0, 1.0)  # Anthropic's ranges, whatever the backend would take
+    schema.number(body, "top_p", 0.0, 1.0)
     chat.update({k: body[k] for k in ("temperature", "top_p") if body.get(k) is not None})
     stops = body.get("stop_sequences")
     if stops is not None:

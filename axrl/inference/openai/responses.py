@@ -48,6 +48,8 @@ def to_chat(body: Any) -> dict[str, Any]:
         raise bad("instructions", "must be a string")
     system = [{"role": "system", "content": instructions}] if instructions else []
     chat: dict[str, Any] = {"messages": system + _items(body.get("input"))}
+    schema.number(body, "temperature", 0.0, 2.0)  # OpenAI's ranges, whatever the backend would take
+    schema.number(body, "top_p", 0.0, 1.0)
     chat.update({k: body[k] for k in ("model", "temperature", "top_p") if body.get(k) is not None})
     chat["max_tokens"] = schema.integer(body, "max_output_tokens", 1, 1 << 20)
     if chat["max_tokens"] is None:
