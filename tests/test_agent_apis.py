@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import anthropic
 import openai
@@ -319,3 +320,56 @@ def test_serve_errors_are_each_apis_own(serve):
     with pytest.raises(openai.BadRequestError) as e:
         gpt_client.responses.create(model="tiny", input="x", temperature=3)
     assert e.value.body["param"] == "temperature"
+
+
+# ---------------------------------------------------------------------------- the example agents
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = {"anthropic": "examples/agents/calculator_agent_anthropic.py",
+            "responses": "examples/agents/calculator_agent_responses.py"}
+
+
+@pytest.mark.parametrize("api", sorted(EXAMPLES))
+def test_the_example_agents_run_unmodified_and_are_scored(tok, api):
+    """Each example agent as a process per episode (the SDK only, configured by the environment
+    AxRL sets), scored by the calculator verifier: two calls, one token stream."""
+    import asyncio
+
+    from axrl.agents.tasks import TASKS
+    from axrl.rollout.blackbox import AgentSpec, BlackBoxPlayer, load_callable
+
+    source = (ROOT / EXAMPLES[api]).read_text()
+    assert "import axrl" not in source and "from axrl" not in source
+    verifier = load_callable(f"{ROOT / 'examples/agents/calculator_reward.py'}:score", "agent.verifier")
+    engine = ScriptedEngine(calculator_policy(tok))
+    sampling = SamplingParams(max_new_tokens=48, stop_token_ids=tok.stop_token_ids, seed=11)
+    with ProxyServer(tok) as proxy:
+        player = BlackBoxPlayer(AgentSpec(command=["python", str(ROOT / EXAMPLES[api])], verifier=verifier),
+                                proxy, max_context_len=512)
+        traj = asyncio.run(player.play(engine, sample_id=3, group_id=1, prompt=TASKS["calculator"]().prompt(0, 4),
+                                       sampling=sampling, return_routing=False))
+    assert traj.status == "ok", traj.error
+    assert traj.reward == 1.0 and traj.num_turns == 2 and not traj.forks and traj.drift_tokens == 0
+    first, second = engine.requests
+    assert second.input_ids[:len(first.input_ids)] == first.input_ids
+    assert traj.token_ids.tolist() == second.input_ids + calculator_policy(tok)(second.input_ids)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("api", sorted(EXAMPLES))
+def test_axrl_train_with_each_example_config(tmp_path, api):
+    """`axrl train examples/blackbox_<api>.yaml`, shortened: two steps, every session recorded."""
+    import os
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "axrl.cli", "train", str(ROOT / f"examples/blackbox_{api}.yaml"), "--run-dir",
+           str(run), "--set", "steps=2", "--set", "warmup.steps=4", "--set", "eval.every=0",
+           "--set", "data.prompts_per_step=2", "--set", "rollout.group_size=2", "--set", "model.preset=micro-moe"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=800,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["sessions"] == 4 and r["failed"] == 0 for r in rows), rows
