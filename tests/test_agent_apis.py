@@ -147,6 +147,8 @@ def test_messages_errors_are_anthropic_shaped_and_name_the_field(proxy, tok):
     cases = [(dict(max_tokens=8, messages=[{"role": "robot", "content": "x"}]), "messages[0].role"),
              (dict(max_tokens=8, messages=msgs, extra_body={"temperature": 1.5}), "temperature"),
              (dict(max_tokens=8, messages=msgs, tools=[{"input_schema": SCHEMA}]), "tools[0].name"),
+             (dict(max_tokens=8, messages=msgs, tools=[{"name": "f", "input_schema": "{}"}]),
+              "tools[0].input_schema"),
              (dict(max_tokens=8, messages=msgs, stop_sequences=[""]), "stop_sequences"),
              (dict(max_tokens=8, messages=[{"role": "user", "content": [{"type": "image"}]}]),
               "messages[0].content[0]")]
@@ -373,3 +375,46 @@ def test_axrl_train_with_each_example_config(tmp_path, api):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["sessions"] == 4 and r["failed"] == 0 for r in rows), rows
+
+
+# ---------------------------------------------------------------------------- the translations alone
+
+def test_messages_translate_into_the_chat_form():
+    from axrl.inference.openai.anthropic_messages import to_chat
+
+    chat = to_chat({"model": "m", "max_tokens": 9, "system": [{"type": "text", "text": "Be exact."}],
+                    "stop_sequences": ["\n\n"], "tool_choice": {"type": "any"}, "tools": ANTHROPIC_TOOLS,
+                    "messages": [{"role": "user", "content": "What is 2 + 2?"},
+                                 {"role": "assistant", "content": [
+                                     {"type": "text", "text": "Computing."},
+                                     {"type": "tool_use", "id": "t1", "name": "calculator",
+                                      "input": {"expression": "2 + 2"}}]},
+                                 {"role": "user", "content": [
+                                     {"type": "tool_result", "tool_use_id": "t1",
+                                      "content": [{"type": "text", "text": "4"}]},
+                                     {"type": "text", "text": "And now?"}]}]})
+    assert chat["messages"] == [
+        {"role": "system", "content": "Be exact."}, {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "Computing.", "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2 + 2"}'}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "4"}, {"role": "user", "content": "And now?"}]
+    assert chat["tools"] == [{"type": "function", "function": {"name": "calculator", "parameters": SCHEMA,
+                                                                "description": "exact arithmetic"}}]
+    assert (chat["max_tokens"], chat["stop"], chat["tool_choice"]) == (9, ["\n\n"], "required")
+
+
+def test_responses_input_items_translate_into_the_chat_form():
+    from axrl.inference.openai.responses import to_chat
+
+    chat = to_chat({"instructions": "Be exact.", "max_output_tokens": 5, "tools": RESPONSES_TOOLS, "input": [
+        {"type": "message", "role": "developer", "content": "Use tools."},
+        {"role": "user", "content": [{"type": "input_text", "text": "What is 2 + 2?"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Computing."}]},
+        {"type": "function_call", "call_id": "c1", "name": "calculator", "arguments": '{"expression": "2+2"}'},
+        {"type": "function_call", "call_id": "c2", "name": "calculator", "arguments": '{"expression": "1"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "4"},
+        {"type": "function_call_output", "call_id": "c2", "output": "1"}]})
+    calls = [c["id"] for c in chat["messages"][3]["tool_calls"]]
+    assert [m["role"] for m in chat["messages"]] == ["system", "system", "user", "assistant", "tool", "tool"]
+    assert chat["messages"][3]["content"] == "Computing." and calls == ["c1", "c2"]
+    assert chat["max_tokens"] == 5 and chat["tools"][0]["function"]["parameters"] == SCHEMA

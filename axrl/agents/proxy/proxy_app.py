@@ -11,9 +11,10 @@
     POST /v1/trajectories                       token-level trajectories (axrl.agents.proxy.service)
     GET  /health
 
-Every `/sessions/{id}/…` route checks `Authorization: Bearer <the session's key>` (401), an
-unknown session is a 404, a malformed request a 400 naming the field, a call to an ended session
-a 409 — all as OpenAI error objects, never a traceback, and an error never ends the session.
+Every `/sessions/{id}/…` route checks `Authorization: Bearer <the session's key>` (401; on the
+model calls `x-api-key: <key>` too, as Anthropic's SDK sends it), an unknown session is a 404, a
+malformed request a 400 naming the field, a call to an ended session a 409 — all as OpenAI error
+objects (Anthropic's on `/v1/messages`), never a traceback, and an error never ends the session.
 While the registry's admission gate refuses new calls (the staleness bound) a call gets 429 with
 `Retry-After`.
 """

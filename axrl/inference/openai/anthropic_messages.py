@@ -67,8 +67,7 @@ def to_chat(body: Any) -> dict[str, Any]:
     if tools is not None:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise bad("tools", "must be a list of tool definitions")
-        chat["tools"] = [function_tool(f"tools[{i}]", t.get("name"), t.get("description"), t.get("input_schema"))
-                         for i, t in enumerate(tools)]
+        chat["tools"] = [function_tool(f"tools[{i}]", t, "input_schema") for i, t in enumerate(tools)]
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     return chat

@@ -67,7 +67,7 @@ def to_chat(body: Any) -> dict[str, Any]:
 def _tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
     if tool.get("type") != "function":
         raise bad(f"tools[{i}].type", f"only function tools are supported, got {tool.get('type')!r}")
-    return function_tool(f"tools[{i}]", tool.get("name"), tool.get("description"), tool.get("parameters"))
+    return function_tool(f"tools[{i}]", tool, "parameters")
 
 
 def _tool_choice(choice: Any) -> Any:

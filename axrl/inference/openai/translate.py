@@ -39,14 +39,16 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
-def function_tool(field: str, name: Any, description: Any, parameters: Any) -> dict[str, Any]:
-    """An OpenAI chat tool definition from an API's tool fields (`field` names it in errors)."""
+def function_tool(field: str, tool: dict[str, Any], schema_key: str) -> dict[str, Any]:
+    """An OpenAI chat tool definition from an API's tool (`field` names it in errors; its JSON
+    schema is `tool[schema_key]`)."""
+    name, description, parameters = tool.get("name"), tool.get("description"), tool.get(schema_key)
     if not isinstance(name, str) or not name:
         raise bad(f"{field}.name", "must be a non-empty string")
     if description is not None and not isinstance(description, str):
         raise bad(f"{field}.description", "must be a string")
     if parameters is not None and not isinstance(parameters, dict):
-        raise bad(f"{field}", "the parameter schema must be a JSON-schema object")
+        raise bad(f"{field}.{schema_key}", "must be a JSON-schema object")
     function: dict[str, Any] = {"name": name, "parameters": parameters or {"type": "object", "properties": {}}}
     if description:
         function["description"] = description
