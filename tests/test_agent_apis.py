@@ -146,6 +146,7 @@ def test_messages_errors_are_anthropic_shaped_and_name_the_field(proxy, tok):
     msgs = [{"role": "user", "content": QUESTION}]
     cases = [(dict(max_tokens=8, messages=[{"role": "robot", "content": "x"}]), "messages[0].role"),
              (dict(max_tokens=8, messages=msgs, extra_body={"temperature": 1.5}), "temperature"),
+             (dict(max_tokens=8, messages=msgs + [{"role": "assistant", "content": "The"}]), "messages[1].role"),
              (dict(max_tokens=8, messages=msgs, tools=[{"input_schema": SCHEMA}]), "tools[0].name"),
              (dict(max_tokens=8, messages=msgs, tools=[{"name": "f", "input_schema": "{}"}]),
               "tools[0].input_schema"),

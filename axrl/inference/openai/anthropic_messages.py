@@ -96,6 +96,8 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(blocks, list):
             raise bad(f"messages[{i}].content", f"must be a string or a list of content blocks, got {content!r}")
         out.extend(_user(i, blocks) if role == "user" else [_assistant(i, blocks)])
+    if messages[-1]["role"] == "assistant":  # the chat path starts a new turn; it cannot continue one
+        raise bad(f"messages[{len(messages) - 1}].role", "a final assistant message (prefill) is not supported")
     return out
 
 
