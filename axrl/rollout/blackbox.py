@@ -1,8 +1,8 @@
 """Black-box episodes: the user's agent runs against a session of the recording proxy.
 
 An episode is one run of the agent on one prompt: a command started once per episode (with
-`OPENAI_BASE_URL` / `OPENAI_API_KEY` set to its own session, the prompt on stdin or as the last
-argument) or a Python callable `agent(base_url, api_key, prompt)` run in a thread. The agent
+`OPENAI_BASE_URL` / `OPENAI_API_KEY` — and `ANTHROPIC_BASE_URL` / `ANTHROPIC_API_KEY` — set to
+its own session, the prompt on stdin or as the last argument) or a Python callable `agent(base_url, api_key, prompt)` run in a thread. The agent
 knows nothing of AxRL; everything it asks the model goes through its session, whose calls go
 through this episode's engine handle — so the rollout worker's admission (the staleness bound),
 weight updates and partial-rollout policy treat it exactly like a white-box episode.
@@ -200,7 +200,10 @@ class BlackBoxPlayer:
                 return {"exit_code": None, "error": f"agent raised {type(e).__name__}: {e}", "stderr": ""}
             return {"exit_code": 0, "error": None, "stderr": ""}
         env = {**os.environ, **self.agent.env, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": session.api_key,
-               "OPENAI_MODEL": self.proxy.registry.model_name, "AXRL_SESSION_ID": session.id}
+               "OPENAI_MODEL": self.proxy.registry.model_name, "AXRL_SESSION_ID": session.id,
+               # Anthropic's SDK appends /v1/messages itself: its base URL is the session's root
+               "ANTHROPIC_BASE_URL": base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": session.api_key,
+               "ANTHROPIC_MODEL": self.proxy.registry.model_name}
         argv = agent_argv(self.agent.command or []) + ([text] if self.agent.prompt_via == "argument" else [])
         try:
             proc = await asyncio.to_thread(self._start, argv, env)

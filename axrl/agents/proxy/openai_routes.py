@@ -30,15 +30,13 @@ import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from starlette.requests import ClientDisconnect
-from starlette.types import ASGIApp, Receive, Scope, Send
+from fastapi.responses import Response
 
 from axrl.agents.proxy.registry import SessionPolicy, SessionRegistry
 from axrl.agents.proxy.session import Prepared, Session, SessionError
 from axrl.inference.openai import replies, schema
-from axrl.inference.openai.errors import ApiError, bad, openai_error_body
-from axrl.inference.openai.http import error_response, json_body, json_or_sse, parse_json
+from axrl.inference.openai.errors import ApiError, bad
+from axrl.inference.openai.http import json_body, json_or_sse
 from axrl.inference.openai.stops import cut_at_stop, parse_stops
 from axrl.inference.openai.streaming import Final, Progress, sse_stream
 from axrl.inference.protocol import GenerateRequest, GenerateResult
@@ -73,8 +71,8 @@ def add_openai_routes(app: FastAPI, registry: SessionRegistry) -> None:
                            param="model", code="model_not_found")
         return {"id": model, "object": "model", "created": 0, "owned_by": "axrl"}
 
-    # The routes of record; `ProxyServer` serves these two through `CallRoutes` (same handlers,
-    # without FastAPI's middleware and routing on the hot path).
+    # The routes of record; `ProxyServer` serves the model calls through `CallRoutes` (same
+    # handlers, without FastAPI's middleware and routing on the hot path).
     @app.post("/sessions/{session_id}/v1/chat/completions")
     async def chat_route(request: Request, session_id: str) -> Response:
         session, policy = authorize(request, session_id, calls=True)
@@ -101,13 +99,14 @@ async def chat(session: Session, policy: SessionPolicy, body: Any, model: str) -
     results = await _generate(session, _requests(session, policy, body, prep, "max_completion_tokens"))
     choices, finals, kept = [], [], 0
     for k, res in enumerate(results):
-        ids, text, finish = _cut(session, res, stops, chat=True)
+        ids, text, finish, matched = _cut(session, res, stops, chat=True)
         content, calls = replies.tool_calls_of(session.tokenizer, tools, text)
         message = replies.assistant_message(content, calls)
         session.record(prep, res, reply=message, text=text, output_ids=ids)
         kept += len(ids)
         reason = replies.finish_reason(finish, tool_calls=bool(calls), abort="stop")
-        choices.append(replies.chat_choice(k, message, reason))
+        # matched_stop (as `axrl serve` and SGLang say it): which stop string ended the reply
+        choices.append({**replies.chat_choice(k, message, reason), "matched_stop": matched})
         finals.append(Final(content, reason, calls))
     return _reply(replies.Envelope(chat=True, model=model), body, choices, finals,
                   replies.usage(len(prep.prompt_ids), kept))
@@ -129,7 +128,7 @@ async def completion(session: Session, policy: SessionPolicy, body: Any, model: 
     results = await _generate(session, _requests(session, policy, body, prep, "max_tokens"))
     finals, kept = [], 0
     for res in results:
-        out, text, finish = _cut(session, res, stops, chat=False)
+        out, text, finish, _ = _cut(session, res, stops, chat=False)
         session.record(prep, res, reply=None, text=text, output_ids=out)
         kept += len(out)
         finals.append(Final(text, replies.finish_reason(finish, tool_calls=False, abort="stop")))
@@ -205,8 +204,10 @@ async def _generate(session: Session, requests: list[GenerateRequest]) -> list[G
 
 # ---------------------------------------------------------------------------- replies
 
-def _cut(session: Session, res: GenerateResult, stops: list[str], chat: bool) -> tuple[list[int], str, str]:
-    """(kept ids, reply text, finish type): the reply cut at its first stop string (finish "stop")."""
+def _cut(session: Session, res: GenerateResult, stops: list[str],
+         chat: bool) -> tuple[list[int], str, str, str | None]:
+    """(kept ids, reply text, finish type, the stop string matched): the reply cut at its first
+    stop string (finish "stop")."""
     ids = list(res.output_ids)
 
     def text_of(x: list[int]) -> str:
@@ -214,8 +215,8 @@ def _cut(session: Session, res: GenerateResult, stops: list[str], chat: bool) ->
 
     cut = cut_at_stop(ids, text_of, stops)
     if cut is None:
-        return ids, text_of(ids), res.finish_type
-    return ids[:cut.keep], cut.text, "stop"
+        return ids, text_of(ids), res.finish_type, None
+    return ids[:cut.keep], cut.text, "stop", cut.matched
 
 
 def _reply(envelope: replies.Envelope, body: dict[str, Any], choices: list[dict[str, Any]], finals: list[Final],
@@ -229,61 +230,3 @@ def _reply(envelope: replies.Envelope, body: dict[str, Any], choices: list[dict[
 
     wanted = schema.include_usage(body, known=None)
     return sse_stream(envelope, len(finals), once(), (lambda: usage) if wanted else None)
-
-
-# ---------------------------------------------------------------------------- the fast path
-
-_CALLS = (("/v1/chat/completions", chat), ("/v1/completions", completion))
-
-
-class CallRoutes:
-    """ASGI: `POST /sessions/{id}/v1/chat/completions` and `/v1/completions` answered straight by
-    `chat` / `completion`, every other request passed to `app` (the FastAPI app, which has the
-    same two routes). The reply is the route's, byte for byte: the same authorization, body
-    parsing, handlers and `ApiError` / 500 bodies — without FastAPI's middleware stack, router and
-    dependency solving (~0.15 ms of the proxy's ~0.5 ms of Python per call, in the engine's
-    process)."""
-
-    def __init__(self, app: ASGIApp, registry: SessionRegistry) -> None:
-        self.app, self.registry = app, registry
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
-            path = scope["path"]
-            if path.startswith("/sessions/"):
-                for suffix, handler in _CALLS:
-                    if path.endswith(suffix):
-                        session_id = path[len("/sessions/"):-len(suffix)]
-                        if session_id and "/" not in session_id:
-                            return await self._call(handler, session_id, scope, receive, send)
-                        break
-        await self.app(scope, receive, send)
-
-    async def _call(self, handler: Any, session_id: str, scope: Scope, receive: Receive, send: Send) -> None:
-        authorization = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), "")
-        try:
-            session, policy = self.registry.authorize(session_id, authorization, calls=True)
-            body = parse_json(await _read_body(receive))
-            response = json_or_sse(await handler(session, policy, body, self.registry.model_name))
-        except ApiError as e:
-            response = error_response(e, openai_error_body)
-        except Exception as e:  # noqa: BLE001 — as the app's handler: a 500 body, never a traceback to the agent
-            await JSONResponse(openai_error_body(ApiError(500, f"{type(e).__name__}: {e}")),
-                               status_code=500)(scope, receive, send)
-            raise  # ... and, as Starlette's ServerErrorMiddleware, logged by the server
-        await response(scope, receive, send)
-
-
-async def _read_body(receive: Receive) -> bytes:
-    """The request body (Starlette's `Request.body`: a disconnect raises `ClientDisconnect`)."""
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.request":
-            if message.get("body"):
-                chunks.append(message["body"])
-            if not message.get("more_body", False):
-                return b"".join(chunks)
-        elif message["type"] == "http.disconnect":
-            raise ClientDisconnect()
-

@@ -3,6 +3,8 @@
     GET  /sessions/{id}/v1/models                (axrl.agents.proxy.openai_routes)
     POST /sessions/{id}/v1/chat/completions
     POST /sessions/{id}/v1/completions
+    POST /sessions/{id}/v1/messages              Anthropic Messages (axrl.agents.proxy.api_routes)
+    POST /sessions/{id}/v1/responses             OpenAI Responses
     POST /sessions/{id}/reward                  {"reward": float, "turn": int (optional: per-turn)}
     POST /sessions/{id}/end                     {"failed": bool, "error": str} (both optional)
     GET  /sessions/{id}                         the session's turns, forks and drift (debugging)
@@ -10,9 +12,10 @@
                                                 run's agent key: the service's or a live session's)
     GET  /health
 
-Every `/sessions/{id}/…` route checks `Authorization: Bearer <the session's key>` (401), an
-unknown session is a 404, a malformed request a 400 naming the field, a call to an ended session
-a 409 — all as OpenAI error objects, never a traceback, and an error never ends the session.
+Every `/sessions/{id}/…` route checks `Authorization: Bearer <the session's key>` (401; on the
+model calls `x-api-key: <key>` too, as Anthropic's SDK sends it), an unknown session is a 404, a
+malformed request a 400 naming the field, a call to an ended session a 409 — all as OpenAI error
+objects (Anthropic's on `/v1/messages`), never a traceback, and an error never ends the session.
 While the registry's admission gate refuses new calls (the staleness bound) a call gets 429 with
 `Retry-After`.
 """
@@ -25,6 +28,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from axrl.agents.proxy.api_routes import add_api_routes
 from axrl.agents.proxy.openai_routes import add_openai_routes
 from axrl.agents.proxy.registry import SessionRegistry
 from axrl.agents.proxy.session import SessionError
@@ -42,6 +46,7 @@ def create_app(registry: SessionRegistry) -> FastAPI:
         return JSONResponse(openai_error_body(ApiError(500, f"{type(exc).__name__}: {exc}")), status_code=500)
 
     add_openai_routes(app, registry)
+    add_api_routes(app, registry)
     _add_session_routes(app, registry)
     _add_service_routes(app, registry)
     return app

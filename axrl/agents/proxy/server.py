@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import uvicorn
 
-from axrl.agents.proxy.openai_routes import CallRoutes
+from axrl.agents.proxy.call_routes import CallRoutes
 from axrl.agents.proxy.proxy_app import create_app
 from axrl.agents.proxy.coalesce import CallCoalescer
 from axrl.agents.proxy.registry import SessionPolicy, SessionRegistry

@@ -13,7 +13,14 @@ Shared pieces, each with one job (none knows where its tokens come from):
 
 An API shape is one module of routes + request/response translation over these pieces and a
 backend: `axrl.inference.serve.openai_routes` (over `axrl serve`'s engine) and
-`axrl.agents.proxy.openai_routes` (over a recording session). A new shape (Anthropic
-`/v1/messages`, OpenAI `/v1/responses`) adds its own module beside them and reuses the rest.
+`axrl.agents.proxy.openai_routes` (over a recording session). Other APIs are translations onto
+the chat path, one module each (`translate` holds what they share):
+
+- `anthropic_messages`: Anthropic's `/v1/messages` (request → chat body, chat reply → message,
+  its SSE events, Anthropic's error object);
+- `responses` (+ `responses_stream`, its events): OpenAI's `/v1/responses`.
+
+Both backends serve them through their own chat handler (`axrl.agents.proxy.api_routes`,
+`axrl.inference.serve.api_routes`), so generation and recording stay in one place.
 This package never imports `axrl.agents` (the proxy imports it, not the other way round).
 """

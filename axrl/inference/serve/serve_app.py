@@ -7,7 +7,8 @@ endpoints, grouped by concern (SGLang field names and semantics, see docs/sglang
 
 - generation, abort, KV-cache memory, health and info: `sglang_routes`;
 - weight sync (from disk, from the trainer's process group): `weight_routes`;
-- OpenAI `/v1/completions`, `/v1/chat/completions`: `openai_routes`.
+- OpenAI `/v1/completions`, `/v1/chat/completions`: `openai_routes`;
+- Anthropic `/v1/messages`, OpenAI `/v1/responses` (translated into chat calls): `api_routes`.
 
 Errors are SGLang's error object `{"object": "error", "message", "type", "code"}` with status
 400 for bad input (404 for a model not served); the message names the offending field.
@@ -23,6 +24,7 @@ from fastapi.responses import JSONResponse
 
 from axrl.inference.openai.errors import sglang_error_body
 from axrl.inference.openai.http import handle_api_errors
+from axrl.inference.serve.api_routes import add_api_routes
 from axrl.inference.serve.openai_routes import add_openai_routes
 from axrl.inference.serve.sglang_routes import add_generation_routes, add_info_routes
 from axrl.inference.serve.state import AxrlServer
@@ -57,4 +59,5 @@ def create_app(server: AxrlServer) -> FastAPI:
     add_weight_group_routes(app, server)
     add_distributed_weight_routes(app, server)
     add_openai_routes(app, server)
+    add_api_routes(app, server)
     return app
