@@ -1,0 +1,156 @@
+"""slime (THUDM/slime) and miles (radixark/miles, slime's descendant) dumps → an AxRL run.
+
+Written with ``--dump-details DIR`` or ``--save-debug-rollout-data`` + ``--save-debug-train-data``
+(``torch.save`` pickles; field facts: docs/import.md):
+
+* rollout dump ``{rollout_id, samples: [Sample.to_dict()]}``: per sample ``tokens`` (prompt +
+  response), ``response_length``, ``loss_mask`` and ``rollout_log_probs`` (response only; tool/env
+  spans hold 0.0), ``reward``, ``index``, ``group_index``, ``rollout_routed_experts``
+  ([len(tokens) − 1, layers, k], the engine's experts of every token fed as input);
+* train dump (format 2) ``{format_version: 2, rollout_id, rank, samples: [...]}``, one per rank:
+  per sample ``sample_index`` (= the rollout sample's ``index``), ``log_probs`` (the trainer's),
+  ``ref_log_probs``, ``advantages``, ``loss_masks``, ``rewards`` (response only).
+
+miles writes one train dump per rank and splits a sample's tokens over context-parallel ranks:
+the pieces of one ``sample_index`` are put back together in rank order (``cp_rank`` when the
+dump says it, else ``rank``). slime's log probs are at the token's own position (no shift).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from .common import ImportedStep, ImportOptions, need, scalar, vector
+from .safe_load import ImportFormatError, as_numpy, load_dump
+
+ENGINE, BACKEND = "sglang", "megatron"
+ABSENT = ["trainer routing (/routing/train)", "per-update metrics (/train/updates)", "entropy",
+          "weight fingerprints"]
+
+
+def _dump_files(src: Path) -> list[Path]:
+    if src.is_file():
+        return [src]
+    files = sorted(p for p in src.rglob("*.pt") if p.is_file())
+    if not files:
+        raise ImportFormatError(f"{src}: no *.pt dump in it")
+    return files
+
+
+def _classify(files: list[Path], options: ImportOptions) -> tuple[dict[int, tuple[Path, Any]], dict[int, list[tuple[Path, Any]]]]:
+    """Rollout dumps by rollout id, and the train dumps (all ranks) by rollout id."""
+    rollouts: dict[int, tuple[Path, Any]] = {}
+    train: dict[int, list[tuple[Path, Any]]] = defaultdict(list)
+    for f in files:
+        d = load_dump(f, trust=options.trust_pickle)
+        if not isinstance(d, dict) or "samples" not in d:
+            raise ImportFormatError(f"{f}: not a slime dump (expected a dict with 'rollout_id' and 'samples')")
+        rid = int(scalar(d, "rollout_id", str(f)))
+        if "rank" in d or "format_version" in d:
+            if d.get("format_version", 2) != 2:
+                raise ImportFormatError(f"{f}: train dump format_version {d['format_version']} (this importer reads 2)")
+            train[rid].append((f, d))
+        elif rid in rollouts:
+            raise ImportFormatError(f"{f}: a second rollout dump of rollout {rid} (first: {rollouts[rid][0]})")
+        else:
+            rollouts[rid] = (f, d)
+    return rollouts, train
+
+
+def _train_by_index(dumps: list[tuple[Path, Any]]) -> dict[int, dict[str, Any]]:
+    """The train dumps' samples by ``sample_index``; context-parallel pieces concatenated in rank order."""
+    pieces: dict[int, list[tuple[int, str, dict]]] = defaultdict(list)
+    for f, d in dumps:
+        order = int(d.get("cp_rank", d.get("rank", 0)))
+        for j, s in enumerate(need(d, "samples", str(f))):
+            where = f"{f}: samples[{j}]"
+            pieces[int(scalar(s, "sample_index", where))].append((order, where, s))
+    out = {}
+    for idx, parts in pieces.items():
+        parts.sort(key=lambda p: p[0])
+        if len(parts) == 1:
+            out[idx] = {**parts[0][2], "_where": parts[0][1]}
+            continue
+        merged = {"_where": " + ".join(p[1] for p in parts)}
+        for key in ("log_probs", "ref_log_probs", "advantages", "loss_masks"):
+            if all(key in p[2] and p[2][key] is not None for p in parts):
+                merged[key] = np.concatenate([vector(p[2], key, p[1]) for p in parts])
+        out[idx] = merged
+    return out
+
+
+def _response(s: dict, key: str, where: str, n: int, optional: bool = False) -> np.ndarray | None:
+    """A response-only per-token field of length ``n`` (None when optional and absent)."""
+    if optional and s.get(key) is None:
+        return None
+    return vector(s, key, where, n)
+
+
+def _sample(s: dict, where: str, train: dict[str, Any] | None) -> dict[str, Any]:
+    """One sample's arrays (response-only logprobs, full-length tokens)."""
+    tokens = vector(s, "tokens", where, dtype=np.int64)
+    n = int(scalar(s, "response_length", where))
+    if not 0 <= n <= tokens.size:
+        raise ImportFormatError(f"{where}: response_length {n} outside [0, len(tokens)={tokens.size}]")
+    out: dict[str, Any] = {
+        "tokens": tokens, "prompt_len": tokens.size - n, "reward": scalar(s, "reward", where),
+        "mask": vector(s, "loss_mask", where, n, np.int64), "rollout": vector(s, "rollout_log_probs", where, n),
+        "index": int(scalar(s, "index", where)), "group": int(scalar(s, "group_index", where)),
+        "trainer": None, "ref": None, "advantages": np.zeros(n),
+    }
+    routed = s.get("rollout_routed_experts")
+    if routed is not None:
+        r = as_numpy(routed, f"{where}.rollout_routed_experts")
+        if r.ndim != 3 or r.shape[0] != tokens.size - 1:
+            raise ImportFormatError(f"{where}: field 'rollout_routed_experts' has shape {r.shape}, "
+                                    f"expected ({tokens.size - 1}, layers, k) (len(tokens) - 1)")
+        out["routing"] = r.astype(np.int64)
+    if train is not None:
+        tw = train["_where"]
+        out["trainer"] = _response(train, "log_probs", tw, n)
+        out["ref"] = _response(train, "ref_log_probs", tw, n, optional=True)
+        adv = _response(train, "advantages", tw, n, optional=True)
+        out["advantages"] = out["advantages"] if adv is None else adv
+    return out
+
+
+def _step(rid: int, f: Path, dump: Any, train_dumps: list[tuple[Path, Any]]) -> ImportedStep:
+    """The step of rollout ``rid``: rollout samples joined with their train-dump samples."""
+    train = _train_by_index(train_dumps) if train_dumps else {}
+    samples = [_sample(s, f"{f}: samples[{i}]", train.get(int(s.get("index", -1))) if train else None)
+               for i, s in enumerate(need(dump, "samples", str(f)))]
+    if train:
+        unmatched = sorted(set(train) - {x["index"] for x in samples})
+        if unmatched:
+            raise ImportFormatError(f"train dump(s) of rollout {rid}: sample_index {unmatched[:5]} not in {f}")
+        missing = [x["index"] for x in samples if x["trainer"] is None]
+        if missing:
+            raise ImportFormatError(f"{f}: samples with index {missing[:5]} have no train-dump sample (sample_index)")
+    routed = [x.get("routing") for x in samples]
+    return ImportedStep(
+        step=rid, token_ids=[x["tokens"] for x in samples], loss_mask=[x["mask"] for x in samples],
+        rollout_logprobs=[x["rollout"] for x in samples],
+        trainer_logprobs=[x["trainer"] for x in samples] if train else None,
+        advantages=[x["advantages"] for x in samples], rewards=[x["reward"] for x in samples],
+        group_ids=[x["group"] for x in samples], prompt_lens=[x["prompt_len"] for x in samples],
+        ref_logprobs=[x["ref"] for x in samples] if train and all(x["ref"] is not None for x in samples) else None,
+        routing=routed if all(r is not None for r in routed) else None,
+        sample_ids=[x["index"] for x in samples],
+        files=[str(f)] + [str(p) for p, _ in train_dumps])
+
+
+def read_steps(src: Path, options: ImportOptions) -> Iterator[ImportedStep]:
+    """The steps of a slime/miles dump directory (or one rollout dump file), by rollout id."""
+    rollouts, train = _classify(_dump_files(Path(src)), options)
+    if not rollouts:
+        raise ImportFormatError(f"{src}: no rollout dump (train dumps alone lack the tokens and rollout logprobs)")
+    orphans = sorted(set(train) - set(rollouts))
+    if orphans:
+        raise ImportFormatError(f"{src}: train dumps of rollout(s) {orphans[:5]} have no rollout dump")
+    for rid in sorted(rollouts):
+        f, dump = rollouts[rid]
+        yield _step(rid, f, dump, train.get(rid, []))
