@@ -41,10 +41,12 @@ def _dump_files(src: Path) -> list[Path]:
     return files
 
 
-def _classify(files: list[Path], options: ImportOptions) -> tuple[dict[int, tuple[Path, Any]], dict[int, list[tuple[Path, Any]]]]:
-    """Rollout dumps by rollout id, and the train dumps (all ranks) by rollout id."""
-    rollouts: dict[int, tuple[Path, Any]] = {}
-    train: dict[int, list[tuple[Path, Any]]] = defaultdict(list)
+def _classify(files: list[Path], options: ImportOptions) -> tuple[dict[int, Path], dict[int, list[Path]]]:
+    """Rollout dump files by rollout id, and the train dump files (all ranks) by rollout id. Only
+    the file names are kept: a step's dumps are loaded again when it is written, so one step's
+    dumps are in memory at a time (dumps with routing run to gigabytes)."""
+    rollouts: dict[int, Path] = {}
+    train: dict[int, list[Path]] = defaultdict(list)
     for f in files:
         d = load_dump(f, trust=options.trust_pickle)
         if not isinstance(d, dict) or "samples" not in d:
@@ -53,11 +55,12 @@ def _classify(files: list[Path], options: ImportOptions) -> tuple[dict[int, tupl
         if "rank" in d or "format_version" in d:
             if d.get("format_version", 2) != 2:
                 raise ImportFormatError(f"{f}: train dump format_version {d['format_version']} (this importer reads 2)")
-            train[rid].append((f, d))
+            train[rid].append(f)
         elif rid in rollouts:
-            raise ImportFormatError(f"{f}: a second rollout dump of rollout {rid} (first: {rollouts[rid][0]})")
+            raise ImportFormatError(f"{f}: a second rollout dump of rollout {rid} (first: {rollouts[rid]})")
         else:
-            rollouts[rid] = (f, d)
+            rollouts[rid] = f
+        del d
     return rollouts, train
 
 
@@ -152,5 +155,6 @@ def read_steps(src: Path, options: ImportOptions) -> Iterator[ImportedStep]:
     if orphans:
         raise ImportFormatError(f"{src}: train dumps of rollout(s) {orphans[:5]} have no rollout dump")
     for rid in sorted(rollouts):
-        f, dump = rollouts[rid]
-        yield _step(rid, f, dump, train.get(rid, []))
+        f = rollouts[rid]
+        trained = [(p, load_dump(p, trust=options.trust_pickle)) for p in train.get(rid, [])]
+        yield _step(rid, f, load_dump(f, trust=options.trust_pickle), trained)
