@@ -164,3 +164,17 @@ def test_bad_routing_and_existing_dir(tmp_path) -> None:
                        num_experts=8, **a)
     with pytest.raises(FileExistsError, match="not empty"):
         Recorder(tmp_path / "run", engine=None, backend=None)
+
+
+def test_update_metrics_and_overwrite(tmp_path) -> None:
+    a = arrays(0, n=8)
+    rec = Recorder(tmp_path / "run", engine=None, backend=None)
+    with pytest.raises(RecorderError, match="which samples each of several updates trained on is not known"):
+        rec.write_step(0, update_metrics={"loss": [0.5, 0.4], "grad_norm": [1.0, 2.0], "lr": [1e-6, 1e-6]}, **a)
+    rec.write_step(0, update_metrics={"loss": [0.5], "grad_norm": [1.5], "lr": [1e-6]}, **a)
+    row = one_json(invoke("summary", tmp_path / "run", "--json"))["steps"][0]
+    assert row["loss"] == 0.5 and row["grad_norm"] == 1.5
+    with StepFile(tmp_path / "run" / "trace" / "step_000000.h5") as sf:
+        assert sf["/train/update_samples"].tolist() == list(range(8))
+    again = Recorder(tmp_path / "run", engine=None, backend=None, overwrite=True)
+    assert TraceReader(again.path).steps == [] and not (tmp_path / "run" / "metrics.jsonl").read_text()
