@@ -76,8 +76,9 @@ def _ragged(name: str, values: Any, lengths: np.ndarray, prompt_lens: np.ndarray
             dtype: Any) -> np.ndarray:
     """A per-token column: one array per sample, concatenated in sample order (T entries)."""
     n = lengths.size
-    if values is None or isinstance(values, (str, bytes)) or len(values) != n:
-        got = "None" if values is None else f"{len(values)} entries" if hasattr(values, "__len__") else type(values).__name__
+    sized = hasattr(values, "__len__") and not isinstance(values, (str, bytes))
+    if not sized or len(values) != n:
+        got = f"{len(values)} entries" if sized else type(values).__name__
         raise _fail(name, f"expected one array per sample (N={n}), got {got}")
     parts = [_one_sample(name, v, i, int(lengths[i]), int(prompt_lens[i]), fill, dtype) for i, v in enumerate(values)]
     return np.concatenate(parts) if parts else np.zeros(0, dtype)

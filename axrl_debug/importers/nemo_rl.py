@@ -68,7 +68,8 @@ def _groups(samples: list[dict[str, Any]], group_size: int | None, where: Path) 
     """Group ids: fixed-size consecutive blocks, or runs of identical prompts."""
     if group_size is not None:
         if group_size < 1 or len(samples) % group_size:
-            raise ImportFormatError(f"{where}: {len(samples)} samples do not split into groups of --group-size {group_size}")
+            raise ImportFormatError(f"{where}: {len(samples)} samples do not split into groups of "
+                                    f"--group-size {group_size}")
         return [i // group_size for i in range(len(samples))]
     out, prev, g = [], None, -1
     for s in samples:

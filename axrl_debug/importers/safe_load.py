@@ -138,7 +138,8 @@ def load_dump(path: str | Path, *, trust: bool = False, stubs: Iterable[str] = D
     except FileNotFoundError:
         raise
     except Exception as e:
-        raise ImportFormatError(f"{path}: cannot read it as a torch.save file or a pickle ({type(e).__name__}: {e})") from None
+        raise ImportFormatError(f"{path}: cannot read it as a torch.save file or a pickle "
+                                f"({type(e).__name__}: {e})") from None
 
 
 def as_numpy(value: Any, where: str) -> np.ndarray:
