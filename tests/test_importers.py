@@ -64,9 +64,12 @@ def analyse(run: Path) -> tuple[dict, dict]:
 
 
 # ----------------------------------------------------------------------------- slime / miles
-def slime_dumps(root: Path, *, cp: int = 1, ranks: int = 2, extra: dict | None = None) -> list[list[dict]]:
-    """Rollout dumps + format-2 train dumps (per rank; with ``cp`` > 1 every sample split over
-    context-parallel ranks, as miles writes them). Returns the fixture samples per step."""
+def slime_dumps(root: Path, *, cp: int = 1, extra: dict | None = None) -> list[list[dict]]:
+    """Rollout dumps + format-2 train dumps. ``cp == 1``: slime's layout (THUDM/slime 1706a09,
+    ``train_dump_utils.py``): one file per rollout from the DP-source rank, its samples sorted by
+    ``rollout_position`` with ``sample_index``, CP fields already gathered. ``cp > 1``: miles' per-rank
+    files, two DP ranks, each sample split over ``cp`` context-parallel ranks, keyed by
+    ``sample_index`` only. Returns the fixture samples per step."""
     rng = np.random.default_rng(1)
     steps = []
     for rid in range(STEPS):
@@ -81,18 +84,19 @@ def slime_dumps(root: Path, *, cp: int = 1, ranks: int = 2, extra: dict | None =
                             "rollout_routed_experts": rng.integers(0, 32, (tokens.size - 1, 4, 2), dtype=np.int32),
                             **(extra or {})})
         torch.save({"rollout_id": rid, "samples": rollout}, root / f"rollout_{rid}.pt")
+        ranks = 1 if cp == 1 else 2
         for rank in range(ranks):
             for c in range(cp):
-                train = []
-                for i in range(rank, N, ranks):
-                    s = samples[i]
-                    cut = lambda a: np.array_split(a, cp)[c]  # noqa: E731 - contiguous CP pieces
-                    train.append({"sample_index": rid * N + i, "log_probs": torch.from_numpy(cut(s["trainer"])),
-                                  "ref_log_probs": torch.from_numpy(cut(s["trainer"]) - 0.1),
-                                  "advantages": torch.from_numpy(cut(s["advantage"])),
-                                  "loss_masks": torch.from_numpy(cut(s["mask"])), "rewards": s["reward"]})
+                cut = lambda a: torch.from_numpy(np.array_split(a, cp)[c])  # noqa: E731 - contiguous CP pieces
+                train = [{"sample_index": rid * N + i, "data_parallel_rank": rank,
+                          **({"rollout_position": i} if cp == 1 else {}),
+                          "log_probs": cut(samples[i]["trainer"]), "ref_log_probs": cut(samples[i]["trainer"] - 0.1),
+                          "entropy": cut(np.full(len(samples[i]["mask"]), 0.25, np.float32)),
+                          "advantages": cut(samples[i]["advantage"]), "loss_masks": cut(samples[i]["mask"]),
+                          "response_lengths": len(samples[i]["mask"]), "rewards": samples[i]["reward"]}
+                         for i in range(rank, N, ranks)]
                 torch.save({"format_version": 2, "rollout_id": rid, "rank": rank * cp + c, "cp_rank": c,
-                            "samples": train, "dp_shards": ranks, "raw_reward": []},
+                            "samples": train, "dp_shards": [{"rank": rank}], "raw_reward": []},
                            root / f"train_{rid}_rank{rank * cp + c}.pt")
         steps.append(samples)
     return steps
@@ -107,6 +111,7 @@ def test_slime_and_miles(tmp_path: Path, fmt: str, cp: int) -> None:
     src = tmp_path / "dumps"
     src.mkdir()
     steps = slime_dumps(src, cp=cp)
+    torch.save({"rollout_id": 1, "samples": [{"tokens": [1]}]}, src / "eval_1.pt")   # an eval rollout: skipped
     report = one_json(invoke("import", fmt, src, tmp_path / "run", "--num-experts", 32, "--json"))
     assert report["steps"] == [0, 1] and report["samples"] == STEPS * N
     summary, mismatch = analyse(tmp_path / "run")
@@ -124,6 +129,7 @@ def test_slime_and_miles(tmp_path: Path, fmt: str, cp: int) -> None:
         assert sf["/samples/group_id"][:GROUP].tolist() == [N // GROUP] * GROUP
         assert sf["/routing/rollout"].shape[1:] == (4, 2) and sf["/routing/rollout_valid"][n - 1] == 0
         assert "/routing/train" not in sf and "/tokens/ref_logprob" in sf
+        assert np.all(sf["/tokens/entropy"][p:n] == np.float16(0.25))     # the train dump's, response only
     assert invoke("replay", tmp_path / "run", "--step", 0).exit_code == 2
 
 

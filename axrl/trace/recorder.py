@@ -179,7 +179,8 @@ class Recorder:
                    rollout_logprobs: Sequence[Any], trainer_logprobs: Sequence[Any] | None,
                    rewards: Any, advantages: Sequence[Any], group_ids: Any,
                    prompt_lens: Any = None, ref_logprobs: Sequence[Any] | None = None,
-                   teacher_logprobs: Sequence[Any] | None = None, routing: Sequence[Any] | None = None,
+                   teacher_logprobs: Sequence[Any] | None = None, entropy: Sequence[Any] | None = None,
+                   routing: Sequence[Any] | None = None,
                    num_experts: int | None = None, policy_version: int | None = None,
                    sample_ids: Any = None, prompt_ids: Sequence[str] | None = None,
                    finish_reasons: Sequence[str] | None = None, metrics: Mapping[str, float] | None = None,
@@ -190,7 +191,8 @@ class Recorder:
         * ``token_ids[i]`` — every token of the sample (prompt, generated, tool/env), 1-D ints;
         * ``loss_mask[i]``, ``rollout_logprobs[i]`` (engine), ``trainer_logprobs[i]`` (trainer's
           recompute before the update; None: not known, NaN), ``advantages[i]`` (or a scalar),
-          ``ref_logprobs[i]`` / ``teacher_logprobs[i]`` (optional) — full length or response-only;
+          ``ref_logprobs[i]`` / ``teacher_logprobs[i]`` / ``entropy[i]`` (the trainer's; optional) —
+          full length or response-only;
         * ``rewards[i]``, ``group_ids[i]``, ``prompt_lens[i]`` (default: tokens before the first
           loss token), ``sample_ids``/``prompt_ids``/``finish_reasons`` (optional);
         * ``routing[i]`` — engine's expert ids per token as input, [len, L, k] or [len - 1, L, k]
@@ -215,6 +217,8 @@ class Recorder:
             raise _fail("loss_mask", "values must be 0 or 1")
         cols = self._token_columns(lengths, plens, mask, rollout_logprobs, trainer_logprobs, advantages,
                                    ref_logprobs, teacher_logprobs, nan_off_mask)
+        cols["entropy"] = (np.full(int(lengths.sum()), np.nan, np.float16) if entropy is None else
+                           _ragged("entropy", entropy, lengths, plens, np.nan, np.float16))
         record = self._record(step, n, ids, lengths, plens, mask, cols, rewards, group_ids, policy_version,
                               sample_ids, prompt_ids, finish_reasons, update_metrics, extra_samples)
         if routing is not None:
@@ -272,7 +276,6 @@ class Recorder:
             finish_reason=_strings("finish_reasons", finish_reasons, n, ["stop"] * n), status=["ok"] * n,
             token_ids=np.concatenate(ids) if ids else np.zeros(0, np.int32), loss_mask=mask,
             turn=np.where(prompt, 0, 1), token_policy_version=np.where(mask == 1, version, -1),
-            entropy=np.full(t, np.nan, np.float16),
             update_sample_offsets=[0, n] if updates else [0], update_samples=np.arange(n) if updates else [],
             update_metrics=updates, weights_fingerprint_before="", weights_fingerprint_after="",
             extra_tokens={} if teacher is None else {"teacher_logprob": teacher},

@@ -32,6 +32,8 @@ class ImportedStep:
     group_ids: list[int]
     prompt_lens: list[int] | None = None
     ref_logprobs: list[np.ndarray] | None = None
+    teacher_logprobs: list[np.ndarray] | None = None
+    entropy: list[np.ndarray] | None = None
     routing: list[np.ndarray] | None = None
     sample_ids: list[int] | None = None
     files: list[str] = field(default_factory=list)     # the dumps it was read from
@@ -128,6 +130,7 @@ def _record(steps: Iterable[ImportedStep], run: str | Path, *, fmt: str, src: st
         rec.write_step(s.step, token_ids=s.token_ids, loss_mask=s.loss_mask, rollout_logprobs=s.rollout_logprobs,
                        trainer_logprobs=s.trainer_logprobs, rewards=s.rewards, advantages=s.advantages,
                        group_ids=s.group_ids, prompt_lens=s.prompt_lens, ref_logprobs=s.ref_logprobs,
+                       teacher_logprobs=s.teacher_logprobs, entropy=s.entropy,
                        routing=s.routing, num_experts=experts, sample_ids=s.sample_ids, nan_off_mask=True)
         report["steps"].append(s.step)
         report["samples"] += s.num_samples

@@ -7,12 +7,15 @@ Written with ``--dump-details DIR`` or ``--save-debug-rollout-data`` + ``--save-
   response), ``response_length``, ``loss_mask`` and ``rollout_log_probs`` (response only; tool/env
   spans hold 0.0), ``reward``, ``index``, ``group_index``, ``rollout_routed_experts``
   ([len(tokens) − 1, layers, k], the engine's experts of every token fed as input);
-* train dump (format 2) ``{format_version: 2, rollout_id, rank, samples: [...]}``, one per rank:
-  per sample ``sample_index`` (= the rollout sample's ``index``), ``log_probs`` (the trainer's),
-  ``ref_log_probs``, ``advantages``, ``loss_masks``, ``rewards`` (response only).
+* train dump (format 2) ``{format_version: 2, rollout_id, rank, samples: [...]}`` (THUDM/slime
+  1706a09, ``slime/backends/megatron_utils/train_dump_utils.py``): per sample ``rollout_position``
+  (its position in the rollout dump) and ``sample_index`` (= the rollout sample's ``index``) — the
+  join key, in that order of preference —, ``log_probs`` (the trainer's), ``ref_log_probs``,
+  ``teacher_log_probs``, ``entropy``, ``advantages`` (response only). Evaluation dumps
+  (``eval_*`` files) are skipped.
 
 miles writes one train dump per rank and splits a sample's tokens over context-parallel ranks:
-the pieces of one ``sample_index`` are put back together in rank order (``cp_rank`` when the
+the pieces of one sample are put back together in rank order (``cp_rank`` when the
 dump says it, else ``rank``). slime's log probs are at the token's own position (no shift).
 """
 
@@ -28,8 +31,9 @@ from .common import ImportedStep, ImportOptions, need, scalar, vector
 from .safe_load import ImportFormatError, as_numpy, load_dump
 
 ENGINE, BACKEND = "sglang", "megatron"
-ABSENT = ["trainer routing (/routing/train)", "per-update metrics (/train/updates)", "entropy",
-          "weight fingerprints"]
+# the train dump's per-token fields (response only) that the importer reads
+_TOKEN_FIELDS = ("log_probs", "ref_log_probs", "teacher_log_probs", "advantages", "entropy")
+ABSENT = ["trainer routing (/routing/train)", "per-update metrics (/train/updates)", "weight fingerprints"]
 
 
 def _dump_files(src: Path) -> list[Path]:
@@ -48,6 +52,8 @@ def _classify(files: list[Path], options: ImportOptions) -> tuple[dict[int, Path
     rollouts: dict[int, Path] = {}
     train: dict[int, list[Path]] = defaultdict(list)
     for f in files:
+        if f.name.startswith("eval_"):   # evaluation rollouts (slime's path template gets 'eval_<id>'): not trained
+            continue
         d = load_dump(f, trust=options.trust_pickle)
         if not isinstance(d, dict) or "samples" not in d:
             raise ImportFormatError(f"{f}: not a slime dump (expected a dict with 'rollout_id' and 'samples')")
@@ -64,26 +70,29 @@ def _classify(files: list[Path], options: ImportOptions) -> tuple[dict[int, Path
     return rollouts, train
 
 
-def _train_by_index(dumps: list[tuple[Path, Any]]) -> dict[int, dict[str, Any]]:
-    """The train dumps' samples by ``sample_index``; context-parallel pieces concatenated in rank order."""
-    pieces: dict[int, list[tuple[int, str, dict]]] = defaultdict(list)
-    for f, d in dumps:
-        order = int(d.get("cp_rank", d.get("rank", 0)))
-        for j, s in enumerate(need(d, "samples", str(f))):
-            where = f"{f}: samples[{j}]"
-            pieces[int(scalar(s, "sample_index", where))].append((order, where, s))
+def _train_by_key(dumps: list[tuple[Path, Any]]) -> tuple[str, dict[int, dict[str, Any]]]:
+    """The train dumps' samples by ``rollout_position`` (the sample's position in the rollout dump,
+    which slime writes whenever it dumps) when every sample has one, else by ``sample_index``
+    (= the rollout sample's ``index``); pieces of one sample found in several files (miles:
+    context-parallel ranks) concatenated in rank order."""
+    pieces: dict[tuple[str, int], list[tuple[int, str, dict]]] = defaultdict(list)
+    rows = [(f, d, j, s) for f, d in dumps for j, s in enumerate(need(d, "samples", str(f)))]
+    key = "rollout_position" if rows and all(s.get("rollout_position") is not None for *_, s in rows) else "sample_index"
+    for f, d, j, s in rows:
+        where = f"{f}: samples[{j}]"
+        pieces[int(scalar(s, key, where))].append((int(d.get("cp_rank", d.get("rank", 0))), where, s))
     out = {}
-    for idx, parts in pieces.items():
+    for k, parts in pieces.items():
         parts.sort(key=lambda p: p[0])
         if len(parts) == 1:
-            out[idx] = {**parts[0][2], "_where": parts[0][1]}
+            out[k] = {**parts[0][2], "_where": parts[0][1]}
             continue
         merged = {"_where": " + ".join(p[1] for p in parts)}
-        for key in ("log_probs", "ref_log_probs", "advantages", "loss_masks"):
-            if all(key in p[2] and p[2][key] is not None for p in parts):
-                merged[key] = np.concatenate([vector(p[2], key, p[1]) for p in parts])
-        out[idx] = merged
-    return out
+        for field in _TOKEN_FIELDS:
+            if all(p[2].get(field) is not None for p in parts):
+                merged[field] = np.concatenate([vector(p[2], field, p[1]) for p in parts])
+        out[k] = merged
+    return key, out
 
 
 def _response(s: dict, key: str, where: str, n: int, optional: bool = False) -> np.ndarray | None:
@@ -103,7 +112,7 @@ def _sample(s: dict, where: str, train: dict[str, Any] | None) -> dict[str, Any]
         "tokens": tokens, "prompt_len": tokens.size - n, "reward": scalar(s, "reward", where),
         "mask": vector(s, "loss_mask", where, n, np.int64), "rollout": vector(s, "rollout_log_probs", where, n),
         "index": int(scalar(s, "index", where)), "group": int(scalar(s, "group_index", where)),
-        "trainer": None, "ref": None, "advantages": np.zeros(n),
+        "trainer": None, "ref": None, "teacher": None, "entropy": None, "advantages": np.zeros(n),
     }
     routed = s.get("rollout_routed_experts")
     if routed is not None:
@@ -115,35 +124,42 @@ def _sample(s: dict, where: str, train: dict[str, Any] | None) -> dict[str, Any]
     if train is not None:
         tw = train["_where"]
         out["trainer"] = _response(train, "log_probs", tw, n)
-        out["ref"] = _response(train, "ref_log_probs", tw, n, optional=True)
+        for name, field in (("ref", "ref_log_probs"), ("teacher", "teacher_log_probs"), ("entropy", "entropy")):
+            out[name] = _response(train, field, tw, n, optional=True)
         adv = _response(train, "advantages", tw, n, optional=True)
         out["advantages"] = out["advantages"] if adv is None else adv
     return out
 
 
+def _optional(samples: list[dict[str, Any]], name: str) -> list[np.ndarray] | None:
+    """A per-token column every sample has, else None (a column is recorded whole or not at all)."""
+    return [x[name] for x in samples] if samples and all(x[name] is not None for x in samples) else None
+
+
 def _step(rid: int, f: Path, dump: Any, train_dumps: list[tuple[Path, Any]]) -> ImportedStep:
     """The step of rollout ``rid``: rollout samples joined with their train-dump samples."""
-    train = _train_by_index(train_dumps) if train_dumps else {}
-    samples = [_sample(s, f"{f}: samples[{i}]", train.get(int(s.get("index", -1))) if train else None)
-               for i, s in enumerate(need(dump, "samples", str(f)))]
+    key, train = _train_by_key(train_dumps) if train_dumps else ("", {})
+    rollout = need(dump, "samples", str(f))
+    joined = [(i if key == "rollout_position" else int(s.get("index", -1)) if isinstance(s, dict) else -1)
+              for i, s in enumerate(rollout)]
+    samples = [_sample(s, f"{f}: samples[{i}]", train.get(k) if train else None)
+               for i, (s, k) in enumerate(zip(rollout, joined))]
     if train:
-        unmatched = sorted(set(train) - {x["index"] for x in samples})
+        unmatched = sorted(set(train) - set(joined))
         if unmatched:
-            raise ImportFormatError(f"train dump(s) of rollout {rid}: sample_index {unmatched[:5]} not in {f}")
-        missing = [x["index"] for x in samples if x["trainer"] is None]
+            raise ImportFormatError(f"train dump(s) of rollout {rid}: {key} {unmatched[:5]} not in {f}")
+        missing = [k for k, x in zip(joined, samples) if x["trainer"] is None]
         if missing:
-            raise ImportFormatError(f"{f}: samples with index {missing[:5]} have no train-dump sample (sample_index)")
+            raise ImportFormatError(f"{f}: rollout samples {missing[:5]} have no train-dump sample ({key})")
     routed = [x.get("routing") for x in samples]
     return ImportedStep(
         step=rid, token_ids=[x["tokens"] for x in samples], loss_mask=[x["mask"] for x in samples],
-        rollout_logprobs=[x["rollout"] for x in samples],
-        trainer_logprobs=[x["trainer"] for x in samples] if train else None,
+        rollout_logprobs=[x["rollout"] for x in samples], trainer_logprobs=_optional(samples, "trainer"),
         advantages=[x["advantages"] for x in samples], rewards=[x["reward"] for x in samples],
         group_ids=[x["group"] for x in samples], prompt_lens=[x["prompt_len"] for x in samples],
-        ref_logprobs=[x["ref"] for x in samples] if train and all(x["ref"] is not None for x in samples) else None,
-        routing=routed if all(r is not None for r in routed) else None,
-        sample_ids=[x["index"] for x in samples],
-        files=[str(f)] + [str(p) for p, _ in train_dumps])
+        ref_logprobs=_optional(samples, "ref"), teacher_logprobs=_optional(samples, "teacher"),
+        entropy=_optional(samples, "entropy"), routing=routed if all(r is not None for r in routed) else None,
+        sample_ids=[x["index"] for x in samples], files=[str(f)] + [str(p) for p, _ in train_dumps])
 
 
 def read_steps(src: Path, options: ImportOptions) -> Iterator[ImportedStep]:
