@@ -103,7 +103,8 @@ def slime_dumps(root: Path, *, cp: int = 1, extra: dict | None = None) -> list[l
 
 
 def loss_pairs(samples: list[dict]) -> list[tuple[np.ndarray, np.ndarray]]:
-    return [(s["rollout"][s["mask"] == 1], s["trainer"][s["mask"] == 1]) for s in samples]
+    """(rollout, trainer) logprobs of each sample's loss tokens (none for a sample out of the loss)."""
+    return [(s["rollout"][s["mask"] == 1], s["trainer"][s["mask"] == 1]) for s in samples if s.get("sample_mask", 1)]
 
 
 @pytest.mark.parametrize("fmt, cp", [("slime", 1), ("miles", 2)])
@@ -190,6 +191,7 @@ def nemo_dumps(root: Path) -> list[list[dict]]:
         samples = [sample_arrays(rng) for _ in range(N)]
         for i, s in enumerate(samples):
             s["prompt"] = samples[i - i % GROUP]["prompt"]                # one prompt per group
+            s["sample_mask"] = int(i != 3)                                # sample 3 left out of the loss
         width = max(len(s["prompt"]) + len(s["response"]) for s in samples)
         with open(root / f"train_data_step{step}.jsonl", "w") as fh:
             for s in samples:
@@ -200,7 +202,8 @@ def nemo_dumps(root: Path) -> list[list[dict]]:
                     "input_lengths": n, "token_loss_mask": pad(s["mask"]),
                     "generation_logprobs": pad(s["rollout"].astype(np.float64)),
                     "prev_logprobs": pad(s["trainer"].astype(np.float64)),
-                    "advantages": pad(s["advantage"].astype(np.float64)), "rewards": s["reward"]}) + "\n")
+                    "advantages": pad(s["advantage"].astype(np.float64)), "rewards": s["reward"],
+                    "sample_loss_mask": s["sample_mask"], "content": "q … a"}) + "\n")
         steps.append(samples)
     return steps
 
@@ -216,6 +219,8 @@ def test_nemo_rl(tmp_path: Path, group_option: tuple) -> None:
     with StepFile(tmp_path / "run" / "trace" / "step_000002.h5") as sf:
         assert sf["/samples/group_id"].tolist() == [i // GROUP for i in range(N)]
         assert sf["/samples/prompt_len"][0] == len(steps[1][0]["prompt"])
+        off = sf["/samples/offsets"]                  # sample_loss_mask 0: nothing of sample 3 trained
+        assert sf["/tokens/loss_mask"][off[3]:off[4]].sum() == 0 and sf["/samples/prompt_len"][3] == len(steps[1][3]["prompt"])
         assert sf.num_tokens == sum(len(s["prompt"]) + len(s["response"]) for s in steps[1])   # padding trimmed
 
 

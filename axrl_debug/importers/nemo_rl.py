@@ -1,12 +1,15 @@
 """NeMo-RL (NVIDIA-NeMo/RL) ``train_data_step{N}.jsonl`` → an AxRL run.
 
-One JSON object per sample (written by default): ``token_ids`` padded to the batch's longest
-sample (``input_lengths`` gives each one's length), ``token_loss_mask``, ``generation_logprobs``
-(the engine's), ``prev_logprobs`` (the trainer's, before the update), ``advantages`` (per token
-or one number), ``rewards``; zeros where no logprob exists (NaN off the loss mask here). The
-logprobs are at the token's own position (no shift). The samples of one prompt are consecutive:
-``--group-size G`` puts samples i·G … i·G + G − 1 in group i; without it, consecutive samples
-whose prompt tokens (those before the first loss token) are identical form a group.
+Written by default by ``nemo_rl/algorithms/grpo.py`` (checked at NVIDIA-NeMo/RL
+7ea279abfbeb698b092856d0dab61e7cf39bc909): one JSON object per sample, ``token_ids`` padded to
+the batch's longest sample (``input_lengths`` gives each one's length), ``token_loss_mask``,
+``sample_loss_mask`` (0: the whole sample left out of the loss), ``generation_logprobs`` (the
+engine's), ``prev_logprobs`` (the trainer's, before the update), ``advantages`` (per token, or one
+number), ``rewards``, ``content``; zeros where no logprob exists (NaN off the loss mask here). The
+logprobs are at the token's own position: the policy workers prepend a zero for the first token
+(no shift). The samples of one prompt are consecutive: ``--group-size G`` puts samples
+i·G … i·G + G − 1 in group i; without it, consecutive samples whose prompt tokens (those before the
+first loss token) are identical form a group.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ def _sample(obj: Any, where: str) -> dict[str, Any]:
     else:
         advantages = vector(obj, "advantages", where, ids.size)[:n]
     hits = np.flatnonzero(mask)
+    if obj.get("sample_loss_mask") is not None and scalar(obj, "sample_loss_mask", where) == 0:
+        mask = np.zeros_like(mask)     # a sample left out of the loss (e.g. overlong filtering): nothing trained
     return {"ids": ids[:n], "mask": mask, "rollout": cols["generation_logprobs"], "trainer": cols["prev_logprobs"],
             "advantages": advantages,
             "reward": scalar(obj, "rewards", where), "prompt_len": int(hits[0]) if hits.size else n}
