@@ -64,40 +64,75 @@ def analyse(run: Path) -> tuple[dict, dict]:
 
 
 # ----------------------------------------------------------------------------- slime / miles
-def slime_dumps(root: Path, *, cp: int = 1, extra: dict | None = None) -> list[list[dict]]:
-    """Rollout dumps + format-2 train dumps. ``cp == 1``: slime's layout (THUDM/slime 1706a09,
-    ``train_dump_utils.py``): one file per rollout from the DP-source rank, its samples sorted by
-    ``rollout_position`` with ``sample_index``, CP fields already gathered. ``cp > 1``: miles' per-rank
-    files, two DP ranks, each sample split over ``cp`` context-parallel ranks, keyed by
-    ``sample_index`` only. Returns the fixture samples per step."""
+def zigzag(a: np.ndarray, total: int, response: int, cp: int, rank: int) -> np.ndarray:
+    """CP rank ``rank``'s share of a response field, as miles' ``slice_log_prob_with_cp`` cuts it
+    (radixark/miles 31f1ca9, ``miles/backends/training_utils/cp_utils.py``, qkv_format 'thd')."""
+    prompt, chunk = total - response, -(-total // (2 * cp))
+    parts = [a[max(k * chunk, prompt - 1) - (prompt - 1):min((k + 1) * chunk, total - 1) - (prompt - 1)]
+             for k in (rank, 2 * cp - rank - 1) if max(k * chunk, prompt - 1) < min((k + 1) * chunk, total - 1)]
+    return np.concatenate(parts) if parts else a[:0]
+
+
+def rollout_dump(root: Path, rid: int, samples: list[dict], rng: np.random.Generator, extra: dict | None) -> None:
+    """slime/miles rollout dump ``{rollout_id, samples: [Sample.to_dict()]}``."""
+    rollout = []
+    for i, s in enumerate(samples):
+        tokens = np.concatenate([s["prompt"], s["response"]])
+        rollout.append({"tokens": tokens.tolist(), "response_length": len(s["response"]),
+                        "loss_mask": s["mask"].tolist(), "rollout_log_probs": s["rollout"].tolist(),
+                        "reward": s["reward"], "index": rid * N + i, "group_index": rid * N // GROUP + i // GROUP,
+                        "weight_versions": [str(rid)], "prompt": "q", "response": "a", "status": "completed",
+                        "rollout_routed_experts": rng.integers(0, 32, (tokens.size - 1, 4, 2), dtype=np.int32),
+                        **(extra or {})})
+    torch.save({"rollout_id": rid, "samples": rollout}, root / f"rollout_{rid}.pt")
+
+
+def slime_train_dump(root: Path, rid: int, samples: list[dict]) -> None:
+    """slime's format 2 (THUDM/slime 1706a09, ``train_dump_utils.py``): one file per rollout from
+    the DP-source rank, samples sorted by ``rollout_position``, CP fields already gathered."""
+    train = [{"sample_index": rid * N + i, "rollout_position": i, "data_parallel_rank": i % 2,
+              "log_probs": torch.from_numpy(s["trainer"]), "ref_log_probs": torch.from_numpy(s["trainer"] - 0.1),
+              "entropy": torch.full((len(s["mask"]),), 0.25), "advantages": torch.from_numpy(s["advantage"]),
+              "loss_masks": torch.from_numpy(s["mask"]), "response_lengths": len(s["mask"]), "rewards": s["reward"]}
+             for i, s in enumerate(samples)]
+    torch.save({"format_version": 2, "rollout_id": rid, "rank": 0, "samples": train,
+                "dp_shards": [{"rank": 0}], "raw_reward": []}, root / f"train_{rid}_0.pt")
+
+
+def miles_train_dumps(root: Path, rid: int, samples: list[dict], cp: int = 2, tp: int = 2, dp: int = 2) -> None:
+    """miles' per-rank dumps (radixark/miles 31f1ca9, ``train_dump_utils.py``): ``rollout_data``
+    columns over the DP shard's samples; the trainer's per-token fields cut into each CP rank's
+    zig-zag share; every TP rank writes the same file."""
+    for d in range(dp):
+        rows = list(range(d, N, dp))
+        for c in range(cp):
+            def cut(a, i):
+                total, response = len(samples[i]["prompt"]) + len(a), len(a)
+                return torch.from_numpy(zigzag(np.asarray(a), total, response, cp, c))
+            cols = {"sample_indices": [rid * N + i for i in rows],
+                    "tokens": [torch.from_numpy(np.concatenate([samples[i]["prompt"], samples[i]["response"]])) for i in rows],
+                    "response_lengths": [len(samples[i]["mask"]) for i in rows],
+                    "total_lengths": [len(samples[i]["prompt"]) + len(samples[i]["mask"]) for i in rows],
+                    "loss_masks": [torch.from_numpy(samples[i]["mask"]) for i in rows],
+                    "log_probs": [cut(samples[i]["trainer"], i) for i in rows],
+                    "ref_log_probs": [cut(samples[i]["trainer"] - 0.1, i) for i in rows],
+                    "entropy": [cut(np.full(len(samples[i]["mask"]), 0.25, np.float32), i) for i in rows],
+                    "advantages": [cut(samples[i]["advantage"], i) for i in rows],
+                    "rewards": [samples[i]["reward"] for i in rows], "raw_reward": [0.0] * N}
+            for t in range(tp):
+                rank = (d * cp + c) * tp + t
+                torch.save({"rollout_id": rid, "rank": rank, "rollout_data": cols, "cp_rank": c, "cp_size": cp,
+                            "qkv_format": "thd"}, root / f"{rid}_{rank}.pt")
+
+
+def slime_dumps(root: Path, *, miles: bool = False, extra: dict | None = None) -> list[list[dict]]:
+    """Rollout dumps + train dumps in slime's or miles' layout; the fixture samples per step."""
     rng = np.random.default_rng(1)
     steps = []
     for rid in range(STEPS):
         samples = [sample_arrays(rng) for _ in range(N)]
-        rollout = []
-        for i, s in enumerate(samples):
-            tokens = np.concatenate([s["prompt"], s["response"]])
-            rollout.append({"tokens": tokens.tolist(), "response_length": len(s["response"]),
-                            "loss_mask": s["mask"].tolist(), "rollout_log_probs": s["rollout"].tolist(),
-                            "reward": s["reward"], "index": rid * N + i, "group_index": rid * N // GROUP + i // GROUP,
-                            "weight_versions": [str(rid)], "prompt": "q", "response": "a", "status": "completed",
-                            "rollout_routed_experts": rng.integers(0, 32, (tokens.size - 1, 4, 2), dtype=np.int32),
-                            **(extra or {})})
-        torch.save({"rollout_id": rid, "samples": rollout}, root / f"rollout_{rid}.pt")
-        ranks = 1 if cp == 1 else 2
-        for rank in range(ranks):
-            for c in range(cp):
-                cut = lambda a: torch.from_numpy(np.array_split(a, cp)[c])  # noqa: E731 - contiguous CP pieces
-                train = [{"sample_index": rid * N + i, "data_parallel_rank": rank,
-                          **({"rollout_position": i} if cp == 1 else {}),
-                          "log_probs": cut(samples[i]["trainer"]), "ref_log_probs": cut(samples[i]["trainer"] - 0.1),
-                          "entropy": cut(np.full(len(samples[i]["mask"]), 0.25, np.float32)),
-                          "advantages": cut(samples[i]["advantage"]), "loss_masks": cut(samples[i]["mask"]),
-                          "response_lengths": len(samples[i]["mask"]), "rewards": samples[i]["reward"]}
-                         for i in range(rank, N, ranks)]
-                torch.save({"format_version": 2, "rollout_id": rid, "rank": rank * cp + c, "cp_rank": c,
-                            "samples": train, "dp_shards": [{"rank": rank}], "raw_reward": []},
-                           root / f"train_{rid}_rank{rank * cp + c}.pt")
+        rollout_dump(root, rid, samples, rng, extra)
+        (miles_train_dumps if miles else slime_train_dump)(root, rid, samples)
         steps.append(samples)
     return steps
 
@@ -107,11 +142,11 @@ def loss_pairs(samples: list[dict]) -> list[tuple[np.ndarray, np.ndarray]]:
     return [(s["rollout"][s["mask"] == 1], s["trainer"][s["mask"] == 1]) for s in samples if s.get("sample_mask", 1)]
 
 
-@pytest.mark.parametrize("fmt, cp", [("slime", 1), ("miles", 2)])
-def test_slime_and_miles(tmp_path: Path, fmt: str, cp: int) -> None:
+@pytest.mark.parametrize("fmt", ["slime", "miles"])
+def test_slime_and_miles(tmp_path: Path, fmt: str) -> None:
     src = tmp_path / "dumps"
     src.mkdir()
-    steps = slime_dumps(src, cp=cp)
+    steps = slime_dumps(src, miles=fmt == "miles")
     torch.save({"rollout_id": 1, "samples": [{"tokens": [1]}]}, src / "eval_1.pt")   # an eval rollout: skipped
     report = one_json(invoke("import", fmt, src, tmp_path / "run", "--num-experts", 32, "--json"))
     assert report["steps"] == [0, 1] and report["samples"] == STEPS * N
@@ -131,6 +166,7 @@ def test_slime_and_miles(tmp_path: Path, fmt: str, cp: int) -> None:
         assert sf["/routing/rollout"].shape[1:] == (4, 2) and sf["/routing/rollout_valid"][n - 1] == 0
         assert "/routing/train" not in sf and "/tokens/ref_logprob" in sf
         assert np.all(sf["/tokens/entropy"][p:n] == np.float16(0.25))     # the train dump's, response only
+        assert np.array_equal(sf["/tokens/advantage"][p:n], s0["advantage"])  # CP pieces back in place (miles)
     assert invoke("replay", tmp_path / "run", "--step", 0).exit_code == 2
 
 
@@ -319,3 +355,11 @@ def test_axisrl_misaligned_labels(tmp_path: Path, fake_packages, monkeypatch) ->
                d / "batch_rank0.pt")
     r = invoke("import", "axisrl", d, tmp_path / "run")
     assert said(r, "row 0: labels[0] = 0 is not input_ids[1] = 1")
+
+
+def test_miles_missing_context_parallel_rank(tmp_path: Path) -> None:
+    slime_dumps(tmp_path, miles=True)
+    for rank in (2, 3):                       # DP shard 0's cp_rank 1 (both of its TP copies)
+        (tmp_path / f"1_{rank}.pt").unlink()
+    r = invoke("import", "miles", tmp_path, tmp_path / "run")
+    assert said(r, "context-parallel ranks [1] of 2 missing")

@@ -14,9 +14,12 @@ Written with ``--dump-details DIR`` or ``--save-debug-rollout-data`` + ``--save-
   ``teacher_log_probs``, ``entropy``, ``advantages`` (response only). Evaluation dumps
   (``eval_*`` files) are skipped.
 
-miles writes one train dump per rank and splits a sample's tokens over context-parallel ranks:
-the pieces of one sample are put back together in rank order (``cp_rank`` when the
-dump says it, else ``rank``). slime's log probs are at the token's own position (no shift).
+Older slime and miles (radixark/miles 31f1ca9, ``miles/utils/train_dump_utils.py``) write one
+train dump per rank, ``{rollout_id, rank, rollout_data, cp_rank, cp_size, qkv_format}``, with
+``rollout_data`` one list per field over the rank's samples (``sample_indices`` naming them); with
+context parallelism each per-token field holds the rank's zig-zag share of the response
+(`context_parallel.py` puts it back together), and tensor-parallel ranks write identical copies.
+slime's log probs are at the token's own position (no shift).
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ from typing import Any, Iterator
 import numpy as np
 
 from .common import ImportedStep, ImportOptions, need, scalar, vector
+from .context_parallel import reassemble
 from .safe_load import ImportFormatError, as_numpy, load_dump
 
 ENGINE, BACKEND = "sglang", "megatron"
 # the train dump's per-token fields (response only) that the importer reads
-_TOKEN_FIELDS = ("log_probs", "ref_log_probs", "teacher_log_probs", "advantages", "entropy")
+_TOKEN_FIELDS = ("log_probs", "ref_log_probs", "teacher_log_probs", "advantages", "entropy", "rollout_log_probs",
+                 "loss_masks")
 ABSENT = ["trainer routing (/routing/train)", "per-update metrics (/train/updates)", "weight fingerprints"]
 
 
@@ -55,8 +60,9 @@ def _classify(files: list[Path], options: ImportOptions) -> tuple[dict[int, Path
         if f.name.startswith("eval_"):   # evaluation rollouts (slime's path template gets 'eval_<id>'): not trained
             continue
         d = load_dump(f, trust=options.trust_pickle)
-        if not isinstance(d, dict) or "samples" not in d:
-            raise ImportFormatError(f"{f}: not a slime dump (expected a dict with 'rollout_id' and 'samples')")
+        if not isinstance(d, dict) or ("samples" not in d and "rollout_data" not in d):
+            raise ImportFormatError(f"{f}: not a slime/miles dump (expected a dict with 'rollout_id' and "
+                                    "'samples' or 'rollout_data')")
         rid = int(scalar(d, "rollout_id", str(f)))
         if "rank" in d or "format_version" in d:
             if d.get("format_version", 2) != 2:
@@ -70,29 +76,55 @@ def _classify(files: list[Path], options: ImportOptions) -> tuple[dict[int, Path
     return rollouts, train
 
 
+def _train_rows(d: dict, f: Path) -> list[tuple[str, dict]]:
+    """(where, sample) of a train dump: format 2's ``samples``, or the per-rank column layout
+    (``rollout_data``: one list per field over the rank's samples, ``sample_indices`` naming them;
+    older slime, miles)."""
+    if "samples" in d:
+        return [(f"{f}: samples[{j}]", s) for j, s in enumerate(need(d, "samples", str(f)))]
+    cols = need(d, "rollout_data", str(f))
+    n = len(need(cols, "response_lengths", f"{f}: rollout_data"))
+    need(cols, "sample_indices", f"{f}: rollout_data")
+    per_sample = {k: v for k, v in cols.items()
+                  if hasattr(v, "__len__") and not isinstance(v, (str, bytes)) and len(v) == n}
+    return [(f"{f}: rollout_data[{i}]", {**{k: v[i] for k, v in per_sample.items()},
+                                         "sample_index": per_sample["sample_indices"][i]}) for i in range(n)]
+
+
 def _train_by_key(dumps: list[tuple[Path, Any]]) -> tuple[str, dict[int, dict[str, Any]]]:
     """The train dumps' samples by ``rollout_position`` (the sample's position in the rollout dump,
     which slime writes whenever it dumps) when every sample has one, else by ``sample_index``
-    (= the rollout sample's ``index``); pieces of one sample found in several files (miles:
-    context-parallel ranks) concatenated in rank order."""
-    pieces: dict[tuple[str, int], list[tuple[int, str, dict]]] = defaultdict(list)
-    rows = [(f, d, j, s) for f, d in dumps for j, s in enumerate(need(d, "samples", str(f)))]
-    key = "rollout_position" if rows and all(s.get("rollout_position") is not None for *_, s in rows) else "sample_index"
-    for f, d, j, s in rows:
-        where = f"{f}: samples[{j}]"
-        pieces[int(scalar(s, key, where))].append((int(d.get("cp_rank", d.get("rank", 0))), where, s))
-    out = {}
-    for k, parts in pieces.items():
-        parts.sort(key=lambda p: p[0])
-        if len(parts) == 1:
-            out[k] = {**parts[0][2], "_where": parts[0][1]}
-            continue
-        merged = {"_where": " + ".join(p[1] for p in parts)}
-        for field in _TOKEN_FIELDS:
-            if all(p[2].get(field) is not None for p in parts):
-                merged[field] = np.concatenate([vector(p[2], field, p[1]) for p in parts])
-        out[k] = merged
-    return key, out
+    (= the rollout sample's ``index``). A sample held by several context-parallel ranks (miles) is
+    put back together; copies from tensor-parallel ranks (same ``cp_rank``) count once."""
+    rows = [(int(d.get("cp_rank", 0)), int(d.get("cp_size", 1)), d.get("qkv_format", "thd"), where, s)
+            for f, d in dumps for where, s in _train_rows(d, f)]
+    key = "rollout_position" if rows and all(r[4].get("rollout_position") is not None for r in rows) else "sample_index"
+    pieces: dict[int, dict[int, tuple[str, dict]]] = defaultdict(dict)
+    cp_of: dict[int, tuple[int, str]] = {}
+    for cp_rank, cp_size, qkv, where, s in rows:
+        k = int(scalar(s, key, where))
+        pieces[k].setdefault(cp_rank, (where, s))
+        cp_of[k] = (cp_size, qkv)
+    return key, {k: _join_pieces(parts, *cp_of[k]) for k, parts in pieces.items()}
+
+
+def _join_pieces(parts: dict[int, tuple[str, dict]], cp_size: int, qkv: str) -> dict[str, Any]:
+    """One train sample from its context-parallel pieces (cp_rank → (where, sample))."""
+    where, first = parts[min(parts)]
+    if cp_size == 1:
+        return {**first, "_where": where}
+    where = " + ".join(w for w, _ in parts.values())
+    if qkv != "thd":
+        raise ImportFormatError(f"{where}: context-parallel pieces with qkv_format {qkv!r}: only 'thd' dumps "
+                                "can be put back together (bshd chunks by the padded length, not recorded)")
+    total, response = int(scalar(first, "total_lengths", where)), int(scalar(first, "response_lengths", where))
+    merged = {**first, "_where": where}
+    for field in _TOKEN_FIELDS:
+        if all(s.get(field) is not None for _, s in parts.values()):
+            got = {r: as_numpy(s[field], f"{w}.{field}") for r, (w, s) in parts.items()}
+            if any(g.shape[0] != response for g in got.values()):
+                merged[field] = reassemble(got, total, response, cp_size, f"{where}: field '{field}'")
+    return merged
 
 
 def _response(s: dict, key: str, where: str, n: int, optional: bool = False) -> np.ndarray | None:
