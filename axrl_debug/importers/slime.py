@@ -84,7 +84,9 @@ def _train_rows(d: dict, f: Path) -> list[tuple[str, dict]]:
         return [(f"{f}: samples[{j}]", s) for j, s in enumerate(need(d, "samples", str(f)))]
     cols = need(d, "rollout_data", str(f))
     n = len(need(cols, "response_lengths", f"{f}: rollout_data"))
-    need(cols, "sample_indices", f"{f}: rollout_data")
+    if len(need(cols, "sample_indices", f"{f}: rollout_data")) != n:
+        raise ImportFormatError(f"{f}: rollout_data: 'sample_indices' has {len(cols['sample_indices'])} entries, "
+                                f"'response_lengths' {n}")
     per_sample = {k: v for k, v in cols.items()
                   if hasattr(v, "__len__") and not isinstance(v, (str, bytes)) and len(v) == n}
     return [(f"{f}: rollout_data[{i}]", {**{k: v[i] for k, v in per_sample.items()},
