@@ -20,6 +20,7 @@ COMMANDS = {
     "replay": "replay",
     "explain": "explain",
     "tui": "tui",
+    "import": "import_cmd",
 }
 
 

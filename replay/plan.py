@@ -53,6 +53,15 @@ def _span(steps: list[int]) -> str:
     return f"{steps[0]}..{steps[-1]}" if steps == list(range(steps[0], steps[-1] + 1)) else ", ".join(map(str, steps))
 
 
+def _not_replayable(run: Path, source: dict) -> str:
+    """Why a run written by `axrl.trace.Recorder` (recorded or imported) cannot be replayed."""
+    what = f"imported from {source['format']}" if source.get("format") else "recorded"
+    return (f"{run} was {what} through {source.get('writer', 'axrl.trace.Recorder')} (manifest.json 'source'), "
+            "not trained by `axrl train`: replay re-executes a step from AxRL's own checkpoints (weights, "
+            "optimizer, data position and RNG state, under RUN/checkpoints/) with the run's resolved config.yaml, "
+            "and such a run has neither. Its trace can still be analysed: summary, mismatch, spikes, check, tui")
+
+
 class RunInventory:
     """The steps and checkpoints of a run directory, and which steps are usable."""
 
@@ -62,6 +71,9 @@ class RunInventory:
             self.reader = TraceReader(self.run)
         except (FileNotFoundError, NotADirectoryError, TraceError) as e:
             raise ReplayInputError(f"{e}") from None
+        source = self.reader.manifest.get("source")
+        if isinstance(source, dict):
+            raise ReplayInputError(_not_replayable(self.run, source))
         if self.reader.config is None:
             raise ReplayInputError(f"{self.run} has no config.yaml: cannot rebuild the trainer")
         self.files = self.reader.step_files()                 # every final step file

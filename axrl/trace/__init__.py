@@ -16,11 +16,14 @@ from .schema import (
 from .writer import StepRecord, write_step
 from .run_dir import RunDir, read_metrics_file
 from .reader import StepColumns, StepFile, TraceProblem, TraceReader, read_step
+from .recorder import Recorder, RecorderError
 
 __all__ = [
     "SCHEMA_VERSION",
     "CorruptStepError",
     "NotARunDirError",
+    "Recorder",
+    "RecorderError",
     "RunDir",
     "SchemaVersionError",
     "StepColumns",

@@ -202,8 +202,13 @@ class RunDir:
     def write_manifest(self, *, seed: int | None = None, backend: str | None = None,
                        engine: str | None = None, backend_version: str | None = None,
                        engine_version: str | None = None, threads: int | None = None,
-                       command: list[str] | None = None, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Write manifest.json (atomically) and return it. Missing facts are recorded as null."""
+                       command: list[str] | None = None, extra: Mapping[str, Any] | None = None,
+                       model: str | None = None, source: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Write manifest.json (atomically) and return it. Missing facts are recorded as null.
+
+        ``model`` and ``source`` are written only when given: a run written by ``axrl.trace.Recorder``
+        (recorded or imported from another framework) names its model and where its data came from
+        (``source``; its presence tells replay the run has no AxRL checkpoints)."""
         from .. import __version__ as axrl_version
 
         sha, dirty = _git_info(Path(__file__).resolve().parent)
@@ -248,6 +253,10 @@ class RunDir:
         }
         if extra:
             manifest["extra"] = dict(extra)
+        if model is not None:
+            manifest["model"] = model
+        if source is not None:
+            manifest["source"] = dict(source)
         atomic_write_text(self.manifest_path, json.dumps(manifest, indent=2, default=_json_default) + "\n")
         return manifest
 

@@ -1,0 +1,119 @@
+"""`axrl.integrations.trl_grpo.record_grpo`: a real TRL GRPOTrainer run (tiny random Qwen2 on CPU,
+no download) is recorded as an AxRL trace whose tokens, groups, rewards, advantages and trainer
+logprobs are the trainer's; the engine-logprob path (vLLM's, not available on CPU) is checked
+through `step_arrays` with a batch shaped like TRL's, against an independent mismatch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from axrl.integrations.trl_grpo import record_grpo, step_arrays
+from axrl.trace import Recorder, StepFile
+from axrl_debug.cli import app
+
+GEN, BATCH = 4, 8
+
+
+def summary(run: Path) -> dict:
+    r = CliRunner().invoke(app, ["summary", str(run), "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def tiny_model(path: Path):
+    """A 2-layer random Qwen2 and a word-level tokenizer, saved to ``path`` (GRPOTrainer loads by path)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    vocab = {f"w{i}": i for i in range(64)} | {"<pad>": 64, "<eos>": 65, "<unk>": 66}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=67, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                                         pad_token_id=64, eos_token_id=65))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return tok
+
+
+def test_records_a_real_grpo_run(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = tiny_model(tmp_path / "model")
+    prompts = [" ".join(f"w{(i * 7 + j) % 64}" for j in range(4 + i % 3)) for i in range(8)]
+    seen: list[tuple[str, float]] = []
+
+    def reward(completions, **kw):
+        out = [len(c) / 10 for c in completions]
+        seen.extend(zip(completions, out))
+        return out
+
+    # generation every 2 micro-steps, optimizer every 1: misaligned, so TRL recomputes old logprobs
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=GEN,
+                      steps_per_generation=2, gradient_accumulation_steps=1, max_completion_length=6, max_steps=4,
+                      report_to=[], use_cpu=True, save_strategy="no", bf16=False, logging_steps=100)
+    trainer = GRPOTrainer(model=str(tmp_path / "model"), reward_funcs=reward, args=args,
+                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok)
+    rec = record_grpo(trainer, tmp_path / "run")
+    trainer.train()
+    assert rec.steps == [0, 1]                    # 4 optimizer steps, a generation batch every 2
+    rows = summary(tmp_path / "run")["steps"]
+    for step, row in enumerate(rows):
+        with StepFile(tmp_path / "run" / "trace" / f"step_{step:06d}.h5") as sf:
+            off, plen = sf["/samples/offsets"], sf["/samples/prompt_len"]
+            ids, lm, old = sf["/tokens/ids"], sf["/tokens/loss_mask"], sf["/tokens/old_logprob"]
+            assert sf.num_samples == BATCH and sf["/samples/group_id"].tolist() == [2 * step] * 4 + [2 * step + 1] * 4
+            rewards = [r for _, r in seen[step * BATCH:(step + 1) * BATCH]]
+            assert sf["/samples/reward"].tolist() == pytest.approx(rewards)
+            for i in range(BATCH):
+                prompt = tok.decode(ids[off[i]:off[i] + plen[i]].tolist())
+                assert prompt in prompts                  # the prompt's own ids, unpadded
+                assert lm[off[i]:off[i] + plen[i]].sum() == 0
+            trained = lm == 1
+            assert np.isfinite(old[trained]).all() and np.isnan(old[~trained]).all()
+            assert np.isnan(sf["/tokens/rollout_logprob"]).all()   # no vLLM: the engine's logprobs are absent
+            assert (old[trained] < 0).all()
+        assert row["reward"] == pytest.approx(np.mean(rewards))
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["engine"] == "transformers" and manifest["source"]["framework"] == "trl"
+
+
+def test_step_arrays_with_engine_logprobs(tmp_path: Path) -> None:
+    """A batch shaped like TRL's with vLLM: unpadded ids and sampling logprobs (None where vLLM had
+    none), padded [B, C] tensors, a tool span, a truncated (masked) completion."""
+    rng = np.random.default_rng(0)
+    lengths = [7, 5, 9, 3]
+    prompts = [list(rng.integers(0, 60, 4)) for _ in lengths]
+    completions = [list(rng.integers(0, 60, n)) for n in lengths]
+    sampling = [list(-rng.exponential(0.5, n)) for n in lengths]
+    sampling[1][2] = None
+    old = torch.zeros(4, 9)
+    mask = torch.zeros(4, 9, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        old[b, :n] = torch.tensor([np.nan if x is None else x for x in sampling[b]]) + 0.01 * (b + 1)
+        mask[b, :n] = 1
+    mask[3] = 0                                   # mask_truncated_completions
+    tool = torch.ones(4, 9, dtype=torch.long)
+    tool[2, 3:6] = 0                              # tool output inside completion 2
+    output = {"completion_mask": mask, "tool_mask": tool, "old_per_token_logps": old,
+              "advantages": torch.tensor([0.5, -0.5, 1.0, 0.0])}
+    arrays = step_arrays((prompts, completions, None, None, sampling), output, np.array([1.0, 0.0, 1.0, 0.5]),
+                         num_generations=2, first_sample=4)
+    assert arrays["group_ids"].tolist() == [2, 2, 3, 3]
+    Recorder(tmp_path / "run", engine="vllm", backend="trl").write_step(0, nan_off_mask=True, **arrays)
+    loss = [(b, j) for b, n in enumerate(lengths) for j in range(n)
+            if mask[b, j] and tool[b, j] and sampling[b][j] is not None]
+    expected = np.mean([abs(np.float32(old[b, j].item()) - np.float32(sampling[b][j])) for b, j in loss])
+    row = summary(tmp_path / "run")["steps"][0]
+    assert row["mismatch"] == pytest.approx(expected, rel=1e-6)
+    assert row["generated_tokens"] == int((mask * tool).sum())
