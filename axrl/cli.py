@@ -113,7 +113,7 @@ def serve(
     log_level: str = typer.Option("warning", "--log-level"),
 ) -> None:
     """Serve a model over HTTP with SGLang's API subset and OpenAI endpoints (see docs/sglang.md)."""
-    from axrl.export import checkpoint_of
+    from axrl.runtime.checkpoint import checkpoint_of
 
     trained = checkpoint_of(model_path)
     if trained is not None:

@@ -212,6 +212,25 @@ class EvalSection(Section):
     samples_per_prompt: int = Field(2, ge=1)
 
 
+class DistillSection(Section):
+    """On-policy distillation (docs/algorithms.md): a teacher scores the student's sampled tokens
+    and coef·(teacher − rollout logprob) is their advantage, alone or added to the task's."""
+
+    teacher: str | None = Field(None, description="teacher model: a Hugging Face directory (as `axrl model export` "
+                                "writes) or a run's checkpoints/step_N; same tokenizer as the student")
+    url: str | None = Field(None, description="a served teacher (SGLang / `axrl serve`): not supported yet")
+    coef: float = Field(1.0, gt=0, description="weight of the reverse-KL advantage coef·(teacher − rollout logprob)")
+    mode: Literal["reverse_kl", "reverse_kl+reward"] = Field(
+        "reverse_kl", description="'reverse_kl': the distillation advantage alone; 'reverse_kl+reward': "
+        "added to the task's advantage")
+
+    @model_validator(mode="after")
+    def _one_teacher(self) -> "DistillSection":
+        if (self.teacher is None) == (self.url is None):
+            raise ValueError("distill: set exactly one of `teacher` (a model directory or checkpoint) or `url`")
+        return self
+
+
 class CheckpointSection(Section):
     every: int = Field(5, ge=1, description="save every K steps (and at the end)")
     keep: int = Field(0, ge=0, description="keep the newest K checkpoints (0 = all)")
@@ -343,6 +362,7 @@ class Config(Section):
     logging: LoggingSection = Field(default_factory=LoggingSection)
     faults: FaultsSection = Field(default_factory=FaultsSection)
     agent: AgentSection | None = Field(None, description="a black-box agent plays the episodes (else the task's env)")
+    distill: DistillSection | None = Field(None, description="on-policy distillation from a teacher (off: None)")
 
     @model_validator(mode="after")
     def _model_source(self) -> "Config":

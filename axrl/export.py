@@ -10,18 +10,15 @@ PEFT's format (`export_adapter`).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from axrl.config import ConfigError, load_config
-from axrl.runtime.checkpoint import STATE_FILE, list_checkpoints, load_checkpoint
+from axrl.runtime.checkpoint import list_checkpoints, load_checkpoint
 from axrl.assembly.build import make_train_backend
 from axrl.model import save_hf
 from axrl.tokenizer import load_tokenizer
 from axrl.train import TorchBackend
-
-_CHECKPOINT_NAME = re.compile(r"^step_(\d{6,})$")
 
 
 @dataclass
@@ -29,15 +26,6 @@ class Exported:
     out: Path
     step: int            # the checkpoint: the policy after `step` RL steps (0 = after the warm-up)
     checkpoint: Path
-
-
-def checkpoint_of(path: str | Path) -> tuple[Path, int] | None:
-    """(run directory, step) when ``path`` is a run's checkpoint directory (``RUN/checkpoints/step_N``)."""
-    p = Path(path)
-    m = _CHECKPOINT_NAME.match(p.name)
-    if m and p.parent.name == "checkpoints" and (p / STATE_FILE).is_file():
-        return p.parent.parent, int(m.group(1))
-    return None
 
 
 def export_checkpoint(run: str | Path, out: str | Path, step: int | None = None, *,

@@ -120,6 +120,7 @@ class ProcessedBatch:
     rolled_out_groups: int = 0
     dropped: list[Trajectory] = field(default_factory=list)  # their samples, in rollout order (recorded
                                                              # in the trace's /pool, never trained)
+    teacher_logprobs: torch.Tensor | None = None  # float32 [T], on-policy distillation's teacher (algo/distill.py)
 
     def update_splits(self, updates: int) -> list[list[int]]:
         """Sample indices of each optimizer update (`update_splits` over the batch's group ids)."""

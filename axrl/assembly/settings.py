@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from axrl.algo.distill import DistillSettings
 from axrl.algo.loss_config import PolicyLossConfig
 from axrl.algo.processor import AdvantageSettings
 from axrl.config import Config, config_to_dict
@@ -27,7 +28,7 @@ from axrl.train import TorchBackendConfig
 from axrl.train.lora import LoRAConfig
 from axrl.train.protocol import R3, R3Scope
 
-__all__ = ["advantage_settings", "backend_settings", "data_settings", "engine_settings", "faults",
+__all__ = ["advantage_settings", "backend_settings", "data_settings", "distill_settings", "engine_settings", "faults",
            "learner_settings", "loop_settings", "loss_config", "model_source", "prompts_to_roll_out",
            "rollout_clock", "rollout_settings", "routing_replay", "run_settings", "step_settings"]
 
@@ -126,7 +127,14 @@ def learner_settings(cfg: Config) -> LearnerSettings:
         keep_groups=cfg.data.prompts_per_step if cfg.algo.dynamic_sampling.enabled else None,
         temperature=cfg.rollout.temperature, step=step_settings(cfg),
         record=RecordSettings(trace=t.enabled, routing=t.routing, write_queue=t.write_queue,
-                              spike=SpikeSettings(t.spike_ratio, t.spike_window, t.spike_min_history)))
+                              spike=SpikeSettings(t.spike_ratio, t.spike_window, t.spike_min_history)),
+        distill=distill_settings(cfg))
+
+
+def distill_settings(cfg: Config) -> DistillSettings | None:
+    """`distill`: on-policy distillation's teacher, coefficient and mode (None: off)."""
+    d = cfg.distill
+    return None if d is None else DistillSettings(teacher=d.teacher, url=d.url, coef=d.coef, mode=d.mode)
 
 
 # -- rollout -------------------------------------------------------------------------------------------

@@ -218,6 +218,8 @@ def step_record(o: TrainedStep, rng_digest: str = "", routing: bool = True) -> S
         **_pool_columns(o.batch, o.processed.dropped, routing),
         **_session_columns(trajs),
         extra_samples=extra_samples,
+        extra_tokens=({} if o.processed.teacher_logprobs is None
+                      else {"teacher_logprob": o.processed.teacher_logprobs.numpy()}),   # on-policy distillation
         wall_times=o.wall_times,
         rng_digest=rng_digest,
         attrs=o.marks,

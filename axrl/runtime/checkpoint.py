@@ -24,6 +24,15 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step_{step:06d}"
 
 
+def checkpoint_of(path: str | Path) -> tuple[Path, int] | None:
+    """(run directory, step) when ``path`` is a run's checkpoint directory (``RUN/checkpoints/step_N``)."""
+    p = Path(path)
+    m = _NAME.match(p.name)
+    if m and p.parent.name == "checkpoints" and (p / STATE_FILE).is_file():
+        return p.parent.parent, int(m.group(1))
+    return None
+
+
 def save_checkpoint(run_dir: Path, next_step: int, backend: TrainBackend, state: dict[str, Any],
                     keep: int = 0) -> Path:
     """Save backend state + loop state (data position, policy version…) as the state before `next_step`."""

@@ -19,6 +19,7 @@ from axrl.agents.proxy.service import AgentService
 from axrl.agents.tasks import Task
 from axrl.agents.tasks.resolve import resolve_task
 from axrl.algo.processor import AdvantageSettings, AlgorithmProcessor
+from axrl.algo.distill import DistillSettings
 from axrl.data import PromptLoader
 from axrl.errors import ConfigError
 from axrl.inference.embedded import EmbeddedEngine
@@ -155,6 +156,7 @@ class LearnerSettings:
     temperature: float               # the rollout's: the trainer's logprobs use it too
     step: TrainStepSettings
     record: RecordSettings
+    distill: DistillSettings | None = None   # on-policy distillation's teacher (off: None)
 
 
 @dataclass(frozen=True)
@@ -257,8 +259,24 @@ def make_processor(s: LearnerSettings) -> AlgorithmProcessor:
 
 
 def make_step_trainer(s: LearnerSettings, backend: TrainBackend, sync: WeightSync) -> StepTrainer:
-    """The trainer side of a step over `backend`, posting new weights to `sync`."""
-    return StepTrainer(backend, make_processor(s), s.step, sync, backend.model_config.num_experts)
+    """The trainer side of a step over `backend`, posting new weights to `sync` (with the
+    distillation teacher when `distill` is set)."""
+    return StepTrainer(backend, make_processor(s), s.step, sync, backend.model_config.num_experts,
+                       distill=s.distill, teacher=make_distill_teacher(s.distill, backend))
+
+
+def make_distill_teacher(s: DistillSettings | None, backend: TrainBackend) -> Any:
+    """On-policy distillation's teacher (`axrl.runtime.teacher.LocalTeacher`; None when off), on
+    the torch trainer's device and dtype, micro-batched like it; beside a Megatron backend (whose
+    ranks hold the policy elsewhere) on the CPU in float32."""
+    if s is None:
+        return None
+    from axrl.runtime.teacher import make_teacher  # loads model weights: only for distillation runs
+
+    if isinstance(backend, TorchBackend):
+        param = next(backend.model.parameters())
+        return make_teacher(s, backend.config, backend.tokenizer, device=param.device, dtype=param.dtype)
+    return make_teacher(s, TorchBackendConfig(), backend.tokenizer, device=torch.device("cpu"), dtype=torch.float32)
 
 
 def make_rollout_side(s: RolloutSideSettings, tokenizer: Tokenizer, task: Task, loader: PromptLoader,

@@ -4,7 +4,8 @@ prepare: advantages and packing (the AlgorithmProcessor), then the trainer's rec
 token's logprob before the update (`old_logprob`, the proximal policy of decoupled PPO) and,
 with `trace.behaviour_logprob`, its logprob under the weights that *generated* it
 (`behaviour_train_logprob`, from the copies of the last η versions the backend keeps), so that
-old − rollout splits into an engine part and a staleness part.
+old − rollout splits into an engine part and a staleness part; with `distill`, the teacher's
+logprobs and the distillation advantage (axrl/algo/distill.py).
 train: the optimizer updates, through the code replay re-executes (`runtime/updates.py`).
 sync: post the new weights; the rollout worker loads them when its schedule says so.
 """
@@ -14,12 +15,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 import torch
 
 from axrl.algo import PolicyLoss, make_policy_loss
 from axrl.algo.loss_config import PolicyLossConfig
+from axrl.algo.distill import DistillSettings, with_distillation
 from axrl.algo.processor import AlgorithmProcessor, ProcessedBatch
 from axrl.rollout.pool import Batch
 from axrl.runtime.faults import Faults
@@ -67,8 +70,11 @@ def version_key(version: int) -> str:
 
 class StepTrainer:
     def __init__(self, backend: TrainBackend, processor: AlgorithmProcessor, settings: TrainStepSettings,
-                 sync: WeightSync, num_experts: int) -> None:
+                 sync: WeightSync, num_experts: int, *, distill: DistillSettings | None = None,
+                 teacher: Any = None) -> None:
         self.backend, self.processor, self.settings, self.sync = backend, processor, settings, sync
+        # On-policy distillation (algo/distill.py): `teacher` scores each batch (runtime/teacher.py).
+        self.distill, self.teacher = distill, teacher
         self.num_experts = num_experts
         # Behaviour logprobs of tokens up to η versions old need those versions' weights.
         self.keep_versions = settings.keep_versions
@@ -82,6 +88,9 @@ class StepTrainer:
             old = backend.forward(processed.batch, r3=s.r3)
             processed.batch = dataclasses.replace(processed.batch, old_logprobs=old.logprobs)
             processed.batch = with_reference_logprobs(backend, processed.batch, s.needs_reference, s.r3)
+            if self.teacher is not None:
+                assert self.distill is not None
+                processed = with_distillation(processed, self.teacher.score(processed.batch), self.distill)
             behaviour = self.behaviour_logprobs(processed, old, step) if s.behaviour_logprob else None
         if self.keep_versions:
             backend.keep_weights(version_key(step))

@@ -12,6 +12,7 @@ import typer
 
 from axrl.tokenizer import run_tokenizer
 from axrl_debug.analysis.mismatch import MismatchConfig, attach_context, mismatch_report
+from axrl_debug.analysis.mismatch.config import TEACHER_COLUMN
 from axrl_debug.analysis.objective import objective_report
 from axrl_debug.commands.base import JSON_OPTION, BadInput, app, err, out, print_json, run_command
 from axrl_debug.commands._common import (STEP_OPTION_HELP, STEPS_OPTION_HELP, fmt, open_run, pct,
@@ -89,6 +90,10 @@ def print_report(res: dict[str, Any]) -> None:
     m, th, tok = res["metrics"], res["thresholds"], res["tokens"]
     steps = res["steps"]
     span = f"step {steps[0]}" if len(steps) == 1 else f"{len(steps)} steps ({steps[0]}–{steps[-1]})"
+    if res.get("against") == "teacher":
+        out.print("[bold]student–teacher (on-policy distillation):[/] below, Δ = teacher_logprob − rollout "
+                  "logprob and 'trainer' reads 'teacher': KL k1 / k3 estimate KL(student ‖ teacher), the reverse "
+                  "KL the distillation advantage minimises", highlight=False)
     out.print(f"[bold]{res['run']}[/] — {span}: {tok['analysed']} analysed tokens "
               f"(loss_mask = 1 with a rollout logprob) of {tok['generated']} generated, {tok['total']} total; "
               f"clip band [{1 - th['clip_low']:g}, {1 + th['clip_high']:g}], TIS cap {th['tis_cap']:g}",
@@ -149,6 +154,19 @@ def _print_objective(obj: dict[str, Any] | None) -> None:
                       justify_right=False))
 
 
+def _check_against(reader: Any, steps: list[int] | None, against: str) -> None:
+    """Refuse an unknown --against, or 'teacher' on a run whose first selected step has no
+    /tokens/teacher_logprob (not trained with `distill`)."""
+    if against not in ("trainer", "teacher"):
+        raise BadInput(f"--against {against!r}: expected 'trainer' or 'teacher'")
+    first = (steps or list(reader.steps) or [None])[0]
+    if against == "teacher" and first is not None:
+        with reader.open(first) as sf:
+            if TEACHER_COLUMN not in sf:
+                raise BadInput(f"--against teacher: step {first} has no {TEACHER_COLUMN} (the run was not "
+                               "trained with on-policy distillation, config section `distill`)")
+
+
 @app.command()
 def mismatch(
     run: Path = typer.Argument(..., help="Run directory."),
@@ -158,6 +176,9 @@ def mismatch(
     plot: Path = typer.Option(None, "--plot", help="Write PNG figures (distributions, breakdowns) to this directory."),
     workers: int = typer.Option(0, "--workers", min=0, help="Processes reading step files in parallel "
                                 "(0 = auto: one per usable CPU, for runs over ~48 MB of step files per process)."),
+    against: str = typer.Option("trainer", "--against", help="Compare the rollout logprob with the 'trainer' "
+                                "(old_logprob) or, in an on-policy distillation run, the 'teacher' "
+                                "(/tokens/teacher_logprob): the student–teacher KL by turn, position and token."),
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Training–inference mismatch over generated tokens (loss_mask = 1), Δ = trainer old_logprob −
@@ -167,12 +188,14 @@ def mismatch(
     what the objective and corrections did (share of loss tokens per rule, correction weights); the
     worst tokens with their decoded context. With /tokens/behaviour_train_logprob (asynchronous
     runs), Δ = Δ_engine + Δ_staleness: engine mismatch at the generating weights vs policy drift,
-    overall, per version lag and per worst token. Default: all steps."""
+    overall, per version lag and per worst token. With --against teacher (a `distill` run), the same
+    report of Δ = teacher − rollout logprob: the student–teacher reverse KL. Default: all steps."""
 
     def body() -> int:
         reader = open_run(run)
         chosen = select_steps(reader, step, steps)
-        cfg = MismatchConfig.from_run_config(reader.config, top_k=top,
+        _check_against(reader, chosen, against)
+        cfg = MismatchConfig.from_run_config(reader.config, top_k=top, against=against,
                                              plot_points=20000 if plot is not None else 0)
         res, acc = mismatch_report(reader, chosen, cfg, workers=workers, context=False)
         attach_context(reader, res["top"], tokenizer=run_tokenizer(reader.config))  # the run's own tokenizer
@@ -185,6 +208,7 @@ def mismatch(
         res["objective"] = objective_report(reader, res["steps"])
         res["problems"] = report_problems(reader)
         res["top"] = [public_token(t) for t in res.get("top") or []]
+        res["against"] = against
         if json_out:
             print_json(res)
             return 0

@@ -90,6 +90,7 @@ class MismatchAccumulator:
         The step is processed in blocks of whole samples of about ``_BLOCK_TOKENS`` tokens (every
         per-token quantity depends on its own sample only), so the work arrays stay a few tens of
         MB whatever the step size; see ``_block`` for the arithmetic."""
+        cols = self.cfg.compared(cols)
         if self.cfg.compiled is False:
             return self.add(step_tokens(step, policy_version, cols, self.cfg))
         off = np.asarray(cols["/samples/offsets"], dtype=np.int64)

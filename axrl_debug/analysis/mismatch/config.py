@@ -12,6 +12,10 @@ BREAKDOWN_COLUMNS = ("/tokens/turn", "/tokens/policy_version", "/tokens/entropy"
 ROUTING_COLUMNS = ("/routing/rollout", "/routing/train", "/routing/rollout_valid")
 # Optional: the trainer's logprob under the generating weights, which splits Δ (``split``).
 SPLIT_COLUMN = "/tokens/behaviour_train_logprob"
+# ``against="teacher"``: the distillation teacher's logprob takes the trainer's place (Δ = teacher −
+# rollout, so k1/k3 estimate the student–teacher reverse KL, KL(rollout ‖ teacher)).
+TEACHER_COLUMN = "/tokens/teacher_logprob"
+TRAINER_COLUMN = "/tokens/old_logprob"
 
 POSITION_EDGES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 PROB_EDGES = (0.0, 0.01, 0.1, 0.5, 0.9, 0.99)           # last bucket is [0.99, 1]
@@ -56,6 +60,9 @@ class MismatchConfig:
     # Compiled per-token passes (``kernels``, numba) or the numpy per-token path (``step_tokens`` +
     # ``add``): the same answer. None: decided by ``resolve_compiled`` from the size of the steps.
     compiled: bool | None = None
+    # What the rollout logprob is compared with: the trainer's recompute (old_logprob) or, for an
+    # on-policy distillation run, the teacher's (``TEACHER_COLUMN``; no routing, no Δ split then).
+    against: str = "trainer"
 
     @classmethod
     def from_run_config(cls, config: Mapping[str, Any] | None, **kw: Any) -> "MismatchConfig":
@@ -68,6 +75,17 @@ class MismatchConfig:
     def columns(self) -> tuple[list[str], list[str]]:
         """(required, optional) dataset paths for ``TraceReader.iter_columns``."""
         required = list(CORE_COLUMNS)
+        if self.against == "teacher":
+            required[required.index(TRAINER_COLUMN)] = TEACHER_COLUMN
         if self.breakdowns:
             required += list(BREAKDOWN_COLUMNS)
+        if self.against == "teacher":
+            return required, []
         return required, (list(ROUTING_COLUMNS) if self.routing else []) + [SPLIT_COLUMN]
+
+    def compared(self, cols: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``cols`` as the analysis reads them: against the teacher, its column under the
+        trainer's name (every pass then computes Δ = teacher − rollout unchanged)."""
+        if self.against != "teacher":
+            return cols
+        return {(TRAINER_COLUMN if k == TEACHER_COLUMN else k): v for k, v in cols.items()}
