@@ -153,3 +153,15 @@ def test_distillation_step_replays_bitwise(distill_run):
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert doc["verdict"] == "bitwise-equal" and doc["first_divergence"] is None
+
+
+def test_tui_colours_tokens_by_the_teacher_delta(distill_run):
+    from axrl_debug.tui.data import RunModel
+
+    tokens = RunModel(distill_run, against="teacher").step(1).sample(0)
+    mask = tokens.data["loss_mask"] == 1
+    expected = tokens.data["teacher_logprob"].astype(np.float64) - tokens.data["rollout_logprob"]
+    assert mask.any() and np.allclose(tokens.delta[mask], expected[mask], atol=1e-6)
+    assert np.isnan(tokens.delta[~mask]).all()
+    trainer = RunModel(distill_run).step(1).sample(0)
+    assert not np.allclose(trainer.delta[mask], tokens.delta[mask])

@@ -25,6 +25,8 @@ def tui(
     no_scan: bool = typer.Option(False, "--no-scan",
                                  help="Do not read every step file in the background for max |Δ|, k3, "
                                       "routing agreement and version lag (the metrics.jsonl columns stay)."),
+    against: str = typer.Option("trainer", "--against", help="Colour tokens by |trainer − rollout logprob| "
+                                "('trainer') or, in an on-policy distillation run, |teacher − rollout| ('teacher')."),
 ) -> None:
     """Browse a run in the terminal: steps (sortable, spikes highlighted, sparklines), the samples
     of a step (sortable, filterable), and the tokens of a sample coloured by |trainer − rollout
@@ -36,8 +38,10 @@ def tui(
     def body() -> int:
         from axrl_debug.tui.data import RunModel, RunOpenError
 
+        if against not in ("trainer", "teacher"):
+            raise BadInput(f"--against {against!r}: expected 'trainer' or 'teacher'")
         try:
-            model = RunModel(run)
+            model = RunModel(run, against=against)
         except RunOpenError as e:
             raise BadInput(str(e)) from None
         if sample is not None and step is None:

@@ -66,8 +66,11 @@ def replay_dump_path(run: Path, step: int) -> Path | None:
 class RunModel:
     """A run directory, opened lazily. ``rows[step]`` holds the step's scalars (NaN = unknown)."""
 
-    def __init__(self, path: str | os.PathLike, *, cache_steps: int = 8) -> None:
+    def __init__(self, path: str | os.PathLike, *, cache_steps: int = 8, against: str = "trainer") -> None:
         self.path = Path(path)
+        # What the rollout logprob is compared with in the token view: the trainer's old_logprob, or
+        # (an on-policy distillation run) the teacher's teacher_logprob, as `mismatch --against`.
+        self.against = against
         try:
             # validate=False: validation opens every step file; the TUI reports a damaged file
             # when the user opens that step instead.
@@ -327,7 +330,7 @@ def read_replay_tokens(path: Path, num_tokens: int, problems: list[str]) -> dict
 
 # ============================================================================ sample
 _TOKEN_COLS = ("ids", "loss_mask", "turn", "policy_version", "rollout_logprob", "old_logprob",
-               "advantage", "entropy", "behaviour_train_logprob", "is_weight", "loss_rule")
+               "advantage", "entropy", "behaviour_train_logprob", "is_weight", "loss_rule", "teacher_logprob")
 
 
 @dataclass
@@ -369,8 +372,9 @@ class SampleTokens:
                     else np.ones(b - a, dtype=bool)
         n = b - a
         nan = np.full(n, np.nan, np.float32)
+        compared = "teacher_logprob" if step.run.against == "teacher" else "old_logprob"
         delta = M.token_delta(data.get("loss_mask", np.zeros(n, np.uint8)),
-                              data.get("rollout_logprob", nan), data.get("old_logprob", nan))
+                              data.get("rollout_logprob", nan), data.get(compared, nan))
         text = decode_pieces(step.run.tokenizer, data.get("ids", np.zeros(0, np.int32)))
         tokens = cls(step=step, row=row, start=a, data=data, delta=delta, text=text,
                      routing_rollout=rr, routing_train=rt, routing_valid=rv)
