@@ -165,3 +165,12 @@ def test_tui_colours_tokens_by_the_teacher_delta(distill_run):
     assert np.isnan(tokens.delta[~mask]).all()
     trainer = RunModel(distill_run).step(1).sample(0)
     assert not np.allclose(trainer.delta[mask], tokens.delta[mask])
+
+
+def test_metrics_log_the_teacher_kl(distill_run):
+    rows = [json.loads(line) for line in (distill_run / "metrics.jsonl").read_text().splitlines()]
+    with h5py.File(distill_run / "trace" / "step_000001.h5") as f:
+        d = np.asarray(f["tokens/teacher_logprob"], np.float64) - f["tokens/rollout_logprob"][:]
+        m = np.asarray(f["tokens/loss_mask"]) == 1
+    row = next(r for r in rows if r.get("step") == 1 and "teacher_kl" in r)
+    assert row["teacher_kl"] == pytest.approx(float(np.mean(-d[m])), rel=1e-9, abs=1e-12)

@@ -14,7 +14,7 @@ from axrl.core.trajectory import Trajectory
 from axrl.rollout.pool import Batch
 from axrl.train.protocol import ForwardResult, StepStats, TrainMetrics
 from axrl.trace import StepRecord
-from axrl.trace.quantities import mean_abs_delta
+from axrl.trace.quantities import analysed_mask, delta, mean_abs_delta
 
 
 @dataclass
@@ -49,6 +49,18 @@ def mismatch(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: t
     return mean_abs_delta(mask.numpy(), rollout_logprobs.numpy(), old_logprobs.numpy())
 
 
+def teacher_kl(o: TrainedStep) -> dict[str, float]:
+    """{"teacher_kl": k1 estimate of KL(student ‖ teacher), mean(rollout − teacher logprob) over the
+    analysed tokens — `axrl-debug mismatch --against teacher`'s KL k1} for a distillation step."""
+    teacher = o.processed.teacher_logprobs
+    if teacher is None:
+        return {}
+    batch = o.processed.batch
+    rollout, t = batch.rollout_logprobs.numpy(), teacher.numpy()
+    mask = analysed_mask(batch.loss_mask.numpy(), rollout, t)
+    return {"teacher_kl": float(-delta(rollout[mask], t[mask]).mean()) if mask.any() else math.nan}
+
+
 def step_metrics(o: TrainedStep) -> dict[str, Any]:
     """The step's metrics.jsonl line."""
     trajs = o.processed.trajectories
@@ -73,6 +85,7 @@ def step_metrics(o: TrainedStep) -> dict[str, Any]:
         "clipfrac": float(np.mean([u.metrics.metrics.get("clipfrac", math.nan) for u in o.updates])),
         "mismatch": mismatch(o.old.logprobs, batch.rollout_logprobs, batch.loss_mask),
         **split,
+        **teacher_kl(o),
         "entropy": float((o.old.entropy * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1)),
         "samples": len(trajs),
         "failed": len(trajs) - len(ok),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
 
@@ -42,6 +42,9 @@ from axrl.tokenizer import Tokenizer, load_tokenizer
 from axrl.trace import RunDir
 from axrl.train import TorchBackend, TorchBackendConfig
 from axrl.train.protocol import TrainBackend
+
+if TYPE_CHECKING:
+    from axrl.runtime.teacher import LocalTeacher
 
 
 # -- settings ------------------------------------------------------------------------------------
@@ -265,8 +268,8 @@ def make_step_trainer(s: LearnerSettings, backend: TrainBackend, sync: WeightSyn
                        distill=s.distill, teacher=make_distill_teacher(s.distill, backend))
 
 
-def make_distill_teacher(s: DistillSettings | None, backend: TrainBackend) -> Any:
-    """On-policy distillation's teacher (`axrl.runtime.teacher.LocalTeacher`; None when off), on
+def make_distill_teacher(s: DistillSettings | None, backend: TrainBackend) -> LocalTeacher | None:
+    """On-policy distillation's teacher (None when off), on
     the torch trainer's device and dtype, micro-batched like it; beside a Megatron backend (whose
     ranks hold the policy elsewhere) on the CPU in float32."""
     if s is None:

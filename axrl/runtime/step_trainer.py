@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,6 +32,9 @@ from axrl.runtime.reference import with_reference_logprobs
 from axrl.runtime.updates import run_updates
 from axrl.sync import WeightSync
 from axrl.train.protocol import R3, ForwardResult, TrainBackend
+
+if TYPE_CHECKING:
+    from axrl.runtime.teacher import LocalTeacher
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,7 @@ def version_key(version: int) -> str:
 class StepTrainer:
     def __init__(self, backend: TrainBackend, processor: AlgorithmProcessor, settings: TrainStepSettings,
                  sync: WeightSync, num_experts: int, *, distill: DistillSettings | None = None,
-                 teacher: Any = None) -> None:
+                 teacher: LocalTeacher | None = None) -> None:
         self.backend, self.processor, self.settings, self.sync = backend, processor, settings, sync
         # On-policy distillation (algo/distill.py): `teacher` scores each batch (runtime/teacher.py).
         self.distill, self.teacher = distill, teacher
