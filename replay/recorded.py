@@ -51,6 +51,7 @@ class RecordedStep:
     routing_train: np.ndarray | None    # [T, L, k] as recorded, or None
     entropy: np.ndarray | None          # float16 [T] as recorded
     wall_times: dict[str, float]
+    teacher_logprobs: torch.Tensor | None = None   # float32 [T], on-policy distillation's (algo/distill.py)
 
     @property
     def splits(self) -> list[list[int]]:
@@ -108,7 +109,13 @@ def load_recorded_step(path: Path, cfg: Config) -> RecordedStep:
             rewards=sf["/samples/reward"].astype(np.float64),
             ok=np.ones(n, bool) if status is None else np.asarray([s == "ok" for s in status]),
             routing_train=sf.get("/routing/train"), entropy=sf.get("/tokens/entropy"),
-            wall_times=sf.wall_times)
+            wall_times=sf.wall_times, teacher_logprobs=_optional_tokens(sf, "/tokens/teacher_logprob"))
+
+
+def _optional_tokens(sf: StepFile, name: str) -> torch.Tensor | None:
+    """float32 [T] of a per-token column the step file may lack."""
+    values = sf.get(name)
+    return None if values is None else torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
 
 def _group_keys(sf: StepFile, group: str) -> list[str]:

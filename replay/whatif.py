@@ -7,7 +7,8 @@ A variant is a list of `key=value` assignments (values parsed as YAML, as `axrl 
   entropy, loss aggregation, and the reward-to-advantage pipeline — `algo.advantage`,
   `normalize_std`, `advantage_clip`, `advantage_balance`, `overlong_penalty` — which recomputes
   the advantages from the recorded rewards), `train.*` (lr, grad clip, micro-batch size, updates
-  per step, ...), `r3` and `r3_scope.*`, `rollout.temperature`, `runtime.*`, `faults.lr_scale*`;
+  per step, ...), `r3` and `r3_scope.*`, `rollout.temperature`, `distill.coef` / `distill.mode` (the
+  distillation advantage recomputed from the recorded teacher logprobs), `runtime.*`, `faults.lr_scale*`;
 * replay-only knobs: `replay.dtype=bfloat16|float32` (the trainer's compute dtype, bf16 autocast
   with fp32 master weights) and `replay.drop_top_k=K` (drop from the loss the K loss tokens with
   the largest train/inference ratio exp(old_logprob − rollout_logprob), the weight TIS truncates).
@@ -35,10 +36,11 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from axrl.algo import segment_sum, token_advantages
+from axrl.algo.distill import distill_token_advantages
 from axrl.algo.processor import update_splits
 from axrl.config import Config, ConfigError, apply_overrides, load_config
 from axrl.assembly.build import make_train_backend, policy_loss
-from axrl.assembly.settings import advantage_settings, faults, routing_replay
+from axrl.assembly.settings import advantage_settings, distill_settings, faults, routing_replay
 from axrl.recording.records import UpdateResult
 from axrl.runtime.reference import restore_reference, with_reference_logprobs
 from axrl.runtime.updates import run_updates
@@ -48,7 +50,7 @@ from replay.plan import ReplayInputError
 from replay.recorded import RecordedStep
 
 VARIABLE_PREFIXES = ("algo.", "train.", "runtime.", "faults.lr_scale", "replay.", "r3_scope")
-VARIABLE_KEYS = ("r3", "rollout.temperature")
+VARIABLE_KEYS = ("r3", "rollout.temperature", "distill.coef", "distill.mode")
 #: algo keys that act on the rollout side (refused like data.*).
 ROLLOUT_SIDE_PREFIXES = ("algo.dynamic_sampling",)
 #: config paths whose change alters the trainer forward (so the old logprobs are recomputed).
@@ -113,7 +115,8 @@ def parse_variant(config_path: Path, assignments: Sequence[str]) -> Variant:
             raise ReplayInputError(
                 f"--set {key}: cannot be varied in a replay (it acts before the training part of the step, "
                 f"whose rollouts are recorded); variable: algo.* (not algo.dynamic_sampling), train.*, r3, "
-                f"r3_scope.*, rollout.temperature, runtime.*, faults.lr_scale, replay.dtype, replay.drop_top_k", None)
+                f"r3_scope.*, rollout.temperature, distill.coef, distill.mode, runtime.*, faults.lr_scale, replay.dtype, "
+                f"replay.drop_top_k", None)
         (replay_keys if key.startswith("replay.") else config_keys).append(item)
     try:
         cfg = load_config(config_path, config_keys)
@@ -160,10 +163,18 @@ def summarize(results: Sequence[UpdateResult], sizes: Sequence[float] = ()) -> l
 
 
 def recompute_advantages(rec: RecordedStep, cfg: Config) -> torch.Tensor:
-    """Token advantages from the recorded rewards, by the pipeline `AlgorithmProcessor` runs."""
+    """Token advantages from the recorded rewards, by the pipeline `AlgorithmProcessor` runs (and,
+    with `distill`, the distillation term from the recorded teacher logprobs, as the step trainer)."""
     loss_tokens = segment_sum(rec.batch.loss_mask.double(), rec.batch.offsets).numpy()
     adv = advantage_settings(cfg).sample_advantages(rec.rewards, rec.group_ids, rec.ok, loss_tokens)
-    return token_advantages(adv, rec.batch.offsets, rec.batch.loss_mask)
+    tokens = token_advantages(adv, rec.batch.offsets, rec.batch.loss_mask)
+    d = distill_settings(cfg)
+    if d is None:
+        return tokens
+    if rec.teacher_logprobs is None or rec.batch.rollout_logprobs is None:
+        raise ReplayInputError(f"{rec.path}: `distill` needs the step's /tokens/teacher_logprob, which it lacks")
+    return distill_token_advantages(tokens, rec.teacher_logprobs, rec.batch.rollout_logprobs, rec.batch.loss_mask,
+                                    d.coef, d.mode)
 
 
 def drop_top_ratio(batch: PackedBatch, k: int) -> tuple[PackedBatch, list[dict[str, float]]]:
@@ -214,7 +225,8 @@ def _run_on(backend: TrainBackend, variant: Variant, base_cfg: Config, rec: Reco
                 raise ReplayInputError(f"what-if {variant.label}: {e}") from None
         backend.load_state_dict(state)
     batch = dataclasses.replace(rec.batch, temperature=cfg.rollout.temperature)
-    if advantage_settings(cfg) != advantage_settings(base_cfg):
+    if (advantage_settings(cfg) != advantage_settings(base_cfg)
+            or distill_settings(cfg) != distill_settings(base_cfg)):
         batch = dataclasses.replace(batch, advantages=recompute_advantages(rec, cfg))
         notes.append(f"advantages recomputed from the recorded rewards ({advantage_settings(cfg).describe()})")
     forward_changed = (knobs.dtype not in (None, "float32")

@@ -174,3 +174,20 @@ def test_metrics_log_the_teacher_kl(distill_run):
         m = np.asarray(f["tokens/loss_mask"]) == 1
     row = next(r for r in rows if r.get("step") == 1 and "teacher_kl" in r)
     assert row["teacher_kl"] == pytest.approx(float(np.mean(-d[m])), rel=1e-9, abs=1e-12)
+
+
+def test_replay_recomputes_the_distillation_advantage(distill_run):
+    from axrl.config import load_config
+    from replay import load_recorded_step
+    from replay.whatif import recompute_advantages
+
+    cfg = load_config(distill_run / "config.yaml")
+    rec = load_recorded_step(distill_run / "trace" / "step_000001.h5", cfg)
+    recorded = rec.batch.advantages
+    assert torch.equal(recompute_advantages(rec, cfg), recorded)   # the trainer's own pipeline, bitwise
+    doubled = load_config(distill_run / "config.yaml", ["distill.coef=1.0"])
+    mask = rec.batch.loss_mask > 0
+    assert torch.allclose(recompute_advantages(rec, doubled)[mask], 2 * recorded[mask], atol=1e-6)
+    result = CliRunner().invoke(debug_app, ["replay", str(distill_run), "--step", "1", "--set", "distill.coef=1.0"])
+    assert result.exit_code in (0, 1), result.output
+    assert "advantages recomputed" in " ".join(result.output.split())
