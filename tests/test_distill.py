@@ -191,3 +191,24 @@ def test_replay_recomputes_the_distillation_advantage(distill_run):
     result = CliRunner().invoke(debug_app, ["replay", str(distill_run), "--step", "1", "--set", "distill.coef=1.0"])
     assert result.exit_code in (0, 1), result.output
     assert "advantages recomputed" in " ".join(result.output.split())
+
+
+class _Vocab:
+    """The three things `tokenizer_difference` reads, over a list of token texts."""
+
+    def __init__(self, tokens: list[str], special: list[int]) -> None:
+        self.tokens, self.special_token_ids = tokens, special
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    def id_to_token(self, i: int) -> str:
+        return self.tokens[i]
+
+
+def test_tokenizer_difference_names_special_tokens_then_the_first_differing_id():
+    base = _Vocab(["<eos>", "a", "b", "c"], [0])
+    assert tokenizer_difference(base, _Vocab(["<eos>", "a", "b", "c"], [0])) is None
+    assert "special tokens differ" in tokenizer_difference(base, _Vocab(["<end>", "a", "b", "c"], [0]))
+    assert tokenizer_difference(base, _Vocab(["<eos>", "a", "x", "c"], [0])) == "token id 2 is 'x' (the student's: 'b')"
