@@ -228,7 +228,9 @@ def _run_on(backend: TrainBackend, variant: Variant, base_cfg: Config, rec: Reco
     if (advantage_settings(cfg) != advantage_settings(base_cfg)
             or distill_settings(cfg) != distill_settings(base_cfg)):
         batch = dataclasses.replace(batch, advantages=recompute_advantages(rec, cfg))
-        notes.append(f"advantages recomputed from the recorded rewards ({advantage_settings(cfg).describe()})")
+        distill = distill_settings(cfg)
+        how = advantage_settings(cfg).describe() + ("" if distill is None else f"; {distill.describe()}")
+        notes.append(f"advantages recomputed from the recorded rewards ({how})")
     forward_changed = (knobs.dtype not in (None, "float32")
                        or any(_get(cfg, p) != _get(base_cfg, p) for p in FORWARD_PATHS))
     if forward_changed:

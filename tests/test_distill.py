@@ -190,7 +190,7 @@ def test_replay_recomputes_the_distillation_advantage(distill_run):
     assert torch.allclose(recompute_advantages(rec, doubled)[mask], 2 * recorded[mask], atol=1e-6)
     result = CliRunner().invoke(debug_app, ["replay", str(distill_run), "--step", "1", "--set", "distill.coef=1.0"])
     assert result.exit_code in (0, 1), result.output
-    assert "advantages recomputed" in " ".join(result.output.split())
+    assert "on-policy distillation (reverse_kl, coef 1)" in " ".join(result.output.split())
 
 
 class _Vocab:
