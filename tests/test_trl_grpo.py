@@ -117,3 +117,30 @@ def test_step_arrays_with_engine_logprobs(tmp_path: Path) -> None:
     row = summary(tmp_path / "run")["steps"][0]
     assert row["mismatch"] == pytest.approx(expected, rel=1e-6)
     assert row["generated_tokens"] == int((mask * tool).sum())
+
+
+def test_the_example_script_records_a_run_the_debugger_reads(tmp_path: Path) -> None:
+    """`python examples/trl_grpo.py --run-dir DIR`: a model from `axrl model init`, the arithmetic
+    task's prompts and verifier, a real GRPOTrainer; `axrl-debug summary`, `spikes`, `golden` +
+    `check` and the TUI's step list work on what it recorded."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, str(root / "examples" / "trl_grpo.py"), "--run-dir", str(run),
+                           "--steps", "4"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = summary(run)["steps"]
+    assert [r["step"] for r in rows] == [0, 1] and all(r["samples"] == 8 for r in rows)
+    with StepFile(run / "trace" / "step_000001.h5") as sf:
+        assert sf["/samples/group_id"].tolist() == [2] * 4 + [3] * 4
+        assert np.isfinite(sf["/tokens/old_logprob"][sf["/tokens/loss_mask"] == 1]).all()
+    for args in (["spikes", str(run), "--json"], ["golden", str(run), "-o", str(tmp_path / "g.json")],
+                 ["check", str(run), "--golden", str(tmp_path / "g.json")]):
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 0, (args, r.output)
+    from axrl_debug.tui.data import RunModel
+    assert RunModel(run).steps == [0, 1]
