@@ -127,6 +127,75 @@ def test_stream_n_stop_max_tokens_on_a_real_engine(proxy, tok):
         engine.shutdown()
 
 
+def _timed_chunks(stream) -> tuple[list[float], str, float]:
+    """(arrival of each content chunk, the text they add up to, arrival of the end), in seconds
+    from the call."""
+    start, arrivals, text = time.monotonic(), [], ""
+    for ch in stream:
+        piece = (ch.choices[0].delta.content if hasattr(ch.choices[0], "delta") else ch.choices[0].text) \
+            if ch.choices else None
+        if piece:
+            arrivals.append(time.monotonic() - start)
+            text += piece
+    return arrivals, text, time.monotonic() - start
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_tokens_stream_as_generated_and_record_as_unstreamed(proxy, tok, api):
+    """On the real embedded engine: the first content chunk of a 96-token reply arrives long
+    before the completion ends, and the streamed call records the very sample (and assembles the
+    very reply) of the same call unstreamed with the same seed."""
+    engine = tiny_engine(tok)
+    try:
+        recorded, texts, logprobs = [], [], []
+        for stream in (False, True):
+            session, client = open_session(proxy, engine, tok, seed=11, max_tokens=96)
+            create = client.chat.completions.create if api == "chat" else client.completions.create
+            kw = dict(model="policy", max_tokens=96, **(
+                {"messages": [{"role": "user", "content": "Tell me a story."}]} if api == "chat"
+                else {"prompt": "Once upon a time"}))
+            if stream:
+                arrivals, text, end = _timed_chunks(create(**kw, stream=True))
+                assert len(arrivals) >= 4 and arrivals[0] < 0.5 * end, (arrivals, end)
+            else:
+                reply = create(**kw).choices[0]
+                text = reply.message.content if api == "chat" else reply.text
+            (turn,) = session.turns.values()
+            assert len(turn.output_ids) >= 64
+            recorded.append((turn.prompt_ids, turn.output_ids, turn.text))
+            texts.append(text)
+            logprobs.append(turn.logprobs)
+        assert recorded[0] == recorded[1] and texts[0] == texts[1] and recorded[0][2].endswith(texts[0])
+        np.testing.assert_allclose(logprobs[1], logprobs[0], rtol=1e-5, atol=1e-6)
+    finally:
+        engine.shutdown()
+
+
+def test_a_client_leaving_mid_stream_aborts_the_call(proxy, tok):
+    """The connection closed after the first chunk: the engine aborts the request (as a
+    cancelled unstreamed call) and the session records nothing — its next call is its first turn."""
+    engine = tiny_engine(tok)
+    try:
+        session, client = open_session(proxy, engine, tok, max_tokens=400)
+        before = engine.health()["generated_tokens"]
+        body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "stream": True}
+        with httpx.stream("POST", f"{proxy.base_url(session)}/chat/completions", json=body, timeout=30,
+                          headers={"Authorization": f"Bearer {session.api_key}"}) as resp:
+            for line in resp.iter_lines():
+                if '"content": "' in line and '"content": ""' not in line:
+                    break  # the first text: leave
+        deadline = time.monotonic() + 10
+        while engine.health()["running"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        health = engine.health()
+        assert health["running"] == 0 and health["generated_tokens"] - before < 300
+        assert not session.turns and session.calls == 0
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert len(session.turns) == 1 and session.calls == 1
+    finally:
+        engine.shutdown()
+
+
 def test_stop_strings_cut_the_reply_and_the_kept_ids(proxy, tok):
     engine = ScriptedEngine(lambda p: tok.encode("The answer is 95. Done.") + [tok.eos_token_id])
     session, client = open_session(proxy, engine, tok)
