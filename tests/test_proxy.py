@@ -204,6 +204,10 @@ def test_stop_strings_cut_the_reply_and_the_kept_ids(proxy, tok):
     kept = session.turns[1].output_ids
     assert tok.decode(kept).startswith("The answer is 95") and ". D" not in tok.decode(kept)
     assert kept == tok.encode("The answer is 95. Done.")[: len(kept)]
+    chunks = [ch.choices[0] for ch in client.chat.completions.create(model="policy", messages=QUESTION,
+                                                                     stop=[". D", "xyz"], stream=True) if ch.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == "The answer is 95"   # nothing of the stop is sent
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].model_extra["matched_stop"] == ". D"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="policy", messages=QUESTION, stop=["a", "b", "c", "d", "e"])
     assert e.value.body["param"] == "stop"
