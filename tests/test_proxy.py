@@ -171,19 +171,29 @@ def test_tokens_stream_as_generated_and_record_as_unstreamed(proxy, tok, api):
         engine.shutdown()
 
 
-def test_a_client_leaving_mid_stream_aborts_the_call(proxy, tok):
-    """The connection closed after the first chunk: the engine aborts the request (as a
-    cancelled unstreamed call) and the session records nothing — its next call is its first turn."""
+# Per API: its path, its streamed body, a line holding the first text.
+_LEAVING = {"chat": ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400},
+                     lambda line: '"content": "' in line and '"content": ""' not in line),
+            "messages": ("/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400},
+                         lambda line: '"text_delta"' in line),
+            "responses": ("/responses", {"input": "hi", "max_output_tokens": 400},
+                          lambda line: '"response.output_text.delta"' in line)}
+
+
+@pytest.mark.parametrize("api", sorted(_LEAVING))
+def test_a_client_leaving_mid_stream_aborts_the_call(proxy, tok, api):
+    """The connection closed after the first text: the engine aborts the request (as a cancelled
+    unstreamed call) and the session records nothing — its next call is its first turn."""
     engine = tiny_engine(tok)
     try:
         session, client = open_session(proxy, engine, tok, max_tokens=400)
         before = engine.health()["generated_tokens"]
-        body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "stream": True}
-        with httpx.stream("POST", f"{proxy.base_url(session)}/chat/completions", json=body, timeout=30,
-                          headers={"Authorization": f"Bearer {session.api_key}"}) as resp:
+        path, body, first_text = _LEAVING[api]
+        with httpx.stream("POST", f"{proxy.base_url(session)}{path}", json={"model": "policy", **body, "stream": True},
+                          timeout=30, headers={"Authorization": f"Bearer {session.api_key}"}) as resp:
             for line in resp.iter_lines():
-                if '"content": "' in line and '"content": ""' not in line:
-                    break  # the first text: leave
+                if first_text(line):
+                    break  # leave
         deadline = time.monotonic() + 10
         while engine.health()["running"] and time.monotonic() < deadline:
             time.sleep(0.02)
