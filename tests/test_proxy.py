@@ -120,6 +120,11 @@ def test_stream_n_stop_max_tokens_on_a_real_engine(proxy, tok):
         text = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
             model="policy", messages=msgs, max_tokens=8, stream=True) if ch.choices)
         assert text == session.turns[3].text
+        pieces = ["", ""]  # n = 2 streamed: each choice's deltas add up to its recorded turn
+        for ch in client.chat.completions.create(model="policy", messages=msgs, n=2, max_tokens=8, stream=True):
+            for c in ch.choices:
+                pieces[c.index] += c.delta.content or ""
+        assert pieces == [t.text for t in list(session.turns.values())[-2:]]
         done = client.completions.create(model="policy", prompt="Once upon", max_tokens=5)
         assert done.object == "text_completion" and done.usage.completion_tokens <= 5
         assert [m.id for m in client.models.list().data] == ["policy"]
