@@ -187,11 +187,19 @@ def test_turn_credit_run_records_turn_rewards_and_replays_bitwise(tmp_path):
     result = CliRunner().invoke(axrl_app, args)
     assert result.exit_code == 0, result.output
     with h5py.File(run / "trace" / "step_000001.h5") as f:
-        turn_reward, turn = f["tokens/turn_reward"][:], f["tokens/turn"][:]
+        turn_reward, turn, offsets = f["tokens/turn_reward"][:], f["tokens/turn"][:], f["samples/offsets"][:]
         assert turn_reward.shape == turn.shape and np.all(turn_reward[turn == 0] == 0)
     replay = CliRunner().invoke(debug_app, ["replay", str(run), "--step", "1", "--json"])
     doc = json.loads(replay.stdout)
     assert replay.exit_code == 0 and doc["verdict"] == "bitwise-equal", doc["first_divergence"]
+    # summary --json: per step and turn index, the samples that reached it and its mean reward
+    summary = CliRunner().invoke(debug_app, ["summary", str(run), "--json"])
+    turns = json.loads(summary.stdout)["turns"]
+    assert [r["step"] for r in turns] == [0, 1]
+    first = turns[1]["turns"][0]
+    assert first["turn"] == 1 and first["samples"] == 8
+    per_sample = [turn_reward[a:b][turn[a:b] == 1][0] for a, b in zip(offsets[:-1], offsets[1:])]
+    assert first["reward_mean"] == pytest.approx(np.mean(per_sample))
     # what-ifs recompute advantages from the recorded per-turn rewards: the same bits
     from replay import load_recorded_step
     from replay.whatif import recompute_advantages
