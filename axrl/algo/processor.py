@@ -179,18 +179,18 @@ class AlgorithmProcessor:
         rewards = np.asarray([t.reward for t in trajectories], dtype=np.float64)
         groups = np.asarray([t.group_id for t in trajectories], dtype=np.int64)
         loss_tokens = np.asarray([t.num_generated * bool(t.status == "ok") for t in trajectories], dtype=np.float64)
+        adv = self.settings.sample_advantages(rewards, groups, ok, loss_tokens)
+
         lengths = torch.tensor([t.num_tokens for t in trajectories], dtype=torch.int64)
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
         loss_mask = torch.from_numpy(np.concatenate([t.loss_mask.astype(np.float32) * float(t.status == "ok")
                                                      for t in trajectories]))
+        advantages = token_advantages(adv, offsets, loss_mask)
         if self.settings.credit == "turn":  # per-turn returns and advantages: axrl.algo.turn_credit
             adv, advantages = turn_credit_advantages(
                 self.settings, rewards, [t.turn_rewards for t in trajectories],
                 np.asarray([t.num_turns for t in trajectories]), groups, ok, offsets, loss_mask,
                 np.concatenate([t.turn for t in trajectories]))
-        else:
-            adv = self.settings.sample_advantages(rewards, groups, ok, loss_tokens)
-            advantages = token_advantages(adv, offsets, loss_mask)
         routed = None
         if all(t.routed_experts is not None for t in trajectories):
             routed = torch.from_numpy(np.concatenate([t.routed_experts for t in trajectories]).astype(np.int64))
