@@ -132,6 +132,19 @@ def test_calculator_turn_reward_on_the_first_successful_call():
     assert env.step("The answer is 5.").reward == 1.0
 
 
+def test_white_box_step_rewards_reach_the_trajectory_per_turn():
+    import asyncio
+    from axrl.agents.tasks import TASKS
+    from axrl.rollout.agent_loop import run_episode
+    tok = Tokenizer.default()
+    task = TASKS["calculator"](turn_reward=0.25, show_tool_schema=False)
+    traj = asyncio.run(run_episode(ScriptedEngine(calculator_policy(tok)), tok, task.make_env(), task.prompt(0, 1),
+                                   sample_id=0, group_id=0, sampling=SamplingParams(max_new_tokens=64),
+                                   max_turns=3, max_context_len=1024))
+    assert traj.num_turns == 2 and traj.turn_rewards == [0.25, 1.0] and traj.reward == 1.25
+    assert set(traj.turn[traj.loss_mask == 1].tolist()) == {1, 2}
+
+
 # ---------------------------------------------------------------------------- black-box agents
 QUESTION = [{"role": "system", "content": "Use the calculator tool, then reply: The answer is N."},
             {"role": "user", "content": "What is 37 + 58?"}]
