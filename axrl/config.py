@@ -125,6 +125,17 @@ class AlgoSection(PolicyLossConfig):
                                                        "equals the positive mass")
     dynamic_sampling: DynamicSamplingSection = Field(default_factory=DynamicSamplingSection)
     overlong_penalty: OverlongPenaltySection | None = None
+    credit: Literal["outcome", "turn"] = Field(
+        "outcome", description="outcome: one advantage per sample from its total reward; turn: per-turn "
+                               "discounted returns, group-normalised per turn index (axrl.algo.turn_credit)")
+    gamma: float = Field(1.0, ge=0, le=1, description="per-turn discount of the returns of credit: turn")
+
+    @model_validator(mode="after")
+    def _turn_credit(self) -> "AlgoSection":
+        if self.credit == "turn" and self.advantage != "grpo":
+            raise ValueError(f"credit: turn normalises returns per (group, turn index) and needs "
+                             f"advantage: grpo (normalize_std: false for Dr. GRPO), got {self.advantage!r}")
+        return self
 
 
 class MegatronSection(Section):

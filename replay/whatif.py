@@ -35,6 +35,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from axrl.algo import segment_sum, token_advantages
+from axrl.algo.turn_credit import turn_credit_advantages
 from axrl.algo.processor import update_splits
 from axrl.config import Config, ConfigError, apply_overrides, load_config
 from axrl.assembly.build import make_train_backend, policy_loss
@@ -160,9 +161,14 @@ def summarize(results: Sequence[UpdateResult], sizes: Sequence[float] = ()) -> l
 
 
 def recompute_advantages(rec: RecordedStep, cfg: Config) -> torch.Tensor:
-    """Token advantages from the recorded rewards, by the pipeline `AlgorithmProcessor` runs."""
+    """Token advantages from the recorded rewards, by the pipeline `AlgorithmProcessor` runs
+    (under `algo.credit: turn`, from the recorded per-turn rewards too)."""
+    settings = advantage_settings(cfg)
+    if settings.credit == "turn":
+        return turn_credit_advantages(settings, rec.rewards, rec.turn_rewards, rec.num_turns, rec.group_ids,
+                                      rec.ok, rec.batch.offsets, rec.batch.loss_mask, rec.turn)[1]
     loss_tokens = segment_sum(rec.batch.loss_mask.double(), rec.batch.offsets).numpy()
-    adv = advantage_settings(cfg).sample_advantages(rec.rewards, rec.group_ids, rec.ok, loss_tokens)
+    adv = settings.sample_advantages(rec.rewards, rec.group_ids, rec.ok, loss_tokens)
     return token_advantages(adv, rec.batch.offsets, rec.batch.loss_mask)
 
 

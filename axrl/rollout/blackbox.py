@@ -261,6 +261,7 @@ class BlackBoxPlayer:
             t.info["session"] = session.id
             if error:
                 t.status, t.finish_reason, t.error, t.reward = "failed", "failed", error, 0.0
+                t.turn_rewards = []   # a failed episode is scored 0, per turn too
         return trajectories
 
 
