@@ -12,7 +12,12 @@ iteration by iteration: the step's episodes are admitted group by group under th
 `max_live_episodes` rule, each turn's request is submitted after the iteration that finished the
 previous turn (all submissions between two iterations in sample-id order), the engine admits them
 into the lowest free slots, prefills them and decodes slots [0, n) — so every GEMM has the shape it
-had. Without one, the requests of one turn run as one batch (an approximation). Neither covers
+had. A run with the embedded engine's prefix cache (`prefix_cache`) is mirrored on that schedule by
+a real `PrefixCache` with the run's pool, driven by the engine's own functions
+(`axrl.inference.prefix_reuse`) where the engine calls them: cached K/V copied into the slots, only
+suffixes prefilled, the same inserts and evictions (docs/prefix-merge.md, "Debugging a cached run").
+Without a schedule, the requests of one turn run as one batch with whole prompts prefilled (an
+approximation). Neither covers
 continuations of requests interrupted by a weight update (asynchronous runs). Groups dynamic
 sampling dropped are recorded under /pool (`replay.rollout.rolled_out` appends them to the step's
 samples), so the schedule holds every episode the engine ran. `EnginePath.fidelity` says how far
