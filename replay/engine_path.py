@@ -308,13 +308,10 @@ class _Clocked:
         self.n_out: dict[int, int] = {}
         self.requests: dict[int, _Request] = {}
         self.dev = model.lm_head.weight.device
-        self.pc: PrefixCache | None = None
+        # As `SlotBatch` builds it; empty, as the weight update before the step left the run's.
+        self.pc = None if prefix_cache is None else PrefixCache.for_pool(cache, model.config, prefix_cache)
         # Tokens whose K/V each free slot still holds from its last request (`SlotBatch.slot_tokens`).
         self.slot_tokens: list[list[int]] = [[] for _ in range(max_batch_size)]
-        if prefix_cache is not None:  # as `SlotBatch` builds it; empty, as after the step's weight update
-            tokens, block = prefix_cache
-            self.pc = PrefixCache(cache, num_blocks=max(1, tokens // block), block_size=block,
-                                  routing_shape=model.config.routing_shape()[:2] if is_moe else None)
 
     def run(self, sch: ClockSchedule) -> None:
         by_sample: dict[int, list[int]] = {}

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from axrl.inference.kv_cache import LayerKV, StaticKVCache
+from axrl.model import ModelConfig
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per cached block (the engine's `prefix_cache_block` default)
 
@@ -90,6 +91,14 @@ class PrefixCache:
         self.hits = self.queries = 0     # cached / asked-for prompt tokens (for health())
         self.evictions = 0
         self.clear()
+
+    @classmethod
+    def for_pool(cls, cache: StaticKVCache, config: ModelConfig, pool: tuple[int, int]) -> "PrefixCache":
+        """The engine's cache for `pool` = (tokens, block size): whole blocks, at least one, with
+        routing rows on an MoE model (the teacher-forced engine path builds its mirror the same way)."""
+        tokens, block = pool
+        return cls(cache, num_blocks=max(1, tokens // block), block_size=block,
+                   routing_shape=config.routing_shape()[:2] if config.is_moe else None)
 
     # -- the tree ---------------------------------------------------------------------------------
     def clear(self) -> None:
