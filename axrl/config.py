@@ -60,11 +60,8 @@ class RolloutSection(Section):
     max_turns: int = Field(4, ge=1)
     max_context_len: int = Field(512, ge=8)
     max_batch_size: int = Field(64, ge=1, description="engine slots (concurrent sequences)")
-    # Off by default in training runs: the teacher-forced engine path of `axrl-debug explain` and
-    # `replay --engine embedded` does not mirror the cache yet, so with it on they reproduce the
-    # recorded logprobs to float rounding instead of bit for bit (rollout replay stays bitwise).
-    prefix_cache: bool = Field(False, description="embedded engine: reuse the K/V of cached prompt prefixes "
-                                                  "(earlier turns, a group's shared prompt); docs/prefix-merge.md")
+    prefix_cache: bool = Field(True, description="embedded engine: reuse the K/V of cached prompt prefixes "
+                                                 "(earlier turns, a group's shared prompt); docs/prefix-merge.md")
     prefix_cache_tokens: int = Field(0, ge=0, description="embedded engine: prefix-cache pool in tokens "
                                                           "(0 = max_batch_size × max_context_len)")
     # -- asynchronous runs (runtime.mode: async; docs/train.md "Asynchronous runs")
@@ -125,6 +122,17 @@ class AlgoSection(PolicyLossConfig):
                                                        "equals the positive mass")
     dynamic_sampling: DynamicSamplingSection = Field(default_factory=DynamicSamplingSection)
     overlong_penalty: OverlongPenaltySection | None = None
+    credit: Literal["outcome", "turn"] = Field(
+        "outcome", description="outcome: one advantage per sample from its total reward; turn: per-turn "
+                               "discounted returns, group-normalised per turn index (axrl.algo.turn_credit)")
+    gamma: float = Field(1.0, ge=0, le=1, description="per-turn discount of the returns of credit: turn")
+
+    @model_validator(mode="after")
+    def _turn_credit(self) -> "AlgoSection":
+        if self.credit == "turn" and self.advantage != "grpo":
+            raise ValueError(f"credit: turn normalises returns per (group, turn index) and needs "
+                             f"advantage: grpo (normalize_std: false for Dr. GRPO), got {self.advantage!r}")
+        return self
 
 
 class MegatronSection(Section):

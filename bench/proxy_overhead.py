@@ -11,8 +11,9 @@ cost; "SDK" is the official `openai` client, whose request building and response
 agent's own CPU, on the same cores, serialised on the client process's GIL) come on top. A
 third direct path submits each request from its own thread, as independent agents arrive: what
 staggered arrivals cost the engine (admission and prefill spread over iterations). Rounds
-alternate (direct, per thread, HTTP, SDK, direct, …) so all see the same machine load; the
-medians are compared.
+alternate (direct, per thread, HTTP, SDK, streamed, direct, …) so all see the same machine load;
+the medians are compared. "Streamed" is one `stream: true` chat call through the proxy (over
+HTTP, alone on the engine): the time to its first content chunk vs to the end of its stream.
 
     OMP_NUM_THREADS=1 python bench/proxy_overhead.py --rounds 3
 
@@ -20,7 +21,8 @@ Last stdout line: one JSON object; `proxy_vs_direct_tokens_per_s_ratio` (proxy o
 submission, the issue's target ≥ 0.95), `proxy_vs_direct_concurrent_ratio` (over HTTP / one per
 thread) and `proxy_sdk_vs_direct_ratio` (through the SDK / one submission, target ≥ 0.9): ratios
 of the medians; `proxy_vs_direct_paired_ratio` and `proxy_sdk_vs_direct_paired_ratio`: the median
-of each round's ratio to the same round's direct run (steadier when the box's load changes).
+of each round's ratio to the same round's direct run (steadier when the box's load changes);
+`ttft_ms` and `completion_ms`: the streamed call's first content chunk and its end (medians).
 """
 
 from __future__ import annotations
@@ -45,6 +47,24 @@ from axrl.model import build_model, preset_config
 from axrl.tokenizer import Tokenizer
 
 
+def stream_call(call: dict, max_tokens: int) -> dict[str, float]:
+    """One streamed chat call over HTTP: seconds to its first content chunk and to its end."""
+    url = urllib.parse.urlsplit(call["base_url"])
+    conn = http.client.HTTPConnection(url.hostname, url.port)
+    headers = {"Authorization": f"Bearer {call['api_key']}", "Content-Type": "application/json"}
+    conn.request("GET", f"{url.path}/models", headers=headers)  # connection set-up outside the timing
+    conn.getresponse().read()
+    body = json.dumps({"model": "policy", "messages": call["messages"], "max_tokens": max_tokens, "stream": True})
+    t0, first = time.perf_counter(), None
+    conn.request("POST", f"{url.path}/chat/completions", body, headers)
+    for line in conn.getresponse():  # SSE lines as they arrive
+        if first is None and line.startswith(b"data: {") and b'"content": "' in line and b'"content": ""' not in line:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    conn.close()
+    return {"ttft_s": (first or end) - t0, "completion_s": end - t0}
+
+
 def client_main() -> None:
     """The agents' process: per job line, every call at once (one client and thread each).
 
@@ -53,6 +73,9 @@ def client_main() -> None:
     SDK's request building and response parsing (the agent's own CPU, on the same cores)."""
     for line in sys.stdin:
         job = json.loads(line)
+        if job["mode"] == "stream":
+            print(json.dumps(stream_call(job["calls"][0], job["max_tokens"])), flush=True)
+            continue
         calls, sdk = job["calls"], job["mode"] == "sdk"
         if sdk:
             clients = [openai.OpenAI(base_url=c["base_url"], api_key=c["api_key"], max_retries=0) for c in calls]
@@ -133,10 +156,11 @@ def main() -> None:
                               text=True)
 
     with ProxyServer(tok, model_name="policy", coalesce_window_s=args.coalesce_ms / 1e3) as proxy:
-        def through_proxy(mode: str) -> tuple[float, int]:
+        def agents(mode: str, n: int) -> dict:
+            """n sessions' calls made by the client process in `mode`; its report."""
             sessions = [proxy.open_session(engine_submit(engine), SessionPolicy(sampling, max_tokens=args.max_tokens,
                                                                                 seed=i),
-                                           max_context_len=512) for i in range(args.requests)]
+                                           max_context_len=512) for i in range(n)]
             job = {"calls": [{"base_url": proxy.base_url(s), "api_key": s.api_key, "messages": c}
                              for s, c in zip(sessions, conversations)], "max_tokens": args.max_tokens,
                    "mode": mode}
@@ -145,17 +169,23 @@ def main() -> None:
             done = json.loads(client.stdout.readline())
             for s in sessions:
                 proxy.close_session(s)
+            return done
+
+        def through_proxy(mode: str) -> tuple[float, int]:
+            done = agents(mode, args.requests)
             return done["seconds"], done["tokens"]
 
         direct()  # warm-up of every path
         through_proxy("http")
         through_proxy("sdk")
-        d, c, p, k = [], [], [], []
+        agents("stream", 1)
+        d, c, p, k, streamed = [], [], [], [], []
         for _ in range(args.rounds):
             for out, run in ((d, direct), (c, direct_concurrent), (p, lambda: through_proxy("http")),
                              (k, lambda: through_proxy("sdk"))):
                 seconds, tokens = run()
                 out.append(tokens / seconds)
+            streamed.append(agents("stream", 1))
     client.stdin.close()
     client.wait(timeout=30)
     engine.shutdown()
@@ -164,6 +194,9 @@ def main() -> None:
     print(f"direct (one per thread)  tokens/s per round: {', '.join(f'{x:.0f}' for x in c)}")
     print(f"proxy (HTTP client)      tokens/s per round: {', '.join(f'{x:.0f}' for x in p)}")
     print(f"proxy (openai SDK)       tokens/s per round: {', '.join(f'{x:.0f}' for x in k)}")
+    ttft, full = (statistics.median(x[key] * 1e3 for x in streamed) for key in ("ttft_s", "completion_s"))
+    print("proxy (streamed call)    first chunk / end, ms: "
+          + ", ".join(f"{x['ttft_s'] * 1e3:.1f} / {x['completion_s'] * 1e3:.1f}" for x in streamed))
     print(json.dumps({"preset": args.preset, "requests": args.requests, "max_tokens": args.max_tokens,
                       "rounds": args.rounds, "coalesce_ms": args.coalesce_ms, "direct_tokens_per_s": round(d_med, 1),
                       "direct_concurrent_tokens_per_s": round(c_med, 1), "proxy_tokens_per_s": round(p_med, 1),
@@ -173,7 +206,8 @@ def main() -> None:
                       # each round's path over the same round's direct one, the median: a load
                       # change between rounds (a shared box) moves both sides of a round alike
                       "proxy_vs_direct_paired_ratio": round(statistics.median(x / y for x, y in zip(p, d)), 3),
-                      "proxy_sdk_vs_direct_paired_ratio": round(statistics.median(x / y for x, y in zip(k, d)), 3)}))
+                      "proxy_sdk_vs_direct_paired_ratio": round(statistics.median(x / y for x, y in zip(k, d)), 3),
+                      "ttft_ms": round(ttft, 1), "completion_ms": round(full, 1)}))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,12 @@ iteration by iteration: the step's episodes are admitted group by group under th
 `max_live_episodes` rule, each turn's request is submitted after the iteration that finished the
 previous turn (all submissions between two iterations in sample-id order), the engine admits them
 into the lowest free slots, prefills them and decodes slots [0, n) — so every GEMM has the shape it
-had. Without one, the requests of one turn run as one batch (an approximation). Neither covers
+had. A run with the embedded engine's prefix cache (`prefix_cache`) is mirrored on that schedule by
+a real `PrefixCache` with the run's pool, driven by the engine's own functions
+(`axrl.inference.prefix_reuse`) where the engine calls them: cached K/V copied into the slots, only
+suffixes prefilled, the same inserts and evictions (docs/prefix-merge.md, "Debugging a cached run").
+Without a schedule, the requests of one turn run as one batch with whole prompts prefilled (an
+approximation). Neither covers
 continuations of requests interrupted by a weight update (asynchronous runs). Groups dynamic
 sampling dropped are recorded under /pool (`replay.rollout.rolled_out` appends them to the step's
 samples), so the schedule holds every episode the engine ran. `EnginePath.fidelity` says how far
@@ -31,6 +36,8 @@ import torch
 
 from axrl.inference.decode import FusedDecoder
 from axrl.inference.kv_cache import StaticKVCache
+from axrl.inference.prefix_cache import CacheMatch, PrefixCache
+from axrl.inference.prefix_reuse import cache_sequence, retire, split_shared, take_cached_prefix
 from axrl.model import Qwen3ForCausalLM
 
 DEFAULT_MAX_PREFILL_TOKENS = 8192  # EmbeddedEngine's default (make_embedded_engine keeps it)
@@ -127,6 +134,7 @@ class EnginePath:
     logprob: list[np.ndarray]                    # per context: float32 [end], NaN outside its generated tokens
     routing: list[np.ndarray | None]             # per context: int [end, L, k] rows the engine computed (MoE)
     states: list[dict[tuple[str, int], torch.Tensor]] = field(default_factory=list)  # captured hook points
+    cached: list[int] = field(default_factory=list)  # per context: prompt tokens taken from the prefix cache
 
     def fidelity(self, recorded: np.ndarray, offsets: np.ndarray) -> dict[str, float]:
         """Re-computed vs recorded rollout logprobs over the contexts' generated tokens."""
@@ -138,15 +146,17 @@ class EnginePath:
             same += int(np.sum(got.view(np.uint32) == rec.astype(np.float32).view(np.uint32)))
         d = np.concatenate(diffs) if diffs else np.zeros(0)
         return {"tokens": int(d.size), "bitwise_equal": same, "max_abs_diff": float(d.max()) if d.size else 0.0,
-                "mean_abs_diff": float(d.mean()) if d.size else 0.0}
+                "mean_abs_diff": float(d.mean()) if d.size else 0.0, "cached_prompt_tokens": int(sum(self.cached))}
 
 
 def run_engine_path(model: Qwen3ForCausalLM, contexts: list[Context], *, temperature: float, max_seq_len: int,
                     max_batch_size: int, capture: bool | set[int] = False, schedule: ClockSchedule | None = None,
-                    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS) -> EnginePath:
+                    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+                    prefix_cache: tuple[int, int] | None = None) -> EnginePath:
     """Teacher-force `contexts` through the engine's fused prefill and decode (see the module doc).
     `capture`: True keeps every hook point of every context (`EnginePath.states`), a set of context
-    indices only theirs."""
+    indices only theirs. `prefix_cache`: the run's prefix cache (pool tokens, block size), mirrored
+    on the `schedule` (without one, every prompt is prefilled whole)."""
     probe = _Capture(contexts, None if capture is True else set(capture)) if capture else None
     logprob = [np.full(c.end, np.nan, dtype=np.float32) for c in contexts]
     routing: list[np.ndarray | None] = [None] * len(contexts)
@@ -166,13 +176,16 @@ def run_engine_path(model: Qwen3ForCausalLM, contexts: list[Context], *, tempera
             batches.append([i])
     with torch.inference_mode():
         if schedule is not None:
-            _Clocked(model, decoder, cache, contexts, scale, probe, logprob, routing, cfg.is_moe, max_prefill_tokens,
-                     max_batch_size).run(schedule)
+            clocked = _Clocked(model, decoder, cache, contexts, scale, probe, logprob, routing, cfg.is_moe,
+                               max_prefill_tokens, max_batch_size, prefix_cache)
+            clocked.run(schedule)
+            cached = [getattr(clocked.requests.get(i), "cached_tokens", 0) for i in range(len(contexts))]
         else:
+            cached = [0] * len(contexts)
             for batch in batches:
                 _run_batch(model, decoder, cache, contexts, batch, scale, probe, logprob, routing, cfg.is_moe,
                            max_prefill_tokens)
-    return EnginePath(contexts, logprob, routing, probe.buffers if probe is not None else [])
+    return EnginePath(contexts, logprob, routing, probe.buffers if probe is not None else [], cached)
 
 
 def _logprobs(model: Qwen3ForCausalLM, hidden: torch.Tensor, scale: float, targets: list[int],
@@ -255,6 +268,21 @@ def _run_batch(model: Qwen3ForCausalLM, decoder: FusedDecoder, cache: StaticKVCa
             routing[c] = np.concatenate(route_rows[c])
 
 
+@dataclass(eq=False)
+class _Request:
+    """A teacher-forced request of `_Clocked`: the fields of `SequenceState` that the engine's
+    prefix-reuse functions (`axrl.inference.prefix_reuse`) read and write, so the engine's own
+    cache code runs on it."""
+
+    context: int
+    prompt: list[int]
+    wants_routing: bool                 # the run's workers ask for routing on an MoE model
+    slot: int = -1
+    routing: list[np.ndarray] = field(default_factory=list)  # int32 rows from position 0 on
+    cache_match: CacheMatch | None = None
+    cached_tokens: int = 0
+
+
 class _Clocked:
     """The engine clock and scheduler of a synchronous step, teacher-forced (see the module doc).
 
@@ -263,18 +291,27 @@ class _Clocked:
     episodes left (their tasks run only in the settle that follows), again with the fresh count if
     that admitted anything; then everything requested is submitted in sample-id order; the next
     iteration admits FIFO into the lowest free slots, prefills (chunked as the engine chunks), samples
-    each admitted request's first token, then decodes every running slot."""
+    each admitted request's first token, then decodes every running slot.
+
+    With the run's prefix cache (`prefix_cache`: pool tokens, block size) a real `PrefixCache` over
+    this path's KV cache makes the engine's decisions at the same points (`SlotBatch.prefill`,
+    `Scheduler.finish`): matches, group splits, inserts, evictions, and the copies into slots."""
 
     def __init__(self, model: Qwen3ForCausalLM, decoder: FusedDecoder, cache: StaticKVCache, contexts: list[Context],
                  scale: float, probe: _Capture | None, logprob: list[np.ndarray], routing: list[np.ndarray | None],
-                 is_moe: bool, max_prefill_tokens: int, max_batch_size: int) -> None:
+                 is_moe: bool, max_prefill_tokens: int, max_batch_size: int,
+                 prefix_cache: tuple[int, int] | None = None) -> None:
         self.model, self.decoder, self.cache, self.contexts = model, decoder, cache, contexts
         self.scale, self.probe, self.logprob, self.routing = scale, probe, logprob, routing
         self.is_moe, self.max_prefill_tokens = is_moe, max_prefill_tokens
         self.slots: list[int | None] = [None] * max_batch_size
         self.n_out: dict[int, int] = {}
-        self.rows: dict[int, list[np.ndarray]] = {}
+        self.requests: dict[int, _Request] = {}
         self.dev = model.lm_head.weight.device
+        # As `SlotBatch` builds it; empty, as the weight update before the step left the run's.
+        self.pc = None if prefix_cache is None else PrefixCache.for_pool(cache, model.config, prefix_cache)
+        # Tokens whose K/V each free slot still holds from its last request (`SlotBatch.slot_tokens`).
+        self.slot_tokens: list[list[int]] = [[] for _ in range(max_batch_size)]
 
     def run(self, sch: ClockSchedule) -> None:
         by_sample: dict[int, list[int]] = {}
@@ -318,9 +355,9 @@ class _Clocked:
                 live.difference_update(ended)
             if not (pending or waiting or any(s is not None for s in self.slots)) and groups:
                 admit_groups(len(live))  # nothing in flight: the worker's next pass admits
-        for c, rows in self.rows.items():
-            if rows:
-                self.routing[c] = np.concatenate(rows)
+        for c, req in self.requests.items():
+            if req.routing:
+                self.routing[c] = np.concatenate(req.routing)
 
     def iterate(self, waiting: list[int]) -> list[int]:
         """One scheduler iteration; returns the contexts whose request finished in it."""
@@ -329,23 +366,42 @@ class _Clocked:
         admitted = []
         while free and waiting:
             c = waiting.pop(0)
-            self.slots[free.pop(0)] = c
-            admitted.append(c)
+            slot = free.pop(0)
+            self.slots[slot] = c
+            ctx = self.contexts[c]
+            self.requests[c] = _Request(c, ctx.tokens[:ctx.start].tolist(), self.is_moe, slot)
             self.n_out[c] = 0
-            self.rows[c] = []
+            admitted.append(self.requests[c])
         if admitted:
-            chunk: list[int] = []
-            for c in admitted:
-                longest = max([self.contexts[i].start for i in chunk] + [self.contexts[c].start])
-                if chunk and longest * (len(chunk) + 1) > self.max_prefill_tokens:
-                    self.prefill(chunk, finished)
-                    chunk = []
-                chunk.append(c)
-            if chunk:
-                self.prefill(chunk, finished)
+            self.prefill_admitted(admitted, finished)
         if any(s is not None for s in self.slots):
             self.decode(finished)
         return finished
+
+    def prefill_admitted(self, admitted: list[_Request], finished: list[int]) -> None:
+        """`SlotBatch.prefill`: with the prefix cache, a request sharing more of its prompt with an
+        earlier one of this admission than the cache holds waits for that one's prefill (which
+        inserts its prompt); each request first takes its cached prefix into its slot."""
+        if self.pc is None:
+            self.prefill_chunks(admitted, finished)
+            return
+        first, after = split_shared(self.pc, admitted, self.is_moe) if len(admitted) > 1 else (admitted, [])
+        for group in (first, after):
+            for req in group:
+                take_cached_prefix(self.pc, req, self.slot_tokens, self.is_moe)
+            self.prefill_chunks(group, finished)
+
+    def prefill_chunks(self, reqs: list[_Request], finished: list[int]) -> None:
+        """`SlotBatch.prefill_chunks`: in order, padded computed tokens within `max_prefill_tokens`."""
+        chunk: list[_Request] = []
+        for req in reqs:
+            longest = max(len(r.prompt) - r.cached_tokens for r in [*chunk, req])
+            if chunk and longest * (len(chunk) + 1) > self.max_prefill_tokens:
+                self.prefill(chunk, finished)
+                chunk = []
+            chunk.append(req)
+        if chunk:
+            self.prefill(chunk, finished)
 
     def slot_of(self, c: int) -> int:
         return self.slots.index(c)
@@ -360,22 +416,36 @@ class _Clocked:
             self.logprob[c][ctx[c].start + self.n_out[c]] = lp
             self.n_out[c] += 1
             if ctx[c].start + self.n_out[c] >= ctx[c].end:
-                self.slots[self.slot_of(c)] = None
+                self.finish(c)
                 finished.append(c)
 
-    def prefill(self, chunk: list[int], finished: list[int]) -> None:
+    def finish(self, c: int) -> None:
+        """`Scheduler.finish`: the slot holds K/V for every token but the last (never fed); cache
+        them, then free the slot."""
+        req = self.requests[c]
+        retire(self.pc, req, self.contexts[c].tokens[:self.contexts[c].end - 1].tolist(), self.slot_tokens,
+               self.is_moe)
+        self.slots[req.slot] = None
+
+    def prefill(self, chunk: list[_Request], finished: list[int]) -> None:
+        """`SlotBatch.prefill_chunk_fused`: the prompts past their cached prefix, then the prompts
+        are cached (the other samples of a group reuse them) before the first tokens are sampled."""
         ctx, probe = self.contexts, self.probe
-        if probe is not None:
-            probe.rows = [(c, p) for c in chunk for p in range(ctx[c].start)]
-            probe.final_rows = [(c, ctx[c].start - 1) for c in chunk]
-        hidden, rows = self.decoder.prefill([ctx[c].tokens[:ctx[c].start].tolist() for c in chunk],
-                                            [self.slot_of(c) for c in chunk], self.cache, self.is_moe, probe)
+        if probe is not None:  # positions a cached prefix covers were computed by an earlier request
+            probe.rows = [(r.context, p) for r in chunk for p in range(r.cached_tokens, len(r.prompt))]
+            probe.final_rows = [(r.context, len(r.prompt) - 1) for r in chunk]
+        hidden, rows = self.decoder.prefill([r.prompt for r in chunk], [r.slot for r in chunk], self.cache,
+                                            self.is_moe, probe, starts=[r.cached_tokens for r in chunk])
         if rows is not None:
+            rows = rows.to(torch.int32).cpu().numpy()
             start = 0
-            for c in chunk:
-                self.rows[c].append(rows[start:start + ctx[c].start].to(torch.int32).cpu().numpy())
-                start += ctx[c].start
-        self.emit(chunk, hidden, finished)
+            for r in chunk:
+                computed = len(r.prompt) - r.cached_tokens
+                r.routing.append(rows[start:start + computed].copy())
+                start += computed
+        for r in chunk:
+            cache_sequence(self.pc, r, r.prompt, self.is_moe)
+        self.emit([r.context for r in chunk], hidden, finished)
 
     def decode(self, finished: list[int]) -> None:
         ctx, probe = self.contexts, self.probe
@@ -385,6 +455,9 @@ class _Clocked:
         pos = {c: ctx[c].start + self.n_out[c] - 1 for c in live}  # the last output token's position
         tokens = [int(ctx[c].tokens[pos[c]]) if c is not None else 0 for c in by_slot]
         positions = [pos[c] if c is not None else 0 for c in by_slot]
+        for i, c in enumerate(by_slot):
+            if c is None:  # fed token 0 at position 0: the K/V that slot kept are stale from now on
+                self.slot_tokens[i] = []
         if probe is not None:
             probe.rows = [(c, pos[c]) if c is not None else None for c in by_slot]
             probe.final_rows = probe.rows
@@ -396,5 +469,5 @@ class _Clocked:
             np_rows = rows.to(torch.int32).cpu().numpy()
             for i, c in enumerate(by_slot):
                 if c is not None:
-                    self.rows[c].append(np_rows[i][None])
+                    self.requests[c].routing.append(np_rows[i][None].copy())
         self.emit(live, hidden, finished)

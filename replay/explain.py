@@ -57,7 +57,7 @@ from replay.explain_batch import _Layout
 from replay.explain_report import (ExplainResult, LayerRow, TokenExplanation, named_component, removed_at,
                                    routing_flip)
 from replay.policy import PolicyState, policy_before
-from replay.rollout import clock_schedule, rolled_out
+from replay.rollout import clock_schedule, engine_prefix_cache, rolled_out
 
 Progress = Callable[[str], None]
 WeightsHook = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
@@ -253,7 +253,7 @@ def _explain(state: PolicyState, step: int, tokens: list[tuple[int, int]] | None
     say(f"engine path: {len(contexts)} request(s), prefill + KV-cache decode")
     ep = run_engine_path(model, contexts, temperature=cfg.rollout.temperature, max_seq_len=cfg.rollout.max_context_len,
                          max_batch_size=cfg.rollout.max_batch_size, capture=wanted,
-                         schedule=clock_schedule(cfg, ro.sids, ro.gids))
+                         schedule=clock_schedule(cfg, ro.sids, ro.gids), prefix_cache=engine_prefix_cache(cfg))
     timings["engine_seconds"] = time.perf_counter() - t1
     # Trainer path: the consecutive micro-batches (as trained) that hold the chosen tokens.
     ranges = split_micro_batches(rec.batch.lengths, cfg.train.micro_batch_tokens)

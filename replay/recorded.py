@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from axrl.algo.turn_credit import turn_rewards_from_column
 from axrl.config import Config
 from axrl.trace import StepFile
 from axrl.train.protocol import PackedBatch
@@ -51,6 +52,9 @@ class RecordedStep:
     routing_train: np.ndarray | None    # [T, L, k] as recorded, or None
     entropy: np.ndarray | None          # float16 [T] as recorded
     wall_times: dict[str, float]
+    turn: np.ndarray | None = None          # int64 [T]: /tokens/turn (turn credit)
+    num_turns: np.ndarray | None = None     # int64 [N]
+    turn_rewards: list[list[float]] | None = None  # per sample r_1 … r_K (/tokens/turn_reward; zeros if absent)
     teacher_logprobs: torch.Tensor | None = None   # float32 [T], on-policy distillation's (algo/distill.py)
 
     @property
@@ -109,13 +113,25 @@ def load_recorded_step(path: Path, cfg: Config) -> RecordedStep:
             rewards=sf["/samples/reward"].astype(np.float64),
             ok=np.ones(n, bool) if status is None else np.asarray([s == "ok" for s in status]),
             routing_train=sf.get("/routing/train"), entropy=sf.get("/tokens/entropy"),
-            wall_times=sf.wall_times, teacher_logprobs=_optional_tokens(sf, "/tokens/teacher_logprob"))
+            wall_times=sf.wall_times, teacher_logprobs=_optional_tokens(sf, "/tokens/teacher_logprob"),
+            **_turns(sf, off))
 
 
 def _optional_tokens(sf: StepFile, name: str) -> torch.Tensor | None:
     """float32 [T] of a per-token column the step file may lack."""
     values = sf.get(name)
     return None if values is None else torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+
+def _turns(sf: StepFile, off: np.ndarray) -> dict[str, Any]:
+    """turn, num_turns and the per-turn rewards (axrl.algo.turn_credit) of a step file."""
+    turn = sf["/tokens/turn"].astype(np.int64)
+    num_turns = sf["/samples/num_turns"].astype(np.int64)
+    column = sf.get("/tokens/turn_reward")
+    column = np.zeros(len(turn)) if column is None else np.asarray(column, np.float64)
+    rewards = [turn_rewards_from_column(column[a:b], turn[a:b], int(k))
+               for a, b, k in zip(off[:-1], off[1:], num_turns)]
+    return {"turn": turn, "num_turns": num_turns, "turn_rewards": rewards}
 
 
 def _group_keys(sf: StepFile, group: str) -> list[str]:

@@ -39,6 +39,7 @@ from axrl.config import Config
 from axrl.assembly.build import make_data, make_embedded_engine, make_engine_model, make_rollout
 from axrl.assembly.settings import rollout_clock
 from axrl.core.trajectory import Trajectory
+from axrl.inference.prefix_cache import DEFAULT_BLOCK_SIZE, pool_tokens
 from axrl.trace import StepFile
 from replay.compare import Divergence
 from replay.engine_path import ClockSchedule, contexts_of, run_engine_path
@@ -154,6 +155,16 @@ def clock_schedule(cfg: Config, sample_ids: np.ndarray, group_ids: np.ndarray) -
     r = cfg.rollout
     return ClockSchedule(groups=[groups[g] for g in sorted(groups)], sample_ids=[int(s) for s in sample_ids],
                          group_size=r.group_size, max_live_episodes=r.max_live_episodes or r.max_batch_size)
+
+
+def engine_prefix_cache(cfg: Config) -> tuple[int, int] | None:
+    """The run's embedded-engine prefix cache as the engine built it (pool tokens, block size), for
+    the teacher-forced engine path to mirror; None when the run had none (an SGLang run's server
+    keeps its own radix cache)."""
+    r = cfg.rollout
+    if r.engine != "embedded" or not r.prefix_cache:
+        return None
+    return pool_tokens(r.prefix_cache_tokens, r.max_batch_size, r.max_context_len), DEFAULT_BLOCK_SIZE
 
 
 # ------------------------------------------------------------------------------------------ replay
@@ -371,7 +382,7 @@ def teacher_forced_check(run_dir: str | Path, step: int, *, top: int = 10,
         say(f"teacher-forcing {len(contexts)} request(s) through the embedded engine's decode path")
         path = run_engine_path(model, contexts, temperature=cfg.rollout.temperature,
                                max_seq_len=cfg.rollout.max_context_len, max_batch_size=cfg.rollout.max_batch_size,
-                               schedule=clock_schedule(cfg, sids, gids))
+                               schedule=clock_schedule(cfg, sids, gids), prefix_cache=engine_prefix_cache(cfg))
         emb = np.full(len(ids), np.nan, np.float32)
         for c, lp in zip(contexts, path.logprob):
             a = int(off[c.sample])

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from axrl.algo import segment_sum, token_advantages
 from axrl.algo.distill import distill_token_advantages
+from axrl.algo.turn_credit import turn_credit_advantages
 from axrl.algo.processor import update_splits
 from axrl.config import Config, ConfigError, apply_overrides, load_config
 from axrl.assembly.build import make_train_backend, policy_loss
@@ -163,11 +164,17 @@ def summarize(results: Sequence[UpdateResult], sizes: Sequence[float] = ()) -> l
 
 
 def recompute_advantages(rec: RecordedStep, cfg: Config) -> torch.Tensor:
-    """Token advantages from the recorded rewards, by the pipeline `AlgorithmProcessor` runs (and,
-    with `distill`, the distillation term from the recorded teacher logprobs, as the step trainer)."""
-    loss_tokens = segment_sum(rec.batch.loss_mask.double(), rec.batch.offsets).numpy()
-    adv = advantage_settings(cfg).sample_advantages(rec.rewards, rec.group_ids, rec.ok, loss_tokens)
-    tokens = token_advantages(adv, rec.batch.offsets, rec.batch.loss_mask)
+    """Token advantages from the recorded rewards, by the pipeline `AlgorithmProcessor` runs
+    (under `algo.credit: turn`, from the recorded per-turn rewards too), then, with `distill`, the
+    distillation term from the recorded teacher logprobs, as the step trainer adds it."""
+    settings = advantage_settings(cfg)
+    if settings.credit == "turn":
+        tokens = turn_credit_advantages(settings, rec.rewards, rec.turn_rewards, rec.num_turns, rec.group_ids,
+                                        rec.ok, rec.batch.offsets, rec.batch.loss_mask, rec.turn)[1]
+    else:
+        loss_tokens = segment_sum(rec.batch.loss_mask.double(), rec.batch.offsets).numpy()
+        adv = settings.sample_advantages(rec.rewards, rec.group_ids, rec.ok, loss_tokens)
+        tokens = token_advantages(adv, rec.batch.offsets, rec.batch.loss_mask)
     d = distill_settings(cfg)
     if d is None:
         return tokens

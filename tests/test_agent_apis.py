@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import anthropic
+import httpx
 import openai
 import pytest
 
 from agent_util import ScriptedEngine, calculator_policy, tiny_engine
 from axrl.agents.proxy import ProxyServer, SessionPolicy, engine_submit
-from axrl.inference.protocol import SamplingParams
+from axrl.inference.protocol import GenerateRequest, SamplingParams
 from axrl.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.timeout(120)
@@ -226,6 +228,44 @@ def test_responses_stream_sends_function_call_arguments(proxy, tok):
         "expression": "37 + 58"}
 
 
+def _text_arrivals(http: httpx.Client, url: str, key: str, body: dict) -> tuple[list[float], str, float]:
+    """(arrival of each text delta event, their text, arrival of the stream's end), in seconds
+    from the call: Anthropic's text_delta and the Responses output_text.delta events, read raw."""
+    start, arrivals, text = time.monotonic(), [], ""
+    with http.stream("POST", url, json={**body, "stream": True}, headers={"Authorization": f"Bearer {key}"}) as r:
+        for line in r.iter_lines():
+            event = json.loads(line[len("data: "):]) if line.startswith("data: {") else {}
+            delta = event.get("delta")
+            piece = delta.get("text") if isinstance(delta, dict) else delta \
+                if event.get("type") == "response.output_text.delta" else None
+            if piece:
+                arrivals.append(time.monotonic() - start)
+                text += piece
+    return arrivals, text, time.monotonic() - start
+
+
+def test_both_apis_stream_text_while_it_is_generated(proxy, tok):
+    """Messages and Responses streams are the chat stream translated as it arrives: on the real
+    engine the first text delta of a 96-token reply comes long before the end, and the deltas add
+    up to the recorded reply."""
+    engine = tiny_engine(tok)
+    http = httpx.Client(timeout=30)
+    try:  # a first request warms the engine up: the timings below are of a warm one
+        engine.generate_batch([GenerateRequest(input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=4))])
+        session, base = open_session(proxy, engine, tok, max_tokens=96)
+        story = [{"role": "user", "content": "Tell me a story."}]
+        got = [_text_arrivals(http, f"{base}/messages", session.api_key,
+                              {"model": "m", "max_tokens": 96, "messages": story}),
+               _text_arrivals(http, f"{base}/responses", session.api_key,
+                              {"model": "m", "max_output_tokens": 96, "input": story})]
+        for turn, (arrivals, text, end) in zip(session.turns.values(), got):
+            assert len(turn.output_ids) >= 64 and text == turn.text
+            assert len(arrivals) >= 4 and arrivals[0] < 0.5 * end, (arrivals, end)
+    finally:
+        http.close()
+        engine.shutdown()
+
+
 def test_responses_errors_name_the_field(proxy, tok):
     session, base = open_session(proxy, ScriptedEngine(calculator_policy(tok)), tok)
     client = gpt(base, session)
@@ -310,6 +350,25 @@ def test_serve_answers_both_apis_as_its_chat_path(serve):
     events = list(gpt_client.responses.create(model="tiny", input=msgs, max_output_tokens=8, temperature=0,
                                               stream=True))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
+
+
+def test_serve_streams_both_apis_token_by_token(serve):
+    """`axrl serve`'s Messages and Responses streams translate its chat stream chunk by chunk:
+    many text deltas, adding up to the chat reply."""
+    msgs = [{"role": "user", "content": "Tell me a story."}]
+    chat = serve.post("/v1/chat/completions", json={"model": "tiny", "messages": msgs, "max_tokens": 200,
+                                                    "temperature": 0}).json()
+    text = chat["choices"][0]["message"]["content"]
+    claude_client = anthropic.Anthropic(base_url="http://testserver", api_key="-", http_client=serve, max_retries=0)
+    with claude_client.messages.stream(model="tiny", max_tokens=200, messages=msgs,
+                                       extra_body={"temperature": 0}) as events:
+        deltas = [e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta"]
+    gpt_client = openai.OpenAI(base_url="http://testserver/v1", api_key="-", http_client=serve, max_retries=0)
+    items = [e.delta for e in gpt_client.responses.create(model="tiny", input=msgs, max_output_tokens=200,
+                                                          temperature=0, stream=True)
+             if e.type == "response.output_text.delta"]
+    for pieces in (deltas, items):
+        assert len(pieces) >= 3 and "".join(pieces) == text  # unstreamed: one delta
 
 
 def test_serve_errors_are_each_apis_own(serve):

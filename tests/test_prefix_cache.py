@@ -1,19 +1,29 @@
 """The embedded engine's prefix cache: results equal to no cache (greedy tokens, logprobs, routing)
 on multi-turn episodes and GRPO groups, `cached_tokens`, eviction under pressure with locked
-prefixes kept, abort, and weight updates invalidating the cache."""
+prefixes kept, abort, and weight updates invalidating the cache; the teacher-forced engine path
+(`replay --engine embedded`, `explain`) mirrors a cached run's cache bit for bit."""
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from typer.testing import CliRunner
 
+import replay.rollout
+from axrl.cli import app as axrl_app
 from axrl.inference import EmbeddedEngine, GenerateRequest, SamplingParams
 from axrl.inference.kv_cache import StaticKVCache
 from axrl.inference.prefix_cache import PrefixCache
+from axrl.inference.scheduler import Scheduler
 from axrl.model import build_model, hf_state_dict, preset_config
+from axrl_debug.cli import app as debug_app
+from replay.explain import explain_step
+from replay.rollout import teacher_forced_check
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
@@ -225,3 +235,67 @@ def test_free_slot_between_running_ones_is_not_reused_stale(model):
             outs[cache] = f.result()
     assert outs[True].meta["cached_tokens"] > 0
     assert_same(outs[True], outs[False])
+
+
+# -- the teacher-forced engine path on a run trained with the cache ----------------------------------
+QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
+SMALL_RUN = ["steps=2", "model.preset=micro-moe", "warmup.steps=30", "data.task=echo", "data.task_args={}",
+             "data.prompts_per_step=2", "rollout.group_size=4", "eval.every=0", "runtime.threads=1",
+             "checkpoint.every=1", "rollout.max_new_tokens=12", "rollout.prefix_cache=true"]
+
+
+@pytest.fixture(scope="module", params=[0, 96], ids=["pool-default", "pool-96-tokens"])
+def cached_run(request, tmp_path_factory) -> tuple[Path, dict[int, int], int, int]:
+    """A short deterministic multi-turn run (echo, up to 4 turns) trained with the prefix cache,
+    the whole pool or one of 6 blocks (evicting); with the prompt tokens its engine's requests took
+    from the cache per weight version (= step) and the evictions it made, seen from inside the engine."""
+    cached: dict[int, int] = {}
+    evictions = [0]
+    real = Scheduler.result
+
+    def result(self, seq, reason):
+        cached[self.version] = cached.get(self.version, 0) + seq.cached_tokens
+        evictions[0] = max(evictions[0], self.prefix_cache.evictions)
+        return real(self, seq, reason)
+
+    path = tmp_path_factory.mktemp("cached") / "run"
+    args = ["train", str(QUICKSTART), "--run-dir", str(path)]
+    for s in [*SMALL_RUN, f"rollout.prefix_cache_tokens={request.param}"]:
+        args += ["--set", s]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Scheduler, "result", result)
+        out = CliRunner().invoke(axrl_app, args)
+    assert out.exit_code == 0, out.output
+    return path, cached, evictions[0], request.param
+
+
+def test_teacher_forced_path_mirrors_the_runs_cache_bit_for_bit(cached_run, monkeypatch):
+    run, cached, evictions, pool = cached_run
+    assert cached[0] > 0 and cached[1] > 0                  # later turns and group members hit
+    assert (evictions > 0) == (pool > 0)                    # the small pool evicted, the default did not
+    for step in (0, 1):
+        check = teacher_forced_check(run, step)
+        f = check.fidelity
+        assert f["bitwise_equal"] == f["tokens"] == check.tokens > 0 and f["max_abs_diff"] == 0.0
+        # the run's engine's cache decisions: it took as many prompt tokens from the cache
+        assert f["cached_prompt_tokens"] == cached[step]
+    # what the mirror fixes: prefilling every prompt whole leaves float-rounding differences
+    monkeypatch.setattr(replay.rollout, "engine_prefix_cache", lambda cfg: None)
+    plain = teacher_forced_check(run, 1).fidelity
+    assert plain["cached_prompt_tokens"] == 0 and 0 < plain["max_abs_diff"] < 1e-4
+    assert plain["bitwise_equal"] < plain["tokens"]
+
+
+def test_explain_on_a_cached_run(cached_run):
+    run = cached_run[0]
+    result = explain_step(run, 1, top=2)
+    f = result.fidelity["engine_path_vs_rollout_logprob"]
+    assert f["bitwise_equal"] == f["tokens"] > 0 and f["cached_prompt_tokens"] > 0
+    assert result.fidelity["trainer_path_reproduces_old_logprob"]
+    for tok in result.tokens:
+        assert tok.engine_reproduces_rollout and tok.rows[-1].remaining_gap == 0.0
+    out = CliRunner().invoke(debug_app, ["replay", str(run), "--step", "1", "--rollout", "--engine", "embedded",
+                                         "--json"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.stdout)
+    assert doc["fidelity"]["bitwise_equal"] == doc["fidelity"]["tokens"] > 0

@@ -120,9 +120,93 @@ def test_stream_n_stop_max_tokens_on_a_real_engine(proxy, tok):
         text = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
             model="policy", messages=msgs, max_tokens=8, stream=True) if ch.choices)
         assert text == session.turns[3].text
+        pieces = ["", ""]  # n = 2 streamed: each choice's deltas add up to its recorded turn
+        for ch in client.chat.completions.create(model="policy", messages=msgs, n=2, max_tokens=8, stream=True):
+            for c in ch.choices:
+                pieces[c.index] += c.delta.content or ""
+        assert pieces == [t.text for t in list(session.turns.values())[-2:]]
         done = client.completions.create(model="policy", prompt="Once upon", max_tokens=5)
         assert done.object == "text_completion" and done.usage.completion_tokens <= 5
         assert [m.id for m in client.models.list().data] == ["policy"]
+    finally:
+        engine.shutdown()
+
+
+def _timed_chunks(stream) -> tuple[list[float], str, float]:
+    """(arrival of each content chunk, the text they add up to, arrival of the end), in seconds
+    from the call."""
+    start, arrivals, text = time.monotonic(), [], ""
+    for ch in stream:
+        piece = (ch.choices[0].delta.content if hasattr(ch.choices[0], "delta") else ch.choices[0].text) \
+            if ch.choices else None
+        if piece:
+            arrivals.append(time.monotonic() - start)
+            text += piece
+    return arrivals, text, time.monotonic() - start
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_tokens_stream_as_generated_and_record_as_unstreamed(proxy, tok, api):
+    """On the real embedded engine: the first content chunk of a 96-token reply arrives long
+    before the completion ends, and the streamed call records the very sample (and assembles the
+    very reply) of the same call unstreamed with the same seed."""
+    engine = tiny_engine(tok)
+    try:
+        recorded, texts, logprobs = [], [], []
+        for stream in (False, True):
+            session, client = open_session(proxy, engine, tok, seed=11, max_tokens=96)
+            create = client.chat.completions.create if api == "chat" else client.completions.create
+            kw = dict(model="policy", max_tokens=96, **(
+                {"messages": [{"role": "user", "content": "Tell me a story."}]} if api == "chat"
+                else {"prompt": "Once upon a time"}))
+            if stream:
+                arrivals, text, end = _timed_chunks(create(**kw, stream=True))
+                assert len(arrivals) >= 4 and arrivals[0] < 0.5 * end, (arrivals, end)
+            else:
+                reply = create(**kw).choices[0]
+                text = reply.message.content if api == "chat" else reply.text
+            (turn,) = session.turns.values()
+            assert len(turn.output_ids) >= 64
+            recorded.append((turn.prompt_ids, turn.output_ids, turn.text))
+            texts.append(text)
+            logprobs.append(turn.logprobs)
+        assert recorded[0] == recorded[1] and texts[0] == texts[1] and recorded[0][2].endswith(texts[0])
+        np.testing.assert_allclose(logprobs[1], logprobs[0], rtol=1e-5, atol=1e-6)
+    finally:
+        engine.shutdown()
+
+
+# Per API: its path, its streamed body, a line holding the first text.
+_LEAVING = {"chat": ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400},
+                     lambda line: '"content": "' in line and '"content": ""' not in line),
+            "messages": ("/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400},
+                         lambda line: '"text_delta"' in line),
+            "responses": ("/responses", {"input": "hi", "max_output_tokens": 400},
+                          lambda line: '"response.output_text.delta"' in line)}
+
+
+@pytest.mark.parametrize("api", sorted(_LEAVING))
+def test_a_client_leaving_mid_stream_aborts_the_call(proxy, tok, api):
+    """The connection closed after the first text: the engine aborts the request (as a cancelled
+    unstreamed call) and the session records nothing — its next call is its first turn."""
+    engine = tiny_engine(tok)
+    try:
+        session, client = open_session(proxy, engine, tok, max_tokens=400)
+        before = engine.health()["generated_tokens"]
+        path, body, first_text = _LEAVING[api]
+        with httpx.stream("POST", f"{proxy.base_url(session)}{path}", json={"model": "policy", **body, "stream": True},
+                          timeout=30, headers={"Authorization": f"Bearer {session.api_key}"}) as resp:
+            for line in resp.iter_lines():
+                if first_text(line):
+                    break  # leave
+        deadline = time.monotonic() + 10
+        while engine.health()["running"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        health = engine.health()
+        assert health["running"] == 0 and health["generated_tokens"] - before < 300
+        assert not session.turns and session.calls == 0
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert len(session.turns) == 1 and session.calls == 1
     finally:
         engine.shutdown()
 
@@ -135,6 +219,10 @@ def test_stop_strings_cut_the_reply_and_the_kept_ids(proxy, tok):
     kept = session.turns[1].output_ids
     assert tok.decode(kept).startswith("The answer is 95") and ". D" not in tok.decode(kept)
     assert kept == tok.encode("The answer is 95. Done.")[: len(kept)]
+    chunks = [ch.choices[0] for ch in client.chat.completions.create(model="policy", messages=QUESTION,
+                                                                     stop=[". D", "xyz"], stream=True) if ch.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == "The answer is 95"   # nothing of the stop is sent
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].model_extra["matched_stop"] == ". D"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="policy", messages=QUESTION, stop=["a", "b", "c", "d", "e"])
     assert e.value.body["param"] == "stop"

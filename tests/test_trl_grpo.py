@@ -61,7 +61,7 @@ def test_records_a_real_grpo_run(tmp_path: Path, monkeypatch) -> None:
     # generation every 2 micro-steps, optimizer every 1: misaligned, so TRL recomputes old logprobs
     args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=GEN,
                       steps_per_generation=2, gradient_accumulation_steps=1, max_completion_length=6, max_steps=4,
-                      report_to=[], use_cpu=True, save_strategy="no", bf16=False, logging_steps=100)
+                      report_to=[], use_cpu=True, save_strategy="no", bf16=False, logging_steps=1)
     trainer = GRPOTrainer(model=str(tmp_path / "model"), reward_funcs=reward, args=args,
                           train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok)
     rec = record_grpo(trainer, tmp_path / "run")
@@ -84,6 +84,11 @@ def test_records_a_real_grpo_run(tmp_path: Path, monkeypatch) -> None:
             assert np.isnan(sf["/tokens/rollout_logprob"]).all()   # no vLLM: the engine's logprobs are absent
             assert (old[trained] < 0).all()
         assert row["reward"] == pytest.approx(np.mean(rewards))
+        # the loss and grad norm of the two optimizer steps that trained on this batch, as TRL logged them
+        logged = [h for h in trainer.state.log_history if "grad_norm" in h][2 * step:2 * step + 2]
+        assert len(logged) == 2
+        assert row["grad_norm"] == pytest.approx(np.mean([h["grad_norm"] for h in logged]), rel=1e-5)
+        assert row["loss"] == pytest.approx(np.mean([h["loss"] for h in logged]), abs=1e-4)  # TRL rounds its log
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["engine"] == "transformers" and manifest["source"]["framework"] == "trl"
 
@@ -117,3 +122,31 @@ def test_step_arrays_with_engine_logprobs(tmp_path: Path) -> None:
     row = summary(tmp_path / "run")["steps"][0]
     assert row["mismatch"] == pytest.approx(expected, rel=1e-6)
     assert row["generated_tokens"] == int((mask * tool).sum())
+
+
+def test_the_example_script_records_a_run_the_debugger_reads(tmp_path: Path) -> None:
+    """`python examples/trl_grpo.py --run-dir DIR`: a model from `axrl model init`, the arithmetic
+    task's prompts and verifier, a real GRPOTrainer; `axrl-debug summary`, `spikes`, `golden` +
+    `check` and the TUI's step list work on what it recorded."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, str(root / "examples" / "trl_grpo.py"), "--run-dir", str(run),
+                           "--steps", "4"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = summary(run)["steps"]
+    assert [r["step"] for r in rows] == [0, 1] and all(r["samples"] == 8 for r in rows)
+    assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)   # the optimizer steps' own
+    with StepFile(run / "trace" / "step_000001.h5") as sf:
+        assert sf["/samples/group_id"].tolist() == [2] * 4 + [3] * 4
+        assert np.isfinite(sf["/tokens/old_logprob"][sf["/tokens/loss_mask"] == 1]).all()
+    for args in (["spikes", str(run), "--json"], ["golden", str(run), "-o", str(tmp_path / "g.json")],
+                 ["check", str(run), "--golden", str(tmp_path / "g.json")]):
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 0, (args, r.output)
+    from axrl_debug.tui.data import RunModel
+    assert RunModel(run).steps == [0, 1]

@@ -8,6 +8,9 @@ which recomputes advantages from the recorded rewards for what-ifs:
     A_i     = clip(A_i, −c, c)                          algo.advantage_clip (optional)
     A_i     = A_i · (M₊ / M₋) for A_i < 0               algo.advantage_balance: M± = Σ_i |A_i|·n_i over
                                                         positive / negative samples (n_i loss tokens)
+
+With `algo.credit: turn` the same pipeline runs on (sample, turn) units of per-turn returns instead
+of samples (axrl.algo.turn_credit); `credit: outcome` (default) is the above, unchanged.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import numpy as np
 import torch
 
 from axrl.algo.advantages import compute_advantages, token_advantages
+from axrl.algo.turn_credit import records_turn_rewards, turn_credit_advantages, turn_reward_column
 from axrl.core.trajectory import Trajectory
 from axrl.train.protocol import PackedBatch
 
@@ -67,6 +71,8 @@ class AdvantageSettings:
     advantage_clip: float | None = None
     advantage_balance: bool = False
     overlong: tuple[int, int] | None = None   # (max_len, cache_len)
+    credit: str = "outcome"                   # "turn": per-turn returns (axrl.algo.turn_credit)
+    gamma: float = 1.0                        # per-turn discount of turn credit
 
     def describe(self) -> str:
         """e.g. "grpo, clipped to ±1, negative mass balanced" (for notes and logs)."""
@@ -77,6 +83,8 @@ class AdvantageSettings:
             parts.append("negative mass balanced")
         if self.overlong is not None:
             parts.append(f"overlong penalty max_len {self.overlong[0]}, cache_len {self.overlong[1]}")
+        if self.credit == "turn":
+            parts.append(f"turn credit γ={self.gamma:g}")
         return ", ".join(parts)
 
     def penalties(self, loss_tokens: np.ndarray) -> np.ndarray | None:
@@ -118,6 +126,7 @@ class ProcessedBatch:
     penalties: np.ndarray | None = None   # float64 [N], overlong penalty added to the reward (None: off)
     dropped_groups: int = 0           # dynamic sampling: groups rolled out but not trained
     rolled_out_groups: int = 0
+    turn_rewards: np.ndarray | None = None   # float64 [T]: /tokens/turn_reward (None: not recorded)
     dropped: list[Trajectory] = field(default_factory=list)  # their samples, in rollout order (recorded
                                                              # in the trace's /pool, never trained)
     teacher_logprobs: torch.Tensor | None = None  # float32 [T], on-policy distillation's teacher (algo/distill.py)
@@ -177,6 +186,12 @@ class AlgorithmProcessor:
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
         loss_mask = torch.from_numpy(np.concatenate([t.loss_mask.astype(np.float32) * float(t.status == "ok")
                                                      for t in trajectories]))
+        advantages = token_advantages(adv, offsets, loss_mask)
+        if self.settings.credit == "turn":  # per-turn returns and advantages: axrl.algo.turn_credit
+            adv, advantages = turn_credit_advantages(
+                self.settings, rewards, [t.turn_rewards for t in trajectories],
+                np.asarray([t.num_turns for t in trajectories]), groups, ok, offsets, loss_mask,
+                np.concatenate([t.turn for t in trajectories]))
         routed = None
         if all(t.routed_experts is not None for t in trajectories):
             routed = torch.from_numpy(np.concatenate([t.routed_experts for t in trajectories]).astype(np.int64))
@@ -184,7 +199,7 @@ class AlgorithmProcessor:
             input_ids=torch.from_numpy(np.concatenate([t.token_ids for t in trajectories]).astype(np.int64)),
             offsets=offsets,
             loss_mask=loss_mask,
-            advantages=token_advantages(adv, offsets, loss_mask),
+            advantages=advantages,
             rollout_logprobs=torch.from_numpy(np.concatenate([t.rollout_logprob for t in trajectories])),
             routed_experts=routed,
             temperature=self.temperature,
@@ -192,4 +207,11 @@ class AlgorithmProcessor:
         return ProcessedBatch(batch=batch, trajectories=trajectories, sample_advantages=adv,
                               rewards=torch.tensor(rewards, dtype=torch.float32),
                               penalties=self.settings.penalties(loss_tokens), dropped_groups=dropped_groups,
-                              rolled_out_groups=rolled_out, dropped=dropped)
+                              rolled_out_groups=rolled_out, dropped=dropped,
+                              turn_rewards=self._turn_reward_column(trajectories))
+
+    def _turn_reward_column(self, trajectories: list[Trajectory]) -> np.ndarray | None:
+        """/tokens/turn_reward when it is recorded (`records_turn_rewards`), else None."""
+        if not records_turn_rewards(self.settings.credit, [t.turn_rewards for t in trajectories]):
+            return None
+        return np.concatenate([turn_reward_column(t.turn_rewards, t.turn) for t in trajectories])

@@ -111,12 +111,12 @@ def step_settings(cfg: Config) -> TrainStepSettings:
 
 def advantage_settings(cfg: Config) -> AdvantageSettings:
     """How sample advantages come from rewards (`algo.advantage`, `normalize_std`, clip, balance,
-    overlong penalty)."""
+    overlong penalty, `credit` and its `gamma`)."""
     a = cfg.algo
     estimator = "dr_grpo" if a.advantage == "grpo" and not a.normalize_std else a.advantage
     ol = a.overlong_penalty
     return AdvantageSettings(estimator, a.advantage_clip, a.advantage_balance,
-                             None if ol is None else (ol.max_len, ol.cache_len))
+                             None if ol is None else (ol.max_len, ol.cache_len), a.credit, a.gamma)
 
 
 def learner_settings(cfg: Config) -> LearnerSettings:

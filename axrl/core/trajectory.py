@@ -39,6 +39,9 @@ class Trajectory:
     prompt_len: int = 0
     num_turns: int = 0
     reward: float = 0.0
+    # Per-turn rewards: turn_rewards[k − 1] is turn k's (the env's step reward, or a black-box
+    # agent's per-turn reward); `reward` stays the total (it may hold more: a final reward).
+    turn_rewards: list[float] = field(default_factory=list)
     finish_reason: str = "stop"  # one of axrl.core.outcomes.FINISH_REASONS
     status: str = "ok"  # one of STATUSES: "failed" (env/tool raised) is kept in the trace, never trained on
     error: str = ""

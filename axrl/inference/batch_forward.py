@@ -48,10 +48,7 @@ class SlotBatch:
         # Tokens whose K/V (current weights) each free slot still holds from its last request.
         self.slot_tokens: list[list[int]] = [[] for _ in range(max_batch_size)]
         if prefix_cache is not None:
-            tokens, block = prefix_cache
-            self.prefix_cache = PrefixCache(
-                self.cache, num_blocks=max(1, tokens // block), block_size=block,
-                routing_shape=cfg.routing_shape()[:2] if self.is_moe else None)
+            self.prefix_cache = PrefixCache.for_pool(self.cache, cfg, prefix_cache)
         self.slots: list[SequenceState | None] = [None] * max_batch_size
         # Bumped whenever a slot is taken or freed; the next decode step's inputs are reused only
         # while it stands still (see `decode_step`).

@@ -47,6 +47,7 @@ from typing import Any, Iterable, Literal, Sequence
 import torch
 
 from axrl.inference.inbox import ControlOp, Inbox, new_sequence
+from axrl.inference.prefix_cache import DEFAULT_BLOCK_SIZE, pool_tokens
 from axrl.inference.protocol import GenerateRequest, GenerateResult, settle_future, validate_submission
 from axrl.inference.scheduler import Scheduler
 from axrl.inference.weight_source import load_weight_source
@@ -80,7 +81,7 @@ class EmbeddedEngine:
                  eos_token_id: int | Sequence[int] | None = None, weight_version: int = 0, seed: int = 0,
                  decode_impl: Literal["fused", "model"] = "fused", max_prefill_tokens: int = 8192,
                  clocked: bool = False, prefix_cache: bool | None = None, prefix_cache_tokens: int = 0,
-                 prefix_cache_block: int = 16) -> None:
+                 prefix_cache_block: int = DEFAULT_BLOCK_SIZE) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 2:
@@ -100,7 +101,7 @@ class EmbeddedEngine:
         self._expected_shapes = {k: tuple(v.shape) for k, v in hf_state_dict(model).items()}
         self._inbox = Inbox()
         use_cache = decode_impl == "fused" if prefix_cache is None else prefix_cache
-        cache_tokens = prefix_cache_tokens or max_batch_size * max_seq_len
+        cache_tokens = pool_tokens(prefix_cache_tokens, max_batch_size, max_seq_len)
         self._scheduler = Scheduler(self.model, self._inbox, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                     version=weight_version, decode_impl=decode_impl,
                                     max_prefill_tokens=max_prefill_tokens,

@@ -37,6 +37,16 @@ import numpy as np
 import torch
 
 from axrl.inference.kv_cache import LayerKV, StaticKVCache
+from axrl.model import ModelConfig
+
+DEFAULT_BLOCK_SIZE = 16  # tokens per cached block (the engine's `prefix_cache_block` default)
+
+
+def pool_tokens(prefix_cache_tokens: int, max_batch_size: int, max_seq_len: int) -> int:
+    """The pool size in tokens an engine gets for `prefix_cache_tokens` (0: as many as its KV
+    cache's slots hold). The teacher-forced engine path (replay/engine_path.py) sizes its mirror
+    of a run's cache with it, so evictions happen where they happened in the run."""
+    return prefix_cache_tokens or max_batch_size * max_seq_len
 
 
 @dataclass(eq=False)
@@ -66,7 +76,7 @@ class CacheMatch:
 class PrefixCache:
     """Radix tree of KV blocks with LRU eviction and reference counts (see the module doc)."""
 
-    def __init__(self, cache: StaticKVCache, *, num_blocks: int, block_size: int = 16,
+    def __init__(self, cache: StaticKVCache, *, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
                  routing_shape: tuple[int, int] | None = None) -> None:
         if block_size < 1 or num_blocks < 1:
             raise ValueError(f"prefix cache: block_size and num_blocks must be >= 1, got {block_size}, {num_blocks}")
@@ -81,6 +91,14 @@ class PrefixCache:
         self.hits = self.queries = 0     # cached / asked-for prompt tokens (for health())
         self.evictions = 0
         self.clear()
+
+    @classmethod
+    def for_pool(cls, cache: StaticKVCache, config: ModelConfig, pool: tuple[int, int]) -> "PrefixCache":
+        """The engine's cache for `pool` = (tokens, block size): whole blocks, at least one, with
+        routing rows on an MoE model (the teacher-forced engine path builds its mirror the same way)."""
+        tokens, block = pool
+        return cls(cache, num_blocks=max(1, tokens // block), block_size=block,
+                   routing_shape=config.routing_shape()[:2] if config.is_moe else None)
 
     # -- the tree ---------------------------------------------------------------------------------
     def clear(self) -> None:

@@ -63,3 +63,17 @@ def cache_sequence(pc: PrefixCache | None, seq: SequenceState, tokens: list[int]
         if len(routing) < len(tokens):
             routing = None
     pc.insert(tokens, seq.slot, routing, owner=m)
+
+
+def retire(pc: PrefixCache | None, seq: SequenceState, held: list[int], slot_tokens: list[list[int]],
+           is_moe: bool) -> None:
+    """A request finished with K/V for `held` in its slot: cache them, note that the slot still
+    holds them (its next request may skip the copy, `take_cached_prefix`) and unlock its prefix."""
+    cache_sequence(pc, seq, held, is_moe)
+    m = seq.cache_match
+    if pc is None or m is None:
+        return
+    if m.generation == pc.generation and seq.slot >= 0:
+        slot_tokens[seq.slot] = held  # still valid K/V until the slot's next request writes
+    pc.release(m)
+    seq.cache_match = None

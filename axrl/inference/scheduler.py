@@ -16,7 +16,7 @@ import torch
 
 from axrl.inference.batch_forward import SlotBatch
 from axrl.inference.inbox import ControlOp, Inbox, SequenceState
-from axrl.inference.prefix_reuse import cache_sequence
+from axrl.inference.prefix_reuse import retire
 from axrl.inference.protocol import GenerateResult, settle_future
 from axrl.model import Qwen3ForCausalLM, load_weights_into
 
@@ -157,11 +157,7 @@ class Scheduler(SlotBatch):
     def finish(self, seq: SequenceState, reason: dict[str, Any]) -> None:
         """Cache what the request's slot holds, free the slot and settle its future."""
         # Its slot holds K/V for the prompt and every output token but the last (never fed).
-        held = seq.prompt + seq.output_ids[:-1]
-        cache_sequence(self.prefix_cache, seq, held, self.is_moe)
-        m = seq.cache_match
-        if m is not None and m.generation == self.prefix_cache.generation and 0 <= seq.slot:
-            self.slot_tokens[seq.slot] = held  # still valid K/V until the slot's next request writes
+        retire(self.prefix_cache, seq, seq.prompt + seq.output_ids[:-1], self.slot_tokens, self.is_moe)
         self.release(seq)
         settle_future(seq.future, self.result(seq, reason))
 

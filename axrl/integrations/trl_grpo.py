@@ -1,7 +1,8 @@
 """Record a TRL ``GRPOTrainer`` run as an AxRL trace (`record_grpo`), so `axrl-debug` analyses it.
 
-Written against trl 1.16.0 (``trl/trainer/grpo_trainer.py``). The hook wraps three methods of the
-trainer *instance* (not the class) and records one AxRL step per generation batch:
+Written against trl 1.16.0 (``trl/trainer/grpo_trainer.py``) and transformers 5's ``Trainer``. The
+hook wraps five methods of the trainer *instance* (not the class) and records one AxRL step per
+generation batch, written once the optimizer steps that train on the batch are done:
 
 * ``_generate`` → the unpadded prompt and completion ids and, with vLLM, the engine's per-token
   logprobs (``sampling_per_token_logps``; None without vLLM: the rollout logprobs are then absent);
@@ -9,7 +10,11 @@ trainer *instance* (not the class) and records one AxRL step per generation batc
 * ``_generate_and_score_completions`` → ``completion_mask`` (× ``tool_mask``: tool output is not
   trained) as the loss mask, ``advantages`` [B], ``old_per_token_logps`` (the trainer's recompute;
   TRL computes it only with vLLM importance sampling or when generation and optimizer steps are
-  misaligned — otherwise absent) and ``ref_per_token_logps``.
+  misaligned — otherwise absent) and ``ref_per_token_logps``;
+* ``training_step`` and ``_get_grad_norm`` (the ``Trainer``'s) → each optimizer step's loss (the sum
+  of its micro-steps' scaled losses, as the Trainer logs it) and gradient norm; the step's
+  metrics hold their means over the batch's optimizer steps (``loss``, ``grad_norm``) and their
+  count (``optimizer_steps``).
 
 TRL's per-token logprobs are over the completion, entry c = log p(completion token c | prompt,
 earlier completion tokens): the token's own position, as in AxRL (no shift). Groups: TRL repeats
@@ -22,6 +27,7 @@ import os
 from typing import Any
 
 import numpy as np
+from transformers import TrainerCallback
 
 from axrl.trace import Recorder
 
@@ -78,8 +84,14 @@ class GRPORecording:
         self._samples = 0
         self._generated: tuple | None = None
         self._rewards: np.ndarray | None = None
+        # A batch's step is written once the optimizer steps that train on it are done, with their
+        # loss and grad norm: the batch waits here until the next one is generated (or training ends).
+        self._pending: dict[str, Any] | None = None
+        self._micro: list[float] = []                      # micro-step losses of the optimizer step under way
+        self._updates: list[tuple[float, float]] = []      # (loss, grad norm) of the pending batch's optimizer steps
         generate, rewards, score = (trainer._generate, trainer._calculate_rewards,
                                     trainer._generate_and_score_completions)
+        training_step, grad_norm = trainer.training_step, trainer._get_grad_norm
 
         def _generate(prompts: list) -> tuple:
             self._generated = generate(prompts)
@@ -96,8 +108,21 @@ class GRPORecording:
                 self._record(output)
             return output
 
+        def _training_step(*args: Any, **kwargs: Any) -> Any:
+            loss = training_step(*args, **kwargs)   # already scaled by 1 / gradient_accumulation_steps
+            self._micro.append(float(loss))
+            return loss
+
+        def _get_grad_norm(*args: Any, **kwargs: Any) -> Any:
+            norm = grad_norm(*args, **kwargs)       # the optimizer step's norm, as TRL logs it
+            self._updates.append((sum(self._micro), float(norm)))
+            self._micro = []
+            return norm
+
         trainer._generate, trainer._calculate_rewards = _generate, _calculate_rewards
         trainer._generate_and_score_completions = _generate_and_score_completions
+        trainer.training_step, trainer._get_grad_norm = _training_step, _get_grad_norm
+        trainer.add_callback(_WriteLastStep(self))
 
     def _weighted(self, per_func: Any) -> np.ndarray:
         """[B] rewards: the functions' rewards × ``reward_weights``, NaN where every function gave None."""
@@ -110,13 +135,37 @@ class GRPORecording:
     def _record(self, output: dict[str, Any]) -> None:
         if self._generated is None or self._rewards is None:
             raise RuntimeError("record_grpo: a batch was scored without passing _generate/_calculate_rewards")
+        self.flush()
         arrays = step_arrays(self._generated, output, self._rewards, self.trainer.num_generations, self._samples)
-        step = len(self.steps)
-        self.recorder.write_step(step, policy_version=int(self.trainer.state.global_step), nan_off_mask=True,
-                                 **arrays)
-        self.steps.append(step)
+        self._pending = {"policy_version": int(self.trainer.state.global_step), **arrays}
         self._samples += len(arrays["token_ids"])
         self._generated = self._rewards = None
+
+    def flush(self) -> None:
+        """Write the pending batch's step, with the mean loss and grad norm of the optimizer steps
+        that trained on it (none yet: no loss or grad norm in its metrics)."""
+        if self._pending is None:
+            return
+        step = len(self.steps)
+        metrics = {}
+        if self._updates:
+            losses, norms = zip(*self._updates)
+            metrics = {"loss": float(np.mean(losses)), "grad_norm": float(np.mean(norms)),
+                       "optimizer_steps": len(self._updates)}
+        self.recorder.write_step(step, nan_off_mask=True, metrics=metrics, **self._pending)
+        self.steps.append(step)
+        self._pending, self._updates = None, []
+
+
+class _WriteLastStep(TrainerCallback):
+    """Writes the last batch's step when training ends (its optimizer steps are done by then)."""
+
+    def __init__(self, recording: GRPORecording) -> None:
+        self.recording = recording
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.recording.flush()
+        return control
 
 
 def record_grpo(trainer: Any, run_dir: str | os.PathLike, *, model: str | None = None,

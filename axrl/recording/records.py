@@ -228,6 +228,7 @@ def step_record(o: TrainedStep, rng_digest: str = "", routing: bool = True) -> S
         routing_rollout_valid=routing_valid,
         routing_train=None if routing_train is None else routing_train.numpy(),
         behaviour_train_logprob=None if o.behaviour is None else o.behaviour.numpy(),
+        turn_reward=o.processed.turn_rewards,
         **_pool_columns(o.batch, o.processed.dropped, routing),
         **_session_columns(trajs),
         extra_samples=extra_samples,

@@ -120,6 +120,7 @@ async def run_episode(
         try:
             outcome = env.step(env_action(tokenizer, text))
             reward += float(outcome.reward)
+            traj.turn_rewards.append(float(outcome.reward))  # kept per turn for algo.credit: turn
             traj.info["env_info"] = outcome.info
             if outcome.done:
                 # A turn cut by the context limit filled the stream exactly.
@@ -249,5 +250,6 @@ def _failed(traj: Trajectory, exc: BaseException, routing: list[np.ndarray],
     tail = "".join(traceback.format_exception(exc))[-ERROR_TAIL_CHARS:]
     traj.error = f"{type(exc).__name__}: {exc}\n{tail}"
     traj.info["messages"] = conversation
+    traj.turn_rewards = []   # a failed episode is scored 0, per turn too
     return _finish(traj, "failed", 0.0, routing)
 

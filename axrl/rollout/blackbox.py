@@ -165,6 +165,8 @@ class BlackBoxPlayer:
         def submit(request: Any) -> Any:  # called from the proxy's thread: run on this loop
             return asyncio.run_coroutine_threadsafe(engine.generate(request), loop)
 
+        submit.engine = engine  # type: ignore[attr-defined] # streamed calls follow its tokens (`progress`)
+
         policy = SessionPolicy(sampling=sampling, honour_sampling=False, max_tokens=sampling.max_new_tokens,
                                seed=sampling.seed, render_tools=self.agent.render_tools)
         session = self.proxy.open_session(submit, policy, max_context_len=self.max_context_len,
@@ -259,6 +261,7 @@ class BlackBoxPlayer:
             t.info["session"] = session.id
             if error:
                 t.status, t.finish_reason, t.error, t.reward = "failed", "failed", error, 0.0
+                t.turn_rewards = []   # a failed episode is scored 0, per turn too
         return trajectories
 
 

@@ -185,6 +185,10 @@ DATASETS: tuple[DatasetSpec, ...] = (
                 "bits of what the objective and corrections did to the token (LOSS_RULE_CODES); 0 = trained plainly"),
     DatasetSpec("/tokens/behaviour_train_logprob", "behaviour_train_logprob", "float32", ("T",), False,
                 "trainer logprob under the weights that generated the token (version /tokens/policy_version); NaN where not generated"),
+    DatasetSpec("/tokens/turn_reward", "turn_reward", "float64", ("T",), False,
+                "reward of the token's turn (/tokens/turn; the env's step reward or a black-box agent's "
+                "per-turn reward), 0 on turn-0 tokens; written under algo.credit: turn or when a sample "
+                "was rewarded before its last turn (absent: all of /samples/reward on the last turn)"),
     # --- routing
     DatasetSpec("/routing/rollout", "routing_rollout", ROUTING, ("T", "L", "k"), False,
                 "experts each token was routed to as *input* by the engine"),

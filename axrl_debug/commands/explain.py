@@ -127,8 +127,8 @@ def _print(doc: dict[str, Any]) -> None:
     f = doc["fidelity"]["engine_path_vs_rollout_logprob"]
     out.print(f"[bold]explain[/] {doc['run']}  step {doc['step']}: {len(doc['tokens'])} token(s); engine path "
               f"(prefill + KV-cache decode, teacher-forced) reproduces {f['bitwise_equal']} of {f['tokens']} recorded "
-              f"rollout logprobs bit for bit (max |diff| {f['max_abs_diff']:.3g}); trainer path = the micro-batches as "
-              "trained", highlight=False)
+              f"rollout logprobs bit for bit (max |diff| {f['max_abs_diff']:.3g}{_cached(f)}); trainer path = the "
+              "micro-batches as trained", highlight=False)
     for note in doc["notes"]:
         out.print(f"note: {note}", highlight=False)
     for tok in doc["tokens"]:
@@ -145,3 +145,9 @@ def _print(doc: dict[str, Any]) -> None:
     out.print(f"explained in {t['total_seconds']:.2f} s (rebuilding the policy {t['rebuild_seconds']:.2f} s, engine "
               f"path {t['engine_seconds']:.2f} s, trainer path and patches {t['trainer_seconds']:.2f} s)",
               highlight=False)
+
+
+def _cached(fidelity: dict[str, Any]) -> str:
+    """The prompt tokens the engine path took from its mirror of the run's prefix cache, if any."""
+    n = fidelity.get("cached_prompt_tokens", 0)
+    return f"; {n} prompt tokens from the run's prefix cache, mirrored" if n else ""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich import box
@@ -138,8 +138,8 @@ def _print_teacher_forced(result: "TeacherForcedResult") -> None:
                        ("trainer − recorded engine", "trainer_vs_recorded")):
         table.add_row(label, _g(s[f"mean_abs_{key}"], 4), _g(s[f"max_abs_{key}"], 4))
     out.print(table)
-    out.print(f"embedded decode path reproduces {f['bitwise_equal']} of {f['tokens']} recorded logprobs bit for bit",
-              highlight=False)
+    out.print(f"embedded decode path reproduces {f['bitwise_equal']} of {f['tokens']} recorded logprobs bit for bit"
+              + _cached_note(f), highlight=False)
     worst = Table(title="worst tokens by |trainer − recorded|", title_justify="left", box=box.SIMPLE)
     for col in ("sample_id", "token", "turn", "recorded", "embedded", "trainer"):
         worst.add_column(col, justify="right", no_wrap=True)
@@ -254,3 +254,9 @@ def _print_ranking(result: "ReplayResult") -> None:
     notes = [(v.label, n) for v in result.variants for n in v.notes]
     for label, note in notes:
         out.print(f"  ({label}: {note})", highlight=False)
+
+
+def _cached_note(fidelity: dict[str, Any]) -> str:
+    """The prompt tokens the decode path took from its mirror of the run's prefix cache, if any."""
+    n = fidelity.get("cached_prompt_tokens", 0)
+    return f" ({n} prompt tokens taken from the run's prefix cache, mirrored)" if n else ""

@@ -15,6 +15,7 @@ from axrl_debug.analysis.objective import objective_by_step
 from axrl_debug.analysis.pool import pool_by_step
 from axrl_debug.analysis.sessions import sessions_by_step
 from axrl_debug.analysis.spikes import SpikeConfig, detect
+from axrl_debug.analysis.turns import turns_by_step
 from axrl_debug.commands.base import JSON_OPTION, app, out, print_json, run_command
 from axrl_debug.commands._common import (STEPS_OPTION_HELP, fmt, open_run, pct, report_problems,
                                          select_steps, show, simple_table)
@@ -61,6 +62,16 @@ def show_sessions(rows: list[dict[str, Any]]) -> None:
               f"{drift} sample(s) with drift", highlight=False)
 
 
+def show_turns(rows: list[dict[str, Any]]) -> None:
+    """Per step and turn index: samples that reached it, mean turn reward, mean advantage of its tokens."""
+    show(simple_table("per-turn rewards (/tokens/turn_reward) and advantages (algo.credit: turn makes them differ)",
+                      ["step", "turn", "samples", "reward", "advantage"],
+                      [[str(r["step"]), str(t["turn"]), str(t["samples"]),
+                        fmt(t["reward_mean"], 3) if t["reward_mean"] is not None else "–",
+                        fmt(t["advantage_mean"], 3) if t["advantage_mean"] is not None else "–"]
+                       for r in rows for t in r["turns"]]))
+
+
 def show_pool(rows: list[dict[str, Any]]) -> None:
     """Per step: groups the pool dropped (by reason) or re-ran, and the dropped samples recorded."""
     show(simple_table("rollout pool (dropped groups are recorded under /pool, never trained)",
@@ -86,6 +97,7 @@ def summary(
     also its engine and staleness parts), MoE routing agreement, policy-version lag and spike flags;
     a run with a black-box agent also gets its sessions' forks and re-tokenisation drift per step,
     a run that dropped or re-ran groups (staleness, dynamic sampling) what its pool left out;
+    a run with per-turn rewards (/tokens/turn_reward) their mean and the mean advantage per turn;
     --json adds the share of loss tokens per objective/correction rule.
 
     Scalars the training loop logged (reward, loss, grad_norm, clipfrac, mismatch) come from
@@ -105,11 +117,13 @@ def summary(
         faults = [e for e in read_events(reader.path) if e["event"] not in ("actors_started",)]
         sessions = sessions_by_step(reader, list(df["step"]))
         pool = pool_by_step(reader, list(df["step"]))
+        turns = turns_by_step(reader, list(df["step"]))
         if json_out:
             cols = [c for c in flagged.columns if not c.endswith("_z")]
             print_json({"run": str(reader.path), "steps": records(flagged[cols]),
                         "sources": df.attrs.get("sources", {}), "spikes": spikes, "worst": worst,
-                        "sessions": sessions, "pool": pool, "problems": problems, **({"events": faults} if faults else {})})
+                        "sessions": sessions, "pool": pool, **({"turns": turns} if turns else {}),
+                        "problems": problems, **({"events": faults} if faults else {})})
             return 0
         split = "mismatch_engine" in flagged
         rows = []
@@ -129,6 +143,8 @@ def summary(
             show_sessions(sessions)
         if pool:
             show_pool(pool)
+        if turns:
+            show_turns(turns)
         if worst.get("mismatch"):
             w = worst["mismatch"]
             out.print(f"worst mismatch: step {w['step']} (mean |Δ| {fmt(w['value'], 3)}) — "

@@ -6,7 +6,8 @@
 Each request is translated into a chat-completions call (`axrl.inference.openai.anthropic_messages`,
 `.responses`) and run by the session's own `chat` handler: the same stitching, generation and
 token-level recording as `/v1/chat/completions`, so a tool round trip through either API extends
-the session as a chat agent's would. Auth is the session key, as `Authorization: Bearer <key>` or
+the session as a chat agent's would; `stream: true` streams the chat call and translates its
+chunks as the tokens arrive. Auth is the session key, as `Authorization: Bearer <key>` or
 (Anthropic's SDK) `x-api-key: <key>`. Errors are each API's own error object.
 """
 
@@ -30,16 +31,16 @@ ErrorBody = Callable[[ApiError], dict[str, Any]]
 
 async def messages(session: Session, policy: SessionPolicy, body: Any, model: str) -> Reply:
     """`POST /v1/messages` in a session."""
-    async def run(request: dict[str, Any]) -> dict[str, Any]:
-        return await chat(session, policy, request, model)  # type: ignore[return-value] # never streamed
+    async def run(request: dict[str, Any]) -> Reply:
+        return await chat(session, policy, request, model)  # streamed when the call is
 
     return await anthropic_messages.create_message(body, run, model)
 
 
 async def responses(session: Session, policy: SessionPolicy, body: Any, model: str) -> Reply:
     """`POST /v1/responses` in a session."""
-    async def run(request: dict[str, Any]) -> dict[str, Any]:
-        return await chat(session, policy, request, model)  # type: ignore[return-value] # never streamed
+    async def run(request: dict[str, Any]) -> Reply:
+        return await chat(session, policy, request, model)  # streamed when the call is
 
     return await create_response(body, run, model)
 

@@ -24,6 +24,7 @@ they still reach the engine within the same iteration in practice).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 import time
 from typing import Any, Callable
@@ -63,7 +64,10 @@ class CallCoalescer:
         """`submit` (one session's way to its engine) routed through the coalescer."""
         if self._thread is None:
             return submit
-        return lambda request: self.submit(submit, request)
+        wrapped = functools.partial(self.submit, submit)
+        # the engine behind it, for streamed calls to follow their tokens (`engine_submit.engine`)
+        wrapped.engine = getattr(submit, "engine", None)  # type: ignore[attr-defined]
+        return wrapped
 
     def submit(self, submit: Submit, request: GenerateRequest) -> concurrent.futures.Future:
         """Queue `request` for `submit`; the future resolves to its result (cancelling it before

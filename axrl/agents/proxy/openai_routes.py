@@ -8,9 +8,12 @@ Built on the shared front-end (`axrl.inference.openai`: fields, errors, the stop
 reply shapes, SSE). Every client error is an `ApiError` with the HTTP status and the offending
 field, sent as OpenAI's error object.
 
-- `stream: true`: the turn is generated first (any InferenceEngine: the protocol has no token
-  stream), then sent as OpenAI's chunks — role, content, one `tool_calls` delta, finish, optional
-  usage, `data: [DONE]`.
+- `stream: true`: OpenAI's chunks as the tokens are generated — role, content deltas (text that
+  could still become a stop string or a tool call held back), one `tool_calls` delta, finish,
+  optional usage, `data: [DONE]`. The requests are submitted with `stream=True` and followed with
+  `token_stream.follow` (an engine that cannot report progress gives one chunk at the end); the
+  turns are recorded at the end exactly as unstreamed. A client that goes away mid-stream has its
+  requests cancelled (aborted in the engine) and nothing recorded, as a cancelled unstreamed call.
 - `stop` (up to 4, as OpenAI): the reply is cut right before the first stop string, and only the
   ids before the token that completed it are kept for training.
 - `n > 1`: n engine requests sampled together; each choice is a turn (siblings in the session's
@@ -25,9 +28,10 @@ field, sent as OpenAI's error object.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -37,10 +41,11 @@ from axrl.agents.proxy.session import Prepared, Session, SessionError
 from axrl.inference.openai import replies, schema
 from axrl.inference.openai.errors import ApiError, bad
 from axrl.inference.openai.http import json_body, json_or_sse
-from axrl.inference.openai.stops import cut_at_stop, parse_stops
-from axrl.inference.openai.streaming import Final, Progress, sse_stream
+from axrl.inference.openai.stops import cut_at_stop, parse_stops, sendable
+from axrl.inference.openai.streaming import Final, Progress, merge, sse_stream
 from axrl.inference.protocol import GenerateRequest, GenerateResult
 from axrl.inference.sampling import derive_seed
+from axrl.inference.token_stream import follow
 
 _IGNORED = frozenset({"logit_bias", "metadata", "store"})  # OpenAI fields SDKs send; no effect here
 CHAT_FIELDS = schema.OPENAI_COMMON | schema.OPENAI_CHAT | _IGNORED | {"service_tier", "reasoning_effort", "modalities"}
@@ -49,6 +54,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_N = 16
 MAX_STOPS = 4
 Reply = dict[str, Any] | AsyncIterator[bytes]
+# The call's ending once every request finished: (choices, each choice's Final, usage); records the turns.
+Settle = Callable[[list[GenerateResult]], tuple[list[dict[str, Any]], list[Final], dict[str, Any]]]
 
 
 def add_openai_routes(app: FastAPI, registry: SessionRegistry) -> None:
@@ -96,20 +103,25 @@ async def chat(session: Session, policy: SessionPolicy, body: Any, model: str) -
         prep = session.prepare_chat(messages, tools if policy.render_tools else None)
     except SessionError as e:
         raise ApiError(400, str(e), param="messages") from None
-    results = await _generate(session, _requests(session, policy, body, prep, "max_completion_tokens"))
-    choices, finals, kept = [], [], 0
-    for k, res in enumerate(results):
-        ids, text, finish, matched = _cut(session, res, stops, chat=True)
-        content, calls = replies.tool_calls_of(session.tokenizer, tools, text)
-        message = replies.assistant_message(content, calls)
-        session.record(prep, res, reply=message, text=text, output_ids=ids)
-        kept += len(ids)
-        reason = replies.finish_reason(finish, tool_calls=bool(calls), abort="stop")
-        # matched_stop (as `axrl serve` and SGLang say it): which stop string ended the reply
-        choices.append({**replies.chat_choice(k, message, reason), "matched_stop": matched})
-        finals.append(Final(content, reason, calls))
-    return _reply(replies.Envelope(chat=True, model=model), body, choices, finals,
-                  replies.usage(len(prep.prompt_ids), kept))
+    requests = _requests(session, policy, body, prep, "max_completion_tokens")
+
+    def settle(results: list[GenerateResult]) -> tuple[list[dict[str, Any]], list[Final], dict[str, Any]]:
+        choices, finals, kept = [], [], 0
+        for k, res in enumerate(results):
+            ids, text, finish, matched = _cut(session, res, stops, chat=True)
+            content, calls = replies.tool_calls_of(session.tokenizer, tools, text)
+            message = replies.assistant_message(content, calls)
+            session.record(prep, res, reply=message, text=text, output_ids=ids)
+            kept += len(ids)
+            reason = replies.finish_reason(finish, tool_calls=bool(calls), abort="stop")
+            # matched_stop (as `axrl serve` and SGLang say it): which stop string ended the reply
+            choices.append({**replies.chat_choice(k, message, reason), "matched_stop": matched})
+            finals.append(Final(content, reason, calls, {"matched_stop": matched}))
+        return choices, finals, replies.usage(len(prep.prompt_ids), kept)
+
+    hold_from = replies.tool_call_start(session.tokenizer) if tools else None
+    return await _reply(session, replies.Envelope(chat=True, model=model), body, requests, settle,
+                        lambda ids: sendable(_text(session, ids, chat=True), stops, hold_from))
 
 
 async def completion(session: Session, policy: SessionPolicy, body: Any, model: str) -> Reply:
@@ -125,16 +137,21 @@ async def completion(session: Session, policy: SessionPolicy, body: Any, model: 
         raise bad("echo", "echoing the prompt is not supported")
     stops = parse_stops(body, limit=MAX_STOPS)
     prep = session.prepare_completion(ids if ids is not None else prompt)
-    results = await _generate(session, _requests(session, policy, body, prep, "max_tokens"))
-    finals, kept = [], 0
-    for res in results:
-        out, text, finish, _ = _cut(session, res, stops, chat=False)
-        session.record(prep, res, reply=None, text=text, output_ids=out)
-        kept += len(out)
-        finals.append(Final(text, replies.finish_reason(finish, tool_calls=False, abort="stop")))
-    choices = [replies.completion_choice(k, f.content or "", f.finish_reason) for k, f in enumerate(finals)]
-    return _reply(replies.Envelope(chat=False, model=model), body, choices, finals,
-                  replies.usage(len(prep.prompt_ids), kept))
+    requests = _requests(session, policy, body, prep, "max_tokens")
+
+    def settle(results: list[GenerateResult]) -> tuple[list[dict[str, Any]], list[Final], dict[str, Any]]:
+        finals, kept = [], 0
+        for res in results:
+            out, text, finish, matched = _cut(session, res, stops, chat=False)
+            session.record(prep, res, reply=None, text=text, output_ids=out)
+            kept += len(out)
+            finals.append(Final(text, replies.finish_reason(finish, tool_calls=False, abort="stop"),
+                                extras={"matched_stop": matched}))
+        choices = [replies.completion_choice(k, f.content or "", f.finish_reason) for k, f in enumerate(finals)]
+        return choices, finals, replies.usage(len(prep.prompt_ids), kept)
+
+    return await _reply(session, replies.Envelope(chat=False, model=model), body, requests, settle,
+                        lambda ids: sendable(_text(session, ids, chat=False), stops))
 
 
 # ---------------------------------------------------------------------------- requests
@@ -184,7 +201,7 @@ def _requests(session: Session, policy: SessionPolicy, body: dict[str, Any], pre
                                    return_logprob=True, return_routed_experts=bool(session.meta.get("routing")),
                                    routed_experts_start_len=prep.start_len,
                                    rid=f"{session.id}-{session.calls}-{j}-{uuid.uuid4().hex[:8]}",
-                                   sticky_key=session.id))
+                                   sticky_key=session.id, stream=bool(body.get("stream"))))
     return out
 
 
@@ -193,13 +210,44 @@ async def _generate(session: Session, requests: list[GenerateRequest]) -> list[G
     try:
         return list(await asyncio.gather(*futures))
     except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            raise  # the client went away: nothing to answer
-        # The episode was cancelled under the call (the run's end, an over-provisioned episode
-        # dropped): the agent gets an OpenAI-shaped error, not a dropped connection.
-        raise ApiError(503, "the episode was cancelled while this call was being generated",
-                       code="episode_cancelled") from None
+        raise _cancelled() from None
+
+
+def _cancelled() -> BaseException:
+    """What a call raises when its requests were cancelled: the client went away (the task is
+    being cancelled: nothing to answer), or the episode was cancelled under the call (the run's
+    end, an over-provisioned episode dropped): the agent gets an OpenAI-shaped error, not a
+    dropped connection."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        return asyncio.CancelledError()
+    return ApiError(503, "the episode was cancelled while this call was being generated", code="episode_cancelled")
+
+
+async def _follow(session: Session, requests: list[GenerateRequest], text_of: Callable[[list[int]], str],
+                  settle: Settle, usage: dict[str, Any]) -> AsyncIterator[list[Progress]]:
+    """A streamed call's progress (`sse_stream`): each choice's sendable text as its tokens arrive,
+    then every choice's Final once all finished (`settle` records the turns, as unstreamed; it
+    fills `usage`). Leaving early (the client went away) cancels the requests still running —
+    the engine aborts them — and records nothing, as a cancelled unstreamed call."""
+    engine = getattr(session.submit, "engine", None)  # `engine_submit`'s; other submits: no progress
+    futures: list[concurrent.futures.Future] = []
+    try:
+        futures = [session.submit(r) for r in requests]
+        results: list[GenerateResult] = [None] * len(requests)  # type: ignore[list-item]
+        async for k, snap in merge([follow(engine, r.rid, f) for r, f in zip(requests, futures)]):
+            if isinstance(snap, GenerateResult):
+                results[k] = snap
+            else:
+                yield [text_of(snap[0]) if j == k else None for j in range(len(requests))]
+        _, finals, totals = settle(results)
+        usage.update(totals)
+        yield list(finals)
+    except asyncio.CancelledError:
+        raise _cancelled() from None
+    finally:
+        for f in futures:
+            f.cancel()  # a no-op once it finished
 
 
 # ---------------------------------------------------------------------------- replies
@@ -211,7 +259,7 @@ def _cut(session: Session, res: GenerateResult, stops: list[str],
     ids = list(res.output_ids)
 
     def text_of(x: list[int]) -> str:
-        return replies.reply_text(session.tokenizer, x, chat=chat, skip_special=False)
+        return _text(session, x, chat)
 
     cut = cut_at_stop(ids, text_of, stops)
     if cut is None:
@@ -219,14 +267,18 @@ def _cut(session: Session, res: GenerateResult, stops: list[str],
     return ids[:cut.keep], cut.text, "stop", cut.matched
 
 
-def _reply(envelope: replies.Envelope, body: dict[str, Any], choices: list[dict[str, Any]], finals: list[Final],
-           usage: dict[str, Any]) -> Reply:
-    """The reply object, or (`stream`) its chunks: every choice is final already."""
+def _text(session: Session, ids: list[int], chat: bool) -> str:
+    return replies.reply_text(session.tokenizer, ids, chat=chat, skip_special=False)
+
+
+async def _reply(session: Session, envelope: replies.Envelope, body: dict[str, Any], requests: list[GenerateRequest],
+                 settle: Settle, sendable_text: Callable[[list[int]], str]) -> Reply:
+    """The call's reply object once generated, or (`stream`) its chunks as the tokens arrive
+    (`sendable_text`: what of a running reply's output ids may be sent)."""
     if not body.get("stream"):
+        choices, _, usage = settle(await _generate(session, requests))
         return envelope.reply(choices, usage)
-
-    async def once() -> AsyncIterator[list[Progress]]:
-        yield list(finals)
-
+    usage: dict[str, Any] = {}
     wanted = schema.include_usage(body, known=None)
-    return sse_stream(envelope, len(finals), once(), (lambda: usage) if wanted else None)
+    return sse_stream(envelope, len(requests), _follow(session, requests, sendable_text, settle, usage),
+                      (lambda: usage) if wanted else None)

@@ -40,10 +40,11 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 class engine_submit:  # noqa: N801 — used as a function: `open_session(engine_submit(engine), ...)`
     """A session's `submit` straight onto an engine; `many` lets the call coalescer submit the
-    calls of several sessions that arrived together in one `submit_many` (admitted together)."""
+    calls of several sessions that arrived together in one `submit_many` (admitted together);
+    `engine` lets a streamed call follow its request's tokens (`token_stream.follow`)."""
 
     def __init__(self, engine: InferenceEngine) -> None:
-        self.many = engine.submit_many
+        self.engine, self.many = engine, engine.submit_many
 
     def __call__(self, request: GenerateRequest) -> concurrent.futures.Future:
         return self.many([request])[0]

@@ -370,6 +370,7 @@ class Session:
                                      prompt_id=prompt_id)
             traj.fork_of = -1 if k == 0 else sample_id
             traj.fork_cause = "" if k == 0 else _path_fork_cause(path, primary)
+            traj.turn_rewards = [t.reward for t in path]   # per turn, for algo.credit: turn
             if reward is not None:
                 traj.reward = float(reward(path))
             else:

@@ -7,13 +7,18 @@ Ideal episode (see :func:`demonstration`)::
     tool       95
     assistant  The answer is 95.
 
-Rewards (the episode reward is the final step's; tool steps give 0):
+Rewards (the episode reward is the final step's; tool steps give 0 unless ``turn_reward``):
 
 * 1.0   correct final answer after at least one successful calculator call;
 * ``no_tool_reward`` (default 0.1)   correct answer without a successful call (right, but the
   skill being taught is tool use);
 * 0.0   wrong or missing answer, or more than ``max_tool_calls`` calls (the env then ends the
   episode without executing the extra call).
+
+Partial credit per turn (``turn_reward``, default 0: off): the tool turn holding the episode's first
+successful call (well-formed, and its expression evaluates) is rewarded ``turn_reward`` on that
+turn, once per episode — a per-turn signal for ``algo.credit: turn`` (docs/algorithms.md). The
+episode reward is then the sum of its step rewards.
 
 A turn containing any ``<tool_call>`` block is a tool turn: every call is executed in order
 and answered by one tool message. Malformed calls (bad JSON, unknown tool, missing
@@ -127,6 +132,7 @@ class CalculatorConfig:
     ops: tuple[str, ...] = ("+", "-", "*")
     max_tool_calls: int = 3
     no_tool_reward: float = 0.1
+    turn_reward: float = 0.0  # partial credit on the turn of the first successful call (0: off)
     # The JSON tool schema costs ~400 prompt tokens; a tiny model taught the call format by
     # warm-up does not need it, and a 5x shorter prompt makes CPU runs 3-4x faster.
     show_tool_schema: bool = True
@@ -158,12 +164,15 @@ class CalculatorEnv:
         calls = parse_tool_calls(action)
         if calls:
             observation = []
+            used_before = self._used_tool
             for call in calls:
                 self._calls += 1
                 if self._calls > self.config.max_tool_calls:
                     return StepOutcome([], 0.0, True, {"reason": "too_many_tool_calls", "tool_calls": self._calls})
                 observation.append(hf_tool_result(self._run(call), self._calls))
-            return StepOutcome(observation, 0.0, False, {"tool_calls": self._calls})
+            # Partial credit once per episode, on the turn whose call first succeeded.
+            reward = self.config.turn_reward if self._used_tool and not used_before else 0.0
+            return StepOutcome(observation, reward, False, {"tool_calls": self._calls})
         answer = parse_answer(action)
         correct = answer is not None and answer == self._answer
         reward = (1.0 if self._used_tool else self.config.no_tool_reward) if correct else 0.0

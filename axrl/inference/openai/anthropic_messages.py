@@ -2,8 +2,8 @@
 
 Supported: `system` (a string or text blocks), `messages` with text, `tool_use` and `tool_result`
 blocks, `tools` (name, description, input_schema), `tool_choice`, `stop_sequences`,
-`max_tokens` (required), `temperature`, `top_p`, `stream` (Anthropic's SSE events, sent once the
-reply is generated). Replies carry `stop_reason` (end_turn, max_tokens, stop_sequence, tool_use)
+`max_tokens` (required), `temperature`, `top_p`, `stream` (Anthropic's SSE events, translated
+from the chat path's stream as its tokens arrive: a `text_delta` per chat content delta). Replies carry `stop_reason` (end_turn, max_tokens, stop_sequence, tool_use)
 and `usage` (input_tokens, output_tokens). Errors are Anthropic's error object.
 """
 
@@ -14,8 +14,8 @@ from typing import Any, AsyncIterator
 
 from axrl.inference.openai import schema
 from axrl.inference.openai.errors import ApiError, bad
-from axrl.inference.openai.translate import (ChatFn, call_arguments, function_tool, named_sse, new_id, run_chat,
-                                             text_parts, tool_call)
+from axrl.inference.openai.translate import (ChatFn, StreamError, call_arguments, chat_deltas, function_tool,
+                                             named_sse, new_id, run_chat, text_parts, tool_call)
 
 FIELDS = frozenset({"model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p",
                     "stream", "tools", "tool_choice", "metadata"})
@@ -38,9 +38,10 @@ async def create_message(body: Any, chat: ChatFn, model: str | None = None) -> R
     """`POST /v1/messages`: the reply (or its SSE events) of `chat` run on the translated body;
     `model` names the served model in replies (None: the request's)."""
     request = to_chat(body)
+    if body.get("stream"):
+        return _events(await run_chat(chat, request, _RENAMES, stream=True), model or body.get("model") or "")
     reply = await run_chat(chat, request, _RENAMES)
-    message = from_chat(reply, model or body.get("model") or reply.get("model", ""))
-    return _events(message) if body.get("stream") else message
+    return from_chat(reply, model or body.get("model") or reply.get("model", ""))
 
 
 # ---------------------------------------------------------------------------- request
@@ -158,8 +159,7 @@ def from_chat(reply: dict[str, Any], model: str) -> dict[str, Any]:
     choice = reply["choices"][0]
     message = choice["message"]
     content: list[dict[str, Any]] = [{"type": "text", "text": message["content"]}] if message.get("content") else []
-    content += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"], "input": call_arguments(c)}
-                for c in message.get("tool_calls") or []]
+    content += [_tool_use(c) for c in message.get("tool_calls") or []]
     matched = choice.get("matched_stop")
     stop = "stop_sequence" if isinstance(matched, str) else _STOP_REASONS.get(choice["finish_reason"], "end_turn")
     return {"id": new_id("msg"), "type": "message", "role": "assistant", "model": model, "content": content,
@@ -168,22 +168,50 @@ def from_chat(reply: dict[str, Any], model: str) -> dict[str, Any]:
                       "output_tokens": reply["usage"]["completion_tokens"]}}
 
 
-async def _events(message: dict[str, Any]) -> AsyncIterator[bytes]:
-    """Anthropic's stream of a finished message: message_start, each block's start / delta /
-    stop, message_delta (stop reason, usage), message_stop."""
-    usage = message["usage"]
-    yield named_sse("message_start", {"type": "message_start", "message": {
-        **message, "content": [], "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": usage["input_tokens"], "output_tokens": 0}}})
-    for i, block in enumerate(message["content"]):
-        if block["type"] == "text":
-            start, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
-        else:
-            start = {**block, "input": {}}
-            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-        yield named_sse("content_block_start", {"type": "content_block_start", "index": i, "content_block": start})
-        yield named_sse("content_block_delta", {"type": "content_block_delta", "index": i, "delta": delta})
-        yield named_sse("content_block_stop", {"type": "content_block_stop", "index": i})
-    yield named_sse("message_delta", {"type": "message_delta", "delta": {
-        "stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]}, "usage": usage})
-    yield named_sse("message_stop", {"type": "message_stop"})
+def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
+    """The tool_use block of a chat reply's tool call."""
+    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": call_arguments(call)}
+
+
+async def _events(chunks: AsyncIterator[bytes], model: str) -> AsyncIterator[bytes]:
+    """Anthropic's stream of the chat stream `chunks`, translated as they arrive: message_start;
+    once text arrives a text block (its start, a text_delta per chat delta, its stop); a tool_use
+    block per tool call (its input in one input_json_delta: the chat path sends a call once it is
+    whole); then message_delta (stop reason, usage: the unstreamed reply's) and message_stop. An
+    error mid-stream is Anthropic's `error` event. The prompt's size is known at the end only:
+    message_start says 0 input tokens, message_delta the real count (SDKs take the latter)."""
+    yield _event("message_start", message={
+        "id": new_id("msg"), "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}})
+    index, text_open = 0, False
+    try:
+        async for kind, value in chat_deltas(chunks):
+            if kind == "text":
+                if not text_open:
+                    yield _event("content_block_start", index=index, content_block={"type": "text", "text": ""})
+                    text_open = True
+                yield _event("content_block_delta", index=index, delta={"type": "text_delta", "text": value})
+                continue
+            if text_open:  # the text ends where a tool call or the end comes
+                yield _event("content_block_stop", index=index)
+                index, text_open = index + 1, False
+            if kind == "tool_call":
+                block = _tool_use(value)
+                yield _event("content_block_start", index=index, content_block={**block, "input": {}})
+                yield _event("content_block_delta", index=index,
+                             delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
+                yield _event("content_block_stop", index=index)
+                index += 1
+            else:
+                message = from_chat(value, model)
+                yield _event("message_delta", delta={"stop_reason": message["stop_reason"],
+                                                     "stop_sequence": message["stop_sequence"]},
+                             usage=message["usage"])
+                yield _event("message_stop")
+    except StreamError as e:
+        yield _event("error", error={"type": "api_error", "message": str(e)})
+
+
+def _event(kind: str, **fields: Any) -> bytes:
+    """One named Anthropic event: `{"type": kind, **fields}`."""
+    return named_sse(kind, {"type": kind, **fields})

@@ -3,7 +3,8 @@
 Supported: `instructions`, `input` as a string or a list of items — messages (string or
 input_text / output_text parts), `function_call` and `function_call_output` — `tools` (type
 function: name, description, parameters), `tool_choice`, `max_output_tokens`, `temperature`,
-`top_p`, `stream` (the Responses events, sent once the reply is generated). Stateless: the whole
+`top_p`, `stream` (the Responses events, translated from the chat path's stream as its tokens
+arrive: an `output_text.delta` per chat content delta). Stateless: the whole
 conversation comes in `input` (`previous_response_id` is refused, `store` ignored). Replies carry
 `status` (completed, or incomplete at max_output_tokens) and `usage` (input / output / total
 tokens). Errors are OpenAI's error object.
@@ -31,9 +32,12 @@ async def create_response(body: Any, chat: ChatFn, model: str | None = None) -> 
     """`POST /v1/responses`: the response (or its SSE events) of `chat` run on the translated
     body; `model` names the served model in replies (None: the request's)."""
     request = to_chat(body)
+    if body.get("stream"):
+        name = model or body.get("model") or ""
+        return events(await run_chat(chat, request, _RENAMES, stream=True),
+                      lambda reply, response_id, message_id: from_chat(reply, body, name, response_id, message_id))
     reply = await run_chat(chat, request, _RENAMES)
-    response = from_chat(reply, body, model or body.get("model") or reply.get("model", ""))
-    return events(response) if body.get("stream") else response
+    return from_chat(reply, body, model or body.get("model") or reply.get("model", ""))
 
 
 # ---------------------------------------------------------------------------- request
@@ -119,20 +123,22 @@ def _function_call(out: list[dict[str, Any]], field: str, item: dict[str, Any]) 
 
 # ---------------------------------------------------------------------------- reply
 
-def from_chat(reply: dict[str, Any], body: dict[str, Any], model: str) -> dict[str, Any]:
-    """The Response object of a chat reply: a message item (its text), function_call items."""
+def from_chat(reply: dict[str, Any], body: dict[str, Any], model: str, response_id: str | None = None,
+              message_id: str | None = None) -> dict[str, Any]:
+    """The Response object of a chat reply: a message item (its text), function_call items (the
+    ids: fresh unless given — a stream announces them before the end)."""
     choice = reply["choices"][0]
     message, truncated = choice["message"], choice["finish_reason"] == "length"
     output: list[dict[str, Any]] = []
     if message.get("content"):
-        output.append({"type": "message", "id": new_id("msg"), "role": "assistant",
+        output.append({"type": "message", "id": message_id or new_id("msg"), "role": "assistant",
                        "status": "incomplete" if truncated else "completed",
                        "content": [{"type": "output_text", "text": message["content"], "annotations": []}]})
     output += [{"type": "function_call", "id": new_id("fc"), "call_id": c["id"], "name": c["function"]["name"],
                 "arguments": c["function"]["arguments"], "status": "completed"}
                for c in message.get("tool_calls") or []]
     usage = reply["usage"]
-    return {"id": new_id("resp"), "object": "response", "created_at": int(time.time()),
+    return {"id": response_id or new_id("resp"), "object": "response", "created_at": int(time.time()),
             "status": "incomplete" if truncated else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if truncated else None, "error": None,
             "model": model, "output": output, "instructions": body.get("instructions"),

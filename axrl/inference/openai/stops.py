@@ -73,3 +73,14 @@ def held_back(text: str, stops: list[str], hold_from: str | None = None) -> int:
     if text.endswith(REPLACEMENT):
         hold = max(hold, len(text) - len(text.rstrip(REPLACEMENT)))
     return hold
+
+
+def sendable(text: str, stops: list[str], hold_from: str | None = None) -> str:
+    """What of a running reply's `text` may be streamed now: the text before its first stop string
+    (the reply ends there), less what `held_back` keeps; with `hold_from` (a tool call's opening
+    tag) also less trailing whitespace, which the reply's content loses if a tool call follows."""
+    hit = first_stop(text, stops)
+    if hit is not None:
+        text = text[:hit[0]]
+    text = text[:len(text) - held_back(text, stops, hold_from)]
+    return text.rstrip() if hold_from is not None else text

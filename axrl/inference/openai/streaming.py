@@ -5,19 +5,21 @@ A backend reports, per poll, each choice's progress: the text that may be sent s
 state once it ended, or None when nothing changed. `sse_stream` turns that into chunks —
 chat: a role chunk per choice, content deltas, one `tool_calls` delta, a finish chunk;
 completions: text chunks, a finish chunk — then the usage chunk if asked, then `data: [DONE]`.
-`axrl serve` reports progress as tokens arrive; the proxy, whose engines have no token
-stream, reports every choice final at once.
+`axrl serve` and the agent proxy report progress as tokens arrive (`merge` follows a call's n
+requests together).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
-from typing import Any, AsyncIterator, Callable, Union
+from typing import Any, AsyncIterator, Callable, TypeVar, Union
 
 from axrl.inference.openai.replies import Envelope
 
 DONE = b"data: [DONE]\n\n"
+T = TypeVar("T")
 
 
 def sse(obj: Any) -> bytes:
@@ -99,3 +101,27 @@ async def sse_stream(envelope: Envelope, n: int, progress: AsyncIterator[list[Pr
     except Exception as e:  # noqa: BLE001 — errors after the headers went out are reported in-band
         yield sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "InternalServerError"}})
         yield DONE
+
+
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """(index, item) of several async iterators, each item as soon as it arrives (a call's n
+    choices, each followed on its own). Stopping early cancels the pending reads and closes every
+    iterator, so their own cleanup (aborting a request) runs before this returns."""
+    pending = {asyncio.ensure_future(anext(s)): k for k, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):  # a stable order within one wake-up
+                k = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[k]))] = k
+                yield k, item
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for s in streams:
+            await s.aclose()  # type: ignore[attr-defined]

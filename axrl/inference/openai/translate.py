@@ -2,27 +2,72 @@
 an OpenAI chat-completions body — the internal chat form (HF-convention messages + tools) — run it
 through the backend's own chat path (`ChatFn`: the proxy's recording session or `axrl serve`'s
 engine), and turn the chat reply back. Generation, token recording, stop strings and tool-call
-parsing therefore happen in one place only."""
+parsing therefore happen in one place only. A streamed call runs the chat path streamed and
+translates its chunks as they arrive (`chat_deltas`): what text may be sent when (held back while
+it could become a stop string or a tool call) is decided by the chat stream alone."""
 
 from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 from axrl.inference.openai.errors import ApiError, bad
 
-# The backend's chat path: an OpenAI chat body (never streamed) -> the OpenAI chat reply.
-ChatFn = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+# The backend's chat path: an OpenAI chat body -> the OpenAI chat reply, or (`stream`) its SSE
+# chunks (one event per item, as `streaming.sse_stream` yields them).
+ChatFn = Callable[[dict[str, Any]], Awaitable[Any]]
+# What a streamed chat reply says, in order: ("text", delta)*, ("tool_call", call)*, ("done", reply).
+Delta = tuple[str, Any]
 
 
-async def run_chat(chat: ChatFn, body: dict[str, Any], renames: Mapping[str, str]) -> dict[str, Any]:
-    """`chat(body)`; a client error of the chat path names the field as the caller's API does
-    (`renames`: chat field -> API field, e.g. "stop" -> "stop_sequences")."""
+class StreamError(RuntimeError):
+    """The chat stream reported an error in-band (after its headers went out)."""
+
+
+async def run_chat(chat: ChatFn, body: dict[str, Any], renames: Mapping[str, str], stream: bool = False) -> Any:
+    """`chat(body)`: the chat reply, or (`stream`) its chunk stream with the usage chunk asked for;
+    a client error of the chat path names the field as the caller's API does (`renames`: chat
+    field -> API field, e.g. "stop" -> "stop_sequences")."""
+    request = {**body, "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
     try:
-        return await chat({**body, "stream": False})
+        return await chat(request)
     except ApiError as e:
         raise renamed(e, renames) from None
+
+
+async def chat_deltas(stream: AsyncIterator[bytes]) -> AsyncIterator[Delta]:
+    """Choice 0 of a streamed chat reply as it arrives: ("text", content delta) and ("tool_call",
+    call) items, then ("done", the chat reply object they add up to: what the same call answers
+    unstreamed, so the APIs build their final objects with their unstreamed code). Raises
+    `StreamError` on an in-band error; closes `stream` however it ends (the chat path then
+    aborts what is still generating)."""
+    content, calls, usage = "", [], None
+    finish: str | None = None
+    matched: Any = None
+    try:
+        async for raw in stream:
+            if not raw.startswith(b"data: {"):
+                continue  # data: [DONE]
+            chunk = json.loads(raw[len(b"data: "):])
+            if "error" in chunk:
+                raise StreamError(chunk["error"].get("message", "the chat stream failed"))
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or []:
+                delta = choice.get("delta") or {}
+                if delta.get("content"):
+                    content += delta["content"]
+                    yield "text", delta["content"]
+                for call in delta.get("tool_calls") or []:
+                    calls.append({k: v for k, v in call.items() if k != "index"})
+                    yield "tool_call", calls[-1]
+                if choice.get("finish_reason") is not None:
+                    finish, matched = choice["finish_reason"], choice.get("matched_stop")
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+    message: dict[str, Any] = {"role": "assistant", "content": content or None, **({"tool_calls": calls} if calls else {})}
+    yield "done", {"choices": [{"index": 0, "message": message, "finish_reason": finish, "matched_stop": matched}],
+                   "usage": usage or {"prompt_tokens": 0, "completion_tokens": 0}}
 
 
 def renamed(error: ApiError, renames: Mapping[str, str]) -> ApiError:

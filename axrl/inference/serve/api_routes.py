@@ -3,7 +3,8 @@
 
 Each request is translated into a chat-completions call (`axrl.inference.openai.anthropic_messages`,
 `.responses`) and answered by `axrl serve`'s own chat path (`openai_routes.chat_completions`):
-the same template, sampling and stop-string rule. `model` must be the served name, as for
+the same template, sampling and stop-string rule; `stream: true` streams the chat call and
+translates its chunks as the tokens arrive. `model` must be the served name, as for
 chat. Errors are each API's own error object (not SGLang's, as the rest of `axrl serve`): these
 routes answer Anthropic and OpenAI SDKs.
 """
@@ -39,8 +40,8 @@ def _add_route(app: FastAPI, server: AxrlServer, path: str, translate: Callable[
                error_body: Callable[[ApiError], dict[str, Any]]) -> None:
     @app.post(path, name=path)
     async def route(request: Request) -> Response:
-        async def run(body: dict[str, Any]) -> dict[str, Any]:
-            return await chat_completions(server, body, request.is_disconnected)  # type: ignore[return-value]
+        async def run(body: dict[str, Any]) -> Any:  # the reply, or its chunks when streamed
+            return await chat_completions(server, body, request.is_disconnected)
 
         chat: ChatFn = run
         try:

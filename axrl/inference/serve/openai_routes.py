@@ -30,7 +30,7 @@ from fastapi.responses import Response
 from axrl.inference.openai import replies, schema
 from axrl.inference.openai.errors import ApiError, bad
 from axrl.inference.openai.http import json_body, json_or_sse
-from axrl.inference.openai.stops import cut_at_stop, first_stop, held_back, parse_stops
+from axrl.inference.openai.stops import cut_at_stop, first_stop, parse_stops, sendable
 from axrl.inference.openai.streaming import Final, Progress, sse_stream
 from axrl.inference.protocol import GenerateRequest, GenerateResult
 from axrl.inference.sampling import derive_seed
@@ -279,7 +279,7 @@ def _final(call: _Call, k: int, res: GenerateResult, text: str) -> Final:
     content, calls = replies.tool_calls_of(call.server.tokenizer, call.body.get("tools"), text) \
         if call.chat else (text, [])
     return Final(content, replies.finish_reason(res.finish_type, tool_calls=bool(calls)), calls,
-                 _extras(call, call.requests[k], res))
+                 {"matched_stop": res.finish_reason.get("matched"), **_extras(call, call.requests[k], res)})
 
 
 def _stream(call: _Call, is_disconnected: Any) -> AsyncIterator[bytes]:
@@ -294,7 +294,7 @@ def _stream(call: _Call, is_disconnected: Any) -> AsyncIterator[bytes]:
                     done[k] = True
                     out.append(_final(call, k, *final[k]))  # type: ignore[misc]
                 elif text is not None:
-                    out.append(text[:len(text) - held_back(text, call.stops, call.tool_start)])
+                    out.append(sendable(text, call.stops, call.tool_start))
                 else:
                     out.append(None)
             yield out

@@ -216,12 +216,14 @@ class AxrlServer:
         last_check = time.monotonic()
         try:
             while True:
-                states: list[GenerateResult | tuple[list[int], list[float]]] = []
-                for req, future in zip(requests, futures):
-                    snap = None if future.done() else self.engine.progress(req.rid)
-                    states.append(future.result() if future.done() else snap or ([], []))
+                # one look at the futures per poll: a request that finishes between building the
+                # states and checking for the end must not end the stream before its result is sent
+                done = [f.done() for f in futures]
+                states: list[GenerateResult | tuple[list[int], list[float]]] = [
+                    future.result() if d else self.engine.progress(req.rid) or ([], [])
+                    for req, future, d in zip(requests, futures, done)]
                 yield states
-                if all(f.done() for f in futures):
+                if all(done):
                     return
                 await asyncio.wait([f for f in futures if not f.done()], timeout=_STREAM_POLL_S)
                 if time.monotonic() - last_check > _DISCONNECT_POLL_S:
