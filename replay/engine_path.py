@@ -430,7 +430,7 @@ class _Clocked:
     def prefill(self, chunk: list[_Request], finished: list[int]) -> None:
         """`SlotBatch.prefill_chunk_fused`: the prompts past their cached prefix, then the prompts
         are cached (the other samples of a group reuse them) before the first tokens are sampled."""
-        ctx, probe = self.contexts, self.probe
+        probe = self.probe
         if probe is not None:  # positions a cached prefix covers were computed by an earlier request
             probe.rows = [(r.context, p) for r in chunk for p in range(r.cached_tokens, len(r.prompt))]
             probe.final_rows = [(r.context, len(r.prompt) - 1) for r in chunk]

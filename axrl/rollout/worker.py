@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 import torch
@@ -31,7 +31,7 @@ from axrl.agents.env import Env
 from axrl.core.trajectory import Trajectory
 from axrl.data import PromptLoader
 from axrl.inference.protocol import InferenceEngine
-from axrl.rollout.pool import Batch, Group, GroupFate, TrajectoryPool
+from axrl.rollout.pool import Group, GroupFate, TrajectoryPool
 from axrl.rollout.runner import Clock, EpisodeRunner, EpisodeSpec, Player, RolloutSettings, sample_seed
 from axrl.rollout.schedule import Schedule
 from axrl.sync import WeightSync

@@ -21,7 +21,6 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from . import schema as S
 from .quantities import mean_abs_delta
 from .record import StepRecord
 from .run_dir import RunDir
