@@ -233,8 +233,8 @@ def test_checkpoint_mismatch_is_refused(tmp_path):
     (preset_config("micro-moe", num_experts=0), ("attn", "mlp")),   # a dense Qwen3
 ])
 def test_peft_export_loads_with_peft(tmp_path, model, targets):
-    peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
+    import peft  # the test extra installs both: a broken import must fail, never skip
+    import transformers
     base_dir = save_hf(build_model(model, seed=0), tmp_path / "base")
     backend = TorchBackend(load_hf(base_dir), TorchBackendConfig(lr=1e-2, num_threads=1,
                                                                  lora=LoRAConfig(rank=4, alpha=8.0, targets=targets)))
@@ -335,8 +335,8 @@ def test_replay_cannot_vary_lora(run):
 
 
 def test_export_merged_and_adapter_only(run, tmp_path):
-    peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
+    import peft  # the test extra installs both: a broken import must fail, never skip
+    import transformers
     from typer.testing import CliRunner
 
     from axrl.cli import app

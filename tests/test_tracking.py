@@ -20,8 +20,8 @@ from axrl.recording.metrics_log import MetricsLog
 from axrl.recording.trackers import scalars
 from axrl.trace import RunDir
 
-pytest.importorskip("wandb")
-pytest.importorskip("mlflow")
+import mlflow  # noqa: E402,F401  (the test extra installs both: a broken import must fail, never skip)
+import wandb  # noqa: E402,F401
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
