@@ -6,6 +6,7 @@ code does not run."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tensordict import TensorDict
 from typer.testing import CliRunner
 
 from axrl.trace import StepFile
@@ -170,6 +172,34 @@ def test_slime_and_miles(tmp_path: Path, fmt: str) -> None:
     assert invoke("replay", tmp_path / "run", "--step", 0).exit_code == 2
 
 
+def test_slime_weight_versions_give_staleness(tmp_path: Path) -> None:
+    """slime's per-sample ``weight_versions`` (one per engine call) become per-token policy versions:
+    a sample's generated tokens get its oldest version, the step the newest, so mismatch reports
+    the lag the way it does for an async AxRL run."""
+    src = tmp_path / "dumps"
+    src.mkdir()
+    slime_dumps(src)
+    dump = torch.load(src / "rollout_1.pt", weights_only=False)
+    lags = [i % 3 for i in range(N)]                     # 0: fresh; 1: one version old; 2: two calls, 3 → 5
+    for s, lag in zip(dump["samples"], lags):
+        s["weight_versions"] = {0: ["5"], 1: ["4"], 2: ["3", "5"]}[lag]
+    torch.save(dump, src / "rollout_1.pt")
+    one_json(invoke("import", "slime", src, tmp_path / "run", "--num-experts", 32, "--json"))
+    with StepFile(tmp_path / "run" / "trace" / "step_000001.h5") as sf:
+        assert sf.attrs["policy_version"] == 5              # the newest version the step's samples saw
+        offsets, mask = sf["/samples/offsets"][:], sf["/tokens/loss_mask"][:]
+        tv = sf["/tokens/policy_version"][:]
+        for i, lag in enumerate(lags):
+            a, b = int(offsets[i]), int(offsets[i + 1])
+            assert set(tv[a:b][mask[a:b] == 1].tolist()) == {5 - lag}
+            assert set(tv[a:b][mask[a:b] == 0].tolist()) == {-1}
+    m = one_json(invoke("mismatch", tmp_path / "run", "--step", 1, "--json"))
+    counts = {int(r["bucket"]): r["count"] for r in m["breakdowns"]["version_lag"]}
+    lag_of_token = np.repeat(lags, np.diff(offsets))[mask == 1]
+    assert counts == {lag: int((lag_of_token == lag).sum()) for lag in (0, 1, 2)}
+    assert m["per_step"][0]["version_lag_max"] == 2
+
+
 def test_slime_malformed_dumps_are_named(tmp_path: Path) -> None:
     src = tmp_path / "dumps"
     src.mkdir()
@@ -276,29 +306,43 @@ def test_nemo_rl_malformed(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- AxisRL
 @pytest.fixture
 def fake_packages(monkeypatch):
-    """A stand-in `tensordict` (TensorDict pickles by its __dict__: `_tensordict`, `_batch_size`, …)
-    and an AxisRL class in a package named `axrl.*`, importable only while the fixtures are saved."""
-    td_mod, meta_mod = types.ModuleType("tensordict._td"), types.ModuleType("axrl.axisrl_snapshot")
-
-    class TensorDict:
-        def __init__(self, data: dict, batch_size: list[int]) -> None:
-            self._tensordict, self._batch_size, self._device = data, torch.Size(batch_size), torch.device("cpu")
+    """AxisRL's classes (its package is also named `axrl`): a snapshot object and the tensor-store
+    handle of its R3 routing, importable only while the fixtures are saved; the batches are real
+    `tensordict.TensorDict`s (tensordict 0.15 pickles them with `_make_td`)."""
+    meta_mod, store_mod = types.ModuleType("axrl.axisrl_snapshot"), types.ModuleType("axrl.utils.tensor_store")
 
     class SnapshotMeta:
         def __init__(self, iteration: int) -> None:
             self.iteration = iteration
 
-    TensorDict.__module__, TensorDict.__qualname__ = "tensordict._td", "TensorDict"
+    @dataclasses.dataclass(frozen=True)
+    class TensorHandle:            # AxisRL's: a reference into its Ray tensor store, and a row slice
+        ref: str
+        row_start: int = 0
+        row_count: int = -1
+
     SnapshotMeta.__module__, SnapshotMeta.__qualname__ = "axrl.axisrl_snapshot", "SnapshotMeta"
-    td_mod.TensorDict, meta_mod.SnapshotMeta = TensorDict, SnapshotMeta
-    for name, mod in (("tensordict", types.ModuleType("tensordict")), ("tensordict._td", td_mod),
-                      ("axrl.axisrl_snapshot", meta_mod)):
+    TensorHandle.__module__, TensorHandle.__qualname__ = "axrl.utils.tensor_store", "TensorHandle"
+    meta_mod.SnapshotMeta, store_mod.TensorHandle = SnapshotMeta, TensorHandle
+    for name, mod in (("axrl.axisrl_snapshot", meta_mod), ("axrl.utils", types.ModuleType("axrl.utils")),
+                      ("axrl.utils.tensor_store", store_mod)):
         monkeypatch.setitem(sys.modules, name, mod)
-    return TensorDict, SnapshotMeta
+    return TensorDict, SnapshotMeta, TensorHandle
 
 
-def axisrl_snapshots(root: Path, TensorDict, SnapshotMeta, ranks: int = 2) -> list[list[dict]]:
-    """spike_snapshots/iter_N/batch_rank{r}.pt: label-aligned [B, S] columns, right-padded."""
+def forget_snapshot_classes(monkeypatch) -> None:
+    """After saving: AxisRL's classes gone, and any import of tensordict fails — the importer must
+    rebuild both from the pickles without importing them."""
+    for name in ("axrl.axisrl_snapshot", "axrl.utils", "axrl.utils.tensor_store"):
+        monkeypatch.delitem(sys.modules, name)
+    for name in [m for m in sys.modules if m == "tensordict" or m.startswith("tensordict.")]:
+        monkeypatch.setitem(sys.modules, name, None)       # `import tensordict…` now raises ImportError
+
+
+def axisrl_snapshots(root: Path, TensorDict, SnapshotMeta, TensorHandle, ranks: int = 2) -> list[list[dict]]:
+    """spike_snapshots/iter_N/batch_rank{r}.pt: label-aligned [B, S] columns, right-padded, with R3
+    routing as AxisRL saves it: per row one path of two tensor-store handles (the prompt's rows and
+    the response's), their payloads in routing_payload_rank{r}.pt in first-seen order."""
     rng = np.random.default_rng(3)
     steps = []
     for it in (40, 41):
@@ -310,6 +354,7 @@ def axisrl_snapshots(root: Path, TensorDict, SnapshotMeta, ranks: int = 2) -> li
             B, S = len(rows), max(len(s["prompt"]) + len(s["response"]) for s in rows)
             cols = {k: np.zeros((B, S), np.float32) for k in ("loss_mask", "rollout_logprobs", "old_logprobs", "advantage")}
             ids, labels, am = np.zeros((B, S), np.int64), np.full((B, S), -100, np.int64), np.zeros((B, S), np.int64)
+            handles, payloads = [], []
             for b, s in enumerate(rows):
                 p, n = len(s["prompt"]), len(s["prompt"]) + len(s["response"])
                 ids[b, :n], am[b, :n] = np.concatenate([s["prompt"], s["response"]]), 1
@@ -317,22 +362,28 @@ def axisrl_snapshots(root: Path, TensorDict, SnapshotMeta, ranks: int = 2) -> li
                 for k, v in (("loss_mask", s["mask"]), ("rollout_logprobs", s["rollout"]),
                              ("old_logprobs", s["trainer"]), ("advantage", s["advantage"])):
                     cols[k][b, p - 1:n - 1] = v
+                s["routing"] = rng.integers(0, 32, (n - 1, 4, 2)).astype(np.int16)
+                ref = f"obj-{it}-{rank}-{b}"
+                handles.append([[TensorHandle(ref, 0, p), TensorHandle(ref, p, n - 1 - p)]])
+                payloads += [s["routing"][:p], s["routing"][p:]]
             td = TensorDict({"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
                              "attention_mask": torch.from_numpy(am), "reward": torch.tensor([s["reward"] for s in rows]),
                              "group_ids": torch.tensor([(rank + ranks * b) // GROUP for b in range(B)]),
-                             "meta": SnapshotMeta(it), **{k: torch.from_numpy(v) for k, v in cols.items()}}, [B])
+                             **{k: torch.from_numpy(v) for k, v in cols.items()}}, batch_size=[B])
+            td.set_non_tensor("meta", SnapshotMeta(it))
+            td.set_non_tensor("routing_handles_per_path", handles)
             torch.save(td, d / f"batch_rank{rank}.pt")
+            torch.save(payloads, d / f"routing_payload_rank{rank}.pt")
         steps.append(samples)
     return steps
 
 
 def test_axisrl(tmp_path: Path, fake_packages, monkeypatch) -> None:
     steps = axisrl_snapshots(tmp_path, *fake_packages)
-    for name in ("tensordict", "tensordict._td", "axrl.axisrl_snapshot"):
-        monkeypatch.delitem(sys.modules, name)
-    report = one_json(invoke("import", "axisrl", tmp_path / "spike_snapshots", tmp_path / "run", "--json"))
-    assert report["steps"] == [40, 41] and report["samples"] == STEPS * N
-    assert not any(m in sys.modules for m in ("tensordict", "tensordict._td", "axrl.axisrl_snapshot"))  # never imported
+    forget_snapshot_classes(monkeypatch)
+    report = one_json(invoke("import", "axisrl", tmp_path / "spike_snapshots", tmp_path / "run", "--num-experts", 32,
+                             "--json"))
+    assert report["steps"] == [40, 41] and report["samples"] == STEPS * N and report["notes"] == []
     summary, mismatch = analyse(tmp_path / "run")
     assert mismatch["metrics"]["mean_abs"] == pytest.approx(mean_abs([p for s in steps for p in loss_pairs(s)]), rel=1e-9)
     assert [r["mismatch"] for r in summary["steps"]] == pytest.approx([mean_abs(loss_pairs(s)) for s in steps], rel=1e-9)
@@ -343,15 +394,56 @@ def test_axisrl(tmp_path: Path, fake_packages, monkeypatch) -> None:
         gen = sf["/tokens/rollout_logprob"][p:n]   # shifted onto the generated tokens' own positions
         assert np.array_equal(gen[s0["mask"] == 1], s0["rollout"][s0["mask"] == 1])
         assert sf["/tokens/loss_mask"][p:n].tolist() == s0["mask"].tolist()
+        s1 = steps[0][2]                      # rank 0's second row: the run's second sample
+        assert np.array_equal(sf["/routing/rollout"][:n - 1], s0["routing"])      # per token as input
+        assert sf["/routing/rollout_valid"][n - 1] == 0                             # the last token: never fed
+        m = len(s1["prompt"]) + len(s1["response"])
+        assert np.array_equal(sf["/routing/rollout"][n:n + m - 1], s1["routing"])
+
+
+def test_axisrl_merged_rows_leave_routing_out(tmp_path: Path, fake_packages, monkeypatch) -> None:
+    """A row merged from several paths (AxisRL's prefix trie) needs AxisRL's merge map, which the
+    importer does not read: the step imports without routing and the report says why."""
+    TensorDict, Meta, Handle = fake_packages
+    d = tmp_path / "iter_7"
+    d.mkdir()
+    ids = torch.arange(12).reshape(2, 6)
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    cols = {k: torch.zeros(2, 6) for k in ("loss_mask", "rollout_logprobs", "old_logprobs", "advantage")}
+    td = TensorDict({"input_ids": ids, "labels": labels, "reward": torch.zeros(2), **cols}, batch_size=[2])
+    td.set_non_tensor("routing_handles_per_path", [[[Handle("a")], [Handle("b")]], [[Handle("c")]]])
+    torch.save(td, d / "batch_rank0.pt")
+    torch.save([np.zeros((5, 2, 2), np.int16)] * 3, d / "routing_payload_rank0.pt")
+    forget_snapshot_classes(monkeypatch)
+    report = one_json(invoke("import", "axisrl", d, tmp_path / "run", "--json"))
+    assert report["samples"] == 2 and "merged from several paths" in report["notes"][0]
+    with StepFile(tmp_path / "run" / "trace" / "step_000007.h5") as sf:
+        assert "/routing/rollout" not in sf
+
+
+def test_axisrl_routing_payload_count_is_checked(tmp_path: Path, fake_packages, monkeypatch) -> None:
+    TensorDict, Meta, Handle = fake_packages
+    d = tmp_path / "iter_8"
+    d.mkdir()
+    ids = torch.arange(12).reshape(2, 6)
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    cols = {k: torch.zeros(2, 6) for k in ("loss_mask", "rollout_logprobs", "old_logprobs", "advantage")}
+    td = TensorDict({"input_ids": ids, "labels": labels, "reward": torch.zeros(2), **cols}, batch_size=[2])
+    td.set_non_tensor("routing_handles_per_path", [[[Handle("a")]], [[Handle("b")]]])
+    torch.save(td, d / "batch_rank0.pt")
+    torch.save([np.zeros((5, 2, 2), np.int16)], d / "routing_payload_rank0.pt")
+    forget_snapshot_classes(monkeypatch)
+    r = invoke("import", "axisrl", d, tmp_path / "run")
+    assert said(r, "routing_payload_rank0.pt: expected a list of 2 routing arrays")
 
 
 def test_axisrl_misaligned_labels(tmp_path: Path, fake_packages, monkeypatch) -> None:
-    TensorDict, Meta = fake_packages
+    TensorDict, Meta, _ = fake_packages
     d = tmp_path / "iter_3"
     d.mkdir()
     ids = torch.arange(12).reshape(2, 6)
     cols = {k: torch.zeros(2, 6) for k in ("loss_mask", "rollout_logprobs", "old_logprobs", "advantage")}
-    torch.save(TensorDict({"input_ids": ids, "labels": ids.clone(), "reward": torch.zeros(2), **cols}, [2]),
+    torch.save(TensorDict({"input_ids": ids, "labels": ids.clone(), "reward": torch.zeros(2), **cols}, batch_size=[2]),
                d / "batch_rank0.pt")
     r = invoke("import", "axisrl", d, tmp_path / "run")
     assert said(r, "row 0: labels[0] = 0 is not input_ids[1] = 1")

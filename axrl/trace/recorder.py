@@ -184,7 +184,8 @@ class Recorder:
                    sample_ids: Any = None, prompt_ids: Sequence[str] | None = None,
                    finish_reasons: Sequence[str] | None = None, metrics: Mapping[str, float] | None = None,
                    update_metrics: Mapping[str, Sequence[float]] | None = None,
-                   nan_off_mask: bool = False, extra_samples: Mapping[str, Any] | None = None) -> Path:
+                   nan_off_mask: bool = False, extra_samples: Mapping[str, Any] | None = None,
+                   token_policy_versions: Sequence[Any] | None = None) -> Path:
         """Write step ``step``; return its file. Per sample i (N = ``len(token_ids)``):
 
         * ``token_ids[i]`` — every token of the sample (prompt, generated, tool/env), 1-D ints;
@@ -196,6 +197,10 @@ class Recorder:
           loss token), ``sample_ids``/``prompt_ids``/``finish_reasons`` (optional);
         * ``routing[i]`` — engine's expert ids per token as input, [len, L, k] or [len - 1, L, k]
           (with ``num_experts``).
+
+        ``policy_version``: the weights the step trains (default: ``step``);
+        ``token_policy_versions[i]``: the weights that generated sample i's tokens (a number, or
+        per token; default: ``policy_version``) — what staleness (``version_lag``) is measured from.
 
         ``metrics``: step scalars for metrics.jsonl; ``update_metrics``: per-update columns (with
         ``loss``, ``grad_norm``, ``lr``), all samples in each update, only with one update —
@@ -220,6 +225,9 @@ class Recorder:
                            _ragged("entropy", entropy, lengths, plens, np.nan, np.float16))
         record = self._record(step, n, ids, lengths, plens, mask, cols, rewards, group_ids, policy_version,
                               sample_ids, prompt_ids, finish_reasons, update_metrics, extra_samples)
+        if token_policy_versions is not None:
+            versions = _ragged("token_policy_versions", token_policy_versions, lengths, plens, -1, np.int64)
+            record.token_policy_version = np.where(mask == 1, versions, -1)
         if routing is not None:
             record.num_experts = num_experts
             record.routing_rollout, record.routing_rollout_valid = _routing(routing, lengths, num_experts)

@@ -8,7 +8,15 @@ per-token column is *label-aligned*: entry j concerns ``labels[j] = input_ids[j 
 place left of AxRL's alignment — so the importer moves them one place right (checking the
 labels agree with the shifted ids). AxisRL's package is also named ``axrl``: its classes (and
 TensorDict's) are mapped to plain dicts by the restricted unpickler, never imported.
-``routing_payload_rank{r}.pt`` is not imported (its layout is not specified; see docs/import.md).
+
+R3 routing: the batch carries, as the non-tensor ``routing_handles_per_path``, per row a list of
+paths, each a list of tensor-store handles (``ref``, ``row_start``, ``row_count``); the handles'
+payloads are saved beside it as ``routing_payload_rank{r}.pt``: a list of int16 arrays
+[rows, layers, k], one per distinct handle in first-seen order (rows, then paths, then handles).
+A flat row (one path) has the routing of its path, the concatenation of its handles' payloads:
+[len − 1, layers, k], per token as input (the last token is never fed). Rows merged from several
+paths (a prefix trie) are rebuilt by AxisRL from a merge map this importer does not read: the
+routing of such a step is left out, and the import report says so.
 """
 
 from __future__ import annotations
@@ -23,11 +31,12 @@ from .common import ImportedStep, ImportOptions, need, shift_label_aligned
 from .safe_load import DEFAULT_STUBS, ImportFormatError, as_numpy, load_dump
 
 ENGINE, BACKEND = None, None
-ABSENT = ["routing (routing_payload_rank*.pt is not read)", "per-update metrics (/train/updates)", "entropy",
+ABSENT = ["trainer routing (/routing/train)", "per-update metrics (/train/updates)", "entropy",
           "weight fingerprints"]
 STUBS = DEFAULT_STUBS + ("axrl",)        # AxisRL's own package: never import it (it would be this one)
 _ITER_RE = re.compile(r"^iter_(\d+)$")
 _RANK_RE = re.compile(r"^batch_rank(\d+)\.pt$")
+ROUTING_KEY = "routing_handles_per_path"
 IGNORE_INDEX = -100                      # labels of positions that predict nothing
 
 
@@ -85,18 +94,67 @@ def _rank_rows(td: Any, where: str) -> list[dict[str, Any]]:
     return rows
 
 
+def _handle_key(h: Any, where: str) -> tuple:
+    """A tensor-store handle (a dict of its fields once unpickled) as a hashable key."""
+    if not isinstance(h, dict) or "ref" not in h:
+        raise ImportFormatError(f"{where}: a routing handle should hold 'ref', 'row_start', 'row_count'; got "
+                                f"{type(h).__name__}")
+    return tuple(sorted((k, str(v)) for k, v in h.items()))
+
+
+def _rank_routing(td: Any, f: Path, rows: list[dict[str, Any]], options: ImportOptions) -> str | None:
+    """Attach each row's routing ("routing" [len − 1, L, k]) from ``routing_payload_rank{r}.pt``;
+    return a note when the rank's routing cannot be imported (None when it was, or there is none)."""
+    paths_per_row = td.get(ROUTING_KEY) if isinstance(td, dict) else None
+    payload_file = f.with_name(f.name.replace("batch_rank", "routing_payload_rank"))
+    if paths_per_row is None or not payload_file.exists():
+        return None if paths_per_row is None else f"{f}: {ROUTING_KEY} without {payload_file.name}: routing left out"
+    where = f"{f}: {ROUTING_KEY}"
+    if not isinstance(paths_per_row, list) or len(paths_per_row) != len(rows):
+        raise ImportFormatError(f"{where}: expected one list of paths per row ({len(rows)} rows)")
+    if any(not isinstance(p, list) or len(p) != 1 for p in paths_per_row):
+        return f"{f}: rows merged from several paths (a prefix trie): routing left out"
+    order: dict[tuple, int] = {}
+    for b, (path,) in enumerate(paths_per_row):
+        for h in path:
+            order.setdefault(_handle_key(h, f"{where}[{b}]"), len(order))
+    payloads = load_dump(payload_file, trust=options.trust_pickle, stubs=STUBS)
+    if not isinstance(payloads, list) or len(payloads) != len(order):
+        raise ImportFormatError(f"{payload_file}: expected a list of {len(order)} routing arrays (one per distinct "
+                                f"handle of {f.name}), got {type(payloads).__name__} of {len(payloads) if isinstance(payloads, list) else '?'}")
+    arrays = [as_numpy(p, f"{payload_file}[{i}]") for i, p in enumerate(payloads)]
+    for b, ((path,), row) in enumerate(zip(paths_per_row, rows)):
+        parts = [arrays[order[_handle_key(h, where)]] for h in path]
+        r = np.concatenate(parts) if parts else np.zeros((0, 1, 1), np.int64)
+        if r.ndim != 3 or r.shape[0] != len(row["ids"]) - 1:
+            raise ImportFormatError(f"{payload_file}: row {b}'s routing has shape {r.shape}, expected "
+                                    f"({len(row['ids']) - 1}, layers, k) (the row's length − 1)")
+        row["routing"] = r.astype(np.int64)
+    return None
+
+
 def _step(it: int, d: Path, options: ImportOptions) -> ImportedStep:
     files = sorted((int(_RANK_RE.match(p.name).group(1)), p) for p in d.iterdir() if _RANK_RE.match(p.name))
     if not files:
         raise ImportFormatError(f"{d}: no batch_rank{{r}}.pt in it")
-    rows = [r for _, f in files for r in _rank_rows(load_dump(f, trust=options.trust_pickle, stubs=STUBS), str(f))]
+    rows, notes = [], []
+    for _, f in files:
+        td = load_dump(f, trust=options.trust_pickle, stubs=STUBS)
+        rank_rows = _rank_rows(td, str(f))
+        note = _rank_routing(td, f, rank_rows, options)
+        notes += [note] if note else []
+        rows += rank_rows
     groups = [r["group"] if r["group"] is not None else i for i, r in enumerate(rows)]
+    routed = [r.get("routing") for r in rows]
+    if any(r is not None for r in routed) and any(r is None for r in routed):
+        notes.append(f"{d}: routing of some ranks only: left out for the step")
     return ImportedStep(
         step=it, token_ids=[r["ids"] for r in rows], loss_mask=[r["mask"] for r in rows],
         rollout_logprobs=[r["rollout"] for r in rows], trainer_logprobs=[r["trainer"] for r in rows],
         advantages=[r["advantages"] for r in rows], rewards=[r["reward"] for r in rows], group_ids=groups,
         ref_logprobs=[r["ref"] for r in rows] if all(r["ref"] is not None for r in rows) else None,
-        files=[str(f) for _, f in files])
+        routing=routed if all(r is not None for r in routed) else None,
+        files=[str(f) for _, f in files], notes=notes)
 
 
 def read_steps(src: Path, options: ImportOptions) -> Iterator[ImportedStep]:

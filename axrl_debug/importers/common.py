@@ -36,7 +36,10 @@ class ImportedStep:
     entropy: list[np.ndarray] | None = None
     routing: list[np.ndarray] | None = None
     sample_ids: list[int] | None = None
+    policy_versions: list[int] | None = None           # per sample: the weights that generated it
+    policy_version: int | None = None                  # the step's (default: the step number)
     files: list[str] = field(default_factory=list)     # the dumps it was read from
+    notes: list[str] = field(default_factory=list)     # what was left out of this step, and why
 
     @property
     def num_samples(self) -> int:
@@ -124,15 +127,17 @@ def _record(steps: Iterable[ImportedStep], run: str | Path, *, fmt: str, src: st
     source = {"format": fmt, "path": str(Path(src).resolve()), "absent": absent}
     rec = Recorder(run, engine=engine, backend=backend, model=model, source=source, overwrite=overwrite)
     report: dict[str, Any] = {"run": str(rec.path), "format": fmt, "steps": [], "samples": 0, "tokens": 0,
-                              "absent": absent}
+                              "absent": absent, "notes": []}
     for s in steps:
         experts = num_experts_of(s.routing, options.num_experts)
         rec.write_step(s.step, token_ids=s.token_ids, loss_mask=s.loss_mask, rollout_logprobs=s.rollout_logprobs,
                        trainer_logprobs=s.trainer_logprobs, rewards=s.rewards, advantages=s.advantages,
                        group_ids=s.group_ids, prompt_lens=s.prompt_lens, ref_logprobs=s.ref_logprobs,
                        teacher_logprobs=s.teacher_logprobs, entropy=s.entropy,
-                       routing=s.routing, num_experts=experts, sample_ids=s.sample_ids, nan_off_mask=True)
+                       routing=s.routing, num_experts=experts, sample_ids=s.sample_ids, nan_off_mask=True,
+                       policy_version=s.policy_version, token_policy_versions=s.policy_versions)
         report["steps"].append(s.step)
+        report["notes"] += s.notes
         report["samples"] += s.num_samples
         report["tokens"] += int(sum(len(t) for t in s.token_ids))
     return report

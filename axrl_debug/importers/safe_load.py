@@ -53,11 +53,16 @@ DEFAULT_STUBS = ("tensordict",)
 
 class PlainState(dict):
     """What a stubbed class becomes: a dict of its pickled state. A TensorDict's state holds its
-    tensors under ``_tensordict``; those (nested TensorDicts included) are the dict's items."""
+    tensors under ``_tensordict``; those (nested TensorDicts included) are the dict's items, and a
+    non-tensor entry (``NonTensorData``, set with ``set_non_tensor``) becomes its plain value."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:   # a stub called with arguments keeps them
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
-        if args or kwargs:
+        # tensordict >= 0.6 pickles a TensorDict as ``_make_td(cls, state)``: the stub of
+        # ``_make_td`` is called with (stub class, state dict) and stands for that TensorDict.
+        if len(args) == 2 and not kwargs and isinstance(args[0], type) and isinstance(args[1], dict):
+            self.__setstate__(args[1])
+        elif args or kwargs:                          # any other stub called with arguments keeps them
             self["__args__"] = list(args)
             self.update(kwargs)
 
@@ -65,11 +70,20 @@ class PlainState(dict):
         if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
             state = {**(state[0] or {}), **state[1]}        # (__dict__, __slots__ values)
         if isinstance(state, dict) and isinstance(state.get("_tensordict"), dict):
-            state = state["_tensordict"]
+            state = {k: _non_tensor_value(v) for k, v in state["_tensordict"].items()}
         if isinstance(state, dict):
             self.update(state)
         else:
             self["__state__"] = state
+
+
+def _non_tensor_value(value: Any) -> Any:
+    """A ``NonTensorData`` entry's value (its state keeps it under ``non_tensordict["data"]``);
+    anything else unchanged."""
+    inner = value.get("non_tensordict") if isinstance(value, PlainState) else None
+    if isinstance(inner, dict) and inner.get("_is_non_tensor") and "data" in inner:
+        return inner["data"]
+    return value
 
 
 def _stub(module: str, name: str) -> type:

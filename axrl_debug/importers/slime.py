@@ -20,6 +20,14 @@ train dump per rank, ``{rollout_id, rank, rollout_data, cp_rank, cp_size, qkv_fo
 context parallelism each per-token field holds the rank's zig-zag share of the response
 (`context_parallel.py` puts it back together), and tensor-parallel ranks write identical copies.
 slime's log probs are at the token's own position (no shift).
+
+``weight_versions`` (THUDM/slime 0d234f3, ``Sample.update_from_meta_info`` in
+``slime/utils/types.py``): one entry per engine call that generated the sample — SGLang's
+``meta_info["weight_version"]``, a string —, several for a multi-turn or partially rolled-out
+sample. Which tokens each call produced is not dumped, so every generated token of a sample gets
+its *oldest* numeric version (staleness is then an upper bound); the step's policy version is the
+newest version any of its samples saw (slime does not dump the trainer's). Non-numeric versions
+(SGLang's default ``"default"``) leave the versions at the step number.
 """
 
 from __future__ import annotations
@@ -147,6 +155,7 @@ def _sample(s: dict, where: str, train: dict[str, Any] | None) -> dict[str, Any]
         "mask": vector(s, "loss_mask", where, n, np.int64), "rollout": vector(s, "rollout_log_probs", where, n),
         "index": int(scalar(s, "index", where)), "group": int(scalar(s, "group_index", where)),
         "trainer": None, "ref": None, "teacher": None, "entropy": None, "advantages": np.zeros(n),
+        "versions": _weight_versions(s.get("weight_versions")),
     }
     routed = s.get("rollout_routed_experts")
     if routed is not None:
@@ -163,6 +172,16 @@ def _sample(s: dict, where: str, train: dict[str, Any] | None) -> dict[str, Any]
         adv = _response(train, "advantages", tw, n, optional=True)
         out["advantages"] = out["advantages"] if adv is None else adv
     return out
+
+
+def _weight_versions(raw: Any) -> list[int] | None:
+    """The numeric weight versions of a sample's engine calls (None when absent or not numbers)."""
+    if not isinstance(raw, (list, tuple)) or not raw:
+        return None
+    try:
+        return [int(str(v).strip()) for v in raw]
+    except ValueError:
+        return None
 
 
 def _optional(samples: list[dict[str, Any]], name: str) -> list[np.ndarray] | None:
@@ -186,6 +205,8 @@ def _step(rid: int, f: Path, dump: Any, train_dumps: list[tuple[Path, Any]]) -> 
         if missing:
             raise ImportFormatError(f"{f}: rollout samples {missing[:5]} have no train-dump sample ({key})")
     routed = [x.get("routing") for x in samples]
+    versions = [x["versions"] for x in samples]
+    versioned = all(v is not None for v in versions) and bool(versions)
     return ImportedStep(
         step=rid, token_ids=[x["tokens"] for x in samples], loss_mask=[x["mask"] for x in samples],
         rollout_logprobs=[x["rollout"] for x in samples], trainer_logprobs=_optional(samples, "trainer"),
@@ -193,7 +214,9 @@ def _step(rid: int, f: Path, dump: Any, train_dumps: list[tuple[Path, Any]]) -> 
         group_ids=[x["group"] for x in samples], prompt_lens=[x["prompt_len"] for x in samples],
         ref_logprobs=_optional(samples, "ref"), teacher_logprobs=_optional(samples, "teacher"),
         entropy=_optional(samples, "entropy"), routing=routed if all(r is not None for r in routed) else None,
-        sample_ids=[x["index"] for x in samples], files=[str(f)] + [str(p) for p, _ in train_dumps])
+        sample_ids=[x["index"] for x in samples], files=[str(f)] + [str(p) for p, _ in train_dumps],
+        policy_versions=[min(v) for v in versions] if versioned else None,
+        policy_version=max(max(v) for v in versions) if versioned else None)
 
 
 def read_steps(src: Path, options: ImportOptions) -> Iterator[ImportedStep]:
