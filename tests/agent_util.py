@@ -9,7 +9,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from axrl.inference import EmbeddedEngine
-from axrl.inference.protocol import GenerateRequest, GenerateResult
+from axrl.agents.proxy import SessionPolicy, engine_submit
+from axrl.inference.protocol import GenerateRequest, GenerateResult, SamplingParams
 from axrl.model import build_model, preset_config
 from axrl.tokenizer import Tokenizer
 
@@ -88,3 +89,12 @@ def tiny_engine(tok: Tokenizer, seed: int = 0) -> EmbeddedEngine:
                         pad_token_id=tok.pad_token_id)
     return EmbeddedEngine(build_model(cfg, seed=seed).eval(), max_batch_size=8, max_seq_len=512,
                           eos_token_id=tok.eos_token_id)
+
+
+def open_proxy_session(proxy: Any, engine: Any, tok: Tokenizer, **policy: Any) -> tuple[Any, str]:
+    """A proxy session over ``engine`` (48-token turns, 512-token context) and its base URL
+    (…/sessions/{id}/v1); ``policy`` overrides SessionPolicy fields."""
+    sampling = SamplingParams(max_new_tokens=48, stop_token_ids=tok.stop_token_ids)
+    session = proxy.open_session(engine_submit(engine), SessionPolicy(sampling, **{"max_tokens": 48, **policy}),
+                                 max_context_len=512)
+    return session, proxy.base_url(session)

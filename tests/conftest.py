@@ -108,3 +108,19 @@ def pytest_terminal_summary(terminalreporter) -> None:
     if unexpected and strict():
         terminalreporter.write_line(f"FAILED: {len(unexpected)} unexpected skip(s); a required suite did not run "
                                     "(allow-list: ALLOWED_SKIPS in tests/conftest.py)", red=True, bold=True)
+
+
+# ----------------------------------------------------------------------------- shared fixtures
+@pytest.fixture(scope="module")
+def tok():
+    """The default tokenizer (tests that need another define their own ``tok``)."""
+    from axrl.tokenizer import Tokenizer
+    return Tokenizer.default()
+
+
+@pytest.fixture(scope="module")
+def proxy(tok):
+    """A recording proxy serving ``policy`` (sessions are opened per test)."""
+    from axrl.agents.proxy import ProxyServer
+    with ProxyServer(tok, model_name="policy") as p:
+        yield p

@@ -14,10 +14,9 @@ import httpx
 import openai
 import pytest
 
-from agent_util import ScriptedEngine, calculator_policy, tiny_engine
-from axrl.agents.proxy import ProxyServer, SessionPolicy, engine_submit
+from agent_util import ScriptedEngine, calculator_policy, open_proxy_session, tiny_engine
+from axrl.agents.proxy import ProxyServer
 from axrl.inference.protocol import GenerateRequest, SamplingParams
-from axrl.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.timeout(120)
 SYSTEM = "Use the calculator tool, then reply: The answer is N."
@@ -26,25 +25,6 @@ SCHEMA = {"type": "object", "properties": {"expression": {"type": "string"}}, "r
 ANTHROPIC_TOOLS = [{"name": "calculator", "description": "exact arithmetic", "input_schema": SCHEMA}]
 RESPONSES_TOOLS = [{"type": "function", "name": "calculator", "description": "exact arithmetic",
                     "parameters": SCHEMA}]
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.default()
-
-
-@pytest.fixture(scope="module")
-def proxy(tok):
-    with ProxyServer(tok, model_name="policy") as p:
-        yield p
-
-
-def open_session(proxy, engine, tok, **policy):
-    """A session over `engine` and its base URL (…/sessions/{id}/v1)."""
-    sampling = SamplingParams(max_new_tokens=48, stop_token_ids=tok.stop_token_ids)
-    session = proxy.open_session(engine_submit(engine), SessionPolicy(sampling, **{"max_tokens": 48, **policy}),
-                                 max_context_len=512)
-    return session, proxy.base_url(session)
 
 
 def claude(base_url: str, session) -> anthropic.Anthropic:
@@ -72,7 +52,7 @@ def assert_recorded_exactly(session, tok, engine_outputs):
 def test_messages_tool_round_trip_extends_the_session(proxy, tok):
     policy = calculator_policy(tok)
     engine = ScriptedEngine(policy)
-    session, base = open_session(proxy, engine, tok)
+    session, base = open_proxy_session(proxy, engine, tok)
     client = claude(base, session)
     messages = [{"role": "user", "content": QUESTION}]
     first = client.messages.create(model="claude-x", max_tokens=64, system=SYSTEM, messages=messages,
@@ -98,7 +78,7 @@ def test_messages_stream_assembles_the_plain_message(proxy, tok):
     try:
         replies = []
         for stream in (False, True):  # two sessions with the same seed: the same sampled tokens
-            session, base = open_session(proxy, engine, tok, seed=7)
+            session, base = open_proxy_session(proxy, engine, tok, seed=7)
             client = claude(base, session)
             kw = dict(model="m", max_tokens=12, system=[{"type": "text", "text": "Be brief."}],
                       messages=[{"role": "user", "content": "hi"}],
@@ -119,7 +99,7 @@ def test_messages_stream_assembles_the_plain_message(proxy, tok):
 
 
 def test_messages_stream_sends_tool_use_as_input_json(proxy, tok):
-    session, base = open_session(proxy, ScriptedEngine(calculator_policy(tok)), tok)
+    session, base = open_proxy_session(proxy, ScriptedEngine(calculator_policy(tok)), tok)
     with claude(base, session).messages.stream(model="m", max_tokens=64, system=SYSTEM, tools=ANTHROPIC_TOOLS,
                                                messages=[{"role": "user", "content": QUESTION}]) as events:
         deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
@@ -130,7 +110,7 @@ def test_messages_stream_sends_tool_use_as_input_json(proxy, tok):
 
 def test_messages_stop_sequence_and_max_tokens(proxy, tok):
     engine = ScriptedEngine(lambda p: tok.encode("The answer is 95. Done.") + [tok.eos_token_id])
-    session, base = open_session(proxy, engine, tok)
+    session, base = open_proxy_session(proxy, engine, tok)
     client = claude(base, session)
     msgs = [{"role": "user", "content": QUESTION}]
     cut = client.messages.create(model="m", max_tokens=64, messages=msgs, stop_sequences=[". D"])
@@ -143,7 +123,7 @@ def test_messages_stop_sequence_and_max_tokens(proxy, tok):
 
 
 def test_messages_errors_are_anthropic_shaped_and_name_the_field(proxy, tok):
-    session, base = open_session(proxy, ScriptedEngine(calculator_policy(tok)), tok)
+    session, base = open_proxy_session(proxy, ScriptedEngine(calculator_policy(tok)), tok)
     client = claude(base, session)
     msgs = [{"role": "user", "content": QUESTION}]
     cases = [(dict(max_tokens=8, messages=[{"role": "robot", "content": "x"}]), "messages[0].role"),
@@ -173,7 +153,7 @@ def test_messages_errors_are_anthropic_shaped_and_name_the_field(proxy, tok):
 def test_responses_tool_round_trip_extends_the_session(proxy, tok):
     policy = calculator_policy(tok)
     engine = ScriptedEngine(policy)
-    session, base = open_session(proxy, engine, tok)
+    session, base = open_proxy_session(proxy, engine, tok)
     client = gpt(base, session)
     items: list = [{"role": "user", "content": QUESTION}]
     first = client.responses.create(model="gpt-x", instructions=SYSTEM, input=items, tools=RESPONSES_TOOLS)
@@ -196,7 +176,7 @@ def test_responses_stream_assembles_the_plain_response(proxy, tok):
     try:
         replies = []
         for stream in (False, True):  # two sessions with the same seed: the same sampled tokens
-            session, base = open_session(proxy, engine, tok, seed=7)
+            session, base = open_proxy_session(proxy, engine, tok, seed=7)
             reply = gpt(base, session).responses.create(model="m", input="hi", max_output_tokens=12,
                                                         temperature=0.9, stream=stream)
             if stream:
@@ -214,7 +194,7 @@ def test_responses_stream_assembles_the_plain_response(proxy, tok):
 
 
 def test_responses_stream_sends_function_call_arguments(proxy, tok):
-    session, base = open_session(proxy, ScriptedEngine(calculator_policy(tok)), tok)
+    session, base = open_proxy_session(proxy, ScriptedEngine(calculator_policy(tok)), tok)
     kw = dict(model="m", instructions=SYSTEM, input=QUESTION, tools=RESPONSES_TOOLS)
     events = list(gpt(base, session).responses.create(**kw, stream=True))
     kinds = [e.type for e in events]
@@ -252,7 +232,7 @@ def test_both_apis_stream_text_while_it_is_generated(proxy, tok):
     http = httpx.Client(timeout=30)
     try:  # a first request warms the engine up: the timings below are of a warm one
         engine.generate_batch([GenerateRequest(input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=4))])
-        session, base = open_session(proxy, engine, tok, max_tokens=96)
+        session, base = open_proxy_session(proxy, engine, tok, max_tokens=96)
         story = [{"role": "user", "content": "Tell me a story."}]
         got = [_text_arrivals(http, f"{base}/messages", session.api_key,
                               {"model": "m", "max_tokens": 96, "messages": story}),
@@ -267,7 +247,7 @@ def test_both_apis_stream_text_while_it_is_generated(proxy, tok):
 
 
 def test_responses_errors_name_the_field(proxy, tok):
-    session, base = open_session(proxy, ScriptedEngine(calculator_policy(tok)), tok)
+    session, base = open_proxy_session(proxy, ScriptedEngine(calculator_policy(tok)), tok)
     client = gpt(base, session)
     cases = [(dict(input=[]), "input"),
              (dict(input=[{"type": "reasoning"}]), "input[0].type"),
@@ -290,7 +270,7 @@ def test_the_fast_call_path_answers_as_the_fastapi_routes(proxy, tok):
 
     from axrl.agents.proxy.proxy_app import create_app
 
-    session, base = open_session(proxy, ScriptedEngine(calculator_policy(tok)), tok)
+    session, base = open_proxy_session(proxy, ScriptedEngine(calculator_policy(tok)), tok)
     path = "/sessions/" + base.split("/sessions/")[1]
     msgs = [{"role": "user", "content": QUESTION}]
     cases = [("messages", {"model": "m", "max_tokens": 64, "messages": msgs, "tools": ANTHROPIC_TOOLS}),

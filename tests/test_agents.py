@@ -36,11 +36,6 @@ MODEL_SEED = 0
 
 
 @pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.default()
-
-
-@pytest.fixture(scope="module")
 def engine(tok: Tokenizer):
     eng = EmbeddedEngine(build_model(preset_config("micro-moe"), seed=MODEL_SEED), max_batch_size=8,
                          max_seq_len=8192, eos_token_id=tok.eos_token_id, weight_version=3)

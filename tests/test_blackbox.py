@@ -17,17 +17,11 @@ from axrl.agents.tasks import TASKS
 from axrl.inference.protocol import SamplingParams
 from axrl.rollout.blackbox import AgentSpec, BlackBoxPlayer, load_callable
 from axrl.rollout.pool import TrajectoryPool
-from axrl.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[1]
 AGENT = ["python", str(ROOT / "examples/agents/calculator_agent.py")]
 VERIFIER = f"{ROOT / 'examples/agents/calculator_reward.py'}:score"
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.default()
 
 
 def play(tok, agent: AgentSpec, engine, prompt, sample_id=3):

@@ -21,15 +21,9 @@ from axrl.core import (FINISH_REASONS, STATUSES, Trajectory, append_generated, a
                        routing_rows, token_versions)
 from axrl.inference import EmbeddedEngine, GenerateRequest, SamplingParams
 from axrl.model import build_model, preset_config
-from axrl.tokenizer import Tokenizer
 from axrl.trace import schema
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.default()
 
 
 def axrl_imports(package: str) -> set[str]:

@@ -172,6 +172,13 @@ def test_slime_and_miles(tmp_path: Path, fmt: str) -> None:
     assert invoke("replay", tmp_path / "run", "--step", 0).exit_code == 2
 
 
+def test_miles_parquet_mirror_alone_is_named(tmp_path: Path) -> None:
+    (tmp_path / "rollout_data").mkdir()
+    (tmp_path / "rollout_data" / "0.parquet").write_bytes(b"PAR1")
+    r = invoke("import", "miles", tmp_path, tmp_path / "run")
+    assert said(r, "miles' parquet mirrors are not read")
+
+
 def test_slime_weight_versions_give_staleness(tmp_path: Path) -> None:
     """slime's per-sample ``weight_versions`` (one per engine call) become per-token policy versions:
     a sample's generated tokens get its oldest version, the step the newest, so mismatch reports
@@ -401,19 +408,24 @@ def test_axisrl(tmp_path: Path, fake_packages, monkeypatch) -> None:
         assert np.array_equal(sf["/routing/rollout"][n:n + m - 1], s1["routing"])
 
 
-def test_axisrl_merged_rows_leave_routing_out(tmp_path: Path, fake_packages, monkeypatch) -> None:
-    """A row merged from several paths (AxisRL's prefix trie) needs AxisRL's merge map, which the
-    importer does not read: the step imports without routing and the report says why."""
-    TensorDict, Meta, Handle = fake_packages
-    d = tmp_path / "iter_7"
+def two_row_snapshot(d: Path, handles: list, payloads: int) -> Path:
+    """An iter_N directory: one rank, two 6-token rows, routing handles and ``payloads`` arrays."""
     d.mkdir()
     ids = torch.arange(12).reshape(2, 6)
     labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
     cols = {k: torch.zeros(2, 6) for k in ("loss_mask", "rollout_logprobs", "old_logprobs", "advantage")}
     td = TensorDict({"input_ids": ids, "labels": labels, "reward": torch.zeros(2), **cols}, batch_size=[2])
-    td.set_non_tensor("routing_handles_per_path", [[[Handle("a")], [Handle("b")]], [[Handle("c")]]])
+    td.set_non_tensor("routing_handles_per_path", handles)
     torch.save(td, d / "batch_rank0.pt")
-    torch.save([np.zeros((5, 2, 2), np.int16)] * 3, d / "routing_payload_rank0.pt")
+    torch.save([np.zeros((5, 2, 2), np.int16)] * payloads, d / "routing_payload_rank0.pt")
+    return d
+
+
+def test_axisrl_merged_rows_leave_routing_out(tmp_path: Path, fake_packages, monkeypatch) -> None:
+    """A row merged from several paths (AxisRL's prefix trie) needs AxisRL's merge map, which the
+    importer does not read: the step imports without routing and the report says why."""
+    _, _, Handle = fake_packages
+    d = two_row_snapshot(tmp_path / "iter_7", [[[Handle("a")], [Handle("b")]], [[Handle("c")]]], payloads=3)
     forget_snapshot_classes(monkeypatch)
     report = one_json(invoke("import", "axisrl", d, tmp_path / "run", "--json"))
     assert report["samples"] == 2 and "merged from several paths" in report["notes"][0]
@@ -422,16 +434,8 @@ def test_axisrl_merged_rows_leave_routing_out(tmp_path: Path, fake_packages, mon
 
 
 def test_axisrl_routing_payload_count_is_checked(tmp_path: Path, fake_packages, monkeypatch) -> None:
-    TensorDict, Meta, Handle = fake_packages
-    d = tmp_path / "iter_8"
-    d.mkdir()
-    ids = torch.arange(12).reshape(2, 6)
-    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
-    cols = {k: torch.zeros(2, 6) for k in ("loss_mask", "rollout_logprobs", "old_logprobs", "advantage")}
-    td = TensorDict({"input_ids": ids, "labels": labels, "reward": torch.zeros(2), **cols}, batch_size=[2])
-    td.set_non_tensor("routing_handles_per_path", [[[Handle("a")]], [[Handle("b")]]])
-    torch.save(td, d / "batch_rank0.pt")
-    torch.save([np.zeros((5, 2, 2), np.int16)], d / "routing_payload_rank0.pt")
+    _, _, Handle = fake_packages
+    d = two_row_snapshot(tmp_path / "iter_8", [[[Handle("a")]], [[Handle("b")]]], payloads=1)
     forget_snapshot_classes(monkeypatch)
     r = invoke("import", "axisrl", d, tmp_path / "run")
     assert said(r, "routing_payload_rank0.pt: expected a list of 2 routing arrays")

@@ -13,11 +13,10 @@ import numpy as np
 import openai
 import pytest
 
-from agent_util import ScriptedEngine, calculator_policy, tiny_engine
+from agent_util import ScriptedEngine, calculator_policy, open_proxy_session, tiny_engine
 from axrl.agents.proxy import FORK_ID_STRIDE, ProxyServer, SessionPolicy, engine_submit
 from axrl.agents.proxy.coalesce import CallCoalescer
 from axrl.inference.protocol import GenerateRequest, SamplingParams
-from axrl.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.timeout(120)
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "exact arithmetic",
@@ -27,22 +26,10 @@ QUESTION = [{"role": "system", "content": "Use the calculator tool, then reply: 
             {"role": "user", "content": "What is 37 + 58?"}]
 
 
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.default()
-
-
-@pytest.fixture(scope="module")
-def proxy(tok):
-    with ProxyServer(tok, model_name="policy") as p:
-        yield p
-
-
 def open_session(proxy, engine, tok, **policy):
-    sampling = SamplingParams(max_new_tokens=48, stop_token_ids=tok.stop_token_ids)
-    session = proxy.open_session(engine_submit(engine), SessionPolicy(sampling, **{"max_tokens": 48, **policy}),
-                                 max_context_len=512)
-    return session, openai.OpenAI(base_url=proxy.base_url(session), api_key=session.api_key, max_retries=0)
+    """A session over `engine` and the official client on its base URL."""
+    session, base_url = open_proxy_session(proxy, engine, tok, **policy)
+    return session, openai.OpenAI(base_url=base_url, api_key=session.api_key, max_retries=0)
 
 
 @pytest.fixture()

@@ -118,8 +118,9 @@ def test_spikes_check_and_tui_read_it(recorded, tmp_path) -> None:
 
 def test_replay_says_what_it_cannot_do(recorded) -> None:
     run, _ = recorded
-    for extra in ((), ("--rollout",)):
-        r = invoke("replay", run, "--step", 0, *extra)
+    for command in (("replay",), ("replay", "--rollout"), ("replay", "--rollout", "--engine", "embedded"),
+                    ("explain",)):
+        r = invoke(command[0], run, "--step", 0, *command[1:])
         assert r.exit_code == 2
         text = " ".join(r.output.split())
         assert "axrl.trace.Recorder" in text and "checkpoints" in text and "not trained by `axrl train`" in text

@@ -28,11 +28,6 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.default()
-
-
-@pytest.fixture(scope="module")
 def model():
     tok = Tokenizer.default()
     return build_model(preset_config("micro-moe", vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id,

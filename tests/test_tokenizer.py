@@ -52,11 +52,6 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.default()
-
-
-@pytest.fixture(scope="module")
 def hf_tok(tok: Tokenizer, tmp_path_factory: pytest.TempPathFactory):
     import transformers  # the test extra installs it
     d = tok.save(tmp_path_factory.mktemp("hf_tok"))

@@ -54,7 +54,9 @@ def _dump_files(src: Path) -> list[Path]:
         return [src]
     files = sorted(p for p in src.rglob("*.pt") if p.is_file())
     if not files:
-        raise ImportFormatError(f"{src}: no *.pt dump in it")
+        mirror = " (miles' parquet mirrors are not read: point at the directory holding its .pt dumps, which hold " \
+                 "the same columns and more)" if any(src.rglob("*.parquet")) else ""
+        raise ImportFormatError(f"{src}: no *.pt dump in it{mirror}")
     return files
 
 
