@@ -254,6 +254,10 @@ class TraceSection(Section):
     write_queue: int = Field(2, ge=0, description="step files are written by a background thread, at most this "
                                                   "many steps queued (a full queue makes the step wait: "
                                                   "time_record_wait); 0 = write in the step")
+    routing_encoding: Literal["raw", "packed"] = Field(
+        "raw", description="raw: routing as [T, L, k] ids (one byte each); packed: the engine's ids bit-packed "
+                           "(⌈log2 E⌉ bits) and the trainer's as its difference from them (about 2x smaller at "
+                           "top-8 of 128; decoded on read, slower to analyse): for large MoE steps")
     behaviour_logprob: bool = Field(False, description="also record each token's trainer logprob under the "
                                                        "weights that generated it (async: splits the mismatch "
                                                        "into engine and staleness parts)")

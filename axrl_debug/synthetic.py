@@ -109,14 +109,15 @@ def tiny_record(step: int, policy_version: int, samples: Sequence[TinySample], *
 
 def write_run(path: Path | str, records: Sequence[StepRecord], *,
               metrics: Sequence[Mapping[str, Any]] | None = None,
-              config: Mapping[str, Any] | None = None) -> RunDir:
-    """A complete run directory from records (+ optional metrics.jsonl rows and config)."""
+              config: Mapping[str, Any] | None = None, routing_encoding: str = "raw") -> RunDir:
+    """A complete run directory from records (+ optional metrics.jsonl rows and config; routing
+    stored ``routing_encoding``: 'raw' or 'packed')."""
     rd = RunDir(path)
     rd.write_manifest(seed=0, backend="synthetic", engine="synthetic", threads=1, command=["synthetic"])
     rd.write_config(config or {"algo": {"clip_low": 0.2, "clip_high": 0.28, "tis": True, "tis_cap": 2.0,
                                         "loss_agg": "token-mean"}})
     for rec in records:
-        rd.write_step(rec)
+        rd.write_step(rec, routing_encoding=routing_encoding)
     for row in metrics or []:
         rd.append_metrics(row)
     return rd

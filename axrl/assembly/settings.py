@@ -127,6 +127,7 @@ def learner_settings(cfg: Config) -> LearnerSettings:
         keep_groups=cfg.data.prompts_per_step if cfg.algo.dynamic_sampling.enabled else None,
         temperature=cfg.rollout.temperature, step=step_settings(cfg),
         record=RecordSettings(trace=t.enabled, routing=t.routing, write_queue=t.write_queue,
+                              routing_encoding=t.routing_encoding,
                               spike=SpikeSettings(t.spike_ratio, t.spike_window, t.spike_min_history)),
         distill=distill_settings(cfg))
 

@@ -10,6 +10,7 @@ is: under `runtime.executor: ray` this same object runs in an actor next to the 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import time
@@ -57,6 +58,7 @@ class RecordSettings:
     routing: bool = True
     spike: SpikeSettings = field(default_factory=SpikeSettings)
     write_queue: int = 2        # step files written in the background, at most this many queued (0: in the step)
+    routing_encoding: str = "raw"   # "packed": routing bit-packed on disk (axrl/trace/routing_codec.py)
 
 
 class Learner:
@@ -65,7 +67,8 @@ class Learner:
     def __init__(self, trainer: StepTrainer, run: RunDir, record: RecordSettings) -> None:
         self.trainer, self.run, self.record = trainer, run, record
         self.trigger = SpikeTrigger.for_run(record.spike, run.path)  # trace.spike_ratio (off by default)
-        self.writer = StepWriter(run.write_step, record.write_queue) if record.trace else None
+        write = functools.partial(run.write_step, routing_encoding=record.routing_encoding)
+        self.writer = StepWriter(write, record.write_queue) if record.trace else None
 
     def step(self, batch: Batch, step: int, timer: PhaseTimer) -> dict[str, Any]:
         """Train on `batch` at weight version `step` (posting version `step + 1`) and write its trace record."""

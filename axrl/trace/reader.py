@@ -18,6 +18,7 @@ import h5py
 import numpy as np
 import yaml
 
+from . import routing_codec
 from . import schema as S
 from .run_dir import list_step_files, read_metrics_file
 from .schema import CorruptStepError, NotARunDirError, SchemaVersionError, TraceError
@@ -134,6 +135,9 @@ class StepFile:
 
         # the low-level walk: no Python Dataset/Group object per visited object (~6x faster)
         h5py.h5o.visit(self._f.id, visit, info=True)
+        if self._routing_attrs().get(S.ROUTING_ATTR_ENCODING) == routing_codec.ENCODING:   # as a raw file's
+            stored = {S.ROUTING_PACKED["/routing/rollout"], S.ROUTING_TRAIN_DIFFERS, S.ROUTING_TRAIN_ROWS}
+            out = [k for k in out if k not in stored] + [k for k in ("/routing/rollout", "/routing/train") if k in self]
         return sorted(out)
 
     def group_attrs(self, group: str) -> dict[str, Any]:
@@ -148,12 +152,52 @@ class StepFile:
         return obj if isinstance(obj, h5py.Dataset) else None
 
     def __contains__(self, name: str) -> bool:
-        return self._dataset(name) is not None
+        return self._dataset(name) is not None or self._packed_routing(name) is not None
+
+    # ---- packed routing (trace.routing_encoding: packed; routing_codec.py): read as the raw arrays
+    def _packed_routing(self, name: str) -> str | None:
+        """The logical routing dataset ``name`` stands for when this file stores it packed, else None."""
+        if not name.startswith(S.G_ROUTING) and not name.startswith(S.G_ROUTING[1:]):
+            return None
+        name = "/" + name.lstrip("/")
+        if name not in ("/routing/rollout", "/routing/train"):
+            return None
+        attrs = self._routing_attrs()
+        if attrs.get(S.ROUTING_ATTR_ENCODING) != routing_codec.ENCODING:
+            return None
+        stored = S.ROUTING_PACKED["/routing/rollout"] if name == "/routing/rollout" else S.ROUTING_TRAIN_DIFFERS
+        return name if stored in self._f else None
+
+    def _routing_attrs(self) -> dict[str, Any]:
+        if not hasattr(self, "_routing_attrs_cache"):
+            self._routing_attrs_cache = self.group_attrs(S.G_ROUTING)
+        return self._routing_attrs_cache
+
+    def _decode_routing(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` of the packed ``/routing/rollout`` or ``/routing/train``."""
+        a = self._routing_attrs()
+        bits, shape = int(a[S.ROUTING_ATTR_BITS]), (int(a[S.ROUTING_ATTR_LAYERS]), int(a[S.ROUTING_ATTR_K]))
+        dtype = S.routing_dtype(int(a[S.ROUTING_ATTR_NUM_EXPERTS]))
+        try:
+            rollout = routing_codec.unpack_ids(self._f[S.ROUTING_PACKED["/routing/rollout"]][start:stop], bits,
+                                               shape, dtype)
+            if name == "/routing/rollout":
+                return rollout
+            differs_ds = self._f[S.ROUTING_TRAIN_DIFFERS]
+            first = int(routing_codec.popcount_rows(differs_ds[:start]).sum()) if start else 0
+            differs = differs_ds[start:stop]
+            rows = self._f[S.ROUTING_TRAIN_ROWS][first:first + int(routing_codec.popcount_rows(differs).sum())]
+            return routing_codec.decode_train(rollout, differs, rows, bits)
+        except _READ_ERRORS as e:
+            raise CorruptStepError(f"{self.path}: cannot read {name}[{start}:{stop}] ({e})") from None
 
     # ---- data
     def __getitem__(self, name: str) -> Any:
         ds = self._dataset(name)
         if ds is None:
+            packed = self._packed_routing(name)
+            if packed is not None:
+                return self._decode_routing(packed, 0, self.num_tokens)
             raise KeyError(f"{self.path}: no dataset {name!r}")
         return self._read(name, ds)
 
@@ -194,6 +238,9 @@ class StepFile:
         (e.g. the context of one token without reading the whole ``/tokens/ids``)."""
         if name not in self:
             raise KeyError(f"{self.path}: no dataset {name!r}")
+        packed = self._packed_routing(name)
+        if packed is not None and self._dataset(name) is None:
+            return self._decode_routing(packed, *slice(int(start), int(stop)).indices(self.num_tokens)[:2])
         try:
             return self._f[name][int(start):int(stop)]
         except _READ_ERRORS as e:
@@ -219,6 +266,8 @@ class StepFile:
             ds = self._dataset(name)
             if ds is not None:
                 out[name] = self._read(name, ds, buffers, fast_checksums)
+            elif self._packed_routing(name) is not None:
+                out[name] = self[name]
             elif name not in opt:
                 raise KeyError(f"{self.path}: no dataset {name!r}")
         return out

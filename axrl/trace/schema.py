@@ -96,6 +96,14 @@ RESERVED_ROOT_ATTRS = frozenset({
 
 # attrs of /routing (present iff a routing dataset is present)
 ROUTING_ATTR_NUM_EXPERTS = "num_experts"  # int64
+# trace.routing_encoding "packed" (axrl/trace/routing_codec.py): /routing/rollout and /routing/train
+# are stored as the datasets below; the reader returns the same arrays under the same names.
+ROUTING_ATTR_ENCODING = "encoding"        # str: absent (raw) or routing_codec.ENCODING
+ROUTING_ATTR_BITS = "bits"                # int64: bits per expert id
+ROUTING_ATTR_LAYERS = "layers"            # int64 L
+ROUTING_ATTR_K = "k"                      # int64 k
+ROUTING_PACKED = {"/routing/rollout": "/routing/rollout_packed"}
+ROUTING_TRAIN_DIFFERS, ROUTING_TRAIN_ROWS = "/routing/train_differs", "/routing/train_rows"
 
 # ----------------------------------------------------------------------------- groups
 G_SAMPLES = "/samples"

@@ -15,6 +15,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from . import routing_codec
 from . import schema as S
 from .record import StepRecord, _Prepared, prepare
 
@@ -32,6 +33,7 @@ RAW_DATASETS = frozenset({
     "/tokens/loss_mask", "/tokens/rollout_logprob", "/tokens/old_logprob", "/tokens/turn",
     "/tokens/policy_version", "/tokens/entropy", "/tokens/behaviour_train_logprob",
     "/routing/rollout", "/routing/train", "/routing/rollout_valid",
+    "/routing/rollout_packed", "/routing/train_differs", "/routing/train_rows",
 })
 _CHUNK_BYTES = 1 << 20  # maximum chunk size of raw token datasets (read whole, in few calls)
 # Compressed ones use smaller chunks: a chunk is decompressed whole even to read one row, and those
@@ -100,9 +102,26 @@ def _write_h5(f: h5py.File, p: _Prepared, compression: str | None, checksum: boo
         f.attrs[k] = v
 
 
+def _pack_routing(p: _Prepared) -> None:
+    """Replace the raw routing datasets of ``p`` by their packed encoding (routing_codec.py)."""
+    rollout = p.datasets.pop("/routing/rollout", None)
+    if rollout is None:
+        return
+    attrs = p.group_attrs.setdefault(S.G_ROUTING, {})
+    bits = routing_codec.bits_for(int(attrs[S.ROUTING_ATTR_NUM_EXPERTS]))
+    _, layers, k = rollout.shape
+    attrs.update({S.ROUTING_ATTR_ENCODING: routing_codec.ENCODING, S.ROUTING_ATTR_BITS: bits,
+                  S.ROUTING_ATTR_LAYERS: layers, S.ROUTING_ATTR_K: k})
+    p.datasets[S.ROUTING_PACKED["/routing/rollout"]] = routing_codec.pack_ids(rollout, bits)
+    train = p.datasets.pop("/routing/train", None)
+    if train is not None:
+        p.datasets[S.ROUTING_TRAIN_DIFFERS], p.datasets[S.ROUTING_TRAIN_ROWS] = \
+            routing_codec.encode_train(train, rollout, bits)
+
+
 def write_step(trace_dir: str | os.PathLike, record: StepRecord, *, overwrite: bool = False,
                compression: str | None = DEFAULT_COMPRESSION, checksum: bool = True,
-               raw: frozenset[str] | set[str] = RAW_DATASETS) -> Path:
+               raw: frozenset[str] | set[str] = RAW_DATASETS, routing_encoding: str = "raw") -> Path:
     """Validate ``record`` and write ``trace_dir/step_{step:06d}.h5`` crash-safely; return its path.
 
     ``trace_dir`` is the run's ``trace/`` directory (created if missing). Raises
@@ -112,8 +131,14 @@ def write_step(trace_dir: str | os.PathLike, record: StepRecord, *, overwrite: b
     ``RAW_DATASETS``, the columns the analyses read per token) are also byte-shuffled and
     compressed with ``compression`` ('gzip' (level 1), 'lzf' or None). ``raw=frozenset()``
     compresses every token dataset; ``compression=None, checksum=False`` stores them contiguous.
+    ``routing_encoding="packed"`` stores the routing bit-packed, the trainer's as its difference
+    from the rollout's (routing_codec.py; read back as the same arrays).
     """
+    if routing_encoding not in ("raw", "packed"):
+        raise ValueError(f"trace.routing_encoding must be 'raw' or 'packed', got {routing_encoding!r}")
     prepared = prepare(record)
+    if routing_encoding == "packed":
+        _pack_routing(prepared)
     trace_dir = Path(trace_dir)
     if (trace_dir / S.MANIFEST_FILE).exists():
         raise ValueError(f"{trace_dir} is a run directory; pass its '{S.TRACE_DIR}/' subdirectory")

@@ -1,0 +1,127 @@
+"""Compact on-disk routing: rollout routing bit-packed, trainer routing as its difference.
+
+``/routing/rollout`` and ``/routing/train`` are [T, L, k] expert ids, one byte (two above 256
+experts) each: 16 bytes per token and layer at k = 8, most of a MoE step's trace. With
+``trace.routing_encoding: packed`` the writer stores instead
+
+* ``/routing/rollout_packed`` uint8 [T, ⌈L·k / 8⌉·b]: each token's L·k ids at b = ⌈log₂ E⌉ bits
+  (`pack_ids`), one row per token (so a token range decodes on its own);
+* ``/routing/train_differs`` uint8 [T, ⌈L / 8⌉]: bit l of token t set when the trainer routed
+  (t, l) to another expert list than the engine (R3 makes them all equal);
+* ``/routing/train_rows`` uint8 [D, ⌈k / 8⌉·b]: the trainer's ids of those D (token, layer) rows,
+  packed the same way, in (token, layer) order;
+
+and marks ``/routing`` with ``encoding = "packed-v1"`` and ``bits``, ``layers``, ``k``. The
+reader (`StepFile`) decodes them back to the very arrays a raw file holds, so nothing above it
+changes. The information floor: a top-8 set of 128 experts carries log₂ C(128, 8) ≈ 40.4 bits,
+so no lossless encoding of uniform routing goes below ≈ 5 bytes per token and layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = ["ENCODING", "bits_for", "pack_ids", "unpack_ids", "encode_train", "decode_train", "popcount_rows"]
+
+ENCODING = "packed-v1"
+_ROWS_PER_CHUNK = 1 << 15          # tokens packed at a time: bounds the bit-expanded temporary
+_POPCOUNT = np.array([bin(i).count("1") for i in range(256)], np.int64)
+
+
+def bits_for(num_experts: int) -> int:
+    """Bits per expert id: ⌈log₂ E⌉ (at least 1)."""
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    return max(1, math.ceil(math.log2(num_experts)))
+
+
+def pack_ids(ids: np.ndarray, bits: int) -> np.ndarray:
+    """[T, ...] non-negative ids < 2**bits → uint8 [T, B] (n ids per row), row by row: each row a
+    little-endian bit stream, id j at bits [j·b, (j+1)·b).
+
+    For b ≤ 8 (E ≤ 256: every MoE model so far) eight ids are exactly b bytes: each group of eight
+    (the row zero-padded to a multiple of eight) is shifted into one little-endian uint64 and its
+    low b bytes kept, B = ⌈n / 8⌉·b. Wider ids are packed bit by bit, B = ⌈n·b / 8⌉."""
+    rows = ids.reshape(ids.shape[0], int(np.prod(ids.shape[1:], dtype=np.int64)))
+    n = rows.shape[1]
+    if bits > 8:
+        return _pack_bitwise(rows, bits)
+    groups = -(-n // 8)
+    out = np.empty((rows.shape[0], groups * bits), np.uint8)
+    for a in range(0, rows.shape[0], _ROWS_PER_CHUNK):
+        chunk = rows[a:a + _ROWS_PER_CHUNK]
+        padded = np.zeros((chunk.shape[0], groups * 8), np.uint64)
+        padded[:, :n] = chunk
+        eights = padded.reshape(chunk.shape[0], groups, 8)
+        words = eights[:, :, 0].copy()
+        for j in range(1, 8):          # (a reduce over a length-8 axis is ~20x slower in numpy)
+            words |= eights[:, :, j] << np.uint64(j * bits)
+        octets = words.astype("<u8").view(np.uint8).reshape(chunk.shape[0], groups, 8)
+        out[a:a + chunk.shape[0]] = octets[:, :, :bits].reshape(chunk.shape[0], groups * bits)
+    return out
+
+
+def unpack_ids(packed: np.ndarray, bits: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """The inverse of `pack_ids`: uint8 [T, B] → ``dtype`` [T, *shape] (``shape``: ids per row)."""
+    n = int(np.prod(shape, dtype=np.int64))
+    if bits > 8:
+        return _unpack_bitwise(packed, bits, n, dtype).reshape((packed.shape[0], *shape))
+    groups = -(-n // 8)
+    out = np.empty((packed.shape[0], groups * 8), dtype)
+    mask = np.uint64((1 << bits) - 1)
+    for a in range(0, packed.shape[0], _ROWS_PER_CHUNK):
+        chunk = packed[a:a + _ROWS_PER_CHUNK]
+        octets = np.zeros((chunk.shape[0], groups, 8), np.uint8)
+        octets[:, :, :bits] = chunk.reshape(chunk.shape[0], groups, bits)
+        words = octets.view("<u8")[:, :, 0]                          # [t, groups]
+        ids = out[a:a + chunk.shape[0]].reshape(chunk.shape[0], groups, 8)
+        for j in range(8):
+            ids[:, :, j] = (words >> np.uint64(j * bits)) & mask
+    return out[:, :n].reshape((packed.shape[0], *shape))
+
+
+def _pack_bitwise(rows: np.ndarray, bits: int) -> np.ndarray:
+    """`pack_ids` for ids wider than a byte (more than 256 experts), one bit plane at a time."""
+    n = rows.shape[1]
+    out = np.empty((rows.shape[0], -(-n * bits // 8)), np.uint8)
+    shifts = np.arange(bits, dtype=np.uint32)
+    for a in range(0, rows.shape[0], _ROWS_PER_CHUNK):
+        chunk = rows[a:a + _ROWS_PER_CHUNK].astype(np.uint32)
+        expanded = ((chunk[:, :, None] >> shifts) & 1).astype(np.uint8).reshape(chunk.shape[0], n * bits)
+        out[a:a + chunk.shape[0]] = np.packbits(expanded, axis=1, bitorder="little")
+    return out
+
+
+def _unpack_bitwise(packed: np.ndarray, bits: int, n: int, dtype: np.dtype) -> np.ndarray:
+    out = np.empty((packed.shape[0], n), dtype)
+    weights = np.uint32(1) << np.arange(bits, dtype=np.uint32)
+    for a in range(0, packed.shape[0], _ROWS_PER_CHUNK):
+        chunk = packed[a:a + _ROWS_PER_CHUNK]
+        expanded = np.unpackbits(chunk, axis=1, count=n * bits, bitorder="little").reshape(chunk.shape[0], n, bits)
+        out[a:a + chunk.shape[0]] = expanded.astype(np.uint32) @ weights
+    return out
+
+
+def encode_train(train: np.ndarray, rollout: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Trainer routing [T, L, k] as (differs uint8 [T, ⌈L/8⌉], packed rows of the differing (t, l))."""
+    differs = (train != rollout).any(axis=2)
+    rows = train[differs]                                   # [D, k], in (token, layer) order
+    return np.packbits(differs, axis=1, bitorder="little"), pack_ids(rows, bits)
+
+
+def popcount_rows(differs: np.ndarray) -> np.ndarray:
+    """Differing (token, layer) rows per token of a `encode_train` mask: int64 [T]."""
+    return _POPCOUNT[differs].sum(axis=1) if differs.size else np.zeros(differs.shape[0], np.int64)
+
+
+def decode_train(rollout: np.ndarray, differs: np.ndarray, rows: np.ndarray, bits: int) -> np.ndarray:
+    """Trainer routing of a token range: ``rollout`` [t, L, k] (the same range, decoded) with the
+    ``rows`` (packed, the range's differing rows in order) put where ``differs`` says."""
+    t, layers, k = rollout.shape
+    mask = np.unpackbits(differs, axis=1, count=layers, bitorder="little").astype(bool)
+    out = rollout.copy()
+    if rows.shape[0]:
+        out[mask] = unpack_ids(rows, bits, (k,), rollout.dtype)
+    return out
