@@ -8,6 +8,7 @@ through h5py, JSON through ``json``, YAML through ``yaml.safe_load``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -135,10 +136,7 @@ class StepFile:
 
         # the low-level walk: no Python Dataset/Group object per visited object (~6x faster)
         h5py.h5o.visit(self._f.id, visit, info=True)
-        if self._routing_attrs().get(S.ROUTING_ATTR_ENCODING) == routing_codec.ENCODING:   # as a raw file's
-            stored = {S.ROUTING_PACKED["/routing/rollout"], S.ROUTING_TRAIN_DIFFERS, S.ROUTING_TRAIN_ROWS}
-            out = [k for k in out if k not in stored] + [k for k in ("/routing/rollout", "/routing/train") if k in self]
-        return sorted(out)
+        return sorted(routing_codec.raw_names(out, self._routing_attrs))
 
     def group_attrs(self, group: str) -> dict[str, Any]:
         return {k: _py(v) for k, v in self._f[group].attrs.items()} if group in self._f else {}
@@ -154,40 +152,15 @@ class StepFile:
     def __contains__(self, name: str) -> bool:
         return self._dataset(name) is not None or self._packed_routing(name) is not None
 
-    # ---- packed routing (trace.routing_encoding: packed; routing_codec.py): read as the raw arrays
-    def _packed_routing(self, name: str) -> str | None:
-        """The logical routing dataset ``name`` stands for when this file stores it packed, else None."""
-        if not name.startswith(S.G_ROUTING) and not name.startswith(S.G_ROUTING[1:]):
-            return None
-        name = "/" + name.lstrip("/")
-        if name not in ("/routing/rollout", "/routing/train"):
-            return None
-        attrs = self._routing_attrs()
-        if attrs.get(S.ROUTING_ATTR_ENCODING) != routing_codec.ENCODING:
-            return None
-        stored = S.ROUTING_PACKED["/routing/rollout"] if name == "/routing/rollout" else S.ROUTING_TRAIN_DIFFERS
-        return name if stored in self._f else None
+    # packed routing (trace.routing_encoding: packed; routing_codec.py) reads as the raw arrays
+    _routing_attrs = functools.cached_property(lambda self: self.group_attrs(S.G_ROUTING))
 
-    def _routing_attrs(self) -> dict[str, Any]:
-        if not hasattr(self, "_routing_attrs_cache"):
-            self._routing_attrs_cache = self.group_attrs(S.G_ROUTING)
-        return self._routing_attrs_cache
+    def _packed_routing(self, name: str) -> str | None:
+        return routing_codec.packed_name(self._f, self._routing_attrs, name) if "routing" in name else None
 
     def _decode_routing(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Rows ``start:stop`` of the packed ``/routing/rollout`` or ``/routing/train``."""
-        a = self._routing_attrs()
-        bits, shape = int(a[S.ROUTING_ATTR_BITS]), (int(a[S.ROUTING_ATTR_LAYERS]), int(a[S.ROUTING_ATTR_K]))
-        dtype = S.routing_dtype(int(a[S.ROUTING_ATTR_NUM_EXPERTS]))
         try:
-            rollout = routing_codec.unpack_ids(self._f[S.ROUTING_PACKED["/routing/rollout"]][start:stop], bits,
-                                               shape, dtype)
-            if name == "/routing/rollout":
-                return rollout
-            differs_ds = self._f[S.ROUTING_TRAIN_DIFFERS]
-            first = int(routing_codec.popcount_rows(differs_ds[:start]).sum()) if start else 0
-            differs = differs_ds[start:stop]
-            rows = self._f[S.ROUTING_TRAIN_ROWS][first:first + int(routing_codec.popcount_rows(differs).sum())]
-            return routing_codec.decode_train(rollout, differs, rows, bits)
+            return routing_codec.read_range(self._f, self._routing_attrs, name, start, stop)
         except _READ_ERRORS as e:
             raise CorruptStepError(f"{self.path}: cannot read {name}[{start}:{stop}] ({e})") from None
 
@@ -195,8 +168,7 @@ class StepFile:
     def __getitem__(self, name: str) -> Any:
         ds = self._dataset(name)
         if ds is None:
-            packed = self._packed_routing(name)
-            if packed is not None:
+            if (packed := self._packed_routing(name)) is not None:
                 return self._decode_routing(packed, 0, self.num_tokens)
             raise KeyError(f"{self.path}: no dataset {name!r}")
         return self._read(name, ds)
@@ -238,8 +210,7 @@ class StepFile:
         (e.g. the context of one token without reading the whole ``/tokens/ids``)."""
         if name not in self:
             raise KeyError(f"{self.path}: no dataset {name!r}")
-        packed = self._packed_routing(name)
-        if packed is not None and self._dataset(name) is None:
+        if (packed := self._packed_routing(name)) is not None:
             return self._decode_routing(packed, *slice(int(start), int(stop)).indices(self.num_tokens)[:2])
         try:
             return self._f[name][int(start):int(stop)]

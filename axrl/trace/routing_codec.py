@@ -20,10 +20,14 @@ so no lossless encoding of uniform routing goes below ≈ 5 bytes per token and 
 from __future__ import annotations
 
 import math
+from typing import Any, Mapping
 
 import numpy as np
 
-__all__ = ["ENCODING", "bits_for", "pack_ids", "unpack_ids", "encode_train", "decode_train", "popcount_rows"]
+from . import schema as S
+
+__all__ = ["ENCODING", "bits_for", "pack_ids", "unpack_ids", "encode_train", "decode_train", "popcount_rows",
+           "packed_name", "raw_names", "read_range"]
 
 ENCODING = "packed-v1"
 _ROWS_PER_CHUNK = 1 << 15          # tokens packed at a time: bounds the bit-expanded temporary
@@ -125,3 +129,37 @@ def decode_train(rollout: np.ndarray, differs: np.ndarray, rows: np.ndarray, bit
     if rows.shape[0]:
         out[mask] = unpack_ids(rows, bits, (k,), rollout.dtype)
     return out
+
+
+def read_range(f: Mapping[str, Any], attrs: Mapping[str, Any], name: str, start: int, stop: int) -> np.ndarray:
+    """Rows ``start:stop`` of the packed ``/routing/rollout`` or ``/routing/train`` of the open step
+    file ``f`` (``attrs``: its ``/routing`` attrs), reading only the stored rows they need: the
+    trainer's rows of a token range start after the popcount of the rows before it."""
+    bits, shape = int(attrs[S.ROUTING_ATTR_BITS]), (int(attrs[S.ROUTING_ATTR_LAYERS]), int(attrs[S.ROUTING_ATTR_K]))
+    dtype = S.routing_dtype(int(attrs[S.ROUTING_ATTR_NUM_EXPERTS]))
+    rollout = unpack_ids(f[S.ROUTING_PACKED["/routing/rollout"]][start:stop], bits, shape, dtype)
+    if name == "/routing/rollout":
+        return rollout
+    differs_ds = f[S.ROUTING_TRAIN_DIFFERS]
+    first = int(popcount_rows(differs_ds[:start]).sum()) if start else 0
+    differs = differs_ds[start:stop]
+    rows = f[S.ROUTING_TRAIN_ROWS][first:first + int(popcount_rows(differs).sum())]
+    return decode_train(rollout, differs, rows, bits)
+
+
+def packed_name(f: Mapping[str, Any], attrs: Mapping[str, Any], name: str) -> str | None:
+    """``/routing/rollout`` or ``/routing/train`` when ``name`` (leading '/' optional) is one of them
+    and the open step file ``f`` stores it packed (``attrs``: its ``/routing`` attrs), else None."""
+    name = "/" + name.lstrip("/")
+    if name not in ("/routing/rollout", "/routing/train") or attrs.get(S.ROUTING_ATTR_ENCODING) != ENCODING:
+        return None
+    stored = S.ROUTING_PACKED["/routing/rollout"] if name == "/routing/rollout" else S.ROUTING_TRAIN_DIFFERS
+    return name if stored in f else None
+
+
+def raw_names(names: list[str], attrs: Mapping[str, Any]) -> list[str]:
+    """A step file's dataset paths as a raw file would list them (packed routing datasets renamed)."""
+    if attrs.get(S.ROUTING_ATTR_ENCODING) != ENCODING:
+        return names
+    stored = {S.ROUTING_PACKED["/routing/rollout"]: "/routing/rollout", S.ROUTING_TRAIN_DIFFERS: "/routing/train"}
+    return [stored.get(n, n) for n in names if n != S.ROUTING_TRAIN_ROWS]
