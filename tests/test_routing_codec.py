@@ -114,3 +114,21 @@ def test_train_with_packed_routing_replays_bitwise(tmp_path) -> None:
         assert "/routing/rollout_packed" in sf._f and sf["/routing/train"].shape == sf["/routing/rollout"].shape
     code, doc = replay_json(run, "--step", 1)
     assert code == 0 and doc["verdict"] == "bitwise-equal", doc["first_divergence"]
+
+
+def test_trace_scale_bench_runs_small() -> None:
+    """bench/trace_scale.py at a tiny scale: its last line carries the issue's keys, and the packed
+    encoding stores the routing in about half the bytes of the raw one."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench" / "trace_scale.py"
+    out = subprocess.run([sys.executable, str(bench), "--scales", "0.005"], check=True, capture_output=True, text=True)
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("record_critical_path_fraction", "writer_keeps_up", "routing_bytes_per_token_layer",
+                "analysis_tokens_per_s", "analysis_peak_rss_gb", "tui_open_s", "scaling"):
+        assert key in summary, key
+    by = {r["encoding"]: r for r in summary["by_scale"]}
+    assert by["raw"]["routing_bytes_per_token_layer"] == pytest.approx(16, rel=0.01)
+    assert by["packed"]["routing_bytes_per_token_layer"] < 8
