@@ -22,25 +22,41 @@ def routing_agreement(rollout: np.ndarray, train: np.ndarray,
     """Compare expert sets per (token, layer), order-insensitively and without sorting.
 
     Returns ``agree`` ([L, T] bool: the sets are equal), per-layer counts of agreeing valid rows and
-    per-layer Σ |A ∩ B| over valid rows. |A ∩ B| = Σ_i [a_i ∈ B] takes k² comparisons; the arrays
-    are first transposed to [k, L, T] so that every comparison and count runs over one contiguous
-    row (reductions over a short trailing axis of [T, L, k] are ~10× slower in numpy). Assumes the
-    k experts of a row are distinct, which top-k guarantees. (The whole-step analysis counts the
-    same in its compiled pass, ``kernels.breakdown_block``.)"""
+    per-layer Σ |A ∩ B| over valid rows. Most rows are identical in order (all of them under R3),
+    so each row's k ids are first compared as one machine word (``_rows_equal``): such a row agrees
+    with |A ∩ B| = k. Only the rows that differ in order go through the set comparison, |A ∩ B| =
+    Σ_i [a_i ∈ B] in k² comparisons over those rows. Assumes the k experts of a row are distinct,
+    which top-k guarantees. (The whole-step analysis counts the same in its compiled pass,
+    ``kernels.breakdown_block``.)"""
     t, nl, k = rollout.shape
-    r = np.ascontiguousarray(rollout.transpose(2, 1, 0))
-    s = np.ascontiguousarray(train.transpose(2, 1, 0))
-    valid = np.ones(t, dtype=bool) if valid is None else valid
-    agree = None
-    hits = np.zeros(nl, dtype=np.int64)
-    for i in range(k):
-        found = r[i] == s[0]
+    valid = np.ones(t, dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
+    agree = _rows_equal(rollout, train)                                   # [T, L]
+    hits = agree.astype(np.uint16) * np.uint16(k)
+    rows_t, rows_l = np.nonzero(~agree)
+    if rows_t.size:
+        a, b = rollout[rows_t, rows_l], train[rows_t, rows_l]             # [D, k] each
+        found = a == b[:, :1]
         for j in range(1, k):
-            found |= r[i] == s[j]
-        hits += [np.count_nonzero(found[layer] & valid) for layer in range(nl)]
-        agree = found if agree is None else (agree & found)
-    layer_agree = np.array([np.count_nonzero(agree[layer] & valid) for layer in range(nl)], dtype=np.int64)
-    return agree, layer_agree, hits
+            found |= a == b[:, j:j + 1]
+        row_hits = np.count_nonzero(found, axis=1)
+        agree[rows_t, rows_l] = row_hits == k
+        hits[rows_t, rows_l] = row_hits
+    layer_agree = np.count_nonzero(agree[valid], axis=0).astype(np.int64)
+    layer_hits = hits[valid].sum(axis=0, dtype=np.int64)
+    return agree.T, layer_agree, layer_hits
+
+
+def _rows_equal(rollout: np.ndarray, train: np.ndarray) -> np.ndarray:
+    """[T, L] bool: the (token, layer) rows hold the same ids in the same order — the k ids of a
+    row compared as one unsigned word when they fill 1, 2, 4 or 8 bytes (a reduction over a
+    short trailing axis is ~10× slower in numpy)."""
+    width = rollout.shape[2] * rollout.dtype.itemsize
+    if width in (1, 2, 4, 8) and rollout.dtype == train.dtype:
+        word = np.dtype(f"<u{width}")
+        r = np.ascontiguousarray(rollout).view(word)[..., 0]
+        s = np.ascontiguousarray(train).view(word)[..., 0]
+        return r == s
+    return (rollout == train).all(axis=2)
 
 
 def routing_classes(idx: np.ndarray, starts: np.ndarray, row_agree: np.ndarray, valid: np.ndarray) -> np.ndarray:
