@@ -90,6 +90,7 @@ def test_cookbook_math_rl_runs_unchanged_and_every_step_is_recorded(server: Serv
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     steps = [json.loads(line).get("step") for line in (log_path / "metrics.jsonl").read_text().splitlines()]
     assert {0, 1, 2} <= set(steps)
+    _wait_for_step(server.run, 2)
     reader = TraceReader(server.run)
     assert reader.steps == [0, 1, 2]
     mismatch = _debug("mismatch", str(server.run), "--json")
@@ -102,6 +103,14 @@ def test_cookbook_math_rl_runs_unchanged_and_every_step_is_recorded(server: Serv
     replay = _debug("replay", str(server.run), "--step", "1", "--json")
     assert replay.returncode == 0, replay.stdout[-2000:] + replay.stderr[-2000:]
     assert json.loads(replay.stdout)["verdict"] == "bitwise-equal"
+
+
+def _wait_for_step(run: Path, step: int) -> None:
+    """Step files are written in the background: wait until step `step`'s is on disk."""
+    deadline = time.time() + 60
+    while not (run / "trace" / f"step_{step:06d}.h5").is_file():
+        assert time.time() < deadline, f"step {step} was never written to {run}/trace"
+        time.sleep(0.1)
 
 
 def _datum(ids: list[int]) -> types.Datum:
@@ -128,6 +137,7 @@ def test_sdk_supervised_steps_sampling_stops_and_errors(server: Server, model_di
         losses.append(fb.metrics["loss:sum"])
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     assert losses[-1] < losses[0]
+    _wait_for_step(server.run, 2)
     replay = _debug("replay", str(server.run), "--step", "2", "--json")
     assert replay.returncode == 0 and json.loads(replay.stdout)["verdict"] == "bitwise-equal", replay.stdout[-2000:]
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from axrl.recording.records import UpdateResult
+from axrl.recording.step_writer import StepWriter
 from axrl.runtime.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from axrl.service.batch import pack, per_datum
 from axrl.service.errors import UserError
@@ -35,6 +36,8 @@ class ServiceModel:
         self.calls: list[RecordedCall] = []
         self.started = 0.0
         self.fingerprint = backend.fingerprint()
+        # Step files are written in the background, off the step's critical path (as `axrl train` does).
+        self.writer = StepWriter(run.write_step, max_pending=2)
         save_checkpoint(run.path, 0, backend, self._state("create_model"))
 
     def _state(self, why: str) -> dict[str, Any]:
@@ -78,7 +81,7 @@ class ServiceModel:
         optim_s = time.perf_counter() - t0
         record = step_record(self.step, self.calls, update, self.fingerprint, adam,
                              {"train": train_s + optim_s, "optim": optim_s})
-        self.run.write_step(record)
+        self.writer.submit(record)
         self.run.append_metrics(metrics_row(record, update, {"time_train": train_s + optim_s}))
         self.fingerprint, self.calls = update.fingerprint, []
         self.step += 1
@@ -90,6 +93,7 @@ class ServiceModel:
         if self.calls:
             raise UserError("save_weights: a forward_backward is pending (its gradients are not in a checkpoint); "
                             "call optim_step first")
+        self.writer.flush()
         return save_checkpoint(self.run.path, self.step, self.backend, self._state("save_weights"))
 
     def load_state(self, path: Path, optimizer: bool) -> None:
@@ -109,3 +113,7 @@ class ServiceModel:
 
     def checkpoints(self) -> list[tuple[int, Path]]:
         return list_checkpoints(self.run.path)
+
+    def close(self) -> None:
+        """Write the step files still queued."""
+        self.writer.close()

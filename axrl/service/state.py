@@ -113,5 +113,8 @@ class ServiceState:
                 "is_lora": model.lora_rank is not None, "lora_rank": model.lora_rank}
 
     def close(self) -> None:
+        """Finish the queued training work and write every step file still queued."""
         self.train_pool.shutdown(wait=True, cancel_futures=True)
+        for model in self.models.values():
+            model.close()
         self.sample_pool.shutdown(wait=False, cancel_futures=True)
