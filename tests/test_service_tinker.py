@@ -166,3 +166,24 @@ def test_sdk_supervised_steps_sampling_stops_and_errors(server: Server, model_di
     with pytest.raises(tinker.RequestFailedError, match="no forward_backward since the last optim_step"):
         tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     assert tc.forward([_datum(ids)], "cross_entropy").result().metrics["loss:sum"] > 0   # still serving
+
+
+def test_cookbook_supervised_loop_on_its_bundled_conversations(server: Server, model_dir: Path,
+                                                               tmp_path: Path) -> None:
+    data = Path(tinker_cookbook.__file__).parent / "example_data" / "conversations.jsonl"
+    runner = Path(__file__).resolve().parents[1] / "examples" / "tinker" / "supervised.py"
+    log_path = tmp_path / "sl"
+    cmd = [sys.executable, str(runner), "recipe_name=sl_conversations", f"model_name={model_dir}",
+           "renderer_name=role_colon", "dataset_builder=tinker_cookbook.supervised.data:FromConversationFileBuilder",
+           f"dataset_builder.file_path={data}", f"dataset_builder.common_config.model_name_for_tokenizer={model_dir}",
+           "dataset_builder.common_config.renderer_name=role_colon", "dataset_builder.common_config.max_length=512",
+           "dataset_builder.common_config.batch_size=32", f"log_path={log_path}", "eval_every=0", "save_every=0",
+           "lora_rank=8", "learning_rate=1e-3"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                          env={**os.environ, **ENV, "TINKER_BASE_URL": server.url})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    nll = [json.loads(line)["train_mean_nll"] for line in (log_path / "metrics.jsonl").read_text().splitlines()
+           if "train_mean_nll" in line]
+    assert len(nll) == 4 and nll[-1] < nll[0]          # 128 conversations, batches of 32
+    _wait_for_step(server.run, 3)
+    assert TraceReader(server.run).steps == [0, 1, 2, 3]
