@@ -107,6 +107,13 @@ class ServiceModel:
         self.fingerprint = self.backend.fingerprint()
         save_checkpoint(self.run.path, self.step, self.backend, self._state("load_weights"))
 
+    def export(self, name: str) -> Path:
+        """The current model as a Hugging Face directory RUN/sampler_weights/NAME (with LoRA: merged),
+        which `axrl serve --model-path` and transformers load."""
+        if "/" in name or name in ("", ".", ".."):
+            raise UserError(f"path {name!r}: a sampler weights name must be a plain file name")
+        return self.backend.export_hf(self.run.path / "sampler_weights" / name)
+
     def weights(self) -> dict[str, torch.Tensor]:
         """The current weights (HF names) for a sampler snapshot."""
         return dict(self.backend.sync_source())

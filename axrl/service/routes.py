@@ -193,6 +193,7 @@ def _add_weight_routes(app: FastAPI, state: ServiceState) -> None:
             path = f"tinker://{model.model_id}/sampler_weights/{label}"
             state.sampler.add_snapshot(path, model.weights())
             if name:
+                model.export(str(name))
                 return "json", {"type": "save_weights_for_sampler", "path": path}
             return "json", {"type": "save_weights_for_sampler", "sampling_session_id": state.open_sampling_session(path)}
         return await _ordered(state, body, op)
