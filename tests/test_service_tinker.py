@@ -157,6 +157,15 @@ def test_sdk_supervised_steps_sampling_stops_and_errors(server: Server, model_di
     lp = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2), include_prompt_logprobs=True).result()
     assert lp.prompt_logprobs[0] is None and len(lp.prompt_logprobs) == 4
 
+    saved = tc.save_state("ck").result().path
+    assert saved.endswith("/weights/ck")
+    before = tc.forward([_datum(ids)], "cross_entropy").result().metrics["loss:sum"]
+    tc.forward_backward([_datum(ids)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert tc.forward([_datum(ids)], "cross_entropy").result().metrics["loss:sum"] != before
+    tc.load_state_with_optimizer(saved).result()
+    assert tc.forward([_datum(ids)], "cross_entropy").result().metrics["loss:sum"] == before   # the same bits
+
     with pytest.raises(tinker.RequestFailedError, match="unknown loss_fn 'nope'"):
         tc.forward_backward([_datum(ids)], "nope").result()
     bad = types.Datum(model_input=types.ModelInput.from_ints(ids[:4]),
