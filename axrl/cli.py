@@ -115,6 +115,8 @@ def serve(
     run_dir: Path | None = typer.Option(None, "--run-dir", help="--training: the run directory it records into."),
     config: Path | None = typer.Option(None, "--config", help="--training: run config (train, runtime, trace)."),
     overrides: list[str] = typer.Option([], "--set", help="--training: config override key=value (repeatable)."),
+    full_finetune: bool = typer.Option(False, "--full-finetune",
+                                       help="--training: train all weights even when a client asks for LoRA."),
 ) -> None:
     """Serve a model over HTTP with SGLang's API subset and OpenAI endpoints (see docs/sglang.md); with
     --training also the Tinker training and sampling API, every optim_step recorded (docs/service.md)."""
@@ -134,13 +136,13 @@ def serve(
         raise fail(f"--decode-impl {decode_impl!r}: choose fused or model")
     if max_running_requests < 1 or context_length < 2 or threads < 1:
         raise fail("--max-running-requests and --threads must be >= 1, --context-length >= 2")
-    if training != (run_dir is not None) or (config is not None or overrides) and not training:
+    if training != (run_dir is not None) or (config is not None or overrides or full_finetune) and not training:
         raise fail("--training needs --run-dir RUN (and --run-dir, --config, --set need --training)")
     from axrl.inference.serve import ServeConfig
     from axrl.inference.serve import serve as run_server
 
     if training:
-        _serve_training(model_path, run_dir, config, overrides, ServeConfig(
+        _serve_training(model_path, run_dir, config, overrides, full_finetune, ServeConfig(
             model_path=str(model_path), host=host, port=port, max_running_requests=max_running_requests,
             context_length=context_length, random_seed=random_seed, dtype=dtype,
             served_model_name=served_model_name, decode_impl=decode_impl, disable_radix_cache=disable_radix_cache,
@@ -158,14 +160,15 @@ def serve(
 
 
 def _serve_training(model_path: Path, run_dir: Path | None, config: Path | None, overrides: list[str],
-                    serve_cfg: object) -> None:
+                    full_finetune: bool, serve_cfg: object) -> None:
     """`axrl serve --training`: the serve app plus the Tinker API (axrl/service/)."""
     from axrl.config import ConfigError, load_config
     from axrl.service.app import serve_training
 
     assert run_dir is not None
     try:
-        serve_training(serve_cfg, load_config(config, overrides), run_dir)  # type: ignore[arg-type]
+        serve_training(serve_cfg, load_config(config, overrides), run_dir,  # type: ignore[arg-type]
+                       full_finetune=full_finetune)
     except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
         raise fail(str(e))
 

@@ -57,9 +57,11 @@ def model_config(cfg: Config, model_dir: Path, lora_rank: int | None) -> Config:
     return Config.model_validate(data)
 
 
-def model_factory(cfg: Config, model_dir: Path, run_dir: Path) -> Any:
-    """Builds the `ServiceModel`s: the first records into `run_dir`, the k-th into run_dir/models/model_k."""
+def model_factory(cfg: Config, model_dir: Path, run_dir: Path, full_finetune: bool = False) -> Any:
+    """Builds the `ServiceModel`s: the first records into `run_dir`, the k-th into run_dir/models/model_k.
+    `full_finetune`: train every weight whatever `lora_config` asks (get_info then says is_lora: false)."""
     def make(index: int, model_id: str, lora_rank: int | None) -> ServiceModel:
+        lora_rank = None if full_finetune else lora_rank
         mcfg = model_config(cfg, model_dir, lora_rank)
         run = RunDir(run_dir if index == 0 else run_dir / "models" / f"model_{index}")
         run.write_config(config_to_dict(mcfg))
@@ -72,15 +74,15 @@ def model_factory(cfg: Config, model_dir: Path, run_dir: Path) -> Any:
     return make
 
 
-def build_service(serve_cfg: ServeConfig, cfg: Config, run_dir: Path,
-                  poll_s: float = 30.0) -> tuple[Any, Any, ServiceState]:
+def build_service(serve_cfg: ServeConfig, cfg: Config, run_dir: Path, poll_s: float = 30.0,
+                  full_finetune: bool = False) -> tuple[Any, Any, ServiceState]:
     """The FastAPI app of `axrl serve --training` and its state."""
     check_service_config(cfg)
     check_run_dir(run_dir, resume=False)
     server = build_server(serve_cfg)
     model_dir = Path(serve_cfg.model_path)
     base = {k: v.detach().clone() for k, v in hf_state_dict(server.engine.model).items()}
-    state = ServiceState(Sampler(server.engine, server.tokenizer, base), model_factory(cfg, model_dir, run_dir),
+    state = ServiceState(Sampler(server.engine, server.tokenizer, base), model_factory(cfg, model_dir, run_dir, full_finetune),
                          server.model_name, model_dir, server.engine.config.model_type, FutureStore(poll_s=poll_s))
     app = create_app(server)
     add_tinker_routes(app, state)
@@ -88,12 +90,12 @@ def build_service(serve_cfg: ServeConfig, cfg: Config, run_dir: Path,
     return app, server, state
 
 
-def serve_training(serve_cfg: ServeConfig, cfg: Config, run_dir: Path) -> None:
+def serve_training(serve_cfg: ServeConfig, cfg: Config, run_dir: Path, full_finetune: bool = False) -> None:
     """Run `axrl serve --training` until stopped."""
     import uvicorn
 
     started = time.perf_counter()
-    app, server, _state = build_service(serve_cfg, cfg, run_dir)
+    app, server, _state = build_service(serve_cfg, cfg, run_dir, full_finetune=full_finetune)
     base = f"http://{serve_cfg.host}:{serve_cfg.port}"
     print(startup_message(server, time.perf_counter() - started) + f"\n  Tinker API (tinker==0.38.0) at {base} "
           f"(TINKER_BASE_URL={base} TINKER_API_KEY=tml-…); recording into {run_dir}", file=sys.stderr, flush=True)
