@@ -9,6 +9,7 @@ sequential forward_backward chunks and no stuck-request detection.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -86,7 +87,7 @@ def _add_session_routes(app: FastAPI, state: ServiceState) -> None:
         s = state.session(str((await _json(request)).get("session_id")))
         if s.finished:
             return JSONResponse({"error": "session finished"}, status_code=410)
-        s.last_heartbeat = __import__("time").time()
+        s.last_heartbeat = time.time()
         return JSONResponse({"type": "session_heartbeat"})
 
     @app.post("/api/v1/sessions/{session_id}/finish")
