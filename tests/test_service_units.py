@@ -180,3 +180,21 @@ def test_retrieve_long_polls_then_answers_try_again() -> None:
         failing = store.submit(lambda: (_ for _ in ()).throw(UserError("bad datum")), pool)
         assert await store.retrieve(failing) == ("json", {"error": "bad datum", "category": "user"})
     _store_run(main)
+
+
+def test_unnamed_sampler_snapshots_are_bounded_and_dropped_ones_say_so() -> None:
+    from axrl.service.sampling import KEEP_EPHEMERAL, Sampler
+
+    class Engine:
+        def update_weights(self, source, version):   # noqa: ANN001 - a stand-in that only counts loads
+            return version
+
+    sampler = Sampler(Engine(), None, {"w": torch.zeros(2)})
+    paths = [f"tinker://m/sampler_weights/e{i}" for i in range(KEEP_EPHEMERAL + 2)]
+    for i, p in enumerate(paths):
+        sampler.add_snapshot(p, {"w": torch.full((2,), float(i))}, ephemeral=True)
+    sampler.add_snapshot("tinker://m/sampler_weights/named", {"w": torch.ones(2)})
+    for p in paths[-KEEP_EPHEMERAL:] + ["tinker://m/sampler_weights/named", "base"]:
+        sampler.check(p)
+    with pytest.raises(UserError, match="dropped"):
+        sampler.check(paths[0])

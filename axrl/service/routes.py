@@ -192,7 +192,7 @@ def _add_weight_routes(app: FastAPI, state: ServiceState) -> None:
             name = body.get("path")
             label = name or f"ephemeral-{model.step:06d}-{body.get('sampling_session_seq_id', 0)}"
             path = f"tinker://{model.model_id}/sampler_weights/{label}"
-            state.sampler.add_snapshot(path, model.weights())
+            state.sampler.add_snapshot(path, model.weights(), ephemeral=not name)
             if name:
                 model.export(str(name))
                 return "json", {"type": "save_weights_for_sampler", "path": path}

@@ -25,6 +25,7 @@ from axrl.service.wire import Sequence, encode_sample_response
 from axrl.train.micro_batch import next_token_logprobs
 
 BASE = "base"   # the snapshot of the model directory's own weights
+KEEP_EPHEMERAL = 3   # unnamed snapshots (save_weights_and_get_sampling_client) kept in memory
 
 
 @dataclass
@@ -63,16 +64,29 @@ class Sampler:
         self.engine, self.tokenizer = engine, tokenizer
         self.snapshots: dict[str, dict[str, torch.Tensor]] = {BASE: base_weights}
         self.loaded = BASE
+        self.ephemeral: list[str] = []
+        self.evicted: set[str] = set()
         self.in_flight = 0
         self.cv = threading.Condition()
         self.version = 0
 
-    def add_snapshot(self, path: str, weights: dict[str, torch.Tensor]) -> None:
-        """Register the weights sampled from under `path` (a copy: later training leaves it as is)."""
+    def add_snapshot(self, path: str, weights: dict[str, torch.Tensor], ephemeral: bool = False) -> None:
+        """Register the weights sampled from under `path` (a copy: later training leaves it as is).
+        Of the unnamed (ephemeral) snapshots only the newest `KEEP_EPHEMERAL` stay in memory."""
         with self.cv:
             self.snapshots[path] = {k: v.detach().clone() for k, v in weights.items()}
+            if ephemeral:
+                self.ephemeral.append(path)
+                for old in self.ephemeral[:-KEEP_EPHEMERAL]:
+                    if old != self.loaded:
+                        self.snapshots.pop(old, None)
+                        self.evicted.add(old)
+                self.ephemeral = [p for p in self.ephemeral if p in self.snapshots]
 
     def check(self, path: str) -> None:
+        if path in self.evicted:
+            raise UserError(f"model_path {path!r}: these unnamed sampler weights were dropped (the server keeps "
+                            f"the newest {KEEP_EPHEMERAL}); save_weights_for_sampler with a name keeps them")
         if path not in self.snapshots:
             raise UserError(f"model_path {path!r}: no such sampler weights on this server "
                             "(save_weights_for_sampler returns the paths it has)")
