@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import h5py
 import httpx
 import numpy as np
 import pytest
@@ -196,3 +197,42 @@ def test_cookbook_supervised_loop_on_its_bundled_conversations(server: Server, m
     assert len(nll) == 4 and nll[-1] < nll[0]          # 128 conversations, batches of 32
     _wait_for_step(server.run, 3)
     assert TraceReader(server.run).steps == [0, 1, 2, 3]
+
+
+def test_retried_post_runs_once_and_sessions_are_isolated(server: Server, model_dir: Path) -> None:
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    clients = [tinker.ServiceClient(base_url=server.url, api_key="tml-local") for _ in range(2)]
+    tcs = [c.create_lora_training_client(base_model=str(model_dir), rank=4).result() for c in clients]
+    assert tcs[0].get_info().model_id.split(":")[0] != tcs[1].get_info().model_id.split(":")[0]
+    ids = tcs[0].get_tokenizer().encode("one two three four five six")
+    # The same forward_backward POSTed twice (a client retry): one future, applied once.
+    req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(
+        data=[_datum(ids)], loss_fn="cross_entropy"), model_id=tcs[0].get_info().model_id, seq_id=1)
+    body = forward_backward_request_to_proto(req).SerializeToString()
+    headers = {"X-API-Key": "tml-local", "Content-Type": "application/x-protobuf"}
+    first = httpx.post(f"{server.url}/api/v1/forward_backward", content=body, headers=headers).json()
+    again = httpx.post(f"{server.url}/api/v1/forward_backward", content=body, headers=headers).json()
+    assert first["request_id"] == again["request_id"]
+    done = httpx.post(f"{server.url}/api/v1/retrieve_future", json={"request_id": first["request_id"]},
+                      headers={"X-API-Key": "tml-local", "Accept": "application/x-protobuf"}, timeout=60)
+    assert done.headers["content-type"] == "application/x-protobuf"
+    optim = {"adam_params": {"learning_rate": 1e-3}, "model_id": req.model_id, "seq_id": 2}
+    rid = httpx.post(f"{server.url}/api/v1/optim_step", json=optim, headers=headers).json()["request_id"]
+    httpx.post(f"{server.url}/api/v1/retrieve_future", json={"request_id": rid}, headers=headers, timeout=60)
+    # The second session's model trains on its own and records into its own run directory.
+    tcs[1].forward_backward([_datum(ids), _datum(ids)], "cross_entropy").result()
+    tcs[1].optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    _wait_for_step(server.run, 0)
+    _wait_for_step(server.run / "models" / "model_1", 0)
+    with h5py.File(server.run / "trace" / "step_000000.h5") as f:
+        assert len(f["samples/offsets"]) - 1 == 1           # the retried datum once, not twice
+    with h5py.File(server.run / "models" / "model_1" / "trace" / "step_000000.h5") as f:
+        assert len(f["samples/offsets"]) - 1 == 2
+    bad = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(
+        data=[_datum(ids)], loss_fn="cross_entropy"), model_id="nope:train:0", seq_id=1)
+    rid = httpx.post(f"{server.url}/api/v1/forward_backward", headers=headers,
+                     content=forward_backward_request_to_proto(bad).SerializeToString()).json()["request_id"]
+    answer = httpx.post(f"{server.url}/api/v1/retrieve_future", json={"request_id": rid}, headers=headers).json()
+    assert answer["category"] == "user" and "unknown model_id 'nope:train:0'" in answer["error"]
+    assert httpx.post(f"{server.url}/api/v1/create_session", json={}, headers={"X-API-Key": "sk-x"}).status_code == 401
