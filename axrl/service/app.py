@@ -24,7 +24,6 @@ from axrl.inference.serve.main import startup_message
 from axrl.inference.serve.serve_app import create_app
 from axrl.inference.serve.state import ServeConfig, build_server
 from axrl.model import hf_state_dict
-from axrl.runtime.loop import check_run_dir
 from axrl.service.futures import FutureStore
 from axrl.service.model import ServiceModel
 from axrl.service.routes import add_tinker_routes
@@ -78,7 +77,9 @@ def build_service(serve_cfg: ServeConfig, cfg: Config, run_dir: Path, poll_s: fl
                   full_finetune: bool = False) -> tuple[Any, Any, ServiceState]:
     """The FastAPI app of `axrl serve --training` and its state."""
     check_service_config(cfg)
-    check_run_dir(run_dir, resume=False)
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise FileExistsError(f"--run-dir {run_dir} is not empty: axrl serve --training records a new run "
+                              "(each created model from checkpoint 0); choose another --run-dir")
     server = build_server(serve_cfg)
     model_dir = Path(serve_cfg.model_path)
     base = {k: v.detach().clone() for k, v in hf_state_dict(server.engine.model).items()}
