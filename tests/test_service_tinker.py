@@ -158,6 +158,18 @@ def test_sdk_supervised_steps_sampling_stops_and_errors(server: Server, model_di
     lp = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2), include_prompt_logprobs=True).result()
     assert lp.prompt_logprobs[0] is None and len(lp.prompt_logprobs) == 4
 
+    # the RL losses through the SDK: sampler logprobs and advantages in, summed token losses out
+    n = len(ids) - 1
+    rl = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                     loss_fn_inputs={"target_tokens": np.asarray(ids[1:]),
+                                     "logprobs": np.asarray([0.0] * 3 + [-2.0] * (n - 3), np.float32),
+                                     "advantages": np.asarray([0.0] * 3 + [0.5] * (n - 3), np.float32)})
+    for loss_fn, config in (("importance_sampling", None), ("ppo", {"clip_low_threshold": 0.9}),
+                            ("cispo", None), ("dro", {"beta": 0.1})):
+        out = tc.forward([rl], loss_fn, loss_fn_config=config).result()
+        elementwise = out.loss_fn_outputs[0]["elementwise_loss"].tolist()
+        assert out.metrics["loss:sum"] == pytest.approx(sum(elementwise), rel=1e-5)
+        assert elementwise[:3] == [0.0, 0.0, 0.0]          # no advantage, no sampler logprob: no loss
     saved = tc.save_state("ck").result().path
     assert saved.endswith("/weights/ck")
     before = tc.forward([_datum(ids)], "cross_entropy").result().metrics["loss:sum"]

@@ -100,7 +100,7 @@ def _reference(name: str, lp: list[float], q: list[float], a: list[float], cfg: 
         elif name == "cispo":
             total += -min(max(r, lo), hi) * adv * x
         elif name == "dro":
-            total += -(adv * x - 0.5 * cfg.get("beta", 0.05) * (x - y) ** 2)
+            total += -(adv * x - (0.5 * cfg.get("beta", 0.05) * (x - y) ** 2 if y != 0 else 0.0))
     return total
 
 
@@ -114,6 +114,7 @@ def test_each_loss_matches_a_per_token_reference_sum(name: str, cfg: dict[str, f
         tokens = torch.randint(3, 50, (n + 1,), generator=g).tolist()
         a = torch.randn(n, generator=g).numpy().astype(np.float32)
         q = (-torch.rand(n, generator=g) * 3 - 0.01).numpy().astype(np.float32)
+        a[:2], q[:2] = 0.0, 0.0          # the prompt: no advantage, no sampler logprob
         key = {"weights": np.abs(a)} if name == "cross_entropy" else {"advantages": a, "logprobs": q}
         datums.append(_datum(tokens, **key))
     call = decode_forward_backward(_request(datums, name))

@@ -9,7 +9,7 @@ advantage 0, so it adds nothing; the sums run over every row of the batch.
     importance_sampling  ℓ = −Σ exp(lp − q) · A                       (q: sampler logprob)
     ppo                  ℓ = Σ max(−A·r, −A·clip(r, lo, hi)),  r = exp(lp − q)
     cispo                ℓ = −Σ sg(clip(r, lo, hi)) · A · lp
-    dro                  ℓ = −Σ (A · lp − β/2 · (lp − q)²)
+    dro                  ℓ = −Σ (A · lp − β/2 · (lp − q)²)          (the square where q is known)
 
 ppo and cispo are the repo's own objectives (`axrl.algo.objectives`) with the ratio taken against
 the sampler's logprobs and the band [clip_low_threshold, clip_high_threshold] (default 0.8, 1.2).
@@ -89,7 +89,9 @@ def _cispo(lp: torch.Tensor, mb: PackedBatch, cfg: dict[str, float]) -> torch.Te
 def _dro(lp: torch.Tensor, mb: PackedBatch, cfg: dict[str, float]) -> torch.Tensor:
     x = _inputs(lp, mb)
     beta = cfg.get("beta", 0.05)
-    return -(x.adv * lp - 0.5 * beta * (lp - x.old) ** 2)
+    # the quadratic term only where the sampler's logprob is known (not on prompt positions)
+    sampled = ~torch.isnan(mb.rollout_logprobs) if mb.rollout_logprobs is not None else torch.zeros_like(x.mask)
+    return -(x.adv * lp - torch.where(sampled.to(lp.device), 0.5 * beta * (lp - x.old) ** 2, torch.zeros_like(lp)))
 
 
 TOKEN_LOSSES: dict[str, TokenLoss] = {"cross_entropy": _cross_entropy, "importance_sampling": _importance_sampling,
