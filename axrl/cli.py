@@ -111,8 +111,15 @@ def serve(
                                              help="Turn off the engine's prefix cache (docs/prefix-merge.md)."),
     threads: int = typer.Option(1, "--threads", help="torch threads of the engine."),
     log_level: str = typer.Option("warning", "--log-level"),
+    training: bool = typer.Option(False, "--training", help="Also serve the Tinker training API (docs/service.md)."),
+    run_dir: Path | None = typer.Option(None, "--run-dir", help="--training: the run directory it records into."),
+    config: Path | None = typer.Option(None, "--config", help="--training: run config (train, runtime, trace)."),
+    overrides: list[str] = typer.Option([], "--set", help="--training: config override key=value (repeatable)."),
+    full_finetune: bool = typer.Option(False, "--full-finetune",
+                                       help="--training: train all weights even when a client asks for LoRA."),
 ) -> None:
-    """Serve a model over HTTP with SGLang's API subset and OpenAI endpoints (see docs/sglang.md)."""
+    """Serve a model over HTTP with SGLang's API subset and OpenAI endpoints (see docs/sglang.md); with
+    --training also the Tinker training and sampling API, every optim_step recorded (docs/service.md)."""
     from axrl.runtime.checkpoint import checkpoint_of
 
     trained = checkpoint_of(model_path)
@@ -129,9 +136,18 @@ def serve(
         raise fail(f"--decode-impl {decode_impl!r}: choose fused or model")
     if max_running_requests < 1 or context_length < 2 or threads < 1:
         raise fail("--max-running-requests and --threads must be >= 1, --context-length >= 2")
+    if training != (run_dir is not None) or (config is not None or overrides or full_finetune) and not training:
+        raise fail("--training needs --run-dir RUN (and --run-dir, --config, --set need --training)")
     from axrl.inference.serve import ServeConfig
     from axrl.inference.serve import serve as run_server
 
+    if training:
+        _serve_training(model_path, run_dir, config, overrides, full_finetune, ServeConfig(
+            model_path=str(model_path), host=host, port=port, max_running_requests=max_running_requests,
+            context_length=context_length, random_seed=random_seed, dtype=dtype,
+            served_model_name=served_model_name, decode_impl=decode_impl, disable_radix_cache=disable_radix_cache,
+            threads=threads, log_level=log_level))
+        return
     try:
         run_server(ServeConfig(
             model_path=str(model_path), host=host, port=port, max_running_requests=max_running_requests,
@@ -140,6 +156,20 @@ def serve(
             decode_impl=decode_impl, disable_radix_cache=disable_radix_cache, threads=threads,
             log_level=log_level))
     except (FileNotFoundError, ValueError) as e:
+        raise fail(str(e))
+
+
+def _serve_training(model_path: Path, run_dir: Path | None, config: Path | None, overrides: list[str],
+                    full_finetune: bool, serve_cfg: object) -> None:
+    """`axrl serve --training`: the serve app plus the Tinker API (axrl/service/)."""
+    from axrl.config import ConfigError, load_config
+    from axrl.service.app import serve_training
+
+    assert run_dir is not None
+    try:
+        serve_training(serve_cfg, load_config(config, overrides), run_dir,  # type: ignore[arg-type]
+                       full_finetune=full_finetune)
+    except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
         raise fail(str(e))
 
 

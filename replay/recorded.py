@@ -16,6 +16,7 @@ import torch
 
 from axrl.algo.turn_credit import turn_rewards_from_column
 from axrl.config import Config
+from axrl.service.training import CallSpec, service_attrs
 from axrl.trace import StepFile
 from axrl.train.protocol import PackedBatch
 
@@ -56,6 +57,7 @@ class RecordedStep:
     num_turns: np.ndarray | None = None     # int64 [N]
     turn_rewards: list[list[float]] | None = None  # per sample r_1 … r_K (/tokens/turn_reward; zeros if absent)
     teacher_logprobs: torch.Tensor | None = None   # float32 [T], on-policy distillation's (algo/distill.py)
+    service: tuple[list[CallSpec], dict[str, float]] | None = None  # a Tinker-API step: its calls, AdamW params
 
     @property
     def splits(self) -> list[list[int]]:
@@ -114,6 +116,7 @@ def load_recorded_step(path: Path, cfg: Config) -> RecordedStep:
             ok=np.ones(n, bool) if status is None else np.asarray([s == "ok" for s in status]),
             routing_train=sf.get("/routing/train"), entropy=sf.get("/tokens/entropy"),
             wall_times=sf.wall_times, teacher_logprobs=_optional_tokens(sf, "/tokens/teacher_logprob"),
+            service=service_attrs(sf.attrs),
             **_turns(sf, off))
 
 

@@ -28,6 +28,7 @@ import torch
 
 from axrl.config import Config, ConfigError, load_config
 from axrl.runtime.checkpoint import load_checkpoint
+from axrl.service.training import replay_service_step
 from axrl.assembly.build import make_tokenizer, make_train_backend, policy_loss
 from axrl.assembly.settings import faults, routing_replay
 from axrl.recording.records import UpdateResult
@@ -359,8 +360,11 @@ def _rerun_step(backend: TrainBackend, rec: RecordedStep, cfg: Config, s: int, m
     """Run step `s`'s recorded updates and compare them (and the weights after) with the recording."""
     t_up = time.perf_counter()
     try:
-        results = run_updates(backend, rec.batch, rec.splits, inst.loss_fn, r3=routing_replay(cfg),
-                              lr_scale=faults(cfg).lr_scale_at(s), hooks=inst.hooks)
+        if rec.service is not None:   # a step a Tinker-API loop drove (axrl/service): its calls, then AdamW
+            results = replay_service_step(backend, rec.batch, *rec.service)
+        else:
+            results = run_updates(backend, rec.batch, rec.splits, inst.loss_fn, r3=routing_replay(cfg),
+                                  lr_scale=faults(cfg).lr_scale_at(s), hooks=inst.hooks)
     finally:
         if inst.probe is not None:
             inst.probe.close()

@@ -129,6 +129,9 @@ def _columns(rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
     return out
 
 
+metric_columns = _columns   # the same columns for other drivers of the learner (axrl/service/recording.py)
+
+
 def _routing(trajs: list, batch_routing: torch.Tensor | None) -> tuple[np.ndarray | None, np.ndarray | None]:
     if batch_routing is None:
         return None, None

@@ -1,0 +1,103 @@
+"""`axrl serve --training`: the serve app (engine, SGLang and OpenAI routes) plus the Tinker API,
+driving the run's learner — a service is just another driver of the same train backend and
+engine, and every optim_step it triggers is a trace step like any other, replayable.
+
+The only module of the service that reads `axrl.config`: each model it creates gets a run
+directory with the fully resolved config.yaml (`model.path` = the served directory, `train.lora`
+from the request's `lora_config`), built by the same `make_train_backend` that `axrl train` and
+replay use.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from axrl.assembly.build import make_tokenizer, make_train_backend
+from axrl.config import Config, config_to_dict
+from axrl.errors import ConfigError
+from axrl.inference.serve.main import startup_message
+from axrl.inference.serve.serve_app import create_app
+from axrl.inference.serve.state import ServeConfig, build_server
+from axrl.model import hf_state_dict
+from axrl.service.futures import FutureStore
+from axrl.service.model import ServiceModel
+from axrl.service.routes import add_tinker_routes
+from axrl.service.sampling import Sampler
+from axrl.service.state import ServiceState
+from axrl.trace import RunDir
+
+
+def check_service_config(cfg: Config) -> None:
+    """Refuse what the service does not drive (yet), saying what to use instead."""
+    if cfg.train.backend != "torch":
+        raise ConfigError(f"axrl serve --training drives train.backend: torch; got {cfg.train.backend} (the "
+                          "Tinker API's per-call AdamW parameters and gradient accumulation across calls are "
+                          "implemented for the torch backend only)")
+    if cfg.runtime.executor != "local":
+        raise ConfigError(f"axrl serve --training runs the learner in its own process (runtime.executor: local); "
+                          f"got {cfg.runtime.executor}")
+    if cfg.rollout.engine != "embedded":
+        raise ConfigError(f"axrl serve --training samples on its embedded engine (rollout.engine: embedded); "
+                          f"got {cfg.rollout.engine}")
+
+
+def model_config(cfg: Config, model_dir: Path, lora_rank: int | None) -> Config:
+    """The run config of one created model: the served model, LoRA when asked, temperature 1."""
+    data = config_to_dict(cfg)
+    data["model"]["path"] = str(model_dir.resolve())
+    data["rollout"]["temperature"] = 1.0   # Tinker's training logprobs are at temperature 1
+    train = data["train"]
+    train["lora"] = None if lora_rank is None else {**(train.get("lora") or {}), "rank": lora_rank}
+    return Config.model_validate(data)
+
+
+def model_factory(cfg: Config, model_dir: Path, run_dir: Path, full_finetune: bool = False) -> Any:
+    """Builds the `ServiceModel`s: the first records into `run_dir`, the k-th into run_dir/models/model_k.
+    `full_finetune`: train every weight whatever `lora_config` asks (get_info then says is_lora: false)."""
+    def make(index: int, model_id: str, lora_rank: int | None) -> ServiceModel:
+        lora_rank = None if full_finetune else lora_rank
+        mcfg = model_config(cfg, model_dir, lora_rank)
+        run = RunDir(run_dir if index == 0 else run_dir / "models" / f"model_{index}")
+        run.write_config(config_to_dict(mcfg))
+        tokenizer = make_tokenizer(mcfg)
+        backend = make_train_backend(mcfg, tokenizer)
+        run.write_manifest(seed=mcfg.seed, backend="torch", engine="embedded", threads=torch.get_num_threads(),
+                           command=sys.argv, extra={"mode": "tinker-service", "model_id": model_id,
+                                                    "lora_rank": lora_rank})
+        return ServiceModel(model_id, backend, run, str(model_dir), lora_rank)
+    return make
+
+
+def build_service(serve_cfg: ServeConfig, cfg: Config, run_dir: Path, poll_s: float = 30.0,
+                  full_finetune: bool = False) -> tuple[Any, Any, ServiceState]:
+    """The FastAPI app of `axrl serve --training` and its state."""
+    check_service_config(cfg)
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise FileExistsError(f"--run-dir {run_dir} is not empty: axrl serve --training records a new run "
+                              "(each created model from checkpoint 0); choose another --run-dir")
+    server = build_server(serve_cfg)
+    model_dir = Path(serve_cfg.model_path)
+    base = {k: v.detach().clone() for k, v in hf_state_dict(server.engine.model).items()}
+    state = ServiceState(Sampler(server.engine, server.tokenizer, base), model_factory(cfg, model_dir, run_dir, full_finetune),
+                         server.model_name, model_dir, server.engine.config.model_type, FutureStore(poll_s=poll_s))
+    app = create_app(server)
+    add_tinker_routes(app, state)
+    app.router.on_shutdown.append(state.close)
+    return app, server, state
+
+
+def serve_training(serve_cfg: ServeConfig, cfg: Config, run_dir: Path, full_finetune: bool = False) -> None:
+    """Run `axrl serve --training` until stopped."""
+    import uvicorn
+
+    started = time.perf_counter()
+    app, server, _state = build_service(serve_cfg, cfg, run_dir, full_finetune=full_finetune)
+    base = f"http://{serve_cfg.host}:{serve_cfg.port}"
+    print(startup_message(server, time.perf_counter() - started) + f"\n  Tinker API (tinker==0.38.0) at {base} "
+          f"(TINKER_BASE_URL={base} TINKER_API_KEY=tml-…); recording into {run_dir}", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=serve_cfg.host, port=serve_cfg.port, log_level=serve_cfg.log_level, access_log=False)

@@ -1,0 +1,113 @@
+"""The training part of a service step, shared by the server and by replay.
+
+A Tinker step is any number of forward_backward calls (each with its own loss), whose gradients
+accumulate, then one optim_step with the call's own AdamW parameters. The server runs `run_call`
+as each call arrives and `apply_optim` at optim_step; replay re-runs exactly these two functions
+on the batches rebuilt from the trace (`replay_service_step`), so bitwise agreement tests the
+recording.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from axrl.recording.records import UpdateResult
+from axrl.service.errors import UserError
+from axrl.service.losses import ServiceLoss
+from axrl.train.metrics import reduce_microbatch_metrics
+from axrl.train.protocol import PackedBatch, StepStats, TrainBackend, TrainMetrics
+
+#: step-file root attributes of a service step (JSON strings)
+CALLS_ATTR = "service_calls"
+OPTIM_ATTR = "service_optim"
+ADAM_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+
+
+@dataclass
+class CallSpec:
+    """One gradient-accumulating forward_backward of a step: its loss and its samples [start, end)."""
+
+    loss_fn: str
+    config: dict[str, float]
+    start: int
+    end: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"loss_fn": self.loss_fn, "config": self.config, "samples": [self.start, self.end]}
+
+
+def run_call(backend: TrainBackend, batch: PackedBatch, loss_fn: str, config: dict[str, float]) -> TrainMetrics:
+    """Accumulate the gradients of one call; its metrics carry the per-token logprobs and losses."""
+    return backend.forward_backward(batch, ServiceLoss(loss_fn, config))
+
+
+def check_adam(params: dict[str, Any]) -> dict[str, float]:
+    """AdamW parameters of an optim_step (SDK field names), or UserError."""
+    unknown = sorted(set(params) - set(ADAM_KEYS) - {"type"})
+    if unknown:
+        raise UserError(f"adam_params.{unknown[0]}: unknown field (AxRL takes {list(ADAM_KEYS)})")
+    if params.get("type") not in (None, "adamw", "adam"):
+        raise UserError(f"optimizer {params.get('type')!r} is not supported by AxRL: only AdamW")
+    out = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
+           "grad_clip_norm": 0.0}
+    for k in ADAM_KEYS:
+        if k in params:
+            v = params[k]
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
+                raise UserError(f"adam_params.{k} must be a number, got {v!r}")
+            out[k] = float(v)
+    if out["learning_rate"] < 0 or not 0 <= out["beta1"] < 1 or not 0 <= out["beta2"] < 1:
+        raise UserError("adam_params: learning_rate must be >= 0 and beta1, beta2 in [0, 1)")
+    return out
+
+
+@contextlib.contextmanager
+def adam_hyperparams(backend: Any, adam: dict[str, float]) -> Iterator[None]:
+    """The torch backend's AdamW set to the call's betas, eps, weight decay (matrices, as AxRL
+    decays) and clip norm for one step; its own settings come back afterwards."""
+    groups = backend.optimizer.param_groups
+    saved = [dict(betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"]) for g in groups]
+    clip = backend.config.grad_clip
+    try:
+        for i, g in enumerate(groups):
+            g["betas"] = (adam["beta1"], adam["beta2"])
+            g["eps"] = adam["eps"]
+            g["weight_decay"] = adam["weight_decay"] if i == 0 else 0.0
+        backend.config.grad_clip = adam["grad_clip_norm"]
+        yield
+    finally:
+        for g, s in zip(groups, saved):
+            g.update(s)
+        backend.config.grad_clip = clip
+
+
+def apply_optim(backend: TrainBackend, adam: dict[str, float]) -> StepStats:
+    """The step's optimizer update with the call's AdamW parameters (rate: learning_rate as given)."""
+    with adam_hyperparams(backend, adam):
+        return backend.optimizer_step(lr=adam["learning_rate"])
+
+
+def merged_metrics(calls: list[TrainMetrics]) -> TrainMetrics:
+    """One update's metrics from its calls: summed loss, micro-batch rows in call order."""
+    rows = [r for m in calls for r in m.micro_batches]
+    return TrainMetrics(loss=sum(m.loss for m in calls), micro_batches=rows,
+                        metrics={**reduce_microbatch_metrics(rows), "num_micro_batches": float(len(rows))})
+
+
+def service_attrs(attrs: dict[str, Any]) -> tuple[list[CallSpec], dict[str, float]] | None:
+    """The calls and AdamW parameters of a recorded service step (None: not a service step)."""
+    if CALLS_ATTR not in attrs:
+        return None
+    calls = [CallSpec(c["loss_fn"], c["config"], *c["samples"]) for c in json.loads(str(attrs[CALLS_ATTR]))]
+    return calls, json.loads(str(attrs[OPTIM_ATTR]))
+
+
+def replay_service_step(backend: TrainBackend, batch: PackedBatch, calls: list[CallSpec],
+                        adam: dict[str, float]) -> list[UpdateResult]:
+    """Re-run a recorded service step on `batch` (all its samples, in call order): the update."""
+    metrics = [run_call(backend, batch.select(list(range(c.start, c.end))), c.loss_fn, c.config) for c in calls]
+    stats = apply_optim(backend, adam)
+    return [UpdateResult(list(range(batch.num_samples)), merged_metrics(metrics), stats, backend.fingerprint())]

@@ -1,0 +1,250 @@
+"""`axrl serve --training` with the real `tinker` SDK (0.38.0) and tinker-cookbook (0.6.1) recipes.
+
+The server runs as its own process on 127.0.0.1; the cookbook's arithmetic math_rl recipe runs
+unchanged as a subprocess against it; then the run directory is checked with `axrl-debug`
+(summary, mismatch, replay bitwise). The SDK itself drives supervised steps with real gradients,
+sampling with string and token stops, and user errors. Nothing here skips: a missing package fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import h5py
+import httpx
+import numpy as np
+import pytest
+import tinker
+import tinker_cookbook
+from tinker import types
+
+from axrl.inference.sglang.launcher import free_port
+from axrl.model import build_model, preset_config, save_hf
+from axrl.tokenizer import Tokenizer
+from axrl.trace import TraceReader
+
+ENV = {"TINKER_API_KEY": "tml-local", "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+       "TOKENIZERS_PARALLELISM": "false"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-init tiny dense Qwen3 with AxRL's tokenizer (what `axrl model init` writes)."""
+    tok = Tokenizer.default()
+    cfg = preset_config("tiny-dense", vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id)
+    return save_hf(build_model(cfg, seed=0), tmp_path_factory.mktemp("svc") / "model", tokenizer=tok)
+
+
+class Server:
+    def __init__(self, model: Path, run: Path, log: Path) -> None:
+        self.port, self.run = free_port(), run
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "axrl.cli", "serve", "--model-path", str(model),
+                                      "--training", "--run-dir", str(run), "--port", str(self.port)],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **ENV})
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            assert self.proc.poll() is None, f"axrl serve --training exited: {log.read_text()[-2000:]}"
+            try:
+                if httpx.get(f"{self.url}/api/v1/healthz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        raise AssertionError(f"axrl serve --training did not come up: {log.read_text()[-2000:]}")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+        self.log.close()
+
+
+@pytest.fixture()
+def server(model_dir: Path, tmp_path: Path) -> Iterator[Server]:
+    s = Server(model_dir, tmp_path / "run", tmp_path / "server.log")
+    yield s
+    s.close()
+    assert s.proc.returncode is not None
+
+
+def _debug(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "axrl_debug.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **ENV}, timeout=600)
+
+
+def test_cookbook_math_rl_runs_unchanged_and_every_step_is_recorded(server: Server, model_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    assert tinker.__version__ == "0.38.0" and tinker_cookbook.__version__ == "0.6.1"
+    log_path = tmp_path / "cookbook"
+    cmd = [sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic", f"model_name={model_dir}",
+           "renderer_name=role_colon", "loss_fn=importance_sampling", "group_size=4", "groups_per_batch=8",
+           "max_tokens=5", "max_steps=3", "eval_every=0", "save_every=2", f"log_path={log_path}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                          env={**os.environ, **ENV, "TINKER_BASE_URL": server.url})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = [json.loads(line).get("step") for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+    assert {0, 1, 2} <= set(steps)
+    _wait_for_step(server.run, 2)
+    reader = TraceReader(server.run)
+    assert reader.steps == [0, 1, 2]
+    mismatch = _debug("mismatch", str(server.run), "--json")
+    assert mismatch.returncode == 0, mismatch.stderr
+    report = json.loads(mismatch.stdout)
+    assert report["tokens"]["analysed"] > 0          # the sampled tokens, sampler vs trainer logprobs
+    assert np.isfinite(report["metrics"]["mean_abs"])
+    summary = _debug("summary", str(server.run), "--json")
+    assert summary.returncode == 0, summary.stderr
+    replay = _debug("replay", str(server.run), "--step", "1", "--json")
+    assert replay.returncode == 0, replay.stdout[-2000:] + replay.stderr[-2000:]
+    assert json.loads(replay.stdout)["verdict"] == "bitwise-equal"
+
+
+def _wait_for_step(run: Path, step: int) -> None:
+    """Step files are written in the background: wait until step `step`'s is on disk."""
+    deadline = time.time() + 60
+    while not (run / "trace" / f"step_{step:06d}.h5").is_file():
+        assert time.time() < deadline, f"step {step} was never written to {run}/trace"
+        time.sleep(0.1)
+
+
+def _datum(ids: list[int]) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                       loss_fn_inputs={"target_tokens": np.asarray(ids[1:]),
+                                       "weights": np.ones(len(ids) - 1, np.float32)})
+
+
+def test_sdk_supervised_steps_sampling_stops_and_errors(server: Server, model_dir: Path) -> None:
+    sc = tinker.ServiceClient(base_url=server.url, api_key="tml-local")
+    tc = sc.create_lora_training_client(base_model=str(model_dir), rank=4).result()
+    info = tc.get_info()
+    assert info.is_lora and info.lora_rank == 4 and info.model_data.model_name == str(model_dir)
+    assert info.model_id.endswith(":train:0")
+    tok = tc.get_tokenizer()
+    ids = tok.encode("the quick brown fox jumps over the lazy dog")
+    losses = []
+    for _ in range(3):
+        fb = tc.forward_backward([_datum(ids), _datum(ids[:6])], "cross_entropy").result()
+        lp = fb.loss_fn_outputs[0]["logprobs"].tolist()
+        assert len(lp) == len(ids) - 1
+        assert fb.metrics["loss:sum"] == pytest.approx(-(sum(lp) + sum(fb.loss_fn_outputs[1]["logprobs"].tolist())),
+                                                       rel=1e-4)
+        losses.append(fb.metrics["loss:sum"])
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert losses[-1] < losses[0]
+    _wait_for_step(server.run, 2)
+    replay = _debug("replay", str(server.run), "--step", "2", "--json")
+    assert replay.returncode == 0 and json.loads(replay.stdout)["verdict"] == "bitwise-equal", replay.stdout[-2000:]
+
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(ids[:4])
+    free = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=12, seed=5, stop=[])).result()
+    out = free.sequences[0].tokens
+    assert len(out) == 12 and free.sequences[0].stop_reason == "length"
+    at_token = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=12, seed=5, stop=[out[3]])).result()
+    first = out.index(out[3])
+    assert at_token.sequences[0].tokens == out[:first + 1] and at_token.sequences[0].stop_reason == "stop"
+    text = tok.decode(out[5:7])
+    at_text = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=12, seed=5, stop=[text])).result()
+    got = at_text.sequences[0]
+    assert got.stop_reason == "stop" and text in tok.decode(got.tokens) and len(got.tokens) <= 7
+    assert text not in tok.decode(got.tokens[:-1])          # cut right after the stop completed
+    lp = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2), include_prompt_logprobs=True).result()
+    assert lp.prompt_logprobs[0] is None and len(lp.prompt_logprobs) == 4
+
+    # the RL losses through the SDK: sampler logprobs and advantages in, summed token losses out
+    n = len(ids) - 1
+    rl = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                     loss_fn_inputs={"target_tokens": np.asarray(ids[1:]),
+                                     "logprobs": np.asarray([0.0] * 3 + [-2.0] * (n - 3), np.float32),
+                                     "advantages": np.asarray([0.0] * 3 + [0.5] * (n - 3), np.float32)})
+    for loss_fn, config in (("importance_sampling", None), ("ppo", {"clip_low_threshold": 0.9}),
+                            ("cispo", None), ("dro", {"beta": 0.1})):
+        out = tc.forward([rl], loss_fn, loss_fn_config=config).result()
+        elementwise = out.loss_fn_outputs[0]["elementwise_loss"].tolist()
+        assert out.metrics["loss:sum"] == pytest.approx(sum(elementwise), rel=1e-5)
+        assert elementwise[:3] == [0.0, 0.0, 0.0]          # no advantage, no sampler logprob: no loss
+    saved = tc.save_state("ck").result().path
+    assert saved.endswith("/weights/ck")
+    before = tc.forward([_datum(ids)], "cross_entropy").result().metrics["loss:sum"]
+    tc.forward_backward([_datum(ids)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert tc.forward([_datum(ids)], "cross_entropy").result().metrics["loss:sum"] != before
+    tc.load_state_with_optimizer(saved).result()
+    assert tc.forward([_datum(ids)], "cross_entropy").result().metrics["loss:sum"] == before   # the same bits
+
+    with pytest.raises(tinker.RequestFailedError, match="unknown loss_fn 'nope'"):
+        tc.forward_backward([_datum(ids)], "nope").result()
+    bad = types.Datum(model_input=types.ModelInput.from_ints(ids[:4]),
+                      loss_fn_inputs={"target_tokens": np.asarray(ids[:4]), "weights": np.ones(4, np.float32)})
+    with pytest.raises(tinker.RequestFailedError, match="target_tokens must be model_input shifted by one"):
+        tc.forward_backward([bad], "cross_entropy").result()
+    with pytest.raises(tinker.RequestFailedError, match="no forward_backward since the last optim_step"):
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    assert tc.forward([_datum(ids)], "cross_entropy").result().metrics["loss:sum"] > 0   # still serving
+
+
+def test_cookbook_supervised_loop_on_its_bundled_conversations(server: Server, model_dir: Path,
+                                                               tmp_path: Path) -> None:
+    data = Path(tinker_cookbook.__file__).parent / "example_data" / "conversations.jsonl"
+    runner = Path(__file__).resolve().parents[1] / "examples" / "tinker" / "supervised.py"
+    log_path = tmp_path / "sl"
+    cmd = [sys.executable, str(runner), "recipe_name=sl_conversations", f"model_name={model_dir}",
+           "renderer_name=role_colon", "dataset_builder=tinker_cookbook.supervised.data:FromConversationFileBuilder",
+           f"dataset_builder.file_path={data}", f"dataset_builder.common_config.model_name_for_tokenizer={model_dir}",
+           "dataset_builder.common_config.renderer_name=role_colon", "dataset_builder.common_config.max_length=512",
+           "dataset_builder.common_config.batch_size=32", f"log_path={log_path}", "eval_every=0", "save_every=0",
+           "lora_rank=8", "learning_rate=1e-3"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                          env={**os.environ, **ENV, "TINKER_BASE_URL": server.url})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    nll = [json.loads(line)["train_mean_nll"] for line in (log_path / "metrics.jsonl").read_text().splitlines()
+           if "train_mean_nll" in line]
+    assert len(nll) == 4 and nll[-1] < nll[0]          # 128 conversations, batches of 32
+    _wait_for_step(server.run, 3)
+    assert TraceReader(server.run).steps == [0, 1, 2, 3]
+
+
+def test_retried_post_runs_once_and_sessions_are_isolated(server: Server, model_dir: Path) -> None:
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    clients = [tinker.ServiceClient(base_url=server.url, api_key="tml-local") for _ in range(2)]
+    tcs = [c.create_lora_training_client(base_model=str(model_dir), rank=4).result() for c in clients]
+    assert tcs[0].get_info().model_id.split(":")[0] != tcs[1].get_info().model_id.split(":")[0]
+    ids = tcs[0].get_tokenizer().encode("one two three four five six")
+    # The same forward_backward POSTed twice (a client retry): one future, applied once.
+    req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(
+        data=[_datum(ids)], loss_fn="cross_entropy"), model_id=tcs[0].get_info().model_id, seq_id=1)
+    body = forward_backward_request_to_proto(req).SerializeToString()
+    headers = {"X-API-Key": "tml-local", "Content-Type": "application/x-protobuf"}
+    first = httpx.post(f"{server.url}/api/v1/forward_backward", content=body, headers=headers).json()
+    again = httpx.post(f"{server.url}/api/v1/forward_backward", content=body, headers=headers).json()
+    assert first["request_id"] == again["request_id"]
+    done = httpx.post(f"{server.url}/api/v1/retrieve_future", json={"request_id": first["request_id"]},
+                      headers={"X-API-Key": "tml-local", "Accept": "application/x-protobuf"}, timeout=60)
+    assert done.headers["content-type"] == "application/x-protobuf"
+    optim = {"adam_params": {"learning_rate": 1e-3}, "model_id": req.model_id, "seq_id": 2}
+    rid = httpx.post(f"{server.url}/api/v1/optim_step", json=optim, headers=headers).json()["request_id"]
+    httpx.post(f"{server.url}/api/v1/retrieve_future", json={"request_id": rid}, headers=headers, timeout=60)
+    # The second session's model trains on its own and records into its own run directory.
+    tcs[1].forward_backward([_datum(ids), _datum(ids)], "cross_entropy").result()
+    tcs[1].optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    _wait_for_step(server.run, 0)
+    _wait_for_step(server.run / "models" / "model_1", 0)
+    with h5py.File(server.run / "trace" / "step_000000.h5") as f:
+        assert len(f["samples/offsets"]) - 1 == 1           # the retried datum once, not twice
+    with h5py.File(server.run / "models" / "model_1" / "trace" / "step_000000.h5") as f:
+        assert len(f["samples/offsets"]) - 1 == 2
+    bad = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(
+        data=[_datum(ids)], loss_fn="cross_entropy"), model_id="nope:train:0", seq_id=1)
+    rid = httpx.post(f"{server.url}/api/v1/forward_backward", headers=headers,
+                     content=forward_backward_request_to_proto(bad).SerializeToString()).json()["request_id"]
+    answer = httpx.post(f"{server.url}/api/v1/retrieve_future", json={"request_id": rid}, headers=headers).json()
+    assert answer["category"] == "user" and "unknown model_id 'nope:train:0'" in answer["error"]
+    assert httpx.post(f"{server.url}/api/v1/create_session", json={}, headers={"X-API-Key": "sk-x"}).status_code == 401
