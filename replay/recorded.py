@@ -16,6 +16,7 @@ import torch
 
 from axrl.algo.turn_credit import turn_rewards_from_column
 from axrl.config import Config
+from axrl.recording.records import CRITIC_ATTRS
 from axrl.trace import StepFile
 from axrl.train.protocol import PackedBatch
 
@@ -56,6 +57,9 @@ class RecordedStep:
     num_turns: np.ndarray | None = None     # int64 [N]
     turn_rewards: list[list[float]] | None = None  # per sample r_1 … r_K (/tokens/turn_reward; zeros if absent)
     teacher_logprobs: torch.Tensor | None = None   # float32 [T], on-policy distillation's (algo/distill.py)
+    values: torch.Tensor | None = None             # float32 [T], /tokens/value: the critic's old values (gae)
+    returns: torch.Tensor | None = None            # float32 [T], /tokens/return: the critic's targets
+    critic: dict[str, Any] = field(default_factory=dict)  # the critic's root attrs (records.CRITIC_ATTRS)
 
     @property
     def splits(self) -> list[list[int]]:
@@ -114,6 +118,8 @@ def load_recorded_step(path: Path, cfg: Config) -> RecordedStep:
             ok=np.ones(n, bool) if status is None else np.asarray([s == "ok" for s in status]),
             routing_train=sf.get("/routing/train"), entropy=sf.get("/tokens/entropy"),
             wall_times=sf.wall_times, teacher_logprobs=_optional_tokens(sf, "/tokens/teacher_logprob"),
+            values=_optional_tokens(sf, "/tokens/value"), returns=_optional_tokens(sf, "/tokens/return"),
+            critic={k: sf.attrs[k] for k in CRITIC_ATTRS if k in sf.attrs},
             **_turns(sf, off))
 
 

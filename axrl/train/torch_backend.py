@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import torch
 
 from axrl.model import ModelConfig, Qwen3ForCausalLM, hf_state_dict, load_weights_into, save_hf
+from axrl.train.critic import Critic
 from axrl.train.checkpoint_files import check_optimizer_state, read_checkpoint, warn_config_diff, write_checkpoint
 from axrl.train.determinism import capture_rng_state, restore_rng_state, set_determinism
 from axrl.train.fingerprint import weights_fingerprint
@@ -73,6 +74,9 @@ class TorchBackend:
         self.skipped_steps = 0
         self._has_grads = False
         self._kept: dict[str, dict[str, torch.Tensor]] = {}  # keep_weights copies, by key
+        # PPO's value model (algo.advantage: gae), set by the run's assembly; saved and loaded with
+        # the policy, so checkpoints, resume and replay carry it (axrl/train/critic.py).
+        self.critic: Critic | None = None
 
     @property
     def model_config(self) -> ModelConfig:
@@ -342,10 +346,15 @@ class TorchBackend:
     def save(self, directory: str | Path) -> None:
         """Write model/optimizer/rng safetensors and trainer_state.json (`checkpoint_files`)."""
         write_checkpoint(directory, self.state_dict())
+        if self.critic is not None:
+            self.critic.save(directory)
 
     def load(self, directory: str | Path) -> None:
         """Restore a `save`d checkpoint; every file is validated (the weights against the recorded
-        fingerprint) before any state is changed. Never unpickles."""
+        fingerprint) before any state is changed. Never unpickles. With a critic, its state too
+        (`critic/`, read first: a checkpoint without it fails before the policy changes)."""
+        if self.critic is not None:
+            self.critic.load(directory)
         self._load_state(*read_checkpoint(directory))
 
 
