@@ -234,3 +234,28 @@ def test_resume_continues_the_critic_bitwise(ppo_run, tmp_path):
                 assert a.attrs[key] == b.attrs[key]
             assert a["train/weights_fingerprint_after"][()] == b["train/weights_fingerprint_after"][()]
             assert a["tokens/value"][:].tobytes() == b["tokens/value"][:].tobytes()
+
+
+def test_debug_shows_value_error_by_turn_and_position_and_the_tui_colours_it(ppo_run):
+    from axrl_debug.tui.data import RunModel
+
+    summary = CliRunner().invoke(debug_app, ["summary", str(ppo_run), "--json"])
+    doc = json.loads(summary.stdout)["value_error"]
+    with h5py.File(ppo_run / "trace" / "step_000002.h5") as f:
+        mask = f["tokens/loss_mask"][:] > 0
+        e = (f["tokens/value"][:].astype(np.float64) - f["tokens/return"][:])[mask]
+        turn = f["tokens/turn"][:][mask]
+        off = f["samples/offsets"][:]
+        first_value, first_return = f["tokens/value"][off[0]:off[1]], f["tokens/return"][off[0]:off[1]]
+        first_mask = f["tokens/loss_mask"][off[0]:off[1]] > 0
+    step2 = doc["steps"][2]
+    assert step2["step"] == 2 and step2["tokens"] == e.size
+    assert step2["mean_abs"] == pytest.approx(np.abs(e).mean())
+    assert [r["turn"] for r in step2["by_turn"]] == sorted(set(turn.tolist()))
+    assert sum(r["tokens"] for r in step2["by_position"]) == e.size
+    assert step2["by_position"][0]["positions"] == "0" and step2["by_position"][0]["tokens"] == len(off) - 1
+    text = CliRunner().invoke(debug_app, ["summary", str(ppo_run)]).stdout
+    assert "value error by turn" in text and "value error by position" in text
+    tokens = RunModel(ppo_run, against="value").step(2).sample(0)
+    want = np.where(first_mask, first_value.astype(np.float64) - first_return, np.nan)
+    np.testing.assert_array_equal(tokens.delta, want)
