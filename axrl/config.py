@@ -249,8 +249,8 @@ class CriticSection(Section):
     """PPO's learned value function (`algo.advantage: gae`; docs/algorithms.md "PPO with a critic"):
     the policy's architecture with a scalar value head instead of the LM head, its own AdamW."""
 
-    model: str | None = Field(None, description="initial weights: null = the policy's initial model (model.path "
-                                                "or preset); else a Hugging Face directory or a run's checkpoints/step_N")
+    model: str | None = Field(None, description="initial weights: null = the policy at RL start (after the warm-up; "
+                                                "the head starts at 0); else a Hugging Face directory or a run's checkpoints/step_N")
     lr: float = Field(1e-5, gt=0, description="the critic's AdamW learning rate (constant)")
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, ge=0, description="max total grad norm of the critic (0 = off)")
@@ -404,6 +404,10 @@ class Config(Section):
         if self.critic is not None and self.train.backend != "torch":
             raise ValueError(f"critic: the value model is trained by the torch backend only; set train.backend: torch "
                              f"(or use a critic-free algo.advantage: grpo), got train.backend: {self.train.backend}")
+        if self.critic is not None and self.runtime.executor == "ray":
+            raise ValueError("critic: the value model runs in-process with the torch backend; runtime.executor: ray "
+                             "does not carry it to its train ranks yet: use runtime.executor: local for PPO with a "
+                             "critic (or a critic-free algo.advantage: grpo under Ray)")
         if self.critic is not None and self.train.lora is not None:
             raise ValueError("critic with train.lora is not supported (the critic trains all its weights): remove "
                              "train.lora or the critic")

@@ -160,6 +160,10 @@ def test_config_refuses_gae_without_a_critic_and_the_megatron_backend(tmp_path):
         _config(tmp_path, "critic: {lr: 1.0e-4}\n")
     with pytest.raises(ConfigError, match="critic: the value model is trained by the torch backend only"):
         _config(tmp_path, "algo: {advantage: gae}\ncritic: {}\ntrain: {backend: megatron}\n")
+    with pytest.raises(ConfigError, match="use runtime.executor: local for PPO with a critic"):
+        _config(tmp_path, "algo: {advantage: gae}\ncritic: {}\nruntime: {executor: ray}\n")
+    with pytest.raises(ConfigError, match="remove advantage_balance"):
+        _config(tmp_path, "algo: {advantage: gae, advantage_balance: true}\ncritic: {}\n")
     cfg = _config(tmp_path, "algo: {advantage: gae, lam: 0.9, credit: turn}\ncritic: {value_clip: null}\n")
     assert cfg.critic is not None and cfg.critic.value_clip is None and cfg.algo.lam == 0.9
 
@@ -196,6 +200,18 @@ def test_run_records_values_returns_and_critic_metrics(ppo_run):
         assert f.attrs["critic_fingerprint_before"] != f.attrs["critic_fingerprint_after"]
         assert f["train/weights_fingerprint_before"][()] == f["train/weights_fingerprint_after"][()]
     assert (ppo_run / "checkpoints" / "step_000002" / "critic" / "optimizer.safetensors").is_file()
+
+
+def test_what_ifs_recompute_gae_from_the_recorded_rewards_and_values(ppo_run):
+    from replay import load_recorded_step
+    from replay.whatif import recompute_advantages
+
+    cfg = load_config(ppo_run / "config.yaml", [])
+    for step in (0, 1, 2):
+        rec = load_recorded_step(ppo_run / "trace" / f"step_{step:06d}.h5", cfg)
+        assert recompute_advantages(rec, cfg).numpy().tobytes() == rec.batch.advantages.numpy().tobytes()
+    other = load_config(ppo_run / "config.yaml", ["algo.lam=0.5"])
+    assert recompute_advantages(rec, other).numpy().tobytes() != rec.batch.advantages.numpy().tobytes()
 
 
 @pytest.mark.parametrize("step", [1, 2])

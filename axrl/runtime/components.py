@@ -383,8 +383,9 @@ def make_train_backend(source: ModelSource, s: BackendSettings, tokenizer: Token
 
 
 def make_critic(source: ModelSource, s: BackendSettings, tokenizer: Tokenizer, policy: Qwen3ForCausalLM) -> Critic:
-    """PPO's value model: a copy of the policy's initial model, or `critic.model` (a Hugging Face
-    directory or a run's checkpoints/step_N, with the policy's tokenizer)."""
+    """PPO's value model: the policy's architecture (its weights at RL start are copied in after
+    the warm-up, `Critic.copy_policy`), or `critic.model` (a Hugging Face directory or a run's
+    checkpoints/step_N, with the policy's tokenizer)."""
     assert s.critic is not None
     if s.critic_model is None:
         return Critic(copy.deepcopy(policy), s.critic)
@@ -395,7 +396,7 @@ def make_critic(source: ModelSource, s: BackendSettings, tokenizer: Tokenizer, p
     if diff is not None:
         raise ConfigError(f"critic.model {s.critic_model}: its tokenizer differs from the policy's ({diff}); "
                           "the critic reads the policy's tokens: give a model with the same tokenizer")
-    return Critic(body.to(resolve_device(source.device)), s.critic)
+    return Critic(body.to(resolve_device(source.device)), s.critic, from_policy=False)
 
 
 def make_engine(source: ModelSource, s: RolloutSideSettings, backend: TrainBackend,

@@ -86,6 +86,9 @@ class StepTrainer:
                  teacher: LocalTeacher | None = None, critic: Critic | None = None) -> None:
         self.backend, self.processor, self.settings, self.sync = backend, processor, settings, sync
         self.critic = critic   # PPO's value model (algo.advantage: gae; axrl/train/critic.py)
+        if processor.settings.estimator == "gae" and critic is None:
+            raise ValueError("algo.advantage: gae needs the critic's values, but this train backend holds no critic "
+                             "(the `critic` section is trained by the torch backend in-process)")
         # On-policy distillation (algo/distill.py): `teacher` scores each batch (runtime/teacher.py).
         self.distill, self.teacher = distill, teacher
         self.num_experts = num_experts

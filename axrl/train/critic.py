@@ -85,8 +85,11 @@ def critic_batch(batch: PackedBatch, old_values: torch.Tensor, returns: torch.Te
 class Critic:
     """The value model, its AdamW and schedule counters; `values` (no grad) and `train` (updates)."""
 
-    def __init__(self, body: Qwen3ForCausalLM, config: CriticConfig) -> None:
+    def __init__(self, body: Qwen3ForCausalLM, config: CriticConfig, *, from_policy: bool = True) -> None:
         self.config = config
+        # Started from the policy (critic.model null): `copy_policy` gives it the policy's weights at
+        # RL start, after the warm-up, as PPO's critic is initialised from the SFT model.
+        self.from_policy = from_policy
         self.model = ValueModel(body)
         self.device = next(self.model.parameters()).device
         self._params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -148,6 +151,16 @@ class Critic:
             self.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
         return CriticUpdate(value_loss=total, value_clip_frac=clipped / denom, grad_norm=float(norm), lr=lr)
+
+    def copy_policy(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load the policy's HF-named `weights` into the value model's decoder (the head is kept)."""
+        body = dict(self.model.body.named_parameters())
+        missing = sorted(set(body) - set(weights))
+        if missing:
+            raise ValueError(f"the policy's weights do not fit the critic's decoder (missing {missing[:5]})")
+        with torch.no_grad():
+            for name, p in body.items():
+                p.copy_(weights[name])
 
     # ------------------------------------------------------------------ state
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
