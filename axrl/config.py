@@ -404,10 +404,6 @@ class Config(Section):
         if self.critic is not None and self.train.backend != "torch":
             raise ValueError(f"critic: the value model is trained by the torch backend only; set train.backend: torch "
                              f"(or use a critic-free algo.advantage: grpo), got train.backend: {self.train.backend}")
-        if self.critic is not None and self.runtime.executor == "ray":
-            raise ValueError("critic: the value model runs in-process with the torch backend; runtime.executor: ray "
-                             "does not carry it to its train ranks yet: use runtime.executor: local for PPO with a "
-                             "critic (or a critic-free algo.advantage: grpo under Ray)")
         if self.critic is not None and self.train.lora is not None:
             raise ValueError("critic with train.lora is not supported (the critic trains all its weights): remove "
                              "train.lora or the critic")

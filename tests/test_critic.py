@@ -160,8 +160,6 @@ def test_config_refuses_gae_without_a_critic_and_the_megatron_backend(tmp_path):
         _config(tmp_path, "critic: {lr: 1.0e-4}\n")
     with pytest.raises(ConfigError, match="critic: the value model is trained by the torch backend only"):
         _config(tmp_path, "algo: {advantage: gae}\ncritic: {}\ntrain: {backend: megatron}\n")
-    with pytest.raises(ConfigError, match="use runtime.executor: local for PPO with a critic"):
-        _config(tmp_path, "algo: {advantage: gae}\ncritic: {}\nruntime: {executor: ray}\n")
     with pytest.raises(ConfigError, match="remove advantage_balance"):
         _config(tmp_path, "algo: {advantage: gae, advantage_balance: true}\ncritic: {}\n")
     cfg = _config(tmp_path, "algo: {advantage: gae, lam: 0.9, credit: turn}\ncritic: {value_clip: null}\n")
