@@ -29,7 +29,7 @@ from axrl.train.checkpoint_files import check_optimizer_state, read_checkpoint, 
 from axrl.train.determinism import capture_rng_state
 from axrl.train.fingerprint import weights_fingerprint
 from axrl.train.micro_batch import micro_batch_ranges, pad_micro_batch, unpad
-from axrl.train.optim import adamw, clip_grads_, grad_norm, lr_at
+from axrl.train.optim import adamw, adamw_update, lr_at
 from axrl.train.protocol import PackedBatch
 from axrl.train.settings import BackendConfig
 
@@ -122,7 +122,7 @@ class Critic:
 
     def _update(self, batch: PackedBatch) -> CriticUpdate:
         """Accumulate the value loss micro-batch by micro-batch (normalised by the update's trained
-        tokens), then grad norm, clip, AdamW step — `TorchBackend.optimizer_step`'s arithmetic."""
+        tokens), then the policy's update arithmetic (`optim.adamw_update`)."""
         self.model.train()
         denom = float(batch.loss_mask.sum().clamp(min=1))
         total, clipped = 0.0, 0.0
@@ -134,22 +134,13 @@ class Critic:
             loss.backward()
             total += float(loss.detach())
             clipped += float(n_clipped)
-        for _, p in self._params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for _, p in self._params]
-        norm = grad_norm(grads)
         lr = lr_at(self.config, self.scheduler_step)
-        if torch.isfinite(norm):
-            if self.config.grad_clip > 0:
-                clip_grads_(grads, self.config.grad_clip, norm)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
+        norm, _, applied = adamw_update(self.optimizer, [p for _, p in self._params], lr=lr,
+                                        grad_clip=self.config.grad_clip)
+        if applied:
             self.scheduler_step += 1
         else:
             self.skipped_steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
         return CriticUpdate(value_loss=total, value_clip_frac=clipped / denom, grad_norm=float(norm), lr=lr)
 
     def copy_policy(self, weights: dict[str, torch.Tensor]) -> None:

@@ -25,7 +25,7 @@ from axrl.train.lora import LoRAAdapters, LoRAConfig, export_peft
 from axrl.train.metrics import join_token_columns, reduce_microbatch_metrics, split_token_columns
 from axrl.train.micro_batch import (label_logprobs, micro_batch_ranges, next_token_logprobs, pad_micro_batch,
                                     restrict_routing_, unpad)
-from axrl.train.optim import adamw, clip_grads_, grad_norm, lr_at, tensor_grad_norms
+from axrl.train.optim import adamw, adamw_update, lr_at
 from axrl.train.prefix_tree import build_prefix_tree
 from axrl.train.protocol import (R3, ForwardProbe, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, R3Scope,
                                  StepStats, TrainMetrics)
@@ -235,25 +235,13 @@ class TorchBackend:
         """
         if not self._has_grads:
             raise RuntimeError("optimizer_step() called without a forward_backward() since the last step")
-        for _, p in self._params:
-            # A param without grad (e.g. an expert no token reached) gets zeros, so every param
-            # is stepped like in Megatron's contiguous grad buffer and has optimizer state.
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for _, p in self._params]
-        per_tensor = tensor_grad_norms(grads)
-        norm = grad_norm(grads, per_tensor)
         lr = lr_at(self.config, self.scheduler_step) * lr_scale if lr is None else lr
-        if torch.isfinite(norm):
-            if self.config.grad_clip > 0:
-                clip_grads_(grads, self.config.grad_clip, norm)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
+        norm, per_tensor, applied = adamw_update(self.optimizer, [p for _, p in self._params], lr=lr,
+                                                 grad_clip=self.config.grad_clip)
+        if applied:
             self.scheduler_step += 1
         else:
             self.skipped_steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
         self._has_grads = False
         return StepStats(grad_norm=float(norm), lr=lr,
                          param_grad_norm=dict(zip(self._hf_names, per_tensor.tolist())))
