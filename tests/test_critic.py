@@ -273,3 +273,24 @@ def test_debug_shows_value_error_by_turn_and_position_and_the_tui_colours_it(ppo
     tokens = RunModel(ppo_run, against="value").step(2).sample(0)
     want = np.where(first_mask, first_value.astype(np.float64) - first_return, np.nan)
     np.testing.assert_array_equal(tokens.delta, want)
+
+
+def test_critic_from_a_checkpoint_and_a_checkpoint_without_critic_state(ppo_run, tmp_path):
+    from axrl.assembly.build import make_tokenizer, make_train_backend
+    from axrl.train.checkpoint_files import read_checkpoint
+
+    ckpt = ppo_run / "checkpoints" / "step_000002"
+    cfg = load_config(ppo_run / "config.yaml", [f"critic.model={ckpt}"])
+    backend = make_train_backend(cfg, make_tokenizer(cfg))
+    policy, _ = read_checkpoint(ckpt)          # the run's policy at step 2 starts this critic
+    body = dict(backend.critic.model.body.named_parameters())
+    assert body and all(torch.equal(p, policy["model"][n]) for n, p in body.items())
+    assert not backend.critic.from_policy
+    # a policy-only checkpoint cannot restore a run that trains a critic: said before anything changes
+    bare = tmp_path / "bare"
+    shutil.copytree(ckpt, bare)
+    shutil.rmtree(bare / "critic")
+    before = backend.fingerprint()
+    with pytest.raises(FileNotFoundError, match="no critic state"):
+        backend.load(bare)
+    assert backend.fingerprint() == before
