@@ -115,7 +115,9 @@ class AlgoSection(PolicyLossConfig):
     """The policy loss's own schema (`axrl.algo.loss_config.PolicyLossConfig`: one type, defaults and
     validation for the YAML and the loss) plus how advantages come from rewards."""
 
-    advantage: Literal["grpo", "reinforce"] = "grpo"
+    advantage: Literal["grpo", "reinforce", "gae"] = Field(
+        "grpo", description="grpo / reinforce: critic-free, from each sample's reward; gae: PPO's GAE over the "
+                            "trained tokens from the `critic`'s values (axrl.algo.gae)")
     normalize_std: bool = True
     advantage_clip: float | None = Field(None, gt=0, description="clip sample advantages to [−c, c]")
     advantage_balance: bool = Field(False, description="scale negative advantages so their token mass "
@@ -125,11 +127,15 @@ class AlgoSection(PolicyLossConfig):
     credit: Literal["outcome", "turn"] = Field(
         "outcome", description="outcome: one advantage per sample from its total reward; turn: per-turn "
                                "discounted returns, group-normalised per turn index (axrl.algo.turn_credit)")
-    gamma: float = Field(1.0, ge=0, le=1, description="per-turn discount of the returns of credit: turn")
+    gamma: float = Field(1.0, ge=0, le=1, description="per-turn discount of the returns of credit: turn (and of gae)")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE's λ, per trained token (advantage: gae)")
 
     @model_validator(mode="after")
     def _turn_credit(self) -> "AlgoSection":
-        if self.credit == "turn" and self.advantage != "grpo":
+        if self.advantage == "gae" and self.advantage_balance:
+            raise ValueError("algo.advantage_balance weighs per-sample advantages; advantage: gae gives per-token "
+                             "ones (whitened over the batch): remove advantage_balance")
+        if self.credit == "turn" and self.advantage not in ("grpo", "gae"):
             raise ValueError(f"credit: turn normalises returns per (group, turn index) and needs "
                              f"advantage: grpo (normalize_std: false for Dr. GRPO), got {self.advantage!r}")
         return self
@@ -237,6 +243,23 @@ class DistillSection(Section):
         if (self.teacher is None) == (self.url is None):
             raise ValueError("distill: set exactly one of `teacher` (a model directory or checkpoint) or `url`")
         return self
+
+
+class CriticSection(Section):
+    """PPO's learned value function (`algo.advantage: gae`; docs/algorithms.md "PPO with a critic"):
+    the policy's architecture with a scalar value head instead of the LM head, its own AdamW."""
+
+    model: str | None = Field(None, description="initial weights: null = the policy at RL start (after the warm-up; "
+                                                "the head starts at 0); else a Hugging Face directory or a run's checkpoints/step_N")
+    lr: float = Field(1e-5, gt=0, description="the critic's AdamW learning rate (constant)")
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, ge=0, description="max total grad norm of the critic (0 = off)")
+    updates_per_step: int = Field(1, ge=1, description="critic optimizer updates (mini-batches) per step")
+    warmup_steps: int = Field(0, ge=0, description="first RL steps in which only the critic learns (the policy's "
+                                                   "updates run at learning rate 0)")
+    value_clip: float | None = Field(0.2, gt=0, description="PPO value clipping: V_old ± value_clip (null = off)")
+    micro_batch_tokens: int = Field(0, ge=0, description="tokens per critic micro-batch counting padding "
+                                                         "(0 = train.micro_batch_tokens)")
 
 
 class CheckpointSection(Section):
@@ -375,6 +398,20 @@ class Config(Section):
     faults: FaultsSection = Field(default_factory=FaultsSection)
     agent: AgentSection | None = Field(None, description="a black-box agent plays the episodes (else the task's env)")
     distill: DistillSection | None = Field(None, description="on-policy distillation from a teacher (off: None)")
+    critic: CriticSection | None = Field(None, description="PPO's value model, for algo.advantage: gae (off: None)")
+
+    @model_validator(mode="after")
+    def _critic(self) -> "Config":
+        if (self.algo.advantage == "gae") != (self.critic is not None):
+            raise ValueError("algo.advantage: gae needs a `critic` section (its values), and a `critic` section is "
+                             "used only by algo.advantage: gae; set both or neither")
+        if self.critic is not None and self.train.backend != "torch":
+            raise ValueError(f"critic: the value model is trained by the torch backend only; set train.backend: torch "
+                             f"(or use a critic-free algo.advantage: grpo), got train.backend: {self.train.backend}")
+        if self.critic is not None and self.train.lora is not None:
+            raise ValueError("critic with train.lora is not supported (the critic trains all its weights): remove "
+                             "train.lora or the critic")
+        return self
 
     @model_validator(mode="after")
     def _model_source(self) -> "Config":

@@ -14,7 +14,7 @@ from typing import Callable
 
 from axrl.config import Config, ConfigError, load_config
 from axrl.assembly.build import make_tokenizer, make_train_backend, policy_loss
-from axrl.assembly.settings import faults, routing_replay
+from axrl.assembly.settings import routing_replay, step_settings
 from axrl.runtime.updates import run_updates
 from axrl.tokenizer import Tokenizer
 from axrl.trace import TraceError
@@ -54,7 +54,7 @@ class PolicyState:
         rec = self.recorded(self.step)
         cfg, backend = self.cfg, self.backend
         results = run_updates(backend, rec.batch, rec.splits, policy_loss(cfg), r3=routing_replay(cfg),
-                              lr_scale=faults(cfg).lr_scale_at(self.step))
+                              lr_scale=step_settings(cfg).lr_scale_at(self.step))
         found = compare_updates(rec, results)
         if results and results[-1].fingerprint != rec.fingerprint_after:
             found.append(Divergence(self.step, None, None, "weights_fingerprint_after", rec.fingerprint_after,

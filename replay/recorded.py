@@ -17,6 +17,7 @@ import torch
 from axrl.algo.turn_credit import turn_rewards_from_column
 from axrl.config import Config
 from axrl.service.training import CallSpec, service_attrs
+from axrl.recording.records import CRITIC_ATTRS
 from axrl.trace import StepFile
 from axrl.train.protocol import PackedBatch
 
@@ -58,6 +59,9 @@ class RecordedStep:
     turn_rewards: list[list[float]] | None = None  # per sample r_1 … r_K (/tokens/turn_reward; zeros if absent)
     teacher_logprobs: torch.Tensor | None = None   # float32 [T], on-policy distillation's (algo/distill.py)
     service: tuple[list[CallSpec], dict[str, float]] | None = None  # a Tinker-API step: its calls, AdamW params
+    values: torch.Tensor | None = None             # float32 [T], /tokens/value: the critic's old values (gae)
+    returns: torch.Tensor | None = None            # float32 [T], /tokens/return: the critic's targets
+    critic: dict[str, Any] = field(default_factory=dict)  # the critic's root attrs (records.CRITIC_ATTRS)
 
     @property
     def splits(self) -> list[list[int]]:
@@ -117,6 +121,8 @@ def load_recorded_step(path: Path, cfg: Config) -> RecordedStep:
             routing_train=sf.get("/routing/train"), entropy=sf.get("/tokens/entropy"),
             wall_times=sf.wall_times, teacher_logprobs=_optional_tokens(sf, "/tokens/teacher_logprob"),
             service=service_attrs(sf.attrs),
+            values=_optional_tokens(sf, "/tokens/value"), returns=_optional_tokens(sf, "/tokens/return"),
+            critic={k: sf.attrs[k] for k in CRITIC_ATTRS if k in sf.attrs},
             **_turns(sf, off))
 
 

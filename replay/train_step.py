@@ -30,9 +30,9 @@ from axrl.config import Config, ConfigError, load_config
 from axrl.runtime.checkpoint import load_checkpoint
 from axrl.service.training import replay_service_step
 from axrl.assembly.build import make_tokenizer, make_train_backend, policy_loss
-from axrl.assembly.settings import faults, routing_replay
-from axrl.recording.records import UpdateResult
-from axrl.runtime.updates import CombinedHooks, run_updates
+from axrl.assembly.settings import routing_replay, step_settings
+from axrl.recording.records import CriticStep, UpdateResult
+from axrl.runtime.updates import CombinedHooks, run_updates, train_critic
 from axrl.tokenizer import Tokenizer
 from axrl.trace import StepFile, TraceError
 from axrl.train.protocol import TrainBackend
@@ -57,6 +57,7 @@ class StepReplay:
     mismatches: list[Divergence]
     seconds: float                        # re-execution of the updates
     old_forward_seconds: float | None = None  # step N only: the old-logprob forward
+    critic: CriticStep | None = None      # the critic's re-executed updates (algo.advantage: gae)
 
     @property
     def bitwise_equal(self) -> bool:
@@ -80,12 +81,47 @@ class StepReplay:
                 "micro_batches": mbs})
         replayed_fp = self.results[-1].fingerprint if self.results else None
         wt = self.recorded.wall_times
-        return {"step": self.step, "bitwise_equal": self.bitwise_equal, "updates": updates,
+        critic = None
+        if self.critic is not None:
+            rc = self.recorded.critic
+            critic = {name: {"recorded": rc.get(key), "replayed": replayed, "equal": rc.get(key) == replayed}
+                      for name, key, replayed in (
+                          ("fingerprint_after", "critic_fingerprint_after", self.critic.fingerprint_after),
+                          ("value_loss", "critic_value_loss", _value_losses(self.critic)))}
+        return {"step": self.step, "critic": critic, "bitwise_equal": self.bitwise_equal, "updates": updates,
                 "fingerprint_after": {"recorded": self.recorded.fingerprint_after, "replayed": replayed_fp,
                                       "equal": replayed_fp == self.recorded.fingerprint_after},
                 "mismatches": [m.to_dict() for m in self.mismatches],
                 "seconds": self.seconds, "old_forward_seconds": self.old_forward_seconds,
                 "recorded_train_seconds": wt.get("train"), "recorded_prepare_seconds": wt.get("prepare")}
+
+
+def _value_losses(c: CriticStep) -> str:
+    """The critic updates' value losses as the trace records them (`records.critic_attrs`)."""
+    return " ".join(repr(float(u.value_loss)) for u in c.updates)
+
+
+def _rerun_critic(backend: TrainBackend, rec: RecordedStep, s: int) -> tuple[CriticStep | None, list[Divergence]]:
+    """Re-run step `s`'s critic updates (after the policy's, as the loop does) from the recorded
+    values and returns, and compare its weights before/after and value losses with the trace."""
+    critic = getattr(backend, "critic", None)
+    if critic is None:
+        return None, []
+    if rec.values is None or rec.returns is None:
+        raise ReplayInputError(f"{rec.path}: the run trains a critic but the step has no /tokens/value and "
+                               "/tokens/return to re-run its updates from")
+    out, rc = [], rec.critic
+    before = critic.fingerprint()
+    if before != rc.get("critic_fingerprint_before"):
+        out.append(Divergence(s, None, None, "critic_fingerprint_before", rc.get("critic_fingerprint_before"), before,
+                              detail="the critic's weights this step starts from differ from the recording"))
+    done = train_critic(critic, rec.batch, rec.group_ids, rec.values, rec.returns)
+    for name, recorded, replayed in (("critic_value_loss", rc.get("critic_value_loss"), _value_losses(done)),
+                                     ("critic_fingerprint_after", rc.get("critic_fingerprint_after"),
+                                      done.fingerprint_after)):
+        if recorded != replayed:
+            out.append(Divergence(s, None, None, name, recorded, replayed))
+    return done, out
 
 
 def _pair(recorded: Any, replayed: Any) -> dict[str, Any]:
@@ -206,12 +242,22 @@ def _check_prepare(rec: RecordedStep, backend: TrainBackend, cfg: Config) -> lis
     out = []
     for name, recorded, replayed in (("old_logprob", rec.batch.old_logprobs.numpy(), old.logprobs),
                                      ("entropy", rec.entropy, old.entropy),
-                                     ("routing_train", rec.routing_train, old.routed_experts)):
+                                     ("routing_train", rec.routing_train, old.routed_experts),
+                                     ("value", None if rec.values is None else rec.values.numpy(), _critic_values(backend, rec))):
         if recorded is not None and replayed is not None:
             d = compare_tensor(rec.step, name, recorded, replayed)
             if d is not None:
                 out.append(d)
     return out
+
+
+def _critic_values(backend: TrainBackend, rec: RecordedStep) -> torch.Tensor | None:
+    """The critic's values of the step's trained tokens as GAE used them (None without a critic)."""
+    critic = getattr(backend, "critic", None)
+    if critic is None:
+        return None
+    m = rec.batch.loss_mask > 0
+    return torch.where(m, critic.values(rec.batch), torch.zeros(m.shape))
 
 
 def _sweep_variants(inv: RunInventory, cfg: Config, step: int, family: str, backend: TrainBackend) -> list[Variant]:
@@ -364,7 +410,7 @@ def _rerun_step(backend: TrainBackend, rec: RecordedStep, cfg: Config, s: int, m
             results = replay_service_step(backend, rec.batch, *rec.service)
         else:
             results = run_updates(backend, rec.batch, rec.splits, inst.loss_fn, r3=routing_replay(cfg),
-                                  lr_scale=faults(cfg).lr_scale_at(s), hooks=inst.hooks)
+                                  lr_scale=step_settings(cfg).lr_scale_at(s), hooks=inst.hooks)
     finally:
         if inst.probe is not None:
             inst.probe.close()
@@ -373,9 +419,11 @@ def _rerun_step(backend: TrainBackend, rec: RecordedStep, cfg: Config, s: int, m
     if results and results[-1].fingerprint != rec.fingerprint_after:
         mismatches.append(Divergence(s, None, None, "weights_fingerprint_after", rec.fingerprint_after,
                                      results[-1].fingerprint))
+    critic, critic_mismatches = _rerun_critic(backend, rec, s)
+    mismatches += critic_mismatches
     if mismatches:
         say(f"step {s}: DIVERGED — {mismatches[0].describe()}")
-    return StepReplay(s, rec, results, mismatches, up_s, inst.old_seconds)
+    return StepReplay(s, rec, results, mismatches, up_s, inst.old_seconds, critic)
 
 
 def _step_timings(target: StepReplay) -> dict[str, float]:

@@ -38,10 +38,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from axrl.algo import segment_sum, token_advantages
 from axrl.algo.distill import distill_token_advantages
 from axrl.algo.turn_credit import turn_credit_advantages
-from axrl.algo.processor import update_splits
+from axrl.algo.processor import gae_advantages, gae_token_rewards, update_splits
 from axrl.config import Config, ConfigError, apply_overrides, load_config
 from axrl.assembly.build import make_train_backend, policy_loss
-from axrl.assembly.settings import advantage_settings, distill_settings, faults, routing_replay
+from axrl.assembly.settings import advantage_settings, distill_settings, routing_replay, step_settings
 from axrl.recording.records import UpdateResult
 from axrl.runtime.reference import restore_reference, with_reference_logprobs
 from axrl.runtime.updates import run_updates
@@ -168,7 +168,15 @@ def recompute_advantages(rec: RecordedStep, cfg: Config) -> torch.Tensor:
     (under `algo.credit: turn`, from the recorded per-turn rewards too), then, with `distill`, the
     distillation term from the recorded teacher logprobs, as the step trainer adds it."""
     settings = advantage_settings(cfg)
-    if settings.credit == "turn":
+    if settings.estimator == "gae":  # from the recorded rewards and the critic's recorded values
+        if rec.values is None:
+            raise ReplayInputError(f"{rec.path}: algo.advantage: gae needs the step's /tokens/value (the critic's "
+                                   "values), which it lacks: the run was trained without a critic")
+        assert rec.turn is not None and rec.turn_rewards is not None and rec.num_turns is not None
+        rewards = gae_token_rewards(settings, rec.rewards, rec.batch.offsets, rec.batch.loss_mask, rec.turn,
+                                    rec.turn_rewards, rec.num_turns.tolist())
+        tokens = gae_advantages(settings, rewards, rec.values, rec.batch.offsets, rec.batch.loss_mask, rec.turn)[0]
+    elif settings.credit == "turn":
         tokens = turn_credit_advantages(settings, rec.rewards, rec.turn_rewards, rec.num_turns, rec.group_ids,
                                         rec.ok, rec.batch.offsets, rec.batch.loss_mask, rec.turn)[1]
     else:
@@ -261,7 +269,7 @@ def _run_on(backend: TrainBackend, variant: Variant, base_cfg: Config, rec: Reco
     sizes = UpdateSizes(backend)
     try:
         results = run_updates(backend, batch, splits, policy_loss(cfg), r3=routing_replay(cfg),
-                              lr_scale=faults(cfg).lr_scale_at(rec.step), hooks=sizes)
+                              lr_scale=step_settings(cfg).lr_scale_at(rec.step), hooks=sizes)
     except ValueError as e:  # e.g. an R3 scope naming layers the model does not have
         raise ReplayInputError(f"what-if {variant.label}: {e}") from None
     return VariantResult(label=variant.label, assignments=variant.assignments, updates=summarize(results, sizes.sizes),

@@ -100,6 +100,29 @@ def test_ray_sync_run_writes_the_local_trace_bit_for_bit(cluster, local_run, tmp
     assert per_step < 0.5 * between["batch"] / len(rows) and sum(driver.values()) < 0.05 * sum(between.values())
 
 
+def test_ppo_with_a_critic_on_ray_train_ranks_writes_the_local_trace(cluster, tmp_path):
+    """The critic lives on the train ranks: one rank writes the in-process run's trace bit for bit
+    (values, returns, advantages, the critic's fingerprints); two ranks (each trains the critic on
+    the whole batch) agree with it to float rounding, as the policy's data-parallel ranks do."""
+    # The overlong penalty rewards the untrained policy (its task reward is 0), so the critic learns.
+    ppo = ["algo.advantage=gae", "algo.lam=0.9", "critic={lr: 1.0e-3, updates_per_step: 2}",
+           "algo.overlong_penalty={max_len: 8, cache_len: 6}"]
+    local = train(cfg(*ppo), tmp_path / "local")
+    out = train(cfg(*ppo, "runtime.executor=ray"), tmp_path / "ray")
+    a, b = trace_datasets(local), trace_datasets(out)
+    assert ("step_000001.h5", "tokens/value") in a
+    assert not differing(a, b)
+    for step in range(3):
+        with h5py.File(local / "trace" / f"step_{step:06d}.h5") as x, h5py.File(out / "trace" / f"step_{step:06d}.h5") as y:
+            assert x.attrs["critic_fingerprint_after"] == y.attrs["critic_fingerprint_after"]
+            assert x.attrs["critic_fingerprint_before"] != x.attrs["critic_fingerprint_after"]
+    assert (out / "checkpoints" / "step_000002" / "critic" / "model.safetensors").is_file()
+    dp2 = trace_datasets(train(cfg(*ppo, "runtime.executor=ray", "runtime.ray.train_ranks=2", *SMALL), tmp_path / "dp2"))
+    for key in a:
+        if key[1] in ("tokens/value", "tokens/return"):
+            np.testing.assert_allclose(a[key], dp2[key], atol=2e-3)
+
+
 def test_driver_wire_counts_a_payload_through_the_driver_once(cluster):
     """The accounting catches what really crosses the driver: an array sent as a call's argument,
     a result twice its size (read twice, counted once), an array put by the driver, an actor's

@@ -143,6 +143,8 @@ def make_record(step: int = 0, *, seed: int = 0, n_groups: int = 4, group_size: 
         fork_cause=["" if i % 2 == 0 else "history edited" for i in range(n)],
         drift_tokens=rng.integers(0, 3, n).astype(np.int32), drift=(rng.random(t) < 0.05).astype(np.uint8),
         turn_reward=rng.random(t).astype(np.float64),
+        value=rng.standard_normal(t).astype(np.float32),
+        returns=rng.standard_normal(t).astype(np.float32),
         wall_times={"rollout": 0.75, "advantages": 0.001, "train": 1.25, "sync": 0.01},
         rng_digest="0123456789abcdef",
         attrs={"temperature": 1.0, "engine": "embedded", "r3": True},

@@ -11,10 +11,13 @@ which recomputes advantages from the recorded rewards for what-ifs:
 
 With `algo.credit: turn` the same pipeline runs on (sample, turn) units of per-turn returns instead
 of samples (axrl.algo.turn_credit); `credit: outcome` (default) is the above, unchanged.
+With `algo.advantage: gae` (PPO with a critic) the processor only places the rewards on tokens;
+the advantages come from the critic's values once the trainer has them (`with_gae`, axrl.algo.gae).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -22,12 +25,13 @@ import numpy as np
 import torch
 
 from axrl.algo.advantages import compute_advantages, token_advantages
+from axrl.algo.gae import gae, token_rewards, whiten
 from axrl.algo.turn_credit import records_turn_rewards, turn_credit_advantages, turn_reward_column
 from axrl.core.trajectory import Trajectory
 from axrl.train.protocol import PackedBatch
 
 __all__ = ["AdvantageSettings", "AlgorithmProcessor", "ProcessedBatch", "informative_groups", "overlong_penalty",
-           "update_splits"]
+           "update_splits", "with_gae", "gae_advantages", "gae_token_rewards"]
 
 
 def update_splits(group_ids: Sequence[int] | np.ndarray, updates: int) -> list[list[int]]:
@@ -72,11 +76,12 @@ class AdvantageSettings:
     advantage_balance: bool = False
     overlong: tuple[int, int] | None = None   # (max_len, cache_len)
     credit: str = "outcome"                   # "turn": per-turn returns (axrl.algo.turn_credit)
-    gamma: float = 1.0                        # per-turn discount of turn credit
+    gamma: float = 1.0                        # per-turn discount of turn credit (and of GAE)
+    lam: float = 1.0                          # GAE's λ (estimator "gae")
 
     def describe(self) -> str:
         """e.g. "grpo, clipped to ±1, negative mass balanced" (for notes and logs)."""
-        parts = [self.estimator]
+        parts = [self.estimator if self.estimator != "gae" else f"gae γ={self.gamma:g} λ={self.lam:g}"]
         if self.advantage_clip is not None:
             parts.append(f"clipped to ±{self.advantage_clip:g}")
         if self.advantage_balance:
@@ -102,7 +107,7 @@ class AdvantageSettings:
             shaped = shaped + pen
         adv = torch.zeros(len(shaped), dtype=torch.float32)
         okt = torch.from_numpy(np.asarray(ok, dtype=bool))
-        if bool(okt.any()):
+        if bool(okt.any()) and self.estimator != "gae":  # gae: from the critic's values (`with_gae`)
             r = torch.tensor(shaped, dtype=torch.float32)[okt]
             g = torch.from_numpy(np.asarray(group_ids, dtype=np.int64))[okt]
             adv[okt] = compute_advantages(r, g, estimator=self.estimator).float()
@@ -130,6 +135,9 @@ class ProcessedBatch:
     dropped: list[Trajectory] = field(default_factory=list)  # their samples, in rollout order (recorded
                                                              # in the trace's /pool, never trained)
     teacher_logprobs: torch.Tensor | None = None  # float32 [T], on-policy distillation's teacher (algo/distill.py)
+    token_rewards: np.ndarray | None = None   # float64 [T], GAE's per-token rewards (algo/gae.py; None: not gae)
+    values: torch.Tensor | None = None        # float32 [T], the critic's values GAE used (/tokens/value)
+    returns: torch.Tensor | None = None       # float32 [T], GAE's returns, the critic's targets (/tokens/return)
 
     def update_splits(self, updates: int) -> list[list[int]]:
         """Sample indices of each optimizer update (`update_splits` over the batch's group ids)."""
@@ -192,6 +200,11 @@ class AlgorithmProcessor:
                 self.settings, rewards, [t.turn_rewards for t in trajectories],
                 np.asarray([t.num_turns for t in trajectories]), groups, ok, offsets, loss_mask,
                 np.concatenate([t.turn for t in trajectories]))
+        rewards_on_tokens = None
+        if self.settings.estimator == "gae":
+            rewards_on_tokens = gae_token_rewards(
+                self.settings, rewards, offsets, loss_mask, np.concatenate([t.turn for t in trajectories]),
+                [t.turn_rewards for t in trajectories], [t.num_turns for t in trajectories])
         routed = None
         if all(t.routed_experts is not None for t in trajectories):
             routed = torch.from_numpy(np.concatenate([t.routed_experts for t in trajectories]).astype(np.int64))
@@ -208,10 +221,54 @@ class AlgorithmProcessor:
                               rewards=torch.tensor(rewards, dtype=torch.float32),
                               penalties=self.settings.penalties(loss_tokens), dropped_groups=dropped_groups,
                               rolled_out_groups=rolled_out, dropped=dropped,
-                              turn_rewards=self._turn_reward_column(trajectories))
+                              turn_rewards=self._turn_reward_column(trajectories), token_rewards=rewards_on_tokens)
 
     def _turn_reward_column(self, trajectories: list[Trajectory]) -> np.ndarray | None:
         """/tokens/turn_reward when it is recorded (`records_turn_rewards`), else None."""
         if not records_turn_rewards(self.settings.credit, [t.turn_rewards for t in trajectories]):
             return None
         return np.concatenate([turn_reward_column(t.turn_rewards, t.turn) for t in trajectories])
+
+
+def gae_advantages(settings: AdvantageSettings, rewards: np.ndarray, values: torch.Tensor, offsets: torch.Tensor,
+                   loss_mask: torch.Tensor, turn: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token advantages, returns) float32 [T]: GAE from the per-token `rewards` and the critic's
+    `values`, advantages whitened over the trained tokens, then `advantage_clip` (axrl.algo.gae)."""
+    adv, ret = gae(rewards, values, offsets, loss_mask, turn, settings.gamma, settings.lam)
+    adv = whiten(adv, loss_mask)
+    if settings.advantage_clip is not None:
+        adv = adv.clamp(-settings.advantage_clip, settings.advantage_clip)
+    return adv, ret
+
+
+def gae_token_rewards(settings: AdvantageSettings, rewards: np.ndarray, offsets: torch.Tensor,
+                      loss_mask: torch.Tensor, turn: np.ndarray, turn_rewards: Sequence[Sequence[float]],
+                      num_turns: Sequence[int]) -> np.ndarray:
+    """float64 [T]: the samples' task rewards (+ overlong penalty) placed on their trained tokens
+    for GAE (`axrl.algo.gae.token_rewards`, by `settings.credit`)."""
+    mask = torch.as_tensor(loss_mask).reshape(-1)
+    loss_tokens = np.diff(np.concatenate([[0.0], np.cumsum(mask.double().numpy())])[torch.as_tensor(offsets).numpy()])
+    pen = settings.penalties(loss_tokens)
+    shaped = np.asarray(rewards, np.float64) + (0.0 if pen is None else pen)
+    return token_rewards(shaped, offsets, loss_mask, turn, credit=settings.credit, turn_rewards=turn_rewards,
+                         num_turns=num_turns)
+
+
+def with_gae(processed: ProcessedBatch, values: torch.Tensor, settings: AdvantageSettings) -> ProcessedBatch:
+    """The batch with GAE's advantages (whitened, then `advantage_clip`) from the critic's `values`
+    [T] (kept on the trained tokens, 0 elsewhere), its returns and those values recorded (axrl.algo.gae). A sample's advantage is that of
+    its first trained token (0 without one)."""
+    assert processed.token_rewards is not None, "with_gae needs a batch processed under advantage: gae"
+    b = processed.batch
+    turn = np.concatenate([t.turn for t in processed.trajectories])
+    values = torch.where(b.loss_mask > 0, values.float(), torch.zeros_like(values, dtype=torch.float32))
+    adv, ret = gae_advantages(settings, processed.token_rewards, values, b.offsets, b.loss_mask, turn)
+    first = torch.zeros(b.num_samples, dtype=torch.float32)
+    mask = b.loss_mask.numpy() > 0
+    for i in range(b.num_samples):
+        hit = np.flatnonzero(mask[int(b.offsets[i]):int(b.offsets[i + 1])])
+        if hit.size:
+            first[i] = adv[int(b.offsets[i]) + int(hit[0])]
+    processed.batch = dataclasses.replace(b, advantages=adv)
+    processed.sample_advantages, processed.values, processed.returns = first, values, ret
+    return processed

@@ -25,6 +25,7 @@ from axrl.runtime.loop import LoopSettings, WarmupSettings
 from axrl.runtime.spike_trigger import SpikeSettings
 from axrl.runtime.step_trainer import TrainStepSettings
 from axrl.train import TorchBackendConfig
+from axrl.train.critic import CriticConfig
 from axrl.train.lora import LoRAConfig
 from axrl.train.protocol import R3, R3Scope
 
@@ -69,7 +70,19 @@ def backend_settings(cfg: Config, *, compute_dtype: str | None = None) -> Backen
             sequence_parallel=m.sequence_parallel, moe_dispatcher=m.moe_dispatcher, data_parallel=m.data_parallel))
     lora = None if t.lora is None else LoRAConfig(rank=t.lora.rank, alpha=t.lora.alpha, dropout=t.lora.dropout,
                                                   targets=tuple(t.lora.targets))
-    return BackendSettings("torch", TorchBackendConfig(**common, lora=lora))
+    return BackendSettings("torch", TorchBackendConfig(**common, lora=lora), critic=critic_config(cfg, common),
+                           critic_model=None if cfg.critic is None else cfg.critic.model)
+
+
+def critic_config(cfg: Config, common: dict) -> CriticConfig | None:
+    """`critic` (None when off): its own optimizer, the run's micro-batching, threads and determinism."""
+    c = cfg.critic
+    if c is None:
+        return None
+    return CriticConfig(**{**common, "lr": c.lr, "weight_decay": c.weight_decay, "grad_clip": c.grad_clip,
+                           "lr_schedule": "constant", "warmup_steps": 0,
+                           "micro_batch_tokens": c.micro_batch_tokens or common["micro_batch_tokens"]},
+                        value_clip=c.value_clip, updates_per_step=c.updates_per_step)
 
 
 # -- the train step ----------------------------------------------------------------------------------
@@ -106,7 +119,7 @@ def step_settings(cfg: Config) -> TrainStepSettings:
         behaviour_logprob=behaviour,
         # Behaviour logprobs of tokens up to η versions old need those versions' weights.
         keep_versions=cfg.rollout.max_staleness if behaviour and cfg.runtime.mode == "async" else 0,
-        faults=faults(cfg))
+        faults=faults(cfg), critic_warmup_steps=0 if cfg.critic is None else cfg.critic.warmup_steps)
 
 
 def advantage_settings(cfg: Config) -> AdvantageSettings:
@@ -116,7 +129,7 @@ def advantage_settings(cfg: Config) -> AdvantageSettings:
     estimator = "dr_grpo" if a.advantage == "grpo" and not a.normalize_std else a.advantage
     ol = a.overlong_penalty
     return AdvantageSettings(estimator, a.advantage_clip, a.advantage_balance,
-                             None if ol is None else (ol.max_len, ol.cache_len), a.credit, a.gamma)
+                             None if ol is None else (ol.max_len, ol.cache_len), a.credit, a.gamma, a.lam)
 
 
 def learner_settings(cfg: Config) -> LearnerSettings:

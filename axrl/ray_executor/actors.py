@@ -24,6 +24,7 @@ from axrl.model.device import resolve_device
 from axrl.runtime.components import (BackendSettings, EngineSettings, ModelSource, embedded_engine_for,
                                      initial_model, make_tokenizer, make_train_backend)
 from axrl.ray_executor.activity import Activity, ActorBase, free_address, reported
+from axrl.train.critic import CriticConfig, CriticUpdate
 from axrl.ray_executor.handles import DataPlane, WeightsHandle, payload_bytes, rank_label
 from axrl.ray_executor.wire import wire_bytes
 from axrl.train.protocol import (R3, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, StepStats,
@@ -261,6 +262,33 @@ class TrainRankActor(ActorBase):
     def export_hf(self, directory: str) -> Path:
         """The backend's `export_hf` into `directory`: the path it wrote."""
         return self.backend.export_hf(directory)
+
+    # -- PPO's critic (algo.advantage: gae): every rank holds the same one and makes the same updates
+    @reported
+    def critic_config(self) -> tuple[CriticConfig, bool] | None:
+        """(the critic's config, whether it starts from the policy), or None without a critic."""
+        critic = getattr(self.backend, "critic", None)
+        return None if critic is None else (critic.config, critic.from_policy)
+
+    @reported
+    def critic_values(self, batch: PackedBatch) -> torch.Tensor:
+        """The critic's `values` of the whole `batch` (rank 0 answers for the group)."""
+        return self.backend.critic.values(batch)
+
+    @reported
+    def critic_train(self, batch: PackedBatch, splits: list[list[int]]) -> list[CriticUpdate]:
+        """The critic's `train` on the whole batch, on every rank (the critics stay identical)."""
+        return self.backend.critic.train(batch, splits)
+
+    @reported
+    def critic_fingerprint(self) -> str:
+        """The critic's weights fingerprint."""
+        return self.backend.critic.fingerprint()
+
+    @reported
+    def critic_copy_policy(self) -> None:
+        """Start the critic from this rank's policy weights (`Critic.copy_policy`)."""
+        self.backend.critic.copy_policy(self.backend.sync_source())
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {n: t.detach().clone() for n, t in self.backend.named_weights()}

@@ -24,6 +24,7 @@ from axrl.recording.events import EventLog
 from axrl.ray_executor.calls import close_actor
 from axrl.ray_executor.handles import DataPlane, WeightsHandle, payload_bytes, rank_label, shard_rows
 from axrl.ray_executor.wire import wire_bytes
+from axrl.train.critic import CriticConfig, CriticUpdate
 from axrl.train.metrics import reduce_microbatch_metrics
 from axrl.train.protocol import (R3, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, StepStats,
                                  TrainMetrics)
@@ -37,6 +38,29 @@ def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     return None if any(p is None for p in parts) else torch.cat(parts)  # type: ignore[arg-type]
 
 
+class RemoteCritic:
+    """PPO's critic (`axrl.train.critic.Critic`) held by the train ranks: the calls `train_critic`
+    and the step trainer make, forwarded. Every rank trains it on the whole batch (no gradient
+    all-reduce), so the ranks' critics stay identical; rank 0 answers questions."""
+
+    def __init__(self, group: "RayTrainGroup", config: CriticConfig, from_policy: bool) -> None:
+        self.group, self.config, self.from_policy = group, config, from_policy
+
+    def values(self, batch: PackedBatch) -> torch.Tensor:
+        return self.group._get(self.group.ranks[0].critic_values.remote(batch))
+
+    def train(self, batch: PackedBatch, splits: list[list[int]]) -> list[CriticUpdate]:
+        ref = self.group._ray.put(batch)
+        return self.group._each(lambda r: r.critic_train.remote(ref, [list(s) for s in splits]))[0]
+
+    def fingerprint(self) -> str:
+        return self.group._get(self.group.ranks[0].critic_fingerprint.remote())
+
+    def copy_policy(self, weights: object = None) -> None:
+        """Each rank copies its own policy's weights (`weights`, the driver's handle, is not needed)."""
+        self.group._each(lambda r: r.critic_copy_policy.remote())
+
+
 class RayTrainGroup:
     """A `TrainBackend` over train rank actors. The driver's group owns the ranks (`start`: it
     creates them and forms their process group, and closing it kills them); the learner actor
@@ -47,6 +71,8 @@ class RayTrainGroup:
         self._ray, self._events, self._plane, self._timeout = ray, events, plane, call_timeout_s
         self.ranks, self.world, self.pids, self.owner = ranks, len(ranks), pids, owner
         self._model_config = model_config
+        self._critic: tuple[CriticConfig, bool] | None = None   # the ranks' critic (config, from_policy)
+        self.critic: RemoteCritic | None = None                 # PPO's critic on the ranks (algo.advantage: gae)
         self.lost = False
         self._closed = False
 
@@ -61,18 +87,23 @@ class RayTrainGroup:
             address = group._get(group.ranks[0].rendezvous.remote())
             group._each(lambda r: r.init_group.remote(address))
         group._model_config = group._get(group.ranks[0].model_config.remote())
+        group._critic = group._get(group.ranks[0].critic_config.remote())
+        group.critic = None if group._critic is None else RemoteCritic(group, *group._critic)
         return group
 
     def attachment(self) -> dict[str, Any]:
         """What `attach` needs in another process (actor handles and small facts only)."""
-        return {"ranks": self.ranks, "model_config": self._model_config, "pids": self.pids}
+        return {"ranks": self.ranks, "model_config": self._model_config, "pids": self.pids, "critic": self._critic}
 
     @classmethod
     def attach(cls, ray: Any, attachment: dict[str, Any], *, events: EventLog, plane: DataPlane,
                call_timeout_s: float = 600.0) -> "RayTrainGroup":
         """A group over ranks another process owns; closing it leaves them running."""
-        return cls(ray, list(attachment["ranks"]), model_config=attachment["model_config"], pids=attachment["pids"],
-                   events=events, plane=plane, call_timeout_s=call_timeout_s, owner=False)
+        group = cls(ray, list(attachment["ranks"]), model_config=attachment["model_config"], pids=attachment["pids"],
+                    events=events, plane=plane, call_timeout_s=call_timeout_s, owner=False)
+        group._critic = attachment.get("critic")
+        group.critic = None if group._critic is None else RemoteCritic(group, *group._critic)
+        return group
 
     # -- calls -----------------------------------------------------------------------------------
     def _get(self, refs: Any) -> Any:

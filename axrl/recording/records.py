@@ -12,6 +12,7 @@ import torch
 from axrl.algo.processor import ProcessedBatch
 from axrl.core.trajectory import Trajectory
 from axrl.rollout.pool import Batch
+from axrl.train.critic import CriticUpdate, critic_metrics
 from axrl.train.protocol import ForwardResult, StepStats, TrainMetrics
 from axrl.trace import StepRecord
 from axrl.trace.quantities import analysed_mask, delta, mean_abs_delta
@@ -23,6 +24,19 @@ class UpdateResult:
     metrics: TrainMetrics
     stats: StepStats
     fingerprint: str
+
+
+@dataclass
+class CriticStep:
+    """The critic's updates of one step and its weights' fingerprints around them."""
+
+    updates: list[CriticUpdate]
+    fingerprint_before: str
+    fingerprint_after: str
+
+
+#: Root attrs of a step file trained with a critic (`critic_attrs`; replay compares them).
+CRITIC_ATTRS = ("critic_fingerprint_before", "critic_fingerprint_after", "critic_value_loss", "critic_updates")
 
 
 @dataclass
@@ -41,6 +55,7 @@ class TrainedStep:
     wall_times: dict[str, float] = field(default_factory=dict)
     num_experts: int = 0
     marks: dict[str, Any] = field(default_factory=dict)   # extra root attrs of the step file (e.g. spike)
+    critic: CriticStep | None = None        # PPO's critic updates (algo.advantage: gae)
 
 
 def mismatch(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
@@ -86,6 +101,7 @@ def step_metrics(o: TrainedStep) -> dict[str, Any]:
         "mismatch": mismatch(o.old.logprobs, batch.rollout_logprobs, batch.loss_mask),
         **split,
         **teacher_kl(o),
+        **_critic_metrics(o),
         "entropy": float((o.old.entropy * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1)),
         "samples": len(trajs),
         "failed": len(trajs) - len(ok),
@@ -103,6 +119,25 @@ def step_metrics(o: TrainedStep) -> dict[str, Any]:
         "dropped_groups": o.processed.dropped_groups,   # dynamic sampling (0 when off)
         **_session_metrics(trajs),
     }
+
+
+def _critic_metrics(o: TrainedStep) -> dict[str, float]:
+    """value_loss, value_clip_frac, explained_variance, critic_grad_norm, critic_lr (with a critic)."""
+    p = o.processed
+    if o.critic is None or p.values is None or p.returns is None:
+        return {}
+    return critic_metrics(o.critic.updates, p.values, p.returns, p.batch.loss_mask)
+
+
+def critic_attrs(o: TrainedStep) -> dict[str, Any]:
+    """The step file's critic attrs (`CRITIC_ATTRS`): fingerprints, the updates' value losses
+    (float64 reprs, space-separated, in order: replay compares them bit for bit) and their count."""
+    if o.critic is None:
+        return {}
+    c = o.critic
+    return {"critic_fingerprint_before": c.fingerprint_before, "critic_fingerprint_after": c.fingerprint_after,
+            "critic_value_loss": " ".join(repr(float(u.value_loss)) for u in c.updates),
+            "critic_updates": len(c.updates)}
 
 
 def _session_metrics(trajs: list[Trajectory]) -> dict[str, Any]:
@@ -232,6 +267,8 @@ def step_record(o: TrainedStep, rng_digest: str = "", routing: bool = True) -> S
         routing_train=None if routing_train is None else routing_train.numpy(),
         behaviour_train_logprob=None if o.behaviour is None else o.behaviour.numpy(),
         turn_reward=o.processed.turn_rewards,
+        value=None if o.processed.values is None else o.processed.values.numpy(),
+        returns=None if o.processed.returns is None else o.processed.returns.numpy(),
         **_pool_columns(o.batch, o.processed.dropped, routing),
         **_session_columns(trajs),
         extra_samples=extra_samples,
@@ -239,7 +276,7 @@ def step_record(o: TrainedStep, rng_digest: str = "", routing: bool = True) -> S
                       else {"teacher_logprob": o.processed.teacher_logprobs.numpy()}),   # on-policy distillation
         wall_times=o.wall_times,
         rng_digest=rng_digest,
-        attrs=o.marks,
+        attrs={**o.marks, **critic_attrs(o)},
     )
 
 

@@ -8,6 +8,7 @@ bundle, so a Ray actor can be handed the parts it builds from.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal
@@ -41,6 +42,7 @@ from axrl.sync import WeightSync
 from axrl.tokenizer import Tokenizer, load_tokenizer
 from axrl.trace import RunDir
 from axrl.train import TorchBackend, TorchBackendConfig
+from axrl.train.critic import Critic, CriticConfig
 from axrl.train.protocol import TrainBackend
 
 if TYPE_CHECKING:
@@ -72,6 +74,8 @@ class BackendSettings:
 
     kind: Literal["torch", "megatron"]
     config: TorchBackendConfig
+    critic: CriticConfig | None = None      # PPO's value model (algo.advantage: gae); torch backend only
+    critic_model: str | None = None         # its initial weights (None: the policy's initial model)
 
 
 @dataclass(frozen=True)
@@ -265,7 +269,8 @@ def make_step_trainer(s: LearnerSettings, backend: TrainBackend, sync: WeightSyn
     """The trainer side of a step over `backend`, posting new weights to `sync` (with the
     distillation teacher when `distill` is set)."""
     return StepTrainer(backend, make_processor(s), s.step, sync, backend.model_config.num_experts,
-                       distill=s.distill, teacher=make_distill_teacher(s.distill, backend))
+                       distill=s.distill, teacher=make_distill_teacher(s.distill, backend),
+                       critic=getattr(backend, "critic", None))  # torch backend's value model (gae)
 
 
 def make_distill_teacher(s: DistillSettings | None, backend: TrainBackend) -> LocalTeacher | None:
@@ -371,7 +376,27 @@ def make_train_backend(source: ModelSource, s: BackendSettings, tokenizer: Token
         from axrl.train.megatron import MegatronBackend
 
         return MegatronBackend(model, s.config, tokenizer=tokenizer, group=megatron_group)
-    return TorchBackend(model, s.config, tokenizer=tokenizer)
+    critic = None if s.critic is None else make_critic(source, s, tokenizer, model)
+    backend = TorchBackend(model, s.config, tokenizer=tokenizer)
+    backend.critic = critic
+    return backend
+
+
+def make_critic(source: ModelSource, s: BackendSettings, tokenizer: Tokenizer, policy: Qwen3ForCausalLM) -> Critic:
+    """PPO's value model: the policy's architecture (its weights at RL start are copied in after
+    the warm-up, `Critic.copy_policy`), or `critic.model` (a Hugging Face directory or a run's
+    checkpoints/step_N, with the policy's tokenizer)."""
+    assert s.critic is not None
+    if s.critic_model is None:
+        return Critic(copy.deepcopy(policy), s.critic)
+    from axrl.runtime.teacher import load_teacher, tokenizer_difference
+
+    body, its_tokenizer = load_teacher(s.critic_model, source.torch_dtype)
+    diff = tokenizer_difference(tokenizer, its_tokenizer)
+    if diff is not None:
+        raise ConfigError(f"critic.model {s.critic_model}: its tokenizer differs from the policy's ({diff}); "
+                          "the critic reads the policy's tokens: give a model with the same tokenizer")
+    return Critic(body.to(resolve_device(source.device)), s.critic, from_policy=False)
 
 
 def make_engine(source: ModelSource, s: RolloutSideSettings, backend: TrainBackend,

@@ -116,6 +116,9 @@ def start(s: LoopSettings, c: Components, run: RunDir, resume: bool,
                              seed=s.seed, on_step=lambda i, loss: advance(f"loss {loss:.3f}"))
         c.backend.reset_optimizer()  # RL starts with a fresh optimizer and schedule
         progress.log(f"warm-up: {w.steps} supervised steps, loss {losses[0]:.3f} → {losses[-1]:.3f}")
+    critic = getattr(c.backend, "critic", None)
+    if critic is not None and critic.from_policy:  # PPO's critic starts as the policy at RL start
+        critic.copy_policy(c.backend.sync_source())
     c.rollout.load_weights(c.backend.sync_source(), 0)
     keep_reference(c.backend, s.needs_reference)  # algo.kl_coef > 0: the reference policy is the state at RL start
     save_checkpoint(run.path, 0, c.backend, checkpoint_state(c, 0))

@@ -112,7 +112,7 @@ class SpikeTrigger:
         probe = DumpProbe(backend, step.loss_fn, batch, splits, r3=r3)
         try:
             results = run_updates(backend, batch, splits, probe.loss_fn, r3=r3,
-                                  lr_scale=step.faults.lr_scale_at(outcome.step), hooks=probe)
+                                  lr_scale=step.lr_scale_at(outcome.step), hooks=probe)
         finally:
             probe.close()
         same = [r.fingerprint for r in results] == [u.fingerprint for u in outcome.updates]

@@ -5,8 +5,10 @@ token's logprob before the update (`old_logprob`, the proximal policy of decoupl
 with `trace.behaviour_logprob`, its logprob under the weights that *generated* it
 (`behaviour_train_logprob`, from the copies of the last η versions the backend keeps), so that
 old − rollout splits into an engine part and a staleness part; with `distill`, the teacher's
-logprobs and the distillation advantage (axrl/algo/distill.py).
-train: the optimizer updates, through the code replay re-executes (`runtime/updates.py`).
+logprobs and the distillation advantage (axrl/algo/distill.py); with a critic (PPO,
+`algo.advantage: gae`), the critic's values of the batch and GAE's advantages and returns.
+train: the optimizer updates, through the code replay re-executes (`runtime/updates.py`), then
+the critic's updates on the returns (`train_critic`).
 sync: post the new weights; the rollout worker loads them when its schedule says so.
 """
 
@@ -23,14 +25,15 @@ import torch
 from axrl.algo import PolicyLoss, make_policy_loss
 from axrl.algo.loss_config import PolicyLossConfig
 from axrl.algo.distill import DistillSettings, with_distillation
-from axrl.algo.processor import AlgorithmProcessor, ProcessedBatch
+from axrl.algo.processor import AlgorithmProcessor, ProcessedBatch, with_gae
 from axrl.rollout.pool import Batch
 from axrl.runtime.faults import Faults
 from axrl.console.progress import PhaseTimer
 from axrl.recording.records import TrainedStep
 from axrl.runtime.reference import with_reference_logprobs
-from axrl.runtime.updates import run_updates
+from axrl.runtime.updates import run_updates, train_critic
 from axrl.sync import WeightSync
+from axrl.train.critic import Critic
 from axrl.train.protocol import R3, ForwardResult, TrainBackend
 
 if TYPE_CHECKING:
@@ -54,6 +57,12 @@ class TrainStepSettings:
     behaviour_logprob: bool = False
     keep_versions: int = 0
     faults: Faults = field(default_factory=Faults)
+    critic_warmup_steps: int = 0     # first steps in which only the critic learns (policy lr 0)
+
+    def lr_scale_at(self, step: int) -> float:
+        """The policy's learning-rate factor at `step`: the faults' (1 by default), times 0 while
+        the critic warms up (its weights then do not move; replay applies the same factor)."""
+        return self.faults.lr_scale_at(step) * (0.0 if step < self.critic_warmup_steps else 1.0)
 
     @property
     def needs_reference(self) -> bool:
@@ -74,8 +83,12 @@ def version_key(version: int) -> str:
 class StepTrainer:
     def __init__(self, backend: TrainBackend, processor: AlgorithmProcessor, settings: TrainStepSettings,
                  sync: WeightSync, num_experts: int, *, distill: DistillSettings | None = None,
-                 teacher: LocalTeacher | None = None) -> None:
+                 teacher: LocalTeacher | None = None, critic: Critic | None = None) -> None:
         self.backend, self.processor, self.settings, self.sync = backend, processor, settings, sync
+        self.critic = critic   # PPO's value model (algo.advantage: gae; axrl/train/critic.py)
+        if processor.settings.estimator == "gae" and critic is None:
+            raise ValueError("algo.advantage: gae needs the critic's values, but this train backend holds no critic "
+                             "(the `critic` section is trained by the torch backend in-process)")
         # On-policy distillation (algo/distill.py): `teacher` scores each batch (runtime/teacher.py).
         self.distill, self.teacher = distill, teacher
         self.num_experts = num_experts
@@ -88,6 +101,8 @@ class StepTrainer:
         with timer("prepare"):
             processed = self.processor(batch.trajectories)
             processed.batch = s.faults.perturb(step, processed.batch)  # faults.rollout_logprob_noise; no-op by default
+            if self.critic is not None:  # the old values, before this step's critic updates
+                processed = with_gae(processed, self.critic.values(processed.batch), self.processor.settings)
             old = backend.forward(processed.batch, r3=s.r3)
             processed.batch = dataclasses.replace(processed.batch, old_logprobs=old.logprobs)
             processed.batch = with_reference_logprobs(backend, processed.batch, s.needs_reference, s.r3)
@@ -101,7 +116,12 @@ class StepTrainer:
         with timer("train"):
             # Shared with replay/, which re-runs these updates from the trace (axrl/runtime/updates.py).
             updates = run_updates(backend, processed.batch, processed.update_splits(s.updates_per_step),
-                                  s.loss_fn, r3=s.r3, lr_scale=s.faults.lr_scale_at(step))
+                                  s.loss_fn, r3=s.r3, lr_scale=s.lr_scale_at(step))
+            critic = None
+            if self.critic is not None:
+                assert processed.values is not None and processed.returns is not None
+                critic = train_critic(self.critic, processed.batch, [t.group_id for t in processed.trajectories],
+                                      processed.values, processed.returns)
         with timer("sync"):
             self.sync.post(step + 1, backend.sync_source())
             if self.keep_versions:
@@ -109,7 +129,7 @@ class StepTrainer:
         return TrainedStep(step=step, policy_version=step, batch=batch, processed=processed, old=old,
                            updates=updates, fingerprint_before=fingerprint_before,
                            fingerprint_after=updates[-1].fingerprint, behaviour=behaviour,
-                           wall_times=timer.times, num_experts=self.num_experts)
+                           wall_times=timer.times, num_experts=self.num_experts, critic=critic)
 
     def behaviour_logprobs(self, processed: ProcessedBatch, old: ForwardResult, step: int) -> torch.Tensor:
         """float32 [T]: each generated token's trainer logprob under the weights of the version that

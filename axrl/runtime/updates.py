@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from axrl.recording.records import UpdateResult
+import numpy as np
+import torch
+
+from axrl.algo.processor import update_splits
+from axrl.recording.records import CriticStep, UpdateResult
+from axrl.train.critic import Critic, critic_batch
 from axrl.train.protocol import R3, LossFn, PackedBatch, TrainBackend
 
 
@@ -67,3 +72,14 @@ def run_updates(backend: TrainBackend, batch: PackedBatch, splits: Sequence[Sequ
         if hooks is not None:
             hooks.after_update(u, results[-1])
     return results
+
+
+def train_critic(critic: Critic, batch: PackedBatch, group_ids: Sequence[int] | np.ndarray, values: torch.Tensor,
+                 returns: torch.Tensor) -> CriticStep:
+    """The critic's updates of a step (after the policy's): `critic.updates_per_step` mini-batches of
+    whole groups (`update_splits`, as the policy's), regressing on GAE's `returns` from the old
+    `values` (value clipping around them). Replay calls this on the batch rebuilt from the trace."""
+    before = critic.fingerprint()
+    splits = update_splits(group_ids, critic.config.updates_per_step)
+    updates = critic.train(critic_batch(batch, values, returns), splits)
+    return CriticStep(updates=updates, fingerprint_before=before, fingerprint_after=critic.fingerprint())

@@ -99,6 +99,8 @@ class StepRecord:
     drift_tokens: Any = None                 # int32 [N] tokens differing from the template's rendering
     drift: Any = None                        # uint8 [T] 1 in the drift spans of a session's sample
     turn_reward: Any = None                  # float64 [T] reward of the token's turn (per-turn rewards)
+    value: Any = None                        # float32 [T] PPO critic's value (algo.advantage: gae)
+    returns: Any = None                      # float32 [T] GAE's return, the critic's target
     wall_times: Mapping[str, float] = field(default_factory=dict)  # phase -> seconds
     rng_digest: str = ""
     attrs: Mapping[str, Any] = field(default_factory=dict)          # extra root attrs (scalars)

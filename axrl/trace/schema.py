@@ -197,6 +197,12 @@ DATASETS: tuple[DatasetSpec, ...] = (
                 "reward of the token's turn (/tokens/turn; the env's step reward or a black-box agent's "
                 "per-turn reward), 0 on turn-0 tokens; written under algo.credit: turn or when a sample "
                 "was rewarded before its last turn (absent: all of /samples/reward on the last turn)"),
+    DatasetSpec("/tokens/value", "value", "float32", ("T",), False,
+                "PPO critic (algo.advantage: gae): V of the state the token was sampled in, by the critic "
+                "before the step's updates (the values GAE used); 0 off the loss mask"),
+    DatasetSpec("/tokens/return", "returns", "float32", ("T",), False,
+                "PPO critic: GAE's λ-return of the token (advantage before whitening + value), the critic's "
+                "target; 0 off the loss mask"),
     # --- routing
     DatasetSpec("/routing/rollout", "routing_rollout", ROUTING, ("T", "L", "k"), False,
                 "experts each token was routed to as *input* by the engine"),

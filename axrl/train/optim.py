@@ -60,3 +60,28 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Te
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(g.device, g.dtype))
+
+
+def adamw_update(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], *, lr: float,
+                 grad_clip: float) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """One optimizer update of `params` from their accumulated grads: a parameter without a grad
+    (e.g. an expert no token reached) gets zeros, so every parameter is stepped and has optimizer
+    state, as in Megatron's contiguous grad buffer; total norm (before clipping), clip to
+    `grad_clip` (0: off), AdamW step at `lr`; a non-finite norm skips the step (as Megatron does:
+    weights and moments stay intact). Zeroes the grads. Returns (total norm, per-tensor norms,
+    whether the step was applied)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    per_tensor = tensor_grad_norms(grads)
+    norm = grad_norm(grads, per_tensor)
+    applied = bool(torch.isfinite(norm))
+    if applied:
+        if grad_clip > 0:
+            clip_grads_(grads, grad_clip, norm)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm, per_tensor, applied

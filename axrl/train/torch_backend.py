@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import torch
 
 from axrl.model import ModelConfig, Qwen3ForCausalLM, hf_state_dict, load_weights_into, save_hf
+from axrl.train.critic import Critic
 from axrl.train.checkpoint_files import check_optimizer_state, read_checkpoint, warn_config_diff, write_checkpoint
 from axrl.train.determinism import capture_rng_state, restore_rng_state, set_determinism
 from axrl.train.fingerprint import weights_fingerprint
@@ -24,7 +25,7 @@ from axrl.train.lora import LoRAAdapters, LoRAConfig, export_peft
 from axrl.train.metrics import join_token_columns, reduce_microbatch_metrics, split_token_columns
 from axrl.train.micro_batch import (label_logprobs, micro_batch_ranges, next_token_logprobs, pad_micro_batch,
                                     restrict_routing_, unpad)
-from axrl.train.optim import adamw, clip_grads_, grad_norm, lr_at, tensor_grad_norms
+from axrl.train.optim import adamw, adamw_update, lr_at
 from axrl.train.prefix_tree import build_prefix_tree
 from axrl.train.protocol import (R3, ForwardProbe, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, R3Scope,
                                  StepStats, TrainMetrics)
@@ -73,6 +74,9 @@ class TorchBackend:
         self.skipped_steps = 0
         self._has_grads = False
         self._kept: dict[str, dict[str, torch.Tensor]] = {}  # keep_weights copies, by key
+        # PPO's value model (algo.advantage: gae), set by the run's assembly; saved and loaded with
+        # the policy, so checkpoints, resume and replay carry it (axrl/train/critic.py).
+        self.critic: Critic | None = None
 
     @property
     def model_config(self) -> ModelConfig:
@@ -231,25 +235,13 @@ class TorchBackend:
         """
         if not self._has_grads:
             raise RuntimeError("optimizer_step() called without a forward_backward() since the last step")
-        for _, p in self._params:
-            # A param without grad (e.g. an expert no token reached) gets zeros, so every param
-            # is stepped like in Megatron's contiguous grad buffer and has optimizer state.
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for _, p in self._params]
-        per_tensor = tensor_grad_norms(grads)
-        norm = grad_norm(grads, per_tensor)
         lr = lr_at(self.config, self.scheduler_step) * lr_scale if lr is None else lr
-        if torch.isfinite(norm):
-            if self.config.grad_clip > 0:
-                clip_grads_(grads, self.config.grad_clip, norm)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
+        norm, per_tensor, applied = adamw_update(self.optimizer, [p for _, p in self._params], lr=lr,
+                                                 grad_clip=self.config.grad_clip)
+        if applied:
             self.scheduler_step += 1
         else:
             self.skipped_steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
         self._has_grads = False
         return StepStats(grad_norm=float(norm), lr=lr,
                          param_grad_norm=dict(zip(self._hf_names, per_tensor.tolist())))
@@ -342,10 +334,15 @@ class TorchBackend:
     def save(self, directory: str | Path) -> None:
         """Write model/optimizer/rng safetensors and trainer_state.json (`checkpoint_files`)."""
         write_checkpoint(directory, self.state_dict())
+        if self.critic is not None:
+            self.critic.save(directory)
 
     def load(self, directory: str | Path) -> None:
         """Restore a `save`d checkpoint; every file is validated (the weights against the recorded
-        fingerprint) before any state is changed. Never unpickles."""
+        fingerprint) before any state is changed. Never unpickles. With a critic, its state too
+        (`critic/`, read first: a checkpoint without it fails before the policy changes)."""
+        if self.critic is not None:
+            self.critic.load(directory)
         self._load_state(*read_checkpoint(directory))
 
 

@@ -177,6 +177,13 @@ def _print(result: "ReplayResult") -> None:
     fp = target["fingerprint_after"]
     table.add_row("", "weights fingerprint", f"{str(fp['recorded'])[:12]}…", f"{str(fp['replayed'])[:12]}…",
                   _eq(fp["equal"]))
+    critic = target.get("critic")
+    if critic:  # PPO's critic, re-run after the policy (algo.advantage: gae)
+        vl, cfp = critic["value_loss"], critic["fingerprint_after"]
+        short = lambda v: " ".join(f"{float(x):.6g}" for x in str(v).split()) if v else "–"  # noqa: E731
+        table.add_row("", "critic value loss", short(vl["recorded"]), short(vl["replayed"]), _eq(vl["equal"]))
+        table.add_row("", "critic fingerprint", f"{str(cfp['recorded'])[:12]}…", f"{str(cfp['replayed'])[:12]}…",
+                      _eq(cfp["equal"]))
     out.print(table)
     t = result.timings
     timing = f"step re-executed in {t['step_seconds']:.3f} s"

@@ -16,6 +16,7 @@ from axrl_debug.analysis.pool import pool_by_step
 from axrl_debug.analysis.sessions import sessions_by_step
 from axrl_debug.analysis.spikes import SpikeConfig, detect
 from axrl_debug.analysis.turns import turns_by_step
+from axrl_debug.analysis.value_error import value_errors
 from axrl_debug.commands.base import JSON_OPTION, app, out, print_json, run_command
 from axrl_debug.commands._common import (STEPS_OPTION_HELP, fmt, open_run, pct, report_problems,
                                          select_steps, show, simple_table)
@@ -72,6 +73,21 @@ def show_turns(rows: list[dict[str, Any]]) -> None:
                        for r in rows for t in r["turns"]]))
 
 
+def show_value_error(doc: dict[str, Any]) -> None:
+    """The critic's value error e = V − return on trained tokens: per step, then by turn and by
+    position (trained-token index) pooled over the steps."""
+    def cells(r: dict[str, Any]) -> list[str]:
+        return [str(r["tokens"]), *(fmt(r[k], 3) if r[k] is not None else "–" for k in ("mean", "mean_abs", "rmse"))]
+
+    head = ["tokens", "mean e", "mean |e|", "rmse"]
+    show(simple_table("critic value error e = V − return (/tokens/value, /tokens/return; trained tokens)",
+                      ["step", *head], [[str(r["step"]), *cells(r)] for r in doc["steps"]]))
+    show(simple_table("value error by turn (all shown steps)", ["turn", *head],
+                      [[str(r["turn"]), *cells(r)] for r in doc["all"]["by_turn"]]))
+    show(simple_table("value error by position: the token's index among its sample's trained tokens",
+                      ["positions", *head], [[r["positions"], *cells(r)] for r in doc["all"]["by_position"]]))
+
+
 def show_pool(rows: list[dict[str, Any]]) -> None:
     """Per step: groups the pool dropped (by reason) or re-ran, and the dropped samples recorded."""
     show(simple_table("rollout pool (dropped groups are recorded under /pool, never trained)",
@@ -98,6 +114,7 @@ def summary(
     a run with a black-box agent also gets its sessions' forks and re-tokenisation drift per step,
     a run that dropped or re-ran groups (staleness, dynamic sampling) what its pool left out;
     a run with per-turn rewards (/tokens/turn_reward) their mean and the mean advantage per turn;
+    a run with a critic (algo.advantage: gae) its value error V − return per step, by turn and by position;
     --json adds the share of loss tokens per objective/correction rule.
 
     Scalars the training loop logged (reward, loss, grad_norm, clipfrac, mismatch) come from
@@ -118,11 +135,13 @@ def summary(
         sessions = sessions_by_step(reader, list(df["step"]))
         pool = pool_by_step(reader, list(df["step"]))
         turns = turns_by_step(reader, list(df["step"]))
+        values = value_errors(reader, list(df["step"]))
         if json_out:
             cols = [c for c in flagged.columns if not c.endswith("_z")]
             print_json({"run": str(reader.path), "steps": records(flagged[cols]),
                         "sources": df.attrs.get("sources", {}), "spikes": spikes, "worst": worst,
                         "sessions": sessions, "pool": pool, **({"turns": turns} if turns else {}),
+                        **({"value_error": values} if values else {}),
                         "problems": problems, **({"events": faults} if faults else {})})
             return 0
         split = "mismatch_engine" in flagged
@@ -145,6 +164,8 @@ def summary(
             show_pool(pool)
         if turns:
             show_turns(turns)
+        if values:
+            show_value_error(values)
         if worst.get("mismatch"):
             w = worst["mismatch"]
             out.print(f"worst mismatch: step {w['step']} (mean |Δ| {fmt(w['value'], 3)}) — "

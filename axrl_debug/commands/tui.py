@@ -26,7 +26,8 @@ def tui(
                                  help="Do not read every step file in the background for max |Δ|, k3, "
                                       "routing agreement and version lag (the metrics.jsonl columns stay)."),
     against: str = typer.Option("trainer", "--against", help="Colour tokens by |trainer − rollout logprob| "
-                                "('trainer') or, in an on-policy distillation run, |teacher − rollout| ('teacher')."),
+                                "('trainer') or, in an on-policy distillation run, |teacher − rollout| ('teacher'), "
+                                "or, in a PPO run with a critic, by its value error |V − return| ('value')."),
 ) -> None:
     """Browse a run in the terminal: steps (sortable, spikes highlighted, sparklines), the samples
     of a step (sortable, filterable), and the tokens of a sample coloured by |trainer − rollout
@@ -38,8 +39,8 @@ def tui(
     def body() -> int:
         from axrl_debug.tui.data import RunModel, RunOpenError
 
-        if against not in ("trainer", "teacher"):
-            raise BadInput(f"--against {against!r}: expected 'trainer' or 'teacher'")
+        if against not in ("trainer", "teacher", "value"):
+            raise BadInput(f"--against {against!r}: expected 'trainer', 'teacher' or 'value'")
         try:
             model = RunModel(run, against=against)
         except RunOpenError as e:

@@ -329,8 +329,16 @@ def read_replay_tokens(path: Path, num_tokens: int, problems: list[str]) -> dict
 
 
 # ============================================================================ sample
+def value_error(loss_mask: np.ndarray, value: np.ndarray, ret: np.ndarray) -> np.ndarray:
+    """float64 [n]: V − return on the trained tokens (`--against value`), NaN elsewhere (and
+    everywhere in a step without /tokens/value: a critic-free run has nothing to colour)."""
+    e = np.asarray(value, np.float64) - np.asarray(ret, np.float64)
+    return np.where(np.asarray(loss_mask) > 0, e, np.nan)
+
+
 _TOKEN_COLS = ("ids", "loss_mask", "turn", "policy_version", "rollout_logprob", "old_logprob",
-               "advantage", "entropy", "behaviour_train_logprob", "is_weight", "loss_rule", "teacher_logprob")
+               "advantage", "entropy", "behaviour_train_logprob", "is_weight", "loss_rule", "teacher_logprob",
+               "value", "return")
 
 
 @dataclass
@@ -375,6 +383,9 @@ class SampleTokens:
         compared = "teacher_logprob" if step.run.against == "teacher" else "old_logprob"
         delta = M.token_delta(data.get("loss_mask", np.zeros(n, np.uint8)),
                               data.get("rollout_logprob", nan), data.get(compared, nan))
+        if step.run.against == "value":  # a PPO critic's value error V − return on trained tokens
+            delta = value_error(data.get("loss_mask", np.zeros(n, np.uint8)), data.get("value", nan),
+                                data.get("return", nan))
         text = decode_pieces(step.run.tokenizer, data.get("ids", np.zeros(0, np.int32)))
         tokens = cls(step=step, row=row, start=a, data=data, delta=delta, text=text,
                      routing_rollout=rr, routing_train=rt, routing_valid=rv)
