@@ -29,7 +29,7 @@ from axrl.train.checkpoint_files import check_optimizer_state, read_checkpoint, 
 from axrl.train.determinism import capture_rng_state
 from axrl.train.fingerprint import weights_fingerprint
 from axrl.train.micro_batch import micro_batch_ranges, pad_micro_batch, unpad
-from axrl.train.optim import adamw, adamw_update, lr_at
+from axrl.train.optim import adamw, adamw_update, lr_at, restore_adamw_state
 from axrl.train.protocol import PackedBatch
 from axrl.train.settings import BackendConfig
 
@@ -186,15 +186,9 @@ class Critic:
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(weights[n])
-        self.optimizer.state.clear()
-        for name, s in state["optimizer"].items():
-            p = params[name]
-            self.optimizer.state[p] = {"step": s["step"].detach().clone().cpu(),
-                                       "exp_avg": s["exp_avg"].detach().to(p.device, p.dtype).clone(),
-                                       "exp_avg_sq": s["exp_avg_sq"].detach().to(p.device, p.dtype).clone()}
+        restore_adamw_state(self.optimizer, params, state["optimizer"])
         self.scheduler_step = int(state["scheduler_step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
-        self.optimizer.zero_grad(set_to_none=True)
 
     def save(self, directory: str | Path) -> None:
         """The critic's checkpoint files in `directory/critic`."""

@@ -85,3 +85,16 @@ def adamw_update(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm, per_tensor, applied
+
+
+def restore_adamw_state(optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor],
+                        saved: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Replace ``optimizer``'s AdamW moments by a checkpoint's (``saved``: per parameter name its
+    ``step``, ``exp_avg``, ``exp_avg_sq``), on each parameter's device and dtype; grads cleared."""
+    optimizer.state.clear()
+    for name, s in saved.items():
+        p = params[name]
+        optimizer.state[p] = {"step": s["step"].detach().clone().cpu(),
+                              "exp_avg": s["exp_avg"].detach().to(p.device, p.dtype).clone(),
+                              "exp_avg_sq": s["exp_avg_sq"].detach().to(p.device, p.dtype).clone()}
+    optimizer.zero_grad(set_to_none=True)

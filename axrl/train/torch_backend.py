@@ -25,7 +25,7 @@ from axrl.train.lora import LoRAAdapters, LoRAConfig, export_peft
 from axrl.train.metrics import join_token_columns, reduce_microbatch_metrics, split_token_columns
 from axrl.train.micro_batch import (label_logprobs, micro_batch_ranges, next_token_logprobs, pad_micro_batch,
                                     restrict_routing_, unpad)
-from axrl.train.optim import adamw, adamw_update, lr_at
+from axrl.train.optim import adamw, adamw_update, lr_at, restore_adamw_state
 from axrl.train.prefix_tree import build_prefix_tree
 from axrl.train.protocol import (R3, ForwardProbe, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, R3Scope,
                                  StepStats, TrainMetrics)
@@ -309,16 +309,9 @@ class TorchBackend:
         except ValueError as e:
             raise ValueError(f"{src('rng')}: {e}") from e
         self._load_weights(state["model"], src("model"))
-        self.optimizer.state.clear()
-        params = dict(self._params)
-        for name, s in state["optimizer"].items():
-            p = params[name]
-            self.optimizer.state[p] = {"step": s["step"].detach().clone().cpu(),
-                                       "exp_avg": s["exp_avg"].detach().to(p.device, p.dtype).clone(),
-                                       "exp_avg_sq": s["exp_avg_sq"].detach().to(p.device, p.dtype).clone()}
+        restore_adamw_state(self.optimizer, dict(self._params), state["optimizer"])
         self.scheduler_step = int(state["scheduler_step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
-        self.optimizer.zero_grad(set_to_none=True)
         self._has_grads = False
 
     def _load_weights(self, weights: dict[str, torch.Tensor], source: str) -> None:
