@@ -6,11 +6,13 @@ replay bitwise with fp8, and the refusal of fp8 SGLang on CPU."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
 from typer.testing import CliRunner
 
 from axrl.cli import app as axrl_app
@@ -22,7 +24,7 @@ from axrl.inference.quant import (BLOCK, FP8_MAX, apply_rollout_precision, dequa
                                   is_quantised, quantise_fp8)
 from axrl.model import build_model, hf_state_dict, preset_config
 from axrl_debug.cli import app as debug_app
-from replay.rollout import replay_rollout
+from replay.rollout import replay_rollout, teacher_forced_check
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,9 +177,21 @@ def test_the_run_records_its_rollout_precision(fp8_run):
     assert "rollout precision: weights fp8, KV cache fp8" in out.output
 
 
-def test_fp8_rollout_replays_bitwise(fp8_run):
+def test_fp8_rollout_replays_bitwise(fp8_run, tmp_path):
     result = replay_rollout(fp8_run, 1)
     assert result.verdict == "bitwise-equal", result.first_divergence
+    # the teacher-forced engine path (replay --rollout --engine embedded, explain) applies the same
+    # precision: it reproduces the fp8 engine's logprobs bit for bit, and the gap is the trainer's
+    tf = teacher_forced_check(fp8_run, 1, top=3)
+    assert tf.tokens > 0 and tf.summary["max_abs_embedded_vs_recorded"] == 0.0
+    assert tf.summary["mean_abs_trainer_vs_recorded"] > 0
+    # the precision is what makes it bitwise: replayed in fp32, the same step diverges
+    copy = tmp_path / "as_fp32"
+    shutil.copytree(fp8_run, copy)
+    cfg = yaml.safe_load((copy / "config.yaml").read_text())
+    cfg["rollout"].update(weight_dtype="fp32", kv_dtype="auto")
+    (copy / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert replay_rollout(copy, 1).verdict == "diverged"
 
 
 def test_fp8_sglang_is_refused_on_cpu():
