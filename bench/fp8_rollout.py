@@ -8,12 +8,12 @@ Two measurements, both from real CPU runs of the quickstart (calculator, tiny Mo
    with no correction, with IcePop instead of TIS, and with R3. Per run: the mismatch of its
    rollout logprobs against the fp32 trainer over all steps (`axrl-debug mismatch --json`: mean
    |Δ|, k3, by position and by token), routing agreement, and the eval curve (metrics.jsonl).
-2. The same tokens under every precision: the fp32 run's last step teacher-forced through the
+2. The same tokens under every precision: the fp32 run's last checkpointed step teacher-forced through the
    embedded engine's decode path (`replay.rollout.teacher_forced_check`, i.e.
    `axrl-debug replay --rollout --engine embedded`) with the run's config set to each rollout
    precision; `trainer − embedded decode` is then the gap that precision alone adds.
 
-Then `axrl-debug explain` on the fp8 run's last step attributes its gap per layer.
+Then `axrl-debug explain` on the fp8 run's same step attributes its gap per layer.
 
     python bench/fp8_rollout.py [--steps 20] [--parallel 3] [--out bench_runs/fp8] [--reuse]
 
@@ -96,8 +96,11 @@ def run_metrics(run: Path) -> dict:
     evals = [(r["step"], r["eval_reward"]) for r in rows if r.get("eval_reward") is not None]
     train = [r for r in rows if r.get("reward") is not None]
     m, routing = mm["metrics"], mm.get("routing") or {}
+    steps = debug_json("summary", str(run))["steps"]
+    rules = {k: sum(r.get(k) or 0.0 for r in steps) / len(steps)
+             for k in ("rule_tis_truncated_frac", "rule_icepop_masked_frac", "is_weight_mean", "frac_above_tis_cap")}
     return {"mean_abs": m["mean_abs"], "k3": m["k3"], "max_abs": m["max_abs"], "tokens": mm["tokens"]["analysed"],
-            "routing_agreement": routing.get("agreement"),
+            "routing_agreement": routing.get("agreement"), "corrections": rules,
             "by_position": brief(mm["breakdowns"]["position"]),
             "by_token_prob": brief(mm["breakdowns"]["rollout_prob"]),
             "eval_curve": evals, "final_eval": evals[-1][1] if evals else None,
@@ -123,6 +126,13 @@ def same_tokens(run: Path, step: int, work: Path) -> dict[str, dict]:
     return out
 
 
+def explain_layers(res: dict) -> list[dict]:
+    """Per explained token: its gap, explain's verdict and each component's share of the gap."""
+    return [{"sample_id": t["sample_id"], "token": t["token"], "gap": t["gap"], "named": t["named"],
+             "r3_gap": t.get("r3_gap"), "shares": {r["name"]: round(r["share"], 3) for r in t["rows"]}}
+            for t in res["tokens"]]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=20)
@@ -137,10 +147,11 @@ def main() -> None:
         print(f"{n:>18}: mean|Δ| {r['mean_abs']:.3g}  k3 {r['k3']:.3g}  routing {r['routing_agreement']}  "
               f"eval {[round(v, 3) for _, v in r['eval_curve']]}  "
               f"train reward {r['mean_train_reward']:.3f}", flush=True)
-    last = args.steps - 1
+    last = (args.steps - 1) // 5 * 5  # a checkpointed step (checkpoint.every=5): no steps to re-run first
     tokens = same_tokens(args.out / "fp32", last, args.out)
     print(f"same tokens (fp32 run, step {last}): {tokens}", flush=True)
-    explain = debug_json("explain", str(args.out / "fp8"), "--step", str(last))
+    explain = explain_layers(debug_json("explain", str(args.out / "fp8"), "--step", str(last)))
+    print(f"explain fp8 step {last}: {explain}", flush=True)
     print(json.dumps({"steps": args.steps, "wall_s": wall, "runs": runs, "same_tokens_step": last,
                       "same_tokens": tokens, "explain_fp8": explain}, default=str))
 
