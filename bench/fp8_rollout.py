@@ -15,7 +15,7 @@ Two measurements, both from real CPU runs of the quickstart (calculator, tiny Mo
 
 Then `axrl-debug explain` on the fp8 run's same step attributes its gap per layer.
 
-    python bench/fp8_rollout.py [--steps 20] [--parallel 3] [--out bench_runs/fp8] [--reuse]
+    python bench/fp8_rollout.py [--steps 20] [--parallel 3] [--out runs/bench_fp8] [--reuse]
 
 The last line is one JSON object.
 """
@@ -137,7 +137,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--parallel", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench_runs" / "fp8")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_fp8")
     ap.add_argument("--reuse", action="store_true", help="keep finished runs in --out")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ from axrl.algo.loss_config import PolicyLossConfig
 from axrl.algo.processor import AdvantageSettings
 from axrl.config import Config, config_to_dict
 from axrl.inference.protocol import SamplingParams
+from axrl.inference.quant import server_quantization_args
 from axrl.inference.sglang.settings import ServedModel, SGLangSettings
 from axrl.rollout.runner import Clock
 from axrl.rollout.schedule import Schedule
@@ -188,9 +189,10 @@ def sglang_settings(cfg: Config) -> SGLangSettings:
     """`rollout.sglang`, with `--quantization fp8` when `rollout.weight_dtype: fp8` (GPU only; the
     config refuses it on CPU). Unverified until a GPU run."""
     s = cfg.rollout.sglang
-    if cfg.rollout.weight_dtype != "fp8" or "--quantization" in s.server_args:
+    extra = server_quantization_args(cfg.rollout.weight_dtype)
+    if not extra or "--quantization" in s.server_args:  # the user's own flag wins
         return s
-    return s.model_copy(update={"server_args": [*s.server_args, "--quantization", "fp8"]})
+    return s.model_copy(update={"server_args": [*s.server_args, *extra]})
 
 
 def rollout_settings(cfg: Config) -> RolloutSideSettings:

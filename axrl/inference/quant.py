@@ -101,6 +101,12 @@ def check_weight_dtype(weight_dtype: str, kv_dtype: str = "auto") -> None:
         raise ValueError(f"rollout.kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
 
 
+def server_quantization_args(weight_dtype: WeightDtype) -> list[str]:
+    """The flags an SGLang or vLLM server needs to roll out in `weight_dtype` (both spell block-fp8
+    `--quantization fp8`; GPU only, so the config refuses fp8 with a server engine on CPU)."""
+    return ["--quantization", "fp8"] if weight_dtype == "fp8" else []
+
+
 def rollout_state_dict(sd: Mapping[str, torch.Tensor], weight_dtype: WeightDtype) -> dict[str, torch.Tensor]:
     """`sd` with its quantised weights replaced by their rollout-precision values (others shared)."""
     if weight_dtype == "fp32":
