@@ -131,10 +131,10 @@ def test_low_precision_engine_is_off_fp32_plausibly_and_deterministic(weight_dty
     assert a != ref
     # a weight sync quantises the trainer's weights the same way as the initial model
     assert _logprobs(build_model(preset_config("tiny-moe"), seed=1), weight_dtype, kv_dtype, source=sd) == a
-    diff = np.abs(np.concatenate([np.subtract(x, y) for x, y in zip(a, ref) if len(x) == len(y)]))
-    # The sampled tokens may diverge; compare on the first tokens, where both sampled the same.
+    # Later sampled tokens may diverge; the first ones are the same token under both precisions.
     first = np.abs(np.array([x[0] - y[0] for x, y in zip(a, ref)]))
-    assert 0 < first.max() < 0.5 and diff.size > 0
+    assert 0 < first.max() < 0.5
+    # the caller's state dict is not quantised in place
     assert base.model.layers[0].self_attn.q_proj.weight.equal(sd["model.layers.0.self_attn.q_proj.weight"])
 
 
