@@ -405,7 +405,7 @@ class Config(Section):
         if self.runtime.device == "cpu":
             raise ValueError(f"rollout.weight_dtype: fp8 with rollout.engine: {r.engine} needs a GPU: the server's "
                              "`--quantization fp8` has no CPU kernels; on CPU use rollout.engine: embedded "
-                             "(which dequantises fp8 weights in its matmuls) or rollout.weight_dtype: fp32")
+                             "(which computes with the fp8-quantised weights) or rollout.weight_dtype: fp32")
         return self
 
     @model_validator(mode="after")

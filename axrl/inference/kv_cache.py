@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from axrl.inference.quant import fp8_round_rows
+from axrl.inference.quant import KV_DTYPES, fp8_round_rows
 
 
 class LayerKV:
@@ -56,8 +56,8 @@ class StaticKVCache(LayerKV):
                  head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  kv_dtype: str = "auto") -> None:
         super().__init__(num_layers, (max_batch_size, num_kv_heads, max_seq_len, head_dim), dtype, device)
-        if kv_dtype not in ("auto", "fp8"):
-            raise ValueError(f"rollout.kv_dtype must be 'auto' or 'fp8', got {kv_dtype!r}")
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"rollout.kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
         # kv_dtype "fp8": every key/value is rounded through e4m3 (a scale per token and head) as
         # it is written, so whatever reads the cache (attention, the prefix cache) sees fp8 values.
         self.kv_dtype = kv_dtype
