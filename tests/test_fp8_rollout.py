@@ -93,6 +93,9 @@ def test_which_weights_are_quantised():
     chosen = {n for n in names if is_quantised(n)}
     assert "model.layers.0.self_attn.q_proj.weight" in chosen
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in chosen
+    dense = hf_state_dict(build_model(preset_config("tiny-dense"), seed=0)).keys()
+    assert {"model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight",
+            "model.layers.0.mlp.down_proj.weight"} <= {n for n in dense if is_quantised(n)}
     for kept in ("model.layers.1.mlp.gate.weight", "lm_head.weight", "model.embed_tokens.weight",
                  "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_norm.weight"):
         assert kept in names and kept not in chosen
