@@ -64,6 +64,13 @@ class RolloutSection(Section):
                                                  "(earlier turns, a group's shared prompt); docs/prefix-merge.md")
     prefix_cache_tokens: int = Field(0, ge=0, description="embedded engine: prefix-cache pool in tokens "
                                                           "(0 = max_batch_size × max_context_len)")
+    weight_dtype: Literal["fp32", "bf16", "fp8"] = Field(
+        "fp32", description="precision of the rollout engine's linear weights, quantised from the trainer's at "
+                            "every sync (fp8: e4m3, 128×128 block scales; router, lm_head, embeddings and norms "
+                            "keep model.dtype); docs/debugging.md \"Low-precision rollout\"")
+    kv_dtype: Literal["auto", "fp8"] = Field(
+        "auto", description="embedded engine: K/V cache precision (auto = model.dtype; fp8: e4m3, one scale per "
+                            "token and head)")
     # -- asynchronous runs (runtime.mode: async; docs/train.md "Asynchronous runs")
     max_staleness: int = Field(1, ge=1, description="η: no trained token was generated more than η versions "
                                                      "before the weights it is trained with (async)")
@@ -423,6 +430,23 @@ class Config(Section):
         if self.r3_scope is not None and not self.r3:
             raise ValueError("r3_scope: set only with r3: true (it narrows which routing R3 replays); "
                              "remove r3_scope or set r3: true")
+        return self
+
+    @model_validator(mode="after")
+    def _rollout_precision(self) -> "Config":
+        r = self.rollout
+        if r.engine != "embedded" and r.kv_dtype != "auto":
+            raise ValueError(f"rollout.kv_dtype: {r.kv_dtype!r} is an embedded-engine setting; with rollout.engine: "
+                             f"{r.engine} leave it 'auto' (pass the server's own KV flag in its server_args)")
+        if r.engine == "embedded" or r.weight_dtype == "fp32":
+            return self
+        if r.weight_dtype == "bf16":
+            raise ValueError(f"rollout.weight_dtype: bf16 is an embedded-engine setting; an {r.engine} server "
+                             "computes in model.dtype (set model.dtype: bfloat16)")
+        if self.runtime.device == "cpu":
+            raise ValueError(f"rollout.weight_dtype: fp8 with rollout.engine: {r.engine} needs a GPU: the server's "
+                             "`--quantization fp8` has no CPU kernels; on CPU use rollout.engine: embedded "
+                             "(which computes with the fp8-quantised weights) or rollout.weight_dtype: fp32")
         return self
 
     @model_validator(mode="after")

@@ -152,11 +152,12 @@ class EnginePath:
 def run_engine_path(model: Qwen3ForCausalLM, contexts: list[Context], *, temperature: float, max_seq_len: int,
                     max_batch_size: int, capture: bool | set[int] = False, schedule: ClockSchedule | None = None,
                     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
-                    prefix_cache: tuple[int, int] | None = None) -> EnginePath:
+                    prefix_cache: tuple[int, int] | None = None, kv_dtype: str = "auto") -> EnginePath:
     """Teacher-force `contexts` through the engine's fused prefill and decode (see the module doc).
     `capture`: True keeps every hook point of every context (`EnginePath.states`), a set of context
     indices only theirs. `prefix_cache`: the run's prefix cache (pool tokens, block size), mirrored
-    on the `schedule` (without one, every prompt is prefilled whole)."""
+    on the `schedule` (without one, every prompt is prefilled whole). `kv_dtype`: the run's
+    `rollout.kv_dtype` (the model given already holds `rollout.weight_dtype` weights)."""
     probe = _Capture(contexts, None if capture is True else set(capture)) if capture else None
     logprob = [np.full(c.end, np.nan, dtype=np.float32) for c in contexts]
     routing: list[np.ndarray | None] = [None] * len(contexts)
@@ -165,7 +166,7 @@ def run_engine_path(model: Qwen3ForCausalLM, contexts: list[Context], *, tempera
     weight = model.lm_head.weight
     decoder = FusedDecoder(model, max_seq_len, max_batch_size)
     cache = StaticKVCache(cfg.num_hidden_layers, max_batch_size, cfg.num_key_value_heads, max_seq_len,
-                          cfg.head_dim, dtype=weight.dtype, device=weight.device)
+                          cfg.head_dim, dtype=weight.dtype, device=weight.device, kv_dtype=kv_dtype)
     scale = float(temperature) if temperature > 0 else 1.0
     order = list(range(len(contexts)))
     batches: list[list[int]] = []

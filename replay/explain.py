@@ -253,7 +253,8 @@ def _explain(state: PolicyState, step: int, tokens: list[tuple[int, int]] | None
     say(f"engine path: {len(contexts)} request(s), prefill + KV-cache decode")
     ep = run_engine_path(model, contexts, temperature=cfg.rollout.temperature, max_seq_len=cfg.rollout.max_context_len,
                          max_batch_size=cfg.rollout.max_batch_size, capture=wanted,
-                         schedule=clock_schedule(cfg, ro.sids, ro.gids), prefix_cache=engine_prefix_cache(cfg))
+                         schedule=clock_schedule(cfg, ro.sids, ro.gids), prefix_cache=engine_prefix_cache(cfg),
+                               kv_dtype=cfg.rollout.kv_dtype)
     timings["engine_seconds"] = time.perf_counter() - t1
     # Trainer path: the consecutive micro-batches (as trained) that hold the chosen tokens.
     ranges = split_micro_batches(rec.batch.lengths, cfg.train.micro_batch_tokens)

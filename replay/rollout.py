@@ -382,7 +382,8 @@ def teacher_forced_check(run_dir: str | Path, step: int, *, top: int = 10,
         say(f"teacher-forcing {len(contexts)} request(s) through the embedded engine's decode path")
         path = run_engine_path(model, contexts, temperature=cfg.rollout.temperature,
                                max_seq_len=cfg.rollout.max_context_len, max_batch_size=cfg.rollout.max_batch_size,
-                               schedule=clock_schedule(cfg, sids, gids), prefix_cache=engine_prefix_cache(cfg))
+                               schedule=clock_schedule(cfg, sids, gids), prefix_cache=engine_prefix_cache(cfg),
+                               kv_dtype=cfg.rollout.kv_dtype)
         emb = np.full(len(ids), np.nan, np.float32)
         for c, lp in zip(contexts, path.logprob):
             a = int(off[c.sample])

@@ -13,7 +13,8 @@ from axrl.algo.loss_config import PolicyLossConfig
 from axrl.algo.processor import AdvantageSettings
 from axrl.config import Config, config_to_dict
 from axrl.inference.protocol import SamplingParams
-from axrl.inference.sglang.settings import ServedModel
+from axrl.inference.quant import server_quantization_args
+from axrl.inference.sglang.settings import ServedModel, SGLangSettings
 from axrl.rollout.runner import Clock
 from axrl.rollout.schedule import Schedule
 from axrl.rollout.worker import RolloutPolicy
@@ -182,7 +183,8 @@ def engine_settings(cfg: Config) -> EngineSettings:
     """The embedded engine's slots, context and prefix cache (`rollout.*`)."""
     r = cfg.rollout
     return EngineSettings(max_batch_size=r.max_batch_size, max_context_len=r.max_context_len,
-                          prefix_cache=r.prefix_cache, prefix_cache_tokens=r.prefix_cache_tokens)
+                          prefix_cache=r.prefix_cache, prefix_cache_tokens=r.prefix_cache_tokens,
+                          weight_dtype=r.weight_dtype, kv_dtype=r.kv_dtype)
 
 
 def agent_settings(cfg: Config) -> AgentSettings | None:
@@ -197,6 +199,16 @@ def agent_settings(cfg: Config) -> AgentSettings | None:
                          coalesce_ms=a.coalesce_ms)
 
 
+def sglang_settings(cfg: Config) -> SGLangSettings:
+    """`rollout.sglang`, with `--quantization fp8` when `rollout.weight_dtype: fp8` (GPU only; the
+    config refuses it on CPU). Unverified until a GPU run."""
+    s = cfg.rollout.sglang
+    extra = server_quantization_args(cfg.rollout.weight_dtype)
+    if not extra or "--quantization" in s.server_args:  # the user's own flag wins
+        return s
+    return s.model_copy(update={"server_args": [*s.server_args, *extra]})
+
+
 def rollout_settings(cfg: Config) -> RolloutSideSettings:
     """`rollout` (+ `agent`, `eval` and the run's mode, seed and threads): the rollout side."""
     r = cfg.rollout
@@ -209,7 +221,7 @@ def rollout_settings(cfg: Config) -> RolloutSideSettings:
     served = ServedModel(max_batch_size=r.max_batch_size, max_context_len=r.max_context_len, seed=cfg.seed,
                          threads=cfg.runtime.threads, dtype=cfg.model.dtype, prefix_cache=r.prefix_cache)
     return RolloutSideSettings(
-        engine=r.engine, embedded=engine_settings(cfg), sglang=r.sglang if r.engine == "sglang" else None,
+        engine=r.engine, embedded=engine_settings(cfg), sglang=sglang_settings(cfg) if r.engine == "sglang" else None,
         served=served, group_size=r.group_size,
         sampling=SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                 top_k=r.top_k),
@@ -230,4 +242,5 @@ def loop_settings(cfg: Config) -> LoopSettings:
         wandb=cfg.logging.wandb, mlflow=cfg.logging.mlflow,
         config=config_to_dict(cfg),
         manifest={"backend": cfg.train.backend, "engine": cfg.rollout.engine, "mode": cfg.runtime.mode,
-                  "rollout_clock": rollout_clock(cfg)})
+                  "rollout_clock": rollout_clock(cfg), "rollout_weight_dtype": cfg.rollout.weight_dtype,
+                  "rollout_kv_dtype": cfg.rollout.kv_dtype})

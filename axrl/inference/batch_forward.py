@@ -31,16 +31,19 @@ class SlotBatch:
         decode_impl: "fused" (`FusedDecoder`) or "model" (the model's own forward).
         max_prefill_tokens: padded tokens per prefill forward.
         prefix_cache: (pool tokens, block size), or None for no prefix cache.
+        kv_dtype: "auto" (the model's dtype) or "fp8" (`StaticKVCache`).
     """
 
     def __init__(self, model: Qwen3ForCausalLM, *, max_batch_size: int, max_seq_len: int, version: int,
-                 decode_impl: str, max_prefill_tokens: int, prefix_cache: tuple[int, int] | None) -> None:
+                 decode_impl: str, max_prefill_tokens: int, prefix_cache: tuple[int, int] | None,
+                 kv_dtype: str = "auto") -> None:
         self.model = model
         cfg = model.config
         self.is_moe = cfg.is_moe
         weight = self.model.lm_head.weight
         self.cache = StaticKVCache(cfg.num_hidden_layers, max_batch_size, cfg.num_key_value_heads,
-                                   max_seq_len, cfg.head_dim, dtype=weight.dtype, device=weight.device)
+                                   max_seq_len, cfg.head_dim, dtype=weight.dtype, device=weight.device,
+                                   kv_dtype=kv_dtype)
         self.decoder = FusedDecoder(self.model, max_seq_len, max_batch_size) if decode_impl == "fused" else None
         self.device = weight.device
         self.max_prefill_tokens = max_prefill_tokens

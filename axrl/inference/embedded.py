@@ -49,6 +49,7 @@ import torch
 from axrl.inference.inbox import ControlOp, Inbox, new_sequence
 from axrl.inference.prefix_cache import DEFAULT_BLOCK_SIZE, pool_tokens
 from axrl.inference.protocol import GenerateRequest, GenerateResult, settle_future, validate_submission
+from axrl.inference.quant import KVDtype, WeightDtype, apply_rollout_precision, check_weight_dtype, rollout_state_dict
 from axrl.inference.scheduler import Scheduler
 from axrl.inference.weight_source import load_weight_source
 from axrl.model import ModelConfig, Qwen3ForCausalLM, hf_state_dict
@@ -75,13 +76,17 @@ class EmbeddedEngine:
         prefix_cache_tokens: pool size of the prefix cache in tokens; 0 = as many as the KV
             cache's slots hold (max_batch_size × max_seq_len).
         prefix_cache_block: tokens per cached block (prefixes are reused in whole blocks).
+        weight_dtype: "fp32" | "bf16" | "fp8" — the precision of the weights the engine computes
+            with (`axrl.inference.quant`): the model given and every update are quantised here.
+        kv_dtype: "auto" (the model's dtype) or "fp8" (K/V rounded through e4m3 as they are cached).
     """
 
     def __init__(self, model: Qwen3ForCausalLM, *, max_batch_size: int = 64, max_seq_len: int = 1024,
                  eos_token_id: int | Sequence[int] | None = None, weight_version: int = 0, seed: int = 0,
                  decode_impl: Literal["fused", "model"] = "fused", max_prefill_tokens: int = 8192,
                  clocked: bool = False, prefix_cache: bool | None = None, prefix_cache_tokens: int = 0,
-                 prefix_cache_block: int = DEFAULT_BLOCK_SIZE) -> None:
+                 prefix_cache_block: int = DEFAULT_BLOCK_SIZE, weight_dtype: WeightDtype = "fp32",
+                 kv_dtype: KVDtype = "auto") -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 2:
@@ -93,7 +98,9 @@ class EmbeddedEngine:
         if prefix_cache_tokens < 0 or prefix_cache_block < 1:
             raise ValueError(f"prefix_cache_tokens must be >= 0 and prefix_cache_block >= 1, "
                              f"got {prefix_cache_tokens}, {prefix_cache_block}")
-        self.model = model.eval()
+        check_weight_dtype(weight_dtype, kv_dtype)
+        self.weight_dtype: WeightDtype = weight_dtype
+        self.model = apply_rollout_precision(model.eval(), weight_dtype)
         self.config: ModelConfig = model.config
         self.max_batch_size, self.max_seq_len, self.seed = max_batch_size, max_seq_len, seed
         eos = self.config.eos_token_id if eos_token_id is None else eos_token_id
@@ -105,7 +112,8 @@ class EmbeddedEngine:
         self._scheduler = Scheduler(self.model, self._inbox, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                     version=weight_version, decode_impl=decode_impl,
                                     max_prefill_tokens=max_prefill_tokens,
-                                    prefix_cache=(cache_tokens, prefix_cache_block) if use_cache else None)
+                                    prefix_cache=(cache_tokens, prefix_cache_block) if use_cache else None,
+                                    kv_dtype=kv_dtype)
         self.clocked = clocked
         self._thread: threading.Thread | None = None
         if not clocked:
@@ -207,7 +215,8 @@ class EmbeddedEngine:
             raise ValueError(f"version must be an int or None, got {version!r}")
         if threading.current_thread() is self._thread:  # e.g. from a future's done-callback
             raise RuntimeError("update_weights would deadlock on the engine thread; call it from another thread")
-        state_dict = load_weight_source(source, self.config, self._expected_shapes)
+        state_dict = rollout_state_dict(load_weight_source(source, self.config, self._expected_shapes),
+                                        self.weight_dtype)
         done: concurrent.futures.Future = concurrent.futures.Future()
         with self._inbox.cv:
             if self._inbox.stopping:
@@ -256,7 +265,8 @@ class EmbeddedEngine:
                 "max_seq_len": self.max_seq_len, "iterations": s.iterations,
                 "generated_tokens": s.generated_tokens, "last_error": s.last_error,
                 "prefix_cache": None if s.prefix_cache is None else s.prefix_cache.stats(),
-                "kv_cache_bytes": s.cache.nbytes()}
+                "kv_cache_bytes": s.cache.nbytes(), "weight_dtype": self.weight_dtype,
+                "kv_dtype": s.cache.kv_dtype}
 
     @property
     def weight_version(self) -> int:

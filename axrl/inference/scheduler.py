@@ -27,9 +27,10 @@ class Scheduler(SlotBatch):
 
     def __init__(self, model: Qwen3ForCausalLM, inbox: Inbox, *, max_batch_size: int, max_seq_len: int,
                  version: int, decode_impl: str, max_prefill_tokens: int,
-                 prefix_cache: tuple[int, int] | None) -> None:
+                 prefix_cache: tuple[int, int] | None, kv_dtype: str = "auto") -> None:
         super().__init__(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len, version=version,
-                         decode_impl=decode_impl, max_prefill_tokens=max_prefill_tokens, prefix_cache=prefix_cache)
+                         decode_impl=decode_impl, max_prefill_tokens=max_prefill_tokens, prefix_cache=prefix_cache,
+                         kv_dtype=kv_dtype)
         self.inbox = inbox
         # Read by other threads (health); plain attribute writes are atomic.
         self.num_running = 0

@@ -25,6 +25,7 @@ from axrl.data import PromptLoader
 from axrl.errors import ConfigError
 from axrl.inference.embedded import EmbeddedEngine
 from axrl.inference.protocol import InferenceEngine, SamplingParams
+from axrl.inference.quant import KVDtype, WeightDtype
 from axrl.inference.sglang.settings import ServedModel, SGLangSettings
 from axrl.model import ModelConfig, Qwen3ForCausalLM, build_model, load_hf, load_weights_into, preset_config
 from axrl.model.device import resolve_device
@@ -86,6 +87,8 @@ class EngineSettings:
     max_context_len: int = 512
     prefix_cache: bool = False
     prefix_cache_tokens: int = 0
+    weight_dtype: WeightDtype = "fp32"    # axrl.inference.quant
+    kv_dtype: KVDtype = "auto"
 
 
 @dataclass(frozen=True)
@@ -437,4 +440,5 @@ def embedded_engine_for(s: EngineSettings, model: Qwen3ForCausalLM, tokenizer: T
     """The embedded engine of a run around `model` (also what a Ray engine actor builds)."""
     return EmbeddedEngine(model.eval(), max_batch_size=s.max_batch_size, max_seq_len=s.max_context_len,
                           eos_token_id=tokenizer.eos_token_id, clocked=clocked, prefix_cache=s.prefix_cache,
-                          prefix_cache_tokens=s.prefix_cache_tokens)
+                          prefix_cache_tokens=s.prefix_cache_tokens, weight_dtype=s.weight_dtype,
+                          kv_dtype=s.kv_dtype)

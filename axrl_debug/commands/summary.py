@@ -100,6 +100,13 @@ def show_pool(rows: list[dict[str, Any]]) -> None:
                        for r in rows]))
 
 
+def rollout_precision(manifest: dict) -> dict[str, str]:
+    """The rollout engine's weight and KV precision the run recorded (runs from before
+    `rollout.weight_dtype` rolled out in the model's precision: fp32 / auto)."""
+    extra = manifest.get("extra") or {}
+    return {"weight_dtype": extra.get("rollout_weight_dtype", "fp32"), "kv_dtype": extra.get("rollout_kv_dtype", "auto")}
+
+
 @app.command()
 def summary(
     run: Path = typer.Argument(..., help="Run directory (holds manifest.json, metrics.jsonl, trace/)."),
@@ -136,9 +143,10 @@ def summary(
         pool = pool_by_step(reader, list(df["step"]))
         turns = turns_by_step(reader, list(df["step"]))
         values = value_errors(reader, list(df["step"]))
+        precision = rollout_precision(reader.manifest)
         if json_out:
             cols = [c for c in flagged.columns if not c.endswith("_z")]
-            print_json({"run": str(reader.path), "steps": records(flagged[cols]),
+            print_json({"run": str(reader.path), "rollout_precision": precision, "steps": records(flagged[cols]),
                         "sources": df.attrs.get("sources", {}), "spikes": spikes, "worst": worst,
                         "sessions": sessions, "pool": pool, **({"turns": turns} if turns else {}),
                         **({"value_error": values} if values else {}),
@@ -158,6 +166,9 @@ def summary(
             f"{reader.path} — {len(flagged)} steps (more columns: --json)",
             ["step", "reward", "loss", "gnorm", "clip", *(["masked"] if masked else []), "mean|Δ|",
              *(["|Δ_eng|", "|Δ_stale|"] if split else []), "k3", "routing", "lag", "spikes"], rows))
+        if precision["weight_dtype"] != "fp32" or precision["kv_dtype"] != "auto":
+            out.print(f"rollout precision: weights {precision['weight_dtype']}, KV cache {precision['kv_dtype']} "
+                      "(rollout.weight_dtype / rollout.kv_dtype)", highlight=False)
         if sessions:
             show_sessions(sessions)
         if pool:
