@@ -107,6 +107,24 @@ def rollout_precision(manifest: dict) -> dict[str, str]:
     return {"weight_dtype": extra.get("rollout_weight_dtype", "fp32"), "kv_dtype": extra.get("rollout_kv_dtype", "auto")}
 
 
+def show_steps(path: Path, flagged: Any) -> None:
+    """The per-step table (the frame of `step_table` with its spike flags)."""
+    split = "mismatch_engine" in flagged
+    rows = []
+    masked = "masked_frac" in flagged and bool((flagged["masked_frac"].fillna(0) > 0).any())
+    for r in flagged.itertuples(index=False):
+        lag = r.version_lag_mean
+        rows.append([str(r.step), fmt(r.reward, 3), fmt(r.loss, 3), fmt(r.grad_norm, 3), pct(r.clipfrac),
+                     *([pct(r.masked_frac)] if masked else []),
+                     fmt(r.mismatch, 3), *([fmt(r.mismatch_engine, 3), fmt(r.mismatch_staleness, 3)] if split else []),
+                     fmt(r.kl_k3, 3), pct(r.routing_agreement), "–" if math.isnan(lag) else f"{lag:.2g}",
+                     f"[bold red]{r.spikes}[/]" if r.spikes else ""])
+    show(simple_table(
+        f"{path} — {len(flagged)} steps (more columns: --json)",
+        ["step", "reward", "loss", "gnorm", "clip", *(["masked"] if masked else []), "mean|Δ|",
+         *(["|Δ_eng|", "|Δ_stale|"] if split else []), "k3", "routing", "lag", "spikes"], rows))
+
+
 @app.command()
 def summary(
     run: Path = typer.Argument(..., help="Run directory (holds manifest.json, metrics.jsonl, trace/)."),
@@ -152,20 +170,7 @@ def summary(
                         **({"value_error": values} if values else {}),
                         "problems": problems, **({"events": faults} if faults else {})})
             return 0
-        split = "mismatch_engine" in flagged
-        rows = []
-        masked = "masked_frac" in flagged and bool((flagged["masked_frac"].fillna(0) > 0).any())
-        for r in flagged.itertuples(index=False):
-            lag = r.version_lag_mean
-            rows.append([str(r.step), fmt(r.reward, 3), fmt(r.loss, 3), fmt(r.grad_norm, 3), pct(r.clipfrac),
-                         *([pct(r.masked_frac)] if masked else []),
-                         fmt(r.mismatch, 3), *([fmt(r.mismatch_engine, 3), fmt(r.mismatch_staleness, 3)] if split else []),
-                         fmt(r.kl_k3, 3), pct(r.routing_agreement), "–" if math.isnan(lag) else f"{lag:.2g}",
-                         f"[bold red]{r.spikes}[/]" if r.spikes else ""])
-        show(simple_table(
-            f"{reader.path} — {len(flagged)} steps (more columns: --json)",
-            ["step", "reward", "loss", "gnorm", "clip", *(["masked"] if masked else []), "mean|Δ|",
-             *(["|Δ_eng|", "|Δ_stale|"] if split else []), "k3", "routing", "lag", "spikes"], rows))
+        show_steps(reader.path, flagged)
         if precision["weight_dtype"] != "fp32" or precision["kv_dtype"] != "auto":
             out.print(f"rollout precision: weights {precision['weight_dtype']}, KV cache {precision['kv_dtype']} "
                       "(rollout.weight_dtype / rollout.kv_dtype)", highlight=False)
