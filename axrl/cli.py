@@ -163,7 +163,7 @@ def _serve_training(model_path: Path, run_dir: Path | None, config: Path | None,
                     full_finetune: bool, serve_cfg: object) -> None:
     """`axrl serve --training`: the serve app plus the Tinker API (axrl/service/)."""
     from axrl.config import ConfigError, load_config
-    from axrl.service.app import serve_training
+    from axrl.assembly.service import serve_training
 
     assert run_dir is not None
     try:

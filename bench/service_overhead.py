@@ -37,7 +37,7 @@ from axrl.assembly.build import make_tokenizer, make_train_backend
 from axrl.config import load_config
 from axrl.inference.sglang.launcher import free_port
 from axrl.model import build_model, preset_config, save_hf
-from axrl.service.app import model_config
+from axrl.assembly.service import model_config
 from axrl.service.batch import pack
 from axrl.service.training import apply_optim, check_adam, run_call
 from axrl.service.wire import Datum

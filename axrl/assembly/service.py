@@ -2,7 +2,7 @@
 driving the run's learner — a service is just another driver of the same train backend and
 engine, and every optim_step it triggers is a trace step like any other, replayable.
 
-The only module of the service that reads `axrl.config`: each model it creates gets a run
+The service's assembly (axrl/service/ itself never reads `axrl.config`): each model it creates gets a run
 directory with the fully resolved config.yaml (`model.path` = the served directory, `train.lora`
 from the request's `lora_config`), built by the same `make_train_backend` that `axrl train` and
 replay use.
