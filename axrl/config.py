@@ -288,6 +288,14 @@ class TraceSection(Section):
         "raw", description="raw: routing as [T, L, k] ids (one byte each); packed: the engine's ids bit-packed "
                            "(⌈log2 E⌉ bits) and the trainer's as its difference from them (about 2x smaller at "
                            "top-8 of 128; decoded on read, slower to analyse): for large MoE steps")
+    level: Literal["full", "standard", "summary"] = Field(
+        "full", description="full: every column every step; standard: token columns every step, routing only "
+                            "every routing_every steps; summary: per-sample and per-turn statistics only (no "
+                            "per-token columns; replay needs full steps)")
+    routing_every: int = Field(1, ge=1, description="level standard: routing written on steps divisible by this")
+    keep_full: int = Field(0, ge=0, description="level standard/summary: hold the last K steps at full resolution "
+                                                "in memory; when the spike trigger fires they and the spike step "
+                                                "are written in full (0 = off; the spike step is always full)")
     behaviour_logprob: bool = Field(False, description="also record each token's trainer logprob under the "
                                                        "weights that generated it (async: splits the mismatch "
                                                        "into engine and staleness parts)")

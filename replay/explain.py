@@ -58,6 +58,7 @@ from replay.explain_report import (ExplainResult, LayerRow, TokenExplanation, na
                                    routing_flip)
 from replay.policy import PolicyState, policy_before
 from replay.rollout import clock_schedule, engine_prefix_cache, rolled_out
+from replay.recorded import require_full
 
 Progress = Callable[[str], None]
 WeightsHook = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
@@ -136,6 +137,7 @@ class _Step:
 
 def _read(path: Path) -> _Step:
     with StepFile(path) as sf:
+        require_full(sf, path)
         return _Step(sf["/samples/offsets"].astype(np.int64), sf["/samples/sample_id"].astype(np.int64),
                      sf["/samples/group_id"].astype(np.int64),
                      sf["/tokens/ids"].astype(np.int64), sf["/tokens/turn"].astype(np.int64),

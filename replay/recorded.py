@@ -18,6 +18,7 @@ from axrl.algo.turn_credit import turn_rewards_from_column
 from axrl.config import Config
 from axrl.service.training import CallSpec, service_attrs
 from axrl.recording.records import CRITIC_ATTRS
+from axrl.recording.tiers import ATTR_TRACE_LEVEL
 from axrl.trace import StepFile
 from axrl.train.protocol import PackedBatch
 
@@ -77,6 +78,7 @@ def load_recorded_step(path: Path, cfg: Config) -> RecordedStep:
     """Read a step file into a `RecordedStep`. Raises `TraceError` (CorruptStepError) for a damaged
     file and `ValueError` for one that lacks what re-execution needs."""
     with StepFile(path) as sf:
+        require_full(sf, path)
         missing = [name for name in REQUIRED if name not in sf]
         if missing:
             raise ValueError(f"{path}: cannot re-execute: missing {', '.join(missing)}")
@@ -124,6 +126,22 @@ def load_recorded_step(path: Path, cfg: Config) -> RecordedStep:
             values=_optional_tokens(sf, "/tokens/value"), returns=_optional_tokens(sf, "/tokens/return"),
             critic={k: sf.attrs[k] for k in CRITIC_ATTRS if k in sf.attrs},
             **_turns(sf, off))
+
+
+def require_full(sf: StepFile, path: Path) -> None:
+    """Raise a clear ValueError when the step was written at a reduced `trace.level` (replay
+    needs every column), naming the run's full steps."""
+    level = str(sf.attrs.get(ATTR_TRACE_LEVEL, "full"))
+    if level == "full":
+        return
+    full = []
+    for other in sorted(Path(path).parent.glob("step_*.h5")):
+        with StepFile(other) as of:
+            if str(of.attrs.get(ATTR_TRACE_LEVEL, "full")) == "full":
+                full.append(int(of.attrs["step"]))
+    raise ValueError(f"step {sf.attrs['step']} was recorded at trace.level {level}: it cannot be replayed "
+                     f"(replay needs full steps; replayable full steps of this run: "
+                     f"{', '.join(map(str, full)) or 'none'}; trace.keep_full keeps the steps before a spike full)")
 
 
 def _optional_tokens(sf: StepFile, name: str) -> torch.Tensor | None:

@@ -45,6 +45,7 @@ from replay.compare import Divergence
 from replay.engine_path import ClockSchedule, contexts_of, run_engine_path
 from replay.plan import ReplayInputError
 from replay.policy import PolicyState, load_run_config, policy_before
+from replay.recorded import require_full
 
 Progress = Callable[[str], None]
 WeightsHook = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
@@ -267,6 +268,7 @@ def compare_batch(path: Path, step: int, trajectories: list[Trajectory], *, comp
     file does not hold is a divergence too — except, with `dynamic_sampling`, in a step file
     without /pool/samples (written before the dropped samples were recorded)."""
     with StepFile(path) as sf:
+        require_full(sf, path)
         ro = rolled_out(sf)
     off, sids, ids, turn, lp, ver, routing = (ro.off, ro.sids, ro.ids, ro.turn, ro.rollout_logprob,
                                               ro.policy_version, ro.routing)

@@ -21,6 +21,7 @@ from axrl.rollout.worker import RolloutPolicy
 from axrl.runtime.components import (AgentSettings, BackendSettings, DataSettings, EngineSettings, EvalSettings,
                                      LearnerSettings, ModelSource, RolloutSideSettings, RunSettings)
 from axrl.runtime.faults import Faults
+from axrl.recording.tiers import TierSettings
 from axrl.runtime.learner import RecordSettings
 from axrl.runtime.loop import LoopSettings, WarmupSettings
 from axrl.runtime.spike_trigger import SpikeSettings
@@ -142,6 +143,7 @@ def learner_settings(cfg: Config) -> LearnerSettings:
         temperature=cfg.rollout.temperature, step=step_settings(cfg),
         record=RecordSettings(trace=t.enabled, routing=t.routing, write_queue=t.write_queue,
                               routing_encoding=t.routing_encoding,
+                              tiers=TierSettings(t.level, t.routing_every, t.keep_full),
                               spike=SpikeSettings(t.spike_ratio, t.spike_window, t.spike_min_history)),
         distill=distill_settings(cfg))
 

@@ -92,7 +92,8 @@ class StepWriter:
         t0 = time.perf_counter()
         self._write(record)
         self.last_write_s = time.perf_counter() - t0
-        self.written_through = record.step
+        # a step promoted by the spike ring (axrl/recording/tiers.py) is rewritten after later steps
+        self.written_through = max(self.written_through, record.step)
 
     def _raise_failure(self) -> None:
         if self._error is not None:

@@ -23,9 +23,10 @@ from axrl.rollout.pool import Batch
 from axrl.console.progress import PhaseTimer
 from axrl.recording.records import step_metrics, step_record
 from axrl.recording.step_writer import StepWriter
+from axrl.recording.tiers import ATTR_PROMOTED_BY, TieredRecords, TierSettings
 from axrl.runtime.spike_trigger import SpikeSettings, SpikeTrigger
 from axrl.runtime.step_trainer import StepTrainer
-from axrl.trace import RunDir
+from axrl.trace import RunDir, StepRecord
 
 
 def rng_digest() -> str:
@@ -59,6 +60,7 @@ class RecordSettings:
     spike: SpikeSettings = field(default_factory=SpikeSettings)
     write_queue: int = 2        # step files written in the background, at most this many queued (0: in the step)
     routing_encoding: str = "raw"   # "packed": routing bit-packed on disk (axrl/trace/routing_codec.py)
+    tiers: TierSettings = field(default_factory=TierSettings)   # trace.level / routing_every / keep_full
 
 
 class Learner:
@@ -67,8 +69,9 @@ class Learner:
     def __init__(self, trainer: StepTrainer, run: RunDir, record: RecordSettings) -> None:
         self.trainer, self.run, self.record = trainer, run, record
         self.trigger = SpikeTrigger.for_run(record.spike, run.path)  # trace.spike_ratio (off by default)
-        write = functools.partial(run.write_step, routing_encoding=record.routing_encoding)
-        self.writer = StepWriter(write, record.write_queue) if record.trace else None
+        self.tiers = TieredRecords(record.tiers)
+        self.writer = StepWriter(functools.partial(_write, run, record.routing_encoding),
+                                 record.write_queue) if record.trace else None
 
     def step(self, batch: Batch, step: int, timer: PhaseTimer) -> dict[str, Any]:
         """Train on `batch` at weight version `step` (posting version `step + 1`) and write its trace record."""
@@ -80,7 +83,10 @@ class Learner:
         if self.writer is not None:
             timer.show("record")
             t0 = time.perf_counter()
-            waited = self.writer.submit(step_record(outcome, rng_digest(), routing=self.record.routing))
+            full = step_record(outcome, rng_digest(), routing=self.record.routing)
+            waited = 0.0
+            for rec in self.tiers.for_step(full, spiked=bool(metrics.get("spike"))):
+                waited += self.writer.submit(rec)
             # The step's own cost of recording (building the record, waiting for room in the
             # queue); the write itself runs in the background (its latest duration beside it).
             metrics["time_record"] = time.perf_counter() - t0
@@ -101,3 +107,8 @@ class Learner:
     def written_through(self) -> float:
         """The latest step whose trace file is on disk (-1: none yet; inf: the trace is off)."""
         return math.inf if self.writer is None else self.writer.written_through
+
+
+def _write(run: RunDir, routing_encoding: str, record: StepRecord) -> None:
+    """Write one step file; a step promoted by the spike ring replaces its reduced file."""
+    run.write_step(record, routing_encoding=routing_encoding, overwrite=ATTR_PROMOTED_BY in record.attrs)
