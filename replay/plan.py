@@ -14,6 +14,7 @@ from pathlib import Path
 
 from axrl.runtime.checkpoint import list_checkpoints
 from axrl.trace import StepFile, TraceError, TraceReader
+from axrl.recording.tiers import ATTR_TRACE_LEVEL
 from replay.recorded import REQUIRED
 
 
@@ -80,10 +81,26 @@ class RunInventory:
         self.valid = set(self.reader.steps)                   # structurally readable ones
         self.problems = {p.path.name: str(p) for p in self.reader.problems}
         self.bad: set[int] = set()                            # found damaged while reading
+        self.reduced = self._reduced_levels()                 # step -> trace.level of steps not written full
         self.checkpoints = list_checkpoints(self.run)
 
+    def _reduced_levels(self) -> dict[int, str]:
+        """Steps written at `trace.level: summary` (no token columns): not re-executable. (A
+        `standard` step re-executes; without its routing, not under R3: `_load_recorded` says so.)"""
+        out: dict[int, str] = {}
+        for s in self.valid:
+            try:
+                with StepFile(self.files[s]) as sf:
+                    level = str(sf.attrs.get(ATTR_TRACE_LEVEL, "full"))
+            except (TraceError, OSError):
+                continue
+            if level == "summary":
+                out[s] = level
+        return out
+
     def readable(self, step: int) -> bool:
-        return step in self.valid and step not in self.bad
+        """The step file is whole and holds what re-execution needs (not trace.level summary)."""
+        return step in self.valid and step not in self.bad and step not in self.reduced
 
     def usable_steps(self) -> list[int]:
         """Steps whose state can be rebuilt: a checkpoint K ≤ s and readable step files K..s."""
@@ -123,6 +140,11 @@ class RunInventory:
         if step < 0 or step not in self.files:
             raise ReplayInputError.for_step(f"step {step} is not in the trace of {self.run} "
                                             f"(recorded steps: {_span(sorted(self.files))})", self, step)
+        if step in self.reduced:
+            raise ReplayInputError.for_step(
+                f"step {step} was recorded at trace.level {self.reduced[step]}: no per-token columns; replay "
+                f"needs steps with them (trace.level full or standard; trace.keep_full keeps the steps before a "
+                f"spike full)", self, step)
         if not self.readable(step):
             why = self.problems.get(self.files[step].name, f"{self.files[step]}: unreadable")
             raise ReplayInputError.for_step(f"step {step}'s file is damaged: {why}", self, step)
@@ -136,7 +158,8 @@ class RunInventory:
         gaps = [s for s in range(k, step) if not self.readable(s)]
         if gaps:
             g = gaps[-1]
-            state = "missing" if g not in self.files else "damaged"
+            state = ("missing" if g not in self.files else
+                     f"recorded at trace.level {self.reduced[g]}" if g in self.reduced else "damaged")
             raise ReplayInputError.for_step(f"cannot rebuild the state before step {step}: step {g} (between "
                                             f"checkpoint {k} and step {step}) is {state}", self, step)
         for s in range(step - 1, k - 1, -1):  # every file the catch-up reads, before it re-runs anything

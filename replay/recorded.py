@@ -63,6 +63,7 @@ class RecordedStep:
     values: torch.Tensor | None = None             # float32 [T], /tokens/value: the critic's old values (gae)
     returns: torch.Tensor | None = None            # float32 [T], /tokens/return: the critic's targets
     critic: dict[str, Any] = field(default_factory=dict)  # the critic's root attrs (records.CRITIC_ATTRS)
+    trace_level: str = "full"           # root attr trace_level (at standard the routing may be skipped)
 
     @property
     def splits(self) -> list[list[int]]:
@@ -70,8 +71,10 @@ class RecordedStep:
 
     def dense(self, cfg: Config) -> bool:
         """True when the step was trained by a dense model: routing was being recorded
-        (`trace.routing`) yet the file has none. R3 is a no-op then."""
-        return cfg.trace.routing and self.routing_train is None and self.batch.routed_experts is None
+        (`trace.routing`) yet the file has none — unless trace.level standard skipped it. R3 is a
+        no-op then."""
+        return (cfg.trace.routing and self.trace_level == "full" and self.routing_train is None
+                and self.batch.routed_experts is None)
 
 
 def load_recorded_step(path: Path, cfg: Config) -> RecordedStep:
@@ -125,23 +128,25 @@ def load_recorded_step(path: Path, cfg: Config) -> RecordedStep:
             service=service_attrs(sf.attrs),
             values=_optional_tokens(sf, "/tokens/value"), returns=_optional_tokens(sf, "/tokens/return"),
             critic={k: sf.attrs[k] for k in CRITIC_ATTRS if k in sf.attrs},
+            trace_level=str(sf.attrs.get(ATTR_TRACE_LEVEL, "full")),
             **_turns(sf, off))
 
 
 def require_full(sf: StepFile, path: Path) -> None:
-    """Raise a clear ValueError when the step was written at a reduced `trace.level` (replay
-    needs every column), naming the run's full steps."""
+    """Raise a clear ValueError when the step was written at `trace.level: summary` (no token
+    columns to re-execute), naming the run's steps that have them. A `standard` step is whole but
+    for its routing on some steps: it re-executes like a step recorded with trace.routing off."""
     level = str(sf.attrs.get(ATTR_TRACE_LEVEL, "full"))
-    if level == "full":
+    if level != "summary":
         return
     full = []
     for other in sorted(Path(path).parent.glob("step_*.h5")):
         with StepFile(other) as of:
-            if str(of.attrs.get(ATTR_TRACE_LEVEL, "full")) == "full":
+            if str(of.attrs.get(ATTR_TRACE_LEVEL, "full")) != "summary":
                 full.append(int(of.attrs["step"]))
-    raise ValueError(f"step {sf.attrs['step']} was recorded at trace.level {level}: it cannot be replayed "
-                     f"(replay needs full steps; replayable full steps of this run: "
-                     f"{', '.join(map(str, full)) or 'none'}; trace.keep_full keeps the steps before a spike full)")
+    raise ValueError(f"step {sf.attrs['step']} was recorded at trace.level summary: no per-token columns, it "
+                     f"cannot be replayed (steps with token columns: {', '.join(map(str, full)) or 'none'}; "
+                     f"trace.keep_full keeps the steps before a spike full)")
 
 
 def _optional_tokens(sf: StepFile, name: str) -> torch.Tensor | None:

@@ -371,7 +371,8 @@ def _load_recorded(inv: RunInventory, cfg: Config, s: int, step: int) -> Recorde
         raise ReplayInputError.for_step(f"step file {path} is damaged or incomplete: {e}", inv, step) from None
     if cfg.r3 and rec.batch.routed_experts is None and not rec.dense(cfg):
         raise ReplayInputError(f"step {s} was trained with r3 but {path} has no /routing/rollout "
-                               "(trace.routing was off?): its forced routing cannot be re-applied")
+                               "(trace.routing was off, or trace.level standard skipped it: trace.routing_every): "
+                               "its forced routing cannot be re-applied")
     return rec
 
 

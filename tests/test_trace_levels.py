@@ -75,8 +75,10 @@ def test_standard_with_spike_ring_keeps_steps_before_the_spike_full(runs):
             assert row["level"] == "standard" and row["routing"] == (s % 3 == 0), (s, row)
     assert got[2]["spike"] == 1
     assert all(got[s]["tokens"] > 0 for s in range(5))   # token columns every step at level standard
-    # the reduced steps still hold every token column and analyse as usual
+    # the reduced steps still hold every token column: they analyse, and re-execute (no R3 here)
     assert debug("mismatch", runs["standard"], "--json").exit_code == 0
+    replayed = debug("replay", runs["standard"], "--step", "2")
+    assert replayed.exit_code == 0 and "bitwise-equal" in replayed.output, replayed.output
 
 
 def test_summary_keeps_per_sample_and_per_turn_statistics_only(runs):
@@ -97,7 +99,11 @@ def test_summary_keeps_per_sample_and_per_turn_statistics_only(runs):
     assert result.exit_code == 0, result.output
     for s in ("0", "1", "2"):
         assert any(line.split()[:1] == [s] for line in result.output.splitlines()), result.output
+    mismatch = debug("mismatch", run)
+    assert mismatch.exit_code == 0 and "steps 0-2 were recorded at trace.level summary: no per-token columns" \
+        in " ".join(mismatch.output.split()), mismatch.output
     replayed = debug("replay", run, "--step", "1")
     assert replayed.exit_code != 0
-    assert "recorded at trace.level summary" in replayed.output and "replayable full steps of this run: none" \
-        in replayed.output
+    message = " ".join(replayed.output.split())
+    assert "step 1 was recorded at trace.level summary: no per-token columns" in message, message
+    assert "no step of this run can be replayed" in message, message

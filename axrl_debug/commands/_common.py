@@ -12,6 +12,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
+from axrl.recording.tiers import ATTR_TRACE_LEVEL
 from axrl.trace import SchemaVersionError, TraceError, TraceReader
 from axrl_debug.commands.base import BadInput, err, out
 
@@ -114,6 +115,23 @@ def report_problems(reader: TraceReader, _seen: set[str] | None = None) -> list[
             seen.add(m)
     setattr(reader, "_axrl_debug_reported", seen)
     return msgs
+
+
+def summary_steps(reader: TraceReader, steps: Iterable[int]) -> list[int]:
+    """The steps among `steps` recorded at `trace.level: summary` (no per-token columns)."""
+    out = []
+    for s in steps:
+        with reader.open(s) as sf:
+            if sf.attrs.get(ATTR_TRACE_LEVEL) == "summary":
+                out.append(s)
+    return out
+
+
+def summary_note(steps: list[int]) -> str:
+    """What a per-token analysis tells the user about steps recorded at trace.level summary."""
+    return (f"step{'s' if len(steps) > 1 else ''} {describe_steps(steps)} "
+            f"{'were' if len(steps) > 1 else 'was'} recorded at trace.level summary: no per-token columns "
+            "(per-sample and per-turn statistics are in /samples: mismatch_mean, turn_mismatch_mean, …)")
 
 
 def fmt(x: Any, digits: int = 4) -> str:

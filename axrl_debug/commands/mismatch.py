@@ -16,7 +16,8 @@ from axrl_debug.analysis.mismatch.config import TEACHER_COLUMN
 from axrl_debug.analysis.objective import objective_report
 from axrl_debug.commands.base import JSON_OPTION, BadInput, app, err, out, print_json, run_command
 from axrl_debug.commands._common import (STEP_OPTION_HELP, STEPS_OPTION_HELP, fmt, open_run, pct,
-                                         report_problems, select_steps, show, simple_table)
+                                         report_problems, select_steps, show, simple_table, summary_note,
+                                         summary_steps)
 
 # (key, label, explanation) of the headline metrics, in display order
 HEADLINE = (
@@ -209,13 +210,16 @@ def mismatch(
         res["problems"] = report_problems(reader)
         res["top"] = [public_token(t) for t in res.get("top") or []]
         res["against"] = against
+        res["summary_level_steps"] = summary_steps(reader, res["steps"])
         if json_out:
             print_json(res)
             return 0
         print_report(res)
         if res.get("plots"):
             err.print(f"wrote {len(res['plots'])} figures to {plot}")
-        if math.isnan(res["metrics"]["mean_abs"]):
+        if res["summary_level_steps"]:
+            err.print(f"[yellow]note:[/] {summary_note(res['summary_level_steps'])}")
+        elif math.isnan(res["metrics"]["mean_abs"]):
             err.print("[yellow]note:[/] no analysed tokens (no loss-mask tokens with a rollout logprob)")
         return 0
 
