@@ -107,3 +107,37 @@ def test_summary_keeps_per_sample_and_per_turn_statistics_only(runs):
     message = " ".join(replayed.output.split())
     assert "step 1 was recorded at trace.level summary: no per-token columns" in message, message
     assert "no step of this run can be replayed" in message, message
+
+
+def test_spike_ring_promotes_the_last_k_steps_through_the_background_writer(tmp_path):
+    """keep_full=2 and a spike at step 5 (random multi-turn MoE steps, written by the learner's
+    writer): steps 3, 4, 5 are on disk in full, bit for bit the records, and the others reduced."""
+    from test_trace import make_record
+
+    from axrl.recording.step_writer import StepWriter
+    from axrl.recording.tiers import TieredRecords, TierSettings
+    from axrl.runtime.learner import _write
+    from axrl.trace import RunDir
+
+    run = RunDir(tmp_path / "run")
+    tiers = TieredRecords(TierSettings("summary", keep_full=2))
+    writer = StepWriter(lambda r: _write(run, "packed", r), max_pending=2)
+    records = [make_record(s) for s in range(7)]
+    for r in records:
+        for out in tiers.for_step(r, spiked=r.step == 5):
+            writer.submit(out)
+    writer.close()
+    assert writer.written_through == 6
+    reader = TraceReader(run.path)
+    assert reader.steps == list(range(7))
+    for r in records:
+        with reader.open(r.step) as sf:
+            level = sf.attrs["trace_level"]
+            assert level == ("full" if r.step in (3, 4, 5) else "summary"), r.step
+            assert sf.attrs.get("trace_promoted_by") == (5 if r.step in (3, 4) else None)
+            if level == "full":
+                assert np.array_equal(sf["/routing/train"], np.asarray(r.routing_train))
+                assert np.array_equal(sf["/tokens/old_logprob"], np.asarray(r.old_logprob), equal_nan=True)
+            else:
+                assert sf["/tokens/ids"].size == 0 and "/routing/rollout" not in sf
+                assert np.array_equal(sf["/samples/tokens"], np.diff(np.asarray(r.sample_offsets)))
