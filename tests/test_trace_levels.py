@@ -97,6 +97,11 @@ def test_summary_keeps_per_sample_and_per_turn_statistics_only(runs):
             assert per_turn.shape[0] == n and (per_turn.sum(axis=1) == generated).all()
     result = debug("summary", run)
     assert result.exit_code == 0, result.output
+    table = {row["step"]: row for row in json.loads(debug("summary", run, "--json").output)["steps"]}
+    for s in reader.steps:   # the step table counts the tokens a summary step summarises
+        with reader.open(s) as sf:
+            assert table[s]["tokens"] == int(sf["/samples/tokens"].sum()) > 0
+            assert table[s]["mismatch_max"] == float(np.nanmax(sf["/samples/mismatch_max"]))
     for s in ("0", "1", "2"):
         assert any(line.split()[:1] == [s] for line in result.output.splitlines()), result.output
     mismatch = debug("mismatch", run)

@@ -37,7 +37,9 @@ SPLIT_STEP_COLUMNS = ("mismatch_engine", "mismatch_staleness")
 
 _STEP_EXTRA_COLUMNS = ["/samples/reward", "/samples/status", "/train/updates/loss", "/train/updates/grad_norm",
                        "/tokens/advantage"]
-_STEP_OPTIONAL_COLUMNS = ["/train/updates/clipfrac", "/train/weights_fingerprint_after"]
+# trace.level summary steps hold no tokens; their per-sample counts (axrl/recording/tiers.py) stand in
+_STEP_OPTIONAL_COLUMNS = ["/train/updates/clipfrac", "/train/weights_fingerprint_after", "/samples/tokens",
+                          "/samples/generated_tokens", "/samples/mismatch_max"]
 
 
 def _finite(x: Any) -> bool:
@@ -98,6 +100,11 @@ def step_table(reader: TraceReader, steps: Iterable[int] | None = None,
             "advantage_abs_mean": _nanmean(np.abs(sc["/tokens/advantage"][np.asarray(sc["/tokens/loss_mask"]) != 0])),
             "weights_fingerprint_after": sc.get("/train/weights_fingerprint_after"),
         }
+        if sc.get("/samples/tokens") is not None:   # a summary step: the counts of the tokens it dropped
+            row["tokens"] = int(np.sum(sc["/samples/tokens"]))
+            row["generated_tokens"] = int(np.sum(sc["/samples/generated_tokens"]))
+            worst = np.asarray(sc["/samples/mismatch_max"], np.float64)
+            row["mismatch_max"] = float(np.nanmax(worst)) if np.isfinite(worst).any() else math.nan
         if "engine_mean_abs" in head:
             row["mismatch_engine"], row["mismatch_staleness"] = head["engine_mean_abs"], head["staleness_mean_abs"]
         logged = jsonl.get(sc.step, {})
