@@ -305,6 +305,18 @@ class TraceSection(Section):
     spike_window: int = Field(20, ge=1, description="steps in the spike trigger's rolling median")
     spike_min_history: int = Field(3, ge=1, description="steps needed before the trigger can fire")
 
+    @model_validator(mode="after")
+    def _tiers(self) -> "TraceSection":
+        if self.routing_every != 1 and self.level != "standard":
+            raise ValueError(f"routing_every: applies to level standard only (level is {self.level})")
+        if self.keep_full and self.level == "full":
+            raise ValueError("keep_full: at level full every step is already written in full; set level "
+                             "standard or summary, or keep_full: 0")
+        if self.keep_full and self.spike_ratio is None:
+            raise ValueError("keep_full: the ring is written when the spike trigger fires; set spike_ratio "
+                             "(e.g. 2.0), or keep_full: 0")
+        return self
+
 
 class LoggingSection(Section):
     tensorboard: bool = Field(False, description="also write metrics as TensorBoard event files (RUN/tensorboard)")

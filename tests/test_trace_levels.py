@@ -146,3 +146,16 @@ def test_spike_ring_promotes_the_last_k_steps_through_the_background_writer(tmp_
             else:
                 assert sf["/tokens/ids"].size == 0 and "/routing/rollout" not in sf
                 assert np.array_equal(sf["/samples/tokens"], np.diff(np.asarray(r.sample_offsets)))
+
+
+@pytest.mark.parametrize("settings, message", [
+    (["trace.routing_every=2"], "routing_every: applies to level standard only"),
+    (["trace.level=summary", "trace.keep_full=2"], "keep_full: the ring is written when the spike trigger fires"),
+    (["trace.keep_full=2", "trace.spike_ratio=2"], "keep_full: at level full every step is already written"),
+])
+def test_tier_settings_that_would_do_nothing_are_refused(tmp_path, settings, message):
+    args = ["train", str(QUICKSTART), "--run-dir", str(tmp_path / "run")]
+    for s in settings:
+        args += ["--set", s]
+    result = CliRunner().invoke(axrl_app, args)
+    assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
