@@ -20,8 +20,9 @@ QUICKSTART = ROOT / "examples" / "quickstart.yaml"
 BASE = ["steps=5", "model.preset=micro-moe", "warmup.steps=100", "data.task=echo", "data.task_args={}",
         "data.prompts_per_step=2", "rollout.group_size=4", "checkpoint.every=100", "eval.every=0", "runtime.threads=1",
         "train.lr=1e-4", "train.micro_batch_tokens=120"]
-# the online spike trigger: on this run (deterministic) step 2's second update has a grad norm
-# about 2.4x the first steps' median, so it fires there
+# the online spike trigger: on this run (deterministic; on the machines tested) step 2's second
+# update has a grad norm about 2.4x the first steps' median, so it fires there; the assertions
+# follow whichever steps the trigger flags
 SPIKE = ["trace.spike_ratio=2", "trace.spike_min_history=2"]
 TOKENS = ("/tokens/ids", "/tokens/rollout_logprob", "/tokens/old_logprob", "/tokens/advantage")
 
@@ -61,23 +62,24 @@ def levels(run: Path) -> dict[int, dict]:
 def test_standard_with_spike_ring_keeps_steps_before_the_spike_full(runs):
     rows = {json.loads(line)["step"]: json.loads(line) for line in (runs["standard"] / "metrics.jsonl").open()}
     spikes = [s for s, r in rows.items() if r.get("spike")]
-    assert spikes and spikes[0] == 2
+    assert spikes, "the trigger never fired: the test needs a spike (see SPIKE)"
     got = levels(runs["standard"])
     assert sorted(got) == [0, 1, 2, 3, 4]
-    # the ring (keep_full=1) promotes the step before each spike; the spike step itself is full
+    # the ring (keep_full=1) promotes the step before each spike; the spike step itself is full.
+    # (spike_min_history=2: no spike before step 2, so step 0 always stays at level standard)
     full = {s for n in spikes for s in (n - 1, n)}
-    assert 0 not in full and 4 not in full
+    assert 0 not in full
     for s, row in got.items():
         if s in full:
             assert row["level"] == "full" and row["routing"], (s, row)
             assert row["promoted_by"] == (None if s in spikes else s + 1), (s, row)
         else:   # level standard: routing every 3rd step
             assert row["level"] == "standard" and row["routing"] == (s % 3 == 0), (s, row)
-    assert got[2]["spike"] == 1
+    assert all(got[n]["spike"] == 1 for n in spikes)
     assert all(got[s]["tokens"] > 0 for s in range(5))   # token columns every step at level standard
     # the reduced steps still hold every token column: they analyse, and re-execute (no R3 here)
     assert debug("mismatch", runs["standard"], "--json").exit_code == 0
-    replayed = debug("replay", runs["standard"], "--step", "2")
+    replayed = debug("replay", runs["standard"], "--step", str(spikes[0]))
     assert replayed.exit_code == 0 and "bitwise-equal" in replayed.output, replayed.output
 
 
