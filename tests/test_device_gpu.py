@@ -61,3 +61,23 @@ def test_short_run_trains_and_replays_bitwise_on_the_gpu(dtype, tmp_path):
            mismatch=[m["mismatch"] for m in metrics], grad_norm=[m["grad_norm"] for m in metrics],
            step_seconds=[m["step_time"] for m in metrics])
     assert result.exit_code == 0 and doc["verdict"] == "bitwise-equal", result.output
+
+
+@pytest.mark.parametrize("mode,extra", [
+    ("critic", ["algo.advantage=gae", "critic.lr=3e-4", "critic.warmup_steps=1"]),
+    ("lora", ["train.lora.rank=8"]),
+    ("fp8", ["rollout.weight_dtype=fp8", "rollout.kv_dtype=fp8"]),
+])
+def test_wave3_modes_train_and_replay_bitwise_on_the_gpu(mode, extra, tmp_path):
+    """The critic (its value model and updates on the GPU), LoRA adapters and fp8 rollout: a short
+    run trains on the GPU and its last step replays bit for bit there."""
+    run = tmp_path / "run"
+    args = ["train", str(ROOT / "examples" / "quickstart.yaml"), "--run-dir", str(run)]
+    for s in [*SMALL, *extra]:
+        args += ["--set", s]
+    result = CliRunner().invoke(axrl_app, args)
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(debug_app, ["replay", str(run), "--step", "2", "--json"])
+    doc = json.loads(result.stdout)
+    record(check=f"device_{mode}", device=torch.cuda.get_device_name(0), verdict=doc["verdict"])
+    assert result.exit_code == 0 and doc["verdict"] == "bitwise-equal", result.output

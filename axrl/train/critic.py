@@ -127,9 +127,10 @@ class Critic:
         denom = float(batch.loss_mask.sum().clamp(min=1))
         total, clipped = 0.0, 0.0
         for mb in self._micro_batches(batch):
+            values = self._run(mb)  # padded from the host batch, as the policy's forward is
             mb = mb.to(self.device)
             assert mb.old_logprobs is not None and mb.advantages is not None
-            loss, n_clipped = value_loss(self._run(mb), mb.old_logprobs, mb.advantages, mb.loss_mask,
+            loss, n_clipped = value_loss(values, mb.old_logprobs, mb.advantages, mb.loss_mask,
                                          self.config.value_clip, denom)
             loss.backward()
             total += float(loss.detach())

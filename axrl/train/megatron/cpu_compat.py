@@ -23,7 +23,9 @@ obstacles below stop it; each patch was seen failing and then working on the pin
 
 Not patched but needed by the caller: an explicit causal mask (Megatron builds the default one
 on "cuda"), `use_cpu_initialization=True`, `torch.optim` optimizers (Megatron's own hard-code
-CUDA), expert tensor parallel 1 (gloo's all-gather cannot take uneven token counts). `apply()` is a no-op when a CUDA device is present: GPU runs use stock megatron-core.
+CUDA), expert tensor parallel 1 (gloo's all-gather cannot take uneven token counts). On a CUDA
+device `apply()` patches only 3 (the NameError is megatron-core's bug without Transformer Engine on
+any device: seen on an H200 with torch 2.11); GPU runs otherwise use stock megatron-core.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def needed() -> bool:
 
 
 def apply() -> bool:
-    """Patch megatron-core for CPU use when no CUDA device is present (idempotent).
+    """Patch megatron-core for CPU use when no CUDA device is present (idempotent); on a CUDA
+    device only the router's missing-Transformer-Engine bug (3) is mended.
 
     Returns True when the patches are (now) active. Raises RuntimeError on an untested
     megatron-core version, naming the tested ones.
@@ -60,6 +63,7 @@ def apply() -> bool:
     global _applied
     if _applied:
         return True
+    _patch_router_gemm()
     if not needed():
         return False
     version = megatron_version()
