@@ -43,12 +43,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class Server:
-    def __init__(self, model: Path, run: Path, log: Path) -> None:
+    def __init__(self, model: Path, run: Path, log: Path, *args: str) -> None:
         self.port, self.run = free_port(), run
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "axrl.cli", "serve", "--model-path", str(model),
-                                      "--training", "--run-dir", str(run), "--port", str(self.port)],
+                                      "--training", "--run-dir", str(run), "--port", str(self.port), *args],
                                      stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **ENV})
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -248,3 +248,40 @@ def test_retried_post_runs_once_and_sessions_are_isolated(server: Server, model_
     answer = httpx.post(f"{server.url}/api/v1/retrieve_future", json={"request_id": rid}, headers=headers).json()
     assert answer["category"] == "user" and "unknown model_id 'nope:train:0'" in answer["error"]
     assert httpx.post(f"{server.url}/api/v1/create_session", json={}, headers={"X-API-Key": "sk-x"}).status_code == 401
+
+
+def _two_steps(url: str, model_dir: Path) -> tuple[bool, list[list[float]]]:
+    """Two forward_backward + optim_step rounds with the client's own AdamW settings (betas, eps,
+    weight decay, clip); whether the model is LoRA, and the per-token logprobs after each."""
+    tc = tinker.ServiceClient(base_url=url, api_key="tml-local").create_lora_training_client(
+        base_model=str(model_dir), rank=4).result()
+    ids = tc.get_tokenizer().encode("the quick brown fox jumps over the lazy dog")
+    adam = types.AdamParams(learning_rate=5e-3, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.1,
+                            grad_clip_norm=0.5)
+    after = []
+    for _ in range(2):
+        tc.forward_backward([_datum(ids), _datum(ids[:7])], "cross_entropy").result()
+        tc.optim_step(adam).result()
+        after.append(tc.forward([_datum(ids)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist())
+    return tc.get_info().is_lora, after
+
+
+def test_megatron_backend_trains_the_same_steps_and_replays(model_dir: Path, tmp_path: Path) -> None:
+    """`--set train.backend=megatron`: the SDK's steps (with its own AdamW settings) give the
+    weights the torch backend gives (fully fine-tuned there too) within fp32 noise, Megatron
+    trains every weight whatever lora_config asks, and a step replays bitwise on Megatron."""
+    results = {}
+    for name, args in (("megatron", ["--set", "train.backend=megatron"]), ("torch", ["--full-finetune"])):
+        server = Server(model_dir, tmp_path / name, tmp_path / f"{name}.log", *args)
+        try:
+            results[name] = _two_steps(server.url, model_dir)
+        finally:
+            server.close()
+    (lora_m, logprobs_m), (lora_t, logprobs_t) = results["megatron"], results["torch"]
+    assert lora_m is False and lora_t is False
+    for m, t in zip(logprobs_m, logprobs_t):
+        assert np.allclose(m, t, atol=1e-4), np.abs(np.asarray(m) - np.asarray(t)).max()
+    assert logprobs_m[1] != logprobs_m[0]                     # the second step moved the weights
+    _wait_for_step(tmp_path / "megatron", 1)
+    replay = _debug("replay", str(tmp_path / "megatron"), "--step", "1", "--json")
+    assert replay.returncode == 0 and json.loads(replay.stdout)["verdict"] == "bitwise-equal", replay.stdout[-2000:]

@@ -567,3 +567,23 @@ def test_shared_backend_modules_and_config():
     assert TorchBackendConfig.from_dict(TorchBackendConfig(lr=0.5).to_dict()) == TorchBackendConfig(lr=0.5)
     with pytest.raises(ValueError, match=r"unknown TorchBackendConfig field\(s\) \['tensor_parallel'\]"):
         TorchBackendConfig.from_dict({"tensor_parallel": 2})
+
+
+def test_an_update_with_its_own_adam_settings_equals_a_backend_configured_with_them():
+    """`optimizer_step(adam=...)` (the Tinker API's per-call AdamW settings) steps exactly as a
+    backend configured with those settings, and the next plain update is back on the config's."""
+    from axrl.train.protocol import AdamHyper
+
+    hyper = AdamHyper(betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1, grad_clip=0.5)
+    own, configured, plain = make_backend(), make_backend(betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1,
+                                                           grad_clip=0.5), make_backend()
+    for b in (own, configured, plain):
+        b.forward_backward(make_batch(seed=0), pg_loss)
+    own.optimizer_step(lr=1e-2, adam=hyper)
+    configured.optimizer_step(lr=1e-2)
+    plain.optimizer_step(lr=1e-2)
+    assert own.fingerprint() == configured.fingerprint() != plain.fingerprint()
+    group = own.optimizer.param_groups[0]
+    own.forward_backward(make_batch(seed=1), pg_loss)
+    own.optimizer_step(lr=1e-2)
+    assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.9, 0.999), 1e-8, 0.01)

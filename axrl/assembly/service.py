@@ -34,10 +34,6 @@ from axrl.trace import RunDir
 
 def check_service_config(cfg: Config) -> None:
     """Refuse what the service does not drive (yet), saying what to use instead."""
-    if cfg.train.backend != "torch":
-        raise ConfigError(f"axrl serve --training drives train.backend: torch; got {cfg.train.backend} (the "
-                          "Tinker API's per-call AdamW parameters and gradient accumulation across calls are "
-                          "implemented for the torch backend only)")
     if cfg.runtime.executor != "local":
         raise ConfigError(f"axrl serve --training runs the learner in its own process (runtime.executor: local); "
                           f"got {cfg.runtime.executor}")
@@ -60,13 +56,14 @@ def model_factory(cfg: Config, model_dir: Path, run_dir: Path, full_finetune: bo
     """Builds the `ServiceModel`s: the first records into `run_dir`, the k-th into run_dir/models/model_k.
     `full_finetune`: train every weight whatever `lora_config` asks (get_info then says is_lora: false)."""
     def make(index: int, model_id: str, lora_rank: int | None) -> ServiceModel:
-        lora_rank = None if full_finetune else lora_rank
+        # LoRA is the torch backend's: Megatron trains every weight (get_info says is_lora: false)
+        lora_rank = None if full_finetune or cfg.train.backend != "torch" else lora_rank
         mcfg = model_config(cfg, model_dir, lora_rank)
         run = RunDir(run_dir if index == 0 else run_dir / "models" / f"model_{index}")
         run.write_config(config_to_dict(mcfg))
         tokenizer = make_tokenizer(mcfg)
         backend = make_train_backend(mcfg, tokenizer)
-        run.write_manifest(seed=mcfg.seed, backend="torch", engine="embedded", threads=torch.get_num_threads(),
+        run.write_manifest(seed=mcfg.seed, backend=mcfg.train.backend, engine="embedded", threads=torch.get_num_threads(),
                            command=sys.argv, extra={"mode": "tinker-service", "model_id": model_id,
                                                     "lora_rank": lora_rank})
         return ServiceModel(model_id, backend, run, str(model_dir), lora_rank)

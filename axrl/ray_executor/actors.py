@@ -27,7 +27,7 @@ from axrl.ray_executor.activity import Activity, ActorBase, free_address, report
 from axrl.train.critic import CriticConfig, CriticUpdate
 from axrl.ray_executor.handles import DataPlane, WeightsHandle, payload_bytes, rank_label
 from axrl.ray_executor.wire import wire_bytes
-from axrl.train.protocol import (R3, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, StepStats,
+from axrl.train.protocol import (R3, AdamHyper, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, StepStats,
                                  TrainMetrics)
 
 Finished = tuple[str, GenerateResult | None, BaseException | None]   # (rid, result, error)
@@ -191,11 +191,11 @@ class TrainRankActor(ActorBase):
             self.activity_.count("tokens", shard.num_tokens)
             return self.backend.forward_backward(shard, loss_fn if ctx is None else GlobalContext(loss_fn, ctx), r3=r3)
 
-    def optimizer_step(self, lr: float | None, lr_scale: float) -> StepStats:
+    def optimizer_step(self, lr: float | None, lr_scale: float, adam: AdamHyper | None = None) -> StepStats:
         with self.activity_.doing("optimizer_step"):
             if self.world > 1:
                 self._all_reduce_grads()
-            return self.backend.optimizer_step(lr=lr, lr_scale=lr_scale)
+            return self.backend.optimizer_step(lr=lr, lr_scale=lr_scale, adam=adam)
 
     def _all_reduce_grads(self) -> None:
         # One flat buffer: one collective per step. A parameter no token reached gets zeros (as the

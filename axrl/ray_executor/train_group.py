@@ -26,7 +26,7 @@ from axrl.ray_executor.handles import DataPlane, WeightsHandle, payload_bytes, r
 from axrl.ray_executor.wire import wire_bytes
 from axrl.train.critic import CriticConfig, CriticUpdate
 from axrl.train.metrics import reduce_microbatch_metrics
-from axrl.train.protocol import (R3, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, StepStats,
+from axrl.train.protocol import (R3, AdamHyper, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, StepStats,
                                  TrainMetrics)
 
 
@@ -182,8 +182,9 @@ class RayTrainGroup:
                             metrics={**reduce_microbatch_metrics(rows), "num_micro_batches": float(len(rows))},
                             tokens=tokens)
 
-    def optimizer_step(self, *, lr: float | None = None, lr_scale: float = 1.0) -> StepStats:
-        return self._each(lambda r: r.optimizer_step.remote(lr, lr_scale))[0]
+    def optimizer_step(self, *, lr: float | None = None, lr_scale: float = 1.0,
+                       adam: AdamHyper | None = None) -> StepStats:
+        return self._each(lambda r: r.optimizer_step.remote(lr, lr_scale, adam))[0]
 
     def reset_optimizer(self) -> None:
         self._each(lambda r: r.reset_optimizer.remote())

@@ -9,16 +9,15 @@ recording.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from axrl.recording.records import UpdateResult
 from axrl.service.errors import UserError
 from axrl.service.losses import ServiceLoss
 from axrl.train.metrics import reduce_microbatch_metrics
-from axrl.train.protocol import PackedBatch, StepStats, TrainBackend, TrainMetrics
+from axrl.train.protocol import AdamHyper, PackedBatch, StepStats, TrainBackend, TrainMetrics
 
 #: step-file root attributes of a service step (JSON strings)
 CALLS_ATTR = "service_calls"
@@ -64,30 +63,11 @@ def check_adam(params: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-@contextlib.contextmanager
-def adam_hyperparams(backend: Any, adam: dict[str, float]) -> Iterator[None]:
-    """The torch backend's AdamW set to the call's betas, eps, weight decay (matrices, as AxRL
-    decays) and clip norm for one step; its own settings come back afterwards."""
-    groups = backend.optimizer.param_groups
-    saved = [dict(betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"]) for g in groups]
-    clip = backend.config.grad_clip
-    try:
-        for i, g in enumerate(groups):
-            g["betas"] = (adam["beta1"], adam["beta2"])
-            g["eps"] = adam["eps"]
-            g["weight_decay"] = adam["weight_decay"] if i == 0 else 0.0
-        backend.config.grad_clip = adam["grad_clip_norm"]
-        yield
-    finally:
-        for g, s in zip(groups, saved):
-            g.update(s)
-        backend.config.grad_clip = clip
-
-
 def apply_optim(backend: TrainBackend, adam: dict[str, float]) -> StepStats:
-    """The step's optimizer update with the call's AdamW parameters (rate: learning_rate as given)."""
-    with adam_hyperparams(backend, adam):
-        return backend.optimizer_step(lr=adam["learning_rate"])
+    """The step's optimizer update with the call's AdamW parameters (rate: learning_rate as given;
+    weight decay on matrices, as AxRL decays), on whichever backend trains the model."""
+    hyper = AdamHyper((adam["beta1"], adam["beta2"]), adam["eps"], adam["weight_decay"], adam["grad_clip_norm"])
+    return backend.optimizer_step(lr=adam["learning_rate"], adam=hyper)
 
 
 def merged_metrics(calls: list[TrainMetrics]) -> TrainMetrics:

@@ -22,6 +22,15 @@ def adamw(params: Sequence[torch.Tensor], *, lr: float, betas: tuple[float, floa
         lr=lr, betas=betas, eps=eps, foreach=False, fused=False)
 
 
+def set_adam_hyper(optimizer: torch.optim.Optimizer, betas: tuple[float, float], eps: float,
+                   weight_decay: float) -> None:
+    """Set an `adamw` optimizer's betas, eps and (matrices-only) weight decay for its next step;
+    the moments are kept, so a step may use other settings than the last (the Tinker API's)."""
+    for i, group in enumerate(optimizer.param_groups):
+        group["betas"], group["eps"] = betas, eps
+        group["weight_decay"] = weight_decay if i == 0 else 0.0
+
+
 def lr_at(config: BackendConfig, step: int) -> float:
     """Learning rate of update `step` (0-based count of applied updates).
 

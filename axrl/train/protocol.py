@@ -176,6 +176,18 @@ class TrainMetrics:
     tokens: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class AdamHyper:
+    """AdamW settings of one update that replace the backend's configured ones for that update
+    (a Tinker-API client sends its own with every optim_step). Weight decay applies to matrices
+    only, as AxRL always decays."""
+
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    grad_clip: float   # 0: off
+
+
 @dataclass
 class StepStats:
     grad_norm: float   # total L2 norm before clipping
@@ -241,11 +253,13 @@ class TrainBackend(Protocol):
         """Accumulate gradients of `loss_fn` over the batch, micro-batch by micro-batch in a fixed order."""
         ...
 
-    def optimizer_step(self, *, lr: float | None = None, lr_scale: float = 1.0) -> StepStats:
+    def optimizer_step(self, *, lr: float | None = None, lr_scale: float = 1.0,
+                       adam: AdamHyper | None = None) -> StepStats:
         """Clip, step the optimizer and LR schedule, zero the gradients.
 
         The learning rate is the schedule's, times `lr_scale`; `lr` replaces the schedule's value
-        (a phase with its own fixed rate, e.g. a supervised warm-up)."""
+        (a phase with its own fixed rate, e.g. a supervised warm-up). `adam` replaces the configured
+        betas, eps, weight decay and clip norm for this update only."""
         ...
 
     def reset_optimizer(self) -> None:

@@ -25,9 +25,9 @@ from axrl.train.lora import LoRAAdapters, LoRAConfig, export_peft
 from axrl.train.metrics import join_token_columns, reduce_microbatch_metrics, split_token_columns
 from axrl.train.micro_batch import (label_logprobs, micro_batch_ranges, next_token_logprobs, pad_micro_batch,
                                     restrict_routing_, unpad)
-from axrl.train.optim import adamw, adamw_update, lr_at, restore_adamw_state
+from axrl.train.optim import adamw, adamw_update, lr_at, restore_adamw_state, set_adam_hyper
 from axrl.train.prefix_tree import build_prefix_tree
-from axrl.train.protocol import (R3, ForwardProbe, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, R3Scope,
+from axrl.train.protocol import (R3, AdamHyper, ForwardProbe, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, R3Scope,
                                  StepStats, TrainMetrics)
 from axrl.train.r3 import use_r3
 from axrl.train.settings import BackendConfig
@@ -226,9 +226,11 @@ class TorchBackend:
                             tokens=join_token_columns(columns))
 
     # ------------------------------------------------------------------ optimizer
-    def optimizer_step(self, *, lr: float | None = None, lr_scale: float = 1.0) -> StepStats:
+    def optimizer_step(self, *, lr: float | None = None, lr_scale: float = 1.0,
+                       adam: AdamHyper | None = None) -> StepStats:
         """Grad norm (before clipping), clip, AdamW step, schedule step, zero grads. The rate is
-        `lr` when given, else the schedule's times `lr_scale`.
+        `lr` when given, else the schedule's times `lr_scale`; `adam` (else the config's) gives the
+        betas, eps, weight decay and clip norm.
 
         A non-finite grad norm skips the update and the schedule step (as Megatron does), so
         the weights and optimizer moments stay intact; the nan/inf norm is reported.
@@ -236,8 +238,11 @@ class TorchBackend:
         if not self._has_grads:
             raise RuntimeError("optimizer_step() called without a forward_backward() since the last step")
         lr = lr_at(self.config, self.scheduler_step) * lr_scale if lr is None else lr
+        c = self.config
+        adam = adam or AdamHyper(c.betas, c.eps, c.weight_decay, c.grad_clip)
+        set_adam_hyper(self.optimizer, adam.betas, adam.eps, adam.weight_decay)
         norm, per_tensor, applied = adamw_update(self.optimizer, [p for _, p in self._params], lr=lr,
-                                                 grad_clip=self.config.grad_clip)
+                                                 grad_clip=adam.grad_clip)
         if applied:
             self.scheduler_step += 1
         else:

@@ -24,7 +24,7 @@ from axrl.train.determinism import capture_rng_state, restore_rng_state, set_det
 from axrl.train.fingerprint import weights_fingerprint
 from axrl.train.metrics import TOKEN_COLUMN_PREFIX, join_token_columns, reduce_microbatch_metrics
 from axrl.train.optim import lr_at
-from axrl.train.protocol import R3, ForwardResult, Inspection, LossFn, PackedBatch, R3Scope, StepStats, TrainMetrics
+from axrl.train.protocol import R3, AdamHyper, ForwardResult, Inspection, LossFn, PackedBatch, R3Scope, StepStats, TrainMetrics
 from axrl.train.r3 import use_r3
 from axrl.train.settings import BackendConfig
 
@@ -210,15 +210,17 @@ class MegatronBackend:
                             metrics={**reduce_microbatch_metrics(rows), "num_micro_batches": float(len(rows))},
                             tokens=join_token_columns([p[1] for parts in shares for p in parts]))
 
-    def optimizer_step(self, *, lr: float | None = None, lr_scale: float = 1.0) -> StepStats:
+    def optimizer_step(self, *, lr: float | None = None, lr_scale: float = 1.0,
+                       adam: AdamHyper | None = None) -> StepStats:
         """Grad norm (before clipping), clip, AdamW step, schedule step, zero grads; a non-finite
         norm skips the update and the schedule step. The rate is `lr` when given, else the
-        schedule's times `lr_scale`."""
+        schedule's times `lr_scale`; `adam` (else the config's) gives betas, eps, decay and clip."""
         if not self._has_grads:
             raise RuntimeError("optimizer_step() called without a forward_backward() since the last step")
         c = self.config
         lr = lr_at(c, self.scheduler_step) * lr_scale if lr is None else lr
-        answers = self._group.call("optimizer_step", _SLOT, lr, c.grad_clip, c.betas, c.eps, c.weight_decay)
+        adam = adam or AdamHyper(c.betas, c.eps, c.weight_decay, c.grad_clip)
+        answers = self._group.call("optimizer_step", _SLOT, lr, adam.grad_clip, adam.betas, adam.eps, adam.weight_decay)
         norm = answers[0][0]
         if torch.isfinite(torch.tensor(norm)):
             self.scheduler_step += 1

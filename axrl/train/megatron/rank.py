@@ -30,7 +30,7 @@ from axrl.train.micro_batch import (PaddedMicroBatch, label_logprobs, next_token
                                     restrict_routing_, unpad)
 from axrl.train.prefix_tree import PrefixTree
 from axrl.train.metrics import TOKEN_COLUMN_PREFIX, split_token_columns
-from axrl.train.optim import adamw, clip_grads_
+from axrl.train.optim import adamw, clip_grads_, set_adam_hyper
 from axrl.train.protocol import LossFn, R3Scope
 
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -351,6 +351,7 @@ class MegatronRank:
         if slot not in self.optimizers:
             self.optimizers[slot] = adamw([p for _, p in self.params], lr=0.0, betas=betas, eps=eps,
                                           weight_decay=weight_decay)
+        set_adam_hyper(self.optimizers[slot], betas, eps, weight_decay)  # a step may bring its own
         return self.optimizers[slot]
 
     def _partial_group(self, name: str) -> Any:
