@@ -285,3 +285,53 @@ def test_megatron_backend_trains_the_same_steps_and_replays(model_dir: Path, tmp
     _wait_for_step(tmp_path / "megatron", 1)
     replay = _debug("replay", str(tmp_path / "megatron"), "--step", "1", "--json")
     assert replay.returncode == 0 and json.loads(replay.stdout)["verdict"] == "bitwise-equal", replay.stdout[-2000:]
+
+
+def test_sampled_sequences_bring_their_moe_routing_into_the_trace(tmp_path: Path) -> None:
+    """On an MoE model, an RL datum that is a sequence the service sampled (prompt + completion)
+    is recorded with the engine's routing and the trainer's, so `mismatch` reports their routing
+    agreement; a datum the service never sampled is not given a routing it did not have."""
+    tok = Tokenizer.default()
+    cfg = preset_config("tiny-moe", vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id)
+    moe = save_hf(build_model(cfg, seed=0), tmp_path / "moe", tokenizer=tok)
+    server = Server(moe, tmp_path / "run", tmp_path / "server.log", "--full-finetune")
+    try:
+        tc = tinker.ServiceClient(base_url=server.url, api_key="tml-local").create_lora_training_client(
+            base_model=str(moe), rank=4).result()
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        prompt = tok.encode("what is two plus three")
+        out = sampler.sample(types.ModelInput.from_ints(prompt), 2,
+                             types.SamplingParams(max_tokens=8, seed=1, stop=[])).result()
+
+        def rl_datum(seq) -> types.Datum:
+            full = prompt + list(seq.tokens)
+            lp = [0.0] * (len(prompt) - 1) + list(seq.logprobs)
+            return types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                               loss_fn_inputs={"target_tokens": np.asarray(full[1:]),
+                                               "logprobs": np.asarray(lp, np.float32),
+                                               "advantages": np.asarray([0.0] * (len(prompt) - 1) + [1.0] * len(seq.tokens),
+                                                                        np.float32)})
+        datums = [rl_datum(s) for s in out.sequences]
+        tc.forward_backward(datums, "importance_sampling").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        tc.forward_backward([_datum(prompt + [5, 6, 7])], "cross_entropy").result()   # never sampled
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        _wait_for_step(server.run, 1)
+    finally:
+        server.close()
+    with h5py.File(server.run / "trace" / "step_000000.h5") as f:
+        valid, rollout, train = f["routing/rollout_valid"][:], f["routing/rollout"][:], f["routing/train"][:]
+        lengths = np.diff(f["samples/offsets"][:])
+    assert list(lengths) == [len(prompt) + len(s.tokens) for s in out.sequences]
+    assert valid.sum() == len(valid) - 2                         # every token but each sequence's last
+    assert rollout.shape == train.shape and rollout.shape[1:] == (cfg.num_hidden_layers, cfg.num_experts_per_tok)
+    same = (np.sort(rollout[valid == 1], -1) == np.sort(train[valid == 1], -1)).all(-1).mean()
+    assert same > 0.9                                            # the same weights: the trainer's fp32 path agrees
+    with h5py.File(server.run / "trace" / "step_000001.h5") as f:
+        assert "routing" not in f
+    report = _debug("mismatch", str(server.run), "--step", "0", "--json")
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert json.loads(report.stdout)["routing"]["agreement"] == pytest.approx(same, abs=1e-6)
+    replay = _debug("replay", str(server.run), "--step", "0", "--json")
+    assert replay.returncode == 0 and json.loads(replay.stdout)["verdict"] == "bitwise-equal", replay.stdout[-2000:]

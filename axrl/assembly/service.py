@@ -27,6 +27,7 @@ from axrl.model import hf_state_dict
 from axrl.service.futures import FutureStore
 from axrl.service.model import ServiceModel
 from axrl.service.routes import add_tinker_routes
+from axrl.service.routing import RoutingMemory
 from axrl.service.sampling import Sampler
 from axrl.service.state import ServiceState
 from axrl.trace import RunDir
@@ -52,7 +53,8 @@ def model_config(cfg: Config, model_dir: Path, lora_rank: int | None) -> Config:
     return Config.model_validate(data)
 
 
-def model_factory(cfg: Config, model_dir: Path, run_dir: Path, full_finetune: bool = False) -> Any:
+def model_factory(cfg: Config, model_dir: Path, run_dir: Path, full_finetune: bool = False,
+                  routing: RoutingMemory | None = None) -> Any:
     """Builds the `ServiceModel`s: the first records into `run_dir`, the k-th into run_dir/models/model_k.
     `full_finetune`: train every weight whatever `lora_config` asks (get_info then says is_lora: false)."""
     def make(index: int, model_id: str, lora_rank: int | None) -> ServiceModel:
@@ -66,7 +68,7 @@ def model_factory(cfg: Config, model_dir: Path, run_dir: Path, full_finetune: bo
         run.write_manifest(seed=mcfg.seed, backend=mcfg.train.backend, engine="embedded", threads=torch.get_num_threads(),
                            command=sys.argv, extra={"mode": "tinker-service", "model_id": model_id,
                                                     "lora_rank": lora_rank})
-        return ServiceModel(model_id, backend, run, str(model_dir), lora_rank)
+        return ServiceModel(model_id, backend, run, str(model_dir), lora_rank, routing)
     return make
 
 
@@ -80,7 +82,9 @@ def build_service(serve_cfg: ServeConfig, cfg: Config, run_dir: Path, poll_s: fl
     server = build_server(serve_cfg)
     model_dir = Path(serve_cfg.model_path)
     base = {k: v.detach().clone() for k, v in hf_state_dict(server.engine.model).items()}
-    state = ServiceState(Sampler(server.engine, server.tokenizer, base), model_factory(cfg, model_dir, run_dir, full_finetune),
+    routing = RoutingMemory() if server.engine.config.num_experts else None
+    state = ServiceState(Sampler(server.engine, server.tokenizer, base, routing),
+                         model_factory(cfg, model_dir, run_dir, full_finetune, routing),
                          server.model_name, model_dir, server.engine.config.model_type, FutureStore(poll_s=poll_s))
     app = create_app(server)
     add_tinker_routes(app, state)

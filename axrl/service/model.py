@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from axrl.recording.records import UpdateResult
@@ -18,19 +19,22 @@ from axrl.runtime.checkpoint import list_checkpoints, load_checkpoint, save_chec
 from axrl.service.batch import pack, per_datum
 from axrl.service.errors import UserError
 from axrl.service.losses import ServiceLoss, check_loss
-from axrl.service.recording import RecordedCall, metrics_row, step_record
+from axrl.service.recording import CallRouting, RecordedCall, metrics_row, step_record
+from axrl.service.routing import RoutingMemory
 from axrl.service.training import CallSpec, apply_optim, check_adam, merged_metrics, run_call
 from axrl.service.wire import ForwardBackwardCall, encode_forward_backward_output
 from axrl.trace import RunDir
-from axrl.train.protocol import LossContext, TrainBackend
+from axrl.train.protocol import LossContext, PackedBatch, TrainBackend
 
 
 class ServiceModel:
     """One `create_model`: `model_id` = `{session}:train:{seq}`, trained by `backend`, recorded in `run`."""
 
     def __init__(self, model_id: str, backend: TrainBackend, run: RunDir, base_model: str,
-                 lora_rank: int | None) -> None:
+                 lora_rank: int | None, routing: RoutingMemory | None = None) -> None:
         self.model_id, self.backend, self.run = model_id, backend, run
+        # the sampler's memory of sampled sequences' routing (None: a dense model)
+        self.routing = routing if backend.model_config.num_experts else None
         self.base_model, self.lora_rank = base_model, lora_rank
         self.step = 0
         self.calls: list[RecordedCall] = []
@@ -59,14 +63,31 @@ class ServiceModel:
         else:
             if not self.calls:
                 self.started = time.perf_counter()
+            routing = self._routing(batch)
             metrics = run_call(self.backend, batch, call.loss_fn, config)
             batch.old_logprobs = metrics.tokens["logprobs"]
             start = self.num_samples
             self.calls.append(RecordedCall(CallSpec(call.loss_fn, config, start, start + batch.num_samples),
-                                           batch, metrics))
+                                           batch, metrics, routing))
             logprobs, elementwise, total = metrics.tokens["logprobs"], metrics.tokens["elementwise_loss"], metrics.loss
         outputs = {"logprobs": per_datum(batch, logprobs), "elementwise_loss": per_datum(batch, elementwise)}
         return encode_forward_backward_output(outputs, {"loss:sum": total}, batch.num_samples)
+
+    def _routing(self, batch: PackedBatch) -> CallRouting | None:
+        """The call's routing when its datums include sequences the service sampled: the engine's
+        rows for those, and the trainer's from a no-grad forward at the weights about to be trained
+        (one extra forward, only for calls that carry sampled sequences)."""
+        if self.routing is None:
+            return None
+        off = batch.offsets.tolist()
+        found = self.routing.batch_rows([batch.input_ids[a:b].tolist() for a, b in zip(off[:-1], off[1:])])
+        if found is None:
+            return None
+        train = self.backend.forward(batch).routed_experts
+        if train is None:
+            return None
+        rollout, valid = found
+        return CallRouting(rollout, valid, train.cpu().numpy().astype(np.int16), self.backend.model_config.num_experts)
 
     def optim_step(self, params: dict[str, Any]) -> dict[str, Any]:
         """The AdamW update over the gradients accumulated since the last one; closes trace step `step`."""

@@ -24,12 +24,36 @@ from axrl.train.protocol import PackedBatch, TrainMetrics
 
 
 @dataclass
+class CallRouting:
+    """The MoE routing of a call's tokens: the engine's where the datum is a sequence the service
+    sampled (`valid`), and the trainer's at the weights the call trained."""
+
+    rollout: np.ndarray     # int16 [T, L, k]; zeros where not valid
+    valid: np.ndarray       # uint8 [T]
+    train: np.ndarray       # int16 [T, L, k]
+    num_experts: int
+
+
+@dataclass
 class RecordedCall:
-    """A gradient-accumulating call as it ran: its batch (old logprobs set) and metrics."""
+    """A gradient-accumulating call as it ran: its batch (old logprobs set), metrics and routing."""
 
     spec: CallSpec
     batch: PackedBatch
     metrics: TrainMetrics
+    routing: CallRouting | None = None
+
+
+def _step_routing(calls: list[RecordedCall]) -> dict[str, Any]:
+    """StepRecord routing fields: only when every call of the step has its routing (a step
+    mixing sampled and other datums records none, rather than a routing with holes)."""
+    routed = [c.routing for c in calls]
+    if not routed or any(r is None for r in routed):
+        return {}
+    return {"num_experts": routed[0].num_experts,
+            "routing_rollout": np.concatenate([r.rollout for r in routed]),
+            "routing_rollout_valid": np.concatenate([r.valid for r in routed]),
+            "routing_train": np.concatenate([r.train for r in routed])}
 
 
 def _cat(batches: list[PackedBatch], name: str) -> np.ndarray:
@@ -68,6 +92,7 @@ def step_record(step: int, calls: list[RecordedCall], update: UpdateResult, fing
         wall_times=wall_times,
         attrs={CALLS_ATTR: json.dumps([c.spec.to_json() for c in calls]), OPTIM_ATTR: json.dumps(adam),
                "source_api": "tinker"},
+        **_step_routing(calls),
     )
 
 

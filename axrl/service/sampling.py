@@ -21,6 +21,7 @@ import torch
 from axrl.inference.openai.stops import cut_at_stop
 from axrl.inference.protocol import GenerateRequest, GenerateResult, SamplingParams
 from axrl.service.errors import UserError
+from axrl.service.routing import RoutingMemory
 from axrl.service.wire import Sequence, encode_sample_response
 from axrl.train.micro_batch import next_token_logprobs
 
@@ -58,10 +59,12 @@ def parse_stop(stop: Any) -> tuple[list[int] | None, list[str]]:
 
 
 class Sampler:
-    """The engine, its weight snapshots and the one loaded now."""
+    """The engine, its weight snapshots and the one loaded now; with `routing` (an MoE model), the
+    routing of every sequence it samples is remembered for the trace."""
 
-    def __init__(self, engine: Any, tokenizer: Any, base_weights: dict[str, torch.Tensor]) -> None:
-        self.engine, self.tokenizer = engine, tokenizer
+    def __init__(self, engine: Any, tokenizer: Any, base_weights: dict[str, torch.Tensor],
+                 routing: RoutingMemory | None = None) -> None:
+        self.engine, self.tokenizer, self.routing = engine, tokenizer, routing
         self.snapshots: dict[str, dict[str, torch.Tensor]] = {BASE: base_weights}
         self.loaded = BASE
         self.ephemeral: list[str] = []
@@ -115,14 +118,20 @@ class Sampler:
             prompt_lp = self._prompt_logprobs(spec) if spec.prompt_logprobs else None
         finally:
             self._release()
-        return encode_sample_response([self._sequence(spec, r) for r in results], prompt_lp)
+        sequences = [self._sequence(spec, r) for r in results]
+        if self.routing is not None:
+            for seq, r in zip(sequences, results):
+                if r.routed_experts is not None:
+                    self.routing.remember(list(spec.prompt) + seq.tokens, r.routed_experts)
+        return encode_sample_response(sequences, prompt_lp)
 
     def _request(self, spec: SampleSpec, i: int) -> GenerateRequest:
         sp = SamplingParams(max_new_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
                             top_k=spec.top_k, stop_token_ids=spec.stop_ids or [],
                             ignore_eos=spec.stop_ids is not None,
                             seed=None if spec.seed is None else spec.seed + i)
-        return GenerateRequest(input_ids=list(spec.prompt), sampling_params=sp, return_logprob=True)
+        return GenerateRequest(input_ids=list(spec.prompt), sampling_params=sp, return_logprob=True,
+                               return_routed_experts=self.routing is not None)
 
     def _sequence(self, spec: SampleSpec, r: GenerateResult) -> Sequence:
         ids, lps = list(r.output_ids), list(r.output_logprobs)
