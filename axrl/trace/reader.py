@@ -23,6 +23,7 @@ from . import routing_codec
 from . import schema as S
 from .run_dir import list_step_files, read_metrics_file
 from .schema import CorruptStepError, NotARunDirError, SchemaVersionError, TraceError
+from .shards import check_shards, shard_files
 from .writer import StepRecord
 
 if TYPE_CHECKING:  # pandas is optional for the trace package; only the frame helpers need it
@@ -83,6 +84,14 @@ class StepFile:
             for req in ("/samples/offsets", "/tokens/ids"):
                 if req not in self._f:
                     raise CorruptStepError(f"{self.path}: missing required dataset {req}")
+            # a sharded step's rows live in its shard files (shards.py): a missing one would read
+            # as the virtual datasets' fill value, so it is refused here
+            self.shards = shard_files(self.path, self.attrs)
+            missing = [str(p.relative_to(self.path.parent)) for p in self.shards if not p.is_file()]
+            if missing:
+                raise CorruptStepError(f"{self.path}: shard file(s) {missing} missing (a sharded step is its "
+                                       f"step file plus {S.SHARDS_DIR_FORMAT.format(step=self.step)}/; "
+                                       "copy or move them together)")
         except TraceError:
             self._f.close()
             raise
@@ -400,6 +409,7 @@ class TraceReader:
                 if off.ndim != 1 or off.size < 1 or int(off[-1]) != sf.num_tokens:
                     return f"{path}: /samples/offsets does not cover /tokens/ids ({sf.num_tokens} tokens)"
                 sf.keys()  # walks all object headers
+                check_shards(sf._f, sf.shards, sf.step)
         except TraceError as e:
             return str(e)
         except FileNotFoundError:
