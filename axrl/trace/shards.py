@@ -156,12 +156,20 @@ def write_sharded_step(trace_dir: str | os.PathLike, record: StepRecord, shards:
 
 
 def shard_files(step_file: Path, attrs: Mapping[str, Any]) -> list[Path]:
-    """The shard files a step file's root ``attrs`` list (none for an unsharded step)."""
+    """The shard files a step file's root ``attrs`` list (none for an unsharded step). Raises
+    ``CorruptStepError`` naming any that is missing: its rows would read as the virtual datasets'
+    fill value."""
     names = attrs.get(S.ATTR_SHARD_FILES)
     if names is None:
         return []
-    names = [names] if isinstance(names, str) else list(names)
-    return [step_file.parent / str(n) for n in names]
+    files = [step_file.parent / str(n) for n in ([names] if isinstance(names, str) else names)]
+    missing = [str(p.relative_to(step_file.parent)) for p in files if not p.is_file()]
+    if missing:
+        step = S.parse_step_file_name(step_file.name)
+        where = S.SHARDS_DIR_FORMAT.format(step=step) if step is not None else "its shard directory"
+        raise S.CorruptStepError(f"{step_file}: shard file(s) {missing} missing (a sharded step is its step "
+                                 f"file plus {where}/; copy or move them together)")
+    return files
 
 
 def remove_shards(trace_dir: Path, step: int) -> bool:
