@@ -52,7 +52,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 def step_arrays(run: Path, step: int) -> dict:
     with TraceReader(run).open(step) as sf:
         data = sf.read_all()
-    data["attrs"] = {k: v for k, v in data["attrs"].items() if k not in (S.ATTR_CREATED_UNIX, S.ATTR_SHARD_FILES)}
+    # what differs between any two runs (when, how long; the learner's RNG state is per process)
+    # and the index's list of its shards
+    data["attrs"] = {k: v for k, v in data["attrs"].items() if not k.startswith(S.WALL_TIME_PREFIX)
+                     and k not in (S.ATTR_CREATED_UNIX, S.ATTR_RNG_DIGEST, S.ATTR_SHARD_FILES)}
     return data
 
 
