@@ -17,7 +17,7 @@ index), ``read_s_whole`` / ``read_s_sharded`` (``StepFile`` reading ``/routing/t
 ``/tokens/old_logprob`` whole, fresh process each: the virtual datasets' cost on read) and
 ``same_arrays`` (every dataset of the two files read back equal).
 
-    OMP_NUM_THREADS=1 python bench/trace_shards.py --scale 0.25 --ranks 2
+    OMP_NUM_THREADS=1 python bench/trace_shards.py --scale 0.25 --ranks 2 [--encoding packed]
 
 Last stdout line: one JSON object with those keys.
 """
@@ -52,22 +52,23 @@ print(time.perf_counter() - t0)
 """
 
 
-def rank_write(rec: StepRecord, trace: Path, name: str, lo: int, hi: int, out: mp.Queue) -> None:
+def rank_write(rec: StepRecord, trace: Path, name: str, lo: int, hi: int, encoding: str, out: mp.Queue) -> None:
     """A rank's work: its samples' routing rows to the stored form, then its shard file."""
     t0 = time.perf_counter()
     off = np.asarray(rec.sample_offsets)
     a, b = int(off[lo]), int(off[hi])
-    rows = routing_rows(rec.routing_rollout[a:b], rec.routing_train[a:b], off[lo:hi + 1] - a, rec.num_experts)
-    info = write_shard(trace, rec.step, name, a, rows)
+    rows, attrs = routing_rows(rec.routing_rollout[a:b], rec.routing_train[a:b], off[lo:hi + 1] - a,
+                               rec.num_experts, encoding)
+    info = write_shard(trace, rec.step, name, a, b, rows, attrs)
     out.put((info, time.perf_counter() - t0))
 
 
-def sharded(rec: StepRecord, trace: Path, ranks: int) -> dict[str, float]:
+def sharded(rec: StepRecord, trace: Path, ranks: int, encoding: str) -> dict[str, float]:
     n = len(rec.sample_offsets) - 1
     cuts = np.linspace(0, n, ranks + 1).round().astype(int)
     out: mp.Queue = mp.get_context("fork").Queue()
     t0 = time.perf_counter()
-    procs = [mp.get_context("fork").Process(target=rank_write, args=(rec, trace, f"train_rank{r}", lo, hi, out))
+    procs = [mp.get_context("fork").Process(target=rank_write, args=(rec, trace, f"train_rank{r}", lo, hi, encoding, out))
              for r, (lo, hi) in enumerate(zip(cuts, cuts[1:]))]
     for p in procs:
         p.start()
@@ -99,15 +100,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scale", type=float, default=0.25)
     ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--encoding", choices=["raw", "packed"], default="raw", help="trace.routing_encoding")
     args = ap.parse_args()
     rec = synthetic_step(args.scale)
     root = Path(tempfile.mkdtemp(prefix="axrl-shards-"))
     try:
         t0 = time.perf_counter()
-        whole = write_step(root / "whole", rec)
-        res = {"tokens": int(rec.sample_offsets[-1]), "ranks": args.ranks,
+        whole = write_step(root / "whole", rec, routing_encoding=args.encoding)
+        res = {"tokens": int(rec.sample_offsets[-1]), "ranks": args.ranks, "encoding": args.encoding,
                "learner_write_s_whole": time.perf_counter() - t0, "whole_bytes": whole.stat().st_size}
-        res.update(sharded(rec, root / "sharded", args.ranks))
+        res.update(sharded(rec, root / "sharded", args.ranks, args.encoding))
         index = root / "sharded" / whole.name
         res["learner_bytes_fraction"] = res["index_bytes"] / res["whole_bytes"]
         res["learner_write_ratio"] = res["learner_write_s_sharded"] / res["learner_write_s_whole"]

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import h5py
 import numpy as np
@@ -15,31 +16,35 @@ import pytest
 from axrl.trace import CorruptStepError, RunDir, StepFile, TraceReader, read_step
 from axrl.trace import schema as S
 from axrl.trace.record import prepare
-from axrl.trace.shards import SHARDED_PATHS, routing_rows, shard_dir, write_shard, write_sharded_step
+from axrl.trace.shards import routing_rows, shard_dir, write_shard, write_sharded_step
 from test_trace import assert_records_equal, make_record
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def write_sharded(trace_dir: Path, rec, cuts: list[int]) -> Path:
-    """Write `rec` as a sharded step: its routing rows split at sample boundaries `cuts` (one shard
-    per piece, as train ranks write them), the rest in the index."""
-    p = prepare(rec)
-    off = p.datasets["/samples/offsets"]
-    bounds = [0, *[int(off[c]) for c in cuts], int(off[-1])]
-    infos = [write_shard(trace_dir, rec.step, f"train_rank{i}", a,
-                         {k: p.datasets[k][a:b] for k in SHARDED_PATHS if k in p.datasets})
-             for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+def write_sharded(trace_dir: Path, rec, cuts: list[int], encoding: str = "raw") -> Path:
+    """Write `rec` as a sharded step as the train ranks and the learner do: its samples split at
+    `cuts`, each share's routing rows converted (`routing_rows`) and written as a shard, the rest
+    in the index."""
+    off = np.asarray(rec.sample_offsets)
+    bounds = [0, *cuts, len(off) - 1]
+    infos = []
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        a, b = int(off[lo]), int(off[hi])
+        rows, attrs = routing_rows(np.asarray(rec.routing_rollout)[a:b], np.asarray(rec.routing_train)[a:b],
+                                   off[lo:hi + 1] - a, rec.num_experts, encoding)
+        infos.append(write_shard(trace_dir, rec.step, f"train_rank{i}", a, b, rows, attrs))
     rest = rec.__class__(**{**rec.__dict__, "routing_rollout": None, "routing_train": None,
                             "routing_rollout_valid": None})
     return write_sharded_step(trace_dir, rest, infos)
 
 
-def test_sharded_step_reads_as_the_unsharded_one(tmp_path):
+@pytest.mark.parametrize("encoding", ["raw", "packed"])
+def test_sharded_step_reads_as_the_unsharded_one(tmp_path, encoding):
     rec = make_record(3, n_groups=3, group_size=3)
-    plain = RunDir(tmp_path / "plain").write_step(rec)
+    plain = RunDir(tmp_path / "plain").write_step(rec, routing_encoding=encoding)
     run = RunDir(tmp_path / "sharded")
-    sharded = write_sharded(run.trace_dir, rec, [2, 5])
+    sharded = write_sharded(run.trace_dir, rec, [2, 5], encoding)
     assert sorted(p.name for p in shard_dir(run.trace_dir, 3).iterdir()) == [
         "train_rank0.h5", "train_rank1.h5", "train_rank2.h5"]
     a, b = read_step(plain), read_step(sharded)
@@ -58,6 +63,11 @@ def test_sharded_step_reads_as_the_unsharded_one(tmp_path):
         i = 4   # a sample whose rows straddle no shard boundary, read as one slice
         np.testing.assert_array_equal(sf.read_slice("/routing/train", off[i], off[i + 1]),
                                       np.asarray(rec.routing_train)[off[i]:off[i + 1]])
+        b = int(off[2])   # a slice across the first shard boundary (packed: the trainer's rows of both)
+        np.testing.assert_array_equal(sf.read_slice("/routing/train", b - 5, b + 5),
+                                      np.asarray(rec.routing_train)[b - 5:b + 5])
+        stored = "/routing/rollout_packed" if encoding == "packed" else "/routing/rollout"
+        assert sf._f[stored].is_virtual
         buffers: dict = {}
         cols = sf.read_columns(["/routing/rollout", "/tokens/old_logprob"], buffers=buffers, fast_checksums=True)
         np.testing.assert_array_equal(cols["/routing/rollout"], a["/routing/rollout"])
@@ -96,11 +106,11 @@ def test_shards_must_cover_the_step_once(tmp_path):
     rec = make_record(0)
     p = prepare(rec)
     rows = p.datasets["/routing/train"]
-    half = write_shard(tmp_path, 0, "a", 0, {"/routing/train": rows[:10]})
+    half = write_shard(tmp_path, 0, "a", 0, 10, {"/routing/train": rows[:10]})
     rest = rec.__class__(**{**rec.__dict__, "routing_train": None})
     with pytest.raises(ValueError, match="cover 10 token rows"):
         write_sharded_step(tmp_path, rest, [half])
-    gap = write_shard(tmp_path, 0, "b", 12, {"/routing/train": rows[12:]})
+    gap = write_shard(tmp_path, 0, "b", 12, len(rows), {"/routing/train": rows[12:]})
     with pytest.raises(ValueError, match="starts at row 12, expected 10"):
         write_sharded_step(tmp_path, rest, [half, gap])
     assert not (tmp_path / S.step_file_name(0)).exists()
@@ -111,7 +121,8 @@ def test_routing_rows_store_what_the_step_file_stores():
     rng = np.random.default_rng(0)
     off = np.array([0, 3, 7, 8])
     rollout, train = rng.integers(0, 8, (8, 2, 2)), rng.integers(0, 8, (8, 2, 2))
-    out = routing_rows(rollout, train, off, 8)
+    out, attrs = routing_rows(rollout, train, off, 8)
+    assert attrs == {S.ROUTING_ATTR_NUM_EXPERTS: 8}
     assert out["/routing/rollout"].dtype == np.uint8 and out["/routing/train"].dtype == np.uint8
     np.testing.assert_array_equal(out["/routing/rollout_valid"], [1, 1, 0, 1, 1, 1, 0, 0])
     assert not out["/routing/rollout"][[2, 6, 7]].any() and rollout[2].any()   # the caller's array untouched
@@ -178,3 +189,66 @@ def test_sharded_step_is_plain_hdf5(tmp_path):
     with h5py.File(path) as f:
         assert f["routing/train"].is_virtual
         np.testing.assert_array_equal(f["routing/train"][()], np.asarray(rec.routing_train))
+
+
+class InProcessGroup:
+    """RayTrainGroup's part in sharding, its ranks' `KeptRows` in this process: the learner's side
+    (`RankShards`) and the ranks' (`KeptRows`) run as under Ray, without a cluster."""
+
+    def __init__(self, ranks: int) -> None:
+        from axrl.ray_executor.trace_shards import KeptRows
+
+        self.kept = [KeptRows(r) for r in range(ranks)]
+        self.keep_trace_rows, self.last_kept, self._count = False, None, 0
+
+    def forward(self, rec, cuts: list[int]) -> None:
+        """The step's policy forward: each rank holds its samples' rows (int64 tensors, as the
+        trainer returns them) and hands back the result without the trainer's routing."""
+        import torch
+
+        from axrl.train.protocol import ForwardResult
+
+        assert self.keep_trace_rows
+        self._count += 1
+        off = np.asarray(rec.sample_offsets)
+        bounds, starts = [0, *cuts, len(off) - 1], []
+        for kept, lo, hi in zip(self.kept, bounds, bounds[1:]):
+            a, b = int(off[lo]), int(off[hi])
+            # a rank's share of the packed batch: what KeptRows reads of it (make_record's empty
+            # sample is no PackedBatch)
+            shard = SimpleNamespace(offsets=torch.from_numpy(off[lo:hi + 1] - a),
+                                    routed_experts=torch.from_numpy(np.asarray(rec.routing_rollout, np.int64)[a:b]))
+            train = torch.from_numpy(np.asarray(rec.routing_train, np.int64)[a:b])
+            back = kept.keep(self._count, shard, ForwardResult(torch.zeros(b - a), torch.zeros(b - a), train))
+            assert back.routed_experts is None
+            starts.append(a)
+        self.last_kept = (self._count, starts)
+
+    def write_trace_shards(self, key, trace_dir, step, starts, num_experts, encoding):
+        return [k.write(key, trace_dir, step, s, num_experts, encoding) for k, s in zip(self.kept, starts)]
+
+
+def test_learner_and_ranks_write_the_step_a_local_run_writes(tmp_path):
+    """RankShards + KeptRows: a step read back as write_step writes it; a step whose record carries
+    no routing (trace.level standard, between routing_every) gets none, and the ranks drop its rows."""
+    import dataclasses
+
+    from axrl.ray_executor.trace_shards import RankShards
+
+    group = InProcessGroup(3)
+    run = RunDir(tmp_path / "run")
+    shards = RankShards(group, run.trace_dir, "packed")
+    recs = [make_record(s, n_groups=3, group_size=2) for s in range(2)]
+    for step, rec in enumerate(recs):
+        group.forward(rec, [2, 4])
+        shards.claim(step)
+    shards.write(recs[0])
+    shards.write(dataclasses.replace(recs[1], routing_rollout=None, routing_rollout_valid=None, routing_train=None))
+    plain = RunDir(tmp_path / "plain").write_step(recs[0], routing_encoding="packed")
+    with StepFile(run.step_path(0)) as sf, StepFile(plain) as pf:
+        assert len(sf.shards) == 3
+        assert_records_equal(sf.to_record(), pf.to_record())
+    with StepFile(run.step_path(1)) as sf:
+        assert not sf.shards and "/routing/train" not in sf
+    assert not shard_dir(run.trace_dir, 1).exists()
+    assert all(not k._rows for k in group.kept)

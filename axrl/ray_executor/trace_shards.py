@@ -45,9 +45,11 @@ class KeptRows:
                 del self._rows[old]
         return dataclasses.replace(result, routed_experts=None)
 
-    def write(self, key: int, trace_dir: str, step: int, row_start: int, num_experts: int | None) -> ShardInfo | None:
-        """Write the rows kept under `key` as this rank's shard of `step` (None: no routing held);
-        forgets them and any older ones."""
+    def write(self, key: int, trace_dir: str, step: int, row_start: int, num_experts: int | None,
+              encoding: str = "raw") -> ShardInfo | None:
+        """Write the rows kept under `key` as this rank's shard of `step` in routing `encoding`
+        (None: no routing held, or `num_experts` None: the step records none); forgets them and
+        any older ones."""
         with self._lock:
             if key not in self._rows:
                 raise KeyError(f"train rank {self.rank} holds no rows for step {step} (forward {key}): "
@@ -57,17 +59,18 @@ class KeptRows:
                 del self._rows[old]
         if num_experts is None or (rollout is None and train is None):
             return None
-        rows = routing_rows(None if rollout is None else rollout.numpy(), None if train is None else train.numpy(),
-                            offsets.numpy(), num_experts)
-        return write_shard(trace_dir, step, f"train_rank{self.rank}", row_start, rows)
+        rows, attrs = routing_rows(None if rollout is None else rollout.numpy(),
+                                   None if train is None else train.numpy(), offsets.numpy(), num_experts, encoding)
+        return write_shard(trace_dir, step, f"train_rank{self.rank}", row_start, row_start + int(offsets[-1]),
+                           rows, attrs)
 
 
 class RankShards:
     """The learner's side (`StepShards`): which kept forward is which step's, and the step's write:
     every rank's shard (in parallel, each in its own process), then the index."""
 
-    def __init__(self, group: Any, trace_dir: Path) -> None:
-        self.group, self.trace_dir = group, trace_dir
+    def __init__(self, group: Any, trace_dir: Path, encoding: str = "raw") -> None:
+        self.group, self.trace_dir, self.encoding = group, trace_dir, encoding
         group.keep_trace_rows = True
         self._claimed: dict[int, tuple[int, list[int]]] = {}   # step -> (forward key, row start per rank)
 
@@ -78,8 +81,12 @@ class RankShards:
         self._claimed[step] = kept
 
     def write(self, record: StepRecord) -> Path:
+        """The ranks write their shards (none when the step's record carries no routing, as on
+        `trace.level: standard`'s steps between `routing_every`: they drop their rows), then the index."""
         key, starts = self._claimed.pop(record.step)
-        infos = self.group.write_trace_shards(key, str(self.trace_dir), record.step, starts, record.num_experts)
+        routed = record.routing_rollout is not None or record.routing_train is not None
+        infos = self.group.write_trace_shards(key, str(self.trace_dir), record.step, starts,
+                                              record.num_experts if routed else None, self.encoding)
         shards = [i for i in infos if i is not None]
         if shards:
             record = dataclasses.replace(record, routing_rollout=None, routing_rollout_valid=None, routing_train=None)

@@ -28,7 +28,7 @@ import numpy as np
 
 from . import schema as S
 from .record import StepRecord, _Prepared, prepare
-from .writer import DEFAULT_COMPRESSION, RAW_DATASETS, _write_h5, atomic_h5
+from .writer import DEFAULT_COMPRESSION, RAW_DATASETS, _pack_routing, _write_h5, atomic_h5
 
 __all__ = ["SHARDED_PATHS", "ShardInfo", "remove_shards", "routing_rows", "shard_dir", "shard_files",
            "stray_shard_dirs", "write_shard", "write_sharded_step"]
@@ -47,6 +47,7 @@ class ShardInfo:
     row_start: int
     row_stop: int
     datasets: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    routing_attrs: dict[str, Any] = field(default_factory=dict)   # /routing attrs (num_experts, packed encoding)
 
 
 def shard_dir(trace_dir: str | os.PathLike, step: int) -> Path:
@@ -54,11 +55,16 @@ def shard_dir(trace_dir: str | os.PathLike, step: int) -> Path:
     return Path(trace_dir) / S.SHARDS_DIR_FORMAT.format(step=int(step))
 
 
-def routing_rows(rollout: Any, train: Any, offsets: Any, num_experts: int) -> dict[str, np.ndarray]:
-    """The /routing datasets of some samples' rows as a step file stores them: expert ids
-    ([rows, L, k]) in the schema's routing dtype, ``rollout_valid`` 0 on each sample's last token
-    (it never went through the engine; its rollout row is stored as zeros). ``offsets``: the
-    samples' CSR offsets within these rows. A None routing is left out."""
+def routing_rows(rollout: Any, train: Any, offsets: Any, num_experts: int,
+                 encoding: str = "raw") -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The /routing datasets of some samples' rows as a step file stores them, and the /routing
+    attrs: expert ids ([rows, L, k]) in the schema's routing dtype, ``rollout_valid`` 0 on each
+    sample's last token (it never went through the engine; its rollout row is stored as zeros);
+    with ``encoding="packed"`` bit-packed, the trainer's as its difference (routing_codec.py: every
+    packed dataset is in token order, so the shards' rows concatenate into the step's).
+    ``offsets``: the samples' CSR offsets within these rows. A None routing is left out."""
+    if encoding not in ("raw", "packed"):
+        raise ValueError(f"trace.routing_encoding must be 'raw' or 'packed', got {encoding!r}")
     dtype = S.routing_dtype(int(num_experts))
     off = np.asarray(offsets, dtype=np.int64)
     out: dict[str, np.ndarray] = {}
@@ -71,33 +77,33 @@ def routing_rows(rollout: Any, train: Any, offsets: Any, num_experts: int) -> di
         out[path] = np.array(a, dtype=dtype, order="C")   # a copy: the zeroing below must not reach the caller
     if "/routing/rollout" in out:
         valid = np.ones(int(off[-1]), np.uint8)
-        valid[off[1:] - 1] = 0
+        valid[off[1:][np.diff(off) > 0] - 1] = 0
         out["/routing/rollout"][valid == 0] = 0
         out["/routing/rollout_valid"] = valid
-    return out
+    prepared = _Prepared(out, {}, {S.G_ROUTING: {S.ROUTING_ATTR_NUM_EXPERTS: np.int64(num_experts)}})
+    if encoding == "packed":
+        _pack_routing(prepared)
+    return prepared.datasets, prepared.group_attrs[S.G_ROUTING]
 
 
-def write_shard(trace_dir: str | os.PathLike, step: int, name: str, row_start: int,
-                datasets: Mapping[str, np.ndarray], *, compression: str | None = DEFAULT_COMPRESSION,
-                checksum: bool = True) -> ShardInfo:
-    """Write ``datasets`` (paths of the step file, all with the same number of rows: the step's
-    token rows from ``row_start``) as the shard ``name`` of ``step``, crash-safely; its ``ShardInfo``.
-    Stored as the step file would store them (chunked, checksummed, compressed unless raw)."""
+def write_shard(trace_dir: str | os.PathLike, step: int, name: str, row_start: int, row_stop: int,
+                datasets: Mapping[str, np.ndarray], routing_attrs: Mapping[str, Any] | None = None, *,
+                compression: str | None = DEFAULT_COMPRESSION, checksum: bool = True) -> ShardInfo:
+    """Write ``datasets`` (paths of the step file; their rows are those of the step's token rows
+    ``row_start:row_stop``, in order) as the shard ``name`` of ``step``, crash-safely; its
+    ``ShardInfo``. Stored as the step file would store them (chunked, checksummed, compressed
+    unless raw), with the ``/routing`` attrs ``routing_attrs``."""
     if not name or "/" in name or name.startswith("."):
         raise ValueError(f"shard name {name!r}: a plain file name stem")
-    rows = {len(a) for a in datasets.values()}
-    if len(rows) > 1:
-        raise ValueError(f"shard {name} of step {step}: datasets of different lengths {sorted(rows)}")
-    row_stop = int(row_start) + (rows.pop() if rows else 0)
     directory = shard_dir(trace_dir, step)
     directory.mkdir(parents=True, exist_ok=True)
     attrs = {S.ATTR_SCHEMA_VERSION: np.int64(S.SCHEMA_VERSION), S.ATTR_STEP: np.int64(step),
              ATTR_ROW_START: np.int64(row_start), ATTR_ROW_STOP: np.int64(row_stop)}
-    prepared = _Prepared(dict(datasets), attrs, {})
+    prepared = _Prepared(dict(datasets), attrs, {S.G_ROUTING: dict(routing_attrs)} if routing_attrs else {})
     final = atomic_h5(directory / f"{name}.h5",
                       lambda f: _write_h5(f, prepared, compression, checksum, RAW_DATASETS))
-    return ShardInfo(f"{directory.name}/{final.name}", int(row_start), row_stop,
-                     {p: (a.dtype.str, tuple(a.shape)) for p, a in datasets.items()})
+    return ShardInfo(f"{directory.name}/{final.name}", int(row_start), int(row_stop),
+                     {p: (a.dtype.str, tuple(a.shape)) for p, a in datasets.items()}, dict(routing_attrs or {}))
 
 
 def _layouts(shards: list[ShardInfo], t: int) -> dict[str, h5py.VirtualLayout]:
@@ -119,9 +125,15 @@ def _layouts(shards: list[ShardInfo], t: int) -> dict[str, h5py.VirtualLayout]:
         if len(held) != len(shards) or len(kinds) != 1:
             raise ValueError(f"{path}: not in every shard, or in different dtypes/shapes ({sorted(kinds)})")
         dtype, tail = kinds.pop()
-        layout = h5py.VirtualLayout(shape=(t, *tail), dtype=np.dtype(dtype))
-        for s in held:
-            layout[s.row_start:s.row_stop] = h5py.VirtualSource(s.file, path, shape=tuple(s.datasets[path][1]))
+        # each shard's rows follow the previous shard's: token rows, or (packed trainer routing)
+        # the differing rows of its tokens, which are in token order too
+        lengths = [int(s.datasets[path][1][0]) for s in held]
+        layout = h5py.VirtualLayout(shape=(sum(lengths), *tail), dtype=np.dtype(dtype))
+        at = 0
+        for s, n in zip(held, lengths):
+            if n:
+                layout[at:at + n] = h5py.VirtualSource(s.file, path, shape=tuple(s.datasets[path][1]))
+            at += n
         out[path] = layout
     return out
 
@@ -139,6 +151,14 @@ def write_sharded_step(trace_dir: str | os.PathLike, record: StepRecord, shards:
     if clash:
         raise ValueError(f"step {record.step}: {clash} both in the record and in its shards")
     layouts = _layouts(shards, t) if shards else {}
+    routing = prepared.group_attrs.setdefault(S.G_ROUTING, {})
+    for s in shards:
+        for k, v in s.routing_attrs.items():
+            if k in routing and routing[k] != v:
+                raise ValueError(f"/routing attr {k}: shard {s.file} has {v!r}, the step {routing[k]!r}")
+            routing[k] = v
+    if not routing:
+        del prepared.group_attrs[S.G_ROUTING]
     trace_dir = Path(trace_dir)
     final = trace_dir / S.step_file_name(record.step)
     if final.exists() and not overwrite:
