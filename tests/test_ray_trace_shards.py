@@ -36,14 +36,15 @@ def cfg(*extra: str):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """A local run, the same run on Ray with one train rank writing sharded steps, and one with two
-    data-parallel ranks (trace.sharded: auto turns it on)."""
+    data-parallel ranks (trace.sharded: auto turns it on) packing their routing."""
     base = tmp_path_factory.mktemp("shards")
     out = {"local": train(cfg(), base / "local")}
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
              logging_level="warning", log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     try:
         out["sharded"] = train(cfg("runtime.executor=ray", "trace.sharded=true"), base / "sharded")
-        out["dp2"] = train(cfg("runtime.executor=ray", "runtime.ray.train_ranks=2", *SMALL), base / "dp2")
+        out["dp2"] = train(cfg("runtime.executor=ray", "runtime.ray.train_ranks=2", "trace.routing_encoding=packed",
+                               *SMALL), base / "dp2")
     finally:
         ray.shutdown()
     return out
@@ -111,8 +112,9 @@ def test_each_data_parallel_rank_writes_its_own_rows(runs):
         assert sorted(p.name for p in shards.iterdir()) == ["train_rank0.h5", "train_rank1.h5"]
         with TraceReader(run).open(step) as sf:
             off, t = sf["/samples/offsets"], sf.num_tokens
+            assert sf.group_attrs("/routing")["encoding"] == "packed-v1" and sf._f["/routing/train_rows"].is_virtual
             starts = sorted(int(vs.vspace.get_select_bounds()[0][0])
-                            for vs in sf._f["/routing/train"].virtual_sources())
+                            for vs in sf._f["/routing/rollout_valid"].virtual_sources())
             # two shares, split at a sample boundary, covering the step
             assert len(starts) == 2 and starts[0] == 0 and 0 < starts[1] < t and starts[1] in off
             train_rows, rollout_rows = sf["/routing/train"], sf["/routing/rollout"]
