@@ -252,3 +252,30 @@ def test_learner_and_ranks_write_the_step_a_local_run_writes(tmp_path):
         assert not sf.shards and "/routing/train" not in sf
     assert not shard_dir(run.trace_dir, 1).exists()
     assert all(not k._rows for k in group.kept)
+
+
+@pytest.mark.parametrize("extra, sharded", [
+    ([], False),                                                            # local: one process
+    (["runtime.executor=ray"], False),                                      # one train rank
+    (["runtime.executor=ray", "runtime.ray.train_ranks=2"], True),
+    (["runtime.executor=ray", "runtime.ray.train_ranks=2", "trace.routing_encoding=packed"], True),
+    (["runtime.executor=ray", "runtime.ray.train_ranks=2", "trace.sharded=false"], False),
+    (["runtime.executor=ray", "trace.sharded=true"], True),
+])
+def test_trace_sharded_auto(extra, sharded):
+    from axrl.assembly.settings import trace_sharded
+    from axrl.config import load_config
+
+    assert trace_sharded(load_config(ROOT / "examples" / "quickstart.yaml", extra)) is sharded
+
+
+@pytest.mark.parametrize("extra, names", [
+    (["trace.sharded=true"], "runtime.executor: ray"),
+    (["runtime.executor=ray", "trace.sharded=true", "trace.level=standard", "trace.keep_full=2",
+      "trace.spike_ratio=2"], "keep_full"),
+])
+def test_trace_sharded_true_where_it_cannot_be_is_refused(extra, names):
+    from axrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=names):
+        load_config(ROOT / "examples" / "quickstart.yaml", extra)
