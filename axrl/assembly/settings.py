@@ -142,10 +142,21 @@ def learner_settings(cfg: Config) -> LearnerSettings:
         keep_groups=cfg.data.prompts_per_step if cfg.algo.dynamic_sampling.enabled else None,
         temperature=cfg.rollout.temperature, step=step_settings(cfg),
         record=RecordSettings(trace=t.enabled, routing=t.routing, write_queue=t.write_queue,
-                              routing_encoding=t.routing_encoding,
+                              routing_encoding=t.routing_encoding, sharded=trace_sharded(cfg),
                               tiers=TierSettings(t.level, t.routing_every, t.keep_full),
                               spike=SpikeSettings(t.spike_ratio, t.spike_window, t.spike_min_history)),
         distill=distill_settings(cfg))
+
+
+def trace_sharded(cfg: Config) -> bool:
+    """`trace.sharded` resolved: auto is on under the ray executor with several train processes
+    (2+ torch ranks, or Megatron's head and ranks) recording routing, without a `keep_full` ring
+    (which holds whole steps in the learner to write them later)."""
+    t = cfg.trace
+    if t.sharded != "auto":
+        return bool(t.sharded)
+    several = cfg.runtime.ray.train_ranks > 1 or cfg.train.backend == "megatron"
+    return cfg.runtime.executor == "ray" and several and t.enabled and t.routing and not t.keep_full
 
 
 def distill_settings(cfg: Config) -> DistillSettings | None:

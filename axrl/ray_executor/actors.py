@@ -26,6 +26,8 @@ from axrl.runtime.components import (BackendSettings, EngineSettings, ModelSourc
 from axrl.ray_executor.activity import Activity, ActorBase, free_address, reported
 from axrl.train.critic import CriticConfig, CriticUpdate
 from axrl.ray_executor.handles import DataPlane, WeightsHandle, payload_bytes, rank_label
+from axrl.ray_executor.trace_shards import KeptRows
+from axrl.trace.shards import ShardInfo
 from axrl.ray_executor.wire import wire_bytes
 from axrl.train.protocol import (R3, AdamHyper, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, StepStats,
                                  TrainMetrics)
@@ -149,6 +151,7 @@ class TrainRankActor(ActorBase):
         self.backend = make_train_backend(source, backend, make_tokenizer(source), megatron_group=group)
         self.device = resolve_device(source.device)
         self.activity_ = Activity(rank_label(rank))
+        self.kept_rows = KeptRows(rank)   # trace.sharded: routing rows held for this rank's trace shard
 
     def rendezvous(self) -> str:
         """host:port for the process group (asked of rank 0): this node's address, a free port."""
@@ -180,10 +183,20 @@ class TrainRankActor(ActorBase):
     def model_config(self) -> Any:
         return self.backend.model_config
 
-    def forward(self, shard: PackedBatch, r3: Any, weights: str | None) -> ForwardResult:
+    def forward(self, shard: PackedBatch, r3: Any, weights: str | None, keep: int | None = None) -> ForwardResult:
+        """The backend's forward; with `keep` (trace.sharded: the step's policy forward) the routing
+        rows stay on this rank for its trace shard and the result goes back without them."""
         with self.activity_.doing("forward"):
             self._got(shard)
-            return self.backend.forward(shard, r3=r3, weights=weights)
+            result = self.backend.forward(shard, r3=r3, weights=weights)
+            return result if keep is None else self.kept_rows.keep(keep, shard, result)
+
+    def write_trace_shard(self, key: int, trace_dir: str, step: int, row_start: int,
+                          num_experts: int | None, encoding: str) -> ShardInfo | None:
+        """Write the rows kept by forward `key` as this rank's shard of trace step `step` (runs in
+        the trace concurrency group, beside training)."""
+        with self.activity_.doing(f"trace shard {step}"):
+            return self.kept_rows.write(key, trace_dir, step, row_start, num_experts, encoding)
 
     def forward_backward(self, shard: PackedBatch, loss_fn: LossFn, r3: Any, ctx: LossContext | None) -> TrainMetrics:
         with self.activity_.doing("forward_backward"):

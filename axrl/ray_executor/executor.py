@@ -24,13 +24,15 @@ from axrl.ray_executor.placement import Placement, place, train_slots
 from axrl.ray_executor.reaper import start_reaper
 from axrl.ray_executor.rollout import RayRollout, RolloutActor
 from axrl.ray_executor.settings import RaySettings
+from axrl.ray_executor.trace_shards import TRACE_GROUP
 from axrl.ray_executor.train_group import RayTrainGroup
 from axrl.trace.run_dir import atomic_write_text
 
 DATA_PLANE_FILE = "data_plane.json"
 
 # Calls that must answer while an actor is busy (heartbeats) run in their own thread there.
-MONITOR_GROUPS = {"monitor": 1, "poll": 1}
+# The train ranks write their trace shards in one more (trace_shards.py).
+MONITOR_GROUPS = {"monitor": 1, "poll": 1, TRACE_GROUP: 1}
 
 
 class RayExecutor:

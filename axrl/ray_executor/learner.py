@@ -21,6 +21,7 @@ from axrl.ray_executor.activity import Activity, ActorBase
 from axrl.ray_executor.calls import close_actor, is_dead, unwrap
 from axrl.ray_executor.handles import DataPlane
 from axrl.ray_executor.rollout import RayRollout
+from axrl.ray_executor.trace_shards import RankShards
 from axrl.ray_executor.train_group import RayTrainGroup, TrainGroupLost
 
 
@@ -40,7 +41,11 @@ class LearnerActor(ActorBase):
         backend = RayTrainGroup.attach(ray, attachment, events=self.events, plane=self.plane,
                                        call_timeout_s=call_timeout_s)
         self.sync = WeightSync(version=0)
-        self.learner = Learner(make_step_trainer(settings, backend, self.sync), RunDir(run_path), settings.record)
+        run = RunDir(run_path)
+        # trace.sharded: the ranks write the routing rows they hold; this actor the step's index
+        record = settings.record
+        shards = RankShards(backend, run.trace_dir, record.routing_encoding) if record.sharded and record.trace else None
+        self.learner = Learner(make_step_trainer(settings, backend, self.sync), run, settings.record, shards)
 
     def step(self, batch_refs: list[Any], step: int, times: dict[str, float]) -> tuple[dict[str, Any], dict[str, float],
                                                                                        list[Any]]:

@@ -23,6 +23,7 @@ from axrl.model.config import ModelConfig
 from axrl.recording.events import EventLog
 from axrl.ray_executor.calls import close_actor
 from axrl.ray_executor.handles import DataPlane, WeightsHandle, payload_bytes, rank_label, shard_rows
+from axrl.ray_executor.trace_shards import TRACE_GROUP
 from axrl.ray_executor.wire import wire_bytes
 from axrl.train.critic import CriticConfig, CriticUpdate
 from axrl.train.metrics import reduce_microbatch_metrics
@@ -75,6 +76,11 @@ class RayTrainGroup:
         self.critic: RemoteCritic | None = None                 # PPO's critic on the ranks (algo.advantage: gae)
         self.lost = False
         self._closed = False
+        # trace.sharded (trace_shards.py): the policy forwards' routing rows stay on the ranks, each
+        # under a key; last_kept = (key, first token row of each rank's share) of the latest one
+        self.keep_trace_rows = False
+        self.last_kept: tuple[int, list[int]] | None = None
+        self._kept_count = 0
 
     @classmethod
     def start(cls, ray: Any, make_ranks: Callable[[], list[Any]], *, events: EventLog, plane: DataPlane,
@@ -158,7 +164,15 @@ class RayTrainGroup:
 
     def forward(self, batch: PackedBatch, *, r3: R3 = False, weights: str | None = None) -> ForwardResult:
         shards = self._shards(batch)
-        parts: list[ForwardResult] = self._get([r.forward.remote(ref, r3, weights)
+        keep = None
+        if self.keep_trace_rows and weights is None:   # the policy's own forward: its rows are the step's trace
+            self._kept_count += 1
+            keep = self._kept_count
+            starts = [0]
+            for _, s in shards[:-1]:
+                starts.append(starts[-1] + s.num_tokens)
+            self.last_kept = (keep, starts)
+        parts: list[ForwardResult] = self._get([r.forward.remote(ref, r3, weights, keep)
                                                 for r, (ref, _) in zip(self.ranks, shards)])
         self._plane.moved("forward_results", sum(payload_bytes(p) for p in parts))
         if len(parts) == 1:
@@ -181,6 +195,13 @@ class RayTrainGroup:
         return TrainMetrics(loss=sum(r["loss"] for r in rows), micro_batches=rows,
                             metrics={**reduce_microbatch_metrics(rows), "num_micro_batches": float(len(rows))},
                             tokens=tokens)
+
+    def write_trace_shards(self, key: int, trace_dir: str, step: int, starts: list[int],
+                           num_experts: int | None, encoding: str) -> list[Any]:
+        """Every rank writes the rows it kept from forward `key` as its shard of `step`, in parallel
+        and beside training (trace_shards.py); their `ShardInfo`s (None: a rank wrote none)."""
+        return self._get([r.write_trace_shard.options(concurrency_group=TRACE_GROUP).remote(
+            key, trace_dir, step, start, num_experts, encoding) for r, start in zip(self.ranks, starts)])
 
     def optimizer_step(self, *, lr: float | None = None, lr_scale: float = 1.0,
                        adam: AdamHyper | None = None) -> StepStats:

@@ -61,23 +61,38 @@ class RecordSettings:
     write_queue: int = 2        # step files written in the background, at most this many queued (0: in the step)
     routing_encoding: str = "raw"   # "packed": routing bit-packed on disk (axrl/trace/routing_codec.py)
     tiers: TierSettings = field(default_factory=TierSettings)   # trace.level / routing_every / keep_full
+    sharded: bool = False       # trace.sharded (resolved): the train ranks write the routing rows (ray executor)
+
+
+class StepShards(Protocol):
+    """Writes a step as shards held by other processes plus its index (`trace.sharded`; the Ray
+    executor's `RankShards`)."""
+
+    def claim(self, step: int) -> None:
+        """The rows the train side holds from `step`'s training are that step's."""
+
+    def write(self, record: StepRecord) -> object:
+        """Have the shards of `record.step` written, then its index (`record` without them)."""
 
 
 class Learner:
     """The in-process learner: train worker + recording (`StepLearner`)."""
 
-    def __init__(self, trainer: StepTrainer, run: RunDir, record: RecordSettings) -> None:
-        self.trainer, self.run, self.record = trainer, run, record
+    def __init__(self, trainer: StepTrainer, run: RunDir, record: RecordSettings,
+                 shards: StepShards | None = None) -> None:
+        self.trainer, self.run, self.record, self.shards = trainer, run, record, shards
         self.trigger = SpikeTrigger.for_run(record.spike, run.path)  # trace.spike_ratio (off by default)
         self.tiers = TieredRecords(record.tiers)
-        self.writer = StepWriter(functools.partial(_write, run, record.routing_encoding),
-                                 record.write_queue) if record.trace else None
+        write = shards.write if shards is not None else functools.partial(_write, run, record.routing_encoding)
+        self.writer = StepWriter(write, record.write_queue) if record.trace else None
 
     def step(self, batch: Batch, step: int, timer: PhaseTimer) -> dict[str, Any]:
         """Train on `batch` at weight version `step` (posting version `step + 1`) and write its trace record."""
         backend = self.trainer.backend
         self.trigger.before_step(backend)
         outcome = self.trainer.step(batch, step, timer)
+        if self.shards is not None:
+            self.shards.claim(step)
         metrics = step_metrics(outcome)
         metrics.update(self.trigger.after_step(backend, self.trainer.settings, outcome))  # the deep dump, now
         if self.writer is not None:

@@ -23,6 +23,7 @@ from . import routing_codec
 from . import schema as S
 from .run_dir import list_step_files, read_metrics_file
 from .schema import CorruptStepError, NotARunDirError, SchemaVersionError, TraceError
+from .shards import check_shards, shard_files
 from .writer import StepRecord
 
 if TYPE_CHECKING:  # pandas is optional for the trace package; only the frame helpers need it
@@ -83,6 +84,7 @@ class StepFile:
             for req in ("/samples/offsets", "/tokens/ids"):
                 if req not in self._f:
                     raise CorruptStepError(f"{self.path}: missing required dataset {req}")
+            self.shards = shard_files(self.path, self.attrs)   # a sharded step's (shards.py); all present
         except TraceError:
             self._f.close()
             raise
@@ -399,7 +401,8 @@ class TraceReader:
                 off = sf["/samples/offsets"]
                 if off.ndim != 1 or off.size < 1 or int(off[-1]) != sf.num_tokens:
                     return f"{path}: /samples/offsets does not cover /tokens/ids ({sf.num_tokens} tokens)"
-                sf.keys()  # walks all object headers
+                # walks all object headers (a sharded step's: and its shards')
+                check_shards(sf._f, sf.shards, sf.step) if sf.shards else sf.keys()
         except TraceError as e:
             return str(e)
         except FileNotFoundError:
@@ -488,8 +491,7 @@ class TraceReader:
 
     def _iter_steps(self, steps: Iterable[int] | None,
                     read: Callable[[StepFile, Path], dict[str, Any]]) -> Iterator[StepColumns]:
-        """Open each step (default: all valid steps, in order) and yield what ``read`` takes from it;
-        a step that turns out unreadable is skipped and added to ``problems``."""
+        """Open each step (default: all, in order), yield what ``read`` takes; an unreadable one goes to ``problems``."""
         valid = self._scan()
         for step in (self.steps if steps is None else steps):
             path = valid.get(step)
@@ -520,11 +522,9 @@ class TraceReader:
         out["step"] = np.concatenate(step_col) if step_col else np.zeros(0, np.int64)
         return out
 
-    def token_frame(self, steps: Iterable[int] | None = None, columns: Iterable[str] | None = None,
-                    ) -> "pd.DataFrame":
-        """One row per token: ``step``, ``sample`` (row in /samples), ``position`` (index inside its
-        sample) and each 1-D ``/tokens/<name>`` dataset as column ``<name>`` (default: all of them).
-        Needs pandas."""
+    def token_frame(self, steps: Iterable[int] | None = None, columns: Iterable[str] | None = None) -> "pd.DataFrame":
+        """One row per token: ``step``, ``sample`` (row in /samples), ``position`` (index inside its sample)
+        and each 1-D ``/tokens/<name>`` dataset as column ``<name>`` (default: all of them). Needs pandas."""
         import pandas as pd
 
         frames = [step_token_frame(sc) for sc in self._iter_group(S.G_TOKENS, steps, columns)]

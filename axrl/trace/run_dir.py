@@ -18,6 +18,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -29,6 +30,7 @@ import numpy as np
 import yaml
 
 from . import schema as S
+from .shards import remove_shards, stray_shard_dirs
 from .writer import StepRecord, fsync_dir, write_step
 
 
@@ -320,8 +322,11 @@ class RunDir:
         return list(list_step_files(self.trace_dir))
 
     def tmp_files(self) -> list[Path]:
-        out = [p for d in (self.path, self.trace_dir) if d.is_dir() for p in d.iterdir()
-               if p.name.endswith(S.TMP_SUFFIX) and p.is_file()]
+        """Temp files a crash left: in the run root, trace/ and the shard directories of trace/."""
+        dirs = [self.path, self.trace_dir]
+        if self.trace_dir.is_dir():
+            dirs += [d for d in self.trace_dir.iterdir() if S.SHARDS_DIR_RE.match(d.name) and d.is_dir()]
+        out = [p for d in dirs if d.is_dir() for p in d.iterdir() if p.name.endswith(S.TMP_SUFFIX) and p.is_file()]
         return sorted(out)
 
     def clean_tmp(self) -> list[Path]:
@@ -329,6 +334,9 @@ class RunDir:
         removed = self.tmp_files()
         for p in removed:
             p.unlink(missing_ok=True)
+        for d in stray_shard_dirs(self.trace_dir):   # shards of a step whose index never landed
+            shutil.rmtree(d)
+            removed.append(d)
         if removed:
             fsync_dir(self.trace_dir)
             fsync_dir(self.path)
@@ -349,6 +357,7 @@ class RunDir:
         for s, p in list_step_files(self.trace_dir).items():
             if s > step:
                 p.unlink()
+                remove_shards(self.trace_dir, s)   # after its index: never an index without its shards
                 removed.append(p)
         if removed:
             fsync_dir(self.trace_dir)

@@ -42,6 +42,8 @@ TMP_SUFFIX = ".tmp"
 STEP_FILE_FORMAT = "step_{step:06d}.h5"
 STEP_FILE_RE = re.compile(r"^step_(\d{6,})\.h5$")
 CHECKPOINT_DIR_FORMAT = "step_{step:06d}"
+SHARDS_DIR_FORMAT = "step_{step:06d}.shards"   # a sharded step's shard files (shards.py)
+SHARDS_DIR_RE = re.compile(r"^step_(\d{6,})\.shards$")
 
 
 def step_file_name(step: int) -> str:
@@ -88,10 +90,12 @@ ATTR_NUM_SAMPLES = "num_samples"          # int64 N (convenience)
 ATTR_NUM_TOKENS = "num_tokens"            # int64 T (convenience)
 ATTR_NUM_UPDATES = "num_updates"          # int64 U (convenience)
 ATTR_NUM_MICRO_BATCHES = "num_micro_batches"  # int64 M (convenience)
+ATTR_SHARD_FILES = "shard_files"          # str[]: a sharded step's shard files, relative to trace/ (shards.py)
 WALL_TIME_PREFIX = "wall_time_"           # float64 seconds per phase: wall_time_rollout, wall_time_train, ...
 RESERVED_ROOT_ATTRS = frozenset({
     ATTR_STEP, ATTR_SCHEMA_VERSION, ATTR_POLICY_VERSION, ATTR_RNG_DIGEST, ATTR_AXRL_VERSION,
     ATTR_CREATED_UNIX, ATTR_NUM_SAMPLES, ATTR_NUM_TOKENS, ATTR_NUM_UPDATES, ATTR_NUM_MICRO_BATCHES,
+    ATTR_SHARD_FILES,
 })
 
 # attrs of /routing (present iff a routing dataset is present)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import h5py
 import numpy as np
@@ -19,7 +19,7 @@ from . import routing_codec
 from . import schema as S
 from .record import StepRecord, _Prepared, prepare
 
-__all__ = ["DEFAULT_COMPRESSION", "RAW_DATASETS", "StepRecord", "fsync_dir", "write_step"]
+__all__ = ["DEFAULT_COMPRESSION", "RAW_DATASETS", "StepRecord", "atomic_h5", "fsync_dir", "write_step"]
 
 # Token-sized datasets (/tokens/*, /routing/*) are chunked and checksummed (fletcher32, so a damaged
 # chunk raises on read instead of returning garbage). The per-token columns that `axrl-debug` reads
@@ -144,12 +144,18 @@ def write_step(trace_dir: str | os.PathLike, record: StepRecord, *, overwrite: b
         raise ValueError(f"{trace_dir} is a run directory; pass its '{S.TRACE_DIR}/' subdirectory")
     trace_dir.mkdir(parents=True, exist_ok=True)
     final = trace_dir / S.step_file_name(record.step)
-    tmp = final.with_name(final.name + S.TMP_SUFFIX)
     if final.exists() and not overwrite:
         raise FileExistsError(f"step file already exists: {final} (pass overwrite=True, or truncate the run)")
+    return atomic_h5(final, lambda f: _write_h5(f, prepared, compression, checksum, raw))
+
+
+def atomic_h5(final: Path, fill: Callable[[h5py.File], None]) -> Path:
+    """Write an HDF5 file with ``fill`` as ``final`` + '.tmp', fsync it, rename it to ``final`` and
+    fsync the directory: ``final`` only ever names a complete file (a crash leaves the tmp)."""
+    tmp = final.with_name(final.name + S.TMP_SUFFIX)
     try:
         with h5py.File(tmp, "w") as f:
-            _write_h5(f, prepared, compression, checksum, raw)
+            fill(f)
             f.flush()
         _fsync_path(tmp)
         os.replace(tmp, final)
@@ -159,6 +165,6 @@ def write_step(trace_dir: str | os.PathLike, record: StepRecord, *, overwrite: b
         except OSError:
             pass
         raise
-    fsync_dir(trace_dir)
+    fsync_dir(final.parent)
     return final
 

@@ -1,0 +1,128 @@
+"""trace.sharded on a real local Ray cluster: the train ranks write the routing rows they hold into
+the step's shard files, the learner the index; the step reads, analyses and replays as a local
+run's does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import ray  # noqa: E402  (the test extra installs it: a broken import fails)
+
+from axrl.assembly.build import train  # noqa: E402
+from axrl.config import load_config  # noqa: E402
+from axrl.trace import StepFile, TraceReader  # noqa: E402
+from axrl.trace import schema as S  # noqa: E402
+from axrl_debug.cli import app as debug_app  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(900)
+# test_ray.py's tiny MoE run, two steps (each with a checkpoint, for replay)
+TINY = ["steps=2", "model.preset=micro-moe", "warmup.steps=0", "data.task=echo", "data.task_args={turns: 1}",
+        "data.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8", "rollout.max_turns=2",
+        "rollout.max_context_len=128", "rollout.max_batch_size=8", "eval.every=0", "checkpoint.every=1",
+        "runtime.threads=1", "algo.entropy_coef=0.05", "train.lr=1e-2", "algo.loss_agg=token-mean"]
+SMALL = ["runtime.ray.placement.train_cpus=0.5", "runtime.ray.placement.engine_cpus=0.5"]
+
+
+def cfg(*extra: str):
+    return load_config(ROOT / "examples" / "quickstart.yaml", [*TINY, *extra])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """A local run, the same run on Ray with one train rank writing sharded steps, and one with two
+    data-parallel ranks (trace.sharded: auto turns it on) packing their routing."""
+    base = tmp_path_factory.mktemp("shards")
+    out = {"local": train(cfg(), base / "local")}
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             logging_level="warning", log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    try:
+        out["sharded"] = train(cfg("runtime.executor=ray", "trace.sharded=true"), base / "sharded")
+        out["dp2"] = train(cfg("runtime.executor=ray", "runtime.ray.train_ranks=2", "trace.routing_encoding=packed",
+                               *SMALL), base / "dp2")
+    finally:
+        ray.shutdown()
+    return out
+
+
+def step_arrays(run: Path, step: int) -> dict:
+    with TraceReader(run).open(step) as sf:
+        data = sf.read_all()
+    # what differs between any two runs (when, how long; the learner's RNG state is per process)
+    # and the index's list of its shards
+    data["attrs"] = {k: v for k, v in data["attrs"].items() if not k.startswith(S.WALL_TIME_PREFIX)
+                     and k not in (S.ATTR_CREATED_UNIX, S.ATTR_RNG_DIGEST, S.ATTR_SHARD_FILES)}
+    return data
+
+
+def same(a, b) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype == object or b.dtype == object:
+        return a.tolist() == b.tolist()
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def test_sharded_ray_steps_read_as_the_local_ones_bit_for_bit(runs):
+    for step in (0, 1):
+        shards = runs["sharded"] / "trace" / f"step_{step:06d}.shards"
+        assert sorted(p.name for p in shards.iterdir()) == ["train_rank0.h5"]
+        with StepFile(runs["sharded"] / "trace" / S.step_file_name(step)) as sf:
+            assert sf.shards and sf["/routing/train"].shape[0] == sf.num_tokens
+        a, b = step_arrays(runs["local"], step), step_arrays(runs["sharded"], step)
+        assert a.keys() == b.keys()
+        assert a["attrs"] == b["attrs"] and a["group_attrs"] == b["group_attrs"]
+        assert [k for k in a if k not in ("attrs", "group_attrs") and not same(a[k], b[k])] == []
+    assert TraceReader(runs["sharded"]).problems == []
+
+
+def debug_json(*args) -> dict:
+    out = CliRunner().invoke(debug_app, [str(a) for a in args])
+    assert out.exit_code == 0, out.output
+    return json.loads(out.stdout)
+
+
+def without_paths(doc, run: Path):
+    """A command's JSON with the run's own path taken out (the only thing two runs' reports differ in)."""
+    return json.loads(json.dumps(doc).replace(str(run), "RUN"))
+
+
+@pytest.mark.parametrize("command", [["mismatch", "--json"], ["summary", "--json"]])
+def test_debug_commands_report_sharded_and_unsharded_alike(runs, command):
+    local, sharded = (without_paths(debug_json(command[0], runs[k], *command[1:]), runs[k])
+                      for k in ("local", "sharded"))
+    assert local == sharded
+
+
+def test_replay_of_a_sharded_step_is_bitwise(runs):
+    out = CliRunner().invoke(debug_app, ["replay", str(runs["sharded"]), "--step", "1", "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout)["verdict"] == "bitwise-equal"
+
+
+def test_each_data_parallel_rank_writes_its_own_rows(runs):
+    run = runs["dp2"]
+    plane = json.loads((run / "data_plane.json").read_text())
+    for step in (0, 1):
+        shards = run / "trace" / f"step_{step:06d}.shards"
+        assert sorted(p.name for p in shards.iterdir()) == ["train_rank0.h5", "train_rank1.h5"]
+        with TraceReader(run).open(step) as sf:
+            off, t = sf["/samples/offsets"], sf.num_tokens
+            assert sf.group_attrs("/routing")["encoding"] == "packed-v1" and sf._f["/routing/train_rows"].is_virtual
+            starts = sorted(int(vs.vspace.get_select_bounds()[0][0])
+                            for vs in sf._f["/routing/rollout_valid"].virtual_sources())
+            # two shares, split at a sample boundary, covering the step
+            assert len(starts) == 2 and starts[0] == 0 and 0 < starts[1] < t and starts[1] in off
+            train_rows, rollout_rows = sf["/routing/train"], sf["/routing/rollout"]
+        local = step_arrays(runs["local"], step)
+        # the engine's routing is the local run's (same samples); the trainer's is each rank's own forward
+        np.testing.assert_array_equal(rollout_rows, local["/routing/rollout"])
+        assert train_rows.shape == local["/routing/train"].shape and (train_rows == local["/routing/train"]).mean() > 0.9
+    # the trainer's routing never went back to the learner: the forward results carried logprobs
+    # and entropy only (float32 + float32 a token), not its [T, L, k] int64 routing
+    tokens = sum(len(step_arrays(run, s)["/tokens/ids"]) for s in (0, 1))
+    assert plane["actor_calls"]["forward_results"] == 8 * tokens, (plane["actor_calls"], tokens)
