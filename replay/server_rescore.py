@@ -49,12 +49,15 @@ VLLM_CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE":
 class ServerOptions:
     """Where the scoring server comes from: `url` (running, serving the exported policy) or a launch
     with the engine environment's `python`; `cpu_compat`: SGLang through cpu_compat.py (CPU-only
-    machines); `server_args`: extra flags for the launched server."""
+    machines); `server_args`: extra flags for the launched server; `load_weights`: with `url`, an
+    SGLang server (or `axrl serve`) of the same architecture loads the exported policy
+    (`/update_weights_from_disk`) instead of having to be started on it."""
 
     url: str | None = None
     python: str | None = None
     cpu_compat: bool = False
     server_args: list[str] = field(default_factory=list)
+    load_weights: bool = False       # with `url` (SGLang / axrl serve): load the policy into it from disk
     startup_timeout_s: float = 600.0
     log_dir: Path | None = None
 
@@ -148,6 +151,8 @@ def scoring_server(engine: str, opts: ServerOptions, model_dir: Path, cfg: Confi
                    say: Progress) -> Iterator[tuple[str, bool]]:
     """(url, launched): the given server, checked to serve `model_dir`, or one launched on it."""
     if opts.url:
+        if opts.load_weights:
+            _load_weights(engine, opts.url, model_dir, say)
         _check_serves(engine, opts.url, model_dir, opts, cfg, dtype)
         yield opts.url.rstrip("/"), False
         return
@@ -172,6 +177,23 @@ def scoring_server(engine: str, opts: ServerOptions, model_dir: Path, cfg: Confi
         launcher.stop()
 
 
+def _load_weights(engine: str, url: str, model_dir: Path, say: Progress) -> None:
+    """`POST /update_weights_from_disk` of the exported policy (SGLang's route; `axrl serve` has it too)."""
+    import httpx
+
+    if engine != "sglang":
+        raise ReplayInputError("--load-weights: only for --engine sglang (vLLM's in-place reload leaves MoE experts "
+                               "stale on CPU); start the vLLM server on the exported directory instead")
+    say(f"loading {model_dir} into the server at {url}")
+    try:
+        r = httpx.post(url.rstrip("/") + "/update_weights_from_disk", json={"model_path": str(model_dir.resolve())},
+                       timeout=600)
+    except httpx.HTTPError as e:
+        raise ReplayInputError(f"--url {url}: /update_weights_from_disk failed ({type(e).__name__}: {e})") from None
+    if r.status_code != 200 or not r.json().get("success", False):
+        raise ReplayInputError(f"--url {url}: the server refused to load {model_dir}: {r.text[:300]}")
+
+
 def _check_serves(engine: str, url: str, model_dir: Path, opts: ServerOptions, cfg: Config, dtype: str) -> None:
     """Refuse a server that does not serve the exported policy, saying how to start one that does."""
     import httpx
@@ -188,7 +210,8 @@ def _check_serves(engine: str, url: str, model_dir: Path, opts: ServerOptions, c
         flag = "--model-path" if engine == "sglang" else "--model"
         raise ReplayInputError(f"--url {url} serves {served!r}, not the policy of this step; it was exported to "
                                f"{model_dir}: start the server on it, e.g. {shlex.join([*command, flag, str(model_dir), *args])}, "
-                               "or drop --url to let replay launch one (--engine-python)")
+                               "or drop --url to let replay launch one (--engine-python)"
+                               + (", or pass --load-weights to load it into this server" if engine == "sglang" else ""))
 
 
 def make_scorer(engine: str, url: str, vocab_size: int) -> Scorer:

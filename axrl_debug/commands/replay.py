@@ -58,6 +58,9 @@ def replay_command(
                                     "(default: on a CPU-only machine with an SGLang environment)."),
     server_args: list[str] = typer.Option([], "--server-args", help="Extra flags for the launched server (one "
                                           "string, split like a shell; repeatable)."),
+    load_weights: bool = typer.Option(False, "--load-weights", help="With --engine sglang --url: load the step's "
+                                      "policy into that server (/update_weights_from_disk) instead of requiring it "
+                                      "be started on it (same architecture)."),
     json_: bool = JSON_OPTION,
 ) -> None:
     """Re-execute step N from the newest checkpoint at or before it and compare bit for bit."""
@@ -69,15 +72,18 @@ def replay_command(
             raise BadInput("--engine: only with --rollout")
         if engine not in ("", "embedded", "sglang", "vllm"):
             raise BadInput(f"--engine: one of embedded, sglang, vllm, got {engine!r}")
-        if engine in ("", "embedded") and (url or engine_python or server_args or cpu_compat is not None):
-            raise BadInput("--url, --engine-python, --cpu-compat and --server-args: only with --engine sglang|vllm")
+        if engine in ("", "embedded") and (url or engine_python or server_args or load_weights
+                                                  or cpu_compat is not None):
+            raise BadInput("--url, --engine-python, --cpu-compat, --server-args and --load-weights: only with "
+                           "--engine sglang|vllm")
         if rollout:
             if dump or set_ or variant or sweep:
                 raise BadInput("--rollout: --dump, --set, --variant and --sweep act on the training part of a step")
             if engine in ("sglang", "vllm"):
                 from axrl_debug.commands.rescore import run_rescore
 
-                return run_rescore(run, step, engine, url, engine_python, cpu_compat, server_args, json_)
+                return run_rescore(run, step, engine, url, engine_python, cpu_compat, server_args, load_weights,
+                                   json_)
             return _rollout(run, step, engine == "embedded", json_)
 
         variants = ([list(set_)] if set_ else []) + [shlex.split(v) for v in variant]

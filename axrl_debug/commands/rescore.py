@@ -32,7 +32,7 @@ def mismatch_of(run: Path, result: "RescoreResult", rollout: np.ndarray) -> dict
 
 
 def run_rescore(run: Path, step: int, engine: str, url: str | None, python: str | None, cpu_compat: bool | None,
-                server_args: list[str], json_: bool) -> int:
+                server_args: list[str], load_weights: bool, json_: bool) -> int:
     """The command body: re-score, analyse, print; exit 1 when the trainer's side diverged on the way."""
     import shlex
 
@@ -43,7 +43,7 @@ def run_rescore(run: Path, step: int, engine: str, url: str | None, python: str 
     if cpu_compat is None:  # an SGLang CPU environment built by scripts/sglang-cpu-env.sh needs it
         cpu_compat = engine == "sglang" and bool(python) and "sglang" in str(python) and _cpu_only()
     opts = ServerOptions(url=url, python=python, cpu_compat=cpu_compat,
-                         server_args=[a for s in server_args for a in shlex.split(s)],
+                         server_args=[a for s in server_args for a in shlex.split(s)], load_weights=load_weights,
                          log_dir=run / "replay" / f"step_{step:06d}_{engine}_logs")
     say = None if json_ else (lambda msg: err.print(f"[dim]{msg}[/]", highlight=False))
     try:
