@@ -100,7 +100,7 @@ def add_info_routes(app: FastAPI, server: AxrlServer) -> None:
 
     def model_info() -> dict[str, Any]:
         c = server.engine.config
-        return {"model_path": server.cfg.model_path, "tokenizer_path": server.cfg.model_path,
+        return {"model_path": server.cfg.model_path, "tokenizer_path": server.tokenizer_path,
                 "is_generation": True, "preferred_sampling_params": None, "weight_version": server.weight_version,
                 "served_model_name": server.model_name, "server": "axrl",
                 "num_hidden_layers": c.num_hidden_layers, "vocab_size": c.vocab_size,

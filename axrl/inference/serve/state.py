@@ -62,6 +62,7 @@ class AxrlServer:
     def __init__(self, engine: EmbeddedEngine, cfg: ServeConfig, tokenizer: Tokenizer | None) -> None:
         self.engine, self.cfg, self.tokenizer = engine, cfg, tokenizer
         self.model_name = cfg.served_model_name or Path(cfg.model_path).name or "axrl"
+        self.tokenizer_path = cfg.model_path  # stays when weights are loaded from another directory
         # SGLang's weight_version is a free string; a numeric one *is* the engine's int version.
         self.version_label: str | None = None if parse_weight_version(cfg.weight_version) is not None \
             else cfg.weight_version
