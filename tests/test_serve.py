@@ -424,13 +424,19 @@ def test_serve_prints_the_address_and_model_at_start(setup):
     assert f"listening on http://127.0.0.1:{port}" in text and "/v1/chat/completions" in text
 
 
-def test_prefill_only_generate_scores_prompts_like_the_trainer(setup):
+@pytest.mark.parametrize("window", [None, 7])
+def test_prefill_only_generate_scores_prompts_like_the_trainer(setup, monkeypatch, window):
     """The prefill-only /generate (max_new_tokens 0, logprob_start_len 0) that SGLang answers and a
     served distillation teacher is scored through: `SGLangScorer` against `axrl serve` gives the
     trainer's log_softmax(logits / T) of every prompt token, at T = 1 and (through the whole
-    distribution, top_logprobs_num) at the rollout temperature."""
+    distribution, top_logprobs_num) at the rollout temperature; with a small reply budget the whole
+    distribution comes in windows of 7 positions (logprob_start_len > 0 on cut streams)."""
     from axrl.inference.scoring import EmbeddedScorer
+    from axrl.inference.sglang import scorer as sglang_scorer
     from axrl.inference.sglang.scorer import SGLangScorer
+
+    if window is not None:
+        monkeypatch.setattr(sglang_scorer, "FULL_VOCAB_BUDGET", window * Tokenizer.default().vocab_size)
 
     scorer = SGLangScorer(setup["launcher"].urls[0], vocab_size=Tokenizer.default().vocab_size)
     local = EmbeddedScorer(load_hf(setup["dir"]))

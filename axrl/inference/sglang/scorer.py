@@ -7,7 +7,10 @@ One prefill-only `POST /generate` per group of streams: list-valued `input_ids`,
 (measured on 0.5.23: the values equal log_softmax(logits) to the bit, not log_softmax(logits / T)),
 so at T ≠ 1 the request adds `top_logprobs_num` = the vocabulary size and the scorer renormalises
 the whole distribution (`axrl.inference.scoring.at_temperature`); a reply whose distribution is not
-complete (a server whose model has more logits than the scorer's vocabulary) is refused.
+complete (a server whose model has more logits than the scorer's vocabulary) is refused. Replies on
+that route are kept to `FULL_VOCAB_BUDGET` numbers by windows of positions: `logprob_start_len` = s
+on the stream cut after the window reports positions s + 1 onwards (SGLang reports null at s), so a
+long stream at a large vocabulary is several requests whose prefixes SGLang's radix cache shares.
 """
 
 from __future__ import annotations
@@ -54,16 +57,37 @@ class SGLangScorer:
         """See `axrl.inference.scoring.Scorer.score`."""
         check_sequences(sequences, temperature, self.vocab_size)
         full = float(temperature) != 1.0
+        pieces = self._pieces(sequences, full)
         budget = max(1, FULL_VOCAB_BUDGET // self.vocab_size) if full else self.max_batch_tokens
-        out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(sequences)
-        for group in request_groups([len(s) for s in sequences], budget):
-            replies = self._generate([list(map(int, sequences[i])) for i in group], temperature, full)
-            for i, reply in zip(group, replies):
-                out[i] = self._logprobs(sequences[i], reply, temperature, full)
+        out = [np.full(len(s), np.nan, dtype=np.float32) for s in sequences]
+        costs = [end - start - 1 if full else end for _, start, end in pieces]
+        for group in request_groups(costs, budget):
+            chosen = [pieces[g] for g in group]
+            replies = self._generate([list(map(int, sequences[i][:end])) for i, _, end in chosen],
+                                     [start for _, start, _ in chosen], temperature, full)
+            for (i, start, end), reply in zip(chosen, replies):
+                out[i][start + 1:end] = self._logprobs(sequences[i][start:end], reply, temperature, full)
         return out
 
-    def _generate(self, ids: list[list[int]], temperature: float, full: bool) -> list[dict[str, Any]]:
-        body: dict[str, Any] = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
+    def _pieces(self, sequences: Sequence[Sequence[int]], full: bool) -> list[tuple[int, int, int]]:
+        """(sequence, logprob_start_len, end) requests: request `seq[:end]` reports positions
+        start + 1 .. end − 1 (SGLang reports null at `start`). At T = 1 one per sequence; on the
+        whole-distribution route windows of positions whose replies fit the budget (each window's
+        prefix is prefilled again, from SGLang's radix cache when it holds it)."""
+        window = max(1, FULL_VOCAB_BUDGET // self.vocab_size)
+        pieces = []
+        for i, seq in enumerate(sequences):
+            if len(seq) < 2:
+                continue
+            if not full:
+                pieces.append((i, 0, len(seq)))
+                continue
+            pieces += [(i, a - 1, min(len(seq), a + window)) for a in range(1, len(seq), window)]
+        return pieces
+
+    def _generate(self, ids: list[list[int]], starts: list[int], temperature: float,
+                  full: bool) -> list[dict[str, Any]]:
+        body: dict[str, Any] = {"input_ids": ids, "return_logprob": True, "logprob_start_len": starts,
                                 "sampling_params": {"max_new_tokens": 0, "temperature": float(temperature)}}
         if full:
             body["top_logprobs_num"] = self.vocab_size
@@ -73,42 +97,38 @@ class SGLangScorer:
             raise ScoringError(f"{self.url}/generate: {type(e).__name__}: {e}") from None
         if r.status_code != 200:
             raise ScoringError(f"{self.url}/generate answered {r.status_code} to a prefill-only scoring request "
-                               f"(max_new_tokens 0, logprob_start_len 0): {r.text[:500]}")
+                               f"(max_new_tokens 0, logprob_start_len set): {r.text[:500]}")
         replies = r.json()
         if not isinstance(replies, list) or len(replies) != len(ids):
             raise ScoringError(f"{self.url}/generate: expected {len(ids)} replies to a batch, got {str(replies)[:200]}")
         return replies
 
-    def _logprobs(self, seq: Sequence[int], reply: dict[str, Any], temperature: float, full: bool) -> np.ndarray:
+    def _logprobs(self, ids: Sequence[int], reply: dict[str, Any], temperature: float, full: bool) -> np.ndarray:
+        """float32 [len(ids) − 1]: the logprobs of ids[1:] from a reply whose logprobs start at ids[0]."""
         meta = reply.get("meta_info") or {}
         entries = meta.get("input_token_logprobs")
-        if not isinstance(entries, list) or len(entries) != len(seq):
+        if not isinstance(entries, list) or len(entries) != len(ids):
             raise ScoringError(f"{self.url}/generate: input_token_logprobs has "
-                               f"{len(entries) if isinstance(entries, list) else 'no'} entries for a "
-                               f"{len(seq)}-token stream (was logprob_start_len: 0 honoured?)")
-        if [int(e[1]) for e in entries] != [int(t) for t in seq]:
+                               f"{len(entries) if isinstance(entries, list) else 'no'} entries where "
+                               f"{len(ids)} were asked for (was logprob_start_len honoured?)")
+        if [int(e[1]) for e in entries] != [int(t) for t in ids]:
             raise ScoringError(f"{self.url}/generate: the server scored other token ids than it was sent")
-        lp = np.full(len(seq), np.nan, dtype=np.float32)
-        if len(seq) < 2:
-            return lp
         if not full:
-            lp[1:] = [e[0] for e in entries[1:]]
-            return lp
+            return np.array([e[0] for e in entries[1:]], dtype=np.float32)
         top = meta.get("input_top_logprobs")
-        if not isinstance(top, list) or len(top) != len(seq):
-            raise ScoringError(f"{self.url}/generate: no input_top_logprobs for the whole prompt (needed at "
+        if not isinstance(top, list) or len(top) != len(ids):
+            raise ScoringError(f"{self.url}/generate: no input_top_logprobs for the positions asked (needed at "
                                f"temperature {temperature:g}: the server's prompt logprobs are at temperature 1)")
-        rows = np.full((len(seq) - 1, self.vocab_size), -np.inf, dtype=np.float64)
+        rows = np.full((len(ids) - 1, self.vocab_size), -np.inf, dtype=np.float64)
         for r, pos in enumerate(top[1:]):
-            ids = np.fromiter((e[1] for e in pos), dtype=np.int64, count=len(pos))
-            rows[r, ids] = [e[0] for e in pos]
+            where = np.fromiter((e[1] for e in pos), dtype=np.int64, count=len(pos))
+            rows[r, where] = [e[0] for e in pos]
         mass = np.exp(rows).sum(axis=1)
         if np.any(np.abs(mass - 1.0) > 1e-3):
             raise ScoringError(f"{self.url}: the top {self.vocab_size} logprobs of a position hold only "
                                f"{float(mass.min()):.4f} of its probability: the served model has more logits than "
                                f"the vocabulary ({self.vocab_size}) the scorer was given")
-        lp[1:] = at_temperature(rows, np.asarray(seq[1:]), temperature)
-        return lp
+        return at_temperature(rows, np.asarray(ids[1:]), temperature)
 
     def close(self) -> None:
         """Close the HTTP connections (the server keeps running)."""
