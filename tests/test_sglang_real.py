@@ -337,11 +337,13 @@ def test_killed_server_is_restarted_and_requests_are_retried(server, models):
 
 # -- teacher-forced scoring (axrl/inference/scoring.py): replay --engine sglang, distill.url ---------------
 @real_sglang
-def test_prefill_scoring_gives_the_trainer_logprobs_at_the_rollout_temperature(server, models):
+def test_prefill_scoring_gives_the_trainer_logprobs_at_the_rollout_temperature(server, models, monkeypatch):
     """SGLangScorer (prefill-only /generate, batched) against a direct forward of the same weights,
-    at T = 1 and T = 0.7. SGLang's own input_token_logprobs ignore the request's temperature (they
-    equal the T = 1 values): the scorer's T != 1 route renormalises the whole distribution."""
+    at T = 1 and T = 0.7, the latter also in windows of 5 positions (logprob_start_len > 0 on cut
+    streams). SGLang's own input_token_logprobs ignore the request's temperature (they equal the
+    T = 1 values): the scorer's T != 1 route renormalises the whole distribution."""
     from axrl.inference.scoring import EmbeddedScorer
+    from axrl.inference.sglang import scorer as sglang_scorer
     from axrl.inference.sglang.scorer import SGLangScorer
 
     launcher, engine = server
@@ -351,10 +353,13 @@ def test_prefill_scoring_gives_the_trainer_logprobs_at_the_rollout_temperature(s
     scorer, direct = SGLangScorer(launcher.urls[0], vocab_size=model.config.vocab_size), EmbeddedScorer(model)
     try:
         worst = {}
-        for t in (1.0, 0.7):
+        for t, window in ((1.0, None), (0.7, None), (0.7, 5)):
+            if window is not None:
+                monkeypatch.setattr(sglang_scorer, "FULL_VOCAB_BUDGET", window * model.config.vocab_size)
             got, want = scorer.score(seqs, t), direct.score(seqs, t)
-            worst[t] = max(float(np.nanmax(np.abs(g - w))) if len(g) > 1 else 0.0 for g, w in zip(got, want))
-            assert worst[t] < LOGPROB_TOL, (t, worst[t])
+            key = f"T={t:g}" + (f", windows of {window}" if window else "")
+            worst[key] = max(float(np.nanmax(np.abs(g - w))) if len(g) > 1 else 0.0 for g, w in zip(got, want))
+            assert worst[key] < LOGPROB_TOL, (key, worst[key])
         _report("prefill_scoring_max_abs", worst)
         raw = scorer._generate([seqs[3]], 0.7, full=False)[0]["meta_info"]["input_token_logprobs"]
         at_one = direct.score([seqs[3]], 1.0)[0]

@@ -26,6 +26,9 @@ from axrl.inference.scoring import ScoringError, at_temperature, check_sequences
 __all__ = ["VLLMScorer"]
 
 FULL_VOCAB_BUDGET = 4_000_000  # numbers per reply on the whole-vocabulary route
+# vLLM has no logprob_start_len: one stream's prompt logprobs come whole. Past this many numbers
+# (~1 GB of JSON) a stream is refused on the whole-vocabulary route instead of exhausting memory.
+MAX_STREAM_NUMBERS = 50_000_000
 
 
 class VLLMScorer:
@@ -56,6 +59,12 @@ class VLLMScorer:
         """See `axrl.inference.scoring.Scorer.score`."""
         check_sequences(sequences, temperature, self.vocab_size)
         full = self.logits_mode or float(temperature) != 1.0
+        longest = max((len(s) for s in sequences), default=0)
+        if full and longest * self.vocab_size > MAX_STREAM_NUMBERS:
+            raise ScoringError(f"{self.url}: at temperature {temperature:g} a {longest}-token stream needs vLLM's "
+                               f"whole prompt distribution ({longest} × {self.vocab_size} numbers in one reply: vLLM "
+                               "applies no temperature to prompt logprobs and cannot report part of a prompt); "
+                               "score it on SGLang, which the scorer asks in windows, or at temperature 1")
         budget = max(1, FULL_VOCAB_BUDGET // self.vocab_size) if full else self.max_batch_tokens
         out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(sequences)
         for group in request_groups([len(s) for s in sequences], budget):
