@@ -55,7 +55,7 @@ def replay_command(
                                       "engine environment's interpreter to launch the server with (default: "
                                       "$AXRL_SGLANG_PYTHON / $AXRL_VLLM_PYTHON)."),
     cpu_compat: bool = typer.Option(None, "--cpu-compat/--no-cpu-compat", help="Launch SGLang through cpu_compat.py "
-                                    "(default: on a CPU-only machine with an SGLang environment)."),
+                                    "(default: on a CPU-only machine)."),
     server_args: list[str] = typer.Option([], "--server-args", help="Extra flags for the launched server (one "
                                           "string, split like a shell; repeatable)."),
     load_weights: bool = typer.Option(False, "--load-weights", help="With --engine sglang --url: load the step's "

@@ -40,8 +40,8 @@ def run_rescore(run: Path, step: int, engine: str, url: str | None, python: str 
     from replay.server_rescore import PYTHON_ENV, ServerOptions, rescore_on_server
 
     python = python or os.environ.get(PYTHON_ENV.get(engine, ""), "") or None
-    if cpu_compat is None:  # an SGLang CPU environment built by scripts/sglang-cpu-env.sh needs it
-        cpu_compat = engine == "sglang" and bool(python) and "sglang" in str(python) and _cpu_only()
+    if cpu_compat is None:  # SGLang on a CPU-only machine runs through cpu_compat.py (docs/sglang.md)
+        cpu_compat = engine == "sglang" and _cpu_only()
     opts = ServerOptions(url=url, python=python, cpu_compat=cpu_compat,
                          server_args=[a for s in server_args for a in shlex.split(s)], load_weights=load_weights,
                          log_dir=run / "replay" / f"step_{step:06d}_{engine}_logs")
