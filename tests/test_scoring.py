@@ -86,7 +86,7 @@ def test_served_teacher_with_another_tokenizer_is_refused(served):
                      device=torch.device("cpu"), dtype=torch.float32)
 
 
-def test_replay_rescores_a_recorded_step_on_a_server(served, tmp_path):
+def test_replay_rescores_a_recorded_step_on_a_server(served, tmp_path, monkeypatch):
     """replay --rollout --engine sglang against `axrl serve` (which loads the step's policy): the
     mismatch of a server running the trainer's own float32 forward is float rounding, on exactly
     the tokens the recorded engine's report covers."""
@@ -102,6 +102,11 @@ def test_replay_rescores_a_recorded_step_on_a_server(served, tmp_path):
                                              "--url", url])
     said = "".join(refused.output.split())  # the message as printed, without rich's line breaks
     assert refused.exit_code == 2 and "replay/step_000001_policy" in said and "--load-weights" in said
+    monkeypatch.delenv("AXRL_VLLM_PYTHON", raising=False)
+    nowhere = CliRunner().invoke(debug_app, ["replay", str(run), "--step", "1", "--rollout", "--engine", "vllm"])
+    assert nowhere.exit_code == 2 and "--engine-python" in nowhere.output and "AXRL_VLLM_PYTHON" in nowhere.output
+    misplaced = CliRunner().invoke(debug_app, ["replay", str(run), "--step", "1", "--rollout", "--url", url])
+    assert misplaced.exit_code == 2 and "only with --engine sglang|vllm" in " ".join(misplaced.output.split())
     out = CliRunner().invoke(debug_app, ["replay", str(run), "--step", "1", "--rollout", "--engine", "sglang",
                                          "--url", url, "--load-weights", "--json"])
     assert out.exit_code == 0, out.output

@@ -361,7 +361,7 @@ def test_prefill_scoring_gives_the_trainer_logprobs_at_the_rollout_temperature(s
             worst[key] = max(float(np.nanmax(np.abs(g - w))) if len(g) > 1 else 0.0 for g, w in zip(got, want))
             assert worst[key] < LOGPROB_TOL, (key, worst[key])
         _report("prefill_scoring_max_abs", worst)
-        raw = scorer._generate([seqs[3]], 0.7, full=False)[0]["meta_info"]["input_token_logprobs"]
+        raw = scorer._generate([seqs[3]], [0], 0.7, full=False)[0]["meta_info"]["input_token_logprobs"]
         at_one = direct.score([seqs[3]], 1.0)[0]
         assert np.abs(np.array([e[0] for e in raw[1:]]) - at_one[1:]).max() < LOGPROB_TOL
     finally:

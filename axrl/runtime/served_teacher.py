@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -70,8 +71,10 @@ def _teacher_tokenizer(url: str, info: dict) -> tuple[Tokenizer, int | None]:
     return tokenizer, vocab if isinstance(vocab, int) else None
 
 
-def connect_teacher(url: str, student: Tokenizer, tokenizer_difference) -> ServedTeacher:  # type: ignore[no-untyped-def]
-    """The served teacher at `url`, after checking its tokenizer equals the student's."""
+def connect_teacher(url: str, student: Tokenizer,
+                    tokenizer_difference: Callable[[Tokenizer, Tokenizer], str | None]) -> ServedTeacher:
+    """The served teacher at `url`, after checking its tokenizer equals the student's
+    (`tokenizer_difference`: axrl.runtime.teacher's, passed in so that neither module imports the other)."""
     if not url.startswith(("http://", "https://")):
         raise ConfigError(f"distill.url {url!r}: an http(s) URL of an SGLang server or `axrl serve`, "
                           "e.g. http://127.0.0.1:30000")
