@@ -225,6 +225,18 @@ def make_scorer(engine: str, url: str, vocab_size: int) -> Scorer:
     return VLLMScorer(url, vocab_size=vocab_size)
 
 
+def _score(engine: str, url: str, vocab_size: int, sequences: list[list[int]], temperature: float) -> list[np.ndarray]:
+    """The server's teacher-forced logprobs of `sequences`; a scorer's refusal as bad input."""
+    try:
+        scorer = make_scorer(engine, url, vocab_size)
+        try:
+            return scorer.score(sequences, temperature)
+        finally:
+            scorer.close()
+    except ScoringError as e:
+        raise ReplayInputError(f"--engine {engine}: {e}") from None
+
+
 def rescore_on_server(run_dir: str | Path, step: int, engine: str, opts: ServerOptions, *,
                       progress: Progress | None = None) -> RescoreResult:
     """Re-score step `step`'s recorded token streams on `engine` (see the module docstring)."""
@@ -240,17 +252,11 @@ def rescore_on_server(run_dir: str | Path, step: int, engine: str, opts: ServerO
         model_dir = model_dir_for(run, step)
         say(f"exporting the policy of step {step} to {model_dir} (the model the {engine} server must serve)")
         state.backend.export_hf(model_dir)
-        dtype = str(next(iter(dict(state.backend.named_weights()).values())).dtype).removeprefix("torch.")
+        dtype = str(next(iter(state.backend.named_weights()))[1].dtype).removeprefix("torch.")
         temperature = float(cfg.rollout.temperature)
         with scoring_server(engine, opts, model_dir, cfg, dtype, say) as (url, launched):
-            scorer = make_scorer(engine, url, state.backend.model_config.vocab_size)
-            try:
-                say(f"scoring {len(streams.sequences)} recorded stream(s) on {url} at temperature {temperature:g}")
-                scores = scorer.score(streams.sequences, temperature)
-            except ScoringError as e:
-                raise ReplayInputError(f"--engine {engine}: {e}") from None
-            finally:
-                scorer.close()
+            say(f"scoring {len(streams.sequences)} recorded stream(s) on {url} at temperature {temperature:g}")
+            scores = _score(engine, url, state.backend.model_config.vocab_size, streams.sequences, temperature)
         return _result(state, step, engine, streams, scores, model_dir, url, launched, temperature, t0)
     finally:
         state.close()
