@@ -239,7 +239,8 @@ class DistillSection(Section):
 
     teacher: str | None = Field(None, description="teacher model: a Hugging Face directory (as `axrl model export` "
                                 "writes) or a run's checkpoints/step_N; same tokenizer as the student")
-    url: str | None = Field(None, description="a served teacher (SGLang / `axrl serve`): not supported yet")
+    url: str | None = Field(None, description="a served teacher: the URL of an SGLang server or `axrl serve` "
+                        "(same tokenizer, its directory readable here); scored at the rollout temperature")
     coef: float = Field(1.0, gt=0, description="weight of the reverse-KL advantage coef·(teacher − rollout logprob)")
     mode: Literal["reverse_kl", "reverse_kl+reward"] = Field(
         "reverse_kl", description="'reverse_kl': the distillation advantage alone; 'reverse_kl+reward': "

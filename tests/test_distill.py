@@ -90,8 +90,10 @@ def test_a_teacher_with_another_tokenizer_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"distill.teacher .*tokenizer differs.*vocab_size"):
         make_teacher(DistillSettings(teacher=str(path)), TorchBackendConfig(), other,
                      device=torch.device("cpu"), dtype=torch.float32)
-    with pytest.raises(ConfigError, match="not supported yet"):
-        make_teacher(DistillSettings(url="http://127.0.0.1:30000"), TorchBackendConfig(), default,
+    from axrl.inference.sglang.launcher import free_port
+
+    with pytest.raises(ConfigError, match="distill.url: .*cannot reach the server"):
+        make_teacher(DistillSettings(url=f"http://127.0.0.1:{free_port()}"), TorchBackendConfig(), default,
                      device=torch.device("cpu"), dtype=torch.float32)
 
 

@@ -422,3 +422,33 @@ def test_serve_prints_the_address_and_model_at_start(setup):
     text = "".join(lines)
     assert f"model 'model' from {setup['dir']}" in text and "qwen3_moe, 4 layers, 8 experts top-2" in text
     assert f"listening on http://127.0.0.1:{port}" in text and "/v1/chat/completions" in text
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_prefill_only_generate_scores_prompts_like_the_trainer(setup, monkeypatch, window):
+    """The prefill-only /generate (max_new_tokens 0, logprob_start_len 0) that SGLang answers and a
+    served distillation teacher is scored through: `SGLangScorer` against `axrl serve` gives the
+    trainer's log_softmax(logits / T) of every prompt token, at T = 1 and (through the whole
+    distribution, top_logprobs_num) at the rollout temperature; with a small reply budget the whole
+    distribution comes in windows of 7 positions (logprob_start_len > 0 on cut streams)."""
+    from axrl.inference.scoring import EmbeddedScorer
+    from axrl.inference.sglang import scorer as sglang_scorer
+    from axrl.inference.sglang.scorer import SGLangScorer
+
+    if window is not None:
+        monkeypatch.setattr(sglang_scorer, "FULL_VOCAB_BUDGET", window * Tokenizer.default().vocab_size)
+
+    scorer = SGLangScorer(setup["launcher"].urls[0], vocab_size=Tokenizer.default().vocab_size)
+    local = EmbeddedScorer(load_hf(setup["dir"]))
+    try:
+        for temperature in (1.0, 0.7):
+            served, direct = scorer.score(PROMPTS, temperature), local.score(PROMPTS, temperature)
+            for s, d in zip(served, direct):
+                assert np.isnan(s[0]) and np.isnan(d[0])
+                np.testing.assert_allclose(s[1:], d[1:], atol=1e-5, rtol=0)
+        assert temperature != 1.0 and not np.allclose(served[1][1:], scorer.score(PROMPTS, 1.0)[1][1:])
+    finally:
+        scorer.close()
+    bad = setup["http"].post("/generate", json={"input_ids": [1, 2], "logprob_start_len": 0,
+                                                "sampling_params": {"max_new_tokens": 0}})
+    assert bad.status_code == 400 and "return_logprob" in bad.json()["message"]

@@ -335,6 +335,93 @@ def test_killed_server_is_restarted_and_requests_are_retried(server, models):
     assert served_version(url) == str(v)
 
 
+# -- teacher-forced scoring (axrl/inference/scoring.py): replay --engine sglang, distill.url ---------------
+@real_sglang
+def test_prefill_scoring_gives_the_trainer_logprobs_at_the_rollout_temperature(server, models, monkeypatch):
+    """SGLangScorer (prefill-only /generate, batched) against a direct forward of the same weights,
+    at T = 1 and T = 0.7, the latter also in windows of 5 positions (logprob_start_len > 0 on cut
+    streams). SGLang's own input_token_logprobs ignore the request's temperature (they equal the
+    T = 1 values): the scorer's T != 1 route renormalises the whole distribution."""
+    from axrl.inference.scoring import EmbeddedScorer
+    from axrl.inference.sglang import scorer as sglang_scorer
+    from axrl.inference.sglang.scorer import SGLangScorer
+
+    launcher, engine = server
+    engine.update_weights(models["seed2"])
+    model = load_hf(models["seed2"])
+    seqs = [p + p[::-1] for p in prompts(model.config.vocab_size)]
+    scorer, direct = SGLangScorer(launcher.urls[0], vocab_size=model.config.vocab_size), EmbeddedScorer(model)
+    try:
+        worst = {}
+        for t, window in ((1.0, None), (0.7, None), (0.7, 5)):
+            if window is not None:
+                monkeypatch.setattr(sglang_scorer, "FULL_VOCAB_BUDGET", window * model.config.vocab_size)
+            got, want = scorer.score(seqs, t), direct.score(seqs, t)
+            key = f"T={t:g}" + (f", windows of {window}" if window else "")
+            worst[key] = max(float(np.nanmax(np.abs(g - w))) if len(g) > 1 else 0.0 for g, w in zip(got, want))
+            assert worst[key] < LOGPROB_TOL, (key, worst[key])
+        _report("prefill_scoring_max_abs", worst)
+        raw = scorer._generate([seqs[3]], [0], 0.7, full=False)[0]["meta_info"]["input_token_logprobs"]
+        at_one = direct.score([seqs[3]], 1.0)[0]
+        assert np.abs(np.array([e[0] for e in raw[1:]]) - at_one[1:]).max() < LOGPROB_TOL
+    finally:
+        scorer.close()
+
+
+@real_sglang
+def test_distill_url_on_sglang_equals_the_local_teacher(server, models):
+    """distill.url pointing at SGLang scores a packed batch as distill.teacher does on the same
+    directory (the served tokenizer, read from /model_info, is the student's)."""
+    from axrl.algo.distill import DistillSettings
+    from axrl.runtime.teacher import make_teacher
+    from axrl.train import TorchBackendConfig
+    from axrl.train.protocol import PackedBatch
+
+    launcher, engine = server
+    engine.update_weights(models["seed2"])
+    seqs = prompts(Tokenizer.default().vocab_size)[1:]
+    ids = torch.tensor([t for s in seqs for t in s])
+    batch = PackedBatch(input_ids=ids, offsets=torch.tensor([0, *np.cumsum([len(s) for s in seqs])]),
+                        loss_mask=torch.ones(len(ids)), temperature=0.7)
+    cpu = dict(device=torch.device("cpu"), dtype=torch.float32)
+    local = make_teacher(DistillSettings(teacher=str(models["seed2"])), TorchBackendConfig(), Tokenizer.default(), **cpu)
+    served = make_teacher(DistillSettings(url=launcher.urls[0]), TorchBackendConfig(), Tokenizer.default(), **cpu)
+    try:
+        diff = float((served.score(batch) - local.score(batch)).abs().max())
+    finally:
+        served.close()
+    _report("distill_url_max_abs", diff)
+    assert diff < LOGPROB_TOL
+
+
+@real_sglang
+def test_replay_rescores_a_recorded_step_on_sglang(server, tmp_path):
+    """`axrl-debug replay --rollout --engine sglang` on a real short run: the step's policy loaded into
+    the server, every recorded stream re-scored, SGLang's mismatch against the trainer is float32
+    rounding on the same tokens as the recorded engine's report."""
+    from typer.testing import CliRunner
+
+    from axrl.cli import app as axrl_app
+    from axrl_debug.cli import app as debug_app
+
+    run = tmp_path / "run"
+    args = ["train", str(REPO / "examples" / "quickstart.yaml"), "--run-dir", str(run)]
+    for s in ["steps=2", "warmup.steps=20", "eval.every=0", "data.prompts_per_step=4", "rollout.group_size=4",
+              "checkpoint.every=1", "runtime.threads=1"]:
+        args += ["--set", s]
+    trained = CliRunner().invoke(axrl_app, args)
+    assert trained.exit_code == 0, trained.output
+    out = CliRunner().invoke(debug_app, ["replay", str(run), "--step", "1", "--rollout", "--engine", "sglang",
+                                         "--url", server[0].urls[0], "--load-weights", "--json"])
+    assert out.exit_code == 0, out.output
+    res = json.loads(out.stdout)
+    m = res["engine_mismatch"]
+    _report("replay_sglang_rescore", {"tokens": m["tokens"]["analysed"], "mean_abs": m["metrics"]["mean_abs"],
+                                      "max_abs": m["metrics"]["max_abs"], "seconds": round(res["seconds"], 1)})
+    assert m["tokens"]["analysed"] == res["recorded_mismatch"]["tokens"]["analysed"] > 100
+    assert m["metrics"]["mean_abs"] < 1e-5 and m["metrics"]["max_abs"] < LOGPROB_TOL, m["metrics"]
+
+
 # -- cpu_compat pieces that need no SGLang -------------------------------------------------------------
 def _cpu_compat():
     import importlib.util

@@ -40,7 +40,7 @@ class DistillSettings:
     """The teacher and how its signal enters the advantage.
 
     teacher: a Hugging Face model directory or an AxRL checkpoint (`RUN/checkpoints/step_N`);
-    url: a served teacher (not supported yet: refused where the teacher is built); coef: the
+    url: a served teacher (SGLang or `axrl serve`, axrl/runtime/served_teacher.py); coef: the
     weight of the reverse-KL term; mode: "reverse_kl" (the term alone) or "reverse_kl+reward"
     (added to the task's advantage).
     """

@@ -47,7 +47,7 @@ from axrl.train.critic import Critic, CriticConfig
 from axrl.train.protocol import TrainBackend
 
 if TYPE_CHECKING:
-    from axrl.runtime.teacher import LocalTeacher
+    from axrl.runtime.teacher import Teacher
 
 
 # -- settings ------------------------------------------------------------------------------------
@@ -276,7 +276,7 @@ def make_step_trainer(s: LearnerSettings, backend: TrainBackend, sync: WeightSyn
                        critic=getattr(backend, "critic", None))  # torch backend's value model (gae)
 
 
-def make_distill_teacher(s: DistillSettings | None, backend: TrainBackend) -> LocalTeacher | None:
+def make_distill_teacher(s: DistillSettings | None, backend: TrainBackend) -> Teacher | None:
     """On-policy distillation's teacher (None when off), on
     the torch trainer's device and dtype, micro-batched like it; beside a Megatron backend (whose
     ranks hold the policy elsewhere) on the CPU in float32."""

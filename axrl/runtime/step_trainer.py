@@ -37,7 +37,7 @@ from axrl.train.critic import Critic
 from axrl.train.protocol import R3, ForwardResult, TrainBackend
 
 if TYPE_CHECKING:
-    from axrl.runtime.teacher import LocalTeacher
+    from axrl.runtime.teacher import Teacher
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def version_key(version: int) -> str:
 class StepTrainer:
     def __init__(self, backend: TrainBackend, processor: AlgorithmProcessor, settings: TrainStepSettings,
                  sync: WeightSync, num_experts: int, *, distill: DistillSettings | None = None,
-                 teacher: LocalTeacher | None = None, critic: Critic | None = None) -> None:
+                 teacher: Teacher | None = None, critic: Critic | None = None) -> None:
         self.backend, self.processor, self.settings, self.sync = backend, processor, settings, sync
         self.critic = critic   # PPO's value model (algo.advantage: gae; axrl/train/critic.py)
         if processor.settings.estimator == "gae" and critic is None:

@@ -7,13 +7,15 @@ own, so scoring is the trainer's logprob path itself — one batched, no-grad, t
 forward per micro-batch (`TorchBackend.forward`), log_softmax(logits / T) at each sampled token
 with T the batch's (the rollout's) temperature, the quantity the engine reports for the student.
 The teacher may be a different size; it must share the student's tokenizer, since it scores the
-student's token ids. A served teacher (`distill.url`) is not supported yet.
+student's token ids. A served teacher (`distill.url`: SGLang or `axrl serve`) is scored over HTTP
+by `axrl.runtime.served_teacher.ServedTeacher`, which this module's `make_teacher` builds too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import yaml
@@ -27,7 +29,7 @@ from axrl.train import TorchBackend, TorchBackendConfig
 from axrl.train.checkpoint_files import read_checkpoint
 from axrl.train.protocol import PackedBatch
 
-__all__ = ["LocalTeacher", "load_teacher", "make_teacher", "tokenizer_difference"]
+__all__ = ["LocalTeacher", "Teacher", "load_teacher", "make_teacher", "tokenizer_difference"]
 
 
 def tokenizer_difference(student: Tokenizer, teacher: Tokenizer) -> str | None:
@@ -89,6 +91,15 @@ def load_teacher(path: str, dtype: torch.dtype) -> tuple[Qwen3ForCausalLM, Token
     return load_hf(p, dtype=dtype), tokenizer
 
 
+class Teacher(Protocol):
+    """What the step trainer asks of a teacher: `score(batch)` → float32 [T], 0 at each sample's
+    position 0; `close()`."""
+
+    def score(self, batch: PackedBatch) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
+
 class LocalTeacher:
     """Scores packed batches with a teacher held in this process (see the module docstring)."""
 
@@ -110,12 +121,13 @@ class LocalTeacher:
 
 
 def make_teacher(s: DistillSettings, config: TorchBackendConfig, student: Tokenizer, *, device: torch.device,
-                 dtype: torch.dtype) -> LocalTeacher:
-    """The run's teacher, on the student's device, after checking the two tokenizers agree."""
+                 dtype: torch.dtype) -> "Teacher":
+    """The run's teacher, on the student's device (or behind `distill.url`), after checking the two
+    tokenizers agree."""
     if s.url is not None:
-        raise ConfigError(f"distill.url {s.url!r}: a served teacher is not supported yet (it needs prompt "
-                          "logprobs from SGLang /generate with max_new_tokens=0, return_logprob and "
-                          "logprob_start_len); give distill.teacher: a model directory or checkpoint instead")
+        from axrl.runtime.served_teacher import connect_teacher  # httpx client: only for served teachers
+
+        return connect_teacher(s.url, student, tokenizer_difference)
     assert s.teacher is not None
     model, tokenizer = load_teacher(s.teacher, dtype)
     diff = tokenizer_difference(student, tokenizer)

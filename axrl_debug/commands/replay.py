@@ -46,7 +46,21 @@ def replay_command(
                                  "compare token ids, rollout logprobs and routing bit for bit."),
     engine: str = typer.Option("", "--engine", help="With --rollout: 'embedded' re-runs the recorded token streams "
                                "through the embedded engine's decode path (teacher-forced) and compares its "
-                               "logprobs with the recorded engine's and the trainer's (SGLang or free-running runs)."),
+                               "logprobs with the recorded engine's and the trainer's (SGLang or free-running runs); "
+                               "'sglang' / 'vllm' re-score them on that server (one prefill per stream) and report "
+                               "its mismatch against the trainer beside the recorded engine's, on the same tokens."),
+    url: str = typer.Option(None, "--url", help="With --engine sglang|vllm: a running server, which must serve the "
+                            "step's policy as exported to RUN/replay/step_N_policy (the error says how to start it)."),
+    engine_python: str = typer.Option(None, "--engine-python", help="With --engine sglang|vllm and no --url: the "
+                                      "engine environment's interpreter to launch the server with (default: "
+                                      "$AXRL_SGLANG_PYTHON / $AXRL_VLLM_PYTHON)."),
+    cpu_compat: bool = typer.Option(None, "--cpu-compat/--no-cpu-compat", help="Launch SGLang through cpu_compat.py "
+                                    "(default: on a CPU-only machine)."),
+    server_args: list[str] = typer.Option([], "--server-args", help="Extra flags for the launched server (one "
+                                          "string, split like a shell; repeatable)."),
+    load_weights: bool = typer.Option(False, "--load-weights", help="With --engine sglang --url: load the step's "
+                                      "policy into that server (/update_weights_from_disk) instead of requiring it "
+                                      "be started on it (same architecture)."),
     json_: bool = JSON_OPTION,
 ) -> None:
     """Re-execute step N from the newest checkpoint at or before it and compare bit for bit."""
@@ -56,11 +70,20 @@ def replay_command(
 
         if engine and not rollout:
             raise BadInput("--engine: only with --rollout")
-        if engine not in ("", "embedded"):
-            raise BadInput(f"--engine: 'embedded' is the only engine a rollout can be re-run on, got {engine!r}")
+        if engine not in ("", "embedded", "sglang", "vllm"):
+            raise BadInput(f"--engine: one of embedded, sglang, vllm, got {engine!r}")
+        if engine in ("", "embedded") and (url or engine_python or server_args or load_weights
+                                                  or cpu_compat is not None):
+            raise BadInput("--url, --engine-python, --cpu-compat, --server-args and --load-weights: only with "
+                           "--engine sglang|vllm")
         if rollout:
             if dump or set_ or variant or sweep:
                 raise BadInput("--rollout: --dump, --set, --variant and --sweep act on the training part of a step")
+            if engine in ("sglang", "vllm"):
+                from axrl_debug.commands.rescore import run_rescore
+
+                return run_rescore(run, step, engine, url, engine_python, cpu_compat, server_args, load_weights,
+                                   json_)
             return _rollout(run, step, engine == "embedded", json_)
 
         variants = ([list(set_)] if set_ else []) + [shlex.split(v) for v in variant]

@@ -3,6 +3,8 @@
 - `POST /generate` — one request, or a batch (list-valued `input_ids`; admitted together, so
   a batch is scheduled exactly as `EmbeddedEngine.submit_many` would be in-process); `stream`
   sends cumulative SSE chunks then `data: [DONE]`. A client that disconnects aborts its requests.
+  A prefill-only request (`max_new_tokens: 0`, `logprob_start_len: 0`) returns teacher-forced
+  prompt logprobs instead (`prefill_scoring`).
 - `POST /abort_request` {rid | abort_all}; `POST /flush_cache` (a no-op: every weight update
   clears the prefix cache); `POST /release_memory_occupation` (frees the KV cache while idle;
   400 with requests in flight), `POST /resume_memory_occupation`.
@@ -22,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from axrl.inference.openai.errors import ApiError, bad
 from axrl.inference.openai.http import json_body
 from axrl.inference.protocol import GenerateRequest
+from axrl.inference.serve.prefill_scoring import is_prefill_scoring, score_body
 from axrl.inference.serve.state import AxrlServer
 
 
@@ -31,6 +34,8 @@ def add_generation_routes(app: FastAPI, server: AxrlServer) -> None:
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Any:
         body = await json_body(request)
+        if is_prefill_scoring(body):  # teacher-forced prompt logprobs, nothing generated
+            return JSONResponse(await score_body(server, body))
         requests, options, batched = server.parse_generate(body)
         if body.get("stream"):
             if batched:
@@ -95,7 +100,7 @@ def add_info_routes(app: FastAPI, server: AxrlServer) -> None:
 
     def model_info() -> dict[str, Any]:
         c = server.engine.config
-        return {"model_path": server.cfg.model_path, "tokenizer_path": server.cfg.model_path,
+        return {"model_path": server.cfg.model_path, "tokenizer_path": server.tokenizer_path,
                 "is_generation": True, "preferred_sampling_params": None, "weight_version": server.weight_version,
                 "served_model_name": server.model_name, "server": "axrl",
                 "num_hidden_layers": c.num_hidden_layers, "vocab_size": c.vocab_size,

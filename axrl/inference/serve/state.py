@@ -62,6 +62,7 @@ class AxrlServer:
     def __init__(self, engine: EmbeddedEngine, cfg: ServeConfig, tokenizer: Tokenizer | None) -> None:
         self.engine, self.cfg, self.tokenizer = engine, cfg, tokenizer
         self.model_name = cfg.served_model_name or Path(cfg.model_path).name or "axrl"
+        self.tokenizer_path = cfg.model_path  # stays when weights are loaded from another directory
         # SGLang's weight_version is a free string; a numeric one *is* the engine's int version.
         self.version_label: str | None = None if parse_weight_version(cfg.weight_version) is not None \
             else cfg.weight_version
@@ -99,9 +100,11 @@ class AxrlServer:
         n = len(prompts)
         if body.get("logprob_start_len") not in (None, -1) and not (isinstance(body["logprob_start_len"], list)
                                                                      and set(body["logprob_start_len"]) <= {-1}):
-            raise ApiError(400, "logprob_start_len: only -1 (output tokens only) is supported by axrl serve")
+            raise ApiError(400, "logprob_start_len: axrl serve reports prompt logprobs only for prefill-only "
+                           "requests (sampling_params.max_new_tokens: 0, logprob_start_len: 0); else use -1")
         if body.get("top_logprobs_num") not in (None, 0):
-            raise ApiError(400, "top_logprobs_num: top logprobs are not supported by axrl serve (use 0)")
+            raise ApiError(400, "top_logprobs_num: axrl serve reports top logprobs only for prefill-only requests "
+                           "(sampling_params.max_new_tokens: 0, logprob_start_len: 0); else use 0")
         routed = body.get("return_routed_experts", False)
         if not isinstance(routed, bool):
             raise ApiError(400, f"return_routed_experts must be true or false, got {routed!r}")

@@ -61,6 +61,7 @@ def add_disk_weight_routes(app: FastAPI, server: AxrlServer) -> None:
                 await server.apply(path, body.get("weight_version"))
             except ApiError as e:
                 return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0}, status_code=400)
+            server.cfg.model_path = path  # /model_info names the loaded directory, as SGLang's does
         return JSONResponse({"success": True, "num_paused_requests": 0,
                              "message": f"Loaded {path}. Weight version updated to {server.weight_version}."})
 
