@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,9 +16,9 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from trace_util import trace_datasets
+from train_util import QUICKSTART, debug, train_command
 from axrl.agents.tasks import get_task
 from axrl.config import load_config
 from axrl.model import build_model, preset_config, save_hf
@@ -27,10 +26,8 @@ from axrl.assembly.build import train
 from axrl.runtime.warmup import warm_up
 from axrl.tokenizer import Tokenizer
 from axrl.train import TorchBackend, TorchBackendConfig
-from axrl_debug.cli import app as debug_app
 
 torch.set_num_threads(1)
-ROOT = Path(__file__).resolve().parents[1]
 ECHO_TAIL = "{turns: 1, long_turns: 4, long_share: 0.25}"  # a share of episodes 4x longer than the rest
 # 8x longer episodes: some groups outlive two weight updates and are too stale for eta = 2.
 LONG_TAIL = ("steps=5", "rollout.max_staleness=2", "rollout.partial_rollout=recompute", "rollout.max_turns=8",
@@ -59,7 +56,7 @@ def settings(model: Path, *extra: str) -> list[str]:
 
 def run(tmp_path: Path, name: str, model: Path, *extra: str) -> Path:
     out = tmp_path / name
-    train(load_config(ROOT / "examples" / "quickstart.yaml", settings(model, *extra)), out)
+    train(load_config(QUICKSTART, settings(model, *extra)), out)
     return out
 
 
@@ -236,7 +233,7 @@ def test_engine_noise_lands_in_the_engine_part(warm_model, tmp_path):
     rows = {p: [json.loads(x) for x in (p / "metrics.jsonl").read_text().splitlines()][2] for p in (clean, noisy)}
     assert rows[noisy]["mismatch_staleness"] == rows[clean]["mismatch_staleness"]
     assert rows[noisy]["mismatch_engine"] > 0.3 > 1000 * rows[clean]["mismatch_engine"]  # E|N(0, .5)| = 0.4
-    out = CliRunner().invoke(debug_app, ["mismatch", str(noisy), "--step", "2", "--json"])
+    out = debug("mismatch", noisy, "--step", 2, "--json")
     split = json.loads(out.stdout)["delta_split"]
     assert out.exit_code == 0 and split["engine"]["abs_share"] > 0.9
 
@@ -244,11 +241,7 @@ def test_engine_noise_lands_in_the_engine_part(warm_model, tmp_path):
 # ---------------------------------------------------------------- determinism, kill and resume
 
 def _axrl(run_dir: Path, model: Path, *extra: str) -> list[str]:
-    args = [sys.executable, "-m", "axrl.cli", "train", str(ROOT / "examples" / "quickstart.yaml"), "--run-dir",
-            str(run_dir)]
-    for s in settings(model, *extra):
-        args += ["--set", s]
-    return args
+    return train_command(run_dir, settings(model, *extra))
 
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -370,6 +363,6 @@ def test_metrics_are_strict_json_and_go_to_tensorboard(warm_model, tmp_path):
 def test_async_steps_replay_bitwise(runs):
     """Replay re-executes the training side of an asynchronous step from the trace, bit for bit."""
     for step in (2, 3):
-        out = CliRunner().invoke(debug_app, ["replay", str(runs["recompute"]), "--step", str(step), "--json"])
+        out = debug("replay", runs["recompute"], "--step", step, "--json")
         assert out.exit_code == 0, out.output
         assert json.loads(out.stdout)["verdict"] == "bitwise-equal"

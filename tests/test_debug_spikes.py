@@ -11,15 +11,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from typer.testing import CliRunner
-
-from axrl.cli import app as axrl_app
 from axrl.trace import TraceReader
-from axrl_debug.cli import app as debug_app
 from axrl_debug.analysis.spikes import SpikeConfig, attribute, detect, loss_proxy, robust_z
 from axrl_debug.synthetic import TinySample, TinyToken, gen, tiny_record, write_run
-
-ROOT = Path(__file__).resolve().parents[1]
+from train_util import ROOT, debug, train
 
 
 def test_robust_z_by_hand():
@@ -98,9 +93,8 @@ def test_spike_lr_example_still_shows_its_spike(tmp_path):
     on the CPU's kernels, docs/debugging.md), and nothing is flagged before the fault (step 8's
     own updates move the loss past the threshold on some CPUs, z 4-6: step 8 or 9 comes first)."""
     run = tmp_path / "spike"
-    result = CliRunner().invoke(axrl_app, ["train", str(ROOT / "examples" / "spike_lr.yaml"), "--run-dir", str(run)])
-    assert result.exit_code == 0, result.output
-    result = CliRunner().invoke(debug_app, ["spikes", str(run), "--json"])
+    train(run, config=ROOT / "examples" / "spike_lr.yaml")
+    result = debug("spikes", run, "--json")
     assert result.exit_code == 0, result.output
     found = {(s["step"], s["metric"]) for s in json.loads(result.stdout)["spikes"]}
     assert (9, "reward") in found

@@ -4,24 +4,20 @@ device this torch cannot see; the GPU variant is tests/test_device_gpu.py (scrip
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from axrl.cli import app as axrl_app
 from axrl.config import ConfigError, load_config
 from axrl.assembly.build import build_components
+from train_util import QUICKSTART, train
 
-ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model.preset=micro-moe", "warmup.steps=0", "eval.every=0", "data.prompts_per_step=2",
          "rollout.group_size=2", "rollout.max_new_tokens=4", "runtime.threads=1"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dtype_is_honoured_by_trainer_and_engine(dtype):
-    cfg = load_config(ROOT / "examples" / "quickstart.yaml", [*SMALL, f"model.dtype={dtype}"])
+    cfg = load_config(QUICKSTART, [*SMALL, f"model.dtype={dtype}"])
     c = build_components(cfg)
     try:
         want = getattr(torch, dtype)
@@ -41,8 +37,6 @@ def test_device_setting_is_validated(tmp_path):
     with pytest.raises(ConfigError, match="megatron places its ranks itself"):
         load_config(None, ["runtime.device=cuda", "train.backend=megatron"])
     if not torch.cuda.is_available():
-        result = CliRunner().invoke(axrl_app, ["train", str(ROOT / "examples" / "quickstart.yaml"), "--run-dir",
-                                               str(tmp_path / "run"), *sum((["--set", s] for s in SMALL), []),
-                                               "--set", "runtime.device=cuda"])
+        result = train(tmp_path / "run", [*SMALL, "runtime.device=cuda"], check=False)
         text = " ".join(result.output.split())
         assert result.exit_code == 2 and "runtime.device 'cuda'" in text and "sees no CUDA device" in text

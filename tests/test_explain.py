@@ -9,15 +9,11 @@ import json
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from axrl.cli import app as axrl_app
-from axrl_debug.cli import app as debug_app
 from replay import ReplayInputError
 from replay.explain import explain_step
+from train_util import debug, train
 
-ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "examples" / "quickstart.yaml"
 SMALL = ["steps=2", "model.preset=micro-moe", "warmup.steps=30", "data.task=echo", "data.task_args={}",
          "data.prompts_per_step=2", "rollout.group_size=4", "eval.every=0", "runtime.threads=1",
          "checkpoint.every=1", "rollout.max_new_tokens=12", "train.micro_batch_tokens=200"]
@@ -26,11 +22,7 @@ SMALL = ["steps=2", "model.preset=micro-moe", "warmup.steps=30", "data.task=echo
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("explain") / "run"
-    args = ["train", str(QUICKSTART), "--run-dir", str(path)]
-    for s in SMALL:
-        args += ["--set", s]
-    result = CliRunner().invoke(axrl_app, args)
-    assert result.exit_code == 0, result.output
+    train(path, SMALL)
     return path
 
 
@@ -110,15 +102,15 @@ def test_cli_json_png_and_bad_input(run, tmp_path):
     st = _read(run / "trace" / "step_000001.h5")
     (row, token), = select_tokens(st, None, 1)
     sid = int(st.sids[row])
-    out = CliRunner().invoke(debug_app, ["explain", str(run), "--step", "1", "--sample", str(sid), "--token",
-                                         str(token), "--json", "--plot", str(tmp_path / "plots")])
+    out = debug("explain", run, "--step", 1, "--sample", sid, "--token", token, "--json", "--plot",
+                tmp_path / "plots")
     assert out.exit_code == 0, out.output
     doc = json.loads(out.stdout)
     assert doc["tokens"][0]["sample_id"] == sid and doc["tokens"][0]["token"] == token
     assert list((tmp_path / "plots").glob("explain_step1_sample*_token*.png"))
-    text = CliRunner().invoke(debug_app, ["explain", str(run), "--step", "1", "--top", "1"])
+    text = debug("explain", run, "--step", 1, "--top", 1)
     assert text.exit_code == 0 and "remaining gap" in text.output
-    bad = CliRunner().invoke(debug_app, ["explain", str(run), "--step", "1", "--sample", str(sid), "--token", "0"])
+    bad = debug("explain", run, "--step", 1, "--sample", sid, "--token", 0)
     assert bad.exit_code == 2 and "generated tokens at" in bad.output
     with pytest.raises(ReplayInputError, match="not a sample"):
         explain_step(run, 1, tokens=[(10 ** 6, 1)])

@@ -15,6 +15,7 @@ from axrl.config import ConfigError, load_config
 from axrl.model import build_model, load_hf, preset_config, save_hf
 from axrl.train import LossContext, PackedBatch, TorchBackend, TorchBackendConfig
 from axrl.train.lora import LoRAConfig, target_group
+from train_util import axrl, debug, train
 
 torch.set_num_threads(1)
 # micro-moe with a dense first layer: attention, a dense MLP and MoE experts all present.
@@ -260,7 +261,6 @@ def test_peft_export_refuses_what_peft_cannot_place(tmp_path):
 
 # ---------------------------------------------------------------- a short run: trace, replay, export
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
 COMMON = ["model.preset=micro-moe", "data.task=echo", "data.task_args={}", "data.prompts_per_step=2",
           "rollout.group_size=4", "eval.every=0", "runtime.threads=1", "algo.loss_agg=token-mean"]
 # A random-init model's frozen LM head keeps adapters from reaching any reward, so the base is a
@@ -270,27 +270,15 @@ LORA_RUN = ["steps=3", "warmup.steps=0", "checkpoint.every=2", "train.lr=1e-3", 
             "train.lora={rank: 8, alpha: 16, dropout: 0.1}"]
 
 
-def axrl_train(run_dir: Path, settings: list[str]) -> Path:
-    from typer.testing import CliRunner
-
-    from axrl.cli import app
-
-    args = ["train", str(QUICKSTART), "--run-dir", str(run_dir)]
-    for s in settings:
-        args += ["--set", s]
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code == 0, result.output
-    return run_dir
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     from axrl.export import export_checkpoint
 
     tmp = tmp_path_factory.mktemp("lora")
-    warm = axrl_train(tmp / "warm", COMMON + WARM_BASE)
-    base = export_checkpoint(warm, tmp / "base", step=0).out
-    return axrl_train(tmp / "run", COMMON + LORA_RUN + [f"model.path={base}"])
+    train(tmp / "warm", COMMON + WARM_BASE)
+    base = export_checkpoint(tmp / "warm", tmp / "base", step=0).out
+    train(tmp / "run", COMMON + LORA_RUN + [f"model.path={base}"])
+    return tmp / "run"
 
 
 def test_run_trains_adapters_and_the_engine_agrees(run):
@@ -315,34 +303,23 @@ def test_run_trains_adapters_and_the_engine_agrees(run):
 
 @pytest.mark.parametrize("step", [1, 2])
 def test_replay_of_a_step_is_bitwise(run, step):
-    from typer.testing import CliRunner
-
-    from axrl_debug.cli import app
-
-    result = CliRunner().invoke(app, ["replay", str(run), "--step", str(step), "--json"])
+    result = debug("replay", run, "--step", step, "--json")
     doc = json.loads(result.stdout)
     assert result.exit_code == 0, doc["first_divergence"]
     assert doc["verdict"] == "bitwise-equal" and doc["steps"][-1]["fingerprint_after"]["equal"]
 
 
 def test_replay_cannot_vary_lora(run):
-    from typer.testing import CliRunner
-
-    from axrl_debug.cli import app
-
-    result = CliRunner().invoke(app, ["replay", str(run), "--step", "1", "--set", "train.lora.rank=4"])
+    result = debug("replay", run, "--step", 1, "--set", "train.lora.rank=4")
     assert result.exit_code == 2 and "train.lora.rank: cannot be varied in a replay" in " ".join(result.output.split())
 
 
 def test_export_merged_and_adapter_only(run, tmp_path):
     import peft  # the test extra installs both: a broken import must fail, never skip
     import transformers
-    from typer.testing import CliRunner
-
-    from axrl.cli import app
 
     for args in (["--out", tmp_path / "merged"], ["--out", tmp_path / "adapter", "--adapter-only"]):
-        result = CliRunner().invoke(app, ["model", "export", str(run), "--step", "2", *map(str, args)])
+        result = axrl("model", "export", run, "--step", 2, *args)
         assert result.exit_code == 0, result.output
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     base = Path(config["base_model_name_or_path"])

@@ -10,15 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
-from axrl.cli import app as axrl_app
 from axrl.trace import TraceReader
-from axrl_debug.cli import app as debug_app
 from replay import read_dump
+from train_util import debug, train
 
-ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "examples" / "quickstart.yaml"
 BASE = ["steps=5", "model.preset=micro-moe", "warmup.steps=100", "data.task=echo", "data.task_args={}",
         "data.prompts_per_step=2", "rollout.group_size=4", "checkpoint.every=2", "eval.every=0", "runtime.threads=1",
         "train.lr=1e-4", "train.micro_batch_tokens=120"]
@@ -27,18 +23,6 @@ BASE = ["steps=5", "model.preset=micro-moe", "warmup.steps=100", "data.task=echo
 SPIKY = BASE + ["algo.loss=grpo2", "algo.kl_coef=0.05", "algo.correction.icepop={}",
                 "faults.rollout_logprob_noise={step: 3, std: 1.0}", "faults.lr_scale={step: 2, factor: 100}"]
 TRIGGER = ["trace.spike_ratio=2", "trace.spike_min_history=2"]
-
-
-def train(run: Path, settings: list[str], *extra: str) -> None:
-    args = ["train", str(QUICKSTART), "--run-dir", str(run), *extra]
-    for s in settings:
-        args += ["--set", s]
-    result = CliRunner().invoke(axrl_app, args)
-    assert result.exit_code == 0, result.output
-
-
-def debug(*args: str):
-    return CliRunner().invoke(debug_app, [*map(str, args)])
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from axrl.cli import app as axrl_app
 from axrl.model import load_hf
 from axrl.tokenizer import Tokenizer, load_tokenizer
 from axrl.trace import StepFile
-from axrl_debug.cli import app as debug_app
 from hf_checkpoint import MODEL_VOCAB, write_checkpoint
+from train_util import axrl, debug, set_args, train
 
 import transformers  # noqa: E402  (the test extra installs it: a broken import fails)
 torch.set_num_threads(1)
@@ -44,10 +42,6 @@ CONVERSATION = [
 ]
 
 
-def cli(app, *args: str):
-    return CliRunner().invoke(app, [str(a) for a in args])
-
-
 @pytest.fixture(scope="module", params=["moe", "dense"])
 def checkpoint(request, tmp_path_factory) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp(f"hf_{request.param}") / "model", moe=request.param == "moe")
@@ -56,11 +50,7 @@ def checkpoint(request, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def trained(checkpoint, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("run") / "run"
-    args = ["train", ROOT / "examples" / "quickstart.yaml", "--run-dir", run, "--set", f"model.path={checkpoint}"]
-    for s in RUN:
-        args += ["--set", s]
-    result = cli(axrl_app, *args)
-    assert result.exit_code == 0, result.output
+    train(run, [f"model.path={checkpoint}", *RUN])
     return run
 
 
@@ -93,12 +83,11 @@ def test_unsupported_architecture_fails_at_load_naming_it(checkpoint, tmp_path):
     shutil.copytree(checkpoint, other)
     cfg = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
-    result = cli(axrl_app, "train", ROOT / "examples" / "quickstart.yaml", "--run-dir", tmp_path / "run",
-                 "--set", f"model.path={other}", "--set", "warmup.steps=0")
+    result = train(tmp_path / "run", [f"model.path={other}", "warmup.steps=0"], check=False)
     text = " ".join(result.output.split())
     assert result.exit_code == 2, text
     assert "'architectures' is ['LlamaForCausalLM']" in text and "Qwen3MoeForCausalLM" in text
-    assert cli(axrl_app, "model", "info", other).exit_code == 2
+    assert axrl("model", "info", other).exit_code == 2
 
 
 def test_tokenizer_larger_than_the_embedding_is_refused(checkpoint, tmp_path):
@@ -131,7 +120,7 @@ def test_trace_holds_the_checkpoints_token_ids(trained, checkpoint):
 
 
 def test_replay_is_bitwise_on_a_checkpoint_run(trained):
-    result = cli(debug_app, "replay", trained, "--step", 2, "--json")
+    result = debug("replay", trained, "--step", 2, "--json")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert doc["verdict"] == "bitwise-equal" and doc["replayed_steps"] == [2]
@@ -139,7 +128,7 @@ def test_replay_is_bitwise_on_a_checkpoint_run(trained):
 
 def test_export_loads_in_transformers_and_axrl_serve(trained, checkpoint, tmp_path):
     out = tmp_path / "export"
-    result = cli(axrl_app, "model", "export", trained, "--out", out)
+    result = axrl("model", "export", trained, "--out", out)
     assert result.exit_code == 0, result.output
     assert "after 3 RL steps" in " ".join(result.output.split())
     ckpt = json.loads((trained / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
@@ -157,8 +146,8 @@ def test_export_loads_in_transformers_and_axrl_serve(trained, checkpoint, tmp_pa
         original.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False)
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == load_tokenizer(checkpoint).stop_token_ids
     # an older checkpoint on request, and a clear refusal for one that does not exist
-    assert cli(axrl_app, "model", "export", trained, "--step", 0, "--out", tmp_path / "e0").exit_code == 0
-    missing = cli(axrl_app, "model", "export", trained, "--step", 1, "--out", tmp_path / "e1")
+    assert axrl("model", "export", trained, "--step", 0, "--out", tmp_path / "e0").exit_code == 0
+    missing = axrl("model", "export", trained, "--step", 1, "--out", tmp_path / "e1")
     assert missing.exit_code == 2 and "checkpoints: 0, 2, 3" in " ".join(missing.output.split())
 
     from fastapi.testclient import TestClient
@@ -175,7 +164,7 @@ def test_export_loads_in_transformers_and_axrl_serve(trained, checkpoint, tmp_pa
 
 def test_serve_on_a_checkpoint_directory_says_export(trained):
     ckpt = trained / "checkpoints" / "step_000002"
-    result = cli(axrl_app, "serve", "--model-path", ckpt)
+    result = axrl("serve", "--model-path", ckpt)
     text = " ".join(result.output.split())
     assert result.exit_code == 2 and f"axrl model export {trained} --step 2 --out DIR" in text
 
@@ -200,10 +189,10 @@ def test_docs_models_commands_run(tmp_path, monkeypatch):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     made = subprocess.run([sys.executable, *local(commands[0]).split()[1:]], capture_output=True, text=True, env=env)
     assert made.returncode == 0 and (tmp_path / "my-qwen3" / "config.json").is_file(), made.stderr
-    train = cli(axrl_app, *local(commands[1]).split()[1:], "--set", "warmup.steps=4", "--set", "eval.every=0",
-                "--set", "data.prompts_per_step=2", "--set", "runtime.threads=1")
-    assert train.exit_code == 0 and (tmp_path / "runs" / "mine" / "trace" / "step_000002.h5").is_file(), train.output
-    export = cli(axrl_app, *commands[2].split()[1:])
+    run = axrl(*local(commands[1]).split()[1:],
+               *set_args(["warmup.steps=4", "eval.every=0", "data.prompts_per_step=2", "runtime.threads=1"]))
+    assert run.exit_code == 0 and (tmp_path / "runs" / "mine" / "trace" / "step_000002.h5").is_file(), run.output
+    export = axrl(*commands[2].split()[1:])
     assert export.exit_code == 0 and (tmp_path / "exported" / "model.safetensors").is_file(), export.output
     port = free_port()
     serve = subprocess.Popen([sys.executable, "-m", "axrl.cli", *commands[3].split()[1:], "--port", str(port)],
@@ -217,7 +206,7 @@ def test_docs_models_commands_run(tmp_path, monkeypatch):
 
 
 def test_analysis_decodes_with_the_checkpoints_tokenizer(trained, checkpoint):
-    result = cli(debug_app, "mismatch", trained, "--top", 3, "--json")
+    result = debug("mismatch", trained, "--top", 3, "--json")
     assert result.exit_code == 0, result.output
     tok, shipped = load_tokenizer(checkpoint), Tokenizer.default()
     top = json.loads(result.stdout)["top"]

@@ -11,13 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
 from axrl.agents.tasks.resolve import resolve_task
-from axrl.cli import app as axrl_app
 from axrl.config import ConfigError, load_config
 from axrl.tokenizer import Tokenizer
 from axrl.trace import StepFile
+from train_util import train
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["steps=1", "warmup.steps=2", "data.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
@@ -78,18 +77,10 @@ def _data(**data):
                               for k, v in data.items()]).data
 
 
-def train(run: Path, *settings: str, config: Path = ROOT / "examples" / "quickstart.yaml"):
-    args = ["train", str(config), "--run-dir", str(run)]
-    for s in [*FAST, *settings]:
-        args += ["--set", s]
-    return CliRunner().invoke(axrl_app, args)
-
-
 def test_task_from_a_temporary_module_trains(user_module, tmp_path):
     task = resolve_task(_data(task=f"{user_module}:make_task", task_args={"turns": 3}), warmup=True, evaluate=True)
     assert task.name == "countdown" and task.make_env().turns == 3
-    result = train(tmp_path / "run", f"data.task={user_module}:make_task", "data.task_args={turns: 2}")
-    assert result.exit_code == 0, result.output
+    train(tmp_path / "run", [*FAST, f"data.task={user_module}:make_task", "data.task_args={turns: 2}"])
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["extra"]["task"] == "countdown"
     with StepFile(tmp_path / "run" / "trace" / "step_000000.h5") as sf:
@@ -143,9 +134,8 @@ def test_reward_function_scores_a_prompt_file(user_module, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Say something about {w}."}) + "\n"
                                for w in ("cats", "rain", "maps")))
-    result = train(tmp_path / "run", f"data.reward={user_module}:score", f"data.path={prompts}", "warmup.steps=0",
-                   config=ROOT / "examples" / "arithmetic.yaml")
-    assert result.exit_code == 0, result.output
+    train(tmp_path / "run", [*FAST, f"data.reward={user_module}:score", f"data.path={prompts}", "warmup.steps=0"],
+          config=ROOT / "examples" / "arithmetic.yaml")
     tok = Tokenizer.default()
     with StepFile(tmp_path / "run" / "trace" / "step_000000.h5") as sf:
         off, ids, plen, reward = sf["/samples/offsets"], sf["/tokens/ids"], sf["/samples/prompt_len"], sf["/samples/reward"]
@@ -167,7 +157,6 @@ def test_docs_custom_task_is_the_example_file_and_its_command_runs(tmp_path, mon
     command = _doc_block(doc, "## Your own task", "bash").strip()
     assert command == "axrl train examples/custom_task.yaml"
     monkeypatch.chdir(ROOT)          # the config names the file relative to the repository
-    result = train(tmp_path / "run", "warmup.steps=4", config=Path("examples/custom_task.yaml"))
-    assert result.exit_code == 0, result.output
+    train(tmp_path / "run", [*FAST, "warmup.steps=4"], config=Path("examples/custom_task.yaml"))
     with StepFile(tmp_path / "run" / "trace" / "step_000000.h5") as sf:
         assert "stock" in Tokenizer.default().decode(sf["/tokens/ids"][: int(sf["/samples/offsets"][1])].tolist())

@@ -12,18 +12,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
 
 import replay.rollout
-from axrl.cli import app as axrl_app
 from axrl.inference import EmbeddedEngine, GenerateRequest, SamplingParams
 from axrl.inference.kv_cache import StaticKVCache
 from axrl.inference.prefix_cache import PrefixCache
 from axrl.inference.scheduler import Scheduler
 from axrl.model import build_model, hf_state_dict, preset_config
-from axrl_debug.cli import app as debug_app
 from replay.explain import explain_step
 from replay.rollout import teacher_forced_check
+from train_util import debug, train
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
@@ -238,7 +236,6 @@ def test_free_slot_between_running_ones_is_not_reused_stale(model):
 
 
 # -- the teacher-forced engine path on a run trained with the cache ----------------------------------
-QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
 SMALL_RUN = ["steps=2", "model.preset=micro-moe", "warmup.steps=30", "data.task=echo", "data.task_args={}",
              "data.prompts_per_step=2", "rollout.group_size=4", "eval.every=0", "runtime.threads=1",
              "checkpoint.every=1", "rollout.max_new_tokens=12", "rollout.prefix_cache=true"]
@@ -259,13 +256,9 @@ def cached_run(request, tmp_path_factory) -> tuple[Path, dict[int, int], int, in
         return real(self, seq, reason)
 
     path = tmp_path_factory.mktemp("cached") / "run"
-    args = ["train", str(QUICKSTART), "--run-dir", str(path)]
-    for s in [*SMALL_RUN, f"rollout.prefix_cache_tokens={request.param}"]:
-        args += ["--set", s]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Scheduler, "result", result)
-        out = CliRunner().invoke(axrl_app, args)
-    assert out.exit_code == 0, out.output
+        train(path, [*SMALL_RUN, f"rollout.prefix_cache_tokens={request.param}"])
     return path, cached, evictions[0], request.param
 
 
@@ -294,8 +287,7 @@ def test_explain_on_a_cached_run(cached_run):
     assert result.fidelity["trainer_path_reproduces_old_logprob"]
     for tok in result.tokens:
         assert tok.engine_reproduces_rollout and tok.rows[-1].remaining_gap == 0.0
-    out = CliRunner().invoke(debug_app, ["replay", str(run), "--step", "1", "--rollout", "--engine", "embedded",
-                                         "--json"])
+    out = debug("replay", run, "--step", 1, "--rollout", "--engine", "embedded", "--json")
     assert out.exit_code == 0, out.output
     doc = json.loads(out.stdout)
     assert doc["fidelity"]["bitwise_equal"] == doc["fidelity"]["tokens"] > 0

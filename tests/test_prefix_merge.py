@@ -269,24 +269,17 @@ def test_merged_training_is_bitwise_repeatable():
 def test_a_merged_step_replays_bitwise(tmp_path):
     """A run trained with train.prefix_merge (GRPO groups share their prompts) replays bit for bit."""
     import json
-    from pathlib import Path
 
     import yaml
-    from typer.testing import CliRunner
 
-    from axrl.cli import app as axrl_app
-    from axrl_debug.cli import app as debug_app
+    from train_util import debug, train
 
     run = tmp_path / "run"
     settings = ["steps=2", "model.preset=micro-moe", "warmup.steps=10", "data.task=echo", "data.task_args={}",
                 "data.prompts_per_step=2", "rollout.group_size=4", "checkpoint.every=1", "eval.every=0",
                 "runtime.threads=1", "train.prefix_merge=true", "train.micro_batch_tokens=400"]
-    args = ["train", str(Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"), "--run-dir", str(run)]
-    for s in settings:
-        args += ["--set", s]
-    result = CliRunner().invoke(axrl_app, args)
-    assert result.exit_code == 0, result.output
+    train(run, settings)
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["prefix_merge"] is True
-    out = CliRunner().invoke(debug_app, ["replay", str(run), "--step", "1", "--json"])
+    out = debug("replay", run, "--step", 1, "--json")
     doc = json.loads(out.stdout)
     assert out.exit_code == 0 and doc["verdict"] == "bitwise-equal", doc.get("first_divergence")

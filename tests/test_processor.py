@@ -100,19 +100,13 @@ def test_update_splits_keep_groups_whole():
 
 # ---------------------------------------------------------------------------- dropped groups in the trace
 def _ds_run(path):
-    from typer.testing import CliRunner
-
-    from axrl.cli import app
+    from train_util import train
 
     settings = ["model.preset=micro-moe", "warmup.steps=30", "data.task=echo", "data.task_args={}",
                 "data.prompts_per_step=2", "rollout.group_size=4", "eval.every=0", "runtime.threads=1",
                 "checkpoint.every=1", "rollout.max_new_tokens=12", "steps=2",
                 "algo.dynamic_sampling={enabled: true, oversample: 2}"]
-    args = ["train", "examples/quickstart.yaml", "--run-dir", str(path)]
-    for s in settings:
-        args += ["--set", s]
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code == 0, result.output
+    train(path, settings)
     return path
 
 
@@ -147,11 +141,10 @@ def test_dynamic_sampling_drops_are_in_the_trace_and_replay_reproduces_them(tmp_
         assert len(sf["/samples/sample_id"]) == 8 and int(sf["/train/update_samples"].max()) < 8
 
     # `axrl-debug summary` reports what the pool left out, per step, from the step files
-    from typer.testing import CliRunner
-
-    from axrl_debug.cli import app as debug_app
     import json
-    shown = CliRunner().invoke(debug_app, ["summary", str(run), "--json"])
+
+    from train_util import debug
+    shown = debug("summary", run, "--json")
     assert shown.exit_code == 0, shown.output
     pool = json.loads(shown.output)["pool"]
     with StepFile(run / "trace" / "step_000000.h5") as sf:
@@ -159,7 +152,7 @@ def test_dynamic_sampling_drops_are_in_the_trace_and_replay_reproduces_them(tmp_
     assert [(r["step"], r["dropped_groups"], r["dropped_by_reason"], r["dropped_samples"]) for r in pool] == \
         [(0, 2, {"dynamic_sampling": 2}, 8), (1, 2, {"dynamic_sampling": 2}, 8)]
     assert pool[0]["dropped_tokens"] == tokens0 > 0
-    text = CliRunner().invoke(debug_app, ["summary", str(run)])
+    text = debug("summary", run)
     assert "rollout pool" in text.output and "dynamic_sampling 2" in text.output
 
     result = replay_rollout(run, 1)

@@ -11,31 +11,19 @@ from pathlib import Path
 import pytest
 import yaml
 from rich.console import Console
-from typer.testing import CliRunner
 
-from axrl.cli import app
 from axrl.console.progress import TrainProgress
+from train_util import train
 
-ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "examples" / "quickstart.yaml"
 TINY = ["steps=2", "model.preset=micro-moe", "warmup.steps=3", "data.task=echo", "data.task_args={}",
         "data.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=6", "eval.every=0",
         "checkpoint.every=1", "runtime.threads=1"]
 
 
-def axrl(*args: str | Path):
-    return CliRunner().invoke(app, [str(a) for a in args])
-
-
-def sets(items: list[str]) -> list[str]:
-    return [x for item in items for x in ("--set", item)]
-
-
 @pytest.fixture(scope="module")
 def done_run(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("resume") / "run"
-    result = axrl("train", QUICKSTART, "--run-dir", run, *sets(TINY))
-    assert result.exit_code == 0, result.output
+    train(run, TINY)
     return run
 
 
@@ -56,8 +44,7 @@ def test_resume_says_which_config_it_continues_with_and_what_it_ignored(done_run
     run = tmp_path / "run"
     shutil.copytree(done_run, run)
     given = edited_config(tmp_path, run, train__lr=0.5, rollout__temperature=0.3)
-    result = axrl("train", given, "--run-dir", run, "--resume", "--set", "steps=3")
-    assert result.exit_code == 0, result.output
+    result = train(run, ["steps=3"], "--resume", config=given)
     out = " ".join(result.output.split())
     assert f"resuming with the run's recorded config {run / 'config.yaml'}" in out
     assert "applied from --set: steps (2 → 3)" in out
@@ -72,10 +59,10 @@ def test_resume_refuses_keys_that_cannot_change_mid_run(done_run, tmp_path, how)
     run = tmp_path / "run"
     shutil.copytree(done_run, run)
     if how == "given":
-        result = axrl("train", edited_config(tmp_path, run, seed=7), "--run-dir", run, "--resume")
+        result = train(run, [], "--resume", config=edited_config(tmp_path, run, seed=7), check=False)
         assert "seed (0 → 7)" in " ".join(result.output.split())
     else:
-        result = axrl("train", QUICKSTART, "--run-dir", run, "--resume", *sets(TINY + ["model.preset=tiny-moe"]))
+        result = train(run, TINY + ["model.preset=tiny-moe"], "--resume", check=False)
         assert "model.preset ('micro-moe' → 'tiny-moe') cannot change mid-run" in " ".join(result.output.split())
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert len(list((run / "trace").glob("step_*.h5"))) == 2  # nothing touched
@@ -86,15 +73,14 @@ def test_a_run_killed_in_its_warm_up_resumes_from_the_start(done_run, tmp_path):
     run.mkdir()
     for name in ("config.yaml", "manifest.json"):  # what a run has written when its warm-up starts
         shutil.copy(done_run / name, run / name)
-    result = axrl("train", QUICKSTART, "--run-dir", run, "--resume", *sets(TINY))  # the original command + --resume
-    assert result.exit_code == 0, result.output
+    result = train(run, TINY, "--resume")  # the original command + --resume
     assert "no checkpoint yet" in " ".join(result.output.split())
     assert sorted(p.name for p in (run / "trace").glob("*.h5")) == ["step_000000.h5", "step_000001.h5"]
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1]
 
 
 def test_a_context_that_cannot_hold_the_prompt_is_refused(tmp_path):
-    result = axrl("train", QUICKSTART, "--run-dir", tmp_path / "r", *sets(TINY + ["rollout.max_context_len=10"]))
+    result = train(tmp_path / "r", TINY + ["rollout.max_context_len=10"], check=False)
     out = " ".join(result.output.split())
     assert result.exit_code == 2 and "rollout.max_context_len=10 cannot hold the task's prompts" in out
     assert "renders to" in out and not (tmp_path / "r").exists()

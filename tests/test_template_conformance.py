@@ -21,12 +21,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from axrl.agents.env import Prompt, StepOutcome
 from axrl.agents.tasks.calculator import CALCULATOR_TOOL, SYSTEM_PROMPT
 from axrl.tokenizer import parse_tool_calls
-from axrl.cli import app as axrl_app
 from axrl.inference.protocol import SamplingParams
 from axrl.rollout.agent_loop import run_episode
 from axrl.tokenizer import load_tokenizer
@@ -35,11 +33,11 @@ from axrl.trace import StepFile
 from agent_util import ScriptedEngine
 from hf_checkpoint import MODEL_VOCAB, write_checkpoint
 from template_models import CONVENTIONS, write_convention_dir
+from train_util import axrl, train
 
 import transformers  # noqa: E402  (the test extra installs it: a broken import fails)
 torch.set_num_threads(1)
 
-ROOT = Path(__file__).resolve().parents[1]
 NAMES = sorted(CONVENTIONS)
 TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "Evaluate <x> & 'y'.",
@@ -62,10 +60,6 @@ EXPECTED = {  # name: (turn-end token, reply opening, tool-call start, templates
     "deepseek_v3": ("<｜end▁of▁sentence｜>", "<｜Assistant｜>", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>", False),
     "gemma": ("<end_of_turn>", "<start_of_turn>model\n", "```tool_call", False),
 }
-
-
-def cli(*args):
-    return CliRunner().invoke(axrl_app, [str(a) for a in args])
 
 
 @pytest.fixture(scope="module")
@@ -200,11 +194,7 @@ TRAIN = ["steps=2", "warmup.steps=0", "data.prompts_per_step=2", "rollout.group_
 @pytest.mark.parametrize("name", NAMES)
 def test_train_two_steps_and_decode_the_trace(name, dirs, hf, tmp_path):
     run = tmp_path / "run"
-    args = ["train", ROOT / "examples" / "quickstart.yaml", "--run-dir", run, "--set", f"model.path={dirs[name]}"]
-    for s in TRAIN:
-        args += ["--set", s]
-    result = cli(*args)
-    assert result.exit_code == 0, result.output
+    train(run, [f"model.path={dirs[name]}", *TRAIN])
     tok, theirs = load_tokenizer(dirs[name]), hf[name]
     with StepFile(run / "trace" / "step_000001.h5") as sf:
         ids, off = sf["/tokens/ids"].astype(np.int64), sf["/samples/offsets"]
@@ -250,13 +240,13 @@ def test_a_template_axrl_cannot_follow_is_refused_naming_the_feature(template, f
     with pytest.raises(ValueError) as err:
         load_tokenizer(bad)
     assert feature in str(err.value) and advice in str(err.value) and "check-template" in str(err.value)
-    result = cli("model", "check-template", bad)
+    result = axrl("model", "check-template", bad)
     assert result.exit_code == 1 and "refused" in result.output and feature in result.output
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama3", "gemma"])
 def test_check_template_says_what_axrl_does(name, dirs):
-    result = cli("model", "check-template", dirs[name])
+    result = axrl("model", "check-template", dirs[name])
     assert result.exit_code == 0, result.output
     out = result.output
     assert "AxRL can follow it" in out and "renders the sample conversation identically" in out
@@ -271,7 +261,7 @@ def test_check_template_says_what_axrl_does(name, dirs):
 
 def test_the_existing_qwen_style_checkpoint_still_loads(tmp_path):
     d = write_checkpoint(tmp_path / "qwen", moe=False)
-    result = cli("model", "check-template", d)
+    result = axrl("model", "check-template", d)
     assert result.exit_code == 0 and "identically" in result.output, result.output
 
 

@@ -13,18 +13,15 @@ import warnings
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from axrl.cli import app
 from axrl.recording.metrics_log import MetricsLog
 from axrl.recording.trackers import scalars
 from axrl.trace import RunDir
+from train_util import train
 
 import mlflow  # noqa: E402,F401  (the test extra installs both: a broken import must fail, never skip)
 import wandb  # noqa: E402,F401
 
-ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "examples" / "quickstart.yaml"
 SMALL = ["model.preset=micro-moe", "data.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=24",
          "rollout.max_context_len=160", "warmup.steps=3", "warmup.batch_size=4", "checkpoint.every=2",
          "runtime.threads=1", "eval.every=2", "eval.prompts=2", "eval.samples_per_prompt=1"]
@@ -44,13 +41,6 @@ def offline(monkeypatch, tmp_path):
         monkeypatch.delenv(var, raising=False)
 
 
-def _train(run_dir: Path, *overrides: str, resume: bool = False):
-    args = ["train", str(QUICKSTART), "--run-dir", str(run_dir), *(["--resume"] if resume else [])]
-    result = CliRunner().invoke(app, args + [a for o in [*SMALL, *overrides] for a in ("--set", o)])
-    assert result.exit_code == 0, result.output
-    return result
-
-
 def _wandb_records(offline_run: Path) -> list[dict]:
     """The records of a W&B offline run, by wandb's own reader of its .wandb transaction log."""
     out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(offline_run)],
@@ -67,7 +57,7 @@ def _per_step(points: list[tuple[int, str, float]]) -> dict[tuple[int, str], lis
 
 def test_wandb_and_mlflow_get_the_metrics_and_resume_continues_their_runs(tmp_path):
     run = tmp_path / "run"
-    _train(run, "steps=3", *TRACKERS)
+    train(run, [*SMALL, "steps=3", *TRACKERS])
     ids = json.loads((run / "tracking.json").read_text())
     first = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert ids["mlflow"]["tracking_uri"] is None and ids["mlflow"]["experiment"] == "axrl-test"
@@ -76,7 +66,7 @@ def test_wandb_and_mlflow_get_the_metrics_and_resume_continues_their_runs(tmp_pa
     import shutil
 
     shutil.rmtree(run / "checkpoints" / "step_000003")
-    _train(run, "steps=4", *TRACKERS, resume=True)
+    train(run, [*SMALL, "steps=4", *TRACKERS], "--resume")
     assert json.loads((run / "tracking.json").read_text()) == ids
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -141,8 +131,7 @@ def test_bad_tracking_keys_are_config_errors(tmp_path):
         ("logging.wandb={mode: onlin}", "logging.wandb.mode: Input should be 'online' or 'offline'"),
         ("logging.mlflow.tracking_url=file:/x", "logging.mlflow.tracking_url: unknown key"),
     ]:
-        result = CliRunner().invoke(app, ["train", str(QUICKSTART), "--run-dir", str(tmp_path / "r"),
-                                          "--set", override])
+        result = train(tmp_path / "r", [override], check=False)
         assert result.exit_code == 2 and needle in " ".join(result.output.split()), result.output
         assert not (tmp_path / "r").exists()
 

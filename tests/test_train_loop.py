@@ -7,35 +7,21 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
-from axrl.cli import app
 from axrl.config import ConfigError, load_config
 from axrl.trace import TraceReader
+from train_util import ROOT, train, train_command
 
-ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "examples" / "quickstart.yaml"
 # A few seconds per run: micro model, few short episodes, a short warm-up so episodes end.
 SMALL = ["model.preset=micro-moe", "steps=4", "data.prompts_per_step=2", "rollout.group_size=4",
          "rollout.max_new_tokens=24", "rollout.max_context_len=160", "warmup.steps=3", "warmup.batch_size=4",
          "checkpoint.every=2", "runtime.threads=1", "eval.every=2", "eval.prompts=2",
          "eval.samples_per_prompt=1"]
-
-
-def _set_args(overrides: list[str]) -> list[str]:
-    return [a for o in overrides for a in ("--set", o)]
-
-
-def _train_cli(run_dir: Path, *extra: str, overrides: list[str] = SMALL):
-    return CliRunner().invoke(app, ["train", str(QUICKSTART), "--run-dir", str(run_dir),
-                                    *_set_args(overrides), *extra])
 
 
 @pytest.mark.parametrize("override,needle", [
@@ -46,8 +32,7 @@ def _train_cli(run_dir: Path, *extra: str, overrides: list[str] = SMALL):
     ("steps", "expected key=value"),
 ])
 def test_bad_config_is_rejected_before_any_work(tmp_path, override, needle):
-    result = CliRunner().invoke(app, ["train", str(QUICKSTART), "--run-dir", str(tmp_path / "r"),
-                                      "--set", override])
+    result = train(tmp_path / "r", [override], check=False)
     assert result.exit_code == 2
     assert needle in " ".join(result.output.split())
     assert not (tmp_path / "r").exists()
@@ -73,8 +58,7 @@ def test_every_example_config_is_valid():
 
 def test_train_writes_a_complete_trace(tmp_path):
     run = tmp_path / "run"
-    result = _train_cli(run)
-    assert result.exit_code == 0, result.output
+    train(run, SMALL)
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "manifest.json",
                                                      "metrics.jsonl", "trace"]
     manifest = json.loads((run / "manifest.json").read_text())
@@ -115,8 +99,8 @@ def test_train_writes_a_complete_trace(tmp_path):
 def test_same_seed_same_run(tmp_path):
     """Determinism: two runs with one seed and config record the same losses and weights."""
     overrides = SMALL + ["steps=2"]
-    assert _train_cli(tmp_path / "a", overrides=overrides).exit_code == 0
-    assert _train_cli(tmp_path / "b", overrides=overrides).exit_code == 0
+    train(tmp_path / "a", overrides)
+    train(tmp_path / "b", overrides)
     for step in (0, 1):
         with h5py.File(tmp_path / "a" / "trace" / f"step_{step:06d}.h5") as a, \
                 h5py.File(tmp_path / "b" / "trace" / f"step_{step:06d}.h5") as b:
@@ -130,22 +114,21 @@ def test_same_seed_same_run(tmp_path):
 def test_refuses_to_overwrite_a_run_and_resume_needs_a_run(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "something").write_text("x")
-    result = _train_cli(tmp_path / "run")
+    result = train(tmp_path / "run", SMALL, check=False)
     assert result.exit_code == 2 and "not empty" in result.output
-    result = _train_cli(tmp_path / "nothing", "--resume")
+    result = train(tmp_path / "nothing", SMALL, "--resume", check=False)
     assert result.exit_code == 2 and "not a run directory" in " ".join(result.output.split())
 
 
 def test_resume_redoes_steps_after_the_checkpoint(tmp_path):
     run = tmp_path / "run"
-    assert _train_cli(run, overrides=SMALL + ["steps=3"]).exit_code == 0
+    train(run, SMALL + ["steps=3"])
     # Pretend the run stopped after step 2 was recorded but only checkpoint step_000002 exists.
     # Then extend it to 4 steps: steps 2 and 3 are (re)done, each recorded once.
     import shutil
 
     shutil.rmtree(run / "checkpoints" / "step_000003")
-    result = _train_cli(run, "--resume", overrides=SMALL + ["steps=4"])
-    assert result.exit_code == 0, result.output
+    train(run, SMALL + ["steps=4"], "--resume")
     assert TraceReader(run).steps == [0, 1, 2, 3]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -158,8 +141,7 @@ def test_sigkill_at_random_moments_then_resume_finishes(tmp_path):
     """Kill the trainer with SIGKILL mid-run several times; the trace stays valid and --resume finishes."""
     run = tmp_path / "run"
     steps = 6
-    cmd = [sys.executable, "-m", "axrl.cli", "train", str(QUICKSTART), "--run-dir", str(run),
-           *_set_args(SMALL + [f"steps={steps}", "checkpoint.every=1"])]
+    cmd = train_command(run, SMALL + [f"steps={steps}", "checkpoint.every=1"])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     rng = random.Random(1234)
     first = True
@@ -192,9 +174,9 @@ def test_sigkill_at_random_moments_then_resume_finishes(tmp_path):
 def test_r3_replays_rollout_routing_in_the_trainer(tmp_path):
     """With r3 on, the trainer's forward uses exactly the experts the engine reported."""
     run = tmp_path / "run"
-    assert _train_cli(run, overrides=SMALL + ["steps=2", "r3=true"]).exit_code == 0
+    train(run, SMALL + ["steps=2", "r3=true"])
     with h5py.File(run / "trace" / "step_000001.h5") as f:
         valid = f["routing/rollout_valid"][:].astype(bool)
-        rollout, train = f["routing/rollout"][:], f["routing/train"][:]
+        rollout, trainer = f["routing/rollout"][:], f["routing/train"][:]
         assert valid.sum() > 0
-        assert np.array_equal(rollout[valid], train[valid])
+        assert np.array_equal(rollout[valid], trainer[valid])

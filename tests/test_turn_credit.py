@@ -5,29 +5,25 @@ the proxy, and a short calculator run whose steps replay bitwise."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import h5py
 import httpx
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from agent_util import ScriptedEngine, calculator_policy
+from train_util import debug, train
 from axrl.agents.proxy import ProxyServer, SessionPolicy, engine_submit
 from axrl.agents.tasks.calculator import CalculatorConfig, CalculatorEnv
 from axrl.algo.advantages import token_advantages
 from axrl.algo.processor import AdvantageSettings, AlgorithmProcessor
-from axrl.cli import app as axrl_app
 from axrl.config import ConfigError, load_config
 from axrl.core.trajectory import Trajectory
 from axrl.inference.protocol import SamplingParams
 from axrl.tokenizer import Tokenizer
-from axrl_debug.cli import app as debug_app
 
 torch.set_num_threads(1)
-ROOT = Path(__file__).resolve().parents[1]
 EPS = 1e-6
 
 
@@ -194,19 +190,15 @@ RUN = ["steps=2", "model.preset=micro-moe", "warmup.steps=30", "data.prompts_per
 
 def test_turn_credit_run_records_turn_rewards_and_replays_bitwise(tmp_path):
     run = tmp_path / "run"
-    args = ["train", str(ROOT / "examples" / "quickstart.yaml"), "--run-dir", str(run)]
-    for s in RUN:
-        args += ["--set", s]
-    result = CliRunner().invoke(axrl_app, args)
-    assert result.exit_code == 0, result.output
+    train(run, RUN)
     with h5py.File(run / "trace" / "step_000001.h5") as f:
         turn_reward, turn, offsets = f["tokens/turn_reward"][:], f["tokens/turn"][:], f["samples/offsets"][:]
         assert turn_reward.shape == turn.shape and np.all(turn_reward[turn == 0] == 0)
-    replay = CliRunner().invoke(debug_app, ["replay", str(run), "--step", "1", "--json"])
+    replay = debug("replay", run, "--step", 1, "--json")
     doc = json.loads(replay.stdout)
     assert replay.exit_code == 0 and doc["verdict"] == "bitwise-equal", doc["first_divergence"]
     # summary --json: per step and turn index, the samples that reached it and its mean reward
-    summary = CliRunner().invoke(debug_app, ["summary", str(run), "--json"])
+    summary = debug("summary", run, "--json")
     turns = json.loads(summary.stdout)["turns"]
     assert [r["step"] for r in turns] == [0, 1]
     first = turns[1]["turns"][0]
