@@ -432,10 +432,6 @@ class Config(Section):
         if (self.algo.advantage == "gae") != (self.critic is not None):
             raise ValueError("algo.advantage: gae needs a `critic` section (its values), and a `critic` section is "
                              "used only by algo.advantage: gae; set both or neither")
-        if self.critic is not None and self.train.backend == "megatron" and self.runtime.executor == "ray":
-            raise ValueError("critic: train.backend megatron trains the value model with runtime.executor: local only "
-                             "(its ranks are the backend's worker processes); under runtime.executor: ray use "
-                             "train.backend: torch, or run the Megatron critic with runtime.executor: local")
         if self.critic is not None and self.train.lora is not None:
             raise ValueError("critic with train.lora is not supported (the critic trains all its weights): remove "
                              "train.lora or the critic")

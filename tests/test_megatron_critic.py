@@ -1,8 +1,9 @@
 """PPO's critic on the Megatron backend (`algo.advantage: gae`, `train.backend: megatron`): the
 value model's values and updates against the torch critic's on the same weights and batch (world
-size 1, and TP=2 / TP=2+EP=2 worker processes), checkpoints that move between the backends, and a
-real `axrl train` run on Megatron whose critic learns, replays bit for bit and resumes bit for bit.
-Runs real megatron-core on CPU (gloo)."""
+size 1, and TP=2 / TP=2+EP=2 worker processes), checkpoints that move between the backends, a
+real `axrl train` run on Megatron whose critic learns, replays bit for bit and resumes bit for bit,
+and the same run under `runtime.executor: ray` (the ranks as Ray actors) writing the local trace
+bit for bit. Runs real megatron-core on CPU (gloo)."""
 
 from __future__ import annotations
 
@@ -178,3 +179,34 @@ def test_axrl_train_megatron_critic_learns_replays_and_resumes(tmp_path, layout)
             assert a.attrs[key] == b.attrs[key]
         assert a["train/weights_fingerprint_after"][()] == b["train/weights_fingerprint_after"][()]
         assert a["tokens/value"][:].tobytes() == b["tokens/value"][:].tobytes()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_megatron_critic_under_ray_writes_the_local_trace_bit_for_bit(tmp_path):
+    """TP 2 × EP 2: the policy's and the value model's ranks are Ray actors (instead of the
+    backend's worker processes): values, returns, advantages and the critic's fingerprints as
+    the local run's, bit for bit, and the critic's checkpoint files."""
+    import ray
+    from axrl.assembly.build import train
+    from tests.test_ray import SMALL, cfg, differing
+    from trace_util import trace_datasets
+
+    meg = ["train.backend=megatron", "train.megatron.tensor_parallel=2", "train.megatron.expert_parallel=2",
+           "algo.advantage=gae", "algo.lam=0.9", "critic={lr: 1.0e-3, updates_per_step: 2}",
+           # the overlong penalty rewards the untrained policy, so the critic has returns to learn
+           "algo.overlong_penalty={max_len: 8, cache_len: 6}"]
+    local = train(cfg(*meg), tmp_path / "local")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             logging_level="warning", log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    try:
+        out = train(cfg(*meg, "runtime.executor=ray", *SMALL), tmp_path / "ray")
+    finally:
+        ray.shutdown()
+    a, b = trace_datasets(local), trace_datasets(out)
+    assert ("step_000001.h5", "tokens/value") in a and not differing(a, b)
+    for step in range(3):
+        with h5py.File(local / "trace" / f"step_{step:06d}.h5") as x, h5py.File(out / "trace" / f"step_{step:06d}.h5") as y:
+            assert x.attrs["critic_fingerprint_after"] == y.attrs["critic_fingerprint_after"]
+            assert x.attrs["critic_fingerprint_before"] != x.attrs["critic_fingerprint_after"]
+    assert (out / "checkpoints" / "step_000002" / "critic" / "optimizer.safetensors").is_file()

@@ -174,7 +174,7 @@ class MegatronBackend:
 
         self.critic = MegatronCritic(self._group, self._dp_of, self._data_parallel, self.model_config, self._dtype,
                                      config, self._hf_weights() if body is None else body,
-                                     from_policy=body is None, source=source)
+                                     from_policy=body is None, source="the policy's weights" if body is None else source)
         return self.critic
 
     # ------------------------------------------------------------------ forward / backward

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from axrl.algo.gae import value_loss
 from axrl.model import ModelConfig
 from axrl.train.megatron import cpu_compat
 from axrl.train.megatron.convert import EXPERT_NAME, global_expert_name, hf_slices, split_rule, shard
@@ -27,7 +28,6 @@ from axrl.train.megatron.model import ParallelSizes, build_gpt_model, rope_posit
 from axrl.train.megatron.partial_replay import replay_rows, stop_partial
 from axrl.train.megatron.shares import RankWork, Share
 from axrl.train.megatron.value_head import attach_value_head, shifted_values
-from axrl.algo.gae import value_loss
 from axrl.train.micro_batch import (PaddedMicroBatch, label_logprobs, next_token_logprobs, pad_micro_batch,
                                     restrict_routing_, unpad)
 from axrl.train.prefix_tree import PrefixTree
