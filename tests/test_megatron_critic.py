@@ -64,12 +64,14 @@ def targets(batch, seed: int = 1):
 
 
 @pytest.mark.parametrize("layout", [{}, pytest.param({"tensor_parallel": 2}, marks=pytest.mark.slow),
-                                    pytest.param({"tensor_parallel": 2, "expert_parallel": 2}, marks=pytest.mark.slow)],
-                         ids=["ws1", "tp2", "tp2-ep2"])
+                                    pytest.param({"tensor_parallel": 2, "expert_parallel": 2}, marks=pytest.mark.slow),
+                                    pytest.param({"expert_parallel": 2}, marks=pytest.mark.slow)],
+                         ids=["ws1", "tp2", "tp2-ep2", "ep2-dp2"])
 def test_values_and_updates_match_the_torch_critic(megatron, layout):
     """Same weights, same batch: the Megatron value model's V equal the torch critic's within fp32
     tolerance, its clipped value-loss updates (two mini-batches of several micro-batches) move it
-    alike, and its checkpoint state is the torch critic's (names, shapes, moments)."""
+    alike, and its checkpoint state is the torch critic's (names, shapes, moments). ep2-dp2: TP 1
+    with EP 2 derives DP 2, and a one-sample micro-batch leaves one DP rank running padding only."""
     model = build_model(preset_config("micro-moe"), seed=3)
     batch = make_batch(lengths=[5, 9, 3, 12, 8])  # odd lengths: sequence parallel pads to even
     ref = Critic(copy.deepcopy(model), critic_config())
