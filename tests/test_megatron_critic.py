@@ -212,3 +212,39 @@ def test_megatron_critic_under_ray_writes_the_local_trace_bit_for_bit(tmp_path):
             assert x.attrs["critic_fingerprint_after"] == y.attrs["critic_fingerprint_after"]
             assert x.attrs["critic_fingerprint_before"] != x.attrs["critic_fingerprint_after"]
     assert (out / "checkpoints" / "step_000002" / "critic" / "optimizer.safetensors").is_file()
+
+
+def test_critic_from_a_model_directory_and_one_of_another_architecture(tmp_path):
+    """`critic.model` starts the Megatron critic's decoder from a model directory (not from the
+    policy); a model of another architecture is refused, naming the field."""
+    from axrl.assembly.build import make_tokenizer, make_train_backend
+    from axrl.config import ConfigError, load_config
+    from axrl.model import save_hf
+
+    cfg = load_config(REPO / "examples" / "quickstart_ppo.yaml", RUN)
+    tok = make_tokenizer(cfg)
+    policy = make_train_backend(cfg, tok)
+    try:
+        assert policy.critic.from_policy
+        model = policy.hf_model()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.5)  # not the policy's weights
+        save_hf(model, tmp_path / "hf", tok)
+        other = build_model(preset_config("tiny-moe", vocab_size=model.config.vocab_size), seed=0)
+        save_hf(other, tmp_path / "other", tok)
+    finally:
+        policy.close()
+    backend = make_train_backend(load_config(REPO / "examples" / "quickstart_ppo.yaml",
+                                             RUN + [f"critic.model={tmp_path / 'hf'}"]), tok)
+    try:
+        assert not backend.critic.from_policy
+        body = dict(backend.critic.named_weights())
+        assert all(torch.equal(body["body." + n], p) for n, p in hf_state_dict(model).items() if n != "lm_head.weight")
+        assert not body["value_head.weight"].any()
+    finally:
+        backend.close()
+    with pytest.raises(ConfigError, match="critic.model .*other: train.backend megatron builds the critic with the "
+                                          "policy's architecture"):
+        make_train_backend(load_config(REPO / "examples" / "quickstart_ppo.yaml",
+                                       RUN + [f"critic.model={tmp_path / 'other'}"]), tok)

@@ -379,13 +379,13 @@ def make_train_backend(source: ModelSource, s: BackendSettings, tokenizer: Token
         # Imported here: `import axrl` and the torch path never import megatron-core (2-6 s).
         from axrl.train.megatron import MegatronBackend
 
+        body = None if s.critic is None or s.critic_model is None else critic_body(source, s.critic_model, tokenizer)
+        if body is not None and body.config != model.config:  # said before any rank starts
+            raise ConfigError(f"critic.model {s.critic_model}: train.backend megatron builds the critic with the "
+                              "policy's architecture and parallel layout, and this model's config differs; give "
+                              "a model of the policy's architecture (or use train.backend: torch)")
         backend = MegatronBackend(model, s.config, tokenizer=tokenizer, group=megatron_group)
         if s.critic is not None:  # the value model on the backend's ranks (axrl/train/megatron/critic.py)
-            body = None if s.critic_model is None else critic_body(source, s.critic_model, tokenizer)
-            if body is not None and body.config != model.config:
-                raise ConfigError(f"critic.model {s.critic_model}: train.backend megatron builds the critic with the "
-                                  "policy's architecture and parallel layout, and this model's config differs; give "
-                                  "a model of the policy's architecture (or use train.backend: torch)")
             backend.attach_critic(s.critic, None if body is None else hf_state_dict(body),
                                   source=f"critic.model {s.critic_model}")
         return backend
