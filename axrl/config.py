@@ -437,9 +437,6 @@ class Config(Section):
         if (self.algo.advantage == "gae") != (self.critic is not None):
             raise ValueError("algo.advantage: gae needs a `critic` section (its values), and a `critic` section is "
                              "used only by algo.advantage: gae; set both or neither")
-        if self.critic is not None and self.train.backend != "torch":
-            raise ValueError(f"critic: the value model is trained by the torch backend only; set train.backend: torch "
-                             f"(or use a critic-free algo.advantage: grpo), got train.backend: {self.train.backend}")
         if self.critic is not None and self.train.lora is not None:
             raise ValueError("critic with train.lora is not supported (the critic trains all its weights): remove "
                              "train.lora or the critic")

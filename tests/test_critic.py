@@ -142,6 +142,11 @@ def test_value_loss_clips_like_ppo():
     loss.backward()
     # a token whose clipped term wins gets no gradient (the clip is flat there)
     assert v.grad[1] == 0 and v.grad[3] == 0 and v.grad[0] != 0
+    # within ±c the clip does nothing: never counted, whatever the last bit of V_old + (V − V_old)
+    g = torch.Generator().manual_seed(0)
+    v2 = torch.randn(1000, generator=g)
+    old2 = v2 + (torch.rand(1000, generator=g) - 0.5) * 0.2
+    assert int(value_loss(v2, old2, torch.randn(1000, generator=g), torch.ones(1000), 0.2, 1000.0)[1]) == 0
     unclipped, none = value_loss(v.detach(), old, ret, mask, None, 4.0)
     assert float(unclipped) == pytest.approx(sum(0.5 * (a - b) ** 2 * m for a, b, m in
                                                  zip(v.tolist(), ret.tolist(), mask.tolist())) / 4.0)
@@ -153,13 +158,13 @@ def _config(tmp_path: Path, text: str):
     return load_config(path)
 
 
-def test_config_refuses_gae_without_a_critic_and_the_megatron_backend(tmp_path):
+def test_config_refuses_gae_without_a_critic(tmp_path):
     with pytest.raises(ConfigError, match="needs a `critic` section"):
         _config(tmp_path, "algo: {advantage: gae}\n")
     with pytest.raises(ConfigError, match="used only by algo.advantage: gae"):
         _config(tmp_path, "critic: {lr: 1.0e-4}\n")
-    with pytest.raises(ConfigError, match="critic: the value model is trained by the torch backend only"):
-        _config(tmp_path, "algo: {advantage: gae}\ncritic: {}\ntrain: {backend: megatron}\n")
+    # both backends train a critic (tests/test_megatron_critic.py for Megatron's)
+    assert _config(tmp_path, "algo: {advantage: gae}\ncritic: {}\ntrain: {backend: megatron}\n").critic is not None
     with pytest.raises(ConfigError, match="remove advantage_balance"):
         _config(tmp_path, "algo: {advantage: gae, advantage_balance: true}\ncritic: {}\n")
     cfg = _config(tmp_path, "algo: {advantage: gae, lam: 0.9, credit: turn}\ncritic: {value_clip: null}\n")

@@ -134,7 +134,10 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         return 0.5 * (err * m).sum() / denom, values.new_zeros(())
     clipped = old_values + (values - old_values).clamp(-clip, clip)
     err_clipped = (clipped - returns) ** 2
-    return 0.5 * (torch.maximum(err, err_clipped) * m).sum() / denom, ((err_clipped > err).to(m.dtype) * m).sum()
+    # counted only where the clip acted: within ±c, V_old + (V − V_old) equals V up to rounding,
+    # and which of the two equal terms is "larger" would be decided by the last bit
+    acted = (err_clipped > err) & ((values - old_values).abs() > clip)
+    return 0.5 * (torch.maximum(err, err_clipped) * m).sum() / denom, (acted.to(m.dtype) * m).sum()
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:

@@ -69,7 +69,8 @@ def backend_settings(cfg: Config, *, compute_dtype: str | None = None) -> Backen
         m = t.megatron
         return BackendSettings("megatron", MegatronBackendConfig(
             **common, tensor_parallel=m.tensor_parallel, expert_parallel=m.expert_parallel,
-            sequence_parallel=m.sequence_parallel, moe_dispatcher=m.moe_dispatcher, data_parallel=m.data_parallel))
+            sequence_parallel=m.sequence_parallel, moe_dispatcher=m.moe_dispatcher, data_parallel=m.data_parallel),
+            critic=critic_config(cfg, common), critic_model=None if cfg.critic is None else cfg.critic.model)
     lora = None if t.lora is None else LoRAConfig(rank=t.lora.rank, alpha=t.lora.alpha, dropout=t.lora.dropout,
                                                   targets=tuple(t.lora.targets))
     return BackendSettings("torch", TorchBackendConfig(**common, lora=lora), critic=critic_config(cfg, common),

@@ -27,7 +27,8 @@ from axrl.inference.embedded import EmbeddedEngine
 from axrl.inference.protocol import InferenceEngine, SamplingParams
 from axrl.inference.quant import KVDtype, WeightDtype
 from axrl.inference.sglang.settings import ServedModel, SGLangSettings
-from axrl.model import ModelConfig, Qwen3ForCausalLM, build_model, load_hf, load_weights_into, preset_config
+from axrl.model import (ModelConfig, Qwen3ForCausalLM, build_model, hf_state_dict, load_hf, load_weights_into,
+                        preset_config)
 from axrl.model.device import resolve_device
 from axrl.rollout.blackbox import AgentSpec, BlackBoxPlayer, load_callable
 from axrl.rollout.control import BatchSource, RolloutControl
@@ -75,7 +76,7 @@ class BackendSettings:
 
     kind: Literal["torch", "megatron"]
     config: TorchBackendConfig
-    critic: CriticConfig | None = None      # PPO's value model (algo.advantage: gae); torch backend only
+    critic: CriticConfig | None = None      # PPO's value model (algo.advantage: gae), on either backend
     critic_model: str | None = None         # its initial weights (None: the policy's initial model)
 
 
@@ -273,7 +274,7 @@ def make_step_trainer(s: LearnerSettings, backend: TrainBackend, sync: WeightSyn
     distillation teacher when `distill` is set)."""
     return StepTrainer(backend, make_processor(s), s.step, sync, backend.model_config.num_experts,
                        distill=s.distill, teacher=make_distill_teacher(s.distill, backend),
-                       critic=getattr(backend, "critic", None))  # torch backend's value model (gae)
+                       critic=getattr(backend, "critic", None))  # the backend's value model (gae)
 
 
 def make_distill_teacher(s: DistillSettings | None, backend: TrainBackend) -> Teacher | None:
@@ -378,7 +379,16 @@ def make_train_backend(source: ModelSource, s: BackendSettings, tokenizer: Token
         # Imported here: `import axrl` and the torch path never import megatron-core (2-6 s).
         from axrl.train.megatron import MegatronBackend
 
-        return MegatronBackend(model, s.config, tokenizer=tokenizer, group=megatron_group)
+        body = None if s.critic is None or s.critic_model is None else critic_body(source, s.critic_model, tokenizer)
+        if body is not None and body.config != model.config:  # said before any rank starts
+            raise ConfigError(f"critic.model {s.critic_model}: train.backend megatron builds the critic with the "
+                              "policy's architecture and parallel layout, and this model's config differs; give "
+                              "a model of the policy's architecture (or use train.backend: torch)")
+        backend = MegatronBackend(model, s.config, tokenizer=tokenizer, group=megatron_group)
+        if s.critic is not None:  # the value model on the backend's ranks (axrl/train/megatron/critic.py)
+            backend.attach_critic(s.critic, None if body is None else hf_state_dict(body),
+                                  source=f"critic.model {s.critic_model}")
+        return backend
     critic = None if s.critic is None else make_critic(source, s, tokenizer, model)
     backend = TorchBackend(model, s.config, tokenizer=tokenizer)
     backend.critic = critic
@@ -392,14 +402,21 @@ def make_critic(source: ModelSource, s: BackendSettings, tokenizer: Tokenizer, p
     assert s.critic is not None
     if s.critic_model is None:
         return Critic(copy.deepcopy(policy), s.critic)
+    body = critic_body(source, s.critic_model, tokenizer)
+    return Critic(body.to(resolve_device(source.device)), s.critic, from_policy=False)
+
+
+def critic_body(source: ModelSource, path: str, tokenizer: Tokenizer) -> Qwen3ForCausalLM:
+    """`critic.model`'s decoder (a Hugging Face directory or a run's checkpoints/step_N), which must
+    read the policy's tokens (same tokenizer)."""
     from axrl.runtime.teacher import load_teacher, tokenizer_difference
 
-    body, its_tokenizer = load_teacher(s.critic_model, source.torch_dtype)
+    body, its_tokenizer = load_teacher(path, source.torch_dtype)
     diff = tokenizer_difference(tokenizer, its_tokenizer)
     if diff is not None:
-        raise ConfigError(f"critic.model {s.critic_model}: its tokenizer differs from the policy's ({diff}); "
+        raise ConfigError(f"critic.model {path}: its tokenizer differs from the policy's ({diff}); "
                           "the critic reads the policy's tokens: give a model with the same tokenizer")
-    return Critic(body.to(resolve_device(source.device)), s.critic, from_policy=False)
+    return body
 
 
 def make_engine(source: ModelSource, s: RolloutSideSettings, backend: TrainBackend,

@@ -88,7 +88,7 @@ class StepTrainer:
         self.critic = critic   # PPO's value model (algo.advantage: gae; axrl/train/critic.py)
         if processor.settings.estimator == "gae" and critic is None:
             raise ValueError("algo.advantage: gae needs the critic's values, but this train backend holds no critic "
-                             "(the `critic` section is trained by the torch backend in-process)")
+                             "(a `critic` section builds one in the torch or Megatron backend)")
         # On-policy distillation (algo/distill.py): `teacher` scores each batch (runtime/teacher.py).
         self.distill, self.teacher = distill, teacher
         self.num_experts = num_experts

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -82,7 +82,30 @@ def critic_batch(batch: PackedBatch, old_values: torch.Tensor, returns: torch.Te
                                rollout_logprobs=None, ref_logprobs=None, routed_experts=None)
 
 
-class Critic:
+class CriticFiles:
+    """A critic's checkpoint files in `critic/` beside the policy's, from its `state_dict` and into
+    its `load_state_dict` (the torch critic's and the Megatron backend's)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict[str, Any], sources: dict[str, str] | None = None) -> None:
+        raise NotImplementedError
+
+    def save(self, directory: str | Path) -> None:
+        """The critic's checkpoint files in `directory/critic`."""
+        write_checkpoint(Path(directory) / CRITIC_DIR, self.state_dict())
+
+    def load(self, directory: str | Path) -> None:
+        """Restore from `directory/critic` (every file validated first; never unpickles)."""
+        d = Path(directory) / CRITIC_DIR
+        if not d.is_dir():
+            raise FileNotFoundError(f"{d} not found: this run trains a critic (algo.advantage: gae) but the "
+                                    "checkpoint has no critic state (written by a run without `critic`?)")
+        self.load_state_dict(*read_checkpoint(d))
+
+
+class Critic(CriticFiles):
     """The value model, its AdamW and schedule counters; `values` (no grad) and `train` (updates)."""
 
     def __init__(self, body: Qwen3ForCausalLM, config: CriticConfig, *, from_policy: bool = True) -> None:
@@ -174,16 +197,8 @@ class Critic:
 
     def load_state_dict(self, state: dict[str, Any], sources: dict[str, str] | None = None) -> None:
         """Restore `state_dict`'s output (validated first; the RNG is the policy backend's to restore)."""
-        src = lambda key: (sources or {}).get(key, f"critic state dict['{key}']")  # noqa: E731
         params = dict(self._params)
-        check_optimizer_state(params, state["optimizer"], src("optimizer"))
-        weights = state["model"]
-        if set(weights) != set(params) or any(tuple(weights[n].shape) != tuple(p.shape) for n, p in params.items()):
-            raise ValueError(f"{src('model')}: the critic's weights do not match its value model "
-                             f"(missing {sorted(set(params) - set(weights))[:5]}, "
-                             f"unknown {sorted(set(weights) - set(params))[:5]}, or shapes differ)")
-        if state.get("config") is not None:
-            warn_config_diff(self.config, state["config"], src("config"))
+        weights = check_critic_state(params, state, self.config, critic_sources(sources))
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(weights[n])
@@ -191,17 +206,25 @@ class Critic:
         self.scheduler_step = int(state["scheduler_step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
-    def save(self, directory: str | Path) -> None:
-        """The critic's checkpoint files in `directory/critic`."""
-        write_checkpoint(Path(directory) / CRITIC_DIR, self.state_dict())
 
-    def load(self, directory: str | Path) -> None:
-        """Restore from `directory/critic` (every file validated first; never unpickles)."""
-        d = Path(directory) / CRITIC_DIR
-        if not d.is_dir():
-            raise FileNotFoundError(f"{d} not found: this run trains a critic (algo.advantage: gae) but the "
-                                    "checkpoint has no critic state (written by a run without `critic`?)")
-        self.load_state_dict(*read_checkpoint(d))
+def critic_sources(sources: dict[str, str] | None) -> Callable[[str], str]:
+    """Where each key of a critic state came from (`read_checkpoint`'s file names), for errors."""
+    return lambda key: (sources or {}).get(key, f"critic state dict['{key}']")
+
+
+def check_critic_state(params: dict[str, torch.Tensor], state: dict[str, Any], config: CriticConfig,
+                       src: Callable[[str], str]) -> dict[str, torch.Tensor]:
+    """Validate a critic `state` against the value model's `params` (names and shapes of weights and
+    AdamW moments; a config that differs warns) before anything changes; its weights."""
+    check_optimizer_state(params, state["optimizer"], src("optimizer"))
+    weights = state["model"]
+    if set(weights) != set(params) or any(tuple(weights[n].shape) != tuple(p.shape) for n, p in params.items()):
+        raise ValueError(f"{src('model')}: the critic's weights do not match its value model "
+                         f"(missing {sorted(set(params) - set(weights))[:5]}, "
+                         f"unknown {sorted(set(weights) - set(params))[:5]}, or shapes differ)")
+    if state.get("config") is not None:
+        warn_config_diff(config, state["config"], src("config"))
+    return weights
 
 
 def critic_metrics(updates: list[CriticUpdate], old_values: torch.Tensor, returns: torch.Tensor,

@@ -25,10 +25,14 @@ from axrl.train.fingerprint import weights_fingerprint
 from axrl.train.metrics import TOKEN_COLUMN_PREFIX, join_token_columns, reduce_microbatch_metrics
 from axrl.train.optim import lr_at
 from axrl.train.protocol import R3, AdamHyper, ForwardResult, Inspection, LossFn, PackedBatch, R3Scope, StepStats, TrainMetrics
+from axrl.train.megatron.rank_state import gather_moments, gather_weights, load_moments
+from axrl.train.megatron.shares import by_micro_batch, split_for_ranks
 from axrl.train.r3 import use_r3
 from axrl.train.settings import BackendConfig
 
 if TYPE_CHECKING:
+    from axrl.train.critic import CriticConfig
+    from axrl.train.megatron.critic import MegatronCritic
     from axrl.train.megatron.parallel import RankGroup
 
 INSTALL_HINT = "train.backend=megatron needs megatron-core: pip install 'axrl[megatron]'"
@@ -158,6 +162,20 @@ class MegatronBackend:
         self._has_grads = False
         self._weights: dict[str, torch.Tensor] | None = None  # HF-layout gather, until the weights change
         self._kept: set[str] = set()
+        self.critic: MegatronCritic | None = None  # PPO's value model on the same ranks (`attach_critic`)
+
+    def attach_critic(self, config: CriticConfig, body: dict[str, torch.Tensor] | None = None, *,
+                      source: str = "critic.model") -> MegatronCritic:
+        """PPO's value model on the ranks, beside the policy (same parallel layout), its decoder from
+        `body` (Hugging Face names: `critic.model`'s weights, which must have the policy's
+        architecture) or, when None, the policy's current weights — then `from_policy`, and the loop
+        copies the policy in again at RL start (`MegatronCritic.copy_policy`)."""
+        from axrl.train.megatron.critic import MegatronCritic
+
+        self.critic = MegatronCritic(self._group, self._dp_of, self._data_parallel, self.model_config, self._dtype,
+                                     config, self._hf_weights() if body is None else body,
+                                     from_policy=body is None, source="the policy's weights" if body is None else source)
+        return self.critic
 
     # ------------------------------------------------------------------ forward / backward
     def _knobs(self) -> Any:
@@ -169,8 +187,6 @@ class MegatronBackend:
 
     def _call_with_shares(self, method: str, batch: PackedBatch, *args: Any) -> list[Any]:
         """`method(work, *args)` on every rank, each sent only its DP rank's `RankWork`."""
-        from axrl.train.megatron.shares import split_for_ranks
-
         works = split_for_ranks(batch.to("cpu"), self._data_parallel, self._knobs())
         return self._group.call_each(method, [works[d] for d in self._dp_of], *args)
 
@@ -189,7 +205,7 @@ class MegatronBackend:
         finally:
             if weights is not None:
                 self._group.call("swap_weights", weights)
-        per_mb = _by_micro_batch(answers)
+        per_mb = by_micro_batch(answers)
         # micro-batches in order, each one's DP shares in order: the batch's sample order
         cat = lambda i: None if per_mb[0][0][i] is None else torch.cat(  # noqa: E731
             [share[i] for shares in per_mb for share in shares])
@@ -200,7 +216,7 @@ class MegatronBackend:
 
     def forward_backward(self, batch: PackedBatch, loss_fn: LossFn, *, r3: R3 = False) -> TrainMetrics:
         """Accumulate grads of `loss_fn` micro-batch by micro-batch (fixed order, see micro_batch.py)."""
-        per_mb = _by_micro_batch(self._call_with_shares("forward_backward", batch, loss_fn, self._use_r3(batch, r3)))
+        per_mb = by_micro_batch(self._call_with_shares("forward_backward", batch, loss_fn, self._use_r3(batch, r3)))
         # shares in dp order = sample order: their per-token columns concatenate into the batch's
         shares = [[_split_columns(r) for r in mb if r is not None] for mb in per_mb]
         # one row per micro-batch, as the embedded backend reports; DP shares combine like micro-batches
@@ -260,9 +276,9 @@ class MegatronBackend:
     # ------------------------------------------------------------------ weights
     def _hf_weights(self) -> dict[str, torch.Tensor]:
         if self._weights is None:
-            from axrl.train.megatron.convert import to_hf, unshard
+            from axrl.train.megatron.convert import to_hf
 
-            full = unshard(self._group.call("local_weights"), num_experts=self.model_config.num_experts)
+            full = gather_weights(self._group.call, self.model_config.num_experts)
             self._weights = {k: v.to(self._dtype) for k, v in to_hf(full, self.model_config).items()}
         return self._weights
 
@@ -292,17 +308,10 @@ class MegatronBackend:
 
     # ------------------------------------------------------------------ state
     def _optimizer_hf(self) -> dict[str, dict[str, torch.Tensor]]:
-        from axrl.train.megatron.convert import to_hf, unshard
+        from axrl.train.megatron.convert import to_hf
 
-        parts = self._group.call("optimizer_state", _SLOT)
-        if not parts[0][0]:
-            return {}
-        step = next(iter(parts[0][0].values()))["step"]
-        moments = {k: to_hf(unshard([({n: s[k] for n, s in st.items()}, r) for st, r in parts],
-                                    num_experts=self.model_config.num_experts), self.model_config)
-                   for k in ("exp_avg", "exp_avg_sq")}
-        return {name: {"step": step.clone(), "exp_avg": moments["exp_avg"][name].clone(),
-                       "exp_avg_sq": moments["exp_avg_sq"][name].clone()} for name in moments["exp_avg"]}
+        return gather_moments(self._group.call, _SLOT, lambda full: to_hf(full, self.model_config),
+                              self.model_config.num_experts)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue bitwise, in the embedded backend's layout (HF names)."""
@@ -336,14 +345,7 @@ class MegatronBackend:
         cfg = self.model_config
         self._group.call("load_weights", {k: v.float() for k, v in to_megatron(model_sd, cfg).items()})
         c = self.config
-        full = {}
-        step = 0.0
-        if optim:
-            step = float(next(iter(optim.values()))["step"])
-            moments = {k: to_megatron({n: s[k].float() for n, s in optim.items()}, cfg) for k in ("exp_avg", "exp_avg_sq")}
-            full = {n: {k: moments[k][n] for k in moments} for n in moments["exp_avg"]}
-        self._group.call("load_optimizer_state", _SLOT, full, step, c.betas, c.eps, c.weight_decay)
-        self._group.call("zero_grad")
+        load_moments(self._group.call, _SLOT, optim, lambda hf: to_megatron(hf, cfg), c.betas, c.eps, c.weight_decay)
         self.scheduler_step = int(state["scheduler_step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self._has_grads = False
@@ -352,19 +354,19 @@ class MegatronBackend:
     # The checkpoint files (safetensors + JSON, never pickle) are the embedded backend's
     # (`checkpoint_files`): same state layout, same validation.
     def save(self, directory: str | Path) -> None:
-        """Write model/optimizer/rng safetensors and trainer_state.json (`checkpoint_files`)."""
+        """Write model/optimizer/rng safetensors and trainer_state.json (`checkpoint_files`); with a
+        critic, its files in `critic/` too."""
         write_checkpoint(directory, self.state_dict())
+        if self.critic is not None:
+            self.critic.save(directory)
 
     def load(self, directory: str | Path) -> None:
-        """Restore a `save`d checkpoint; every file is validated before any state is changed."""
+        """Restore a `save`d checkpoint; every file is validated before any state is changed. With a
+        critic, its state too (`critic/`, read first: a checkpoint without it fails before the
+        policy changes)."""
+        if self.critic is not None:
+            self.critic.load(directory)
         self._load_state(*read_checkpoint(directory))
-
-
-def _by_micro_batch(answers: list[Any]) -> list[list[Any]]:
-    """Rank answers [(dp_rank, [result per micro-batch]) or None] → per micro-batch, the DP
-    shares' results in dp_rank order (= sample order: shares are contiguous runs of samples)."""
-    shares = sorted((a for a in answers if a is not None), key=lambda a: a[0])
-    return [list(mb) for mb in zip(*(parts for _, parts in shares))]
 
 
 def _split_columns(row: dict[str, Any]) -> tuple[dict[str, float], dict[str, torch.Tensor]]:

@@ -49,12 +49,13 @@ def _fc1_pairs(cfg: ModelConfig, i: int) -> list[tuple[str, str]]:
     return [(m + "linear_fc1.weight", h)]
 
 
-def to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF-named weights → full (unsharded) Megatron-named weights."""
+def to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig, *, output_layer: bool = True) -> dict[str, torch.Tensor]:
+    """HF-named weights → full (unsharded) Megatron-named weights (`output_layer` False: without
+    the LM head, as the critic's value model has none)."""
     nq, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
            "decoder.final_layernorm.weight": hf["model.norm.weight"]}
-    if not cfg.tie_word_embeddings:
+    if output_layer and not cfg.tie_word_embeddings:
         out["output_layer.weight"] = hf["lm_head.weight"]
     for i in range(cfg.num_hidden_layers):
         h = f"model.layers.{i}.self_attn."
@@ -68,12 +69,13 @@ def to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
     return out
 
 
-def to_hf(mg: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Full Megatron-named weights → HF-named weights (tied lm_head omitted, as HF does)."""
+def to_hf(mg: dict[str, torch.Tensor], cfg: ModelConfig, *, output_layer: bool = True) -> dict[str, torch.Tensor]:
+    """Full Megatron-named weights → HF-named weights (tied lm_head omitted, as HF does;
+    `output_layer` False: a value model's, which has no LM head)."""
     nq, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     out = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"],
            "model.norm.weight": mg["decoder.final_layernorm.weight"]}
-    if not cfg.tie_word_embeddings:
+    if output_layer and not cfg.tie_word_embeddings:
         out["lm_head.weight"] = mg["output_layer.weight"]
     for i in range(cfg.num_hidden_layers):
         qkv = mg[f"decoder.layers.{i}.self_attention.linear_qkv.weight"].view(nkv, (nq // nkv + 2) * d, -1)
@@ -160,7 +162,8 @@ def hf_slices(name: str, t: torch.Tensor, cfg: ModelConfig, tp_size: int) -> lis
     if m is not None:
         return [(dict(_layer_names(cfg, int(m.group(1))))[name], t)]
     top = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
-           "decoder.final_layernorm.weight": "model.norm.weight", "output_layer.weight": "lm_head.weight"}
+           "decoder.final_layernorm.weight": "model.norm.weight", "output_layer.weight": "lm_head.weight",
+           "value_head.weight": "value_head.weight", "value_head.bias": "value_head.bias"}  # the critic's head
     return [(top[name], t)]
 
 

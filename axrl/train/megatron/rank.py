@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from axrl.algo.gae import value_loss
 from axrl.model import ModelConfig
 from axrl.train.megatron import cpu_compat
 from axrl.train.megatron.convert import EXPERT_NAME, global_expert_name, hf_slices, split_rule, shard
@@ -26,6 +27,7 @@ from axrl.train.determinism import set_determinism
 from axrl.train.megatron.model import ParallelSizes, build_gpt_model, rope_positions
 from axrl.train.megatron.partial_replay import replay_rows, stop_partial
 from axrl.train.megatron.shares import RankWork, Share
+from axrl.train.megatron.value_head import attach_value_head, shifted_values
 from axrl.train.micro_batch import (PaddedMicroBatch, label_logprobs, next_token_logprobs, pad_micro_batch,
                                     restrict_routing_, unpad)
 from axrl.train.prefix_tree import PrefixTree
@@ -76,12 +78,17 @@ class MegatronRank:
     """This process's shard of the model, its optimizer slots (AdamW per slot) and the weight
     copies kept for forwards under other weights (behaviour / reference policies)."""
 
-    def __init__(self, model_cfg: ModelConfig, sizes: ParallelSizes, dispatcher: str, full_weights: dict[str, torch.Tensor]) -> None:
+    def __init__(self, model_cfg: ModelConfig, sizes: ParallelSizes, dispatcher: str, full_weights: dict[str, torch.Tensor],
+                 *, value_head: bool = False) -> None:
+        """`value_head`: PPO's value model (`value_head.py`): the decoder with a scalar head instead
+        of the LM head, whose routers route freely (routing replay is the policy's)."""
         from megatron.core import parallel_state as ps
 
-        self.cfg, self.sizes = model_cfg, sizes
+        self.cfg, self.sizes, self.dispatcher = model_cfg, sizes, dispatcher
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        self.model = build_gpt_model(model_cfg, sizes, dispatcher=dispatcher)
+        self.model = build_gpt_model(model_cfg, sizes, dispatcher=dispatcher, routing_replay=not value_head)
+        if value_head:
+            attach_value_head(self.model, model_cfg.hidden_size, sizes.sequence_parallel)
         self.model.to(self.device)
         self.ranks = dict(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=sizes.tensor_parallel,
                           ep_rank=ps.get_expert_model_parallel_rank() if model_cfg.is_moe else 0,
@@ -103,9 +110,12 @@ class MegatronRank:
         self.moe_layers = [i for i in range(model_cfg.num_hidden_layers) if model_cfg.is_moe_layer(i)]
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.kept: dict[str, list[torch.Tensor]] = {}
+        self.critic: MegatronRank | None = None  # PPO's value model on this rank (`attach_critic`)
 
     def release(self) -> None:
         """Drop this model's routers from Megatron's process-global RouterReplay list."""
+        if self.critic is not None:
+            self.critic.release()
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
         mine = {id(r) for r in self.routers}
@@ -188,6 +198,27 @@ class MegatronRank:
         share's tokens exactly as the torch backend does."""
         if work.prefix_merge:
             return self._run_merged(share, work, r3, routing_out)
+        logits, pm, b_run, S_pad = self._padded_forward(share, work, r3)
+        b, S = pm.input_ids.shape
+        dev = self.device
+        logits = logits[:b, :S]
+        logprobs, entropy = next_token_logprobs(logits, pm.input_ids.to(dev), work.temperature)
+        rows, cols = pm.rows.to(dev), pm.cols.to(dev)
+        routing = None
+        if self.routers:
+            if routing_out:  # the gather is a TP collective per layer: skipped when training
+                full_r3 = r3 is not None and r3.full
+                routing = pm.forced_experts.to(dev) if full_r3 else self._gather_routing(b_run, S_pad)[:b, :S]
+                routing = unpad(routing, rows, cols)
+            self._clear_routers()
+        return unpad(logprobs, rows, cols), unpad(entropy, rows, cols), routing, b_run * S_pad
+
+
+    def _padded_forward(self, share: Share, work: RankWork,
+                        r3: R3Scope | None) -> tuple[torch.Tensor, PaddedMicroBatch, int, int]:
+        """The model's output [b_run, S_pad, …] on this rank's share of a micro-batch, padded to the
+        rows and length every DP rank runs (and to a multiple of TP under sequence parallelism),
+        with the share's padded micro-batch, b_run and S_pad. The routers replay or record (`_set_routers`)."""
         pm, b_run = self._share(share, r3), share.rows
         b, S = pm.input_ids.shape
         S_run = share.seq_len  # the whole micro-batch's: the same on every DP rank
@@ -204,19 +235,8 @@ class MegatronRank:
         self._set_routers(r3, forced, S_pad, b_run, tp)
         dev = self.device
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=work.dtype == "bfloat16"):
-            logits = self.model(ids.to(dev), position_ids.to(dev), mask.to(dev))
-        logits = logits[:b, :S]
-        logprobs, entropy = next_token_logprobs(logits, pm.input_ids.to(dev), work.temperature)
-        rows, cols = pm.rows.to(dev), pm.cols.to(dev)
-        routing = None
-        if self.routers:
-            if routing_out:  # the gather is a TP collective per layer: skipped when training
-                full_r3 = r3 is not None and r3.full
-                routing = pm.forced_experts.to(dev) if full_r3 else self._gather_routing(b_run, S_pad)[:b, :S]
-                routing = unpad(routing, rows, cols)
-            self._clear_routers()
-        return unpad(logprobs, rows, cols), unpad(entropy, rows, cols), routing, b_run * S_pad
-
+            out = self.model(ids.to(dev), position_ids.to(dev), mask.to(dev))
+        return out, pm, b_run, S_pad
 
     def _run_merged(self, share: Share, work: RankWork, r3: R3Scope | None,
                     routing_out: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
@@ -344,6 +364,54 @@ class MegatronRank:
                          "num_tokens": float(part.num_tokens), "num_loss_tokens": float(part.loss_mask.sum()),
                          "num_computed": float(computed),
                          **{TOKEN_COLUMN_PREFIX + k: v for k, v in columns.items()}})
+        return self._answer(rows)
+
+    # ------------------------------------------------------------------ PPO's critic
+    def attach_critic(self, full_weights: dict[str, torch.Tensor]) -> None:
+        """Build the value model on this rank (same parallel layout as the policy) from full
+        Megatron weights (`value_head.critic_to_megatron`)."""
+        self.critic = MegatronRank(self.cfg, self.sizes, self.dispatcher, full_weights, value_head=True)
+
+    def on_critic(self, method: str, *args: Any) -> Any:
+        """`method(*args)` of the value model's rank (its weights, optimizer slot, state)."""
+        if self.critic is None:
+            raise RuntimeError("this Megatron rank holds no critic (attach_critic was not called)")
+        return getattr(self.critic, method)(*args)
+
+    def on_critic_with(self, work: RankWork, method: str, *args: Any) -> Any:
+        """`on_critic` with this rank's own `RankWork` first (`RankGroup.call_each`)."""
+        return self.on_critic(method, work, *args)
+
+    def _values(self, share: Share, work: RankWork) -> torch.Tensor:
+        """Packed V [T] (float32) of this rank's share of a micro-batch (value model only)."""
+        out, pm, _, _ = self._padded_forward(share, work, None)
+        b, S = pm.input_ids.shape
+        return unpad(shifted_values(out[:b, :S]), pm.rows.to(self.device), pm.cols.to(self.device))
+
+    def value_forward(self, work: RankWork) -> tuple[int, list[torch.Tensor]] | None:
+        """Per micro-batch, V of this rank's share on the host (no grad)."""
+        self.model.eval()
+        with torch.no_grad():
+            return self._answer([self._values(share, work).cpu() for share in work.shares])
+
+    def value_forward_backward(self, work: RankWork, clip: float | None,
+                               denom: float) -> tuple[int, list[tuple[float, float] | None]] | None:
+        """Accumulate the value loss's gradients (`axrl.algo.gae.value_loss` over the update's
+        `denom` trained tokens; the work's batch carries the returns in `advantages` and the old
+        values in `old_logprobs`, `critic.critic_batch`). Per micro-batch this share's (loss,
+        clipped-token count), None for an empty share."""
+        self.model.train()
+        rows: list[tuple[float, float] | None] = []
+        for share in work.shares:
+            values = self._values(share, work)
+            if share.batch is None:  # every rank joins the backward's collectives
+                (values.sum() * 0.0).backward()
+                rows.append(None)
+                continue
+            mb = share.batch.to(self.device)
+            loss, clipped = value_loss(values, mb.old_logprobs, mb.advantages, mb.loss_mask, clip, denom)
+            loss.backward()
+            rows.append((float(loss.detach()), float(clipped)))
         return self._answer(rows)
 
     # ------------------------------------------------------------------ optimizer

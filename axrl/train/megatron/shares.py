@@ -12,6 +12,7 @@ TP ranks of one DP rank get the same `RankWork`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from axrl.train.micro_batch import micro_batches
 from axrl.train.prefix_tree import PrefixTree, build_prefix_tree
@@ -78,4 +79,11 @@ def split_for_ranks(batch: PackedBatch, data_parallel: int, knobs: StepKnobs) ->
     return [RankWork(shares, ctx, batch.temperature, knobs.dtype, knobs.prefix_merge) for shares in per_rank]
 
 
-__all__ = ["RankWork", "Share", "StepKnobs", "share_bounds", "split_for_ranks"]
+def by_micro_batch(answers: list[Any]) -> list[list[Any]]:
+    """Rank answers [(dp_rank, [result per micro-batch]) or None] → per micro-batch, the DP
+    shares' results in dp_rank order (= sample order: shares are contiguous runs of samples)."""
+    shares = sorted((a for a in answers if a is not None), key=lambda a: a[0])
+    return [list(mb) for mb in zip(*(parts for _, parts in shares))]
+
+
+__all__ = ["RankWork", "Share", "StepKnobs", "by_micro_batch", "share_bounds", "split_for_ranks"]
