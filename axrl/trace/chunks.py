@@ -159,7 +159,7 @@ class _PackedRouting:
             bits = int(attrs[S.ROUTING_ATTR_BITS])
             shape = (int(attrs[S.ROUTING_ATTR_LAYERS]), int(attrs[S.ROUTING_ATTR_K]))
             dtype = S.routing_dtype(int(attrs[S.ROUTING_ATTR_NUM_EXPERTS]))
-            rollout = routing_codec.unpack_ids(f[S.ROUTING_PACKED["/routing/rollout"]][a:b], bits, shape, dtype)
+            rollout = _unpack(f[S.ROUTING_PACKED["/routing/rollout"]][a:b], bits, shape, dtype)
             out = {"/routing/rollout": rollout}
             if "/routing/train" in self.names:
                 differs_ds = f[S.ROUTING_TRAIN_DIFFERS]
@@ -168,8 +168,34 @@ class _PackedRouting:
                 differs = differs_ds[a:b]
                 count = int(routing_codec.popcount_rows(differs).sum())
                 rows = f[S.ROUTING_TRAIN_ROWS][self.next_row:self.next_row + count]
-                out["/routing/train"] = routing_codec.decode_train(rollout, differs, rows, bits)
+                out["/routing/train"] = _decode_train(rollout, differs, rows, bits)
                 self.next_token, self.next_row = b, self.next_row + count
         except _READ_ERRORS as e:
             raise CorruptStepError(f"{self.sf.path}: cannot read the packed routing [{a}:{b}] ({e})") from None
         return {n: out[n] for n in self.names}
+
+
+def _unpack(packed: np.ndarray, bits: int, shape: tuple[int, int], dtype: np.dtype) -> np.ndarray:
+    """``routing_codec.unpack_ids``, compiled for ids of at most 8 bits (``routing_kernels``)."""
+    if bits > 8 or packed.ndim != 2 or packed.shape[1] != -(-(shape[0] * shape[1]) // 8) * bits:
+        return routing_codec.unpack_ids(packed, bits, shape, dtype)
+    from . import routing_kernels
+
+    out = np.empty((packed.shape[0], shape[0] * shape[1]), dtype)
+    routing_kernels.unpack_rows(packed, bits, out)
+    return out.reshape((packed.shape[0], *shape))
+
+
+def _decode_train(rollout: np.ndarray, differs: np.ndarray, rows: np.ndarray, bits: int) -> np.ndarray:
+    """``routing_codec.decode_train``, compiled for ids of at most 8 bits (``routing_kernels``)."""
+    k = rollout.shape[2]
+    if bits > 8 or rows.ndim != 2 or rows.shape[1] != -(-k // 8) * bits or \
+            differs.shape[1] != -(-rollout.shape[1] // 8):
+        return routing_codec.decode_train(rollout, differs, rows, bits)
+    from . import routing_kernels
+
+    out = np.empty_like(rollout)
+    used = routing_kernels.decode_train(rollout, differs, rows, bits, out)
+    if used != rows.shape[0]:
+        raise ValueError(f"{rows.shape[0]} stored trainer rows for {used} differing (token, layer) rows")
+    return out

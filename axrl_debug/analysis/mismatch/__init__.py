@@ -124,11 +124,27 @@ COMPILED_MIN_BYTES = 512 << 20
 
 def resolve_compiled(cfg: MismatchConfig, paths: list[Any]) -> MismatchConfig:
     """``cfg`` with ``compiled`` decided when it is None: compiled kernels when the step files
-    to analyse total at least ``COMPILED_MIN_BYTES``, else the numpy path (no numba import)."""
+    to analyse total at least ``COMPILED_MIN_BYTES`` or store packed routing (whose chunked
+    decoding loads numba anyway: ``axrl.trace.routing_kernels``), else the numpy path (no numba
+    import)."""
     if cfg.compiled is not None:
         return cfg
     size = sum(Path(p).stat().st_size for p in paths)
-    return replace(cfg, compiled=size >= COMPILED_MIN_BYTES)
+    return replace(cfg, compiled=size >= COMPILED_MIN_BYTES or (cfg.routing and _packed_routing(paths)))
+
+
+def _packed_routing(paths: list[Any]) -> bool:
+    """Whether the first readable of ``paths`` stores its routing packed."""
+    from axrl.trace import StepFile
+    from axrl.trace.routing_codec import ENCODING
+
+    for p in paths[:1]:
+        try:
+            with StepFile(p) as sf:
+                return sf.group_attrs("/routing").get("encoding") == ENCODING
+        except (TraceError, OSError):
+            return False
+    return False
 
 
 def _load_kernels(reader: Any, step: int, cfg: MismatchConfig) -> None:

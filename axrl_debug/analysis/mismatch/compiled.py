@@ -23,6 +23,7 @@ _NO_INTS = np.zeros(1, np.int64)
 _NO_BYTES = np.zeros(1, np.uint8)
 _NO_FLAGS = np.zeros(1, bool)
 _NO_ROUTING = np.zeros((1, 0, 1), np.uint8)
+_NO_WORDS = np.zeros((1, 1), np.uint64)
 assert len(_LOG_PROB_INNER) == 5, "kernels.breakdown_block unrolls five rollout-prob edges"
 
 
@@ -198,11 +199,24 @@ def _breakdown_pass(kern: Any, ws: _Scratch, c: _Block, a: _Analysed, off: np.nd
     valid = _NO_BYTES if c.vcol is None else c.vcol
     row_agree = ws("row_agree", c.t, bool) if c.has_routing else _NO_FLAGS
     if c.has_routing:
-        kern.routing_rows(c.rr, c.rt, valid, c.vcol is not None, row_agree, h.layer_agree, h.layer_hits)
+        rw, tw = _row_words(c.rr), _row_words(c.rt)
+        has_words = rw is not None and tw is not None
+        small = c.rr.dtype in (np.uint8, np.uint16) and c.rt.dtype == c.rr.dtype
+        members = np.zeros((int(np.iinfo(c.rr.dtype).max) + 1) // 64 if small else 0, np.uint64)   # a bit per id
+        kern.routing_rows(c.rr, c.rt, rw if has_words else _NO_WORDS, tw if has_words else _NO_WORDS, has_words,
+                          valid, c.vcol is not None, row_agree, h.layer_agree, h.layer_hits, members)
     if h.groups:
         kern.breakdown_block(c.lm, c.lr, c.lt, off, c.turn, c.pver, ent_digit, c.has_keys, prob_edges, _POS_LUT,
                              int(a.tlo), int(a.thi - a.tlo) + 1, int(a.vhi), int(a.vhi - a.vlo) + 1,
                              row_agree, valid, c.has_routing, c.vcol is not None, h.mult, h.counts, h.sums)
+
+
+def _row_words(ids: np.ndarray) -> np.ndarray | None:
+    """[T, L] uint64 view of [T, L, k] ids whose k ids fill exactly 8 bytes (top-8 of ≤ 256 experts,
+    top-4 of more): each (token, layer) row compared as one word. None otherwise."""
+    if ids.ndim != 3 or ids.shape[2] * ids.dtype.itemsize != 8 or not ids.flags.c_contiguous:
+        return None
+    return ids.view(np.uint64)[..., 0]
 
 
 def _top_tokens(c: _Block, a: _Analysed, off: np.ndarray, step: int, policy_version: int, token0: int,
