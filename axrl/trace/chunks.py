@@ -175,9 +175,20 @@ class _PackedRouting:
         return {n: out[n] for n in self.names}
 
 
+# Below this many rows numpy's decoding beats loading numba (~0.45 s) for the compiled one.
+_COMPILED_MIN_ROWS = 1 << 17
+
+
+def _compiled(rows: int) -> bool:
+    """Whether to decode ``rows`` rows with ``routing_kernels`` (numba already loaded, or worth it)."""
+    import sys
+
+    return rows >= _COMPILED_MIN_ROWS or "numba" in sys.modules
+
+
 def _unpack(packed: np.ndarray, bits: int, shape: tuple[int, int], dtype: np.dtype) -> np.ndarray:
     """``routing_codec.unpack_ids``, compiled for ids of at most 8 bits (``routing_kernels``)."""
-    if bits > 8 or packed.ndim != 2 or packed.shape[1] != -(-(shape[0] * shape[1]) // 8) * bits:
+    if bits > 8 or not _compiled(packed.shape[0]) or packed.ndim != 2 or packed.shape[1] != -(-(shape[0] * shape[1]) // 8) * bits:
         return routing_codec.unpack_ids(packed, bits, shape, dtype)
     from . import routing_kernels
 
@@ -189,7 +200,7 @@ def _unpack(packed: np.ndarray, bits: int, shape: tuple[int, int], dtype: np.dty
 def _decode_train(rollout: np.ndarray, differs: np.ndarray, rows: np.ndarray, bits: int) -> np.ndarray:
     """``routing_codec.decode_train``, compiled for ids of at most 8 bits (``routing_kernels``)."""
     k = rollout.shape[2]
-    if bits > 8 or rows.ndim != 2 or rows.shape[1] != -(-k // 8) * bits or \
+    if bits > 8 or not _compiled(rollout.shape[0]) or rows.ndim != 2 or rows.shape[1] != -(-k // 8) * bits or \
             differs.shape[1] != -(-rollout.shape[1] // 8):
         return routing_codec.decode_train(rollout, differs, rows, bits)
     from . import routing_kernels
