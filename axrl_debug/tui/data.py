@@ -231,7 +231,7 @@ def detect_spikes(steps: list[int], series: dict[str, list[float]],
 # ============================================================================ step
 # Steps above this many tokens open without their per-sample routing agreement, filled in once the
 # samples screen is up (``StepModel.fill_routing``): a 1 M-token 48-layer step holds ~770 MB of it.
-LAZY_ROUTING_TOKENS = 1 << 18
+LAZY_ROUTING_TOKENS = 1 << 16
 
 
 def _routing_layers(sf: StepFile) -> int:
