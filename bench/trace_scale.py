@@ -124,7 +124,10 @@ else:
     out["scan_s"] = time.perf_counter() - t1
     out["tokens"] = int(step.generated.sum())
 out["s"] = time.perf_counter() - t0
-out["rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+# the peak RSS of this process's own memory (VmHWM): ru_maxrss would carry the parent's peak over
+# the fork + exec that started it, and the parent holds the synthetic step
+hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM:")]
+out["rss_gb"] = (int(hwm[0].split()[1]) if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 2 ** 20
 print(json.dumps(out))
 """
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from axrl.trace.quantities import split_deltas, split_mask
 from axrl_debug.analysis.mismatch import MismatchConfig, routing_agreement, step_tokens
+from axrl_debug.analysis.mismatch.compiled import agreeing_layers
 
 # Columns of a step file needed for the per-sample table (routing is optional: MoE only).
 SAMPLE_STAT_COLUMNS = ("/samples/offsets", "/tokens/loss_mask", "/tokens/rollout_logprob",
@@ -69,8 +70,9 @@ def sample_stats(step: int, policy_version: int, cols: Mapping[str, Any]) -> Sam
                        routing_agree=agree)
 
 
-def _routing_agree(off: np.ndarray, cols: Mapping[str, Any]) -> np.ndarray:
-    """Per sample: the share of valid (row, layer) pairs whose expert sets agree (NaN: dense)."""
+def _routing_agree(off: np.ndarray, cols: Mapping[str, Any], compiled: bool = False) -> np.ndarray:
+    """Per sample: the share of valid (row, layer) pairs whose expert sets agree (NaN: dense).
+    ``compiled``: count them with the analysis's compiled pass (loads numba)."""
     n = off.size - 1
     agree = np.full(n, math.nan)
     if "/routing/rollout" in cols and "/routing/train" in cols:
@@ -79,10 +81,10 @@ def _routing_agree(off: np.ndarray, cols: Mapping[str, Any]) -> np.ndarray:
         if t:
             valid = cols.get("/routing/rollout_valid")
             valid = np.ones(t, dtype=bool) if valid is None else np.asarray(valid) != 0
-            ok = layer_agreement(rr, rt)
+            per_row = agreeing_layers(rr, rt) if compiled else layer_agreement(rr, rt).sum(axis=1)
             sample_of = np.repeat(np.arange(n), np.diff(off))
             rows = np.bincount(sample_of, weights=valid, minlength=n)
-            agreeing = np.bincount(sample_of, weights=ok.sum(axis=1) * valid, minlength=n)
+            agreeing = np.bincount(sample_of, weights=per_row * valid, minlength=n)
             layers = rr.shape[1]
             with np.errstate(invalid="ignore", divide="ignore"):
                 agree = np.where(rows > 0, agreeing / (np.maximum(rows, 1) * layers), math.nan)
@@ -114,12 +116,14 @@ def chunked_sample_stats(sf: Any, *, routing: bool) -> tuple[SampleStats, np.nda
 
 
 def chunked_routing_agree(sf: Any) -> np.ndarray:
-    """The ``routing_agree`` column of ``sample_stats`` alone, chunk by chunk."""
+    """The ``routing_agree`` column of ``sample_stats`` alone, chunk by chunk, compiled (it runs
+    after the first screen, where loading numba no longer delays anything)."""
     from axrl.trace.chunks import iter_chunks
 
     agree = np.full(sf.num_samples, math.nan)
     for ch in iter_chunks(sf, ("/samples/offsets", *SAMPLE_ROUTING_COLUMNS[:2]), optional=SAMPLE_ROUTING_COLUMNS[2:]):
-        agree[ch.sample0:ch.sample1] = _routing_agree(np.asarray(ch["/samples/offsets"], dtype=np.int64), ch.data)
+        agree[ch.sample0:ch.sample1] = _routing_agree(np.asarray(ch["/samples/offsets"], dtype=np.int64), ch.data,
+                                                      compiled=True)
     return agree
 
 

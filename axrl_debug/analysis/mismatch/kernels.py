@@ -111,10 +111,11 @@ def moment_sums(d, em1, x, y, log_clip_high, log_clip_low, log_tis_cap):  # prag
 
 @njit(cache=True, nogil=True)
 def routing_rows(rr, rt, rw, tw, has_words, valid, has_valid, row_agree, layer_agree, layer_hits,
-                 members):  # pragma: no cover - compiled
+                 members, row_layers):  # pragma: no cover - compiled
     """Compare each row's expert sets per layer, order-insensitively (top-k experts are distinct):
     ``layer_agree[l]`` counts valid rows whose sets are equal, ``layer_hits[l]`` adds |A ∩ B| over
-    valid rows, ``row_agree[t]`` says whether every layer of row t agrees.
+    valid rows, ``row_agree[t]`` says whether every layer of row t agrees and ``row_layers[t]``
+    (when not empty) how many do.
 
     Token by token, each token's [L, k] ids read once in storage order (a layer-major walk read a
     whole block once per layer). A (token, layer) whose ids are equal in order (all of them under
@@ -130,6 +131,7 @@ def routing_rows(rr, rt, rw, tw, has_words, valid, has_valid, row_agree, layer_a
     for t in range(nt):
         counted = not has_valid or valid[t] != 0
         every = True
+        agreeing = 0
         for layer in range(nl):
             if has_words:
                 in_order = rw[t, layer] == tw[t, layer]
@@ -158,10 +160,13 @@ def routing_rows(rr, rt, rw, tw, has_words, valid, has_valid, row_agree, layer_a
                     members[np.uint64(rt[t, layer, j]) >> six] = 0
             same = hits == k
             every &= same
+            agreeing += same
             if counted:
                 agree[layer] += same
                 total[layer] += hits
         row_agree[t] = every
+        if row_layers.size:
+            row_layers[t] = agreeing
     layer_agree[:] = agree
     layer_hits[:] = total
 
