@@ -26,7 +26,7 @@ import numpy as np
 
 from . import routing_codec
 from . import schema as S
-from .reader import _READ_ERRORS, StepFile
+from .reader import _READ_ERRORS, StepFile, _checksum
 from .schema import CorruptStepError
 
 # Tokens per chunk: ~1 KB per token of a 48-layer top-8 MoE step (both routing arrays and the
@@ -82,14 +82,16 @@ def _per_token(name: str) -> bool:
 
 
 def iter_chunks(sf: StepFile, names: Iterable[str], *, optional: Iterable[str] = (),
-                chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                buffers: dict[str, np.ndarray] | None = None) -> Iterator[StepChunk]:
+                chunk_tokens: int = DEFAULT_CHUNK_TOKENS, buffers: dict[str, np.ndarray] | None = None,
+                fast_checksums: bool = False) -> Iterator[StepChunk]:
     """The step of ``sf`` in runs of whole samples (``sample_chunks``), each with the rows of
     ``names`` (+ ``optional`` where present) it covers. A missing required name raises
     ``KeyError`` before anything is read; an unreadable chunk raises ``CorruptStepError``.
 
     ``buffers`` (a dict kept by the caller): numeric per-token chunks are read into reused
-    per-name buffers, valid until the next chunk."""
+    per-name buffers, valid until the next chunk. ``fast_checksums``: raw fletcher32 columns are
+    read as stored chunks and verified in compiled code (``checksum.read_rows_checksummed``; loads
+    numba) instead of through HDF5's filter."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     opt = set(optional)
@@ -114,11 +116,11 @@ def iter_chunks(sf: StepFile, names: Iterable[str], *, optional: Iterable[str] =
             data[name] = sf[name] if (s0, s1) == (0, off.size - 1) else sf.read_slice(name, s0, s1)
         decoded = routing.read(a, b) if routing is not None else {}
         for name in per_token:
-            data[name] = decoded[name] if name in decoded else _read_rows(sf, name, a, b, bufs)
+            data[name] = decoded[name] if name in decoded else _read_rows(sf, name, a, b, bufs, fast_checksums)
         yield StepChunk(i, len(runs), s0, s1, a, b, data)
 
 
-def _read_rows(sf: StepFile, name: str, a: int, b: int, buffers: dict[str, np.ndarray]) -> Any:
+def _read_rows(sf: StepFile, name: str, a: int, b: int, buffers: dict[str, np.ndarray], fast: bool) -> Any:
     """Rows ``a:b`` of a stored per-token dataset, into a reused buffer when numeric."""
     ds = sf._dataset(name)
     if ds is None:                                  # packed routing read alone
@@ -126,6 +128,9 @@ def _read_rows(sf: StepFile, name: str, a: int, b: int, buffers: dict[str, np.nd
     try:
         if h5py.check_string_dtype(ds.dtype) is not None or ds.dtype.kind not in "biuf":
             return sf.read_slice(name, a, b)
+        if fast and b > a and ds.shape and _checksum().checksummed_raw(ds):
+            rows, buffers[name] = _checksum().read_rows_checksummed(ds, a, b, buffers.get(name))
+            return rows
         shape = (b - a,) + ds.shape[1:]
         buf = buffers.get(name)
         if buf is None or buf.dtype != ds.dtype or buf.shape[1:] != shape[1:] or buf.shape[0] < shape[0]:

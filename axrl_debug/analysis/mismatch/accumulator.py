@@ -379,7 +379,8 @@ def _read_steps(reader: Any, steps: list[int], cfg: MismatchConfig) -> MismatchA
     buffers: dict[str, np.ndarray] = {}
 
     def fold(sf: Any) -> None:
-        chunks = iter_chunks(sf, required, optional=optional, chunk_tokens=cfg.chunk_tokens, buffers=buffers)
+        chunks = iter_chunks(sf, required, optional=optional, chunk_tokens=cfg.chunk_tokens, buffers=buffers,
+                             fast_checksums=cfg.compiled is not False)
         acc.add_chunks(sf.step, sf.policy_version, chunks, sf.num_tokens)
 
     for_each_step(reader, steps, fold)
