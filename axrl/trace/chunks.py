@@ -104,7 +104,7 @@ def iter_chunks(sf: StepFile, names: Iterable[str], *, optional: Iterable[str] =
     whole = {n: sf[n] for n in wanted if not _per_token(n) and not n.startswith(S.G_SAMPLES + "/")}
     per_sample = [n for n in wanted if n.startswith(S.G_SAMPLES + "/") and n != "/samples/offsets"]
     per_token = [n for n in wanted if _per_token(n)]
-    routing = _PackedRouting.of(sf, per_token)
+    routing = _PackedRouting.of(sf, per_token, {} if buffers is None else buffers)
     runs = sample_chunks(off, t, chunk_tokens)
     bufs = {} if buffers is None else buffers
     for i, (s0, s1) in enumerate(runs):
@@ -150,13 +150,21 @@ class _PackedRouting:
 
     sf: StepFile
     names: list[str]            # which of /routing/rollout, /routing/train are wanted
+    buffers: dict[str, np.ndarray]   # the decoded arrays' reused buffers (by dataset name)
     next_token: int = 0         # the range the running count is at
     next_row: int = 0           # stored trainer rows before ``next_token``
 
     @classmethod
-    def of(cls, sf: StepFile, per_token: list[str]) -> "_PackedRouting | None":
+    def of(cls, sf: StepFile, per_token: list[str], buffers: dict[str, np.ndarray]) -> "_PackedRouting | None":
         names = [n for n in _ROUTING_PAIR if n in per_token and sf._packed_routing(n) is not None]
-        return cls(sf, names) if names else None
+        return cls(sf, names, buffers) if names else None
+
+    def _out(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """A reused buffer of ``shape`` for the decoded ``name`` (grown by a quarter when short)."""
+        buf = self.buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.shape[1:] != shape[1:] or buf.shape[0] < shape[0]:
+            buf = self.buffers[name] = np.empty((shape[0] + shape[0] // 4,) + shape[1:], dtype)
+        return buf[:shape[0]]
 
     def read(self, a: int, b: int) -> dict[str, np.ndarray]:
         f, attrs = self.sf._f, self.sf._routing_attrs
@@ -164,7 +172,8 @@ class _PackedRouting:
             bits = int(attrs[S.ROUTING_ATTR_BITS])
             shape = (int(attrs[S.ROUTING_ATTR_LAYERS]), int(attrs[S.ROUTING_ATTR_K]))
             dtype = S.routing_dtype(int(attrs[S.ROUTING_ATTR_NUM_EXPERTS]))
-            rollout = _unpack(f[S.ROUTING_PACKED["/routing/rollout"]][a:b], bits, shape, dtype)
+            rollout = _unpack(f[S.ROUTING_PACKED["/routing/rollout"]][a:b], bits, shape, dtype,
+                              self._out("/routing/rollout", (b - a, *shape), dtype))
             out = {"/routing/rollout": rollout}
             if "/routing/train" in self.names:
                 differs_ds = f[S.ROUTING_TRAIN_DIFFERS]
@@ -173,7 +182,8 @@ class _PackedRouting:
                 differs = differs_ds[a:b]
                 count = int(routing_codec.popcount_rows(differs).sum())
                 rows = f[S.ROUTING_TRAIN_ROWS][self.next_row:self.next_row + count]
-                out["/routing/train"] = _decode_train(rollout, differs, rows, bits)
+                out["/routing/train"] = _decode_train(rollout, differs, rows, bits,
+                                                      self._out("/routing/train", rollout.shape, rollout.dtype))
                 self.next_token, self.next_row = b, self.next_row + count
         except _READ_ERRORS as e:
             raise CorruptStepError(f"{self.sf.path}: cannot read the packed routing [{a}:{b}] ({e})") from None
@@ -191,26 +201,26 @@ def _compiled(rows: int) -> bool:
     return rows >= _COMPILED_MIN_ROWS or "numba" in sys.modules
 
 
-def _unpack(packed: np.ndarray, bits: int, shape: tuple[int, int], dtype: np.dtype) -> np.ndarray:
-    """``routing_codec.unpack_ids``, compiled for ids of at most 8 bits (``routing_kernels``)."""
+def _unpack(packed: np.ndarray, bits: int, shape: tuple[int, int], dtype: np.dtype, out: np.ndarray) -> np.ndarray:
+    """``routing_codec.unpack_ids``, compiled for ids of at most 8 bits (``routing_kernels``) into
+    ``out`` [t, *shape]."""
     if bits > 8 or not _compiled(packed.shape[0]) or packed.ndim != 2 or packed.shape[1] != -(-(shape[0] * shape[1]) // 8) * bits:
         return routing_codec.unpack_ids(packed, bits, shape, dtype)
     from . import routing_kernels
 
-    out = np.empty((packed.shape[0], shape[0] * shape[1]), dtype)
-    routing_kernels.unpack_rows(packed, bits, out)
-    return out.reshape((packed.shape[0], *shape))
+    routing_kernels.unpack_rows(packed, bits, out.reshape(packed.shape[0], shape[0] * shape[1]))
+    return out
 
 
-def _decode_train(rollout: np.ndarray, differs: np.ndarray, rows: np.ndarray, bits: int) -> np.ndarray:
-    """``routing_codec.decode_train``, compiled for ids of at most 8 bits (``routing_kernels``)."""
+def _decode_train(rollout: np.ndarray, differs: np.ndarray, rows: np.ndarray, bits: int, out: np.ndarray) -> np.ndarray:
+    """``routing_codec.decode_train``, compiled for ids of at most 8 bits (``routing_kernels``)
+    into ``out`` (the shape of ``rollout``)."""
     k = rollout.shape[2]
     if bits > 8 or not _compiled(rollout.shape[0]) or rows.ndim != 2 or rows.shape[1] != -(-k // 8) * bits or \
             differs.shape[1] != -(-rollout.shape[1] // 8):
         return routing_codec.decode_train(rollout, differs, rows, bits)
     from . import routing_kernels
 
-    out = np.empty_like(rollout)
     used = routing_kernels.decode_train(rollout, differs, rows, bits, out)
     if used != rows.shape[0]:
         raise ValueError(f"{rows.shape[0]} stored trainer rows for {used} differing (token, layer) rows")
