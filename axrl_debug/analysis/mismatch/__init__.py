@@ -64,8 +64,9 @@ float64). ``p50_abs`` / ``p99_abs`` are exact: numpy's default (linear) percenti
 float32 |Δ| of every analysed token, found without a full partition — a histogram of the top
 16 bits of each |Δ| (monotone in the value for non-negative floats) locates the histogram bins
 that hold the needed order statistics, and only the values inside those bins are partitioned.
-A step is processed in blocks of whole samples (``_BLOCK_TOKENS``, so that the work arrays stay
-small whatever the step size) whose sums are added (Chan's update for the correlation's centred
+A step is read and processed in chunks of whole samples (``MismatchConfig.chunk_tokens``,
+``axrl.trace.chunks``, so that the columns held and the work arrays stay one chunk's whatever the
+step size; a chunk that fails to read drops its whole step) whose sums are added (Chan's update for the correlation's centred
 moments). Breakdown sums are accumulated in joint histograms (every breakdown key plus the sign
 of Δ as the digits of one bin index), marginalised once at the end. On large traces the per-token
 loops (token selection, breakdown keys and histograms, routing comparison, moment sums) run compiled
