@@ -104,7 +104,7 @@ def iter_chunks(sf: StepFile, names: Iterable[str], *, optional: Iterable[str] =
     whole = {n: sf[n] for n in wanted if not _per_token(n) and not n.startswith(S.G_SAMPLES + "/")}
     per_sample = [n for n in wanted if n.startswith(S.G_SAMPLES + "/") and n != "/samples/offsets"]
     per_token = [n for n in wanted if _per_token(n)]
-    routing = _PackedRouting.of(sf, per_token, {} if buffers is None else buffers)
+    routing = _PackedRouting.of(sf, per_token, {} if buffers is None else buffers, fast_checksums)
     runs = sample_chunks(off, t, chunk_tokens)
     bufs = {} if buffers is None else buffers
     for i, (s0, s1) in enumerate(runs):
@@ -151,13 +151,23 @@ class _PackedRouting:
     sf: StepFile
     names: list[str]            # which of /routing/rollout, /routing/train are wanted
     buffers: dict[str, np.ndarray]   # the decoded arrays' reused buffers (by dataset name)
+    fast: bool                  # read the stored datasets through ``checksum.read_rows_checksummed``
     next_token: int = 0         # the range the running count is at
     next_row: int = 0           # stored trainer rows before ``next_token``
 
     @classmethod
-    def of(cls, sf: StepFile, per_token: list[str], buffers: dict[str, np.ndarray]) -> "_PackedRouting | None":
+    def of(cls, sf: StepFile, per_token: list[str], buffers: dict[str, np.ndarray],
+           fast: bool) -> "_PackedRouting | None":
         names = [n for n in _ROUTING_PAIR if n in per_token and sf._packed_routing(n) is not None]
-        return cls(sf, names, buffers) if names else None
+        return cls(sf, names, buffers, fast) if names else None
+
+    def _stored(self, name: str, a: int, b: int) -> np.ndarray:
+        """Rows ``a:b`` of the stored dataset ``name`` (its raw chunks verified compiled when fast)."""
+        ds = self.sf._f[name]
+        if self.fast and b > a and _checksum().checksummed_raw(ds):
+            rows, self.buffers[name] = _checksum().read_rows_checksummed(ds, a, b, self.buffers.get(name))
+            return rows
+        return ds[a:b]
 
     def _out(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """A reused buffer of ``shape`` for the decoded ``name`` (grown by a quarter when short)."""
@@ -172,16 +182,16 @@ class _PackedRouting:
             bits = int(attrs[S.ROUTING_ATTR_BITS])
             shape = (int(attrs[S.ROUTING_ATTR_LAYERS]), int(attrs[S.ROUTING_ATTR_K]))
             dtype = S.routing_dtype(int(attrs[S.ROUTING_ATTR_NUM_EXPERTS]))
-            rollout = _unpack(f[S.ROUTING_PACKED["/routing/rollout"]][a:b], bits, shape, dtype,
+            rollout = _unpack(self._stored(S.ROUTING_PACKED["/routing/rollout"], a, b), bits, shape, dtype,
                               self._out("/routing/rollout", (b - a, *shape), dtype))
             out = {"/routing/rollout": rollout}
             if "/routing/train" in self.names:
                 differs_ds = f[S.ROUTING_TRAIN_DIFFERS]
                 if a != self.next_token:       # not the next range in order: count from the start
                     self.next_row = int(routing_codec.popcount_rows(differs_ds[:a]).sum()) if a else 0
-                differs = differs_ds[a:b]
+                differs = self._stored(S.ROUTING_TRAIN_DIFFERS, a, b)
                 count = int(routing_codec.popcount_rows(differs).sum())
-                rows = f[S.ROUTING_TRAIN_ROWS][self.next_row:self.next_row + count]
+                rows = self._stored(S.ROUTING_TRAIN_ROWS, self.next_row, self.next_row + count)
                 out["/routing/train"] = _decode_train(rollout, differs, rows, bits,
                                                       self._out("/routing/train", rollout.shape, rollout.dtype))
                 self.next_token, self.next_row = b, self.next_row + count
