@@ -14,14 +14,18 @@ side by side in one run, at each of ``--scales``:
   and trainer together;
 * ``analysis_tokens_per_s``, ``analysis_peak_rss_gb``: ``axrl-debug mismatch RUN --json`` on the
   step in a fresh process (its own wall time over tokens, and its peak resident memory);
-* ``tui_open_s``: the TUI's model of the run opening the step list and the step (``RunModel`` +
-  ``scan`` + ``step``), in a fresh process.
+* ``tui_open_s``: the TUI's model of the run showing the step list and opening the step's samples
+  screen (``RunModel`` + ``step``), in a fresh process; beside it what follows the first screen:
+  ``tui_routing_s`` (the per-sample routing column of a large MoE step, ``fill_routing``),
+  ``tui_scan_s`` (the background scan of the step-file metrics, a helper process in the app) and
+  the process's peak RSS ``tui_peak_rss_gb``.
 
     OMP_NUM_THREADS=1 python bench/trace_scale.py --scales 0.25,1
 
 Last stdout line: one JSON object with those keys for the largest scale and the packed encoding
-(the production preset), plus ``by_scale`` (every figure, per encoding and scale) and ``scaling``
-(each figure at the largest scale over the smallest, with the ratio of token counts beside it).
+(the production preset), plus ``side_by_side`` (each key per encoding and scale), ``by_scale``
+(every figure, per encoding and scale) and ``scaling`` (each figure at the largest scale over the
+smallest, with the ratio of token counts beside it).
 """
 
 from __future__ import annotations
@@ -102,16 +106,29 @@ run, what = sys.argv[1], sys.argv[2]
 from axrl_debug.cli import app
 from axrl_debug.tui.data import RunModel
 t0 = time.perf_counter()                       # imports excluded: the analysis itself
+out = {}
 if what == "mismatch":
     r = CliRunner().invoke(app, ["mismatch", run, "--json"])
     assert r.exit_code == 0, r.output
-    tokens = json.loads(r.stdout)["tokens"]
+    out["tokens"] = json.loads(r.stdout)["tokens"]
 else:
-    m = RunModel(run)
-    m.scan(m.steps)
-    tokens = int(m.step(m.steps[0]).generated.sum())
-print(json.dumps({"s": time.perf_counter() - t0, "tokens": tokens,
-                  "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}))
+    m = RunModel(run)                          # the step list: metrics.jsonl and the file listing
+    out["list_s"] = time.perf_counter() - t0
+    step = m.step(m.steps[0])                  # the samples screen of the step
+    out["open_s"] = time.perf_counter() - t0 - out["list_s"]
+    t1 = time.perf_counter()
+    step.fill_routing()                        # after the first screen: the routing column
+    out["routing_s"] = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    m.scan(m.steps)                            # the background scan (a helper process in the app)
+    out["scan_s"] = time.perf_counter() - t1
+    out["tokens"] = int(step.generated.sum())
+out["s"] = time.perf_counter() - t0
+# the peak RSS of this process's own memory (VmHWM): ru_maxrss would carry the parent's peak over
+# the fork + exec that started it, and the parent holds the synthetic step
+hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM:")]
+out["rss_gb"] = (int(hwm[0].split()[1]) if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 2 ** 20
+print(json.dumps(out))
 """
 
 
@@ -129,7 +146,9 @@ def measure(scale: float, encoding: str, rec: StepRecord, root: Path) -> dict[st
     row = {"scale": scale, "encoding": encoding, "tokens": rec.num_tokens, **record(rec, run, encoding)}
     mismatch, tui = child(run, "mismatch"), child(run, "tui")
     row.update(analysis_s=mismatch["s"], analysis_tokens_per_s=rec.num_tokens / mismatch["s"],
-               analysis_peak_rss_gb=mismatch["rss_gb"], tui_open_s=tui["s"], tui_peak_rss_gb=tui["rss_gb"])
+               analysis_peak_rss_gb=mismatch["rss_gb"], tui_open_s=tui["list_s"] + tui["open_s"],
+               tui_list_s=tui["list_s"], tui_step_s=tui["open_s"], tui_routing_s=tui["routing_s"],
+               tui_scan_s=tui["scan_s"], tui_peak_rss_gb=tui["rss_gb"])
     shutil.rmtree(run, ignore_errors=True)
     return row
 
@@ -152,7 +171,8 @@ def main() -> None:
             print(f"scale {scale:<5} {encoding:<6} T={row['tokens']:>8}  hand-over {row['handover_s'] * 1e3:7.2f} ms  "
                   f"write {row['write_s']:6.2f} s  routing {row['routing_bytes_per_token_layer']:5.2f} B/(token·layer)  "
                   f"mismatch {row['analysis_tokens_per_s'] / 1e6:6.2f} M tok/s, {row['analysis_peak_rss_gb']:5.2f} GB  "
-                  f"tui {row['tui_open_s']:5.2f} s", flush=True)
+                  f"tui {row['tui_open_s']:5.2f} s (then routing {row['tui_routing_s']:5.2f} s, scan "
+                  f"{row['tui_scan_s']:5.2f} s, {row['tui_peak_rss_gb']:4.2f} GB)", flush=True)
         del rec
     keys = ("record_critical_path_fraction", "writer_keeps_up", "routing_bytes_per_token_layer",
             "analysis_tokens_per_s", "analysis_peak_rss_gb", "tui_open_s")
@@ -160,10 +180,13 @@ def main() -> None:
     top = next(r for r in rows if r["scale"] == scales[-1] and r["encoding"] == main_enc)
     low = next(r for r in rows if r["scale"] == scales[0] and r["encoding"] == main_enc)
     scaling = {k: (top[k] / low[k] if isinstance(top[k], float) and low[k] else None)
-               for k in ("write_s", "analysis_s", "analysis_peak_rss_gb", "tui_open_s")}
+               for k in ("write_s", "analysis_s", "analysis_peak_rss_gb", "tui_open_s", "tui_peak_rss_gb")}
     scaling["tokens"] = top["tokens"] / low["tokens"]
+    # every key at each scale, side by side, per encoding: {key: {encoding: {scale: value}}}
+    side = {k: {e: {str(r["scale"]): r[k] for r in rows if r["encoding"] == e} for e in encodings}
+            for k in (*keys, "tui_routing_s", "tui_scan_s", "tui_peak_rss_gb")}
     summary = {"encoding": main_enc, "scale": scales[-1], "tokens": top["tokens"], "gpu_step_s": GPU_STEP_S,
-               **{k: top[k] for k in keys}, "scaling": scaling, "by_scale": rows}
+               **{k: top[k] for k in keys}, "scaling": scaling, "side_by_side": side, "by_scale": rows}
     print(json.dumps(summary))
 
 

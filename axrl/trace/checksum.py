@@ -107,18 +107,21 @@ def _row_bytes(ds: h5py.Dataset) -> int:
     return ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64))
 
 
-def read_checksummed(ds: h5py.Dataset, raw: np.ndarray) -> np.ndarray:
+def read_checksummed(ds: h5py.Dataset, raw: np.ndarray, first: int = 0, last: int | None = None) -> np.ndarray:
     """Read ``ds`` (see ``checksummed_raw``) into the uint8 buffer ``raw`` (at least
     ``padded_bytes(ds)`` bytes) and return the data as an array of ``ds``'s shape and dtype, a view
     of ``raw``. Each chunk is read with its trailer and verified before the next one overwrites it.
+    ``first`` / ``last``: only chunks ``first:last`` (default: all), whose rows come back from row
+    ``first · chunks[0]`` on (``raw`` then needs room for those chunks and a trailer).
 
     Raises ``ChecksumError`` naming the chunk whose stored Fletcher-32 disagrees with its data;
     HDF5's own errors (a missing chunk, …) propagate."""
     rows, chunk_rows = ds.shape[0], ds.chunks[0]
     chunk_bytes = chunk_rows * _row_bytes(ds)
     zeros = (0,) * (len(ds.shape) - 1)
-    for c in range(-(-rows // chunk_rows)):
-        at = c * chunk_bytes
+    last = -(-rows // chunk_rows) if last is None else last
+    for c in range(first, last):
+        at = (c - first) * chunk_bytes
         mask, _ = ds.id.read_direct_chunk((c * chunk_rows, *zeros), out=raw[at:at + chunk_bytes + 4])
         if mask:
             raise ChecksumError(f"chunk {c}: filter mask {mask} (checksum not applied)")
@@ -126,4 +129,17 @@ def read_checksummed(ds: h5py.Dataset, raw: np.ndarray) -> np.ndarray:
         got = fletcher32(raw[at:at + chunk_bytes])
         if stored != got and stored != _byteswap32(got):   # HDF5 accepts either byte order too
             raise ChecksumError(f"chunk {c} (rows from {c * chunk_rows}): Fletcher-32 mismatch")
-    return raw[:rows * _row_bytes(ds)].view(ds.dtype).reshape(ds.shape)
+    n = min(rows, last * chunk_rows) - first * chunk_rows
+    return raw[:n * _row_bytes(ds)].view(ds.dtype).reshape((n,) + ds.shape[1:])
+
+
+def read_rows_checksummed(ds: h5py.Dataset, start: int, stop: int, raw: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``start:stop`` of ``ds`` (see ``checksummed_raw``) through ``read_checksummed`` of the
+    chunks covering them: (the rows, a view of the buffer; the buffer, ``raw`` or a larger one)."""
+    chunk_rows = ds.chunks[0]
+    first, last = start // chunk_rows, max(-(-stop // chunk_rows), start // chunk_rows + 1)
+    need = (last - first) * chunk_rows * _row_bytes(ds) + 4
+    if raw is None or raw.dtype != np.uint8 or raw.ndim != 1 or raw.size < need:
+        raw = np.empty(need + need // 4, dtype=np.uint8)      # room to grow
+    rows = read_checksummed(ds, raw, first, last)
+    return rows[start - first * chunk_rows:stop - first * chunk_rows], raw

@@ -229,6 +229,18 @@ def detect_spikes(steps: list[int], series: dict[str, list[float]],
 
 
 # ============================================================================ step
+# Steps above this many tokens open without their per-sample routing agreement, filled in once the
+# samples screen is up (``StepModel.fill_routing``): a 1 M-token 48-layer step holds ~770 MB of it.
+LAZY_ROUTING_TOKENS = 1 << 16
+
+
+def _routing_layers(sf: StepFile) -> int:
+    """MoE layers of the step's routing (0 without both routing arrays), from one row."""
+    if "/routing/rollout" not in sf or "/routing/train" not in sf or sf.num_tokens == 0:
+        return 0
+    return int(sf.read_slice("/routing/rollout", 0, 1).shape[1])
+
+
 _SAMPLE_COLS = ("sample_id", "group_id", "reward", "status", "finish_reason", "num_turns", "prompt_len",
                 "error", "prompt_id", "advantage", "session_id", "fork_of", "fork_cause",
                 "drift_tokens")
@@ -251,6 +263,7 @@ class StepModel:
     replay_tokens: dict[str, np.ndarray] = field(default_factory=dict)  # /tokens/* of the replay dump
     replay_loss: np.ndarray | None = None  # per-sample Σ loss_contribution from the replay dump
     problems: list[str] = field(default_factory=list)
+    routing_pending: bool = False          # stats.routing_agree not computed yet (``fill_routing``)
 
     @property
     def num_samples(self) -> int:
@@ -265,21 +278,22 @@ class StepModel:
 
     @classmethod
     def load(cls, run: RunModel, step: int, path: Path) -> "StepModel":
+        """The step's samples table, its token columns read chunk by chunk (memory bounded by the
+        chunk, not the step). On a step of more than ``LAZY_ROUTING_TOKENS`` tokens the per-sample
+        routing agreement is left NaN (``routing_pending``) for ``fill_routing`` to compute after
+        the first screen is up: reading the routing is most of such a step."""
         with StepFile(path) as sf:
-            cols = sf.read_columns(M.SAMPLE_STAT_COLUMNS, optional=M.SAMPLE_ROUTING_COLUMNS)
             samples = {name: sf[f"/samples/{name}"] for name in _SAMPLE_COLS if f"/samples/{name}" in sf}
             pv = sf.policy_version
-        off = np.asarray(cols["/samples/offsets"], dtype=np.int64)
+            layers = _routing_layers(sf)
+            pending = bool(layers) and sf.num_tokens > LAZY_ROUTING_TOKENS
+            stats, generated = M.chunked_sample_stats(sf, routing=bool(layers) and not pending)
+            off = np.asarray(sf["/samples/offsets"], dtype=np.int64)
         n = off.size - 1
-        stats = M.sample_stats(step, pv, cols)
-        lm = np.asarray(cols["/tokens/loss_mask"]) != 0
-        sample_of = np.repeat(np.arange(n), np.diff(off))
-        generated = np.bincount(sample_of, weights=lm, minlength=n).astype(np.int64)
-        layers = int(cols["/routing/rollout"].shape[1]) if "/routing/rollout" in cols else 0
         if layers:
             run.is_moe = True
         model = cls(run=run, step=step, path=path, policy_version=pv, offsets=off, samples=samples,
-                    stats=stats, generated=generated, num_layers=layers)
+                    stats=stats, generated=generated, num_layers=layers, routing_pending=pending)
         model.replay_path = replay_dump_path(run.path, step)
         if model.replay_path is not None:
             dump = read_replay_tokens(model.replay_path, int(off[-1]), model.problems)
@@ -289,9 +303,20 @@ class StepModel:
             if sample_loss is not None and sample_loss.shape == (n,):
                 model.replay_loss = np.asarray(sample_loss, dtype=np.float64)
             elif lc is not None:
+                with StepFile(path) as sf:
+                    lm = np.asarray(sf["/tokens/loss_mask"]) != 0
+                sample_of = np.repeat(np.arange(n), np.diff(off))
                 per_token = np.nansum(lc.reshape(lc.shape[0], -1), axis=1)
                 model.replay_loss = np.bincount(sample_of, weights=np.where(lm, per_token, 0.0), minlength=n)
         return model
+
+    def fill_routing(self) -> None:
+        """Compute the per-sample routing agreement left pending by ``load`` (chunk by chunk)."""
+        if not self.routing_pending:
+            return
+        with StepFile(self.path) as sf:
+            self.stats.routing_agree = M.chunked_routing_agree(sf)
+        self.routing_pending = False
 
     def sample(self, i: int) -> "SampleTokens":
         """The tokens of sample row ``i`` (reads only its token range of the step file)."""

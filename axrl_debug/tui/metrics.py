@@ -23,6 +23,7 @@ import numpy as np
 
 from axrl.trace.quantities import split_deltas, split_mask
 from axrl_debug.analysis.mismatch import MismatchConfig, routing_agreement, step_tokens
+from axrl_debug.analysis.mismatch.compiled import agreeing_layers
 
 # Columns of a step file needed for the per-sample table (routing is optional: MoE only).
 SAMPLE_STAT_COLUMNS = ("/samples/offsets", "/tokens/loss_mask", "/tokens/rollout_logprob",
@@ -64,6 +65,15 @@ def sample_stats(step: int, policy_version: int, cols: Mapping[str, Any]) -> Sam
         np.maximum.at(max_abs, sample, ad)
     max_abs[count == 0] = math.nan
     seq = np.bincount(sample, weights=st.delta, minlength=n)
+    agree = _routing_agree(off, cols)
+    return SampleStats(analysed=count, mean_abs=mean_abs, max_abs=max_abs, seq_log_ratio=seq,
+                       routing_agree=agree)
+
+
+def _routing_agree(off: np.ndarray, cols: Mapping[str, Any], compiled: bool = False) -> np.ndarray:
+    """Per sample: the share of valid (row, layer) pairs whose expert sets agree (NaN: dense).
+    ``compiled``: count them with the analysis's compiled pass (loads numba)."""
+    n = off.size - 1
     agree = np.full(n, math.nan)
     if "/routing/rollout" in cols and "/routing/train" in cols:
         rr, rt = np.asarray(cols["/routing/rollout"]), np.asarray(cols["/routing/train"])
@@ -71,15 +81,50 @@ def sample_stats(step: int, policy_version: int, cols: Mapping[str, Any]) -> Sam
         if t:
             valid = cols.get("/routing/rollout_valid")
             valid = np.ones(t, dtype=bool) if valid is None else np.asarray(valid) != 0
-            ok = layer_agreement(rr, rt)
+            per_row = agreeing_layers(rr, rt) if compiled else layer_agreement(rr, rt).sum(axis=1)
             sample_of = np.repeat(np.arange(n), np.diff(off))
             rows = np.bincount(sample_of, weights=valid, minlength=n)
-            agreeing = np.bincount(sample_of, weights=ok.sum(axis=1) * valid, minlength=n)
+            agreeing = np.bincount(sample_of, weights=per_row * valid, minlength=n)
             layers = rr.shape[1]
             with np.errstate(invalid="ignore", divide="ignore"):
                 agree = np.where(rows > 0, agreeing / (np.maximum(rows, 1) * layers), math.nan)
-    return SampleStats(analysed=count, mean_abs=mean_abs, max_abs=max_abs, seq_log_ratio=seq,
-                       routing_agree=agree)
+    return agree
+
+
+def chunked_sample_stats(sf: Any, *, routing: bool) -> tuple[SampleStats, np.ndarray]:
+    """``sample_stats`` of a whole step (and its loss-mask tokens per sample) read in chunks of
+    whole samples (``axrl.trace.chunks``): every figure is per sample, so it is the same as from
+    the whole columns. ``routing=False`` leaves ``routing_agree`` NaN (``chunked_routing_agree``)."""
+    from axrl.trace.chunks import iter_chunks
+
+    n = sf.num_samples
+    stats = SampleStats(analysed=np.zeros(n, np.int64), mean_abs=np.full(n, math.nan), max_abs=np.full(n, math.nan),
+                        seq_log_ratio=np.zeros(n), routing_agree=np.full(n, math.nan))
+    generated = np.zeros(n, np.int64)
+    buffers: dict[str, np.ndarray] = {}
+    for ch in iter_chunks(sf, SAMPLE_STAT_COLUMNS, optional=SAMPLE_ROUTING_COLUMNS if routing else (),
+                          buffers=buffers):
+        part = sample_stats(sf.step, sf.policy_version, ch.data)
+        rows = slice(ch.sample0, ch.sample1)
+        for name in ("analysed", "mean_abs", "max_abs", "seq_log_ratio", "routing_agree"):
+            getattr(stats, name)[rows] = getattr(part, name)
+        off = np.asarray(ch["/samples/offsets"], dtype=np.int64)
+        lm = np.asarray(ch["/tokens/loss_mask"]) != 0
+        sample_of = np.repeat(np.arange(off.size - 1), np.diff(off))
+        generated[rows] = np.bincount(sample_of, weights=lm, minlength=off.size - 1).astype(np.int64)
+    return stats, generated
+
+
+def chunked_routing_agree(sf: Any) -> np.ndarray:
+    """The ``routing_agree`` column of ``sample_stats`` alone, chunk by chunk, compiled (it runs
+    after the first screen, where loading numba no longer delays anything)."""
+    from axrl.trace.chunks import iter_chunks
+
+    agree = np.full(sf.num_samples, math.nan)
+    for ch in iter_chunks(sf, ("/samples/offsets", *SAMPLE_ROUTING_COLUMNS[:2]), optional=SAMPLE_ROUTING_COLUMNS[2:]):
+        agree[ch.sample0:ch.sample1] = _routing_agree(np.asarray(ch["/samples/offsets"], dtype=np.int64), ch.data,
+                                                      compiled=True)
+    return agree
 
 
 def token_delta(loss_mask: np.ndarray, rollout_lp: np.ndarray, old_lp: np.ndarray) -> np.ndarray:

@@ -223,6 +223,21 @@ class SamplesScreen(_TableView):
         self._apply_filter()
         for p in model.problems:
             self.notify(p, severity="warning", timeout=6)
+        if model.routing_pending:       # a large MoE step: its routing column after the first screen
+            self.run_worker(lambda: self._fill_routing(model), thread=True, exclusive=True, group="routing")
+
+    def _fill_routing(self, model: StepModel) -> None:
+        try:
+            model.fill_routing()
+        except READ_ERRORS as e:
+            self.app.call_from_thread(self.notify, f"routing of step {model.step}: {e}", severity="warning", timeout=6)
+            return
+        self.app.call_from_thread(self._routing_filled, model)
+
+    def _routing_filled(self, model: StepModel) -> None:
+        if self.model is model:
+            self.table.set_records(sample_records(model))
+            self._apply_filter()
 
     def update_status(self) -> None:
         m = self.model

@@ -64,8 +64,9 @@ float64). ``p50_abs`` / ``p99_abs`` are exact: numpy's default (linear) percenti
 float32 |Δ| of every analysed token, found without a full partition — a histogram of the top
 16 bits of each |Δ| (monotone in the value for non-negative floats) locates the histogram bins
 that hold the needed order statistics, and only the values inside those bins are partitioned.
-A step is processed in blocks of whole samples (``_BLOCK_TOKENS``, so that the work arrays stay
-small whatever the step size) whose sums are added (Chan's update for the correlation's centred
+A step is read and processed in chunks of whole samples (``MismatchConfig.chunk_tokens``,
+``axrl.trace.chunks``, so that the columns held and the work arrays stay one chunk's whatever the
+step size; a chunk that fails to read drops its whole step) whose sums are added (Chan's update for the correlation's centred
 moments). Breakdown sums are accumulated in joint histograms (every breakdown key plus the sign
 of Δ as the digits of one bin index), marginalised once at the end. On large traces the per-token
 loops (token selection, breakdown keys and histograms, routing comparison, moment sums) run compiled
@@ -107,7 +108,7 @@ from .tokens import StepTokens, step_tokens
 from .top import TopToken
 
 __all__ = [
-    "BREAKDOWN_COLUMNS", "COMPILED_MIN_BYTES", "CORE_COLUMNS", "ENTROPY_EDGES", "ENTROPY_LABELS", "METRIC_NAMES",
+    "BREAKDOWN_COLUMNS", "COMPILED_MIN_BYTES", "COMPILED_MIN_ROUTING_ROWS", "CORE_COLUMNS", "ENTROPY_EDGES", "ENTROPY_LABELS", "METRIC_NAMES",
     "POSITION_EDGES", "POSITION_LABELS", "PROB_EDGES", "PROB_LABELS", "ROUTING_COLUMNS", "ROUTING_DELTA_LABELS",
     "SPLIT_COLUMN", "MismatchAccumulator", "MismatchConfig", "StepRouting", "StepTokens", "TopToken", "analyse",
     "attach_context", "auto_workers", "keep_freed_memory", "mismatch_report", "resolve_compiled",
@@ -122,13 +123,38 @@ __all__ = [
 COMPILED_MIN_BYTES = 512 << 20
 
 
+# Routing comparisons ((token, layer) rows) above which the compiled pass pays for loading numba:
+# numpy's comparison costs ~0.1 µs per row, the compiled one a tenth of that.
+COMPILED_MIN_ROUTING_ROWS = 1 << 22
+
+
 def resolve_compiled(cfg: MismatchConfig, paths: list[Any]) -> MismatchConfig:
     """``cfg`` with ``compiled`` decided when it is None: compiled kernels when the step files
-    to analyse total at least ``COMPILED_MIN_BYTES``, else the numpy path (no numba import)."""
+    to analyse total at least ``COMPILED_MIN_BYTES`` or hold at least ``COMPILED_MIN_ROUTING_ROWS``
+    routing rows (tokens × MoE layers; the same for raw and packed routing), else the numpy path
+    (no numba import)."""
     if cfg.compiled is not None:
         return cfg
     size = sum(Path(p).stat().st_size for p in paths)
-    return replace(cfg, compiled=size >= COMPILED_MIN_BYTES)
+    return replace(cfg, compiled=size >= COMPILED_MIN_BYTES or
+                   (cfg.routing and _routing_rows(paths, COMPILED_MIN_ROUTING_ROWS) >= COMPILED_MIN_ROUTING_ROWS))
+
+
+def _routing_rows(paths: list[Any], enough: int) -> int:
+    """Σ tokens × MoE layers over the step files (stops counting at ``enough``; unreadable: 0)."""
+    from axrl.trace import StepFile
+
+    total = 0
+    for p in paths:
+        try:
+            with StepFile(p) as sf:
+                if "/routing/rollout" in sf and sf.num_tokens:
+                    total += sf.num_tokens * int(sf.read_slice("/routing/rollout", 0, 1).shape[1])
+        except (TraceError, OSError, KeyError):
+            continue
+        if total >= enough:
+            break
+    return total
 
 
 def _load_kernels(reader: Any, step: int, cfg: MismatchConfig) -> None:

@@ -4,13 +4,14 @@ percentiles) and turns them into the report (``result``)."""
 
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from .blocks import _BLOCK_TOKENS, _sample_blocks, _StepView
+from .blocks import _sample_blocks, _StepView
 from .breakdowns import _Buckets, _marginals, _Sig
 from .compiled import compiled_block
 from .config import ENTROPY_LABELS, POSITION_LABELS, PROB_LABELS, ROUTING_DELTA_LABELS, MismatchConfig
@@ -69,7 +70,7 @@ class MismatchAccumulator:
         self.steps: list[int] = []
         self.split: SplitSums | None = None   # set by the first step with behaviour_train_logprob
         self._ws = _Scratch()
-        self._block_tokens = _BLOCK_TOKENS
+        self._block_tokens = self.cfg.chunk_tokens
 
     def __getstate__(self) -> dict[str, Any]:
         self._flush()
@@ -106,6 +107,35 @@ class MismatchAccumulator:
                 sub_off = off[s0:s1 + 1] - a
             self._fold_block(ss, compiled_block(self.cfg, self._ws, step, policy_version, sub, sub_off, a, s0), t)
         return self._finish_step(ss)
+
+    def add_chunks(self, step: int, policy_version: int, chunks: Iterable[Any], num_tokens: int) -> dict[str, Any]:
+        """Fold in one step read in runs of whole samples (``axrl.trace.chunks.iter_chunks`` with
+        ``cfg.chunk_tokens``: the blocks ``add_columns`` would cut, so the sums are the same);
+        ``num_tokens``: the step's token count. Returns that step's headline metrics. Only one
+        chunk's columns are held at a time. A chunk that fails to read (the exception propagates)
+        leaves the accumulator as it was before the step."""
+        saved = self._checkpoint()
+        try:
+            ss = _StepSums(step)
+            for ch in chunks:
+                cols = self.cfg.compared(ch.data)
+                if self.cfg.compiled is False:
+                    sv = numpy_view(step_tokens(step, policy_version, cols, self.cfg), self.cfg)
+                    if ch.token0 or ch.sample0:
+                        sv.top = _shifted(sv.top, ch.token0, ch.sample0)
+                else:
+                    off = np.asarray(cols["/samples/offsets"], dtype=np.int64)
+                    sv = compiled_block(self.cfg, self._ws, step, policy_version, cols, off, ch.token0, ch.sample0)
+                self._fold_block(ss, sv, num_tokens)
+            return self._finish_step(ss)
+        except BaseException:
+            self.__dict__.update(saved)
+            raise
+
+    def _checkpoint(self) -> dict[str, Any]:
+        """The accumulator's state, to restore if a step fails half-way (lists copied, sums deep-copied)."""
+        return {k: (v if k in ("cfg", "_ws") else list(v) if isinstance(v, list) else copy.deepcopy(v))
+                for k, v in self.__dict__.items()}
 
     def add(self, st: StepTokens) -> dict[str, Any]:
         """Fold one step in from its analysed tokens (``step_tokens``); returns that step's headline
@@ -331,9 +361,27 @@ def analyse(columns_by_step: Any, cfg: MismatchConfig) -> MismatchAccumulator:
     return acc
 
 
+def _shifted(top: Any, token0: int, sample0: int) -> Any:
+    """A block's ``top`` whose tokens and samples are numbered from the step's start."""
+    return lambda sel: [replace(t, token=t.token + token0, sample=t.sample + sample0) for t in top(sel)]
+
+
 def _read_steps(reader: Any, steps: list[int], cfg: MismatchConfig) -> MismatchAccumulator:
-    """Stream ``steps`` of ``reader`` (only the datasets the analysis needs, read into buffers that
-    are reused from step to step) into an accumulator."""
+    """Stream ``steps`` of ``reader`` into an accumulator, chunk by chunk (``cfg.chunk_tokens``
+    tokens of whole samples at a time, only the datasets the analysis needs, read into buffers
+    reused from chunk to chunk): memory does not grow with the step."""
+    from axrl.trace.chunks import iter_chunks
+
+    from ..chunked import for_each_step
+
     required, optional = cfg.columns()
-    return analyse(reader.iter_columns(required, steps, optional=optional, reuse_buffers=True,
-                                       fast_checksums=cfg.compiled is not False), cfg)
+    acc = MismatchAccumulator(cfg)
+    buffers: dict[str, np.ndarray] = {}
+
+    def fold(sf: Any) -> None:
+        chunks = iter_chunks(sf, required, optional=optional, chunk_tokens=cfg.chunk_tokens, buffers=buffers,
+                             fast_checksums=cfg.compiled is not False)
+        acc.add_chunks(sf.step, sf.policy_version, chunks, sf.num_tokens)
+
+    for_each_step(reader, steps, fold)
+    return acc

@@ -8,6 +8,8 @@ from typing import Callable
 
 import numpy as np
 
+from axrl.trace.chunks import DEFAULT_CHUNK_TOKENS, sample_chunks
+
 from .breakdowns import _Sig
 from .split import BlockSplit
 from .top import TopToken
@@ -30,17 +32,6 @@ class _StepView:
     split: BlockSplit | None = None        # ``split.split_sums`` when the step has behaviour_train_logprob
 
 
-_BLOCK_TOKENS = 1 << 18   # tokens per block of a step (work arrays ~200 B per token of a block)
-
-
-def _sample_blocks(off: np.ndarray, t: int, block: int) -> list[tuple[int, int]]:
-    """Consecutive runs of whole samples (sample index ranges) of about ``block`` tokens; a longer
-    sample is a block of its own. One block for the whole step when it is small."""
-    n = off.size - 1
-    if t <= block + block // 2 or n <= 1:
-        return [(0, n)]
-    cuts = np.unique(np.searchsorted(off, np.arange(block, t, block), side="right") - 1)
-    cuts = cuts[(cuts > 0) & (cuts < n)].tolist()
-    bounds = [0] + cuts + [n]
-    return list(zip(bounds[:-1], bounds[1:]))
-
+# tokens per block of a step (work arrays ~200 B per token of a block): the chunk a step is read in
+_BLOCK_TOKENS = DEFAULT_CHUNK_TOKENS
+_sample_blocks = sample_chunks     # runs of whole samples of about that many tokens

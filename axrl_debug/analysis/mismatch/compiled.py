@@ -23,6 +23,8 @@ _NO_INTS = np.zeros(1, np.int64)
 _NO_BYTES = np.zeros(1, np.uint8)
 _NO_FLAGS = np.zeros(1, bool)
 _NO_ROUTING = np.zeros((1, 0, 1), np.uint8)
+_NO_WORDS = np.zeros((1, 1), np.uint64)
+_NO_COUNTS = np.zeros(0, np.int32)
 assert len(_LOG_PROB_INNER) == 5, "kernels.breakdown_block unrolls five rollout-prob edges"
 
 
@@ -198,11 +200,43 @@ def _breakdown_pass(kern: Any, ws: _Scratch, c: _Block, a: _Analysed, off: np.nd
     valid = _NO_BYTES if c.vcol is None else c.vcol
     row_agree = ws("row_agree", c.t, bool) if c.has_routing else _NO_FLAGS
     if c.has_routing:
-        kern.routing_rows(c.rr, c.rt, valid, c.vcol is not None, row_agree, h.layer_agree, h.layer_hits)
+        compare_rows(kern, c.rr, c.rt, valid, c.vcol is not None, row_agree, h.layer_agree, h.layer_hits, _NO_COUNTS)
     if h.groups:
         kern.breakdown_block(c.lm, c.lr, c.lt, off, c.turn, c.pver, ent_digit, c.has_keys, prob_edges, _POS_LUT,
                              int(a.tlo), int(a.thi - a.tlo) + 1, int(a.vhi), int(a.vhi - a.vlo) + 1,
                              row_agree, valid, c.has_routing, c.vcol is not None, h.mult, h.counts, h.sums)
+
+
+def compare_rows(kern: Any, rr: np.ndarray, rt: np.ndarray, valid: np.ndarray, has_valid: bool,
+                 row_agree: np.ndarray, layer_agree: np.ndarray, layer_hits: np.ndarray,
+                 row_layers: np.ndarray) -> None:
+    """``kernels.routing_rows`` on a block's routing (rows as words where they fill 8 bytes, a
+    bitset of the expert ids for the rows that differ in order)."""
+    rw, tw = _row_words(rr), _row_words(rt)
+    has_words = rw is not None and tw is not None
+    small = rr.dtype in (np.uint8, np.uint16) and rt.dtype == rr.dtype
+    members = np.zeros((int(np.iinfo(rr.dtype).max) + 1) // 64 if small else 0, np.uint64)   # a bit per id
+    kern.routing_rows(rr, rt, rw if has_words else _NO_WORDS, tw if has_words else _NO_WORDS, has_words,
+                      valid, has_valid, row_agree, layer_agree, layer_hits, members, row_layers)
+
+
+def agreeing_layers(rr: np.ndarray, rt: np.ndarray) -> np.ndarray:
+    """int32 [T]: layers whose expert sets agree, per routing row (compiled; the TUI's per-sample
+    routing column of a large step)."""
+    t, layers = rr.shape[0], rr.shape[1]
+    out = np.zeros(t, np.int32)
+    if t:
+        compare_rows(_kernels(), rr, rt, _NO_BYTES, False, np.empty(t, bool), np.zeros(layers, np.int64),
+                     np.zeros(layers, np.int64), out)
+    return out
+
+
+def _row_words(ids: np.ndarray) -> np.ndarray | None:
+    """[T, L] uint64 view of [T, L, k] ids whose k ids fill exactly 8 bytes (top-8 of ≤ 256 experts,
+    top-4 of more): each (token, layer) row compared as one word. None otherwise."""
+    if ids.ndim != 3 or ids.shape[2] * ids.dtype.itemsize != 8 or not ids.flags.c_contiguous:
+        return None
+    return ids.view(np.uint64)[..., 0]
 
 
 def _top_tokens(c: _Block, a: _Analysed, off: np.ndarray, step: int, policy_version: int, token0: int,

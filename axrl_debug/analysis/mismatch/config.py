@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from axrl.trace.chunks import DEFAULT_CHUNK_TOKENS
+
 # Datasets each part of the analysis reads (the reader reads nothing else).
 CORE_COLUMNS = ("/samples/offsets", "/tokens/loss_mask", "/tokens/rollout_logprob", "/tokens/old_logprob")
 BREAKDOWN_COLUMNS = ("/tokens/turn", "/tokens/policy_version", "/tokens/entropy")
@@ -63,6 +65,9 @@ class MismatchConfig:
     # What the rollout logprob is compared with: the trainer's recompute (old_logprob) or, for an
     # on-policy distillation run, the teacher's (``TEACHER_COLUMN``; no routing, no Δ split then).
     against: str = "trainer"
+    # Tokens (of whole samples) read and folded at a time: the analysis holds one such chunk of a
+    # step's columns, whatever the step's size (``axrl.trace.chunks``).
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 
     @classmethod
     def from_run_config(cls, config: Mapping[str, Any] | None, **kw: Any) -> "MismatchConfig":
