@@ -45,6 +45,8 @@ def tui(
             model = RunModel(run, against=against)
         except RunOpenError as e:
             raise BadInput(str(e)) from None
+        if against in _NEEDS and model.files:
+            _require_column(model.files[step if step in model.files else min(model.files)], against)
         if sample is not None and step is None:
             raise BadInput("--sample needs --step")
         if step is not None and step not in model.files:
@@ -67,6 +69,27 @@ def tui(
         return 0
 
     run_command(body)
+
+
+# What each --against compares with, and the run that records it.
+_NEEDS = {"teacher": ("teacher_logprob", "trained with on-policy distillation, config section `distill`"),
+          "value": ("value", "trained with a critic, `algo.advantage: gae`")}
+
+
+def _require_column(path: Path, against: str) -> None:
+    """Refuse --against teacher|value on a run whose step file lacks the column it colours by:
+    every token would show no Δ, which reads as "no difference"."""
+    from axrl.trace import StepFile, TraceError
+
+    column, run_kind = _NEEDS[against]
+    try:
+        with StepFile(path) as sf:
+            present = f"/tokens/{column}" in sf
+    except (TraceError, OSError) as e:
+        raise BadInput(f"{path}: cannot read it ({e})") from None
+    if not present:
+        raise BadInput(f"--against {against}: {path.name} has no /tokens/{column} (the run was not {run_kind}); "
+                       "open it without --against to colour by trainer − rollout logprob")
 
 
 def _sample_ids(path: Path) -> set[int]:
