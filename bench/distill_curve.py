@@ -96,14 +96,15 @@ def _last_row(run_dir: Path) -> dict[str, Any]:
 
 def curve(run_dir: Path) -> list[tuple[int, float]]:
     """(steps trained, eval reward) of a run: `eval_reward` of step k is before step k (after k
-    steps), `eval_reward_final` after the last step."""
-    out = []
+    steps), `eval_reward_final` after the last step (a run extended with --resume evaluates the
+    step it resumed at again: one point per step, the later)."""
+    out: dict[int, float] = {}
     for r in _rows(run_dir):
         if r.get("eval_reward") is not None:
-            out.append((int(r["step"]), float(r["eval_reward"])))
+            out[int(r["step"])] = float(r["eval_reward"])
         if r.get("eval_reward_final") is not None:
-            out.append((int(r["step"]) + 1, float(r["eval_reward_final"])))
-    return out
+            out[int(r["step"]) + 1] = float(r["eval_reward_final"])
+    return sorted(out.items())
 
 
 def se_bound(mean: float, n: int) -> float:
