@@ -30,7 +30,9 @@ times of the runs this invocation trained.
         [--reuse]
 
 `--reuse` keeps a run already complete in `--out` when its config.yaml holds the settings this
-invocation would give it (e.g. the teacher when only the student settings change).
+invocation would give it (e.g. the teacher when only the student settings change), and extends one
+that differs only by fewer steps with `axrl train --resume` (bitwise the longer run: e.g.
+`--teacher-steps 80` after a 40-step invocation trains 40 more teacher steps, not 80).
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ def train(run_dir: Path, sets: list[str], reuse: bool) -> float:
         print(f"reusing {run_dir}", flush=True)
         return 0.0
     cmd = [sys.executable, "-m", "axrl.cli", "train", str(CONFIG), "--run-dir", str(run_dir)]
+    others, steps = [s for s in sets if not s.startswith("steps=")], [s for s in sets if s.startswith("steps=")]
+    if reuse and steps and _complete(run_dir, others) and _steps(run_dir) < int(steps[0].split("=")[1]):
+        cmd.append("--resume")  # the same run, shorter: extend it (resume continues bit for bit)
     cmd += [a for s in sets for a in ("--set", s)]
     print("running:", " ".join(cmd[2:]), flush=True)
     t0 = time.perf_counter()
@@ -83,6 +88,12 @@ def _complete(run_dir: Path, sets: list[str]) -> bool:
         if node != yaml.safe_load(value) and str(node) != value:
             return False
     return True
+
+
+def _steps(run_dir: Path) -> int:
+    import yaml
+
+    return int(yaml.safe_load((run_dir / "config.yaml").read_text())["steps"])
 
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
