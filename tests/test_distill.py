@@ -169,6 +169,25 @@ def test_tui_colours_tokens_by_the_teacher_delta(distill_run):
     assert not np.allclose(trainer.delta[mask], tokens.delta[mask])
 
 
+def test_tui_token_detail_names_the_teacher_and_refuses_a_run_without_one(distill_run):
+    from axrl_debug.tui.data import RunModel
+    from axrl_debug.tui.widgets.token_detail import detail_text
+
+    tokens = RunModel(distill_run, against="teacher").step(1).sample(0)
+    i = int(np.flatnonzero(tokens.data["loss_mask"] == 1)[0])
+    text = detail_text(tokens, i).plain
+    teacher, trainer = tokens.data["teacher_logprob"][i], tokens.data["old_logprob"][i]
+    assert f"teacher lp {teacher:.5g}" in text and f"trainer lp {trainer:.5g}" in text
+    assert f"Δ teacher {tokens.delta[i]:.3g}" in text and "π_T/μ" in text
+    # a run without teacher logprobs would show no Δ anywhere, which reads as agreement: refused
+    result = CliRunner().invoke(debug_app, ["tui", str(distill_run.parent / "teacher"), "--against", "teacher"])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "/tokens/teacher_logprob" in said and "distill" in said
+    result = CliRunner().invoke(debug_app, ["tui", str(distill_run), "--against", "value"])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "/tokens/value" in said and "gae" in said
+
+
 def test_metrics_log_the_teacher_kl(distill_run):
     rows = [json.loads(line) for line in (distill_run / "metrics.jsonl").read_text().splitlines()]
     with h5py.File(distill_run / "trace" / "step_000001.h5") as f:

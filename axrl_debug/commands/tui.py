@@ -45,6 +45,8 @@ def tui(
             model = RunModel(run, against=against)
         except RunOpenError as e:
             raise BadInput(str(e)) from None
+        if against in _NEEDS and model.files:
+            _require_column(model.files, step, against)
         if sample is not None and step is None:
             raise BadInput("--sample needs --step")
         if step is not None and step not in model.files:
@@ -67,6 +69,36 @@ def tui(
         return 0
 
     run_command(body)
+
+
+_COLUMN_PROBES = 32  # step files opened at most to find one with per-token columns
+
+# What each --against compares with, and the run that records it.
+_NEEDS = {"teacher": ("teacher_logprob", "trained with on-policy distillation, config section `distill`"),
+          "value": ("value", "trained with a critic, `algo.advantage: gae`")}
+
+
+def _require_column(files: dict[int, Path], step: int | None, against: str) -> None:
+    """Refuse --against teacher|value on a run whose step files lack the column it colours by:
+    every token would show no Δ, which reads as "no difference". The step opened (else the
+    first) is checked, or the next with per-token columns if it was recorded at trace.level
+    summary; a run with none in its first steps is not refused (nothing to colour anyway)."""
+    from axrl.recording.tiers import ATTR_TRACE_LEVEL
+    from axrl.trace import StepFile, TraceError
+
+    column, run_kind = _NEEDS[against]
+    order = sorted(files, key=lambda s: (s != step, s))[:_COLUMN_PROBES]
+    for s in order:
+        try:
+            with StepFile(files[s]) as sf:
+                if sf.attrs.get(ATTR_TRACE_LEVEL) == "summary":
+                    continue
+                if f"/tokens/{column}" in sf:
+                    return
+        except (TraceError, OSError) as e:
+            raise BadInput(f"{files[s]}: cannot read it ({e})") from None
+        raise BadInput(f"--against {against}: {files[s].name} has no /tokens/{column} (the run was not {run_kind}); "
+                       "open it without --against to colour by trainer − rollout logprob")
 
 
 def _sample_ids(path: Path) -> set[int]:

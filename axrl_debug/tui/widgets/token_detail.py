@@ -65,13 +65,7 @@ def detail_text(t: SampleTokens, i: int, note: str = "") -> Text:
     out.append(repr(display_piece(t.text[i])), "bold cyan")
     out.append(f" id {tid} · turn {int(t.get('turn', i, 0))} · {kind}")
     out.append("\n")
-    lr, lo, d = t.get("rollout_logprob", i), t.get("old_logprob", i), float(t.delta[i])
-    out.append("rollout lp ", LABEL).append(_num(lr))
-    out.append("  trainer lp ", LABEL).append(_num(lo))
-    out.append("  Δ ", LABEL).append(_num(d, 3), _delta_style(d))
-    ratio = math.exp(d) if not math.isnan(d) else math.nan
-    out.append("  ratio ", LABEL).append(_num(ratio))
-    out.append("\n")
+    _comparison(out, t, i)
     if t.engine_delta is not None:
         _split(out, t, i)
     pv = int(t.get("policy_version", i, -1))
@@ -93,6 +87,26 @@ def detail_text(t: SampleTokens, i: int, note: str = "") -> Text:
         out.append("\n")
     _routing(out, t, i)
     return out
+
+
+def _comparison(out: Text, t: SampleTokens, i: int) -> None:
+    """The line Δ comes from, as the run was opened (`--against`): trainer − rollout logprob and
+    the ratio; teacher − rollout (a distillation run: the trainer's logprob stays shown, and
+    exp(Δ) is π_T/μ); or the critic's V − return."""
+    d, against = float(t.delta[i]), t.step.run.against
+    if against == "value":
+        out.append("value ", LABEL).append(_num(t.get("value", i)))
+        out.append("  return ", LABEL).append(_num(t.get("return", i)))
+        out.append("  V − return ", LABEL).append(_num(d, 3), _delta_style(d)).append("\n")
+        return
+    out.append("rollout lp ", LABEL).append(_num(t.get("rollout_logprob", i)))
+    if against == "teacher":
+        out.append("  teacher lp ", LABEL).append(_num(t.get("teacher_logprob", i)))
+    out.append("  trainer lp ", LABEL).append(_num(t.get("old_logprob", i)))
+    out.append("  Δ teacher " if against == "teacher" else "  Δ ", LABEL).append(_num(d, 3), _delta_style(d))
+    ratio = math.exp(d) if not math.isnan(d) else math.nan
+    out.append("  π_T/μ " if against == "teacher" else "  ratio ", LABEL).append(_num(ratio))
+    out.append("\n")
 
 
 def _split(out: Text, t: SampleTokens, i: int) -> None:
