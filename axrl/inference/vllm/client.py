@@ -1,0 +1,65 @@
+"""`VLLMEngine`: the `InferenceEngine` protocol over a vLLM server's token-in/token-out API.
+
+It is the SGLang client (`axrl/inference/sglang/client.py`: its event loop, sticky routing,
+retries, restart-and-resync, abort bookkeeping) with vLLM's routes in the places where the two
+APIs differ:
+
+- generation: one request per `POST /inference/v1/generate` (vLLM batches requests itself,
+  continuously; it has no batched body), wire format in `vllm/wire.py`;
+- abort: `POST /abort_requests` with vLLM's id of the request;
+- weight labels: `GET /weight_info`; weight updates: `vllm/weight_updater.py`;
+- memory: `/sleep?level=1` and `/wake_up` (GPU builds; vLLM's CPU build has no sleep mode);
+- `stream=True` requests are sent whole: their tokens arrive with the result (one chunk).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from axrl.inference.protocol import GenerateRequest, GenerateResult
+from axrl.inference.servers.weights import ServerWeights
+from axrl.inference.sglang.client import SGLangEngine
+from axrl.inference.vllm.weight_updater import VLLMWeights
+from axrl.inference.vllm.wire import WIRE_ID_PREFIX, request_to_vllm, result_from_vllm
+
+__all__ = ["VLLMEngine"]
+
+
+class VLLMEngine(SGLangEngine):
+    """HTTP client for one or more vLLM servers (see the module docstring); the arguments are
+    `SGLangEngine`'s (`weight_sync` must be "disk")."""
+
+    GENERATE_PATH = "/inference/v1/generate"
+    INFO_PATH = "/weight_info"
+
+    def _weight_updater(self, **options: Any) -> ServerWeights:
+        """vLLM's pause / reload_weights / resume route (`VLLMWeights`)."""
+        if options["weight_sync"] != "disk":
+            raise ValueError("weight_sync: vLLM servers are synced from disk only (docs/vllm.md)")
+        return VLLMWeights(self._transport, self.launcher, version=options["version"], weight_sync="disk",
+                           export_dir=self.export_dir, model_dir=self.model_dir)
+
+    def _abort_call(self, wire_rid: str) -> tuple[str, dict[str, Any]]:
+        return "/abort_requests", {"request_ids": [WIRE_ID_PREFIX + wire_rid]}
+
+    def _split(self, server: int, ks: list[int], reqs: list[GenerateRequest]) -> list[list[int]]:
+        return [[k] for k in ks]
+
+    def _request_body(self, server: int, reqs: list[GenerateRequest], rids: list[str]) -> dict[str, Any]:
+        return request_to_vllm(reqs[0], rids[0])
+
+    def _parse(self, url: str, data: Any, reqs: list[GenerateRequest]) -> list[GenerateResult]:
+        return [result_from_vllm(data, reqs[0], current_version=self._weights.version)]
+
+    async def _post_streaming(self, url: str, body: dict[str, Any], req: GenerateRequest) -> httpx.Response:
+        return await self._http.post(url + self.GENERATE_PATH, json=body)
+
+    def release_memory(self) -> None:
+        """Every server frees its weights' and KV cache's memory (`/sleep?level=1`; GPU builds)."""
+        self._transport.post_all("/sleep?level=1", {})
+
+    def resume_memory(self) -> None:
+        """Every server allocates again what `release_memory` freed (`/wake_up`)."""
+        self._transport.post_all("/wake_up", {})

@@ -1,0 +1,33 @@
+"""`VLLMSettings`: how the vLLM rollout engine is reached — servers to connect to, or how to
+launch them (the fields every server engine has are `ServerFleetSettings`'s), and vLLM's own:
+eager mode and the CPU build's KV-cache size. Light (pydantic only): the config reads it."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import Field, model_validator
+
+from axrl.inference.servers.settings import ServerFleetSettings
+
+__all__ = ["VLLMSettings"]
+
+
+class VLLMSettings(ServerFleetSettings):
+    """`rollout.engine: vllm`: connect to running vLLM servers (`urls`) or launch them
+    (docs/vllm.md). The YAML section `rollout.vllm` is this type."""
+
+    LAUNCHER_FLAGS: ClassVar[frozenset[str]] = frozenset({"--model", "--host", "--port"})
+
+    base_port: int = Field(31000, ge=1, le=65535, description="first port tried; busy ones are skipped")
+    enforce_eager: bool = Field(True, description="--enforce-eager: no graph capture (needed on small CPU machines; "
+                                                  "turn off on GPUs for CUDA graphs)")
+    cpu_kv_cache_gb: int = Field(1, ge=1, description="CPU build: KV-cache space in GiB (VLLM_CPU_KVCACHE_SPACE)")
+
+    @model_validator(mode="after")
+    def _weight_route(self) -> "VLLMSettings":
+        if self.weight_sync == "distributed":
+            raise ValueError("rollout.vllm.weight_sync: 'distributed' (vLLM's NCCL weight transfer) is not built yet: "
+                             "its trainer side needs the vllm package and a GPU in the trainer's environment; use "
+                             "'disk' (pause, reload_weights from the exported directory, resume; docs/vllm.md)")
+        return self
