@@ -478,7 +478,8 @@ class Config(Section):
                              "schedules its own iterations); use 'rounds' or 'auto'")
         if self.rollout.engine == "vllm":  # what vLLM cannot do in this run
             self.rollout.vllm.check_run(r3=self.r3, cpu=self.runtime.device == "cpu",
-                                        release_memory=self.rollout.release_memory)
+                                        release_memory=self.rollout.release_memory,
+                                        asynchronous=self.runtime.mode == "async")
         return self
 
     @model_validator(mode="after")

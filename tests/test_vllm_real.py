@@ -7,8 +7,8 @@ interpreter with AXRL_VLLM_PYTHON=DIR/bin/python (without it the real-server tes
     AXRL_VLLM_PYTHON=~/.cache/axrl/vllm-venv/bin/python scripts/test -m vllm tests/test_vllm_real.py
 
 One server (the tiny-moe preset exported from AxRL, served in float32) is started through the
-factory's flags for the whole module; tests run in file order (the weight-sync test changes the
-served weights and loads the start-up ones back). The last test runs a shortened `axrl train`
+factory's flags for the whole module; tests run in file order (the weight-sync tests change the
+served weights; the restart one restarts the server on new weights). The last test runs a shortened `axrl train`
 that launches its own server from the config. The refusals (micro-moe on vLLM's CPU kernels, R3
 on the CPU build) need no server. Measured numbers are printed and written as JSON to
 AXRL_VLLM_REPORT (default: the pytest temp dir).
@@ -99,8 +99,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def engine(models, tmp_path_factory):
-    """A disk-sync `VLLMEngine` over one real vLLM server on the seed-0 model, launched with the
-    flags and environment `rollout.engine: vllm` uses."""
+    """A `VLLMEngine` syncing by restart (the CPU build's route) over one real vLLM server on the
+    seed-0 model, launched with the flags and environment `rollout.engine: vllm` uses."""
     from axrl.inference.servers.launcher import ServerLauncher, free_port
     from axrl.inference.sglang.settings import ServedModel
     from axrl.inference.vllm.client import VLLMEngine
@@ -118,7 +118,8 @@ def engine(models, tmp_path_factory):
     t0 = time.perf_counter()
     launcher.start()
     _report("server_startup_s", round(time.perf_counter() - t0, 1))
-    client = VLLMEngine(launcher.urls, launcher=launcher, model_dir=models["seed0"], vocab_size=1024, timeout_s=300)
+    client = VLLMEngine(launcher.urls, launcher=launcher, weight_route="restart", model_dir=models["seed0"],
+                        vocab_size=1024, timeout_s=300)
     try:
         yield client
     finally:
@@ -184,27 +185,43 @@ def test_abort_stops_a_running_request(engine):
 
 # -- weight sync -----------------------------------------------------------------------------------
 @real_vllm
-def test_weight_reload_changes_outputs_and_matches_the_trainer_on_new_weights(engine, models):
-    """update_weights(state dict) → export, pause, reload_weights in place, relabel, resume: the
-    seed-1 weights (MoE experts included) then generate, with per-token versions of the new label;
-    loading the start-up directory back restores the first outputs token for token."""
+def test_in_place_reload_changes_outputs_and_its_mismatch_is_measured(engine, models):
+    """The "reload" route (pause, reload_weights from the exported directory, relabel, resume)
+    changes what the server generates, labels every token with the new version, and its logprob
+    mismatch against the trainer on the new weights is reported (docs/vllm.md: on the CPU build
+    it is not float rounding, which is why the CPU build syncs by restart)."""
+    from axrl.inference.vllm.client import VLLMEngine
+
     p = prompts(1024)[3]
     req = lambda: GenerateRequest(input_ids=p, sampling_params=sampled(16, 5, ignore_eos=True), return_logprob=True)  # noqa: E731
     before = engine.generate_batch([req()], timeout=300)[0]
     new = load_hf(models["seed1"])
+    with VLLMEngine(engine.urls, weight_route="reload", model_dir=models["seed0"], vocab_size=1024) as reloading:
+        t0 = time.perf_counter()
+        assert reloading.update_weights(dict(hf_state_dict(new)), version=3) == 3
+        _report("reload_in_place_s", round(time.perf_counter() - t0, 3))
+        after = reloading.generate_batch([req()], timeout=300)[0]
+        assert after.output_ids != before.output_ids
+        assert after.weight_version == 3 and after.output_weight_versions == [3] * 16
+        worst, tokens = max_mismatch(reloading, new, 1.0, seed0=100)
+        _report("reload_in_place_logprob_max_abs", {"max_abs": worst, "tokens": tokens})
+
+
+@real_vllm
+def test_restart_route_loads_new_weights_exactly(engine, models):
+    """The "restart" route (the CPU default): update_weights(state dict) exports the weights, the
+    launcher restarts the server on them and labels it; the server then matches the trainer on
+    the new weights to float32 rounding, and reports the new version per token."""
+    new = load_hf(models["seed1"])
     t0 = time.perf_counter()
-    assert engine.update_weights(dict(hf_state_dict(new)), version=3) == 3
-    _report("weight_sync_s", round(time.perf_counter() - t0, 3))
-    after = engine.generate_batch([req()], timeout=300)[0]
-    assert after.output_ids != before.output_ids
-    assert after.weight_version == 3 and after.output_weight_versions == [3] * 16
-    assert engine.health()["servers"][0]["weight_version"] == "3"
-    worst, tokens = max_mismatch(engine, new, 1.0, seed0=100)
-    _report("logprob_max_abs_after_reload", {"max_abs": worst, "tokens": tokens})
+    assert engine.update_weights(dict(hf_state_dict(new)), version=4) == 4
+    _report("restart_sync_s", round(time.perf_counter() - t0, 1))
+    assert engine.health()["servers"][0]["weight_version"] == "4"
+    worst, tokens = max_mismatch(engine, new, 1.0, seed0=200)
+    _report("restart_logprob_max_abs", {"max_abs": worst, "tokens": tokens})
     assert worst < LOGPROB_TOL
-    assert engine.update_weights(models["seed0"], version=4) == 4
-    again = engine.generate_batch([req()], timeout=300)[0]
-    assert again.output_ids == before.output_ids and again.weight_version == 4
+    res = engine.generate_batch([GenerateRequest(input_ids=prompts(1024)[0], sampling_params=sampled(4, 1))])[0]
+    assert res.weight_version == 4 and set(res.output_weight_versions) == {4}
 
 
 # -- refusals (no server needed) --------------------------------------------------------------------

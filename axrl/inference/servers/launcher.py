@@ -225,6 +225,38 @@ class ServerLauncher:
             self._wait_healthy(s, time.monotonic() + self.startup_timeout_s)
             return True
 
+    def relaunch(self, servers: Sequence[int], model_path: str | Path) -> None:
+        """Restart `servers` on the HF directory `model_path` (same ports and flags) and wait until
+        they are healthy: the weight route of servers that cannot load new weights in place. Not
+        counted as restarts (the client gives no resync for it); later restarts load `model_path`."""
+        if not Path(model_path).is_dir():
+            raise FileNotFoundError(f"model_path {model_path} is not a directory (an HF model directory is needed)")
+        self.model_path = str(model_path)
+        chosen = [self._servers[i] for i in servers]
+        for s in chosen:
+            with s.lock:
+                self._terminate(s)
+                self._close_log(s)
+                self._spawn(s)
+        deadline = time.monotonic() + self.startup_timeout_s
+        for s in chosen:
+            self._wait_healthy(s, deadline)
+
+    @staticmethod
+    def _terminate(s: _Server, timeout: float = 15.0) -> None:
+        """SIGTERM server `s`'s process group, SIGKILL after `timeout`, and reap it."""
+        p = s.process
+        if p is None or p.poll() is not None:
+            return
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(timeout)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
     def kill(self, i: int) -> None:
         """SIGKILL server `i` (tests and fault drills); the next `ensure_alive(i)` restarts it."""
         p = self._servers[i].process

@@ -7,21 +7,22 @@ APIs differ:
 - generation: one request per `POST /inference/v1/generate` (vLLM batches requests itself,
   continuously; it has no batched body), wire format in `vllm/wire.py`;
 - abort: `POST /abort_requests` with vLLM's id of the request;
-- weight labels: `GET /weight_info`; weight updates: `vllm/weight_updater.py`;
+- weight labels: `GET /weight_info`; weight updates: `vllm/weight_updater.py` (in place, or by
+  restarting the servers on the new directory: `weight_route`);
 - memory: `/sleep?level=1` and `/wake_up` (GPU builds; vLLM's CPU build has no sleep mode);
 - `stream=True` requests are sent whole: their tokens arrive with the result (one chunk).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import httpx
 
 from axrl.inference.protocol import GenerateRequest, GenerateResult
 from axrl.inference.servers.weights import ServerWeights
 from axrl.inference.sglang.client import SGLangEngine
-from axrl.inference.vllm.weight_updater import VLLMWeights
+from axrl.inference.vllm.weight_updater import ROUTES, VLLMWeights
 from axrl.inference.vllm.wire import WIRE_ID_PREFIX, request_to_vllm, result_from_vllm
 
 __all__ = ["VLLMEngine"]
@@ -29,17 +30,26 @@ __all__ = ["VLLMEngine"]
 
 class VLLMEngine(SGLangEngine):
     """HTTP client for one or more vLLM servers (see the module docstring); the arguments are
-    `SGLangEngine`'s (`weight_sync` must be "disk")."""
+    `SGLangEngine`'s (`weight_sync` must be "disk"), plus `weight_route`: "reload" (in place) or
+    "restart" (the launcher restarts the servers on the new weights)."""
 
     GENERATE_PATH = "/inference/v1/generate"
     INFO_PATH = "/weight_info"
+
+    def __init__(self, urls: Sequence[str], *, weight_route: str = "reload", **options: Any) -> None:
+        if weight_route not in ROUTES:
+            raise ValueError(f"weight_route must be one of {ROUTES}, got {weight_route!r}")
+        self.weight_route = weight_route  # read by _weight_updater, during the base class's set-up
+        super().__init__(urls, **options)
 
     def _weight_updater(self, **options: Any) -> ServerWeights:
         """vLLM's pause / reload_weights / resume route (`VLLMWeights`)."""
         if options["weight_sync"] != "disk":
             raise ValueError("weight_sync: vLLM servers are synced from disk only (docs/vllm.md)")
-        return VLLMWeights(self._transport, self.launcher, version=options["version"], weight_sync="disk",
-                           export_dir=self.export_dir, model_dir=self.model_dir)
+        weights = VLLMWeights(self._transport, self.launcher, version=options["version"], weight_sync="disk",
+                              export_dir=self.export_dir, model_dir=self.model_dir)
+        weights.route = self.weight_route
+        return weights
 
     def _abort_call(self, wire_rid: str) -> tuple[str, dict[str, Any]]:
         return "/abort_requests", {"request_ids": [WIRE_ID_PREFIX + wire_rid]}

@@ -64,8 +64,13 @@ def server_args(s: VLLMSettings, r: ServedModel, prefix_cache: bool) -> list[str
 def build_vllm_engine(s: VLLMSettings, served: ServedModel, backend: TrainBackend) -> VLLMEngine:
     """Launch (or connect to) vLLM servers and return a client holding the trainer's current weights."""
     python = s.python or sys.executable
-    if not s.urls and vllm_build(python) == "cpu":
+    build = "" if s.urls else vllm_build(python)
+    if build == "cpu":
         check_cpu_kernels(backend.model_config)
+    route = s.weight_route if s.weight_route != "auto" else "restart" if build == "cpu" else "reload"
+    if s.urls and route == "restart":
+        raise ValueError("rollout.vllm.weight_route: 'restart' needs servers AxRL launches; with rollout.vllm.urls "
+                         "use 'reload' (or 'auto')")
 
     def launch(initial: Path) -> tuple[list[str], list[str]]:
         return [python, "-m", SERVER_MODULE], server_args(s, served, served.prefix_cache)
@@ -74,4 +79,8 @@ def build_vllm_engine(s: VLLMSettings, served: ServedModel, backend: TrainBacken
            "VLLM_SERVER_DEV_MODE": "1",  # the pause / reload / version routes
            "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # CPU build: do not pin threads to cores other jobs use
            "VLLM_CPU_KVCACHE_SPACE": str(s.cpu_kv_cache_gb)}
-    return launch_or_connect(s, backend, "axrl-vllm-", VLLMEngine, launch, env=env, model_flag="--model")
+
+    def make(urls: list[str], **options: object) -> VLLMEngine:
+        return VLLMEngine(urls, weight_route=route, **options)
+
+    return launch_or_connect(s, backend, "axrl-vllm-", make, launch, env=env, model_flag="--model")
