@@ -233,6 +233,16 @@ def test_micro_moe_is_refused_naming_the_cpu_kernel_constraint():
         check_cpu_kernels(preset_config("micro-moe"))
 
 
+def test_an_interpreter_without_vllm_is_a_clear_error():
+    from axrl.inference.vllm.factory import vllm_build
+
+    with pytest.raises(ValueError, match="does not exist; build the CPU environment with scripts/vllm-cpu-env.sh"):
+        vllm_build("/nonexistent/bin/python")
+    if VLLM_PYTHON != sys.executable:  # AxRL's own environment has no vllm (it lives in its own)
+        with pytest.raises(ValueError, match="has no vllm package"):
+            vllm_build(sys.executable)
+
+
 def test_r3_and_distributed_sync_are_refused_with_vllm_on_cpu():
     from axrl.config import Config
 
@@ -240,6 +250,8 @@ def test_r3_and_distributed_sync_are_refused_with_vllm_on_cpu():
         Config.model_validate({"r3": True, "rollout": {"engine": "vllm"}})
     with pytest.raises(ValueError, match="weight_sync: 'distributed'"):
         Config.model_validate({"rollout": {"engine": "vllm", "vllm": {"weight_sync": "distributed"}}})
+    with pytest.raises(ValueError, match="drops the requests an asynchronous run keeps in flight"):
+        Config.model_validate({"runtime": {"mode": "async"}, "rollout": {"engine": "vllm"}})
     with pytest.raises(ValueError, match=r"\['--model'\] are set by the launcher"):
         Config.model_validate({"rollout": {"engine": "vllm", "vllm": {"server_args": ["--model", "x"]}}})
 
