@@ -25,31 +25,19 @@ BASE_PYTHON="${AXRL_SGLANG_BASE_PYTHON:-python3.11}"
 STAMP="sglang==${SGLANG_VERSION} torch==${TORCH_VERSION} triton==${TRITON_VERSION} recipe=2"
 start=$(date +%s)
 
-if [[ -f "$DIR/.axrl-sglang-env" && "$(cat "$DIR/.axrl-sglang-env")" == "$STAMP" ]] \
-   && "$DIR/bin/python" -c "import sglang" >/dev/null 2>&1; then
-  echo "sglang-cpu-env: $DIR already built ($STAMP); nothing to do"
-  exit 0
-fi
-
-if ! command -v "$BASE_PYTHON" >/dev/null; then
-  echo "sglang-cpu-env: $BASE_PYTHON not found; set AXRL_SGLANG_BASE_PYTHON to a Python 3.11 interpreter" >&2
-  exit 2
-fi
-
+# shellcheck source=cpu-env-lib.sh
+source "$(dirname "$0")/cpu-env-lib.sh"
+env_is_built sglang-cpu-env "$DIR" .axrl-sglang-env "$STAMP" sglang
 echo "sglang-cpu-env: building $STAMP into $DIR"
-rm -rf "$DIR"
-"$BASE_PYTHON" -m venv "$DIR"
+new_venv sglang-cpu-env "$BASE_PYTHON" "$DIR" AXRL_SGLANG_BASE_PYTHON
 PY="$DIR/bin/python"
 PIP=("$PY" -m pip install --disable-pip-version-check --progress-bar off)
-"${PIP[@]}" --upgrade pip >/dev/null
 
 # 1. The CPU torch first; the constraints file keeps every later resolve on it.
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 echo "torch==${TORCH_VERSION}" > "$work/constraints.txt"
-# The CPU build, from PyPI or PyTorch's CPU index (scripts/cpu-torch.sh says how it chooses).
-# shellcheck source=cpu-torch.sh
-source "$(dirname "$0")/cpu-torch.sh"
+# The CPU build, from PyPI or PyTorch's CPU index (scripts/cpu-env-lib.sh says how it chooses).
 install_cpu_torch sglang-cpu-env "$PY" "${AXRL_SGLANG_TORCH_SPEC:-torch==${TORCH_VERSION}}" "$TORCH_VERSION" "$work"
 
 # 2. sglang's own requirement list, read from the wheel's metadata, minus what is CUDA-only or

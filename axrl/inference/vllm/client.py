@@ -33,6 +33,7 @@ class VLLMEngine(SGLangEngine):
     `SGLangEngine`'s (`weight_sync` must be "disk"), plus `weight_route`: "reload" (in place) or
     "restart" (the launcher restarts the servers on the new weights)."""
 
+    NAME = "vllm"
     GENERATE_PATH = "/inference/v1/generate"
     INFO_PATH = "/weight_info"
 

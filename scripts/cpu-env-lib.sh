@@ -1,8 +1,12 @@
-# Sourced by scripts/sglang-cpu-env.sh and scripts/vllm-cpu-env.sh: install a CPU build of torch
-# into the virtual environment being built, and check that it is one.
+# Sourced by scripts/sglang-cpu-env.sh and scripts/vllm-cpu-env.sh: what building a server's CPU
+# environment always takes.
 #
+#   env_is_built LABEL DIR MARKER STAMP MODULE   exit 0 (after saying so) if DIR was built for STAMP
+#   new_venv LABEL BASE_PYTHON DIR VARIABLE      a fresh virtual environment at DIR, pip upgraded
+#                                                (VARIABLE: the one that names BASE_PYTHON)
 #   install_cpu_torch LABEL PY SPEC VERSION WORKDIR
 #
+# install_cpu_torch installs a CPU build of torch into the environment and checks that it is one.
 # A local CPU wheel (pip's find-links) sorts above PyPI's CUDA build of the same version; where
 # there is none, PyPI's Linux wheel is the CUDA build (multi-GB of nvidia-* packages), so a
 # resolution that would bring nvidia-* packages switches to PyTorch's CPU index — the equivalent of
@@ -32,4 +36,25 @@ if torch.version.cuda is not None or torch.__version__.split("+")[0] != version:
              f"(cuda={torch.version.cuda}); on a CPU-only machine set "
              "AXRL_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu")
 PYEOF
+}
+
+env_is_built() {
+  local label="$1" dir="$2" marker="$3" stamp="$4" module="$5"
+  if [[ -f "$dir/$marker" && "$(cat "$dir/$marker")" == "$stamp" ]] \
+     && "$dir/bin/python" -c "import $module" >/dev/null 2>&1; then
+    echo "$label: $dir already built ($stamp); nothing to do"
+    exit 0
+  fi
+}
+
+new_venv() {
+  local label="$1" base="$2" dir="$3" variable="$4"
+  if ! command -v "$base" >/dev/null; then
+    echo "$label: $base not found; set $variable to a Python 3.11 interpreter" >&2
+    exit 2
+  fi
+  rm -rf "$dir"
+  mkdir -p "$(dirname "$dir")"
+  "$base" -m venv "$dir"
+  "$dir/bin/python" -m pip install --disable-pip-version-check --progress-bar off --upgrade pip >/dev/null
 }
