@@ -49,7 +49,7 @@ def start_servers(args: argparse.Namespace, model_dir: Path, max_len: int, batch
     from axrl.inference.sglang.factory import CPU_COMPAT, server_command
     from axrl.inference.sglang.settings import ServedModel, SGLangSettings
     from axrl.inference.vllm.client import VLLMEngine
-    from axrl.inference.vllm.factory import SERVER_MODULE, server_args
+    from axrl.inference.vllm.factory import SERVER_MODULE, server_args, server_env
     from axrl.inference.vllm.settings import VLLMSettings
 
     served = ServedModel(max_batch_size=batch, max_context_len=max_len, threads=args.threads)
@@ -62,12 +62,11 @@ def start_servers(args: argparse.Namespace, model_dir: Path, max_len: int, batch
         _, flags = server_command(SGLangSettings(python=args.sglang_python), served)
         wanted["sglang"] = ([args.sglang_python, str(CPU_COMPAT)], flags, env, "--model-path", SGLangEngine)
     if args.vllm_python:
-        vllm_env = {**env, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
         wanted["vllm"] = ([args.vllm_python, "-m", SERVER_MODULE], server_args(VLLMSettings(), served, False),
-                          vllm_env, "--model", VLLMEngine)
+                          server_env(VLLMSettings(), args.threads), "--model", VLLMEngine)
     engines = {}
-    for name, (command, flags, server_env, model_flag, client) in wanted.items():
-        launcher = ServerLauncher(model_dir, command=command, server_args=flags, env=server_env, base_port=free_port(),
+    for name, (command, flags, variables, model_flag, client) in wanted.items():
+        launcher = ServerLauncher(model_dir, command=command, server_args=flags, env=variables, base_port=free_port(),
                                   model_flag=model_flag, startup_timeout_s=900)
         stack.callback(launcher.stop)
         launcher.start()

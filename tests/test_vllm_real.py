@@ -104,7 +104,7 @@ def engine(models, tmp_path_factory):
     from axrl.inference.servers.launcher import ServerLauncher, free_port
     from axrl.inference.sglang.settings import ServedModel
     from axrl.inference.vllm.client import VLLMEngine
-    from axrl.inference.vllm.factory import SERVER_MODULE, server_args
+    from axrl.inference.vllm.factory import SERVER_MODULE, server_args, server_env
     from axrl.inference.vllm.settings import VLLMSettings
 
     if not Path(VLLM_PYTHON).is_file():
@@ -113,8 +113,7 @@ def engine(models, tmp_path_factory):
     args = server_args(VLLMSettings(), ServedModel(max_context_len=1024), prefix_cache=True)
     launcher = ServerLauncher(models["seed0"], command=[VLLM_PYTHON, "-m", SERVER_MODULE], server_args=args,
                               model_flag="--model", base_port=free_port(), startup_timeout_s=600, log_dir=logs,
-                              env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_SERVER_DEV_MODE": "1",
-                                   "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"})
+                              env=server_env(VLLMSettings(), threads=1))
     t0 = time.perf_counter()
     launcher.start()
     _report("server_startup_s", round(time.perf_counter() - t0, 1))

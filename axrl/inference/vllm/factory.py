@@ -61,6 +61,14 @@ def server_args(s: VLLMSettings, r: ServedModel, prefix_cache: bool) -> list[str
     return args
 
 
+def server_env(s: VLLMSettings, threads: int) -> dict[str, str]:
+    """The environment variables of every launched server (on top of this process's)."""
+    return {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+            "VLLM_SERVER_DEV_MODE": "1",  # the pause / reload / weight-version routes
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # CPU build: do not pin threads to cores other jobs use
+            "VLLM_CPU_KVCACHE_SPACE": str(s.cpu_kv_cache_gb)}
+
+
 def build_vllm_engine(s: VLLMSettings, served: ServedModel, backend: TrainBackend) -> VLLMEngine:
     """Launch (or connect to) vLLM servers and return a client holding the trainer's current weights."""
     python = s.python or sys.executable
@@ -75,12 +83,8 @@ def build_vllm_engine(s: VLLMSettings, served: ServedModel, backend: TrainBacken
     def launch(initial: Path) -> tuple[list[str], list[str]]:
         return [python, "-m", SERVER_MODULE], server_args(s, served, served.prefix_cache)
 
-    env = {"OMP_NUM_THREADS": str(served.threads), "TOKENIZERS_PARALLELISM": "false",
-           "VLLM_SERVER_DEV_MODE": "1",  # the pause / reload / version routes
-           "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # CPU build: do not pin threads to cores other jobs use
-           "VLLM_CPU_KVCACHE_SPACE": str(s.cpu_kv_cache_gb)}
-
     def make(urls: list[str], **options: object) -> VLLMEngine:
         return VLLMEngine(urls, weight_route=route, **options)
 
-    return launch_or_connect(s, backend, "axrl-vllm-", make, launch, env=env, model_flag="--model")
+    return launch_or_connect(s, backend, "axrl-vllm-", make, launch, env=server_env(s, served.threads),
+                             model_flag="--model")
