@@ -52,6 +52,14 @@ class VLLMEngine(SGLangEngine):
         weights.route = self.weight_route
         return weights
 
+    def _model_info(self, i: int) -> dict[str, Any]:
+        resp = self._transport.control(i, "GET", self.INFO_PATH, ok404=True)
+        if resp.status_code == 404:
+            raise ValueError(f"{self.urls[i]} has no {self.INFO_PATH}: start the vLLM server with "
+                             "VLLM_SERVER_DEV_MODE=1, --enable-scale-out and --logprobs-mode processed_logprobs "
+                             "(docs/vllm.md lists every flag AxRL's launcher gives it)")
+        return resp.json()
+
     def _abort_call(self, wire_rid: str) -> tuple[str, dict[str, Any]]:
         return "/abort_requests", {"request_ids": [WIRE_ID_PREFIX + wire_rid]}
 
