@@ -294,3 +294,36 @@ def test_train_two_steps_on_vllm_then_mismatch_and_bitwise_replay(tmp_path, engi
     assert m["mean_abs"] < 1e-5 and m["max_abs"] < 1e-3 and m["frac_outside_clip"] == 0.0, m
     replay = _axrl_debug("replay", str(run), "--step", "1")
     assert replay["verdict"] == "bitwise-equal", replay.get("first_divergence")
+
+
+@real_vllm
+def test_ray_rollout_actor_launches_and_syncs_the_vllm_server(tmp_path, engine):
+    """runtime.executor: ray: the rollout actor launches the vLLM server itself (the run's event log
+    names it), syncs it after the warm-up from the weights it fetches from train rank 0, rolls out
+    on it with trainer-equal logprobs, and stops it with the run."""
+    import ray
+
+    from axrl.assembly.build import train
+    from axrl.config import load_config
+    from axrl.inference.servers.launcher import free_port
+    from axrl.recording.events import read_events
+
+    port = free_port()
+    sets = ["steps=1", "warmup.steps=0", "data.task=echo", "data.task_args={turns: 1}", "data.prompts_per_step=2",
+            "rollout.group_size=2", "rollout.max_new_tokens=8", "rollout.max_context_len=128", "eval.every=0",
+            "rollout.engine=vllm", f"rollout.vllm.python={VLLM_PYTHON}", f"rollout.vllm.base_port={port}",
+            "runtime.executor=ray", "runtime.ray.placement.train_cpus=0.5", "runtime.ray.placement.engine_cpus=0.5"]
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="warning",
+             log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    try:
+        t0 = time.perf_counter()
+        out = train(load_config(REPO / "examples" / "quickstart.yaml", sets), tmp_path / "run")
+        _report("ray_train_s", round(time.perf_counter() - t0, 1))
+    finally:
+        ray.shutdown()
+    started = [e for e in read_events(out) if e["event"] == "actors_started" and e["component"] == "engine"]
+    assert len(started) == 1 and started[0]["servers"] == [f"http://127.0.0.1:{port}"]
+    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["samples"] == 4 and row["failed"] == 0 and row["mismatch"] < 1e-5, row
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) != 0, "the rollout actor left its vLLM server running"
