@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from axrl.algo.loss_config import PolicyLossConfig
 from axrl.errors import ConfigError
 from axrl.inference.sglang.settings import SGLangSettings
+from axrl.inference.vllm.settings import VLLMSettings
 from axrl.model.device import DEVICE_PATTERN
 from axrl.ray_executor.settings import RaySettings
 from axrl.recording.trackers import MlflowSettings, WandbSettings
@@ -50,8 +51,9 @@ class DataSection(Section):
 
 
 class RolloutSection(Section):
-    engine: Literal["embedded", "sglang"] = "embedded"
+    engine: Literal["embedded", "sglang", "vllm"] = "embedded"
     sglang: SGLangSettings = Field(default_factory=SGLangSettings)
+    vllm: VLLMSettings = Field(default_factory=VLLMSettings, description="rollout.engine: vllm (docs/vllm.md)")
     group_size: int = Field(8, ge=1, description="samples per prompt (GRPO group)")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -86,7 +88,7 @@ class RolloutSection(Section):
                                                      "sharing a device with the trainer (runtime.mode: sync)")
     clock: Literal["auto", "iterations", "rounds"] = Field(
         "auto", description="deterministic runs: schedule rollout by engine iterations (embedded engine) or by "
-                            "request rounds (any engine; auto picks iterations for embedded, rounds for sglang)")
+                            "request rounds (any engine; auto picks iterations for embedded, rounds for a server)")
 
     @model_validator(mode="after")
     def _top_k_not_zero(self) -> "RolloutSection":
@@ -472,10 +474,14 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
-    def _clock(self) -> "Config":
-        if self.rollout.clock == "iterations" and self.rollout.engine == "sglang":
-            raise ValueError("rollout.clock: 'iterations' needs the embedded engine (an SGLang server schedules "
-                             "its own iterations); use 'rounds' or 'auto'")
+    def _server_engine(self) -> "Config":
+        if self.rollout.clock == "iterations" and self.rollout.engine != "embedded":
+            raise ValueError(f"rollout.clock: 'iterations' needs the embedded engine (an {self.rollout.engine} server "
+                             "schedules its own iterations); use 'rounds' or 'auto'")
+        if self.rollout.engine == "vllm":  # what vLLM cannot do in this run
+            self.rollout.vllm.check_run(r3=self.r3, cpu=self.runtime.device == "cpu",
+                                        release_memory=self.rollout.release_memory,
+                                        asynchronous=self.runtime.mode == "async")
         return self
 
     @model_validator(mode="after")
@@ -521,11 +527,11 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _async_rollout(self) -> "Config":
-        if (self.runtime.mode == "async" and self.rollout.engine == "sglang" and not self.runtime.deterministic
+        if (self.runtime.mode == "async" and self.rollout.engine != "embedded" and not self.runtime.deterministic
                 and self.rollout.partial_rollout == "continue"):
-            raise ValueError("rollout.partial_rollout: 'continue' needs per-token weight versions, which SGLang does "
-                             "not report, when requests run across a weight update (runtime.deterministic: false); "
-                             "use 'recompute' (or 'drop') with rollout.engine=sglang")
+            raise ValueError("rollout.partial_rollout: 'continue' needs per-token weight versions, which AxRL does "
+                             "not take from a server, when requests run across a weight update (runtime.deterministic: "
+                             f"false); use 'recompute' (or 'drop') with rollout.engine={self.rollout.engine}")
         return self
 
 

@@ -25,53 +25,20 @@ BASE_PYTHON="${AXRL_SGLANG_BASE_PYTHON:-python3.11}"
 STAMP="sglang==${SGLANG_VERSION} torch==${TORCH_VERSION} triton==${TRITON_VERSION} recipe=2"
 start=$(date +%s)
 
-if [[ -f "$DIR/.axrl-sglang-env" && "$(cat "$DIR/.axrl-sglang-env")" == "$STAMP" ]] \
-   && "$DIR/bin/python" -c "import sglang" >/dev/null 2>&1; then
-  echo "sglang-cpu-env: $DIR already built ($STAMP); nothing to do"
-  exit 0
-fi
-
-if ! command -v "$BASE_PYTHON" >/dev/null; then
-  echo "sglang-cpu-env: $BASE_PYTHON not found; set AXRL_SGLANG_BASE_PYTHON to a Python 3.11 interpreter" >&2
-  exit 2
-fi
-
+# shellcheck source=cpu-env-lib.sh
+source "$(dirname "$0")/cpu-env-lib.sh"
+env_is_built sglang-cpu-env "$DIR" .axrl-sglang-env "$STAMP" sglang
 echo "sglang-cpu-env: building $STAMP into $DIR"
-rm -rf "$DIR"
-"$BASE_PYTHON" -m venv "$DIR"
+new_venv sglang-cpu-env "$BASE_PYTHON" "$DIR" AXRL_SGLANG_BASE_PYTHON
 PY="$DIR/bin/python"
 PIP=("$PY" -m pip install --disable-pip-version-check --progress-bar off)
-"${PIP[@]}" --upgrade pip >/dev/null
 
 # 1. The CPU torch first; the constraints file keeps every later resolve on it.
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 echo "torch==${TORCH_VERSION}" > "$work/constraints.txt"
-# A local CPU wheel (pip's find-links) sorts above PyPI's CUDA build of the same version; where
-# there is none, PyPI's Linux wheel is the CUDA build (multi-GB of nvidia-* packages), so a
-# resolution that would bring nvidia-* packages switches to PyTorch's CPU index — the equivalent of
-#   pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
-# AXRL_TORCH_INDEX_URL names the index instead; AXRL_SGLANG_TORCH_SPEC a wheel file or another spec
-# (checked below either way: by what the build is, torch.version.cuda, not by its version label).
-TORCH_SPEC="${AXRL_SGLANG_TORCH_SPEC:-torch==${TORCH_VERSION}}"
-torch_index=()
-if [[ -n "${AXRL_TORCH_INDEX_URL:-}" ]]; then
-  torch_index=(--index-url "$AXRL_TORCH_INDEX_URL")
-elif [[ -z "${AXRL_TORCH_INDEX_URL+set}" ]] \
-     && "${PIP[@]}" -q --dry-run --ignore-installed --report "$work/torch.json" "$TORCH_SPEC" >/dev/null 2>&1 \
-     && "$PY" -c 'import json, sys; sys.exit(not any(i["metadata"]["name"].lower().startswith("nvidia-")
-                  for i in json.load(open(sys.argv[1]))["install"]))' "$work/torch.json"; then
-  echo "sglang-cpu-env: $TORCH_SPEC resolves to a CUDA build here: installing it from https://download.pytorch.org/whl/cpu"
-  torch_index=(--index-url "https://download.pytorch.org/whl/cpu")
-fi
-"${PIP[@]}" "$TORCH_SPEC" "${torch_index[@]}"
-"$PY" - <<EOF
-import torch, sys
-if torch.version.cuda is not None or torch.__version__.split("+")[0] != "${TORCH_VERSION}":
-    sys.exit(f"sglang-cpu-env: expected a CPU build of torch ${TORCH_VERSION}, got {torch.__version__} "
-             f"(cuda={torch.version.cuda}); on a CPU-only machine set "
-             "AXRL_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu")
-EOF
+# The CPU build, from PyPI or PyTorch's CPU index (scripts/cpu-env-lib.sh says how it chooses).
+install_cpu_torch sglang-cpu-env "$PY" "${AXRL_SGLANG_TORCH_SPEC:-torch==${TORCH_VERSION}}" "$TORCH_VERSION" "$work"
 
 # 2. sglang's own requirement list, read from the wheel's metadata, minus what is CUDA-only or
 #    only needed for vision/audio models (each would drag a CUDA torch or fail to load here).

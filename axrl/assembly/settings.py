@@ -7,6 +7,7 @@ knowing the YAML.
 from __future__ import annotations
 
 import math
+from typing import TypeVar
 
 from axrl.algo.distill import DistillSettings
 from axrl.algo.loss_config import PolicyLossConfig
@@ -15,6 +16,8 @@ from axrl.config import Config, config_to_dict
 from axrl.inference.protocol import SamplingParams
 from axrl.inference.quant import server_quantization_args
 from axrl.inference.sglang.settings import ServedModel, SGLangSettings
+from axrl.inference.servers.settings import ServerFleetSettings
+from axrl.inference.vllm.settings import VLLMSettings
 from axrl.rollout.runner import Clock
 from axrl.rollout.schedule import Schedule
 from axrl.rollout.worker import RolloutPolicy
@@ -213,14 +216,26 @@ def agent_settings(cfg: Config) -> AgentSettings | None:
                          coalesce_ms=a.coalesce_ms)
 
 
-def sglang_settings(cfg: Config) -> SGLangSettings:
-    """`rollout.sglang`, with `--quantization fp8` when `rollout.weight_dtype: fp8` (GPU only; the
-    config refuses it on CPU). Unverified until a GPU run."""
-    s = cfg.rollout.sglang
-    extra = server_quantization_args(cfg.rollout.weight_dtype)
+ServerT = TypeVar("ServerT", bound=ServerFleetSettings)
+
+
+def with_server_quantization(s: ServerT, weight_dtype: str) -> ServerT:
+    """`rollout.sglang` / `rollout.vllm`, with `--quantization fp8` when `rollout.weight_dtype: fp8`
+    (GPU only; the config refuses it on CPU). Unverified until a GPU run."""
+    extra = server_quantization_args(weight_dtype)
     if not extra or "--quantization" in s.server_args:  # the user's own flag wins
         return s
     return s.model_copy(update={"server_args": [*s.server_args, *extra]})
+
+
+def sglang_settings(cfg: Config) -> SGLangSettings:
+    """`rollout.sglang` with the run's server quantisation flags."""
+    return with_server_quantization(cfg.rollout.sglang, cfg.rollout.weight_dtype)
+
+
+def vllm_settings(cfg: Config) -> VLLMSettings:
+    """`rollout.vllm` with the run's server quantisation flags."""
+    return with_server_quantization(cfg.rollout.vllm, cfg.rollout.weight_dtype)
 
 
 def rollout_settings(cfg: Config) -> RolloutSideSettings:
@@ -236,6 +251,7 @@ def rollout_settings(cfg: Config) -> RolloutSideSettings:
                          threads=cfg.runtime.threads, dtype=cfg.model.dtype, prefix_cache=r.prefix_cache)
     return RolloutSideSettings(
         engine=r.engine, embedded=engine_settings(cfg), sglang=sglang_settings(cfg) if r.engine == "sglang" else None,
+        vllm=vllm_settings(cfg) if r.engine == "vllm" else None,
         served=served, group_size=r.group_size,
         sampling=SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                 top_k=r.top_k),

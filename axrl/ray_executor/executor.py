@@ -89,7 +89,7 @@ class RayExecutor:
         engine_options, train = self.placement.engine.options(), self.train_group.attachment()
         s, r = self.settings, self.r
         # SGLang servers are the rollout actor's own processes: it takes the engine's slot.
-        options = engine_options if s.rollout.engine == "sglang" else {"num_cpus": 0}
+        options = engine_options if s.rollout.engine in ("sglang", "vllm") else {"num_cpus": 0}
 
         def make_actor() -> Any:
             return remote.options(**options).remote(s, r, train, engine_options, MONITOR_GROUPS)

@@ -58,7 +58,7 @@ class RolloutActor(ActorBase):
         group = RayTrainGroup.attach(ray, train, events=self.events, plane=self.plane, call_timeout_s=r.call_timeout_s)
         model_config = group.model_config
         self.engine: Any
-        if s.engine == "sglang":
+        if s.engine in ("sglang", "vllm"):  # servers this actor launches and manages
             self.engine = make_engine(source, s, group, tokenizer)
             self.events.record("actors_started", component="engine", servers=list(self.engine.urls),
                                nodes=[ray.get_runtime_context().get_node_id()])

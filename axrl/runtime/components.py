@@ -27,6 +27,7 @@ from axrl.inference.embedded import EmbeddedEngine
 from axrl.inference.protocol import InferenceEngine, SamplingParams
 from axrl.inference.quant import KVDtype, WeightDtype
 from axrl.inference.sglang.settings import ServedModel, SGLangSettings
+from axrl.inference.vllm.settings import VLLMSettings
 from axrl.model import (ModelConfig, Qwen3ForCausalLM, build_model, hf_state_dict, load_hf, load_weights_into,
                         preset_config)
 from axrl.model.device import resolve_device
@@ -142,9 +143,10 @@ class RolloutSideSettings:
     """Everything around the rollout engine: sampling, episode limits, the schedule and what it
     does with episodes caught by weight updates, the agent (if black-box) and the evaluator."""
 
-    engine: Literal["embedded", "sglang"]
+    engine: Literal["embedded", "sglang", "vllm"]
     embedded: EngineSettings
     sglang: SGLangSettings | None
+    vllm: VLLMSettings | None
     served: ServedModel
     group_size: int
     sampling: SamplingParams            # stop_token_ids: the tokenizer's, added where it is built
@@ -428,6 +430,11 @@ def make_engine(source: ModelSource, s: RolloutSideSettings, backend: TrainBacke
 
         assert s.sglang is not None
         return build_sglang_engine(s.sglang, s.served, backend, tokenizer)
+    if s.engine == "vllm":
+        from axrl.inference.vllm.factory import build_vllm_engine
+
+        assert s.vllm is not None
+        return build_vllm_engine(s.vllm, s.served, backend)
     return make_embedded_engine(source, s.embedded, backend, tokenizer, clocked=s.clock == "iterations")
 
 

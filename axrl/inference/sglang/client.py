@@ -13,7 +13,7 @@ which `axrl serve` admits at once — as deterministic as the in-process engine.
 
 Failures: connection errors, timeouts and 5xx are retried `retries` times with exponential
 back-off (`backoff_s`, doubled each time). With a launcher, a dead server is restarted first
-(`SGLangLauncher.ensure_alive`), given the latest weights again, and the requests that were in
+(`ServerLauncher.ensure_alive`), given the latest weights again, and the requests that were in
 flight on it are re-sent ("requeued") under fresh wire rids; without one, a request moves to the
 next server. 4xx answers are the request's fault: raised at once as ValueError with the server's
 message (which names the field). A request's wire rid is its own rid, suffixed `.retryN` on
@@ -41,10 +41,11 @@ from typing import Any, Iterable, Sequence
 import httpx
 
 from axrl.inference.protocol import GenerateRequest, GenerateResult, settle_future, validate_submission
-from axrl.inference.sglang.launcher import SGLangLauncher
-from axrl.inference.sglang.routing import Router, split_batches
-from axrl.inference.sglang.transport import BlockingTransport, Retryable, ServerUnavailable, backoff_delay, \
+from axrl.inference.servers.launcher import ServerLauncher
+from axrl.inference.servers.transport import BlockingTransport, Retryable, ServerUnavailable, backoff_delay, \
     error_message
+from axrl.inference.servers.weights import ServerWeights
+from axrl.inference.sglang.routing import Router, split_batches
 from axrl.inference.sglang.weight_updater import WeightUpdater
 from axrl.inference.sglang.wire import WireError, batch_to_wire, parse_weight_version, progress_from_chunk, \
     request_to_wire, result_from_wire
@@ -76,7 +77,7 @@ class SGLangEngine:
     """
 
     def __init__(self, urls: Sequence[str], *, max_concurrency: int = 64, timeout_s: float = 600.0,
-                 retries: int = 3, backoff_s: float = 0.5, launcher: SGLangLauncher | None = None,
+                 retries: int = 3, backoff_s: float = 0.5, launcher: ServerLauncher | None = None,
                  own_launcher: bool = True, weight_sync: str = "disk", export_dir: str | Path | None = None,
                  model_dir: str | Path | None = None, routing_shape: tuple[int, int] | None = None,
                  vocab_size: int | None = None,
@@ -111,15 +112,14 @@ class SGLangEngine:
             self._transport.close()
             raise
         self._own_export = export_dir is None
-        self.export_dir = Path(export_dir) if export_dir else Path(tempfile.mkdtemp(prefix="axrl-sglang-weights-"))
+        self.export_dir = Path(export_dir) if export_dir else Path(tempfile.mkdtemp(prefix=f"axrl-{self.NAME}-weights-"))
         self.routing_shape = routing_shape or self._routing_shape_from_info()
         self.vocab_size = vocab_size or self._info[0].get("vocab_size")
         versions = [parse_weight_version(info.get("weight_version")) for info in self._info]
-        self._weights = WeightUpdater(
-            self._transport, launcher, version=max([v for v in versions if v is not None], default=0),
-            weight_sync=weight_sync, sync_backend=sync_backend, master_address=master_address,
-            bucket_bytes=bucket_bytes, group_timeout_s=group_timeout_s, export_dir=self.export_dir,
-            model_dir=self.model_dir)
+        self._weights = self._weight_updater(
+            version=max([v for v in versions if v is not None], default=0), weight_sync=weight_sync,
+            sync_backend=sync_backend, master_address=master_address, bucket_bytes=bucket_bytes,
+            group_timeout_s=group_timeout_s)
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="axrl-sglang-client", daemon=True)
@@ -138,8 +138,35 @@ class SGLangEngine:
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+    # -- what another server API changes (the vLLM client overrides these) ----------------------
+    NAME = "sglang"                 # in temporary directory names
+    GENERATE_PATH = "/generate"
+    INFO_PATH = "/get_model_info"   # a JSON object with at least "weight_version"
+
+    def _weight_updater(self, **options: Any) -> ServerWeights:
+        """The weight routes of these servers (SGLang's `/update_weights_from_*`)."""
+        return WeightUpdater(self._transport, self.launcher, export_dir=self.export_dir, model_dir=self.model_dir,
+                             **options)
+
+    def _abort_call(self, wire_rid: str) -> tuple[str, dict[str, Any]]:
+        """(path, body) of the call that aborts request `wire_rid` on its server."""
+        return "/abort_request", {"rid": wire_rid}
+
+    def _request_body(self, server: int, reqs: list[GenerateRequest], rids: list[str]) -> dict[str, Any]:
+        """The `GENERATE_PATH` body of one batch."""
+        return request_to_wire(reqs[0], rids[0]) if len(reqs) == 1 else \
+            batch_to_wire(reqs, rids, self._lists_ok(server))
+
+    def _parse(self, url: str, data: Any, reqs: list[GenerateRequest]) -> list[GenerateResult]:
+        """The results of one batch from the server's JSON answer."""
+        bodies = data if len(reqs) > 1 else [data]
+        if not isinstance(bodies, list) or len(bodies) != len(reqs):
+            raise WireError(f"{url}{self.GENERATE_PATH} returned {type(data).__name__} for a batch of {len(reqs)}")
+        return [result_from_wire(b, r, layers_topk=self.routing_shape, current_version=self._weights.version)
+                for r, b in zip(reqs, bodies)]
+
     def _model_info(self, i: int) -> dict[str, Any]:
-        resp = self._transport.control(i, "GET", "/get_model_info")
+        resp = self._transport.control(i, "GET", self.INFO_PATH)
         return resp.json() if resp.status_code == 200 else {}
 
     def _routing_shape_from_info(self) -> tuple[int, int] | None:
@@ -238,8 +265,7 @@ class SGLangEngine:
                 rids = [r.rid if attempt == 0 else f"{r.rid}.retry{attempt}" for r in reqs]
                 for r, rid in zip(reqs, rids):
                     self._inflight[r.rid] = (server, rid)
-            body = request_to_wire(reqs[0], rids[0]) if len(reqs) == 1 else \
-                batch_to_wire(reqs, rids, self._lists_ok(server))
+            body = self._request_body(server, reqs, rids)
             url = self.urls[server]
             self._running[server] += len(reqs)
             try:
@@ -249,7 +275,7 @@ class SGLangEngine:
                     if aborted:  # aborted while queued here or waiting to be re-sent: nothing to run
                         return [self._aborted_result(r) for r in reqs]
                     resp = await (self._post_streaming(url, body, reqs[0]) if len(reqs) == 1 and reqs[0].stream
-                                  else self._http.post(url + "/generate", json=body))
+                                  else self._http.post(url + self.GENERATE_PATH, json=body))
             except httpx.TransportError as e:
                 error = e
                 if isinstance(e, httpx.TimeoutException):  # it may still run there: free its slot
@@ -261,19 +287,14 @@ class SGLangEngine:
                 error = Retryable(f"HTTP {resp.status_code}: {error_message(resp)}")
                 continue
             if resp.status_code >= 400:
-                raise ValueError(f"{url}/generate rejected the request (HTTP {resp.status_code}): {error_message(resp)}")
-            data = resp.json()
-            bodies = data if len(reqs) > 1 else [data]
-            if not isinstance(bodies, list) or len(bodies) != len(reqs):
-                raise WireError(f"{url}/generate returned {type(data).__name__} for a batch of {len(reqs)}")
-            results = []
-            for r, b in zip(reqs, bodies):
-                res = result_from_wire(b, r, layers_topk=self.routing_shape, current_version=self._weights.version)
+                raise ValueError(f"{url}{self.GENERATE_PATH} rejected the request (HTTP {resp.status_code}): "
+                                 f"{error_message(resp)}")
+            results = self._parse(url, resp.json(), reqs)
+            for res in results:
                 res.meta["server"] = url
                 res.meta["attempts"] = attempt + 1
-                results.append(res)
             return results
-        raise ServerUnavailable(f"{self.urls[server]}/generate failed after {self.retries + 1} attempts "
+        raise ServerUnavailable(f"{self.urls[server]}{self.GENERATE_PATH} failed after {self.retries + 1} attempts "
                                 f"(retries={self.retries}, backoff_s={self.backoff_s}): "
                                 f"{type(error).__name__}: {error}")
 
@@ -339,7 +360,8 @@ class SGLangEngine:
     async def _abort_wire(self, server: int, rids: list[str]) -> None:
         for rid in rids:  # one rid per call: the form every SGLang version takes
             try:
-                await self._http.post(self.urls[server] + "/abort_request", json={"rid": rid}, timeout=5.0)
+                path, body = self._abort_call(rid)
+                await self._http.post(self.urls[server] + path, json=body, timeout=5.0)
             except httpx.HTTPError:
                 return
 
@@ -354,7 +376,8 @@ class SGLangEngine:
             self._aborted.add(rid)
         server, wire_rid = where
         try:
-            self._transport.client.post(self.urls[server] + "/abort_request", json={"rid": wire_rid}, timeout=10.0)
+            path, body = self._abort_call(wire_rid)
+            self._transport.client.post(self.urls[server] + path, json=body, timeout=10.0)
         except httpx.HTTPError:
             pass  # a dead server aborts nothing; the retry path sees `_aborted`
         if not self._closed:
@@ -391,7 +414,7 @@ class SGLangEngine:
                                      "restarts": self.launcher.restarts(i) if self.launcher else 0}
             try:
                 entry["ok"] = self._transport.client.get(url + "/health", timeout=5.0).status_code == 200
-                info = self._transport.client.get(url + "/get_model_info", timeout=5.0).json()
+                info = self._transport.client.get(url + self.INFO_PATH, timeout=5.0).json()
                 entry["weight_version"] = info.get("weight_version")
             except (httpx.HTTPError, ValueError) as e:
                 entry["ok"], entry["error"] = False, f"{type(e).__name__}: {e}"

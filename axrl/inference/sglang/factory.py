@@ -5,11 +5,10 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from axrl.inference.sglang.client import SGLangEngine
-from axrl.inference.sglang.launcher import SGLangLauncher
+from axrl.inference.servers.fleet import launch_or_connect
 from axrl.inference.sglang.settings import ServedModel, SGLangSettings
 from axrl.tokenizer import Tokenizer
 from axrl.train.protocol import TrainBackend
@@ -54,33 +53,15 @@ def _check_sglang(python: str) -> None:
 def build_sglang_engine(s: SGLangSettings, served: ServedModel, backend: TrainBackend,
                         tokenizer: Tokenizer) -> SGLangEngine:
     """Launch (or connect to) the servers and return a client holding the trainer's current weights."""
-    model_cfg = backend.model_config
-    export = Path(s.export_dir) if s.export_dir else Path(tempfile.mkdtemp(prefix="axrl-sglang-"))
-    temporary = [] if s.export_dir else [export]
-    # Servers load an HF directory, so the run's initial model is exported first.
-    initial = backend.export_hf(export / "initial")
-    routing = model_cfg.routing_shape()[:2] if model_cfg.is_moe else None
-    common = dict(max_concurrency=s.max_concurrency, timeout_s=s.timeout_s, retries=s.retries, backoff_s=s.backoff_s,
-                  weight_sync=s.weight_sync, sync_backend=s.sync_backend, export_dir=export / "sync",
-                  model_dir=initial, routing_shape=routing, vocab_size=model_cfg.vocab_size)
-    if s.urls:
-        engine = SGLangEngine(s.urls, **common)
-        engine.cleanup += temporary
-        # Servers started elsewhere hold their own weights: give them the run's.
-        engine.update_weights(dict(backend.named_weights()), version=0)
-        return engine
-    command, args = server_command(s, served)
-    if model_cfg.is_moe:
-        args.append("--enable-return-routed-experts")
-    launcher = SGLangLauncher(initial, num_servers=s.num_servers, base_port=s.base_port,
-                              server_args=[*args, *s.server_args], command=command,
-                              env={"OMP_NUM_THREADS": str(served.threads), "TOKENIZERS_PARALLELISM": "false"},
-                              startup_timeout_s=s.startup_timeout_s, log_dir=s.log_dir, watchdog_s=s.watchdog_s)
-    urls = launcher.start()
-    try:
-        engine = SGLangEngine(urls, launcher=launcher, **common)
-        engine.cleanup += temporary
-        return engine
-    except BaseException:
-        launcher.stop()
-        raise
+
+    def launch(initial: Path) -> tuple[list[str], list[str]]:
+        command, args = server_command(s, served)
+        if backend.model_config.is_moe:
+            args.append("--enable-return-routed-experts")
+        return command, args
+
+    def make(urls: list[str], **options: object) -> SGLangEngine:
+        return SGLangEngine(urls, sync_backend=s.sync_backend, **options)
+
+    return launch_or_connect(s, backend, "axrl-sglang-", make, launch,
+                             env={"OMP_NUM_THREADS": str(served.threads), "TOKENIZERS_PARALLELISM": "false"})

@@ -1,6 +1,7 @@
-"""Blocking HTTP calls from the SGLang client to its servers, with retries and back-off, and the
-errors they raise. The generation path (async, batched) has its own retry loop in `client.py`
-because it also re-routes and re-sends requests; both share `backoff_delay` and `error_message`.
+"""Blocking HTTP calls from a server client (SGLang's, vLLM's) to its servers, with retries and
+back-off, and the errors they raise. The generation path (async, batched) has its own retry loop
+in `axrl/inference/sglang/client.py` because it also re-routes and re-sends requests; both share
+`backoff_delay` and `error_message`.
 
 A 4xx answer is the request's fault and raises ValueError at once with the server's message;
 connection errors, timeouts and 5xx are retried (restarting a dead server first when a launcher
@@ -15,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import httpx
 
-from axrl.inference.sglang.launcher import SGLangLauncher
+from axrl.inference.servers.launcher import ServerLauncher
 
 
 class ServerUnavailable(ConnectionError):
@@ -68,7 +69,7 @@ class BlockingTransport:
     """
 
     def __init__(self, urls: Sequence[str], timeout: httpx.Timeout, retries: int, backoff_s: float,
-                 launcher: SGLangLauncher | None) -> None:
+                 launcher: ServerLauncher | None) -> None:
         self.urls, self.retries, self.backoff_s, self.launcher = list(urls), retries, backoff_s, launcher
         self.client = httpx.Client(timeout=timeout)  # also for best-effort calls without retries
 
