@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from axrl.algo.loss_config import PolicyLossConfig
+from axrl.config_faults import FaultsSection
+from axrl.config_section import Section
 from axrl.errors import ConfigError
 from axrl.inference.sglang.settings import SGLangSettings
 from axrl.inference.vllm.settings import VLLMSettings
@@ -21,10 +23,6 @@ from axrl.model.device import DEVICE_PATTERN
 from axrl.ray_executor.settings import RaySettings
 from axrl.recording.trackers import MlflowSettings, WandbSettings
 from axrl.train.lora import LORA_TARGETS
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class ModelSection(Section):
@@ -353,29 +351,6 @@ class RuntimeSection(Section):
                                                                "keeps generating while the trainer trains")
     device: str = Field("cpu", pattern=DEVICE_PATTERN, description="cpu, cuda or cuda:N: where the torch "
                         "trainer and the embedded engine hold the model")
-
-
-class LrScaleFault(Section):
-    """Multiply the learning rate of every update of one step (a learning-rate jump)."""
-
-    step: int = Field(..., ge=0)
-    factor: float = Field(..., gt=0)
-
-
-class RolloutLogprobNoiseFault(Section):
-    """Add Gaussian noise to the rollout logprobs of the generated tokens of one step (an inference
-    engine that disagrees with the trainer, e.g. stale weights or a bad kernel)."""
-
-    step: int = Field(..., ge=0)
-    std: float = Field(..., gt=0)
-
-
-class FaultsSection(Section):
-    """Deliberate faults, off by default: they create real spikes to demonstrate and test the
-    debugging tools (`axrl-debug replay`). They live in config.yaml, so a replay honours them."""
-
-    lr_scale: LrScaleFault | None = None
-    rollout_logprob_noise: RolloutLogprobNoiseFault | None = None
 
 
 class AgentSection(Section):
