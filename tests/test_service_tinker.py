@@ -335,3 +335,49 @@ def test_sampled_sequences_bring_their_moe_routing_into_the_trace(tmp_path: Path
     assert json.loads(report.stdout)["routing"]["agreement"] == pytest.approx(same, abs=1e-6)
     replay = _debug("replay", str(server.run), "--step", "0", "--json")
     assert replay.returncode == 0 and json.loads(replay.stdout)["verdict"] == "bitwise-equal", replay.stdout[-2000:]
+
+
+def _moe_dir(tmp_path: Path) -> Path:
+    tok = Tokenizer.default()
+    cfg = preset_config("tiny-moe", vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id)
+    return save_hf(build_model(cfg, seed=0), tmp_path / "moe", tokenizer=tok)
+
+
+def test_sampling_on_the_runs_server_engine_equals_the_embedded_engine(tmp_path: Path) -> None:
+    """`--set rollout.engine=sglang` (here `rollout.sglang.server=axrl`: servers launched by the
+    service on the served directory): after a training step, sampler weights reach the server,
+    whose sampled tokens, logprobs and prompt logprobs equal the in-process engine's, and the
+    routing it returns is recorded for the sampled datums."""
+    moe = _moe_dir(tmp_path)
+    prompt = Tokenizer.default().encode("what is two plus three")
+    results = {}
+    for name, extra in (("embedded", []), ("server", ["--set", "rollout.engine=sglang",
+                                                      "--set", "rollout.sglang.server=axrl"])):
+        server = Server(moe, tmp_path / name, tmp_path / f"{name}.log", "--full-finetune", *extra)
+        try:
+            tc = tinker.ServiceClient(base_url=server.url, api_key="tml-local").create_lora_training_client(
+                base_model=str(moe), rank=4).result()
+            tc.forward_backward([_datum(prompt + [7, 8, 9])], "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            sampler = tc.save_weights_and_get_sampling_client().result()
+            out = sampler.sample(types.ModelInput.from_ints(prompt), 2, types.SamplingParams(max_tokens=8, seed=3, stop=[]),
+                                 include_prompt_logprobs=True).result()
+            seqs = out.sequences
+            datums = [types.Datum(model_input=types.ModelInput.from_ints((prompt + s.tokens)[:-1]),
+                                  loss_fn_inputs={"target_tokens": np.asarray((prompt + s.tokens)[1:]),
+                                                  "logprobs": np.asarray([0.0] * (len(prompt) - 1) + s.logprobs, np.float32),
+                                                  "advantages": np.asarray([0.0] * (len(prompt) - 1) + [1.0] * len(s.tokens),
+                                                                           np.float32)}) for s in seqs]
+            tc.forward_backward(datums, "importance_sampling").result()
+            tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+            _wait_for_step(server.run, 1)
+            results[name] = ([s.tokens for s in seqs], [s.logprobs for s in seqs], out.prompt_logprobs[1:])
+        finally:
+            server.close()
+        with h5py.File(server.run / "trace" / "step_000001.h5") as f:
+            assert f["routing/rollout_valid"][:].sum() == sum(len(prompt) + len(s.tokens) - 1 for s in seqs)
+    (tokens_e, lp_e, plp_e), (tokens_s, lp_s, plp_s) = results["embedded"], results["server"]
+    assert tokens_s == tokens_e
+    assert np.allclose(np.concatenate(lp_s), np.concatenate(lp_e), atol=1e-5)
+    assert np.allclose(plp_s, plp_e, atol=1e-5)

@@ -190,7 +190,7 @@ def test_unnamed_sampler_snapshots_are_bounded_and_dropped_ones_say_so() -> None
         def update_weights(self, source, version):   # noqa: ANN001 - a stand-in that only counts loads
             return version
 
-    sampler = Sampler(Engine(), None, {"w": torch.zeros(2)})
+    sampler = Sampler(Engine(), None, None, {"w": torch.zeros(2)})  # type: ignore[arg-type]
     paths = [f"tinker://m/sampler_weights/e{i}" for i in range(KEEP_EPHEMERAL + 2)]
     for i, p in enumerate(paths):
         sampler.add_snapshot(p, {"w": torch.full((2,), float(i))}, ephemeral=True)

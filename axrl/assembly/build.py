@@ -128,6 +128,11 @@ def make_embedded_engine(cfg: Config, backend: TrainBackend, tokenizer: Tokenize
                                           clocked=clocked)
 
 
+def make_engine(cfg: Config, tokenizer: Tokenizer, backend: TrainBackend) -> Any:
+    """The run's `rollout.engine` (embedded, SGLang or vLLM), holding `backend`'s current weights."""
+    return factories.make_engine(S.model_source(cfg), S.rollout_settings(cfg), backend, tokenizer)
+
+
 def make_rollout(cfg: Config, tokenizer: Tokenizer, task: Task, loader: PromptLoader, engine: Any,
                  model_config: ModelConfig) -> tuple[RolloutWorker, WeightSync, TrajectoryPool]:
     """The run's rollout worker on `engine`, with its weight sync and pool (rollout replay)."""

@@ -17,10 +17,12 @@ from typing import Any
 
 import torch
 
-from axrl.assembly.build import make_tokenizer, make_train_backend
+from axrl.assembly.build import make_engine, make_tokenizer, make_train_backend
 from axrl.config import Config, config_to_dict
 from axrl.errors import ConfigError
+from axrl.inference.scoring import EmbeddedScorer, Scorer
 from axrl.inference.serve.main import startup_message
+from axrl.inference.sglang.scorer import SGLangScorer
 from axrl.inference.serve.serve_app import create_app
 from axrl.inference.serve.state import ServeConfig, build_server
 from axrl.model import hf_state_dict
@@ -38,9 +40,39 @@ def check_service_config(cfg: Config) -> None:
     if cfg.runtime.executor != "local":
         raise ConfigError(f"axrl serve --training runs the learner in its own process (runtime.executor: local); "
                           f"got {cfg.runtime.executor}")
-    if cfg.rollout.engine != "embedded":
-        raise ConfigError(f"axrl serve --training samples on its embedded engine (rollout.engine: embedded); "
-                          f"got {cfg.rollout.engine}")
+    if cfg.rollout.engine == "vllm":
+        raise ConfigError("axrl serve --training samples on the embedded engine or SGLang (rollout.engine: embedded | "
+                          "sglang); vllm is not wired into the service yet")
+
+
+class ServedDirectory:
+    """The served model directory as what an engine's server fleet reads of a trainer
+    (`launch_or_connect`): its architecture, the HF directory the servers load — the directory
+    itself — and its weights (for servers given by URL, which load them)."""
+
+    def __init__(self, model_dir: Path, model: torch.nn.Module) -> None:
+        self.model_dir, self.model = model_dir, model
+
+    @property
+    def model_config(self) -> Any:
+        return self.model.config
+
+    def export_hf(self, directory: Path) -> Path:
+        return self.model_dir
+
+    def named_weights(self) -> Any:
+        return iter(hf_state_dict(self.model).items())
+
+
+def sampling_engine(cfg: Config, server: Any, model_dir: Path) -> tuple[Any, Scorer]:
+    """The engine Tinker sampling runs on and its prompt scorer: the served embedded engine, or
+    SGLang servers (`rollout.engine: sglang`, launched on the served directory or given by URL)
+    with their teacher-forced scorer."""
+    if cfg.rollout.engine == "embedded":
+        return server.engine, EmbeddedScorer(server.engine.model, server.engine.config.vocab_size)
+    source = ServedDirectory(model_dir, server.engine.model)
+    engine = make_engine(cfg, server.tokenizer, source)  # type: ignore[arg-type]  (the part of a backend it reads)
+    return engine, SGLangScorer(engine.urls[0], vocab_size=source.model_config.vocab_size)
 
 
 def model_config(cfg: Config, model_dir: Path, lora_rank: int | None) -> Config:
@@ -83,12 +115,15 @@ def build_service(serve_cfg: ServeConfig, cfg: Config, run_dir: Path, poll_s: fl
     model_dir = Path(serve_cfg.model_path)
     base = {k: v.detach().clone() for k, v in hf_state_dict(server.engine.model).items()}
     routing = RoutingMemory() if server.engine.config.num_experts else None
-    state = ServiceState(Sampler(server.engine, server.tokenizer, base, routing),
+    engine, scorer = sampling_engine(cfg, server, model_dir)
+    state = ServiceState(Sampler(engine, scorer, server.tokenizer, base, routing),
                          model_factory(cfg, model_dir, run_dir, full_finetune, routing),
                          server.model_name, model_dir, server.engine.config.model_type, FutureStore(poll_s=poll_s))
     app = create_app(server)
     add_tinker_routes(app, state)
     app.router.on_shutdown.append(state.close)
+    if engine is not server.engine:   # servers this service launched (or connected to) for sampling
+        app.router.on_shutdown.extend([scorer.close, engine.shutdown])
     return app, server, state
 
 

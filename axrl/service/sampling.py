@@ -20,10 +20,10 @@ import torch
 
 from axrl.inference.openai.stops import cut_at_stop
 from axrl.inference.protocol import GenerateRequest, GenerateResult, SamplingParams
+from axrl.inference.scoring import Scorer
 from axrl.service.errors import UserError
 from axrl.service.routing import RoutingMemory
 from axrl.service.wire import Sequence, encode_sample_response
-from axrl.train.micro_batch import next_token_logprobs
 
 BASE = "base"   # the snapshot of the model directory's own weights
 KEEP_EPHEMERAL = 3   # unnamed snapshots (save_weights_and_get_sampling_client) kept in memory
@@ -59,12 +59,13 @@ def parse_stop(stop: Any) -> tuple[list[int] | None, list[str]]:
 
 
 class Sampler:
-    """The engine, its weight snapshots and the one loaded now; with `routing` (an MoE model), the
-    routing of every sequence it samples is remembered for the trace."""
+    """The engine, its weight snapshots and the one loaded now; `scorer` gives prompt logprobs
+    under the loaded weights (the engine's own model, or its server); with `routing` (an MoE
+    model), the routing of every sequence it samples is remembered for the trace."""
 
-    def __init__(self, engine: Any, tokenizer: Any, base_weights: dict[str, torch.Tensor],
+    def __init__(self, engine: Any, scorer: Scorer, tokenizer: Any, base_weights: dict[str, torch.Tensor],
                  routing: RoutingMemory | None = None) -> None:
-        self.engine, self.tokenizer, self.routing = engine, tokenizer, routing
+        self.engine, self.scorer, self.tokenizer, self.routing = engine, scorer, tokenizer, routing
         self.snapshots: dict[str, dict[str, torch.Tensor]] = {BASE: base_weights}
         self.loaded = BASE
         self.ephemeral: list[str] = []
@@ -146,10 +147,4 @@ class Sampler:
 
     def _prompt_logprobs(self, spec: SampleSpec) -> np.ndarray:
         """log p(prompt_t | prompt_<t) under the loaded weights (temperature 1); NaN at position 0."""
-        ids = torch.tensor([spec.prompt], dtype=torch.long)
-        with torch.inference_mode():
-            logits = self.engine.model(ids).logits
-            lp, _ = next_token_logprobs(logits.float(), ids, 1.0)
-        out = lp[0].float().numpy().copy()
-        out[0] = np.nan
-        return out
+        return self.scorer.score([spec.prompt], 1.0)[0]
