@@ -28,7 +28,7 @@ import torch
 
 from axrl.config import Config, ConfigError, load_config
 from axrl.runtime.checkpoint import load_checkpoint
-from axrl.service.training import replay_service_step
+from axrl.service.training import replay_service_step, service_forward
 from axrl.assembly.build import make_tokenizer, make_train_backend, policy_loss
 from axrl.assembly.settings import routing_replay, step_settings
 from axrl.recording.records import CriticStep, UpdateResult
@@ -235,10 +235,19 @@ def load_start(inv: RunInventory, plan: ReplayPlan, backend: TrainBackend, step:
                                     inv, step)
 
 
+def service_ranks(cfg: Config) -> int:
+    """The data-parallel ranks a service step's calls were split over (a Ray train group of torch
+    ranks; 1 otherwise)."""
+    return cfg.runtime.ray.train_ranks if cfg.runtime.executor == "ray" and cfg.train.backend == "torch" else 1
+
+
 def _check_prepare(rec: RecordedStep, backend: TrainBackend, cfg: Config) -> list[Divergence]:
     """Redo the loop's prepare-phase forward (old logprobs, entropy, trainer routing) and compare.
     No-grad and stateless, so it changes nothing the updates depend on."""
-    old = backend.forward(dataclasses.replace(rec.batch, old_logprobs=None), r3=routing_replay(cfg))
+    if rec.service is not None:   # a Tinker-API step: the forward as its calls (and their shares) ran it
+        old = service_forward(backend, rec.batch, rec.service[0], service_ranks(cfg))
+    else:
+        old = backend.forward(dataclasses.replace(rec.batch, old_logprobs=None), r3=routing_replay(cfg))
     out = []
     for name, recorded, replayed in (("old_logprob", rec.batch.old_logprobs.numpy(), old.logprobs),
                                      ("entropy", rec.entropy, old.entropy),
@@ -408,7 +417,7 @@ def _rerun_step(backend: TrainBackend, rec: RecordedStep, cfg: Config, s: int, m
     t_up = time.perf_counter()
     try:
         if rec.service is not None:   # a step a Tinker-API loop drove (axrl/service): its calls, then AdamW
-            results = replay_service_step(backend, rec.batch, *rec.service)
+            results = replay_service_step(backend, rec.batch, *rec.service, ranks=service_ranks(cfg))
         else:
             results = run_updates(backend, rec.batch, rec.splits, inst.loss_fn, r3=routing_replay(cfg),
                                   lr_scale=step_settings(cfg).lr_scale_at(s), hooks=inst.hooks)

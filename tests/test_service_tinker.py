@@ -262,28 +262,37 @@ def _two_steps(url: str, model_dir: Path) -> tuple[bool, list[list[float]]]:
     for _ in range(2):
         tc.forward_backward([_datum(ids), _datum(ids[:7])], "cross_entropy").result()
         tc.optim_step(adam).result()
-        after.append(tc.forward([_datum(ids)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist())
+        # two datums: a data-parallel train group gives each rank at least one
+        after.append(tc.forward([_datum(ids), _datum(ids[:5])], "cross_entropy").result()
+                     .loss_fn_outputs[0]["logprobs"].tolist())
     return tc.get_info().is_lora, after
 
 
-def test_megatron_backend_trains_the_same_steps_and_replays(model_dir: Path, tmp_path: Path) -> None:
-    """`--set train.backend=megatron`: the SDK's steps (with its own AdamW settings) give the
-    weights the torch backend gives (fully fine-tuned there too) within fp32 noise, Megatron
-    trains every weight whatever lora_config asks, and a step replays bitwise on Megatron."""
+@pytest.mark.parametrize("name,args", [
+    ("megatron", ["--set", "train.backend=megatron"]),
+    ("ray", ["--set", "runtime.executor=ray", "--set", "runtime.ray.train_ranks=2",
+             "--set", "runtime.ray.placement.train_cpus=0.5", "--set", "runtime.ray.placement.engine_cpus=0.5"]),
+])
+def test_other_trainers_train_the_same_steps_and_replay(name: str, args: list[str], model_dir: Path,
+                                                         tmp_path: Path) -> None:
+    """`--set train.backend=megatron`, or a Ray train group of two data-parallel ranks: the SDK's
+    steps (with their own AdamW settings) give the weights the in-process torch backend gives
+    within fp32 noise, the model trains every weight (Megatron has no LoRA; both compared fully
+    fine-tuned), and a step replays bitwise."""
     results = {}
-    for name, args in (("megatron", ["--set", "train.backend=megatron"]), ("torch", ["--full-finetune"])):
-        server = Server(model_dir, tmp_path / name, tmp_path / f"{name}.log", *args)
+    for run, extra in ((name, [*args, "--full-finetune"]), ("torch", ["--full-finetune"])):
+        server = Server(model_dir, tmp_path / run, tmp_path / f"{run}.log", *extra)
         try:
-            results[name] = _two_steps(server.url, model_dir)
+            results[run] = _two_steps(server.url, model_dir)
         finally:
             server.close()
-    (lora_m, logprobs_m), (lora_t, logprobs_t) = results["megatron"], results["torch"]
-    assert lora_m is False and lora_t is False
-    for m, t in zip(logprobs_m, logprobs_t):
-        assert np.allclose(m, t, atol=1e-4), np.abs(np.asarray(m) - np.asarray(t)).max()
-    assert logprobs_m[1] != logprobs_m[0]                     # the second step moved the weights
-    _wait_for_step(tmp_path / "megatron", 1)
-    replay = _debug("replay", str(tmp_path / "megatron"), "--step", "1", "--json")
+    (lora_o, logprobs_o), (lora_t, logprobs_t) = results[name], results["torch"]
+    assert lora_o is False and lora_t is False
+    for o, t in zip(logprobs_o, logprobs_t):
+        assert np.allclose(o, t, atol=1e-4), np.abs(np.asarray(o) - np.asarray(t)).max()
+    assert logprobs_o[1] != logprobs_o[0]                     # the second step moved the weights
+    _wait_for_step(tmp_path / name, 1)
+    replay = _debug("replay", str(tmp_path / name), "--step", "1", "--json")
     assert replay.returncode == 0 and json.loads(replay.stdout)["verdict"] == "bitwise-equal", replay.stdout[-2000:]
 
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from axrl.assembly import settings as S
 from axrl.assembly.build import make_engine, make_tokenizer, make_train_backend
 from axrl.config import Config, config_to_dict
 from axrl.errors import ConfigError
@@ -26,6 +27,7 @@ from axrl.inference.sglang.scorer import SGLangScorer
 from axrl.inference.serve.serve_app import create_app
 from axrl.inference.serve.state import ServeConfig, build_server
 from axrl.model import hf_state_dict
+from axrl.recording.events import EventLog
 from axrl.service.futures import FutureStore
 from axrl.service.model import ServiceModel
 from axrl.service.routes import add_tinker_routes
@@ -33,13 +35,11 @@ from axrl.service.routing import RoutingMemory
 from axrl.service.sampling import Sampler
 from axrl.service.state import ServiceState
 from axrl.trace import RunDir
+from axrl.train.protocol import TrainBackend
 
 
 def check_service_config(cfg: Config) -> None:
     """Refuse what the service does not drive (yet), saying what to use instead."""
-    if cfg.runtime.executor != "local":
-        raise ConfigError(f"axrl serve --training runs the learner in its own process (runtime.executor: local); "
-                          f"got {cfg.runtime.executor}")
     if cfg.rollout.engine == "vllm":
         raise ConfigError("axrl serve --training samples on the embedded engine or SGLang (rollout.engine: embedded | "
                           "sglang); vllm is not wired into the service yet")
@@ -95,13 +95,35 @@ def model_factory(cfg: Config, model_dir: Path, run_dir: Path, full_finetune: bo
         mcfg = model_config(cfg, model_dir, lora_rank)
         run = RunDir(run_dir if index == 0 else run_dir / "models" / f"model_{index}")
         run.write_config(config_to_dict(mcfg))
-        tokenizer = make_tokenizer(mcfg)
-        backend = make_train_backend(mcfg, tokenizer)
-        run.write_manifest(seed=mcfg.seed, backend=mcfg.train.backend, engine="embedded", threads=torch.get_num_threads(),
-                           command=sys.argv, extra={"mode": "tinker-service", "model_id": model_id,
-                                                    "lora_rank": lora_rank})
-        return ServiceModel(model_id, backend, run, str(model_dir), lora_rank, routing)
+        backend, release = service_backend(mcfg)
+        run.write_manifest(seed=mcfg.seed, backend=mcfg.train.backend, engine=mcfg.rollout.engine,
+                           threads=torch.get_num_threads(), command=sys.argv,
+                           extra={"mode": "tinker-service", "model_id": model_id, "lora_rank": lora_rank,
+                                  "executor": mcfg.runtime.executor})
+        return ServiceModel(model_id, backend, run, str(model_dir), lora_rank, routing, release)
     return make
+
+
+def service_backend(cfg: Config) -> tuple[TrainBackend, Callable[[], None]]:
+    """A model's trainer and what releases it: the run's backend in this process, or under
+    `runtime.executor: ray` a train group of `runtime.ray.train_ranks` actors (their gradients
+    summed over ranks, as the service's summed losses need)."""
+    if cfg.runtime.executor != "ray":
+        backend = make_train_backend(cfg, make_tokenizer(cfg))
+        return backend, backend.close
+    from axrl.ray_executor.executor import RayExecutor
+
+    executor = RayExecutor(S.run_settings(cfg), cfg.runtime.ray, EventLog())
+    try:
+        group = executor.start_train_group()
+    except BaseException:
+        executor.close()
+        raise
+
+    def release() -> None:
+        group.close()
+        executor.close()
+    return group, release
 
 
 def build_service(serve_cfg: ServeConfig, cfg: Config, run_dir: Path, poll_s: float = 30.0,

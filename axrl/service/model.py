@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -31,8 +31,10 @@ class ServiceModel:
     """One `create_model`: `model_id` = `{session}:train:{seq}`, trained by `backend`, recorded in `run`."""
 
     def __init__(self, model_id: str, backend: TrainBackend, run: RunDir, base_model: str,
-                 lora_rank: int | None, routing: RoutingMemory | None = None) -> None:
+                 lora_rank: int | None, routing: RoutingMemory | None = None,
+                 release: Callable[[], None] | None = None) -> None:
         self.model_id, self.backend, self.run = model_id, backend, run
+        self.release = release  # frees the trainer (its processes or actors) when the service stops
         # the sampler's memory of sampled sequences' routing (None: a dense model)
         self.routing = routing if backend.model_config.num_experts else None
         self.base_model, self.lora_rank = base_model, lora_rank
@@ -137,11 +139,13 @@ class ServiceModel:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The current weights (HF names) for a sampler snapshot."""
-        return dict(self.backend.sync_source())
+        return dict(self.backend.named_weights())
 
     def checkpoints(self) -> list[tuple[int, Path]]:
         return list_checkpoints(self.run.path)
 
     def close(self) -> None:
-        """Write the step files still queued."""
+        """Write the step files still queued, then release the trainer."""
         self.writer.close()
+        if self.release is not None:
+            self.release()

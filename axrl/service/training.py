@@ -13,11 +13,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from axrl.recording.records import UpdateResult
 from axrl.service.errors import UserError
 from axrl.service.losses import ServiceLoss
 from axrl.train.metrics import reduce_microbatch_metrics
-from axrl.train.protocol import AdamHyper, PackedBatch, StepStats, TrainBackend, TrainMetrics
+from axrl.train.protocol import AdamHyper, ForwardResult, PackedBatch, StepStats, TrainBackend, TrainMetrics
 
 #: step-file root attributes of a service step (JSON strings)
 CALLS_ATTR = "service_calls"
@@ -86,8 +88,57 @@ def service_attrs(attrs: dict[str, Any]) -> tuple[list[CallSpec], dict[str, floa
 
 
 def replay_service_step(backend: TrainBackend, batch: PackedBatch, calls: list[CallSpec],
-                        adam: dict[str, float]) -> list[UpdateResult]:
-    """Re-run a recorded service step on `batch` (all its samples, in call order): the update."""
-    metrics = [run_call(backend, batch.select(list(range(c.start, c.end))), c.loss_fn, c.config) for c in calls]
+                        adam: dict[str, float], ranks: int = 1) -> list[UpdateResult]:
+    """Re-run a recorded service step on `batch` (all its samples, in call order): the update.
+    `ranks` > 1: the step ran on a Ray train group of that many data-parallel ranks
+    (`data_parallel_calls`)."""
+    if ranks > 1:
+        metrics = data_parallel_calls(backend, batch, calls, ranks)
+    else:
+        metrics = [run_call(backend, batch.select(list(range(c.start, c.end))), c.loss_fn, c.config) for c in calls]
     stats = apply_optim(backend, adam)
     return [UpdateResult(list(range(batch.num_samples)), merged_metrics(metrics), stats, backend.fingerprint())]
+
+
+def data_parallel_calls(backend: Any, batch: PackedBatch, calls: list[CallSpec], ranks: int) -> list[TrainMetrics]:
+    """The calls as a Ray train group of `ranks` data-parallel ranks ran them, in one process: each
+    call's datums split into the group's contiguous shares (`shard_rows`); rank r accumulated the
+    gradients of its shares over the calls, and optim_step summed the ranks' gradients. So each
+    rank's gradients are computed apart, then added in rank order — for two ranks the very sum the
+    group's all-reduce makes; per call, the metrics list the ranks' micro-batches in rank order."""
+    params = [p for p in backend.model.parameters() if p.requires_grad]
+    per_rank: list[list[TrainMetrics]] = []
+    grads: list[list[torch.Tensor]] = []
+    for r in range(ranks):
+        shares = call_shares(batch, calls, ranks)[r::ranks]   # rank r's share of each call
+        per_rank.append([run_call(backend, share, c.loss_fn, c.config) for share, c in zip(shares, calls)])
+        grads.append([torch.zeros_like(p) if p.grad is None else p.grad for p in params])
+        for p in params:
+            p.grad = None
+    for i, p in enumerate(params):
+        total = grads[0][i]
+        for g in grads[1:]:
+            total = total + g[i]
+        p.grad = total
+    return [merged_metrics([per_rank[r][i] for r in range(ranks)]) for i in range(len(calls))]
+
+
+def call_shares(batch: PackedBatch, calls: list[CallSpec], ranks: int) -> list[PackedBatch]:
+    """The pieces a service step's batch went through the trainer in, in batch order: one per
+    call, split into the data-parallel shares of a Ray train group of `ranks` ranks."""
+    from axrl.ray_executor.handles import shard_rows
+
+    out = []
+    for c in calls:
+        call = batch.select(list(range(c.start, c.end)))
+        out += [call] if ranks == 1 else [call.select(rows) for rows in shard_rows(call, ranks)]
+    return out
+
+
+def service_forward(backend: TrainBackend, batch: PackedBatch, calls: list[CallSpec], ranks: int) -> ForwardResult:
+    """The no-grad forward of a service step as its calls ran it (`call_shares`): the old
+    logprobs, entropy and routing the recording holds, computed piece by piece."""
+    parts = [backend.forward(piece) for piece in call_shares(batch, calls, ranks)]
+    routed = [p.routed_experts for p in parts]
+    return ForwardResult(logprobs=torch.cat([p.logprobs for p in parts]), entropy=torch.cat([p.entropy for p in parts]),
+                         routed_experts=None if any(r is None for r in routed) else torch.cat(routed))
