@@ -14,23 +14,18 @@ from typer.testing import CliRunner
 import ray  # noqa: E402  (the test extra installs it: a broken import fails)
 
 from axrl.assembly.build import train  # noqa: E402
-from axrl.config import load_config  # noqa: E402
 from axrl.trace import StepFile, TraceReader  # noqa: E402
 from axrl.trace import schema as S  # noqa: E402
 from axrl_debug.cli import app as debug_app  # noqa: E402
+from tests.test_ray import SMALL  # noqa: E402
+from tests.test_ray import cfg as ray_cfg  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(900)
-# test_ray.py's tiny MoE run, two steps (each with a checkpoint, for replay)
-TINY = ["steps=2", "model.preset=micro-moe", "warmup.steps=0", "data.task=echo", "data.task_args={turns: 1}",
-        "data.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8", "rollout.max_turns=2",
-        "rollout.max_context_len=128", "rollout.max_batch_size=8", "eval.every=0", "checkpoint.every=1",
-        "runtime.threads=1", "algo.entropy_coef=0.05", "train.lr=1e-2", "algo.loss_agg=token-mean"]
-SMALL = ["runtime.ray.placement.train_cpus=0.5", "runtime.ray.placement.engine_cpus=0.5"]
 
 
 def cfg(*extra: str):
-    return load_config(ROOT / "examples" / "quickstart.yaml", [*TINY, *extra])
+    """test_ray.py's tiny MoE run, two steps (each with a checkpoint, for replay)."""
+    return ray_cfg("steps=2", *extra)
 
 
 @pytest.fixture(scope="module")
