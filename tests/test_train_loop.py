@@ -28,7 +28,7 @@ SMALL = ["model.preset=micro-moe", "steps=4", "data.prompts_per_step=2", "rollou
     ("rollout.group_size=0", "rollout.group_size: Input should be greater than or equal to 1"),
     ("rollout.grup_size=4", "rollout.grup_size: unknown key"),
     ("train.lr=fast", "train.lr: Input should be a valid number"),
-    ("rollout.engine=vllm", "rollout.engine: Input should be 'embedded' or 'sglang'"),
+    ("rollout.engine=tgi", "rollout.engine: Input should be 'embedded', 'sglang' or 'vllm'"),
     ("steps", "expected key=value"),
 ])
 def test_bad_config_is_rejected_before_any_work(tmp_path, override, needle):
