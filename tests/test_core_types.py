@@ -4,7 +4,6 @@ on (ModelConfig.routing_shape), also for MoE models with dense layers."""
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -22,22 +21,16 @@ from axrl.core import (FINISH_REASONS, STATUSES, Trajectory, append_generated, a
 from axrl.inference import EmbeddedEngine, GenerateRequest, SamplingParams
 from axrl.model import build_model, preset_config
 from axrl.trace import schema
+from test_structure import fresh_import_graph
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def axrl_imports(package: str) -> set[str]:
-    """The axrl modules imported anywhere (also inside functions) by the files of `package`."""
-    found: set[str] = set()
-    for path in (ROOT / "axrl" / package).rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                found.add(node.module)
-            elif isinstance(node, ast.ImportFrom) and node.level:
-                found.add(f"<relative {node.level}>.{node.module}")
-            elif isinstance(node, ast.Import):
-                found.update(a.name for a in node.names)
-    return {m for m in found if m.startswith("axrl") or m.startswith("<relative")}
+    """The project modules imported anywhere (also inside functions) by the modules of `package`,
+    from test_structure's import graph (built in a fresh interpreter)."""
+    graph = fresh_import_graph(ROOT)
+    return {dep for mod, deps in graph.items() if mod.startswith(f"axrl.{package}") for dep in deps}
 
 
 # ---------------------------------------------------------------------------------- layering
