@@ -12,17 +12,15 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from axrl.algo.gae import gae, token_rewards, value_loss
 from axrl.algo.processor import AdvantageSettings, AlgorithmProcessor, with_gae
-from axrl.cli import app as axrl_app
 from axrl.config import ConfigError, load_config
 from axrl.core.trajectory import Trajectory
-from axrl_debug.cli import app as debug_app
+from train_util import ROOT, debug, train
 
 torch.set_num_threads(1)
-ROOT = Path(__file__).resolve().parents[1]
+PPO = ROOT / "examples" / "quickstart_ppo.yaml"
 
 
 def episode(sample_id: int, group_id: int, turn_rewards: list[float], tokens_per_turn: int = 3,
@@ -180,11 +178,7 @@ RUN = ["steps=3", "model.preset=micro-moe", "warmup.steps=100", "data.task=echo"
 @pytest.fixture(scope="module")
 def ppo_run(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("ppo") / "run"
-    args = ["train", str(ROOT / "examples" / "quickstart_ppo.yaml"), "--run-dir", str(run)]
-    for s in RUN:
-        args += ["--set", s]
-    result = CliRunner().invoke(axrl_app, args)
-    assert result.exit_code == 0, result.output
+    train(run, RUN, config=PPO)
     return run
 
 
@@ -219,7 +213,7 @@ def test_what_ifs_recompute_gae_from_the_recorded_rewards_and_values(ppo_run):
 
 @pytest.mark.parametrize("step", [1, 2])
 def test_replay_re_executes_policy_and_critic_bitwise(ppo_run, step):
-    replay = CliRunner().invoke(debug_app, ["replay", str(ppo_run), "--step", str(step), "--json"])
+    replay = debug("replay", ppo_run, "--step", step, "--json")
     doc = json.loads(replay.stdout)
     assert replay.exit_code == 0 and doc["verdict"] == "bitwise-equal", doc["first_divergence"]
     target = doc["steps"][-1]
@@ -231,7 +225,7 @@ def test_replay_catches_a_critic_that_differs(ppo_run, tmp_path):
     shutil.copytree(ppo_run, run)
     with h5py.File(run / "trace" / "step_000001.h5", "r+") as f:
         f["tokens/return"][...] = f["tokens/return"][:] + np.float32(0.5)
-    replay = CliRunner().invoke(debug_app, ["replay", str(run), "--step", "1", "--json"])
+    replay = debug("replay", run, "--step", 1, "--json")
     doc = json.loads(replay.stdout)
     assert doc["verdict"] == "diverged" and doc["first_divergence"]["quantity"].startswith("critic")
 
@@ -242,11 +236,7 @@ def test_resume_continues_the_critic_bitwise(ppo_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(ppo_run, run)
     shutil.rmtree(run / "checkpoints" / "step_000003", ignore_errors=True)
-    args = ["train", str(ROOT / "examples" / "quickstart_ppo.yaml"), "--run-dir", str(run), "--resume"]
-    for s in RUN:
-        args += ["--set", s]
-    result = CliRunner().invoke(axrl_app, args)
-    assert result.exit_code == 0, result.output
+    train(run, RUN, "--resume", config=PPO)
     for name in ("step_000002.h5",):
         with h5py.File(ppo_run / "trace" / name) as a, h5py.File(run / "trace" / name) as b:
             for key in ("critic_fingerprint_after", "critic_value_loss"):
@@ -258,7 +248,7 @@ def test_resume_continues_the_critic_bitwise(ppo_run, tmp_path):
 def test_debug_shows_value_error_by_turn_and_position_and_the_tui_colours_it(ppo_run):
     from axrl_debug.tui.data import RunModel
 
-    summary = CliRunner().invoke(debug_app, ["summary", str(ppo_run), "--json"])
+    summary = debug("summary", ppo_run, "--json")
     doc = json.loads(summary.stdout)["value_error"]
     with h5py.File(ppo_run / "trace" / "step_000002.h5") as f:
         mask = f["tokens/loss_mask"][:] > 0
@@ -273,7 +263,7 @@ def test_debug_shows_value_error_by_turn_and_position_and_the_tui_colours_it(ppo
     assert [r["turn"] for r in step2["by_turn"]] == sorted(set(turn.tolist()))
     assert sum(r["tokens"] for r in step2["by_position"]) == e.size
     assert step2["by_position"][0]["positions"] == "0" and step2["by_position"][0]["tokens"] == len(off) - 1
-    text = CliRunner().invoke(debug_app, ["summary", str(ppo_run)]).stdout
+    text = debug("summary", ppo_run).stdout
     assert "value error by turn" in text and "value error by position" in text
     tokens = RunModel(ppo_run, against="value").step(2).sample(0)
     want = np.where(first_mask, first_value.astype(np.float64) - first_return, np.nan)

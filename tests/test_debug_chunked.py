@@ -15,17 +15,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
-from axrl.cli import app as axrl_app
 from axrl.trace import RunDir, StepFile, TraceReader
 from axrl.trace.chunks import iter_chunks
 from axrl_debug.analysis import frames
 from axrl_debug.analysis.mismatch import MismatchConfig, analyse
 from axrl_debug.analysis.mismatch.accumulator import _read_steps
 from axrl_debug.synthetic import write_run
+from train_util import ROOT, train
 
-ROOT = Path(__file__).resolve().parents[1]
 RUN_SETTINGS = ["steps=2", "model.preset=micro-moe", "warmup.steps=100", "data.task=echo", "data.task_args={}",
                 "data.prompts_per_step=2", "rollout.group_size=4", "eval.every=0",
                 "runtime.threads=1", "algo.loss_agg=token-mean"]
@@ -35,11 +33,7 @@ RUN_SETTINGS = ["steps=2", "model.preset=micro-moe", "warmup.steps=100", "data.t
 def raw_run(tmp_path_factory) -> Path:
     """A real run: two steps of the echo task on the micro MoE (routing recorded)."""
     path = tmp_path_factory.mktemp("chunked") / "raw"
-    args = ["train", str(ROOT / "examples" / "quickstart.yaml"), "--run-dir", str(path)]
-    for s in RUN_SETTINGS:
-        args += ["--set", s]
-    result = CliRunner().invoke(axrl_app, args)
-    assert result.exit_code == 0, result.output
+    train(path, RUN_SETTINGS)
     return path
 
 

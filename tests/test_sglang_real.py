@@ -399,20 +399,12 @@ def test_replay_rescores_a_recorded_step_on_sglang(server, tmp_path):
     """`axrl-debug replay --rollout --engine sglang` on a real short run: the step's policy loaded into
     the server, every recorded stream re-scored, SGLang's mismatch against the trainer is float32
     rounding on the same tokens as the recorded engine's report."""
-    from typer.testing import CliRunner
-
-    from axrl.cli import app as axrl_app
-    from axrl_debug.cli import app as debug_app
+    from train_util import SHORT_RUN, debug, train
 
     run = tmp_path / "run"
-    args = ["train", str(REPO / "examples" / "quickstart.yaml"), "--run-dir", str(run)]
-    for s in ["steps=2", "warmup.steps=20", "eval.every=0", "data.prompts_per_step=4", "rollout.group_size=4",
-              "checkpoint.every=1", "runtime.threads=1"]:
-        args += ["--set", s]
-    trained = CliRunner().invoke(axrl_app, args)
-    assert trained.exit_code == 0, trained.output
-    out = CliRunner().invoke(debug_app, ["replay", str(run), "--step", "1", "--rollout", "--engine", "sglang",
-                                         "--url", server[0].urls[0], "--load-weights", "--json"])
+    train(run, SHORT_RUN)
+    out = debug("replay", run, "--step", 1, "--rollout", "--engine", "sglang", "--url", server[0].urls[0],
+                "--load-weights", "--json")
     assert out.exit_code == 0, out.output
     res = json.loads(out.stdout)
     m = res["engine_mismatch"]

@@ -20,11 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
+from train_util import SHORT_RUN, debug, train
 
 VLLM_PYTHON = os.environ.get("AXRL_VLLM_PYTHON", "")
 SKIP_REASON = "real-vLLM suite: set AXRL_VLLM_PYTHON to the python of an environment built by scripts/vllm-cpu-env.sh DIR"
-ROOT = Path(__file__).resolve().parents[1]
 LOGPROB_TOL = 1e-4  # float32 on both sides; measured max |Δ| ≈ 1e-6 on tiny-moe
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not VLLM_PYTHON, reason=SKIP_REASON)]
@@ -33,19 +32,13 @@ pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not VLLM_PYTHON, reason=SKIP_
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(run dir, exported step-1 policy, url) with vLLM launched on the policy."""
-    from axrl.cli import app as axrl_app
     from replay.policy import policy_before
     from replay.server_rescore import ServerOptions, model_dir_for, scoring_server
 
     if not Path(VLLM_PYTHON).is_file():
         pytest.fail(f"AXRL_VLLM_PYTHON={VLLM_PYTHON} does not exist; build it with scripts/vllm-cpu-env.sh DIR")
     run = tmp_path_factory.mktemp("vllm-scoring") / "run"
-    args = ["train", str(ROOT / "examples" / "quickstart.yaml"), "--run-dir", str(run)]
-    for s in ["steps=2", "warmup.steps=20", "eval.every=0", "data.prompts_per_step=4", "rollout.group_size=4",
-              "checkpoint.every=1", "runtime.threads=1"]:
-        args += ["--set", s]
-    trained = CliRunner().invoke(axrl_app, args)
-    assert trained.exit_code == 0, trained.output
+    train(run, SHORT_RUN)
     state = policy_before(run, 1)
     try:
         model_dir = state.backend.export_hf(model_dir_for(run, 1))
@@ -82,11 +75,8 @@ def test_vllm_scorer_gives_the_trainer_logprobs(served, temperature):
 def test_replay_rescores_a_recorded_step_on_vllm(served):
     """replay --rollout --engine vllm --url: vLLM's mismatch against the trainer on the recorded
     tokens is float32 rounding, over the same tokens as the recorded engine's report."""
-    from axrl_debug.cli import app as debug_app
-
     run, _, url = served
-    out = CliRunner().invoke(debug_app, ["replay", str(run), "--step", "1", "--rollout", "--engine", "vllm",
-                                         "--url", url, "--json"])
+    out = debug("replay", run, "--step", 1, "--rollout", "--engine", "vllm", "--url", url, "--json")
     assert out.exit_code == 0, out.output
     res = json.loads(out.stdout)
     m = res["engine_mismatch"]

@@ -15,6 +15,10 @@ from axrl_debug.cli import app as debug_app
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
+#: the quickstart cut to two short steps, each with a checkpoint: a recorded step to replay or
+#: re-score on another engine
+SHORT_RUN = ("steps=2", "warmup.steps=20", "eval.every=0", "data.prompts_per_step=4", "rollout.group_size=4",
+             "checkpoint.every=1", "runtime.threads=1")
 
 
 def set_args(settings: Iterable[str]) -> list[str]:
