@@ -11,15 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device (scripts/gpu-check-device.sh)", allow_module_level=True)
 
-from axrl.cli import app as axrl_app  # noqa: E402
 from axrl.config import load_config  # noqa: E402
 from axrl.assembly.build import build_components  # noqa: E402
-from axrl_debug.cli import app as debug_app  # noqa: E402
+from train_util import debug, train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = os.environ.get("AXRL_GPU_REPORT")
@@ -49,13 +47,9 @@ def test_trainer_and_engine_on_the_gpu(dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_short_run_trains_and_replays_bitwise_on_the_gpu(dtype, tmp_path):
     run = tmp_path / "run"
-    args = ["train", str(ROOT / "examples" / "quickstart.yaml"), "--run-dir", str(run)]
-    for s in [*SMALL, f"model.dtype={dtype}"]:
-        args += ["--set", s]
-    result = CliRunner().invoke(axrl_app, args)
-    assert result.exit_code == 0, result.output
+    train(run, [*SMALL, f"model.dtype={dtype}"])
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    result = CliRunner().invoke(debug_app, ["replay", str(run), "--step", "2", "--json"])
+    result = debug("replay", run, "--step", 2, "--json")
     doc = json.loads(result.stdout)
     record(check=f"device_run_{dtype}", device=torch.cuda.get_device_name(0), verdict=doc["verdict"],
            mismatch=[m["mismatch"] for m in metrics], grad_norm=[m["grad_norm"] for m in metrics],
@@ -72,12 +66,8 @@ def test_wave3_modes_train_and_replay_bitwise_on_the_gpu(mode, extra, tmp_path):
     """The critic (its value model and updates on the GPU), LoRA adapters and fp8 rollout: a short
     run trains on the GPU and its last step replays bit for bit there."""
     run = tmp_path / "run"
-    args = ["train", str(ROOT / "examples" / "quickstart.yaml"), "--run-dir", str(run)]
-    for s in [*SMALL, *extra]:
-        args += ["--set", s]
-    result = CliRunner().invoke(axrl_app, args)
-    assert result.exit_code == 0, result.output
-    result = CliRunner().invoke(debug_app, ["replay", str(run), "--step", "2", "--json"])
+    train(run, [*SMALL, *extra])
+    result = debug("replay", run, "--step", 2, "--json")
     doc = json.loads(result.stdout)
     record(check=f"device_{mode}", device=torch.cuda.get_device_name(0), verdict=doc["verdict"])
     assert result.exit_code == 0 and doc["verdict"] == "bitwise-equal", result.output
