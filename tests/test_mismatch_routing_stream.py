@@ -26,7 +26,7 @@ from test_trace import make_record
 ROUTING = ["/routing/rollout", "/routing/train", "/routing/rollout_valid"]
 
 
-def moe_record(step: int, experts: int, layers: int, k: int):
+def moe_record(step: int, experts: int, layers: int, k: int, valid: bool = True):
     """A ragged multi-sample step (``make_record``) with distinct top-k ids per row and a trainer
     that, on ~30 % of (token, layer) rows spread over every layer and sample, routes to the same
     experts in another order (marked, agreeing), swaps one expert, or picks k new ones."""
@@ -46,6 +46,7 @@ def moe_record(step: int, experts: int, layers: int, k: int):
         train[ti, li] = np.argsort(rng.random(experts))[:k]
     pool = rec.pool_routing_rollout
     return replace(rec, num_experts=experts, routing_rollout=rollout, routing_train=train,
+                   routing_rollout_valid=rec.routing_rollout_valid if valid else None,
                    pool_routing_rollout=None if pool is None else np.asarray(pool) % experts)
 
 
@@ -53,12 +54,13 @@ def routing_codec_dtype(experts: int) -> type:
     return np.uint8 if experts <= 256 else np.uint16
 
 
-@pytest.fixture(scope="module", params=[(128, 10, 8), (6, 3, 2), (256, 9, 8), (64, 70, 3), (300, 4, 4)],
-                ids=lambda p: "E{}-L{}-k{}".format(*p))
+@pytest.fixture(scope="module", params=[(128, 10, 8, True), (128, 10, 8, False), (6, 3, 2, True), (256, 9, 8, True),
+                                        (64, 70, 3, True), (300, 4, 4, True)],
+                ids=lambda p: "E{}-L{}-k{}{}".format(*p[:3], "" if p[3] else "-no-valid"))
 def runs(request, tmp_path_factory):
     """The same two steps stored raw and packed, in stored chunks of 2 KiB (many per sample)."""
-    experts, layers, k = request.param
-    records = [moe_record(s, experts, layers, k) for s in range(2)]
+    experts, layers, k, valid = request.param
+    records = [moe_record(s, experts, layers, k, valid) for s in range(2)]
     root = tmp_path_factory.mktemp("stream")
     mp = pytest.MonkeyPatch()
     mp.setattr(writer, "_CHUNK_BYTES", 2048)
@@ -75,7 +77,7 @@ def test_streamed_routing_is_the_decoded_answer(runs, chunk_tokens):
     """Packed (marks) and raw (stored rows) streams give, bit for bit, the report of the same
     compiled analysis on the decoded whole columns, and the routing figures of the numpy
     reference (``routing_agreement``) over every row."""
-    (experts, layers, k), raw, packed = runs
+    (experts, layers, k, _), raw, packed = runs
     cfg = MismatchConfig.from_run_config(raw.config, top_k=40, compiled=True, chunk_tokens=chunk_tokens)
     required, optional = cfg.columns()
     whole = analyse(raw.iter_columns(required, optional=optional), cfg).result()
@@ -91,7 +93,7 @@ def test_streamed_routing_is_the_decoded_answer(runs, chunk_tokens):
     rows = agree = hits = 0
     for step in raw.steps:
         with raw.open(step) as sf:
-            valid = np.asarray(sf["/routing/rollout_valid"]) != 0
+            valid = np.asarray(sf.get("/routing/rollout_valid", np.ones(sf.num_tokens))) != 0
             _, layer_agree, layer_hits = routing_agreement(sf["/routing/rollout"], sf["/routing/train"], valid)
             rows, agree, hits = rows + int(valid.sum()), agree + layer_agree, hits + layer_hits
     assert [x["agreement"] for x in whole["routing"]["layers"]] == [float(a) / rows for a in agree]
@@ -102,7 +104,7 @@ def test_streamed_routing_is_the_decoded_answer(runs, chunk_tokens):
 def test_marks_name_agreeing_reorderings(runs):
     """The packed steps mark more rows than disagree: reordered sets are marked but agree, and
     the stream counts them as agreeing (covered by the comparison above)."""
-    (_, layers, _), raw, packed = runs
+    _, raw, packed = runs
     cfg = MismatchConfig.from_run_config(raw.config, compiled=True)
     res = _read_steps(packed, packed.steps, cfg).result()
     disagree = sum(round((1 - x["agreement"]) * x["rows"]) for x in res["routing"]["layers"])
@@ -127,6 +129,36 @@ def test_numpy_path_decodes_a_stream(runs):
             streamed.add_chunks(sf.step, sf.policy_version, iter_chunks(sf, required, optional=optional,
                                 chunk_tokens=100, stream_routing=True), sf.num_tokens)
     assert json.dumps(streamed.result()) == json.dumps(acc.result())
+
+
+def test_r3_steps_read_no_rollout_rows(tmp_path, monkeypatch):
+    """Trainer routing equal to the rollout's (R3): the packed comparison reads the marks only —
+    not one stored rollout row, even where the rows never fed to the model are marked (they are
+    stored as zeros for the rollout only) — and reports full agreement, as decoding everything does."""
+    from axrl.trace import routing_stream
+
+    records = [moe_record(s, 128, 10, 8) for s in range(2)]
+    for i, r in enumerate(records):
+        train = r.routing_rollout.copy()
+        train[np.asarray(r.routing_rollout_valid) == 0] = 0     # as stored: the rollout's invalid rows are zeros
+        if i == 1:                                                # one step: the trainer's invalid rows not zeroed
+            train[np.asarray(r.routing_rollout_valid) == 0] = r.routing_rollout[np.asarray(r.routing_rollout_valid) == 0]
+        records[i] = replace(r, routing_train=train)
+    write_run(tmp_path / "raw", records)
+    write_run(tmp_path / "packed", records, routing_encoding="packed")
+    read = []
+    real = routing_stream._Rows.rows
+    monkeypatch.setattr(routing_stream._Rows, "rows", lambda self, a, b: (read.append(self.name), real(self, a, b))[1])
+    cfg = MismatchConfig(compiled=True, top_k=20, chunk_tokens=100)
+    packed = _read_steps(TraceReader(tmp_path / "packed"), [0, 1], cfg).result()
+    assert "/routing/rollout_packed" not in read and "/routing/train_differs" in read
+    raw = TraceReader(tmp_path / "raw")
+    required, optional = cfg.columns()
+    whole = analyse(raw.iter_columns(required, optional=optional), cfg).result()
+    packed.pop("run", None)
+    assert json.dumps(packed) == json.dumps(whole) and whole["routing"]["agreement"] == 1.0
+    with StepFile(tmp_path / "packed" / "trace" / "step_000001.h5") as sf:
+        assert sf._f["/routing/train_rows"].shape[0] > 0          # the invalid rows' marks
 
 
 def test_marks_without_stored_rows_drop_the_step(tmp_path):

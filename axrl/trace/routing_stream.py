@@ -18,6 +18,7 @@ A piece's arrays are views of the reused windows: valid until the next piece is 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -91,24 +92,24 @@ class _Rows:
         self.ds.read_direct(out, source_sel=np.s_[a:b], dest_sel=np.s_[0:b - a])
 
 
-@dataclass(frozen=True)
 class RoutingPiece:
     """Rows ``start:stop`` (of the chunk) of the routing pair, as stored.
 
     Raw: ``rollout`` and ``train`` [n, L, k] ids, ``differs`` None. Packed: ``rollout`` uint8 [n, B]
     (``routing_codec.pack_ids``), ``differs`` uint8 [n, ⌈L/8⌉] (bit l of row t: the trainer's
     (t, l) differs), ``train`` uint8 [D, B_k] the trainer's packed rows of the D marked (t, l), in
-    (token, layer) order."""
+    (token, layer) order. ``rollout`` is read on first use: a consumer that finds no mark it needs
+    (every trainer row the rollout's, as under R3) never reads it."""
 
-    start: int
-    stop: int
-    rollout: np.ndarray
-    train: np.ndarray
-    differs: np.ndarray | None
-    bits: int
-    layers: int
-    k: int
-    dtype: np.dtype
+    def __init__(self, start: int, stop: int, train: np.ndarray, differs: np.ndarray | None, stream: "RoutingStream",
+                 rows: tuple[int, int]) -> None:
+        self.start, self.stop, self.train, self.differs = start, stop, train, differs
+        self.bits, self.layers, self.k, self.dtype = stream.bits, stream.layers, stream.k, stream.dtype
+        self._stream, self._rows = stream, rows
+
+    @functools.cached_property
+    def rollout(self) -> np.ndarray:
+        return self._stream.rollout.rows(*self._rows)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """The piece's rollout and trainer [n, L, k] ids, decoded (``routing_codec``)."""
@@ -178,16 +179,15 @@ class RoutingStream:
             p = q
 
     def _piece(self, a: int, p: int, q: int) -> RoutingPiece:
-        rollout = self.rollout.rows(p, q)
         if self.differs is None:
-            return RoutingPiece(p - a, q - a, rollout, self.train.rows(p, q), None, 0, self.layers, self.k, self.dtype)
+            return RoutingPiece(p - a, q - a, self.train.rows(p, q), None, self, (p, q))
         if p != self.next_token:        # not the next range in order: count the marks from the start
             self.next_row = _count_marks(self.differs, 0, p)
         differs = self.differs.rows(p, q)
-        count = int(routing_codec.popcount_rows(differs).sum())
+        count = routing_codec.count_marks(differs)
         train = self.train.rows(self.next_row, self.next_row + count)
         self.next_token, self.next_row = q, self.next_row + count
-        return RoutingPiece(p - a, q - a, rollout, train, differs, self.bits, self.layers, self.k, self.dtype)
+        return RoutingPiece(p - a, q - a, train, differs, self, (p, q))
 
 
 @dataclass(frozen=True)
@@ -201,6 +201,10 @@ class RoutingRange:
     @property
     def packed(self) -> bool:
         return self.stream.packed
+
+    @property
+    def bits(self) -> int:
+        return self.stream.bits
 
     @property
     def layers(self) -> int:
@@ -224,5 +228,5 @@ def _count_marks(differs: _Rows, a: int, b: int) -> int:
     """Marked (token, layer) rows of tokens ``a:b``, a window at a time."""
     total, step = 0, max(1, differs.chunk_rows)
     for p in range(a, b, step):
-        total += int(routing_codec.popcount_rows(differs.rows(p, min(b, p + step))).sum())
+        total += routing_codec.count_marks(differs.rows(p, min(b, p + step)))
     return total

@@ -147,6 +147,11 @@ def packed_routing_rows(packed, bits, differs, rows, k, valid, has_valid, row_ag
     one word each, compared lane by lane as stored (``_lane_hits``); other k are unpacked
     (``_unpack_ids``) into ``ids`` (int64 [2k] scratch) and compared through ``members``.
 
+    A marked row of an invalid token (``valid[t] == 0``) is skipped, not compared: the layer
+    counts leave it out and a token's routing class ignores an invalid row before it, so its
+    ``row_agree`` is set False unread — and ``packed`` may then hold no bytes ([T, 0]) when no
+    valid row is marked.
+
     ``packed`` uint8 [T, B]; ``differs`` uint8 [T, ⌈L/8⌉] (at most 64 layers a word, in turn).
     Returns the stored rows used, or −1 when a mark names a layer past L or a row past ``rows``
     (a damaged file)."""
@@ -170,6 +175,10 @@ def packed_routing_rows(packed, bits, differs, rows, k, valid, has_valid, row_ag
                 m &= m - np.uint64(1)
                 if layer >= nl or r >= rows.shape[0]:
                     return -1
+                if not counted:         # a row never fed to the model: no figure reads its comparison
+                    every = False
+                    r += 1
+                    continue
                 if k == 8:
                     hits = _lane_hits(_word_at(flat, t * width + layer * bits, bits, keep),
                                       _word_at(stored, r * bk, bits, keep), 8, bits, ones, highs, wmask)

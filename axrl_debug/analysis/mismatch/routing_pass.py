@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from axrl.trace import CorruptStepError
+from axrl.trace import CorruptStepError, routing_codec
 from axrl.trace.routing_stream import RoutingRange
 
 NO_COUNTS = np.zeros(0, np.int32)          # no per-row agreeing-layer counts wanted
@@ -37,8 +37,9 @@ def compare_rows(rr: np.ndarray, rt: np.ndarray, valid: np.ndarray, has_valid: b
 def compare_stream(rng: RoutingRange, valid: np.ndarray, has_valid: bool, row_agree: np.ndarray,
                    layer_agree: np.ndarray, layer_hits: np.ndarray) -> None:
     """``compare_rows`` on a chunk's routing read piece by piece as stored (``rng``): packed pieces
-    of ids ≤ 8 bits through ``routing_kernels.packed_routing_rows`` (only the marked rows decoded), others
-    decoded (``RoutingPiece.arrays``) through ``routing_kernels.routing_rows``. A packed piece whose marks
+    of ids ≤ 8 bits through ``routing_kernels.packed_routing_rows`` (only the marked valid rows
+    decoded; a piece without such marks, as under R3, does not even read its rollout rows), others decoded
+    (``RoutingPiece.arrays``) through ``routing_kernels.routing_rows``. A packed piece whose marks
     disagree with its stored trainer rows raises ``CorruptStepError``."""
     layers, k = rng.layers, rng.k
     disagree, lost = np.zeros(layers, np.int64), np.zeros(layers, np.int64)
@@ -48,7 +49,11 @@ def compare_stream(rng: RoutingRange, valid: np.ndarray, has_valid: bool, row_ag
         v = valid[p.start:p.stop] if has_valid else valid
         agree = row_agree[p.start:p.stop]
         if p.differs is not None and p.bits <= 8:
-            used = kern.packed_routing_rows(p.rollout, p.bits, p.differs, p.train, k, v, has_valid, agree,
+            # the rollout rows are read only when a valid row is marked (the comparison skips the
+            # others): under R3 only the marks of the rows never fed to the model, if any
+            marked = routing_codec.count_marks(p.differs[v != 0] if has_valid else p.differs)
+            rollout = p.rollout if marked else np.empty((p.stop - p.start, 0), np.uint8)
+            used = kern.packed_routing_rows(rollout, p.bits, p.differs, p.train, k, v, has_valid, agree,
                                             disagree, lost, ids, members)
             if used != p.train.shape[0]:
                 raise CorruptStepError(f"{rng.stream.sf.path}: {p.train.shape[0]} stored trainer routing rows for "
