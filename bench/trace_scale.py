@@ -4,7 +4,8 @@ A synthetic step of production shape — at ``--scale 1``: 64 samples × 16 384 
 layers, top-8 of 128 experts; logprobs drawn like the quickstart's (−Exp(0.6) on generated tokens),
 the trainer's within N(0, 0.03) of them, the trainer's routing equal to the engine's on 90 % of
 (token, layer) rows — is recorded and analysed, for each routing encoding (``raw``, ``packed``),
-side by side in one run, at each of ``--scales``:
+side by side in one run, at each of ``--scales``; and, as ``packed_r3``, the same step with the
+trainer's routing the engine's (R3: only the rows never fed to the model differ, as stored), packed:
 
 * ``record_critical_path_fraction``: what recording costs the training step — the time to hand the
   record to the background writer (``StepWriter.submit``, what `axrl train` does in the step) over
@@ -13,7 +14,12 @@ side by side in one run, at each of ``--scales``:
 * ``routing_bytes_per_token_layer``: bytes the routing datasets take on disk / (T · L), rollout
   and trainer together;
 * ``analysis_tokens_per_s``, ``analysis_peak_rss_gb``: ``axrl-debug mismatch RUN --json`` on the
-  step in a fresh process (its own wall time over tokens, and its peak resident memory);
+  step in a fresh process (its own wall time over tokens — numba's load included, the CLI's
+  imports not — and its peak resident memory); beside it, figures that do not depend on the
+  step's shape: ``analysis_routing_ids_per_s`` (expert ids compared, T · L · k for each of rollout
+  and trainer, per second), ``analysis_file_bytes_per_s`` (the step file's bytes per second) and,
+  from the smallest and the largest scale, ``analysis_marginal_tokens_per_s`` (the extra tokens over
+  the extra seconds: the rate once start-up is paid);
 * ``tui_open_s``: the TUI's model of the run showing the step list and opening the step's samples
   screen (``RunModel`` + ``step``), in a fresh process; beside it what follows the first screen:
   ``tui_routing_s`` (the per-sample routing column of a large MoE step, ``fill_routing``),
@@ -23,9 +29,10 @@ side by side in one run, at each of ``--scales``:
     OMP_NUM_THREADS=1 python bench/trace_scale.py --scales 0.25,1
 
 Last stdout line: one JSON object with those keys for the largest scale and the packed encoding
-(the production preset), plus ``side_by_side`` (each key per encoding and scale), ``by_scale``
-(every figure, per encoding and scale) and ``scaling`` (each figure at the largest scale over the
-smallest, with the ratio of token counts beside it).
+(the production preset), plus ``analysis_tokens_per_s_r3`` (``packed_r3``'s), ``side_by_side``
+(each key per encoding and scale), ``by_scale`` (every figure, per encoding and scale) and
+``scaling`` (each figure at the largest scale over the smallest, with the ratio of token counts
+beside it).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import h5py
@@ -143,9 +151,15 @@ def child(run: Path, what: str) -> dict[str, float]:
 def measure(scale: float, encoding: str, rec: StepRecord, root: Path) -> dict[str, float]:
     run = root / f"{encoding}_{scale}"
     shutil.rmtree(run, ignore_errors=True)
-    row = {"scale": scale, "encoding": encoding, "tokens": rec.num_tokens, **record(rec, run, encoding)}
+    if encoding == "packed_r3":                # R3: the trainer routes as the engine did
+        rec = replace(rec, routing_train=rec.routing_rollout)
+    row = {"scale": scale, "encoding": encoding, "tokens": rec.num_tokens,
+           **record(rec, run, encoding.removesuffix("_r3"))}
+    file_bytes = (run / "trace" / "step_000000.h5").stat().st_size
     mismatch, tui = child(run, "mismatch"), child(run, "tui")
+    ids = rec.num_tokens * LAYERS * TOPK * 2
     row.update(analysis_s=mismatch["s"], analysis_tokens_per_s=rec.num_tokens / mismatch["s"],
+               analysis_routing_ids_per_s=ids / mismatch["s"], analysis_file_bytes_per_s=file_bytes / mismatch["s"],
                analysis_peak_rss_gb=mismatch["rss_gb"], tui_open_s=tui["list_s"] + tui["open_s"],
                tui_list_s=tui["list_s"], tui_step_s=tui["open_s"], tui_routing_s=tui["routing_s"],
                tui_scan_s=tui["scan_s"], tui_peak_rss_gb=tui["rss_gb"])
@@ -156,7 +170,7 @@ def measure(scale: float, encoding: str, rec: StepRecord, root: Path) -> dict[st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scales", default="0.25,1", help="comma-separated fractions of the 1 M-token step")
-    ap.add_argument("--encodings", default="raw,packed")
+    ap.add_argument("--encodings", default="raw,packed,packed_r3")
     ap.add_argument("--dir", default=None, help="where the runs are written (default: a temp dir)")
     args = ap.parse_args()
     scales = sorted(float(s) for s in args.scales.split(","))
@@ -170,23 +184,32 @@ def main() -> None:
             rows.append(row)
             print(f"scale {scale:<5} {encoding:<6} T={row['tokens']:>8}  hand-over {row['handover_s'] * 1e3:7.2f} ms  "
                   f"write {row['write_s']:6.2f} s  routing {row['routing_bytes_per_token_layer']:5.2f} B/(token·layer)  "
-                  f"mismatch {row['analysis_tokens_per_s'] / 1e6:6.2f} M tok/s, {row['analysis_peak_rss_gb']:5.2f} GB  "
+                  f"mismatch {row['analysis_tokens_per_s'] / 1e6:6.2f} M tok/s ({row['analysis_s']:5.2f} s, "
+                  f"{row['analysis_routing_ids_per_s'] / 1e9:5.2f} G ids/s), {row['analysis_peak_rss_gb']:5.2f} GB  "
                   f"tui {row['tui_open_s']:5.2f} s (then routing {row['tui_routing_s']:5.2f} s, scan "
                   f"{row['tui_scan_s']:5.2f} s, {row['tui_peak_rss_gb']:4.2f} GB)", flush=True)
         del rec
     keys = ("record_critical_path_fraction", "writer_keeps_up", "routing_bytes_per_token_layer",
-            "analysis_tokens_per_s", "analysis_peak_rss_gb", "tui_open_s")
+            "analysis_tokens_per_s", "analysis_routing_ids_per_s", "analysis_file_bytes_per_s",
+            "analysis_peak_rss_gb", "tui_open_s")
     main_enc = "packed" if "packed" in encodings else encodings[0]
     top = next(r for r in rows if r["scale"] == scales[-1] and r["encoding"] == main_enc)
     low = next(r for r in rows if r["scale"] == scales[0] and r["encoding"] == main_enc)
     scaling = {k: (top[k] / low[k] if isinstance(top[k], float) and low[k] else None)
                for k in ("write_s", "analysis_s", "analysis_peak_rss_gb", "tui_open_s", "tui_peak_rss_gb")}
     scaling["tokens"] = top["tokens"] / low["tokens"]
+    for r in rows:                             # the rate once start-up is paid: Δ tokens / Δ seconds
+        first = next(x for x in rows if x["encoding"] == r["encoding"])
+        extra = r["analysis_s"] - first["analysis_s"]
+        r["analysis_marginal_tokens_per_s"] = (r["tokens"] - first["tokens"]) / extra if extra > 0 else None
     # every key at each scale, side by side, per encoding: {key: {encoding: {scale: value}}}
     side = {k: {e: {str(r["scale"]): r[k] for r in rows if r["encoding"] == e} for e in encodings}
-            for k in (*keys, "tui_routing_s", "tui_scan_s", "tui_peak_rss_gb")}
+            for k in (*keys, "analysis_marginal_tokens_per_s", "tui_routing_s", "tui_scan_s", "tui_peak_rss_gb")}
+    r3 = next((r for r in rows if r["scale"] == scales[-1] and r["encoding"] == "packed_r3"), None)
     summary = {"encoding": main_enc, "scale": scales[-1], "tokens": top["tokens"], "gpu_step_s": GPU_STEP_S,
-               **{k: top[k] for k in keys}, "scaling": scaling, "side_by_side": side, "by_scale": rows}
+               **{k: top[k] for k in keys}, "analysis_marginal_tokens_per_s": top["analysis_marginal_tokens_per_s"],
+               "analysis_tokens_per_s_r3": r3 and r3["analysis_tokens_per_s"],
+               "scaling": scaling, "side_by_side": side, "by_scale": rows}
     print(json.dumps(summary))
 
 
