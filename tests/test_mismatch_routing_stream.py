@@ -101,6 +101,22 @@ def test_streamed_routing_is_the_decoded_answer(runs, chunk_tokens):
     assert 0.5 < whole["routing"]["agreement"] < 0.95
 
 
+def test_step_table_streams_alike(runs):
+    """summary / spikes / check: the compiled step table streams the routing too — the same table
+    from raw and packed steps, its routing agreement the decoded whole columns'."""
+    import pandas as pd
+
+    from axrl_debug.analysis import frames
+
+    _, raw, packed = runs
+    cfg = MismatchConfig.from_run_config(raw.config, compiled=True)
+    table = frames.step_table(raw, cfg=cfg)
+    pd.testing.assert_frame_equal(table, frames.step_table(packed, cfg=cfg), check_exact=True)
+    required, optional = cfg.columns()
+    whole = analyse(raw.iter_columns(required, optional=optional), cfg).result()
+    assert table["routing_agreement"].tolist() == [h["routing_agreement"] for h in whole["per_step"]]
+
+
 def test_marks_name_agreeing_reorderings(runs):
     """The packed steps mark more rows than disagree: reordered sets are marked but agree, and
     the stream counts them as agreeing (covered by the comparison above)."""
