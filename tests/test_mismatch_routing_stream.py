@@ -99,6 +99,12 @@ def test_streamed_routing_is_the_decoded_answer(runs, chunk_tokens):
     assert [x["agreement"] for x in whole["routing"]["layers"]] == [float(a) / rows for a in agree]
     assert [x["overlap"] for x in whole["routing"]["layers"]] == [float(h) / (rows * k) for h in hits]
     assert 0.5 < whole["routing"]["agreement"] < 0.95
+    # the numpy path (set comparison in numpy): the same routing counts and token routing classes
+    numpy = analyse(raw.iter_columns(required, optional=optional), replace(cfg, compiled=False)).result()
+    assert numpy["routing"]["layers"] == whole["routing"]["layers"]
+    assert [(b["bucket"], b["count"]) for b in numpy["routing"]["delta"]] == \
+        [(b["bucket"], b["count"]) for b in whole["routing"]["delta"]]
+    assert [(t["token"], t["routing"]) for t in numpy["top"]] == [(t["token"], t["routing"]) for t in whole["top"]]
 
 
 def test_step_table_streams_alike(runs):
