@@ -119,7 +119,7 @@ def breakdown_block(lm, lr, lt, off, turn, pver, ent_digit, has_keys, prob_edges
     Digits, in six fixed slots: 0 position in the response segment (via ``pos_lut``), 1 rollout-prob
     bucket (``prob_edges``: the five inner edges in log space, in ``lr``'s dtype), 2 entropy bucket
     (precomputed ``ent_digit``), 3 turn − ``turn_lo``, 4 ``version_hi`` − version — when
-    ``has_keys`` — and 5 the routing class of row t − 1 (``row_agree`` from ``routing_rows``; 2 =
+    ``has_keys`` — and 5 the routing class of row t − 1 (``row_agree`` from ``routing_kernels``; 2 =
     unknown at a sample's first token or an invalid row) when ``has_routing``. Each analysed token
     adds 1 and its Δ to cell [Δ < 0] + Σ_slot digit·mult[g, slot] of histogram g
     (``counts[g]``/``sums[g]``, the layout of ``breakdowns._joint_hist``; a slot outside group g has
