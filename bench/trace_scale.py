@@ -4,7 +4,8 @@ A synthetic step of production shape — at ``--scale 1``: 64 samples × 16 384 
 layers, top-8 of 128 experts; logprobs drawn like the quickstart's (−Exp(0.6) on generated tokens),
 the trainer's within N(0, 0.03) of them, the trainer's routing equal to the engine's on 90 % of
 (token, layer) rows — is recorded and analysed, for each routing encoding (``raw``, ``packed``),
-side by side in one run, at each of ``--scales``:
+side by side in one run, at each of ``--scales``; and, as ``packed_r3``, the same step with the
+trainer's routing the engine's (R3: only the rows never fed to the model differ, as stored), packed:
 
 * ``record_critical_path_fraction``: what recording costs the training step — the time to hand the
   record to the background writer (``StepWriter.submit``, what `axrl train` does in the step) over
@@ -13,7 +14,13 @@ side by side in one run, at each of ``--scales``:
 * ``routing_bytes_per_token_layer``: bytes the routing datasets take on disk / (T · L), rollout
   and trainer together;
 * ``analysis_tokens_per_s``, ``analysis_peak_rss_gb``: ``axrl-debug mismatch RUN --json`` on the
-  step in a fresh process (its own wall time over tokens, and its peak resident memory);
+  step in a fresh process (its own wall time over tokens — numba's load included, the CLI's
+  imports not — and its peak resident memory); beside it, figures that do not depend on the
+  step's shape: ``analysis_routing_ids_per_s`` (expert ids compared, T · L · k for each of rollout
+  and trainer, per second) and ``analysis_file_bytes_per_s`` (the step file's bytes per second);
+  and ``analysis_startup_s``, the process's one-time start of the compiled path (importing numba
+  and its first kernel load, timed apart in the child before the call and counted in the wall
+  time), with ``analysis_tokens_per_s_after_startup``, the rate once it is paid;
 * ``tui_open_s``: the TUI's model of the run showing the step list and opening the step's samples
   screen (``RunModel`` + ``step``), in a fresh process; beside it what follows the first screen:
   ``tui_routing_s`` (the per-sample routing column of a large MoE step, ``fill_routing``),
@@ -23,9 +30,10 @@ side by side in one run, at each of ``--scales``:
     OMP_NUM_THREADS=1 python bench/trace_scale.py --scales 0.25,1
 
 Last stdout line: one JSON object with those keys for the largest scale and the packed encoding
-(the production preset), plus ``side_by_side`` (each key per encoding and scale), ``by_scale``
-(every figure, per encoding and scale) and ``scaling`` (each figure at the largest scale over the
-smallest, with the ratio of token counts beside it).
+(the production preset), plus ``analysis_tokens_per_s_r3`` (``packed_r3``'s), ``side_by_side``
+(each key per encoding and scale), ``by_scale`` (every figure, per encoding and scale) and
+``scaling`` (each figure at the largest scale over the smallest, with the ratio of token counts
+beside it).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import h5py
@@ -101,12 +110,23 @@ def record(rec: StepRecord, run: Path, encoding: str) -> dict[str, float]:
 
 _CHILD = r"""
 import json, resource, sys, time
+from pathlib import Path
 from typer.testing import CliRunner
 run, what = sys.argv[1], sys.argv[2]
 from axrl_debug.cli import app
 from axrl_debug.tui.data import RunModel
+out = {"startup_s": 0.0}
+if what == "mismatch":
+    from axrl_debug.analysis.mismatch import MismatchConfig, resolve_compiled
+    if resolve_compiled(MismatchConfig(), sorted(Path(run, "trace").glob("step_*.h5"))).compiled:
+        # the process's one-time start of the compiled path — importing numba and its first kernel
+        # load — timed apart (and added back below): the analysis would pay it inside the call
+        t1 = time.perf_counter()
+        import numpy as np
+        from axrl.trace import checksum
+        checksum.fletcher32(np.zeros(8, np.uint8))
+        out["startup_s"] = time.perf_counter() - t1
 t0 = time.perf_counter()                       # imports excluded: the analysis itself
-out = {}
 if what == "mismatch":
     r = CliRunner().invoke(app, ["mismatch", run, "--json"])
     assert r.exit_code == 0, r.output
@@ -123,7 +143,7 @@ else:
     m.scan(m.steps)                            # the background scan (a helper process in the app)
     out["scan_s"] = time.perf_counter() - t1
     out["tokens"] = int(step.generated.sum())
-out["s"] = time.perf_counter() - t0
+out["s"] = time.perf_counter() - t0 + out["startup_s"]
 # the peak RSS of this process's own memory (VmHWM): ru_maxrss would carry the parent's peak over
 # the fork + exec that started it, and the parent holds the synthetic step
 hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM:")]
@@ -143,9 +163,17 @@ def child(run: Path, what: str) -> dict[str, float]:
 def measure(scale: float, encoding: str, rec: StepRecord, root: Path) -> dict[str, float]:
     run = root / f"{encoding}_{scale}"
     shutil.rmtree(run, ignore_errors=True)
-    row = {"scale": scale, "encoding": encoding, "tokens": rec.num_tokens, **record(rec, run, encoding)}
+    if encoding == "packed_r3":                # R3: the trainer routes as the engine did
+        rec = replace(rec, routing_train=rec.routing_rollout)
+    row = {"scale": scale, "encoding": encoding, "tokens": rec.num_tokens,
+           **record(rec, run, encoding.removesuffix("_r3"))}
+    file_bytes = (run / "trace" / "step_000000.h5").stat().st_size
     mismatch, tui = child(run, "mismatch"), child(run, "tui")
+    ids = rec.num_tokens * LAYERS * TOPK * 2
+    work = mismatch["s"] - mismatch["startup_s"]
     row.update(analysis_s=mismatch["s"], analysis_tokens_per_s=rec.num_tokens / mismatch["s"],
+               analysis_startup_s=mismatch["startup_s"], analysis_tokens_per_s_after_startup=rec.num_tokens / work,
+               analysis_routing_ids_per_s=ids / mismatch["s"], analysis_file_bytes_per_s=file_bytes / mismatch["s"],
                analysis_peak_rss_gb=mismatch["rss_gb"], tui_open_s=tui["list_s"] + tui["open_s"],
                tui_list_s=tui["list_s"], tui_step_s=tui["open_s"], tui_routing_s=tui["routing_s"],
                tui_scan_s=tui["scan_s"], tui_peak_rss_gb=tui["rss_gb"])
@@ -156,7 +184,7 @@ def measure(scale: float, encoding: str, rec: StepRecord, root: Path) -> dict[st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scales", default="0.25,1", help="comma-separated fractions of the 1 M-token step")
-    ap.add_argument("--encodings", default="raw,packed")
+    ap.add_argument("--encodings", default="raw,packed,packed_r3")
     ap.add_argument("--dir", default=None, help="where the runs are written (default: a temp dir)")
     args = ap.parse_args()
     scales = sorted(float(s) for s in args.scales.split(","))
@@ -170,12 +198,15 @@ def main() -> None:
             rows.append(row)
             print(f"scale {scale:<5} {encoding:<6} T={row['tokens']:>8}  hand-over {row['handover_s'] * 1e3:7.2f} ms  "
                   f"write {row['write_s']:6.2f} s  routing {row['routing_bytes_per_token_layer']:5.2f} B/(token·layer)  "
-                  f"mismatch {row['analysis_tokens_per_s'] / 1e6:6.2f} M tok/s, {row['analysis_peak_rss_gb']:5.2f} GB  "
+                  f"mismatch {row['analysis_tokens_per_s'] / 1e6:5.2f} M tok/s ({row['analysis_s']:4.2f} s: start "
+                  f"{row['analysis_startup_s']:4.2f} s, then {row['analysis_tokens_per_s_after_startup'] / 1e6:5.2f} M tok/s; "
+                  f"{row['analysis_routing_ids_per_s'] / 1e9:4.2f} G ids/s), {row['analysis_peak_rss_gb']:4.2f} GB  "
                   f"tui {row['tui_open_s']:5.2f} s (then routing {row['tui_routing_s']:5.2f} s, scan "
                   f"{row['tui_scan_s']:5.2f} s, {row['tui_peak_rss_gb']:4.2f} GB)", flush=True)
         del rec
     keys = ("record_critical_path_fraction", "writer_keeps_up", "routing_bytes_per_token_layer",
-            "analysis_tokens_per_s", "analysis_peak_rss_gb", "tui_open_s")
+            "analysis_tokens_per_s", "analysis_routing_ids_per_s", "analysis_file_bytes_per_s",
+            "analysis_peak_rss_gb", "tui_open_s")
     main_enc = "packed" if "packed" in encodings else encodings[0]
     top = next(r for r in rows if r["scale"] == scales[-1] and r["encoding"] == main_enc)
     low = next(r for r in rows if r["scale"] == scales[0] and r["encoding"] == main_enc)
@@ -184,9 +215,14 @@ def main() -> None:
     scaling["tokens"] = top["tokens"] / low["tokens"]
     # every key at each scale, side by side, per encoding: {key: {encoding: {scale: value}}}
     side = {k: {e: {str(r["scale"]): r[k] for r in rows if r["encoding"] == e} for e in encodings}
-            for k in (*keys, "tui_routing_s", "tui_scan_s", "tui_peak_rss_gb")}
+            for k in (*keys, "analysis_startup_s", "analysis_tokens_per_s_after_startup", "tui_routing_s", "tui_scan_s",
+                      "tui_peak_rss_gb")}
+    r3 = next((r for r in rows if r["scale"] == scales[-1] and r["encoding"] == "packed_r3"), None)
     summary = {"encoding": main_enc, "scale": scales[-1], "tokens": top["tokens"], "gpu_step_s": GPU_STEP_S,
-               **{k: top[k] for k in keys}, "scaling": scaling, "side_by_side": side, "by_scale": rows}
+               **{k: top[k] for k in keys}, "analysis_startup_s": top["analysis_startup_s"],
+               "analysis_tokens_per_s_after_startup": top["analysis_tokens_per_s_after_startup"],
+               "analysis_tokens_per_s_r3": r3 and r3["analysis_tokens_per_s"],
+               "scaling": scaling, "side_by_side": side, "by_scale": rows}
     print(json.dumps(summary))
 
 

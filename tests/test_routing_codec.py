@@ -127,7 +127,9 @@ def test_trace_scale_bench_runs_small() -> None:
     out = subprocess.run([sys.executable, str(bench), "--scales", "0.005"], check=True, capture_output=True, text=True)
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     for key in ("record_critical_path_fraction", "writer_keeps_up", "routing_bytes_per_token_layer",
-                "analysis_tokens_per_s", "analysis_peak_rss_gb", "tui_open_s", "scaling"):
+                "analysis_tokens_per_s", "analysis_peak_rss_gb", "tui_open_s", "scaling",
+                "analysis_routing_ids_per_s", "analysis_file_bytes_per_s", "analysis_startup_s",
+                "analysis_tokens_per_s_after_startup", "analysis_tokens_per_s_r3"):
         assert key in summary, key
     by = {r["encoding"]: r for r in summary["by_scale"]}
     assert by["raw"]["routing_bytes_per_token_layer"] == pytest.approx(16, rel=0.01)

@@ -14,6 +14,12 @@ Packed routing (``routing_codec``) is decoded chunk by chunk, the rollout ids on
 arrays, and the trainer's stored rows are found by a running count instead of a popcount of
 everything before each chunk. Numeric chunks are read into per-name buffers reused from chunk to
 chunk (``buffers``): the arrays of a chunk are only valid until the next one is read.
+
+``stream_routing=True`` leaves the routing pair out of the chunk's arrays and hands over a
+``RoutingRange`` instead (``routing_stream``): its rows as stored — raw ids, or the packed rollout,
+the ``train_differs`` marks and the trainer's stored rows, undecoded — a stored chunk (~1 MiB) at a
+time, for an analysis that needs only what the rows say (the mismatch's routing agreement) and would
+otherwise decode, copy and hold ~100 bytes per token and layer of a chunk.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import numpy as np
 from . import routing_codec
 from . import schema as S
 from .reader import _READ_ERRORS, StepFile, _checksum
+from .routing_stream import RoutingRange, RoutingStream
 from .schema import CorruptStepError
 
 # Tokens per chunk: ~1 KB per token of a 48-layer top-8 MoE step (both routing arrays and the
@@ -62,6 +69,7 @@ class StepChunk:
     token0: int
     token1: int
     data: dict[str, Any]
+    routing: RoutingRange | None = None   # ``stream_routing``: the routing pair, as stored
 
     @property
     def num_tokens(self) -> int:
@@ -83,7 +91,7 @@ def _per_token(name: str) -> bool:
 
 def iter_chunks(sf: StepFile, names: Iterable[str], *, optional: Iterable[str] = (),
                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, buffers: dict[str, np.ndarray] | None = None,
-                fast_checksums: bool = False) -> Iterator[StepChunk]:
+                fast_checksums: bool = False, stream_routing: bool = False) -> Iterator[StepChunk]:
     """The step of ``sf`` in runs of whole samples (``sample_chunks``), each with the rows of
     ``names`` (+ ``optional`` where present) it covers. A missing required name raises
     ``KeyError`` before anything is read; an unreadable chunk raises ``CorruptStepError``.
@@ -91,7 +99,9 @@ def iter_chunks(sf: StepFile, names: Iterable[str], *, optional: Iterable[str] =
     ``buffers`` (a dict kept by the caller): numeric per-token chunks are read into reused
     per-name buffers, valid until the next chunk. ``fast_checksums``: raw fletcher32 columns are
     read as stored chunks and verified in compiled code (``checksum.read_rows_checksummed``; loads
-    numba) instead of through HDF5's filter."""
+    numba) instead of through HDF5's filter. ``stream_routing``: when both ``/routing/rollout`` and
+    ``/routing/train`` are wanted (and stored as [T, L, k] ids or packed), each chunk's ``routing``
+    streams them as stored (``RoutingRange``) and its ``data`` leaves them out."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     opt = set(optional)
@@ -104,9 +114,13 @@ def iter_chunks(sf: StepFile, names: Iterable[str], *, optional: Iterable[str] =
     whole = {n: sf[n] for n in wanted if not _per_token(n) and not n.startswith(S.G_SAMPLES + "/")}
     per_sample = [n for n in wanted if n.startswith(S.G_SAMPLES + "/") and n != "/samples/offsets"]
     per_token = [n for n in wanted if _per_token(n)]
-    routing = _PackedRouting.of(sf, per_token, {} if buffers is None else buffers, fast_checksums)
-    runs = sample_chunks(off, t, chunk_tokens)
     bufs = {} if buffers is None else buffers
+    stream = RoutingStream.of(sf, bufs, fast_checksums) if stream_routing and set(_ROUTING_PAIR) <= set(per_token) \
+        else None
+    if stream is not None:
+        per_token = [n for n in per_token if n not in _ROUTING_PAIR]
+    routing = _PackedRouting.of(sf, per_token, bufs, fast_checksums)
+    runs = sample_chunks(off, t, chunk_tokens)
     for i, (s0, s1) in enumerate(runs):
         a, b = int(off[s0]), int(off[s1])
         data: dict[str, Any] = dict(whole)
@@ -117,7 +131,7 @@ def iter_chunks(sf: StepFile, names: Iterable[str], *, optional: Iterable[str] =
         decoded = routing.read(a, b) if routing is not None else {}
         for name in per_token:
             data[name] = decoded[name] if name in decoded else _read_rows(sf, name, a, b, bufs, fast_checksums)
-        yield StepChunk(i, len(runs), s0, s1, a, b, data)
+        yield StepChunk(i, len(runs), s0, s1, a, b, data, None if stream is None else RoutingRange(stream, a, b))
 
 
 def _read_rows(sf: StepFile, name: str, a: int, b: int, buffers: dict[str, np.ndarray], fast: bool) -> Any:

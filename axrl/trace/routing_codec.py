@@ -27,7 +27,7 @@ import numpy as np
 from . import schema as S
 
 __all__ = ["ENCODING", "bits_for", "pack_ids", "unpack_ids", "encode_train", "decode_train", "popcount_rows",
-           "packed_name", "raw_names", "read_range"]
+           "count_marks", "packed_name", "raw_names", "read_range"]
 
 ENCODING = "packed-v1"
 _ROWS_PER_CHUNK = 1 << 15          # tokens packed at a time: bounds the bit-expanded temporary
@@ -118,6 +118,13 @@ def encode_train(train: np.ndarray, rollout: np.ndarray, bits: int) -> tuple[np.
 def popcount_rows(differs: np.ndarray) -> np.ndarray:
     """Differing (token, layer) rows per token of a `encode_train` mask: int64 [T]."""
     return _POPCOUNT[differs].sum(axis=1) if differs.size else np.zeros(differs.shape[0], np.int64)
+
+
+def count_marks(differs: np.ndarray) -> int:
+    """Differing (token, layer) rows of a token range of a `encode_train` mask (= ``popcount_rows(…).sum()``)."""
+    if hasattr(np, "bitwise_count"):          # numpy >= 2: one pass, no int64 temporary
+        return int(np.bitwise_count(differs).sum(dtype=np.int64))
+    return int(popcount_rows(differs).sum())
 
 
 def decode_train(rollout: np.ndarray, differs: np.ndarray, rows: np.ndarray, bits: int) -> np.ndarray:

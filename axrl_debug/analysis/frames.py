@@ -74,7 +74,8 @@ def step_table(reader: TraceReader, steps: Iterable[int] | None = None,
         small = sf.read_columns(_STEP_SAMPLE_COLUMNS, optional=_STEP_OPTIONAL_COLUMNS)
         advantage = _AbsMean()
         chunks = iter_chunks(sf, required + ["/tokens/advantage"], optional=optional,
-                             chunk_tokens=cfg.chunk_tokens, buffers=buffers, fast_checksums=bool(cfg.compiled))
+                             chunk_tokens=cfg.chunk_tokens, buffers=buffers, fast_checksums=bool(cfg.compiled),
+                             stream_routing=bool(cfg.compiled))
         head = acc.add_chunks(sf.step, sf.policy_version, advantage.watch(chunks), sf.num_tokens)
         row = _step_row(sf.step, sf.policy_version, head, small, advantage.value())
         logged = jsonl.get(sf.step, {})

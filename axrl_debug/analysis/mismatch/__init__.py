@@ -78,8 +78,10 @@ tokens are broken by (step, token) ascending.
 
 The package, one job per module: ``config`` (columns, buckets, ``MismatchConfig``), ``keys``
 (breakdown keys per token: the numpy definitions), ``tokens`` (the numpy path), ``compiled`` +
-``kernels`` (the compiled path), ``blocks`` (a block of whole samples, ``_StepView``: what either
-path hands the accumulator), ``breakdowns``, ``moments``, ``percentiles``, ``routing``, ``split``,
+``kernels`` (the compiled path), ``routing_pass`` + ``routing_kernels`` (its routing comparison:
+arrays, or the chunk's routing streamed as stored — packed routing from its ``train_differs``
+marks, only the marked rows unpacked), ``blocks`` (a block of whole samples, ``_StepView``: what
+either path hands the accumulator), ``breakdowns``, ``moments``, ``percentiles``, ``routing``, ``split``,
 ``top`` (the worst tokens), ``accumulator`` (``MismatchAccumulator``), ``context`` (decoded
 context), ``pool`` (forked workers), ``allocator``; this module: ``mismatch_report``, the entry
 point of ``axrl-debug mismatch``.

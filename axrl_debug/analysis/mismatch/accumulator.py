@@ -17,6 +17,7 @@ from .compiled import compiled_block
 from .config import ENTROPY_LABELS, POSITION_LABELS, PROB_LABELS, ROUTING_DELTA_LABELS, MismatchConfig
 from .moments import METRIC_NAMES, _Moments
 from .percentiles import _abs_hist, _exact_percentiles
+from .routing_pass import routing_arrays
 from .scratch import _Scratch
 from .split import SplitSums, split_figures, split_head
 from .tokens import StepTokens, numpy_view, step_tokens
@@ -119,13 +120,17 @@ class MismatchAccumulator:
             ss = _StepSums(step)
             for ch in chunks:
                 cols = self.cfg.compared(ch.data)
+                routing = getattr(ch, "routing", None)
                 if self.cfg.compiled is False:
+                    if routing is not None:          # the numpy path compares arrays
+                        cols = {**cols, **routing_arrays(routing)}
                     sv = numpy_view(step_tokens(step, policy_version, cols, self.cfg), self.cfg)
                     if ch.token0 or ch.sample0:
                         sv.top = _shifted(sv.top, ch.token0, ch.sample0)
                 else:
                     off = np.asarray(cols["/samples/offsets"], dtype=np.int64)
-                    sv = compiled_block(self.cfg, self._ws, step, policy_version, cols, off, ch.token0, ch.sample0)
+                    sv = compiled_block(self.cfg, self._ws, step, policy_version, cols, off, ch.token0, ch.sample0,
+                                        routing)
                 self._fold_block(ss, sv, num_tokens)
             return self._finish_step(ss)
         except BaseException:
@@ -369,7 +374,8 @@ def _shifted(top: Any, token0: int, sample0: int) -> Any:
 def _read_steps(reader: Any, steps: list[int], cfg: MismatchConfig) -> MismatchAccumulator:
     """Stream ``steps`` of ``reader`` into an accumulator, chunk by chunk (``cfg.chunk_tokens``
     tokens of whole samples at a time, only the datasets the analysis needs, read into buffers
-    reused from chunk to chunk): memory does not grow with the step."""
+    reused from chunk to chunk; on the compiled path the routing pair streamed as stored, a stored
+    chunk at a time, packed routing undecoded): memory does not grow with the step."""
     from axrl.trace.chunks import iter_chunks
 
     from ..chunked import for_each_step
@@ -380,7 +386,7 @@ def _read_steps(reader: Any, steps: list[int], cfg: MismatchConfig) -> MismatchA
 
     def fold(sf: Any) -> None:
         chunks = iter_chunks(sf, required, optional=optional, chunk_tokens=cfg.chunk_tokens, buffers=buffers,
-                             fast_checksums=cfg.compiled is not False)
+                             fast_checksums=cfg.compiled is not False, stream_routing=cfg.compiled is not False)
         acc.add_chunks(sf.step, sf.policy_version, chunks, sf.num_tokens)
 
     for_each_step(reader, steps, fold)

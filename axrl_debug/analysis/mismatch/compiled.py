@@ -9,11 +9,14 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from axrl.trace.routing_stream import RoutingRange
+
 from .blocks import _StepView
 from .breakdowns import _group_dims
 from .config import ENTROPY_LABELS, POSITION_LABELS, PROB_LABELS, ROUTING_DELTA_LABELS, SPLIT_COLUMN, MismatchConfig
 from .keys import _LOG_PROB_INNER, _LOG_PROB_INNER_F32, _POS_LUT, _entropy_digits
-from .routing import token_routing_class
+from .routing import row_class, token_routing_class
+from .routing_pass import NO_COUNTS, compare_rows, compare_stream
 from .scratch import _Scratch
 from .split import split_sums
 from .top import TopToken, split_fields, token_position
@@ -23,8 +26,6 @@ _NO_INTS = np.zeros(1, np.int64)
 _NO_BYTES = np.zeros(1, np.uint8)
 _NO_FLAGS = np.zeros(1, bool)
 _NO_ROUTING = np.zeros((1, 0, 1), np.uint8)
-_NO_WORDS = np.zeros((1, 1), np.uint64)
-_NO_COUNTS = np.zeros(0, np.int32)
 assert len(_LOG_PROB_INNER) == 5, "kernels.breakdown_block unrolls five rollout-prob edges"
 
 
@@ -35,14 +36,15 @@ def _kernels() -> Any:
 
 
 def compiled_block(cfg: MismatchConfig, ws: _Scratch, step: int, policy_version: int, cols: Mapping[str, Any],
-                   off: np.ndarray, token0: int = 0, sample0: int = 0) -> _StepView:
+                   off: np.ndarray, token0: int = 0, sample0: int = 0, routing: RoutingRange | None = None) -> _StepView:
     """One block of whole samples (``off``: its offsets from 0; ``token0`` / ``sample0``: where
     it starts in the step). Two compiled passes (``kernels``): the analysed tokens are compacted
     (Δ and both logprobs, for the vectorised moments in ``_fold_block``), then every breakdown
     key, the joint histograms (``_joint_hist``'s layout) and the routing agreement come out of
-    one loop over the block's tokens."""
+    one loop over the block's tokens. ``routing``: the block's routing pair streamed as stored
+    (``iter_chunks(stream_routing=True)``) instead of arrays in ``cols``."""
     kern = _kernels()
-    c = _Block.of(cfg, cols, step)
+    c = _Block.of(cfg, cols, step, routing)
     a = _Analysed.of(kern, ws, c)
     sizes, names, lag = _key_dims(c, a, policy_version)
     if c.has_routing:
@@ -50,7 +52,7 @@ def compiled_block(cfg: MismatchConfig, ws: _Scratch, step: int, policy_version:
         names.append(("routing_delta", None))
     # one histogram per group of dimensions; kernel slot of each dimension (see breakdown_block)
     slots = ([0, 1, 2, 3, 4] if c.has_keys else []) + ([5] if c.has_routing else [])
-    h = _Histograms.of(_group_dims(sizes) if a.n else [], sizes, slots, c.rr.shape[1])
+    h = _Histograms.of(_group_dims(sizes) if a.n else [], sizes, slots, c.layers)
     if a.n or c.has_routing:
         _breakdown_pass(kern, ws, c, a, off, h)
     joint = []
@@ -60,7 +62,7 @@ def compiled_block(cfg: MismatchConfig, ws: _Scratch, step: int, policy_version:
     routing = None
     if c.has_routing:
         rows = c.t if c.vcol is None else int(np.count_nonzero(c.vcol))
-        routing = (rows, h.layer_agree, h.layer_hits, int(c.rr.shape[2]))
+        routing = (rows, h.layer_agree, h.layer_hits, c.topk)
     behaviour = cols.get(SPLIT_COLUMN)
     split = None
     if behaviour is not None:
@@ -87,9 +89,20 @@ class _Block:
     rr: np.ndarray              # [t, layers, top_k] rollout routing
     rt: np.ndarray              # same, trainer routing
     vcol: np.ndarray | None     # uint8 [t] rows with valid rollout routing, when recorded
+    stream: RoutingRange | None = None   # the routing pair as stored, instead of ``rr`` / ``rt``
+    row_agree: np.ndarray | None = None  # bool [t] every layer agrees (``_breakdown_pass``)
+
+    @property
+    def layers(self) -> int:
+        return self.stream.layers if self.stream is not None else int(self.rr.shape[1])
+
+    @property
+    def topk(self) -> int:
+        return self.stream.k if self.stream is not None else int(self.rr.shape[2])
 
     @classmethod
-    def of(cls, cfg: MismatchConfig, cols: Mapping[str, Any], step: int) -> "_Block":
+    def of(cls, cfg: MismatchConfig, cols: Mapping[str, Any], step: int,
+           stream: RoutingRange | None = None) -> "_Block":
         lm = np.asarray(cols["/tokens/loss_mask"])
         lr = np.asarray(cols["/tokens/rollout_logprob"])
         lt = np.asarray(cols["/tokens/old_logprob"])
@@ -99,14 +112,16 @@ class _Block:
             lr, lt = lr.astype(np.float64), lt.astype(np.float64)     # e.g. float16 exports
         t = int(lm.shape[0])
         has_keys = cfg.breakdowns and "/tokens/turn" in cols
-        has_routing = cfg.routing and "/routing/rollout" in cols and "/routing/train" in cols
+        stream = stream if cfg.routing else None
+        has_routing = stream is not None or (cfg.routing and "/routing/rollout" in cols and "/routing/train" in cols)
         rr = rt = _NO_ROUTING
         vcol = None
-        if has_routing:
+        if has_routing and stream is None:
             rr, rt = np.asarray(cols["/routing/rollout"]), np.asarray(cols["/routing/train"])
             if rr.ndim != 3 or rr.shape != rt.shape or rr.shape[0] != t:
                 raise ValueError(f"step {step}: /routing/rollout {rr.shape} and /routing/train {rt.shape} "
                                  f"must both be [tokens={t}, layers, top_k]")
+        if has_routing:
             vcol = cols.get("/routing/rollout_valid")
             if vcol is not None:
                 vcol = np.asarray(vcol)
@@ -115,7 +130,7 @@ class _Block:
                    turn=np.asarray(cols["/tokens/turn"]) if has_keys else _NO_INTS,
                    pver=np.asarray(cols["/tokens/policy_version"]) if has_keys else _NO_INTS,
                    ent=np.asarray(cols["/tokens/entropy"]) if has_keys else None,
-                   has_routing=has_routing, rr=rr, rt=rt, vcol=vcol)
+                   has_routing=has_routing, rr=rr, rt=rt, vcol=vcol, stream=stream)
 
 
 @dataclass
@@ -199,25 +214,15 @@ def _breakdown_pass(kern: Any, ws: _Scratch, c: _Block, a: _Analysed, off: np.nd
     prob_edges = _LOG_PROB_INNER_F32 if c.lr.dtype == np.float32 else _LOG_PROB_INNER
     valid = _NO_BYTES if c.vcol is None else c.vcol
     row_agree = ws("row_agree", c.t, bool) if c.has_routing else _NO_FLAGS
-    if c.has_routing:
-        compare_rows(kern, c.rr, c.rt, valid, c.vcol is not None, row_agree, h.layer_agree, h.layer_hits, _NO_COUNTS)
+    if c.stream is not None:
+        compare_stream(c.stream, valid, c.vcol is not None, row_agree, h.layer_agree, h.layer_hits)
+        c.row_agree = row_agree
+    elif c.has_routing:
+        compare_rows(c.rr, c.rt, valid, c.vcol is not None, row_agree, h.layer_agree, h.layer_hits, NO_COUNTS)
     if h.groups:
         kern.breakdown_block(c.lm, c.lr, c.lt, off, c.turn, c.pver, ent_digit, c.has_keys, prob_edges, _POS_LUT,
                              int(a.tlo), int(a.thi - a.tlo) + 1, int(a.vhi), int(a.vhi - a.vlo) + 1,
                              row_agree, valid, c.has_routing, c.vcol is not None, h.mult, h.counts, h.sums)
-
-
-def compare_rows(kern: Any, rr: np.ndarray, rt: np.ndarray, valid: np.ndarray, has_valid: bool,
-                 row_agree: np.ndarray, layer_agree: np.ndarray, layer_hits: np.ndarray,
-                 row_layers: np.ndarray) -> None:
-    """``kernels.routing_rows`` on a block's routing (rows as words where they fill 8 bytes, a
-    bitset of the expert ids for the rows that differ in order)."""
-    rw, tw = _row_words(rr), _row_words(rt)
-    has_words = rw is not None and tw is not None
-    small = rr.dtype in (np.uint8, np.uint16) and rt.dtype == rr.dtype
-    members = np.zeros((int(np.iinfo(rr.dtype).max) + 1) // 64 if small else 0, np.uint64)   # a bit per id
-    kern.routing_rows(rr, rt, rw if has_words else _NO_WORDS, tw if has_words else _NO_WORDS, has_words,
-                      valid, has_valid, row_agree, layer_agree, layer_hits, members, row_layers)
 
 
 def agreeing_layers(rr: np.ndarray, rt: np.ndarray) -> np.ndarray:
@@ -226,17 +231,9 @@ def agreeing_layers(rr: np.ndarray, rt: np.ndarray) -> np.ndarray:
     t, layers = rr.shape[0], rr.shape[1]
     out = np.zeros(t, np.int32)
     if t:
-        compare_rows(_kernels(), rr, rt, _NO_BYTES, False, np.empty(t, bool), np.zeros(layers, np.int64),
+        compare_rows(rr, rt, _NO_BYTES, False, np.empty(t, bool), np.zeros(layers, np.int64),
                      np.zeros(layers, np.int64), out)
     return out
-
-
-def _row_words(ids: np.ndarray) -> np.ndarray | None:
-    """[T, L] uint64 view of [T, L, k] ids whose k ids fill exactly 8 bytes (top-8 of ≤ 256 experts,
-    top-4 of more): each (token, layer) row compared as one word. None otherwise."""
-    if ids.ndim != 3 or ids.shape[2] * ids.dtype.itemsize != 8 or not ids.flags.c_contiguous:
-        return None
-    return ids.view(np.uint64)[..., 0]
 
 
 def _top_tokens(c: _Block, a: _Analysed, off: np.ndarray, step: int, policy_version: int, token0: int,
@@ -256,8 +253,9 @@ def _top_tokens(c: _Block, a: _Analysed, off: np.ndarray, step: int, policy_vers
                 policy_version=None if not c.has_keys else int(c.pver[i]),
                 lag=None if not c.has_keys else policy_version - int(c.pver[i]),
                 entropy=None if c.ent is None else float(np.float32(c.ent[i])),
-                routing=None if not c.has_routing else
-                ROUTING_DELTA_LABELS[token_routing_class(i, int(off[row]), c.rr, c.rt, c.vcol)],
+                routing=None if not c.has_routing else ROUTING_DELTA_LABELS[
+                    row_class(i, int(off[row]), c.row_agree, c.vcol) if c.stream is not None else
+                    token_routing_class(i, int(off[row]), c.rr, c.rt, c.vcol)],
                 **({} if behaviour is None else split_fields(a.r[p], a.o[p], behaviour[i]))))
         return out
 

@@ -1,10 +1,10 @@
 """Compiled per-token loops of the mismatch analysis (numba).
 
 The package keeps the vectorised numpy code where numpy is fast (the SIMD ``exp``/``expm1``
-of the moments); the breakdown keys, their joint histograms and the routing comparison are one
-pass over a block's tokens here (two for MoE routing). In numpy they were ~15 whole-array passes (segment starts, six
-digit columns, a mixed-radix key, two bincounts, packed routing words): most of the time of
-``axrl-debug mismatch`` besides reading the file.
+of the moments); the breakdown keys and their joint histograms are one pass over a block's
+tokens here (the routing comparison before it: ``routing_kernels``). In numpy they were ~15
+whole-array passes (segment starts, six digit columns, a mixed-radix key, two bincounts, packed
+routing words): most of the time of ``axrl-debug mismatch`` besides reading the file.
 
 This module imports numba, so it is imported lazily (``compiled._kernels``): the TUI and the
 commands that never run the analysis do not pay for it. Compiled code is cached next to this file
@@ -110,68 +110,6 @@ def moment_sums(d, em1, x, y, log_clip_high, log_clip_low, log_tis_cap):  # prag
 
 
 @njit(cache=True, nogil=True)
-def routing_rows(rr, rt, rw, tw, has_words, valid, has_valid, row_agree, layer_agree, layer_hits,
-                 members, row_layers):  # pragma: no cover - compiled
-    """Compare each row's expert sets per layer, order-insensitively (top-k experts are distinct):
-    ``layer_agree[l]`` counts valid rows whose sets are equal, ``layer_hits[l]`` adds |A ∩ B| over
-    valid rows, ``row_agree[t]`` says whether every layer of row t agrees and ``row_layers[t]``
-    (when not empty) how many do.
-
-    Token by token, each token's [L, k] ids read once in storage order (a layer-major walk read a
-    whole block once per layer). A (token, layer) whose ids are equal in order (all of them under
-    R3, ~90 % without) agrees with |A ∩ B| = k: one compare of the k ids as one word (``rw``,
-    ``tw``: [T, L] views of the rows, when ``has_words``). Only the others count |A ∩ B| through
-    ``members``, a bitset over the expert ids (zero on entry and on return): the trainer's k ids
-    set bits, the engine's k ids test them — 2k steps instead of k² compares (k² compares when
-    ``members`` is empty: ids that are not uint8 / uint16)."""
-    nt, nl, k = rr.shape
-    agree = np.zeros(nl, np.int64)
-    total = np.zeros(nl, np.int64)
-    one, six, low = np.uint64(1), np.uint64(6), np.uint64(63)
-    for t in range(nt):
-        counted = not has_valid or valid[t] != 0
-        every = True
-        agreeing = 0
-        for layer in range(nl):
-            if has_words:
-                in_order = rw[t, layer] == tw[t, layer]
-            else:
-                in_order = True
-                for i in range(k):
-                    in_order &= rr[t, layer, i] == rt[t, layer, i]
-            if in_order:
-                hits = k
-            elif members.size == 0:          # ids that are not small unsigned integers
-                hits = 0
-                for i in range(k):
-                    found = False
-                    for j in range(k):
-                        found |= rr[t, layer, i] == rt[t, layer, j]
-                    hits += found
-            else:
-                for j in range(k):
-                    x = np.uint64(rt[t, layer, j])
-                    members[x >> six] |= one << (x & low)
-                hits = 0
-                for i in range(k):
-                    x = np.uint64(rr[t, layer, i])
-                    hits += np.int64((members[x >> six] >> (x & low)) & one)
-                for j in range(k):
-                    members[np.uint64(rt[t, layer, j]) >> six] = 0
-            same = hits == k
-            every &= same
-            agreeing += same
-            if counted:
-                agree[layer] += same
-                total[layer] += hits
-        row_agree[t] = every
-        if row_layers.size:
-            row_layers[t] = agreeing
-    layer_agree[:] = agree
-    layer_hits[:] = total
-
-
-@njit(cache=True, nogil=True)
 def breakdown_block(lm, lr, lt, off, turn, pver, ent_digit, has_keys, prob_edges, pos_lut,
                     turn_lo, turn_size, version_hi, version_size,
                     row_agree, valid, has_routing, has_valid,
@@ -181,7 +119,7 @@ def breakdown_block(lm, lr, lt, off, turn, pver, ent_digit, has_keys, prob_edges
     Digits, in six fixed slots: 0 position in the response segment (via ``pos_lut``), 1 rollout-prob
     bucket (``prob_edges``: the five inner edges in log space, in ``lr``'s dtype), 2 entropy bucket
     (precomputed ``ent_digit``), 3 turn − ``turn_lo``, 4 ``version_hi`` − version — when
-    ``has_keys`` — and 5 the routing class of row t − 1 (``row_agree`` from ``routing_rows``; 2 =
+    ``has_keys`` — and 5 the routing class of row t − 1 (``row_agree`` from ``routing_kernels``; 2 =
     unknown at a sample's first token or an invalid row) when ``has_routing``. Each analysed token
     adds 1 and its Δ to cell [Δ < 0] + Σ_slot digit·mult[g, slot] of histogram g
     (``counts[g]``/``sums[g]``, the layout of ``breakdowns._joint_hist``; a slot outside group g has

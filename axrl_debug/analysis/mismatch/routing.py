@@ -27,7 +27,7 @@ def routing_agreement(rollout: np.ndarray, train: np.ndarray,
     with |A ∩ B| = k. Only the rows that differ in order go through the set comparison, |A ∩ B| =
     Σ_i [a_i ∈ B] in k² comparisons over those rows. Assumes the k experts of a row are distinct,
     which top-k guarantees. (The whole-step analysis counts the same in its compiled pass,
-    ``kernels.breakdown_block``.)"""
+    ``routing_kernels``.)"""
     t, nl, k = rollout.shape
     valid = np.ones(t, dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
     agree = _rows_equal(rollout, train)                                   # [T, L]
@@ -75,7 +75,19 @@ def token_routing_class(i: int, s0: int, rollout: np.ndarray, train: np.ndarray,
     i − 1 and i only (for the few worst tokens of the compiled path)."""
     a = max(i - 1, s0)
     agree, _, _ = routing_agreement(rollout[a:i + 1], train[a:i + 1])
+    return _class_of(i, s0, a, agree.all(axis=0), valid)
+
+
+def row_class(i: int, s0: int, row_agree: np.ndarray, valid: np.ndarray | None) -> int:
+    """``token_routing_class`` from the block's ``row_agree`` (bool [T]: every layer of the row
+    agrees, as ``routing_kernels.routing_rows`` / ``packed_routing_rows`` found it)."""
+    a = max(i - 1, s0)
+    return _class_of(i, s0, a, row_agree[a:i + 1], valid)
+
+
+def _class_of(i: int, s0: int, a: int, rows_agree: np.ndarray, valid: np.ndarray | None) -> int:
+    """``routing_classes`` of token ``i`` given whether rows ``a``…``i`` agree in every layer."""
     starts = np.zeros(i + 1 - a, dtype=bool)
     starts[0] = a == s0
     rows_valid = np.ones(i + 1 - a, dtype=bool) if valid is None else np.asarray(valid[a:i + 1]) != 0
-    return int(routing_classes(np.array([i - a]), starts, agree.all(axis=0), rows_valid)[0])
+    return int(routing_classes(np.array([i - a]), starts, rows_agree, rows_valid)[0])

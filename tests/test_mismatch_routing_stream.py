@@ -1,0 +1,203 @@
+"""`axrl-debug mismatch` on packed routing compares the rollout and trainer expert sets from the
+stored ``train_differs`` marks, decoding only the marked (token, layer) rows, and on raw routing
+streams the stored rows a stored chunk at a time (``axrl/trace/routing_stream.py``,
+``routing_pass``). Both must give the very report that decoding everything gives: per-layer
+agreement and overlap, the routing class of every token (the ``routing_delta`` breakdown, the worst
+tokens), every other figure — on steps whose trainer routing differs in many layers and samples,
+including rows whose marks name a reordering of the same experts (agreeing sets), invalid rows, and
+stored chunks smaller than a sample so that pieces and windows cross them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import h5py
+import numpy as np
+import pytest
+
+from axrl.trace import StepFile, TraceReader, routing_codec, writer
+from axrl.trace.chunks import iter_chunks
+from axrl_debug.analysis.mismatch import MismatchConfig, analyse, routing_agreement
+from axrl_debug.analysis.mismatch.accumulator import _read_steps
+from axrl_debug.synthetic import write_run
+from test_trace import make_record
+
+ROUTING = ["/routing/rollout", "/routing/train", "/routing/rollout_valid"]
+
+
+def moe_record(step: int, experts: int, layers: int, k: int, valid: bool = True):
+    """A ragged multi-sample step (``make_record``) with distinct top-k ids per row and a trainer
+    that, on ~30 % of (token, layer) rows spread over every layer and sample, routes to the same
+    experts in another order (marked, agreeing), swaps one expert, or picks k new ones."""
+    rec = make_record(step, n_groups=4, group_size=4, mean_len=60)
+    rng = np.random.default_rng(100 + step)
+    t = rec.num_tokens
+    rollout = np.argsort(rng.random((t, layers, experts)), axis=2)[:, :, :k].astype(routing_codec_dtype(experts))
+    train = rollout.copy()
+    kind = rng.choice(4, size=(t, layers), p=[0.7, 0.1, 0.1, 0.1])
+    for ti, li in zip(*np.nonzero(kind == 1)):                  # same set, another order
+        train[ti, li] = np.roll(rollout[ti, li], 1)
+    for ti, li in zip(*np.nonzero(kind == 2)):                  # one expert swapped for an unused one
+        unused = np.setdiff1d(np.arange(experts), rollout[ti, li])
+        if unused.size:
+            train[ti, li, rng.integers(k)] = rng.choice(unused)
+    for ti, li in zip(*np.nonzero(kind == 3)):                  # another set altogether
+        train[ti, li] = np.argsort(rng.random(experts))[:k]
+    pool = rec.pool_routing_rollout
+    return replace(rec, num_experts=experts, routing_rollout=rollout, routing_train=train,
+                   routing_rollout_valid=rec.routing_rollout_valid if valid else None,
+                   pool_routing_rollout=None if pool is None else np.asarray(pool) % experts)
+
+
+def routing_codec_dtype(experts: int) -> type:
+    return np.uint8 if experts <= 256 else np.uint16
+
+
+@pytest.fixture(scope="module", params=[(128, 10, 8, True), (128, 10, 8, False), (6, 3, 2, True), (256, 9, 8, True),
+                                        (64, 70, 3, True), (300, 4, 4, True)],
+                ids=lambda p: "E{}-L{}-k{}{}".format(*p[:3], "" if p[3] else "-no-valid"))
+def runs(request, tmp_path_factory):
+    """The same two steps stored raw and packed, in stored chunks of 2 KiB (many per sample)."""
+    experts, layers, k, valid = request.param
+    records = [moe_record(s, experts, layers, k, valid) for s in range(2)]
+    root = tmp_path_factory.mktemp("stream")
+    mp = pytest.MonkeyPatch()
+    mp.setattr(writer, "_CHUNK_BYTES", 2048)
+    try:
+        write_run(root / "raw", records)
+        write_run(root / "packed", records, routing_encoding="packed")
+    finally:
+        mp.undo()
+    return request.param, TraceReader(root / "raw"), TraceReader(root / "packed")
+
+
+@pytest.mark.parametrize("chunk_tokens", [100, 1 << 18])
+def test_streamed_routing_is_the_decoded_answer(runs, chunk_tokens):
+    """Packed (marks) and raw (stored rows) streams give, bit for bit, the report of the same
+    compiled analysis on the decoded whole columns, and the routing figures of the numpy
+    reference (``routing_agreement``) over every row."""
+    (experts, layers, k, _), raw, packed = runs
+    cfg = MismatchConfig.from_run_config(raw.config, top_k=40, compiled=True, chunk_tokens=chunk_tokens)
+    required, optional = cfg.columns()
+    whole = analyse(raw.iter_columns(required, optional=optional), cfg).result()
+    for reader in (packed, raw):
+        with reader.open(reader.steps[0]) as sf:
+            ch = next(iter_chunks(sf, required + ROUTING[:2], stream_routing=True))
+            assert ch.routing is not None and ch.routing.packed == (reader is packed)
+            assert "/routing/rollout" not in ch.data
+        got = _read_steps(reader, reader.steps, cfg).result()
+        got.pop("run", None)
+        assert json.dumps(got) == json.dumps(whole), reader.path.name
+    assert [t["routing"] for t in whole["top"]].count("differs") > 0
+    rows = agree = hits = 0
+    for step in raw.steps:
+        with raw.open(step) as sf:
+            valid = np.asarray(sf.get("/routing/rollout_valid", np.ones(sf.num_tokens))) != 0
+            _, layer_agree, layer_hits = routing_agreement(sf["/routing/rollout"], sf["/routing/train"], valid)
+            rows, agree, hits = rows + int(valid.sum()), agree + layer_agree, hits + layer_hits
+    assert [x["agreement"] for x in whole["routing"]["layers"]] == [float(a) / rows for a in agree]
+    assert [x["overlap"] for x in whole["routing"]["layers"]] == [float(h) / (rows * k) for h in hits]
+    assert 0.5 < whole["routing"]["agreement"] < 0.95
+    # the numpy path (set comparison in numpy): the same routing counts and token routing classes
+    numpy = analyse(raw.iter_columns(required, optional=optional), replace(cfg, compiled=False)).result()
+    assert numpy["routing"]["layers"] == whole["routing"]["layers"]
+    assert [(b["bucket"], b["count"]) for b in numpy["routing"]["delta"]] == \
+        [(b["bucket"], b["count"]) for b in whole["routing"]["delta"]]
+    assert [(t["token"], t["routing"]) for t in numpy["top"]] == [(t["token"], t["routing"]) for t in whole["top"]]
+
+
+def test_step_table_streams_alike(runs):
+    """summary / spikes / check: the compiled step table streams the routing too — the same table
+    from raw and packed steps, its routing agreement the decoded whole columns'."""
+    import pandas as pd
+
+    from axrl_debug.analysis import frames
+
+    _, raw, packed = runs
+    cfg = MismatchConfig.from_run_config(raw.config, compiled=True)
+    table = frames.step_table(raw, cfg=cfg)
+    pd.testing.assert_frame_equal(table, frames.step_table(packed, cfg=cfg), check_exact=True)
+    required, optional = cfg.columns()
+    whole = analyse(raw.iter_columns(required, optional=optional), cfg).result()
+    assert table["routing_agreement"].tolist() == [h["routing_agreement"] for h in whole["per_step"]]
+
+
+def test_marks_name_agreeing_reorderings(runs):
+    """The packed steps mark more rows than disagree: reordered sets are marked but agree, and
+    the stream counts them as agreeing (covered by the comparison above)."""
+    _, raw, packed = runs
+    cfg = MismatchConfig.from_run_config(raw.config, compiled=True)
+    res = _read_steps(packed, packed.steps, cfg).result()
+    disagree = sum(round((1 - x["agreement"]) * x["rows"]) for x in res["routing"]["layers"])
+    marked = 0
+    for step in packed.steps:
+        with packed.open(step) as sf:
+            marked += int(routing_codec.popcount_rows(sf._f["/routing/train_differs"][()]).sum())
+    assert marked > disagree > 0
+
+
+def test_numpy_path_decodes_a_stream(runs):
+    """A stream handed to the numpy path is decoded (``routing_arrays``): the numpy path's report."""
+    _, raw, packed = runs
+    cfg = MismatchConfig.from_run_config(raw.config, top_k=12, compiled=False, chunk_tokens=100)
+    required, optional = cfg.columns()
+    acc = _read_steps(raw, raw.steps, cfg)
+    from axrl_debug.analysis.mismatch import MismatchAccumulator
+
+    streamed = MismatchAccumulator(cfg)
+    for step in packed.steps:
+        with packed.open(step) as sf:
+            streamed.add_chunks(sf.step, sf.policy_version, iter_chunks(sf, required, optional=optional,
+                                chunk_tokens=100, stream_routing=True), sf.num_tokens)
+    assert json.dumps(streamed.result()) == json.dumps(acc.result())
+
+
+def test_r3_steps_read_no_rollout_rows(tmp_path, monkeypatch):
+    """Trainer routing equal to the rollout's (R3): the packed comparison reads the marks only —
+    not one stored rollout row, even where the rows never fed to the model are marked (they are
+    stored as zeros for the rollout only) — and reports full agreement, as decoding everything does."""
+    from axrl.trace import routing_stream
+
+    records = [moe_record(s, 128, 10, 8) for s in range(2)]
+    for i, r in enumerate(records):
+        train = r.routing_rollout.copy()
+        train[np.asarray(r.routing_rollout_valid) == 0] = 0     # as stored: the rollout's invalid rows are zeros
+        if i == 1:                                                # one step: the trainer's invalid rows not zeroed
+            train[np.asarray(r.routing_rollout_valid) == 0] = r.routing_rollout[np.asarray(r.routing_rollout_valid) == 0]
+        records[i] = replace(r, routing_train=train)
+    write_run(tmp_path / "raw", records)
+    write_run(tmp_path / "packed", records, routing_encoding="packed")
+    read = []
+    real = routing_stream._Rows.rows
+    monkeypatch.setattr(routing_stream._Rows, "rows", lambda self, a, b: (read.append(self.name), real(self, a, b))[1])
+    cfg = MismatchConfig(compiled=True, top_k=20, chunk_tokens=100)
+    packed = _read_steps(TraceReader(tmp_path / "packed"), [0, 1], cfg).result()
+    assert "/routing/rollout_packed" not in read and "/routing/train_differs" in read
+    raw = TraceReader(tmp_path / "raw")
+    required, optional = cfg.columns()
+    whole = analyse(raw.iter_columns(required, optional=optional), cfg).result()
+    packed.pop("run", None)
+    assert json.dumps(packed) == json.dumps(whole) and whole["routing"]["agreement"] == 1.0
+    with StepFile(tmp_path / "packed" / "trace" / "step_000001.h5") as sf:
+        assert sf._f["/routing/train_rows"].shape[0] > 0          # the invalid rows' marks
+
+
+def test_marks_without_stored_rows_drop_the_step(tmp_path):
+    """A packed step whose trainer rows are fewer than its marks name is reported, not analysed;
+    the other step still is."""
+    records = [moe_record(s, 128, 10, 8) for s in range(2)]
+    write_run(tmp_path / "run", records, routing_encoding="packed")
+    bad = tmp_path / "run" / "trace" / "step_000001.h5"
+    with h5py.File(bad, "r+") as f:
+        rows = f["/routing/train_rows"][()]
+        del f["/routing/train_rows"]
+        f.create_dataset("/routing/train_rows", data=rows[:-5])
+    reader = TraceReader(tmp_path / "run")
+    res = _read_steps(reader, reader.steps, MismatchConfig(compiled=True)).result()
+    assert res["steps"] == [0]
+    assert len(reader.problems) == 1 and str(bad) in reader.problems[0].message
+    assert "train_rows" in reader.problems[0].message or "trainer routing rows" in reader.problems[0].message
+    with StepFile(bad) as sf:
+        with pytest.raises(Exception):
+            sf["/routing/train"]
