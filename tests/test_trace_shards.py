@@ -224,8 +224,8 @@ class InProcessGroup:
             starts.append(a)
         self.last_kept = (self._count, starts)
 
-    def write_trace_shards(self, key, trace_dir, step, starts, num_experts, encoding):
-        return [k.write(key, trace_dir, step, s, num_experts, encoding) for k, s in zip(self.kept, starts)]
+    def write_trace_shards(self, key, trace_dir, step, starts, num_experts, encoding, hold=()):
+        return [k.write(key, trace_dir, step, s, num_experts, encoding, hold) for k, s in zip(self.kept, starts)]
 
 
 def test_learner_and_ranks_write_the_step_a_local_run_writes(tmp_path):
@@ -254,6 +254,47 @@ def test_learner_and_ranks_write_the_step_a_local_run_writes(tmp_path):
     assert all(not k._rows for k in group.kept)
 
 
+def test_spike_ring_with_sharding_leaves_the_k_steps_before_the_spike_full(tmp_path):
+    """trace.keep_full with trace.sharded: the ranks hold the ring's rows, a spike at step 4
+    (keep_full=2) has them write steps 2 and 3 in full through the learner's background writer,
+    over their reduced files; those and the spike step read as the unsharded full step; the other
+    steps stay reduced and the ranks end holding only the ring's step."""
+    import dataclasses
+
+    from axrl.ray_executor.trace_shards import RankShards
+    from axrl.recording.step_writer import StepWriter
+    from axrl.recording.tiers import TieredRecords, TierSettings
+
+    group = InProcessGroup(3)
+    run = RunDir(tmp_path / "run")
+    shards = RankShards(group, run.trace_dir, "packed", keep_full=2)
+    tiers = TieredRecords(TierSettings("standard", routing_every=3, keep_full=2))
+    writer = StepWriter(shards.write, max_pending=2)
+    recs = [make_record(s, n_groups=3, group_size=2) for s in range(6)]
+    for rec in recs:
+        group.forward(rec, [2, 4])
+        shards.claim(rec.step)
+        # the learner's record: the trainer's routing stayed on the ranks
+        for out in tiers.for_step(dataclasses.replace(rec, routing_train=None), spiked=rec.step == 4):
+            writer.submit(out)
+    writer.close()
+    for rec in recs:
+        plain = RunDir(tmp_path / "plain").write_step(rec, routing_encoding="packed", overwrite=True)
+        with StepFile(run.step_path(rec.step)) as sf, StepFile(plain) as pf:
+            if rec.step in (2, 3, 4):
+                assert sf.attrs["trace_level"] == "full" and len(sf.shards) == 3
+                assert sf.attrs.get("trace_promoted_by") == (4 if rec.step < 4 else None)
+                got = dataclasses.replace(sf.to_record(), attrs={})
+                assert_records_equal(got, dataclasses.replace(pf.to_record(), attrs={}))
+            else:
+                assert sf.attrs["trace_level"] == "standard" and "trace_promoted_by" not in sf.attrs
+                assert ("/routing/train" in sf) == (rec.step % 3 == 0) == bool(sf.shards)
+                np.testing.assert_array_equal(sf["/tokens/old_logprob"], pf["/tokens/old_logprob"])
+    assert TraceReader(run.path).problems == []
+    # step 5 is the ring's only step now (the spike emptied it): its rows alone are still held
+    assert [sorted(k._rows) for k in group.kept] == [[6]] * 3
+
+
 @pytest.mark.parametrize("extra, sharded", [
     ([], False),                                                            # local: one process
     (["runtime.executor=ray"], False),                                      # one train rank
@@ -261,6 +302,8 @@ def test_learner_and_ranks_write_the_step_a_local_run_writes(tmp_path):
     (["runtime.executor=ray", "runtime.ray.train_ranks=2", "trace.routing_encoding=packed"], True),
     (["runtime.executor=ray", "runtime.ray.train_ranks=2", "trace.sharded=false"], False),
     (["runtime.executor=ray", "trace.sharded=true"], True),
+    (["runtime.executor=ray", "runtime.ray.train_ranks=2", "trace.level=standard", "trace.keep_full=2",
+      "trace.spike_ratio=2"], True),                                      # the ranks hold the ring's rows
 ])
 def test_trace_sharded_auto(extra, sharded):
     from axrl.assembly.settings import trace_sharded
@@ -271,8 +314,7 @@ def test_trace_sharded_auto(extra, sharded):
 
 @pytest.mark.parametrize("extra, names", [
     (["trace.sharded=true"], "runtime.executor: ray"),
-    (["runtime.executor=ray", "trace.sharded=true", "trace.level=standard", "trace.keep_full=2",
-      "trace.spike_ratio=2"], "keep_full"),
+    (["runtime.executor=ray", "trace.sharded=true", "trace.routing=false"], "sharded: true needs enabled and routing"),
 ])
 def test_trace_sharded_true_where_it_cannot_be_is_refused(extra, names):
     from axrl.config import ConfigError, load_config

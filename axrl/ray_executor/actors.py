@@ -192,11 +192,11 @@ class TrainRankActor(ActorBase):
             return result if keep is None else self.kept_rows.keep(keep, shard, result)
 
     def write_trace_shard(self, key: int, trace_dir: str, step: int, row_start: int,
-                          num_experts: int | None, encoding: str) -> ShardInfo | None:
-        """Write the rows kept by forward `key` as this rank's shard of trace step `step` (runs in
-        the trace concurrency group, beside training)."""
+                          num_experts: int | None, encoding: str, hold: tuple[int, ...] = ()) -> ShardInfo | None:
+        """Write the rows kept by forward `key` as this rank's shard of trace step `step`, holding
+        the forwards `hold` (the keep_full ring's); runs in the trace concurrency group, beside training."""
         with self.activity_.doing(f"trace shard {step}"):
-            return self.kept_rows.write(key, trace_dir, step, row_start, num_experts, encoding)
+            return self.kept_rows.write(key, trace_dir, step, row_start, num_experts, encoding, hold)
 
     def forward_backward(self, shard: PackedBatch, loss_fn: LossFn, r3: Any, ctx: LossContext | None) -> TrainMetrics:
         with self.activity_.doing("forward_backward"):

@@ -44,7 +44,8 @@ class LearnerActor(ActorBase):
         run = RunDir(run_path)
         # trace.sharded: the ranks write the routing rows they hold; this actor the step's index
         record = settings.record
-        shards = RankShards(backend, run.trace_dir, record.routing_encoding) if record.sharded and record.trace else None
+        shards = (RankShards(backend, run.trace_dir, record.routing_encoding, record.tiers.keep_full)
+                  if record.sharded and record.trace else None)
         self.learner = Learner(make_step_trainer(settings, backend, self.sync), run, settings.record, shards)
 
     def step(self, batch_refs: list[Any], step: int, times: dict[str, float]) -> tuple[dict[str, Any], dict[str, float],

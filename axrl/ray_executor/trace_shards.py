@@ -7,10 +7,17 @@ both on each rank (`KeptRows`) and returns the learner its logprobs and entropy 
 trainer's routing; when the learner's background writer reaches the step, each rank writes its
 rows into ``trace/step_N.shards/train_rankR.h5`` (in its own thread: the "trace" concurrency
 group, beside training) and the learner writes the index (`RankShards`; axrl/trace/shards.py).
+
+With a `trace.keep_full` ring (axrl/recording/tiers.py) a step is first written reduced, and its
+rows must survive until it leaves the ring or a spike promotes it: the ranks hold the rows of the
+ring's steps (`hold`: the learner says which after every write) and write them as the promoted
+step's shards, which the learner's full index then replaces the reduced one over. The ring's
+memory is spread over the ranks, each holding its own rows of K steps.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 from pathlib import Path
@@ -18,13 +25,15 @@ from typing import Any
 
 import torch
 
+from axrl.recording.tiers import ATTR_PROMOTED_BY, ATTR_TRACE_LEVEL
 from axrl.trace.record import StepRecord
 from axrl.trace.shards import ShardInfo, routing_rows, write_shard, write_sharded_step
 from axrl.train.protocol import ForwardResult, PackedBatch
 
 #: The Ray concurrency group a rank writes its shards in (beside the default group that trains).
 TRACE_GROUP = "trace"
-_KEEP_AT_MOST = 16   # forwards held on a rank unwritten (the learner writes each step's; a lost one is dropped)
+_KEEP_AT_MOST = 16   # forwards held on a rank unwritten, besides the ring's (a lost one is dropped)
+_REDUCED = ("standard", "summary")
 
 
 class KeptRows:
@@ -34,6 +43,7 @@ class KeptRows:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self._rows: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
+        self._held: set[int] = set()   # the keep_full ring's forwards: kept until the learner lets go
         self._lock = threading.Lock()
 
     def keep(self, key: int, shard: PackedBatch, result: ForwardResult) -> ForwardResult:
@@ -41,21 +51,23 @@ class KeptRows:
         (it stays here: the learner needs only the logprobs and entropy)."""
         with self._lock:
             self._rows[key] = (shard.offsets, shard.routed_experts, result.routed_experts)
-            for old in sorted(self._rows)[:-_KEEP_AT_MOST]:
+            for old in sorted(k for k in self._rows if k not in self._held)[:-_KEEP_AT_MOST]:
                 del self._rows[old]
         return dataclasses.replace(result, routed_experts=None)
 
     def write(self, key: int, trace_dir: str, step: int, row_start: int, num_experts: int | None,
-              encoding: str = "raw") -> ShardInfo | None:
+              encoding: str = "raw", hold: tuple[int, ...] = ()) -> ShardInfo | None:
         """Write the rows kept under `key` as this rank's shard of `step` in routing `encoding`
         (None: no routing held, or `num_experts` None: the step records none); forgets them and
-        any older ones."""
+        any older ones, except the forwards in `hold` (the keep_full ring's, `key` among them when
+        its step may yet be promoted)."""
         with self._lock:
             if key not in self._rows:
                 raise KeyError(f"train rank {self.rank} holds no rows for step {step} (forward {key}): "
                                "was the train group restarted since?")
-            offsets, rollout, train = self._rows.pop(key)
-            for old in [k for k in self._rows if k < key]:
+            self._held = set(hold)
+            offsets, rollout, train = self._rows[key] if key in self._held else self._rows.pop(key)
+            for old in [k for k in self._rows if k < key and k not in self._held]:
                 del self._rows[old]
         if num_experts is None or (rollout is None and train is None):
             return None
@@ -69,10 +81,11 @@ class RankShards:
     """The learner's side (`StepShards`): which kept forward is which step's, and the step's write:
     every rank's shard (in parallel, each in its own process), then the index."""
 
-    def __init__(self, group: Any, trace_dir: Path, encoding: str = "raw") -> None:
-        self.group, self.trace_dir, self.encoding = group, trace_dir, encoding
+    def __init__(self, group: Any, trace_dir: Path, encoding: str = "raw", keep_full: int = 0) -> None:
+        self.group, self.trace_dir, self.encoding, self.keep_full = group, trace_dir, encoding, keep_full
         group.keep_trace_rows = True
         self._claimed: dict[int, tuple[int, list[int]]] = {}   # step -> (forward key, row start per rank)
+        self._ring: collections.deque[int] = collections.deque()   # steps written reduced, rows still held
 
     def claim(self, step: int) -> None:
         kept = self.group.last_kept
@@ -82,12 +95,28 @@ class RankShards:
 
     def write(self, record: StepRecord) -> Path:
         """The ranks write their shards (none when the step's record carries no routing, as on
-        `trace.level: standard`'s steps between `routing_every`: they drop their rows), then the index."""
-        key, starts = self._claimed.pop(record.step)
+        `trace.level: standard`'s steps between `routing_every`), then the index. A reduced step
+        joins the keep_full ring (its rows stay on the ranks, the oldest step's are let go); a
+        full one (promoted by a spike, or the spike step) leaves it and replaces its reduced file."""
+        key, starts = self._claimed[record.step]
+        hold = self._ring_after(record)
         routed = record.routing_rollout is not None or record.routing_train is not None
         infos = self.group.write_trace_shards(key, str(self.trace_dir), record.step, starts,
-                                              record.num_experts if routed else None, self.encoding)
+                                              record.num_experts if routed else None, self.encoding, hold)
         shards = [i for i in infos if i is not None]
         if shards:
             record = dataclasses.replace(record, routing_rollout=None, routing_rollout_valid=None, routing_train=None)
-        return write_sharded_step(self.trace_dir, record, shards)
+        return write_sharded_step(self.trace_dir, record, shards, overwrite=ATTR_PROMOTED_BY in record.attrs)
+
+    def _ring_after(self, record: StepRecord) -> tuple[int, ...]:
+        """Update the ring for `record`'s write; the forward keys the ranks must hold after it."""
+        step = record.step
+        if self.keep_full and record.attrs.get(ATTR_TRACE_LEVEL) in _REDUCED:
+            self._ring.append(step)
+            while len(self._ring) > self.keep_full:
+                del self._claimed[self._ring.popleft()]
+        else:
+            if step in self._ring:
+                self._ring.remove(step)
+            del self._claimed[step]
+        return tuple(self._claimed[s][0] for s in self._ring)

@@ -197,11 +197,12 @@ class RayTrainGroup:
                             tokens=tokens)
 
     def write_trace_shards(self, key: int, trace_dir: str, step: int, starts: list[int],
-                           num_experts: int | None, encoding: str) -> list[Any]:
+                           num_experts: int | None, encoding: str, hold: tuple[int, ...] = ()) -> list[Any]:
         """Every rank writes the rows it kept from forward `key` as its shard of `step`, in parallel
-        and beside training (trace_shards.py); their `ShardInfo`s (None: a rank wrote none)."""
+        and beside training, still holding the forwards `hold` (trace_shards.py); their
+        `ShardInfo`s (None: a rank wrote none)."""
         return self._get([r.write_trace_shard.options(concurrency_group=TRACE_GROUP).remote(
-            key, trace_dir, step, start, num_experts, encoding) for r, start in zip(self.ranks, starts)])
+            key, trace_dir, step, start, num_experts, encoding, hold) for r, start in zip(self.ranks, starts)])
 
     def optimizer_step(self, *, lr: float | None = None, lr_scale: float = 1.0,
                        adam: AdamHyper | None = None) -> StepStats:
