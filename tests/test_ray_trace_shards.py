@@ -121,3 +121,52 @@ def test_each_data_parallel_rank_writes_its_own_rows(runs):
     # and entropy only (float32 + float32 a token), not its [T, L, k] int64 routing
     tokens = sum(len(step_arrays(run, s)["/tokens/ids"]) for s in (0, 1))
     assert plane["actor_calls"]["forward_results"] == 8 * tokens, (plane["actor_calls"], tokens)
+
+
+# The spike ring (trace.keep_full) with sharding on two ranks: trace.level standard writes routing
+# on every third step; a spike trigger with a ratio just above 1 fires on the first step whose
+# grad norm exceeds the previous ones' median (the assertions follow whichever steps it flags).
+RING = ["runtime.executor=ray", "runtime.ray.train_ranks=2", *SMALL, "trace.level=standard", "trace.routing_every=3",
+        "trace.keep_full=1", "trace.spike_ratio=1.0001", "trace.spike_min_history=1"]
+
+
+@pytest.fixture(scope="module")
+def ring_runs(tmp_path_factory) -> dict[str, Path]:
+    """The same four-step two-rank run, sharded with a keep_full ring and unsharded at level full."""
+    base = tmp_path_factory.mktemp("ring")
+    out = {}
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             logging_level="warning", log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    try:
+        out["ring"] = train(ray_cfg("steps=4", *RING), base / "ring")
+        out["whole"] = train(ray_cfg("steps=4", *RING[:3], "trace.sharded=false"), base / "whole")
+    finally:
+        ray.shutdown()
+    return out
+
+
+def test_spike_ring_with_sharding_leaves_the_steps_before_the_spike_full(ring_runs):
+    run = ring_runs["ring"]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    spikes = [m["step"] for m in metrics if m.get("spike")]
+    assert spikes, "the trigger never fired: the test needs a spike (see RING)"
+    full = {s for n in spikes for s in (n - 1, n)}
+    reader = TraceReader(run)
+    assert reader.steps == [0, 1, 2, 3] and reader.problems == []
+    for step in reader.steps:
+        shards = run / "trace" / f"step_{step:06d}.shards"
+        with reader.open(step) as sf:
+            level, promoted = sf.attrs["trace_level"], sf.attrs.get("trace_promoted_by")
+            routed = "/routing/rollout" in sf
+            names = sorted(Path(p).name for p in sf.shards)
+        if step in full:
+            assert level == "full" and routed and promoted == (None if step in spikes else step + 1), step
+            # the ranks wrote the rows they held, the learner the full index over them
+            assert names == ["train_rank0.h5", "train_rank1.h5"]
+            # and the step reads as the unsharded run's, array for array (both routings included)
+            data, whole = step_arrays(run, step), step_arrays(ring_runs["whole"], step)
+            assert data.keys() == whole.keys()
+            assert [k for k in data if k not in ("attrs", "group_attrs") and not same(data[k], whole[k])] == []
+        else:
+            assert level == "standard" and promoted is None and routed == (step % 3 == 0) == bool(names), step
+            assert shards.is_dir() == routed

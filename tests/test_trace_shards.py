@@ -229,29 +229,32 @@ class InProcessGroup:
 
 
 def test_learner_and_ranks_write_the_step_a_local_run_writes(tmp_path):
-    """RankShards + KeptRows: a step read back as write_step writes it; a step whose record carries
-    no routing (trace.level standard, between routing_every) gets none, and the ranks drop its rows."""
+    """RankShards + KeptRows: a step read back as write_step writes it; a step written without
+    routing (trace.level standard, between routing_every) gets no shard, and the ranks drop its rows."""
     import dataclasses
 
     from axrl.ray_executor.trace_shards import RankShards
+    from axrl.recording.tiers import TierSettings, reduce_record
 
     group = InProcessGroup(3)
     run = RunDir(tmp_path / "run")
-    shards = RankShards(group, run.trace_dir, "packed")
+    tiers = TierSettings("standard", routing_every=2)
+    shards = RankShards(group, run.trace_dir, "packed", tiers)
     recs = [make_record(s, n_groups=3, group_size=2) for s in range(2)]
     for step, rec in enumerate(recs):
         group.forward(rec, [2, 4])
         shards.claim(step)
-    shards.write(recs[0])
-    shards.write(dataclasses.replace(recs[1], routing_rollout=None, routing_rollout_valid=None, routing_train=None))
-    plain = RunDir(tmp_path / "plain").write_step(recs[0], routing_encoding="packed")
+        # what the learner queues: its record without the routing the ranks hold
+        shards.write(reduce_record(RankShards.strip(rec), tiers))
+    plain = RunDir(tmp_path / "plain").write_step(reduce_record(recs[0], tiers), routing_encoding="packed")
     with StepFile(run.step_path(0)) as sf, StepFile(plain) as pf:
         assert len(sf.shards) == 3
         assert_records_equal(sf.to_record(), pf.to_record())
     with StepFile(run.step_path(1)) as sf:
-        assert not sf.shards and "/routing/train" not in sf
+        assert not sf.shards and "/routing/train" not in sf and sf.num_tokens == recs[1].num_tokens
     assert not shard_dir(run.trace_dir, 1).exists()
     assert all(not k._rows for k in group.kept)
+    assert dataclasses.replace(recs[0]).routing_rollout is not None   # strip copied, never cleared the caller's
 
 
 def test_spike_ring_with_sharding_leaves_the_k_steps_before_the_spike_full(tmp_path):
@@ -267,15 +270,16 @@ def test_spike_ring_with_sharding_leaves_the_k_steps_before_the_spike_full(tmp_p
 
     group = InProcessGroup(3)
     run = RunDir(tmp_path / "run")
-    shards = RankShards(group, run.trace_dir, "packed", keep_full=2)
-    tiers = TieredRecords(TierSettings("standard", routing_every=3, keep_full=2))
+    settings = TierSettings("standard", routing_every=3, keep_full=2)
+    shards = RankShards(group, run.trace_dir, "packed", settings)
+    tiers = TieredRecords(settings)
     writer = StepWriter(shards.write, max_pending=2)
     recs = [make_record(s, n_groups=3, group_size=2) for s in range(6)]
     for rec in recs:
         group.forward(rec, [2, 4])
         shards.claim(rec.step)
-        # the learner's record: the trainer's routing stayed on the ranks
-        for out in tiers.for_step(dataclasses.replace(rec, routing_train=None), spiked=rec.step == 4):
+        # the learner's record: without the routing the ranks hold
+        for out in tiers.for_step(RankShards.strip(rec), spiked=rec.step == 4):
             writer.submit(out)
     writer.close()
     for rec in recs:

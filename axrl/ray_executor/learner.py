@@ -44,7 +44,7 @@ class LearnerActor(ActorBase):
         run = RunDir(run_path)
         # trace.sharded: the ranks write the routing rows they hold; this actor the step's index
         record = settings.record
-        shards = (RankShards(backend, run.trace_dir, record.routing_encoding, record.tiers.keep_full)
+        shards = (RankShards(backend, run.trace_dir, record.routing_encoding, record.tiers)
                   if record.sharded and record.trace else None)
         self.learner = Learner(make_step_trainer(settings, backend, self.sync), run, settings.record, shards)
 

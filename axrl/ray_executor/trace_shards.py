@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from axrl.recording.tiers import ATTR_PROMOTED_BY, ATTR_TRACE_LEVEL
+from axrl.recording.tiers import ATTR_PROMOTED_BY, ATTR_TRACE_LEVEL, TierSettings, writes_routing
 from axrl.trace.record import StepRecord
 from axrl.trace.shards import ShardInfo, routing_rows, write_shard, write_sharded_step
 from axrl.train.protocol import ForwardResult, PackedBatch
@@ -79,13 +79,20 @@ class KeptRows:
 
 class RankShards:
     """The learner's side (`StepShards`): which kept forward is which step's, and the step's write:
-    every rank's shard (in parallel, each in its own process), then the index."""
+    every rank's shard (in parallel, each in its own process), then the index. The learner's
+    records carry no routing (`strip`): whether a write has any is the tiers' rule."""
 
-    def __init__(self, group: Any, trace_dir: Path, encoding: str = "raw", keep_full: int = 0) -> None:
-        self.group, self.trace_dir, self.encoding, self.keep_full = group, trace_dir, encoding, keep_full
+    def __init__(self, group: Any, trace_dir: Path, encoding: str = "raw", tiers: TierSettings | None = None) -> None:
+        self.group, self.trace_dir, self.encoding = group, trace_dir, encoding
+        self.tiers = tiers or TierSettings()
         group.keep_trace_rows = True
         self._claimed: dict[int, tuple[int, list[int]]] = {}   # step -> (forward key, row start per rank)
         self._ring: collections.deque[int] = collections.deque()   # steps written reduced, rows still held
+
+    @staticmethod
+    def strip(record: StepRecord) -> StepRecord:
+        """`record` without the routing the ranks hold (what the learner queues and rings)."""
+        return dataclasses.replace(record, routing_rollout=None, routing_rollout_valid=None, routing_train=None)
 
     def claim(self, step: int) -> None:
         kept = self.group.last_kept
@@ -100,20 +107,18 @@ class RankShards:
         full one (promoted by a spike, or the spike step) leaves it and replaces its reduced file."""
         key, starts = self._claimed[record.step]
         hold = self._ring_after(record)
-        routed = record.routing_rollout is not None or record.routing_train is not None
+        routed = writes_routing(record, self.tiers)   # the learner's record carries none: the ranks hold it
         infos = self.group.write_trace_shards(key, str(self.trace_dir), record.step, starts,
                                               record.num_experts if routed else None, self.encoding, hold)
         shards = [i for i in infos if i is not None]
-        if shards:
-            record = dataclasses.replace(record, routing_rollout=None, routing_rollout_valid=None, routing_train=None)
-        return write_sharded_step(self.trace_dir, record, shards, overwrite=ATTR_PROMOTED_BY in record.attrs)
+        return write_sharded_step(self.trace_dir, self.strip(record), shards, overwrite=ATTR_PROMOTED_BY in record.attrs)
 
     def _ring_after(self, record: StepRecord) -> tuple[int, ...]:
         """Update the ring for `record`'s write; the forward keys the ranks must hold after it."""
         step = record.step
-        if self.keep_full and record.attrs.get(ATTR_TRACE_LEVEL) in _REDUCED:
+        if self.tiers.keep_full and record.attrs.get(ATTR_TRACE_LEVEL) in _REDUCED:
             self._ring.append(step)
-            while len(self._ring) > self.keep_full:
+            while len(self._ring) > self.tiers.keep_full:
                 del self._claimed[self._ring.popleft()]
         else:
             if step in self._ring:

@@ -67,6 +67,8 @@ class RayTrainGroup:
     creates them and forms their process group, and closing it kills them); the learner actor
     attaches its own group to the same ranks (`attach`), to train without the driver."""
 
+    loss_in_process = False   # the loss runs on the ranks: the spike trigger marks spikes without its dump
+
     def __init__(self, ray: Any, ranks: list[Any], *, model_config: ModelConfig, pids: list[int], events: EventLog,
                  plane: DataPlane, call_timeout_s: float = 600.0, owner: bool = True) -> None:
         self._ray, self._events, self._plane, self._timeout = ray, events, plane, call_timeout_s
