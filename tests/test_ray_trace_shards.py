@@ -123,6 +123,40 @@ def test_each_data_parallel_rank_writes_its_own_rows(runs):
     assert plane["actor_calls"]["forward_results"] == 8 * tokens, (plane["actor_calls"], tokens)
 
 
+@pytest.mark.parametrize("run", ["sharded", "dp2"])
+def test_the_engine_routing_goes_to_the_ranks_past_the_learner(runs, run):
+    """No R3: the rollout actor puts each sample's engine routing in the object store and the rank
+    that writes it fetches it; the learner's process never holds any of it, and every /routing
+    dataset of the index (raw or packed) is virtual, mapped onto the ranks' shard files only."""
+    plane = json.loads((runs[run] / "data_plane.json").read_text())
+    assert plane["actor_calls"]["engine_routing_at_learner"] == 0
+    # what the rollout actor put is every trained token's engine routing (the micro MoE's
+    # [T, L=2, k=2] int32 ids as the engine returns them)
+    with TraceReader(runs[run]).open(0) as sf:
+        layers, k = sf["/routing/rollout"].shape[1:]
+    tokens = sum(len(step_arrays(runs[run], s)["/tokens/ids"]) for s in (0, 1))
+    assert plane["by_ref"]["engine_routing"] == tokens * layers * k * 4
+    for step in (0, 1):
+        with TraceReader(runs[run]).open(step) as sf:
+            routing = sf._f["routing"]
+            assert len(routing) >= 3 and all(routing[name].is_virtual for name in routing)
+            assert {Path(vs.file_name).name for name in routing for vs in routing[name].virtual_sources()} <= {
+                "train_rank0.h5", "train_rank1.h5"}
+
+
+@pytest.mark.parametrize("extra, by_reference", [
+    (["runtime.ray.train_ranks=2"], True),
+    (["runtime.ray.train_ranks=2", "r3=true"], False),               # the ranks replay it from their batch
+    (["runtime.ray.train_ranks=2", "algo.dynamic_sampling.enabled=true"], False),   # /pool keeps dropped samples'
+    (["runtime.ray.train_ranks=2", "trace.sharded=false"], False),
+])
+def test_engine_routing_by_reference_only_where_training_does_not_need_it(extra, by_reference):
+    from axrl.assembly.settings import learner_settings
+    from axrl.ray_executor.trace_shards import engine_routing_by_reference
+
+    assert engine_routing_by_reference(learner_settings(ray_cfg("runtime.executor=ray", *extra))) is by_reference
+
+
 # The spike ring (trace.keep_full) with sharding on two ranks: trace.level standard writes routing
 # on every third step; a spike trigger with a ratio just above 1 fires on the first step whose
 # grad norm exceeds the previous ones' median (the assertions follow whichever steps it flags).

@@ -26,7 +26,7 @@ from axrl.runtime.components import (BackendSettings, EngineSettings, ModelSourc
 from axrl.ray_executor.activity import Activity, ActorBase, free_address, reported
 from axrl.train.critic import CriticConfig, CriticUpdate
 from axrl.ray_executor.handles import DataPlane, WeightsHandle, payload_bytes, rank_label
-from axrl.ray_executor.trace_shards import KeptRows
+from axrl.ray_executor.trace_shards import KeptRows, fetch_engine_routing
 from axrl.trace.shards import ShardInfo
 from axrl.ray_executor.wire import wire_bytes
 from axrl.train.protocol import (R3, AdamHyper, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, StepStats,
@@ -191,12 +191,20 @@ class TrainRankActor(ActorBase):
             result = self.backend.forward(shard, r3=r3, weights=weights)
             return result if keep is None else self.kept_rows.keep(keep, shard, result)
 
-    def write_trace_shard(self, key: int, trace_dir: str, step: int, row_start: int,
-                          num_experts: int | None, encoding: str, hold: tuple[int, ...] = ()) -> ShardInfo | None:
+    def write_trace_shard(self, key: int, trace_dir: str, step: int, row_start: int, num_experts: int | None,
+                          encoding: str, hold: tuple[int, ...] = (), engine: list[Any] | None = None) -> ShardInfo | None:
         """Write the rows kept by forward `key` as this rank's shard of trace step `step`, holding
-        the forwards `hold` (the keep_full ring's); runs in the trace concurrency group, beside training."""
+        the forwards `hold` (the keep_full ring's), with the engine's routing fetched from the
+        references `engine` (its samples', in order; None: it came with the batch). Runs in the
+        trace concurrency group, beside training."""
+        import ray
+
         with self.activity_.doing(f"trace shard {step}"):
-            return self.kept_rows.write(key, trace_dir, step, row_start, num_experts, encoding, hold)
+            rows = None
+            if engine:
+                rows = fetch_engine_routing(ray, engine, step)
+                self.activity_.count("fetched_bytes", int(rows.nbytes))
+            return self.kept_rows.write(key, trace_dir, step, row_start, num_experts, encoding, hold, rows)
 
     def forward_backward(self, shard: PackedBatch, loss_fn: LossFn, r3: Any, ctx: LossContext | None) -> TrainMetrics:
         with self.activity_.doing("forward_backward"):

@@ -57,6 +57,9 @@ class LearnerActor(ActorBase):
 
         with self.activity_.doing(f"step {step}"):
             batch = ray.get(batch_refs[0])
+            # what of the engine's routing this process holds (none when it came by reference)
+            self.plane.moved("engine_routing_at_learner", sum(int(t.routed_experts.nbytes) for t in batch.trajectories
+                                                              if t.routed_experts is not None))
             timer = PhaseTimer()
             timer.times.update(times)   # the driver's wait for the batch is part of the step's time
             metrics = self.learner.step(batch, step, timer)

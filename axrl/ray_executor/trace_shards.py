@@ -13,6 +13,15 @@ rows must survive until it leaves the ring or a spike promotes it: the ranks hol
 ring's steps (`hold`: the learner says which after every write) and write them as the promoted
 step's shards, which the learner's full index then replaces the reduced one over. The ring's
 memory is spread over the ranks, each holding its own rows of K steps.
+
+The engine's routing (`engine_routing_by_reference`: when training does not need it in the
+batch — no R3, no dynamic sampling whose dropped samples the learner records whole) never passes
+through the learner either: the rollout actor puts each trajectory's rows in the object store on
+their own and hands over the batch with only the references (`put_engine_routing`); the learner
+passes each rank the references of its samples, and the rank fetches them when it writes its
+shard. The learner's process holds the step's token columns (it builds the training batch from
+them) and object references; the routing, 2·L·k bytes a token, only ever lives on the rollout
+actor (which generated it) and on the rank that writes it.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from axrl.recording.tiers import ATTR_PROMOTED_BY, ATTR_TRACE_LEVEL, TierSettings, writes_routing
@@ -34,6 +44,40 @@ from axrl.train.protocol import ForwardResult, PackedBatch
 TRACE_GROUP = "trace"
 _KEEP_AT_MOST = 16   # forwards held on a rank unwritten, besides the ring's (a lost one is dropped)
 _REDUCED = ("standard", "summary")
+#: Trajectory.info key of the object reference to its engine routing (`put_engine_routing`).
+ROUTING_REF = "axrl_engine_routing_ref"
+
+
+def engine_routing_by_reference(learner: Any) -> bool:
+    """Whether the rollout actor sends the engine's routing by reference past the learner
+    (`learner`: the run's `LearnerSettings`): sharded, and training needs no routing in its batch —
+    no R3 (the ranks replay it from the batch) and no dynamic sampling (the learner records its
+    dropped samples' routing in /pool)."""
+    r = learner.record
+    return bool(r.sharded and r.trace and r.routing and not learner.step.r3 and learner.keep_groups is None)
+
+
+def put_engine_routing(ray: Any, trajectories: list[Any]) -> int:
+    """The rollout actor's side: each trajectory's engine routing put in the object store on its
+    own (a rank fetches only its samples'), the trajectory keeping the reference in `info`; the
+    bytes put. The rollout actor owns the objects (as it owns the batch): one that dies before the
+    ranks fetched them takes them along (`fetch_engine_routing` says so)."""
+    put = 0
+    for t in trajectories:
+        if t.routed_experts is not None:
+            rows = np.ascontiguousarray(t.routed_experts)
+            t.info[ROUTING_REF], t.routed_experts = ray.put(rows), None
+            put += int(rows.nbytes)
+    return put
+
+
+def fetch_engine_routing(ray: Any, refs: list[Any], step: int) -> np.ndarray:
+    """A rank's side: its samples' engine routing rows, fetched from `refs` (in sample order)."""
+    try:
+        return np.concatenate(ray.get(list(refs)))
+    except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError) as e:
+        raise RuntimeError(f"step {step}: the engine routing was lost with the rollout actor that produced it "
+                           f"(it died before the step's trace was written; {type(e).__name__})") from None
 
 
 class KeptRows:
@@ -56,11 +100,12 @@ class KeptRows:
         return dataclasses.replace(result, routed_experts=None)
 
     def write(self, key: int, trace_dir: str, step: int, row_start: int, num_experts: int | None,
-              encoding: str = "raw", hold: tuple[int, ...] = ()) -> ShardInfo | None:
+              encoding: str = "raw", hold: tuple[int, ...] = (), engine: np.ndarray | None = None) -> ShardInfo | None:
         """Write the rows kept under `key` as this rank's shard of `step` in routing `encoding`
         (None: no routing held, or `num_experts` None: the step records none); forgets them and
         any older ones, except the forwards in `hold` (the keep_full ring's, `key` among them when
-        its step may yet be promoted)."""
+        its step may yet be promoted). `engine`: the engine's routing of these rows, fetched by
+        reference (None: what came with the batch)."""
         with self._lock:
             if key not in self._rows:
                 raise KeyError(f"train rank {self.rank} holds no rows for step {step} (forward {key}): "
@@ -69,9 +114,15 @@ class KeptRows:
             offsets, rollout, train = self._rows[key] if key in self._held else self._rows.pop(key)
             for old in [k for k in self._rows if k < key and k not in self._held]:
                 del self._rows[old]
-        if num_experts is None or (rollout is None and train is None):
+        engine_rows = None if rollout is None else rollout.numpy()
+        if engine is not None:
+            if len(engine) != int(offsets[-1]):
+                raise ValueError(f"train rank {self.rank}, step {step}: {len(engine)} engine routing rows "
+                                 f"for its {int(offsets[-1])} tokens")
+            engine_rows = engine
+        if num_experts is None or (engine_rows is None and train is None):
             return None
-        rows, attrs = routing_rows(None if rollout is None else rollout.numpy(),
+        rows, attrs = routing_rows(engine_rows,
                                    None if train is None else train.numpy(), offsets.numpy(), num_experts, encoding)
         return write_shard(trace_dir, step, f"train_rank{self.rank}", row_start, row_start + int(offsets[-1]),
                            rows, attrs)
@@ -86,7 +137,9 @@ class RankShards:
         self.group, self.trace_dir, self.encoding = group, trace_dir, encoding
         self.tiers = tiers or TierSettings()
         group.keep_trace_rows = True
-        self._claimed: dict[int, tuple[int, list[int]]] = {}   # step -> (forward key, row start per rank)
+        # step -> (forward key, first token row and number of samples of each rank's share, the
+        # engine routing's references in sample order or None when it came with the batch)
+        self._claimed: dict[int, tuple[int, list[int], list[int], list[Any] | None]] = {}
         self._ring: collections.deque[int] = collections.deque()   # steps written reduced, rows still held
 
     @staticmethod
@@ -94,22 +147,27 @@ class RankShards:
         """`record` without the routing the ranks hold (what the learner queues and rings)."""
         return dataclasses.replace(record, routing_rollout=None, routing_rollout_valid=None, routing_train=None)
 
-    def claim(self, step: int) -> None:
+    def claim(self, step: int, trajectories: list[Any] = ()) -> None:
+        """The latest policy forward's rows are `step`'s, whose samples are `trajectories` (in
+        batch order: their `ROUTING_REF`s, when the engine's routing came by reference)."""
         kept = self.group.last_kept
         if kept is None:
             raise RuntimeError(f"step {step}: the train group kept no policy forward to record")
-        self._claimed[step] = kept
+        refs = [t.info.get(ROUTING_REF) for t in trajectories]
+        self._claimed[step] = (*kept, refs if refs and all(r is not None for r in refs) else None)
 
     def write(self, record: StepRecord) -> Path:
         """The ranks write their shards (none when the step's record carries no routing, as on
         `trace.level: standard`'s steps between `routing_every`), then the index. A reduced step
         joins the keep_full ring (its rows stay on the ranks, the oldest step's are let go); a
         full one (promoted by a spike, or the spike step) leaves it and replaces its reduced file."""
-        key, starts = self._claimed[record.step]
+        key, starts, counts, refs = self._claimed[record.step]
         hold = self._ring_after(record)
         routed = writes_routing(record, self.tiers)   # the learner's record carries none: the ranks hold it
+        bounds = np.cumsum([0, *counts]).tolist()
+        engine = None if refs is None or not routed else [refs[a:b] for a, b in zip(bounds, bounds[1:])]
         infos = self.group.write_trace_shards(key, str(self.trace_dir), record.step, starts,
-                                              record.num_experts if routed else None, self.encoding, hold)
+                                              record.num_experts if routed else None, self.encoding, hold, engine)
         shards = [i for i in infos if i is not None]
         return write_sharded_step(self.trace_dir, self.strip(record), shards, overwrite=ATTR_PROMOTED_BY in record.attrs)
 

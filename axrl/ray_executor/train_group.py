@@ -79,9 +79,10 @@ class RayTrainGroup:
         self.lost = False
         self._closed = False
         # trace.sharded (trace_shards.py): the policy forwards' routing rows stay on the ranks, each
-        # under a key; last_kept = (key, first token row of each rank's share) of the latest one
+        # under a key; last_kept = (key, first token row and number of samples of each rank's share)
+        # of the latest one
         self.keep_trace_rows = False
-        self.last_kept: tuple[int, list[int]] | None = None
+        self.last_kept: tuple[int, list[int], list[int]] | None = None
         self._kept_count = 0
 
     @classmethod
@@ -173,7 +174,7 @@ class RayTrainGroup:
             starts = [0]
             for _, s in shards[:-1]:
                 starts.append(starts[-1] + s.num_tokens)
-            self.last_kept = (keep, starts)
+            self.last_kept = (keep, starts, [s.num_samples for _, s in shards])
         parts: list[ForwardResult] = self._get([r.forward.remote(ref, r3, weights, keep)
                                                 for r, (ref, _) in zip(self.ranks, shards)])
         self._plane.moved("forward_results", sum(payload_bytes(p) for p in parts))
@@ -199,12 +200,16 @@ class RayTrainGroup:
                             tokens=tokens)
 
     def write_trace_shards(self, key: int, trace_dir: str, step: int, starts: list[int],
-                           num_experts: int | None, encoding: str, hold: tuple[int, ...] = ()) -> list[Any]:
+                           num_experts: int | None, encoding: str, hold: tuple[int, ...] = (),
+                           engine: list[list[Any]] | None = None) -> list[Any]:
         """Every rank writes the rows it kept from forward `key` as its shard of `step`, in parallel
-        and beside training, still holding the forwards `hold` (trace_shards.py); their
+        and beside training, still holding the forwards `hold`; `engine`: per rank, the references
+        to its samples' engine routing, which it fetches itself (trace_shards.py). Their
         `ShardInfo`s (None: a rank wrote none)."""
+        engine = engine or [None] * len(self.ranks)
         return self._get([r.write_trace_shard.options(concurrency_group=TRACE_GROUP).remote(
-            key, trace_dir, step, start, num_experts, encoding, hold) for r, start in zip(self.ranks, starts)])
+            key, trace_dir, step, start, num_experts, encoding, hold, refs)
+            for r, start, refs in zip(self.ranks, starts, engine)])
 
     def optimizer_step(self, *, lr: float | None = None, lr_scale: float = 1.0,
                        adam: AdamHyper | None = None) -> StepStats:
