@@ -22,7 +22,7 @@ from test_trace import assert_records_equal, make_record
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def write_sharded(trace_dir: Path, rec, cuts: list[int], encoding: str = "raw") -> Path:
+def write_sharded(trace_dir: Path, rec, cuts: list[int], encoding: str = "raw", overwrite: bool = False) -> Path:
     """Write `rec` as a sharded step as the train ranks and the learner do: its samples split at
     `cuts`, each share's routing rows converted (`routing_rows`) and written as a shard, the rest
     in the index."""
@@ -36,7 +36,7 @@ def write_sharded(trace_dir: Path, rec, cuts: list[int], encoding: str = "raw") 
         infos.append(write_shard(trace_dir, rec.step, f"train_rank{i}", a, b, rows, attrs))
     rest = rec.__class__(**{**rec.__dict__, "routing_rollout": None, "routing_train": None,
                             "routing_rollout_valid": None})
-    return write_sharded_step(trace_dir, rest, infos)
+    return write_sharded_step(trace_dir, rest, infos, overwrite=overwrite)
 
 
 @pytest.mark.parametrize("encoding", ["raw", "packed"])
@@ -171,6 +171,40 @@ def test_killed_shard_or_index_write_leaves_no_half_step(tmp_path, kill_at):
     assert run.tmp_files() == [] and shard_dir(run.trace_dir, 0).is_dir()
     write_sharded(run.trace_dir, make_record(1), [4, 9])    # the step written again, whole
     assert TraceReader(run.path).steps == [0, 1]
+
+
+PROMOTION_KILLED = KILLED_WRITE.replace("write_sharded(Path({trace!r}), make_record(1), [4, 9])", """
+import dataclasses
+rec = make_record(1)
+full = dataclasses.replace(rec, attrs={{**rec.attrs, "trace_level": "full", "trace_promoted_by": 2}})
+write_sharded(Path({trace!r}), full, [4, 9], overwrite=True)""")
+
+
+@pytest.mark.parametrize("kill_at", [2, 4])   # during the second shard; during the full index
+def test_killed_promotion_leaves_the_reduced_step_whole(tmp_path, kill_at):
+    """A spike's promotion of a ring step rewrites a step that is on disk reduced: killed half
+    way, the step reads as it was (level standard, whole), and a later promotion replaces it."""
+    from axrl.recording.tiers import TierSettings, reduce_record
+
+    run = RunDir(tmp_path / "run")
+    run.write_manifest(seed=0)
+    run.write_step(reduce_record(make_record(1), TierSettings("standard", routing_every=2)))
+    script = PROMOTION_KILLED.format(root=str(ROOT), tests=str(ROOT / "tests"), trace=str(run.trace_dir),
+                                     kill_at=kill_at)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    reader = TraceReader(run.path)
+    assert reader.steps == [1] and reader.problems == []
+    with reader.open(1) as sf:
+        assert sf.attrs["trace_level"] == "standard" and "/routing/train" not in sf and not sf.shards
+    run.clean_tmp()
+    assert run.tmp_files() == []
+    import dataclasses
+    rec = make_record(1)
+    write_sharded(run.trace_dir, dataclasses.replace(rec, attrs={**rec.attrs, "trace_level": "full"}), [4, 9],
+                  overwrite=True)
+    with TraceReader(run.path).open(1) as sf:
+        np.testing.assert_array_equal(sf["/routing/train"], np.asarray(rec.routing_train))
 
 
 def test_truncate_after_deletes_the_shards_with_their_steps(tmp_path):
