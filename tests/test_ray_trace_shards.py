@@ -40,6 +40,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         out["sharded"] = train(cfg("runtime.executor=ray", "trace.sharded=true"), base / "sharded")
         out["dp2"] = train(cfg("runtime.executor=ray", "runtime.ray.train_ranks=2", "trace.routing_encoding=packed",
                                *SMALL), base / "dp2")
+        out["dp2_r3"] = train(cfg("runtime.executor=ray", "runtime.ray.train_ranks=2", "r3=true", *SMALL),
+                              base / "dp2_r3")
     finally:
         ray.shutdown()
     return out
@@ -144,6 +146,19 @@ def test_the_engine_routing_goes_to_the_ranks_past_the_learner(runs, run):
                 "train_rank0.h5", "train_rank1.h5"}
 
 
+def test_under_r3_the_engine_routing_comes_with_the_batch_and_the_ranks_still_write_it(runs):
+    """R3: the ranks replay the engine's routing from their batch, which the learner builds, so it
+    reaches the learner; the ranks still write it (and their own, equal where replayed)."""
+    run = runs["dp2_r3"]
+    plane = json.loads((run / "data_plane.json").read_text())
+    assert plane["actor_calls"]["engine_routing_at_learner"] > 0 and "engine_routing" not in plane["by_ref"]
+    with TraceReader(run).open(0) as sf:
+        assert sorted(Path(p).name for p in sf.shards) == ["train_rank0.h5", "train_rank1.h5"]
+        rollout, train_rows, valid = sf["/routing/rollout"], sf["/routing/train"], sf["/routing/rollout_valid"]
+    np.testing.assert_array_equal(rollout, step_arrays(runs["local"], 0)["/routing/rollout"])  # same samples
+    np.testing.assert_array_equal(train_rows[valid == 1], rollout[valid == 1])
+
+
 @pytest.mark.parametrize("extra, by_reference", [
     (["runtime.ray.train_ranks=2"], True),
     (["runtime.ray.train_ranks=2", "r3=true"], False),               # the ranks replay it from their batch
@@ -204,3 +219,6 @@ def test_spike_ring_with_sharding_leaves_the_steps_before_the_spike_full(ring_ru
         else:
             assert level == "standard" and promoted is None and routed == (step % 3 == 0) == bool(names), step
             assert shards.is_dir() == routed
+    # mismatch reads the run's reduced and promoted steps alike (replay: the one-rank run above; a
+    # two-rank step replays in one process, which splits its micro-batches differently)
+    assert debug_json("mismatch", run, "--json")["steps"] == [0, 1, 2, 3]
