@@ -256,10 +256,9 @@ class InProcessGroup:
             back = kept.keep(self._count, shard, ForwardResult(torch.zeros(b - a), torch.zeros(b - a), train))
             assert back.routed_experts is None
             starts.append(a)
-        self.last_kept = (self._count, starts, [hi - lo for lo, hi in zip(bounds, bounds[1:])])
+        self.last_kept = (self._count, starts)
 
-    def write_trace_shards(self, key, trace_dir, step, starts, num_experts, encoding, hold=(), engine=None):
-        assert engine is None   # the engine's routing came with the batch (no trajectories were claimed)
+    def write_trace_shards(self, key, trace_dir, step, starts, num_experts, encoding, hold=()):
         return [k.write(key, trace_dir, step, s, num_experts, encoding, hold) for k, s in zip(self.kept, starts)]
 
 

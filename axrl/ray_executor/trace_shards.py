@@ -27,6 +27,7 @@ actor (which generated it) and on the rank that writes it.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import threading
 from pathlib import Path
@@ -61,7 +62,8 @@ def put_engine_routing(ray: Any, trajectories: list[Any]) -> int:
     """The rollout actor's side: each trajectory's engine routing put in the object store on its
     own (a rank fetches only its samples'), the trajectory keeping the reference in `info`; the
     bytes put. The rollout actor owns the objects (as it owns the batch): one that dies before the
-    ranks fetched them takes them along (`fetch_engine_routing` says so)."""
+    ranks fetched them — during the step's policy forward — takes them along (`fetch_engine_routing`
+    says so)."""
     put = 0
     for t in trajectories:
         if t.routed_experts is not None:
@@ -71,13 +73,23 @@ def put_engine_routing(ray: Any, trajectories: list[Any]) -> int:
     return put
 
 
-def fetch_engine_routing(ray: Any, refs: list[Any], step: int) -> np.ndarray:
-    """A rank's side: its samples' engine routing rows, fetched from `refs` (in sample order)."""
+def engine_references(trajectories: list[Any]) -> list[Any] | None:
+    """The `ROUTING_REF` of each trajectory, in order (None unless every one has one)."""
+    refs = [t.info.get(ROUTING_REF) for t in trajectories]
+    return refs if refs and all(r is not None for r in refs) else None
+
+
+def fetch_engine_routing(ray: Any, refs: list[Any], activity: Any = None) -> np.ndarray:
+    """A rank's side: its samples' engine routing rows, fetched from `refs` (in sample order);
+    counted in `activity`'s fetched bytes."""
     try:
-        return np.concatenate(ray.get(list(refs)))
+        rows = np.concatenate(ray.get(list(refs)))
     except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError) as e:
-        raise RuntimeError(f"step {step}: the engine routing was lost with the rollout actor that produced it "
-                           f"(it died before the step's trace was written; {type(e).__name__})") from None
+        raise RuntimeError(f"the engine routing of the step's samples was lost with the rollout actor that "
+                           f"produced it (it died before this train rank fetched it; {type(e).__name__})") from None
+    if activity is not None:
+        activity.count("fetched_bytes", int(rows.nbytes))
+    return rows
 
 
 class KeptRows:
@@ -86,26 +98,29 @@ class KeptRows:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self._rows: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
+        # key -> (offsets, the engine's routing: from the batch, or a future of it fetched by
+        # reference; the trainer's routing)
+        self._rows: dict[int, tuple[torch.Tensor, Any, torch.Tensor | None]] = {}
         self._held: set[int] = set()   # the keep_full ring's forwards: kept until the learner lets go
         self._lock = threading.Lock()
 
-    def keep(self, key: int, shard: PackedBatch, result: ForwardResult) -> ForwardResult:
-        """Hold `shard`'s rollout routing and `result`'s trainer routing; `result` without the latter
-        (it stays here: the learner needs only the logprobs and entropy)."""
+    def keep(self, key: int, shard: PackedBatch, result: ForwardResult,
+             engine: concurrent.futures.Future | None = None) -> ForwardResult:
+        """Hold `shard`'s rollout routing (or `engine`'s, fetched by reference) and `result`'s
+        trainer routing; `result` without the latter (it stays here: the learner needs only the
+        logprobs and entropy)."""
         with self._lock:
-            self._rows[key] = (shard.offsets, shard.routed_experts, result.routed_experts)
+            self._rows[key] = (shard.offsets, shard.routed_experts if engine is None else engine, result.routed_experts)
             for old in sorted(k for k in self._rows if k not in self._held)[:-_KEEP_AT_MOST]:
                 del self._rows[old]
         return dataclasses.replace(result, routed_experts=None)
 
     def write(self, key: int, trace_dir: str, step: int, row_start: int, num_experts: int | None,
-              encoding: str = "raw", hold: tuple[int, ...] = (), engine: np.ndarray | None = None) -> ShardInfo | None:
+              encoding: str = "raw", hold: tuple[int, ...] = ()) -> ShardInfo | None:
         """Write the rows kept under `key` as this rank's shard of `step` in routing `encoding`
         (None: no routing held, or `num_experts` None: the step records none); forgets them and
         any older ones, except the forwards in `hold` (the keep_full ring's, `key` among them when
-        its step may yet be promoted). `engine`: the engine's routing of these rows, fetched by
-        reference (None: what came with the batch)."""
+        its step may yet be promoted)."""
         with self._lock:
             if key not in self._rows:
                 raise KeyError(f"train rank {self.rank} holds no rows for step {step} (forward {key}): "
@@ -114,12 +129,13 @@ class KeptRows:
             offsets, rollout, train = self._rows[key] if key in self._held else self._rows.pop(key)
             for old in [k for k in self._rows if k < key and k not in self._held]:
                 del self._rows[old]
-        engine_rows = None if rollout is None else rollout.numpy()
-        if engine is not None:
-            if len(engine) != int(offsets[-1]):
-                raise ValueError(f"train rank {self.rank}, step {step}: {len(engine)} engine routing rows "
+        if isinstance(rollout, concurrent.futures.Future):   # fetched by reference beside the forward
+            engine_rows = rollout.result()
+            if len(engine_rows) != int(offsets[-1]):
+                raise ValueError(f"train rank {self.rank}, step {step}: {len(engine_rows)} engine routing rows "
                                  f"for its {int(offsets[-1])} tokens")
-            engine_rows = engine
+        else:
+            engine_rows = None if rollout is None else rollout.numpy()
         if num_experts is None or (engine_rows is None and train is None):
             return None
         rows, attrs = routing_rows(engine_rows,
@@ -137,9 +153,7 @@ class RankShards:
         self.group, self.trace_dir, self.encoding = group, trace_dir, encoding
         self.tiers = tiers or TierSettings()
         group.keep_trace_rows = True
-        # step -> (forward key, first token row and number of samples of each rank's share, the
-        # engine routing's references in sample order or None when it came with the batch)
-        self._claimed: dict[int, tuple[int, list[int], list[int], list[Any] | None]] = {}
+        self._claimed: dict[int, tuple[int, list[int]]] = {}   # step -> (forward key, row start per rank)
         self._ring: collections.deque[int] = collections.deque()   # steps written reduced, rows still held
 
     @staticmethod
@@ -147,27 +161,27 @@ class RankShards:
         """`record` without the routing the ranks hold (what the learner queues and rings)."""
         return dataclasses.replace(record, routing_rollout=None, routing_rollout_valid=None, routing_train=None)
 
-    def claim(self, step: int, trajectories: list[Any] = ()) -> None:
-        """The latest policy forward's rows are `step`'s, whose samples are `trajectories` (in
-        batch order: their `ROUTING_REF`s, when the engine's routing came by reference)."""
+    def batch(self, trajectories: list[Any]) -> None:
+        """The next step trains `trajectories` (in batch order): the train group hands each rank
+        the references to its samples' engine routing, when it came by reference."""
+        self.group.engine_routing = engine_references(trajectories)
+
+    def claim(self, step: int) -> None:
         kept = self.group.last_kept
         if kept is None:
             raise RuntimeError(f"step {step}: the train group kept no policy forward to record")
-        refs = [t.info.get(ROUTING_REF) for t in trajectories]
-        self._claimed[step] = (*kept, refs if refs and all(r is not None for r in refs) else None)
+        self._claimed[step] = kept
 
     def write(self, record: StepRecord) -> Path:
         """The ranks write their shards (none when the step's record carries no routing, as on
         `trace.level: standard`'s steps between `routing_every`), then the index. A reduced step
         joins the keep_full ring (its rows stay on the ranks, the oldest step's are let go); a
         full one (promoted by a spike, or the spike step) leaves it and replaces its reduced file."""
-        key, starts, counts, refs = self._claimed[record.step]
+        key, starts = self._claimed[record.step]
         hold = self._ring_after(record)
         routed = writes_routing(record, self.tiers)   # the learner's record carries none: the ranks hold it
-        bounds = np.cumsum([0, *counts]).tolist()
-        engine = None if refs is None or not routed else [refs[a:b] for a, b in zip(bounds, bounds[1:])]
         infos = self.group.write_trace_shards(key, str(self.trace_dir), record.step, starts,
-                                              record.num_experts if routed else None, self.encoding, hold, engine)
+                                              record.num_experts if routed else None, self.encoding, hold)
         shards = [i for i in infos if i is not None]
         return write_sharded_step(self.trace_dir, self.strip(record), shards, overwrite=ATTR_PROMOTED_BY in record.attrs)
 

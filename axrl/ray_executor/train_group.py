@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 
 from axrl.model.config import ModelConfig
@@ -79,10 +80,12 @@ class RayTrainGroup:
         self.lost = False
         self._closed = False
         # trace.sharded (trace_shards.py): the policy forwards' routing rows stay on the ranks, each
-        # under a key; last_kept = (key, first token row and number of samples of each rank's share)
-        # of the latest one
+        # under a key; last_kept = (key, first token row of each rank's share) of the latest one;
+        # engine_routing: the references to the current batch's engine routing, one per sample (None:
+        # it comes with the batch), handed to the ranks with their shares of the policy forward
         self.keep_trace_rows = False
-        self.last_kept: tuple[int, list[int], list[int]] | None = None
+        self.last_kept: tuple[int, list[int]] | None = None
+        self.engine_routing: list[Any] | None = None
         self._kept_count = 0
 
     @classmethod
@@ -174,15 +177,28 @@ class RayTrainGroup:
             starts = [0]
             for _, s in shards[:-1]:
                 starts.append(starts[-1] + s.num_tokens)
-            self.last_kept = (keep, starts, [s.num_samples for _, s in shards])
-        parts: list[ForwardResult] = self._get([r.forward.remote(ref, r3, weights, keep)
-                                                for r, (ref, _) in zip(self.ranks, shards)])
+            self.last_kept = (keep, starts)
+        engine = self._engine_shares([s for _, s in shards]) if keep is not None else [None] * len(shards)
+        parts: list[ForwardResult] = self._get([r.forward.remote(ref, r3, weights, keep, refs)
+                                                for r, (ref, _), refs in zip(self.ranks, shards, engine)])
         self._plane.moved("forward_results", sum(payload_bytes(p) for p in parts))
         if len(parts) == 1:
             return parts[0]
         return ForwardResult(logprobs=torch.cat([p.logprobs for p in parts]),
                              entropy=torch.cat([p.entropy for p in parts]),
                              routed_experts=_cat([p.routed_experts for p in parts]))
+
+    def _engine_shares(self, shards: list[PackedBatch]) -> list[list[Any] | None]:
+        """Each rank's references of `engine_routing`: its share's samples' (shares are contiguous
+        runs of the batch's samples, in order)."""
+        refs = self.engine_routing
+        if refs is None:
+            return [None] * len(shards)
+        if len(refs) != sum(s.num_samples for s in shards):
+            raise ValueError(f"{len(refs)} engine routing references for a batch of "
+                             f"{sum(s.num_samples for s in shards)} samples")
+        bounds = np.cumsum([0, *(s.num_samples for s in shards)]).tolist()
+        return [refs[a:b] for a, b in zip(bounds, bounds[1:])]
 
     def forward_backward(self, batch: PackedBatch, loss_fn: LossFn, *, r3: R3 = False) -> TrainMetrics:
         shards = self._shards(batch)
@@ -200,16 +216,12 @@ class RayTrainGroup:
                             tokens=tokens)
 
     def write_trace_shards(self, key: int, trace_dir: str, step: int, starts: list[int],
-                           num_experts: int | None, encoding: str, hold: tuple[int, ...] = (),
-                           engine: list[list[Any]] | None = None) -> list[Any]:
+                           num_experts: int | None, encoding: str, hold: tuple[int, ...] = ()) -> list[Any]:
         """Every rank writes the rows it kept from forward `key` as its shard of `step`, in parallel
-        and beside training, still holding the forwards `hold`; `engine`: per rank, the references
-        to its samples' engine routing, which it fetches itself (trace_shards.py). Their
+        and beside training, still holding the forwards `hold` (trace_shards.py); their
         `ShardInfo`s (None: a rank wrote none)."""
-        engine = engine or [None] * len(self.ranks)
         return self._get([r.write_trace_shard.options(concurrency_group=TRACE_GROUP).remote(
-            key, trace_dir, step, start, num_experts, encoding, hold, refs)
-            for r, start, refs in zip(self.ranks, starts, engine)])
+            key, trace_dir, step, start, num_experts, encoding, hold) for r, start in zip(self.ranks, starts)])
 
     def optimizer_step(self, *, lr: float | None = None, lr_scale: float = 1.0,
                        adam: AdamHyper | None = None) -> StepStats:

@@ -68,8 +68,8 @@ class StepShards(Protocol):
     """Writes a step as shards held by other processes plus its index (`trace.sharded`; the Ray
     executor's `RankShards`)."""
 
-    def claim(self, step: int, trajectories: list[Any]) -> None:
-        """The rows the train side holds from `step`'s training (of `trajectories`) are that step's."""
+    def claim(self, step: int) -> None:
+        """The rows the train side holds from `step`'s training are that step's."""
 
     def strip(self, record: StepRecord) -> StepRecord:
         """`record` without the rows the train side holds (what the learner queues and rings)."""
@@ -95,7 +95,7 @@ class Learner:
         self.trigger.before_step(backend)
         outcome = self.trainer.step(batch, step, timer)
         if self.shards is not None:
-            self.shards.claim(step, outcome.processed.trajectories)
+            self.shards.claim(step)
         metrics = step_metrics(outcome)
         metrics.update(self.trigger.after_step(backend, self.trainer.settings, outcome))  # the deep dump, now
         if self.writer is not None:
