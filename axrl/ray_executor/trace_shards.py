@@ -1,7 +1,7 @@
 """`trace.sharded` under the Ray executor: each train rank writes the routing rows it holds.
 
 A MoE step's payload is its routing: the engine's (which the ranks receive with their samples,
-for R3) and the trainer's (which they compute), 2·L·k bytes a token against a few tens for every
+or by reference) and the trainer's (which they compute), 2·L·k bytes a token against a few tens for every
 other column together. With sharding on, the step's policy forward (the old logprobs) keeps
 both on each rank (`KeptRows`) and returns the learner its logprobs and entropy without the
 trainer's routing; when the learner's background writer reaches the step, each rank writes its
@@ -18,8 +18,9 @@ The engine's routing (`engine_routing_by_reference`: when training does not need
 batch — no R3, no dynamic sampling whose dropped samples the learner records whole) never passes
 through the learner either: the rollout actor puts each trajectory's rows in the object store on
 their own and hands over the batch with only the references (`put_engine_routing`); the learner
-passes each rank the references of its samples, and the rank fetches them when it writes its
-shard. The learner's process holds the step's token columns (it builds the training batch from
+hands them to the train group (`RankShards.batch`), which passes each rank those of its samples
+with its share of the step's policy forward, and the rank fetches them in a thread of its own
+beside that forward, early, so that a rollout actor dying later does not take them along. The learner's process holds the step's token columns (it builds the training batch from
 them) and object references; the routing, 2·L·k bytes a token, only ever lives on the rollout
 actor (which generated it) and on the rank that writes it.
 """
