@@ -290,7 +290,7 @@ class TraceSection(Section):
                            "(⌈log2 E⌉ bits) and the trainer's as its difference from them (about 2x smaller at "
                            "top-8 of 128; decoded on read, slower to analyse): for large MoE steps")
     sharded: bool | Literal["auto"] = Field("auto", description="ray: train ranks write their rows' routing to shard "
-                                            "files, the learner an index; auto: 2+ train ranks or megatron, no keep_full")
+                                            "files, the learner an index; auto: 2+ train ranks or megatron")
     level: Literal["full", "standard", "summary"] = Field(
         "full", description="full: every column every step; standard: token columns every step, routing only "
                             "every routing_every steps; summary: per-sample and per-turn statistics only (no "
@@ -315,8 +315,8 @@ class TraceSection(Section):
         if self.keep_full and self.level == "full":
             raise ValueError("keep_full: at level full every step is already written in full; set level "
                              "standard or summary, or keep_full: 0")
-        if self.sharded is True and (self.keep_full or not (self.routing and self.enabled)):
-            raise ValueError("sharded: true needs enabled and routing, and no keep_full ring (its steps are held whole)")
+        if self.sharded is True and not (self.routing and self.enabled):
+            raise ValueError("sharded: true needs enabled and routing")
         if self.keep_full and self.spike_ratio is None:
             raise ValueError("keep_full: the ring is written when the spike trigger fires; set spike_ratio "
                              "(e.g. 2.0), or keep_full: 0")

@@ -14,8 +14,13 @@ Keys: ``learner_write_s_whole`` / ``learner_write_s_sharded`` (what the learner'
 spends on the step), ``learner_bytes_fraction`` (the index's bytes over the whole file's),
 ``rank_write_s_max`` (the slowest rank's shard), ``sharded_wall_s`` (ranks in parallel, then the
 index), ``read_s_whole`` / ``read_s_sharded`` (``StepFile`` reading ``/routing/train`` and
-``/tokens/old_logprob`` whole, fresh process each: the virtual datasets' cost on read) and
-``same_arrays`` (every dataset of the two files read back equal).
+``/tokens/old_logprob`` whole, fresh process each: the virtual datasets' cost on read),
+``same_arrays`` (every dataset of the two files read back equal), and what the learner's process
+holds of the step in memory, over the whole record's bytes: ``learner_holds_fraction`` (the
+sharded path without R3: token columns and tables; both routings stay on the rollout actor and
+the ranks) and ``learner_holds_fraction_r3`` (under R3 the engine's routing is in the training
+batch the learner builds, so it holds that too). Those two count the record's array bytes
+(``nbytes``), the rest are measured times and file sizes.
 
     OMP_NUM_THREADS=1 python bench/trace_shards.py --scale 0.25 --ranks 2 [--encoding packed]
 
@@ -84,6 +89,17 @@ def sharded(rec: StepRecord, trace: Path, ranks: int, encoding: str) -> dict[str
             "sharded_wall_s": t2 - t0, "index_bytes": index.stat().st_size}
 
 
+def record_bytes(rec: StepRecord) -> int:
+    """The bytes of the arrays a step record holds (nested mappings included)."""
+    def size(v: object) -> int:
+        if isinstance(v, np.ndarray):
+            return int(v.nbytes)
+        if isinstance(v, dict):
+            return sum(size(x) for x in v.values())
+        return 0
+    return sum(size(v) for v in rec.__dict__.values())
+
+
 def read_s(path: Path) -> float:
     return float(subprocess.run([sys.executable, "-c", READ, str(path)], check=True, capture_output=True,
                                 text=True).stdout.split()[-1])
@@ -115,6 +131,11 @@ def main() -> None:
         res["learner_write_ratio"] = res["learner_write_s_sharded"] / res["learner_write_s_whole"]
         res["read_s_whole"], res["read_s_sharded"] = read_s(whole), read_s(index)
         res["same_arrays"] = same(read_step(whole), read_step(index))
+        rest = StepRecord(**{**rec.__dict__, "routing_rollout": None, "routing_train": None,
+                             "routing_rollout_valid": None})
+        total = record_bytes(rec)
+        res["learner_holds_fraction"] = record_bytes(rest) / total
+        res["learner_holds_fraction_r3"] = (record_bytes(rest) + int(np.asarray(rec.routing_rollout).nbytes)) / total
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(res))

@@ -22,7 +22,7 @@ from test_trace import assert_records_equal, make_record
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def write_sharded(trace_dir: Path, rec, cuts: list[int], encoding: str = "raw") -> Path:
+def write_sharded(trace_dir: Path, rec, cuts: list[int], encoding: str = "raw", overwrite: bool = False) -> Path:
     """Write `rec` as a sharded step as the train ranks and the learner do: its samples split at
     `cuts`, each share's routing rows converted (`routing_rows`) and written as a shard, the rest
     in the index."""
@@ -36,7 +36,7 @@ def write_sharded(trace_dir: Path, rec, cuts: list[int], encoding: str = "raw") 
         infos.append(write_shard(trace_dir, rec.step, f"train_rank{i}", a, b, rows, attrs))
     rest = rec.__class__(**{**rec.__dict__, "routing_rollout": None, "routing_train": None,
                             "routing_rollout_valid": None})
-    return write_sharded_step(trace_dir, rest, infos)
+    return write_sharded_step(trace_dir, rest, infos, overwrite=overwrite)
 
 
 @pytest.mark.parametrize("encoding", ["raw", "packed"])
@@ -173,6 +173,40 @@ def test_killed_shard_or_index_write_leaves_no_half_step(tmp_path, kill_at):
     assert TraceReader(run.path).steps == [0, 1]
 
 
+PROMOTION_KILLED = KILLED_WRITE.replace("write_sharded(Path({trace!r}), make_record(1), [4, 9])", """
+import dataclasses
+rec = make_record(1)
+full = dataclasses.replace(rec, attrs={{**rec.attrs, "trace_level": "full", "trace_promoted_by": 2}})
+write_sharded(Path({trace!r}), full, [4, 9], overwrite=True)""")
+
+
+@pytest.mark.parametrize("kill_at", [2, 4])   # during the second shard; during the full index
+def test_killed_promotion_leaves_the_reduced_step_whole(tmp_path, kill_at):
+    """A spike's promotion of a ring step rewrites a step that is on disk reduced: killed half
+    way, the step reads as it was (level standard, whole), and a later promotion replaces it."""
+    from axrl.recording.tiers import TierSettings, reduce_record
+
+    run = RunDir(tmp_path / "run")
+    run.write_manifest(seed=0)
+    run.write_step(reduce_record(make_record(1), TierSettings("standard", routing_every=2)))
+    script = PROMOTION_KILLED.format(root=str(ROOT), tests=str(ROOT / "tests"), trace=str(run.trace_dir),
+                                     kill_at=kill_at)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    reader = TraceReader(run.path)
+    assert reader.steps == [1] and reader.problems == []
+    with reader.open(1) as sf:
+        assert sf.attrs["trace_level"] == "standard" and "/routing/train" not in sf and not sf.shards
+    run.clean_tmp()
+    assert run.tmp_files() == []
+    import dataclasses
+    rec = make_record(1)
+    write_sharded(run.trace_dir, dataclasses.replace(rec, attrs={**rec.attrs, "trace_level": "full"}), [4, 9],
+                  overwrite=True)
+    with TraceReader(run.path).open(1) as sf:
+        np.testing.assert_array_equal(sf["/routing/train"], np.asarray(rec.routing_train))
+
+
 def test_truncate_after_deletes_the_shards_with_their_steps(tmp_path):
     run = RunDir(tmp_path / "run")
     for step in range(3):
@@ -224,34 +258,79 @@ class InProcessGroup:
             starts.append(a)
         self.last_kept = (self._count, starts)
 
-    def write_trace_shards(self, key, trace_dir, step, starts, num_experts, encoding):
-        return [k.write(key, trace_dir, step, s, num_experts, encoding) for k, s in zip(self.kept, starts)]
+    def write_trace_shards(self, key, trace_dir, step, starts, num_experts, encoding, hold=()):
+        return [k.write(key, trace_dir, step, s, num_experts, encoding, hold) for k, s in zip(self.kept, starts)]
 
 
 def test_learner_and_ranks_write_the_step_a_local_run_writes(tmp_path):
-    """RankShards + KeptRows: a step read back as write_step writes it; a step whose record carries
-    no routing (trace.level standard, between routing_every) gets none, and the ranks drop its rows."""
+    """RankShards + KeptRows: a step read back as write_step writes it; a step written without
+    routing (trace.level standard, between routing_every) gets no shard, and the ranks drop its rows."""
     import dataclasses
 
     from axrl.ray_executor.trace_shards import RankShards
+    from axrl.recording.tiers import TierSettings, reduce_record
 
     group = InProcessGroup(3)
     run = RunDir(tmp_path / "run")
-    shards = RankShards(group, run.trace_dir, "packed")
+    tiers = TierSettings("standard", routing_every=2)
+    shards = RankShards(group, run.trace_dir, "packed", tiers)
     recs = [make_record(s, n_groups=3, group_size=2) for s in range(2)]
     for step, rec in enumerate(recs):
         group.forward(rec, [2, 4])
         shards.claim(step)
-    shards.write(recs[0])
-    shards.write(dataclasses.replace(recs[1], routing_rollout=None, routing_rollout_valid=None, routing_train=None))
-    plain = RunDir(tmp_path / "plain").write_step(recs[0], routing_encoding="packed")
+        # what the learner queues: its record without the routing the ranks hold
+        shards.write(reduce_record(RankShards.strip(rec), tiers))
+    plain = RunDir(tmp_path / "plain").write_step(reduce_record(recs[0], tiers), routing_encoding="packed")
     with StepFile(run.step_path(0)) as sf, StepFile(plain) as pf:
         assert len(sf.shards) == 3
         assert_records_equal(sf.to_record(), pf.to_record())
     with StepFile(run.step_path(1)) as sf:
-        assert not sf.shards and "/routing/train" not in sf
+        assert not sf.shards and "/routing/train" not in sf and sf.num_tokens == recs[1].num_tokens
     assert not shard_dir(run.trace_dir, 1).exists()
     assert all(not k._rows for k in group.kept)
+    assert dataclasses.replace(recs[0]).routing_rollout is not None   # strip copied, never cleared the caller's
+
+
+def test_spike_ring_with_sharding_leaves_the_k_steps_before_the_spike_full(tmp_path):
+    """trace.keep_full with trace.sharded: the ranks hold the ring's rows, a spike at step 4
+    (keep_full=2) has them write steps 2 and 3 in full through the learner's background writer,
+    over their reduced files; those and the spike step read as the unsharded full step; the other
+    steps stay reduced and the ranks end holding only the ring's step."""
+    import dataclasses
+
+    from axrl.ray_executor.trace_shards import RankShards
+    from axrl.recording.step_writer import StepWriter
+    from axrl.recording.tiers import TieredRecords, TierSettings
+
+    group = InProcessGroup(3)
+    run = RunDir(tmp_path / "run")
+    settings = TierSettings("standard", routing_every=3, keep_full=2)
+    shards = RankShards(group, run.trace_dir, "packed", settings)
+    tiers = TieredRecords(settings)
+    writer = StepWriter(shards.write, max_pending=2)
+    recs = [make_record(s, n_groups=3, group_size=2) for s in range(6)]
+    for rec in recs:
+        group.forward(rec, [2, 4])
+        shards.claim(rec.step)
+        # the learner's record: without the routing the ranks hold
+        for out in tiers.for_step(RankShards.strip(rec), spiked=rec.step == 4):
+            writer.submit(out)
+    writer.close()
+    for rec in recs:
+        plain = RunDir(tmp_path / "plain").write_step(rec, routing_encoding="packed", overwrite=True)
+        with StepFile(run.step_path(rec.step)) as sf, StepFile(plain) as pf:
+            if rec.step in (2, 3, 4):
+                assert sf.attrs["trace_level"] == "full" and len(sf.shards) == 3
+                assert sf.attrs.get("trace_promoted_by") == (4 if rec.step < 4 else None)
+                got = dataclasses.replace(sf.to_record(), attrs={})
+                assert_records_equal(got, dataclasses.replace(pf.to_record(), attrs={}))
+            else:
+                assert sf.attrs["trace_level"] == "standard" and "trace_promoted_by" not in sf.attrs
+                assert ("/routing/train" in sf) == (rec.step % 3 == 0) == bool(sf.shards)
+                np.testing.assert_array_equal(sf["/tokens/old_logprob"], pf["/tokens/old_logprob"])
+    assert TraceReader(run.path).problems == []
+    # step 5 is the ring's only step now (the spike emptied it): its rows alone are still held
+    assert [sorted(k._rows) for k in group.kept] == [[6]] * 3
 
 
 @pytest.mark.parametrize("extra, sharded", [
@@ -261,6 +340,8 @@ def test_learner_and_ranks_write_the_step_a_local_run_writes(tmp_path):
     (["runtime.executor=ray", "runtime.ray.train_ranks=2", "trace.routing_encoding=packed"], True),
     (["runtime.executor=ray", "runtime.ray.train_ranks=2", "trace.sharded=false"], False),
     (["runtime.executor=ray", "trace.sharded=true"], True),
+    (["runtime.executor=ray", "runtime.ray.train_ranks=2", "trace.level=standard", "trace.keep_full=2",
+      "trace.spike_ratio=2"], True),                                      # the ranks hold the ring's rows
 ])
 def test_trace_sharded_auto(extra, sharded):
     from axrl.assembly.settings import trace_sharded
@@ -271,8 +352,7 @@ def test_trace_sharded_auto(extra, sharded):
 
 @pytest.mark.parametrize("extra, names", [
     (["trace.sharded=true"], "runtime.executor: ray"),
-    (["runtime.executor=ray", "trace.sharded=true", "trace.level=standard", "trace.keep_full=2",
-      "trace.spike_ratio=2"], "keep_full"),
+    (["runtime.executor=ray", "trace.sharded=true", "trace.routing=false"], "sharded: true needs enabled and routing"),
 ])
 def test_trace_sharded_true_where_it_cannot_be_is_refused(extra, names):
     from axrl.config import ConfigError, load_config

@@ -154,13 +154,13 @@ def learner_settings(cfg: Config) -> LearnerSettings:
 
 def trace_sharded(cfg: Config) -> bool:
     """`trace.sharded` resolved: auto is on under the ray executor with several train processes
-    (2+ torch ranks, or Megatron's head and ranks) recording routing, without a `keep_full` ring
-    (which holds whole steps in the learner to write them later)."""
+    (2+ torch ranks, or Megatron's head and ranks) recording routing (a `keep_full` ring's rows
+    are then held by the ranks)."""
     t = cfg.trace
     if t.sharded != "auto":
         return bool(t.sharded)
     several = cfg.runtime.ray.train_ranks > 1 or cfg.train.backend == "megatron"
-    return cfg.runtime.executor == "ray" and several and t.enabled and t.routing and not t.keep_full
+    return cfg.runtime.executor == "ray" and several and t.enabled and t.routing
 
 
 def distill_settings(cfg: Config) -> DistillSettings | None:

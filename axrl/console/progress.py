@@ -94,7 +94,7 @@ class TrainProgress:
                 self.progress.console.print(f"  {key.replace('_', ' ')}: {m[key]:.3f}")
         if m.get("spike"):  # the online spike trigger fired (axrl/runtime/spike_trigger.py)
             self.progress.console.print(f"  grad-norm spike: {m['spike_grad_norm_ratio']:.1f}× the rolling median; "
-                                        f"dump ({m['spike_dump_verdict']}) in {m['spike_dump']}")
+                                        f"dump ({m['spike_dump_verdict']}) in {m.get('spike_dump', '-')}")
         self.progress.update(self.task, advance=1, summary=summary, phase="done")
 
 

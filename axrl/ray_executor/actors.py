@@ -26,7 +26,7 @@ from axrl.runtime.components import (BackendSettings, EngineSettings, ModelSourc
 from axrl.ray_executor.activity import Activity, ActorBase, free_address, reported
 from axrl.train.critic import CriticConfig, CriticUpdate
 from axrl.ray_executor.handles import DataPlane, WeightsHandle, payload_bytes, rank_label
-from axrl.ray_executor.trace_shards import KeptRows
+from axrl.ray_executor.trace_shards import KeptRows, fetch_engine_routing
 from axrl.trace.shards import ShardInfo
 from axrl.ray_executor.wire import wire_bytes
 from axrl.train.protocol import (R3, AdamHyper, ForwardResult, Inspection, LossContext, LossFn, PackedBatch, StepStats,
@@ -152,6 +152,7 @@ class TrainRankActor(ActorBase):
         self.device = resolve_device(source.device)
         self.activity_ = Activity(rank_label(rank))
         self.kept_rows = KeptRows(rank)   # trace.sharded: routing rows held for this rank's trace shard
+        self._fetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-routing")
 
     def rendezvous(self) -> str:
         """host:port for the process group (asked of rank 0): this node's address, a free port."""
@@ -183,20 +184,28 @@ class TrainRankActor(ActorBase):
     def model_config(self) -> Any:
         return self.backend.model_config
 
-    def forward(self, shard: PackedBatch, r3: Any, weights: str | None, keep: int | None = None) -> ForwardResult:
+    def forward(self, shard: PackedBatch, r3: Any, weights: str | None, keep: int | None = None,
+                engine: list[Any] | None = None) -> ForwardResult:
         """The backend's forward; with `keep` (trace.sharded: the step's policy forward) the routing
-        rows stay on this rank for its trace shard and the result goes back without them."""
+        rows stay on this rank for its trace shard and the result goes back without them. `engine`:
+        references to its samples' engine routing (which came past the learner), fetched in a
+        thread of this rank's beside the forward and kept with its rows."""
+        import ray
+
         with self.activity_.doing("forward"):
             self._got(shard)
+            fetched = None
+            if keep is not None and engine:
+                fetched = self._fetcher.submit(fetch_engine_routing, ray, engine, self.activity_)
             result = self.backend.forward(shard, r3=r3, weights=weights)
-            return result if keep is None else self.kept_rows.keep(keep, shard, result)
+            return result if keep is None else self.kept_rows.keep(keep, shard, result, fetched)
 
-    def write_trace_shard(self, key: int, trace_dir: str, step: int, row_start: int,
-                          num_experts: int | None, encoding: str) -> ShardInfo | None:
-        """Write the rows kept by forward `key` as this rank's shard of trace step `step` (runs in
-        the trace concurrency group, beside training)."""
+    def write_trace_shard(self, key: int, trace_dir: str, step: int, row_start: int, num_experts: int | None,
+                          encoding: str, hold: tuple[int, ...] = ()) -> ShardInfo | None:
+        """Write the rows kept by forward `key` as this rank's shard of trace step `step`, holding
+        the forwards `hold` (the keep_full ring's); runs in the trace concurrency group, beside training."""
         with self.activity_.doing(f"trace shard {step}"):
-            return self.kept_rows.write(key, trace_dir, step, row_start, num_experts, encoding)
+            return self.kept_rows.write(key, trace_dir, step, row_start, num_experts, encoding, hold)
 
     def forward_backward(self, shard: PackedBatch, loss_fn: LossFn, r3: Any, ctx: LossContext | None) -> TrainMetrics:
         with self.activity_.doing("forward_backward"):

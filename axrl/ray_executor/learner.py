@@ -44,8 +44,9 @@ class LearnerActor(ActorBase):
         run = RunDir(run_path)
         # trace.sharded: the ranks write the routing rows they hold; this actor the step's index
         record = settings.record
-        shards = RankShards(backend, run.trace_dir, record.routing_encoding) if record.sharded and record.trace else None
-        self.learner = Learner(make_step_trainer(settings, backend, self.sync), run, settings.record, shards)
+        self.shards = (RankShards(backend, run.trace_dir, record.routing_encoding, record.tiers)
+                       if record.sharded and record.trace else None)
+        self.learner = Learner(make_step_trainer(settings, backend, self.sync), run, settings.record, self.shards)
 
     def step(self, batch_refs: list[Any], step: int, times: dict[str, float]) -> tuple[dict[str, Any], dict[str, float],
                                                                                        list[Any]]:
@@ -56,6 +57,11 @@ class LearnerActor(ActorBase):
 
         with self.activity_.doing(f"step {step}"):
             batch = ray.get(batch_refs[0])
+            # what of the engine's routing this process holds (none when it came by reference)
+            self.plane.moved("engine_routing_at_learner", sum(int(t.routed_experts.nbytes) for t in batch.trajectories
+                                                              if t.routed_experts is not None))
+            if self.shards is not None:
+                self.shards.batch(batch.trajectories)
             timer = PhaseTimer()
             timer.times.update(times)   # the driver's wait for the batch is part of the step's time
             metrics = self.learner.step(batch, step, timer)

@@ -28,6 +28,7 @@ from axrl.ray_executor.calls import RestartableActor, RestartingHandle, close_ac
 from axrl.ray_executor.handles import DataPlane, WeightsHandle
 from axrl.ray_executor.wire import wire_bytes
 from axrl.ray_executor.settings import RaySettings
+from axrl.ray_executor.trace_shards import engine_routing_by_reference, put_engine_routing
 
 
 class RolloutActorLost(RuntimeError):
@@ -72,6 +73,7 @@ class RolloutActor(ActorBase):
             self.events.record("actors_started", component="engine", pid=self.engine.pid,
                                nodes=[ray.get(self.engine.node())])
         self._fetches_weights = not isinstance(self.engine, RayEngine)
+        self.routing_by_reference = engine_routing_by_reference(settings.learner)
         self.side = make_rollout_side(
             s, tokenizer, task, loader, self.engine, model_config,
             lambda clocked: embedded_engine_for(s.embedded, fresh_engine_model(source, model_config), tokenizer,
@@ -103,6 +105,9 @@ class RolloutActor(ActorBase):
 
         with self.activity_.doing(f"take {step}"):
             batch = self.side.pool.take(step)
+            if self.routing_by_reference:   # trace.sharded: the engine's routing goes to the ranks, past the learner
+                put = put_engine_routing(ray, batch.trajectories)
+                self.plane.by_reference("engine_routing", put)
             self.plane.by_reference("trajectories", wire_bytes(batch))
             self.activity_.count("batches")
             return [ray.put(batch)], self.side.rollout.snapshot(step + 1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 
 from axrl.model.config import ModelConfig
@@ -67,6 +68,8 @@ class RayTrainGroup:
     creates them and forms their process group, and closing it kills them); the learner actor
     attaches its own group to the same ranks (`attach`), to train without the driver."""
 
+    loss_in_process = False   # the loss runs on the ranks: the spike trigger marks spikes without its dump
+
     def __init__(self, ray: Any, ranks: list[Any], *, model_config: ModelConfig, pids: list[int], events: EventLog,
                  plane: DataPlane, call_timeout_s: float = 600.0, owner: bool = True) -> None:
         self._ray, self._events, self._plane, self._timeout = ray, events, plane, call_timeout_s
@@ -77,9 +80,12 @@ class RayTrainGroup:
         self.lost = False
         self._closed = False
         # trace.sharded (trace_shards.py): the policy forwards' routing rows stay on the ranks, each
-        # under a key; last_kept = (key, first token row of each rank's share) of the latest one
+        # under a key; last_kept = (key, first token row of each rank's share) of the latest one;
+        # engine_routing: the references to the current batch's engine routing, one per sample (None:
+        # it comes with the batch), handed to the ranks with their shares of the policy forward
         self.keep_trace_rows = False
         self.last_kept: tuple[int, list[int]] | None = None
+        self.engine_routing: list[Any] | None = None
         self._kept_count = 0
 
     @classmethod
@@ -172,14 +178,27 @@ class RayTrainGroup:
             for _, s in shards[:-1]:
                 starts.append(starts[-1] + s.num_tokens)
             self.last_kept = (keep, starts)
-        parts: list[ForwardResult] = self._get([r.forward.remote(ref, r3, weights, keep)
-                                                for r, (ref, _) in zip(self.ranks, shards)])
+        engine = self._engine_shares([s for _, s in shards]) if keep is not None else [None] * len(shards)
+        parts: list[ForwardResult] = self._get([r.forward.remote(ref, r3, weights, keep, refs)
+                                                for r, (ref, _), refs in zip(self.ranks, shards, engine)])
         self._plane.moved("forward_results", sum(payload_bytes(p) for p in parts))
         if len(parts) == 1:
             return parts[0]
         return ForwardResult(logprobs=torch.cat([p.logprobs for p in parts]),
                              entropy=torch.cat([p.entropy for p in parts]),
                              routed_experts=_cat([p.routed_experts for p in parts]))
+
+    def _engine_shares(self, shards: list[PackedBatch]) -> list[list[Any] | None]:
+        """Each rank's references of `engine_routing`: its share's samples' (shares are contiguous
+        runs of the batch's samples, in order)."""
+        refs = self.engine_routing
+        if refs is None:
+            return [None] * len(shards)
+        if len(refs) != sum(s.num_samples for s in shards):
+            raise ValueError(f"{len(refs)} engine routing references for a batch of "
+                             f"{sum(s.num_samples for s in shards)} samples")
+        bounds = np.cumsum([0, *(s.num_samples for s in shards)]).tolist()
+        return [refs[a:b] for a, b in zip(bounds, bounds[1:])]
 
     def forward_backward(self, batch: PackedBatch, loss_fn: LossFn, *, r3: R3 = False) -> TrainMetrics:
         shards = self._shards(batch)
@@ -197,11 +216,12 @@ class RayTrainGroup:
                             tokens=tokens)
 
     def write_trace_shards(self, key: int, trace_dir: str, step: int, starts: list[int],
-                           num_experts: int | None, encoding: str) -> list[Any]:
+                           num_experts: int | None, encoding: str, hold: tuple[int, ...] = ()) -> list[Any]:
         """Every rank writes the rows it kept from forward `key` as its shard of `step`, in parallel
-        and beside training (trace_shards.py); their `ShardInfo`s (None: a rank wrote none)."""
+        and beside training, still holding the forwards `hold` (trace_shards.py); their
+        `ShardInfo`s (None: a rank wrote none)."""
         return self._get([r.write_trace_shard.options(concurrency_group=TRACE_GROUP).remote(
-            key, trace_dir, step, start, num_experts, encoding) for r, start in zip(self.ranks, starts)])
+            key, trace_dir, step, start, num_experts, encoding, hold) for r, start in zip(self.ranks, starts)])
 
     def optimizer_step(self, *, lr: float | None = None, lr_scale: float = 1.0,
                        adam: AdamHyper | None = None) -> StepStats:

@@ -27,7 +27,7 @@ from axrl.trace import schema as S
 from axrl.trace.record import StepRecord
 
 __all__ = ["ATTR_TRACE_LEVEL", "ATTR_PROMOTED_BY", "LEVELS", "SUMMARY_SAMPLE_COLUMNS", "TierSettings",
-           "TieredRecords", "reduce_record"]
+           "TieredRecords", "reduce_record", "writes_routing"]
 
 LEVELS = ("full", "standard", "summary")
 ATTR_TRACE_LEVEL = "trace_level"          # root attr of a step written by trace.level standard/summary
@@ -62,6 +62,15 @@ class TierSettings:
                              f"got {self.routing_every} and {self.keep_full}")
 
 
+def writes_routing(record: StepRecord, tiers: TierSettings) -> bool:
+    """Whether `record` — as handed to the writer: the learner's full record, a reduced one, or a
+    promoted one (marked full) — is written with its routing."""
+    if record.num_experts is None:
+        return False
+    level = record.attrs.get(ATTR_TRACE_LEVEL, tiers.level)
+    return level == "full" or (level == "standard" and record.step % tiers.routing_every == 0)
+
+
 def reduce_record(record: StepRecord, tiers: TierSettings) -> StepRecord:
     """The copy of `record` that `tiers` writes for its step (`record` itself at level full)."""
     if tiers.level == "full":
@@ -69,7 +78,7 @@ def reduce_record(record: StepRecord, tiers: TierSettings) -> StepRecord:
     attrs = {**record.attrs, ATTR_TRACE_LEVEL: tiers.level}
     if tiers.level == "summary":
         return _summary(record, attrs)
-    if record.step % tiers.routing_every == 0:
+    if writes_routing(record, tiers):
         return dataclasses.replace(record, attrs=attrs)
     return dataclasses.replace(record, attrs=attrs, **{f: None for f in _ROUTING_FIELDS})
 

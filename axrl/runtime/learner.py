@@ -71,6 +71,9 @@ class StepShards(Protocol):
     def claim(self, step: int) -> None:
         """The rows the train side holds from `step`'s training are that step's."""
 
+    def strip(self, record: StepRecord) -> StepRecord:
+        """`record` without the rows the train side holds (what the learner queues and rings)."""
+
     def write(self, record: StepRecord) -> object:
         """Have the shards of `record.step` written, then its index (`record` without them)."""
 
@@ -99,6 +102,8 @@ class Learner:
             timer.show("record")
             t0 = time.perf_counter()
             full = step_record(outcome, rng_digest(), routing=self.record.routing)
+            if self.shards is not None:   # the ranks hold its routing: the queue and the ring need none
+                full = self.shards.strip(full)
             waited = 0.0
             for rec in self.tiers.for_step(full, spiked=bool(metrics.get("spike"))):
                 waited += self.writer.submit(rec)

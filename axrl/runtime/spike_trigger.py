@@ -8,6 +8,11 @@ state the step starts from (`TrainBackend.state_dict`); when the step spikes, `a
 it, re-runs the step's updates (`run_updates`, as replay does) with the dump probe, and checks
 that the re-execution lands on the weights training produced. Deterministic mode makes that
 exact (attr `verdict` = "bitwise-equal"); otherwise the trainer is put back to the trained state.
+
+A backend whose loss runs in other processes (the Ray train group: `loss_in_process` False)
+cannot take the probe's loss function, so there the trigger marks the spike without the deep dump
+(`spike_dump_verdict` says why: `axrl-debug replay --dump` writes it afterwards) — the mark is what
+the `trace.keep_full` ring promotes its steps on.
 """
 
 from __future__ import annotations
@@ -27,7 +32,15 @@ from axrl.runtime.updates import run_updates
 from axrl.train.determinism import capture_rng_state, restore_rng_state
 from axrl.train.protocol import TrainBackend
 
-__all__ = ["SpikeSettings", "SpikeTrigger"]
+__all__ = ["NO_DUMP", "SpikeSettings", "SpikeTrigger"]
+
+NO_DUMP = ("not written: the train ranks run the loss in their own processes (runtime.executor: ray); "
+           "write it with axrl-debug replay --dump")
+
+
+def _dumps(backend: TrainBackend) -> bool:
+    """Whether the deep dump can re-run the step's loss with its probe in this process."""
+    return bool(getattr(backend, "loss_in_process", True))
 
 
 @dataclass(frozen=True)
@@ -72,8 +85,8 @@ class SpikeTrigger:
         return self.ratio is not None
 
     def before_step(self, backend: TrainBackend) -> None:
-        """Keep the state the step starts from (only when enabled)."""
-        if self.enabled:
+        """Keep the state the step starts from (only when enabled and the dump can be written)."""
+        if self.enabled and _dumps(backend):
             self._before = backend.state_dict()
 
     def baseline(self) -> float | None:
@@ -92,6 +105,9 @@ class SpikeTrigger:
         assert self.ratio is not None
         if median is None or not median > 0 or not peak > self.ratio * median:
             return {}
+        if not _dumps(backend):
+            outcome.marks.update(spike=1, spike_grad_norm_ratio=peak / median)
+            return {"spike": 1, "spike_grad_norm_ratio": peak / median, "spike_dump_verdict": NO_DUMP}
         if before is None:
             raise RuntimeError("SpikeTrigger.after_step without before_step: the state before the step is needed")
         t0 = time.perf_counter()
