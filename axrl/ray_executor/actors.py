@@ -144,10 +144,11 @@ class TrainRankActor(ActorBase):
         if megatron_slots is not None:
             from axrl.ray_executor.megatron_ranks import RayRankGroup
 
-            def group(*args: Any) -> RayRankGroup:
+            def megatron_group(*args: Any) -> RayRankGroup:
                 self.megatron_ranks = RayRankGroup(*args, slots=megatron_slots, plane=self.plane,
                                                    call_timeout_s=call_timeout_s)
                 return self.megatron_ranks
+            group = megatron_group
         self.backend = make_train_backend(source, backend, make_tokenizer(source), megatron_group=group)
         self.device = resolve_device(source.device)
         self.activity_ = Activity(rank_label(rank))
