@@ -67,10 +67,10 @@ def import_graph(root: Path, packages: tuple[str, ...] = PACKAGES) -> dict[str, 
 
 @lru_cache(maxsize=None)
 def fresh_import_graph(root: Path, packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
-    """`import_graph` computed in a fresh interpreter. CPython 3.11.7's `ast.parse` can raise
-    `SystemError: AST constructor recursion depth mismatch` once the process's recursion counter
-    has been left off by earlier code (a state bug fixed in later releases, seen once in a full
-    suite run); parsing in a new process keeps the check about the code, not the suite's state."""
+    """`import_graph` computed in a fresh interpreter. Before 3.11.8, CPython's `ast.parse` keeps its
+    recursion counter in state shared by the process's threads (gh-106905) and can raise
+    `SystemError: AST constructor recursion depth mismatch` once earlier tests' threads have left
+    it off (seen once in a full suite run); a new process keeps the check about the code."""
     out = subprocess.run([sys.executable, __file__, str(root), *packages], check=True,
                          capture_output=True, text=True)
     return {mod: set(deps) for mod, deps in json.loads(out.stdout).items()}

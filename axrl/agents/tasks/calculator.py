@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ast
 import operator
+import threading
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -63,6 +64,9 @@ CALCULATOR_TOOL: dict[str, Any] = {
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 64
 MAX_RESULT_BITS = 256  # bounds the work and the size of any intermediate value
+# CPython before 3.11.8 keeps ast.parse's recursion counter in state shared by threads (gh-106905):
+# agents calling the tool from several threads at once could get a spurious SystemError.
+_PARSE_LOCK = threading.Lock()
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
@@ -91,7 +95,8 @@ def evaluate(expression: str) -> Fraction:
     for alias, op in _ALIASES.items():
         expression = expression.replace(alias, op)
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        with _PARSE_LOCK:
+            tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as exc:
         raise CalculatorError(f"invalid expression: {exc.msg}") from None
     return _eval(tree.body)
