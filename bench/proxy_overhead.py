@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -65,16 +66,68 @@ def stream_call(call: dict, max_tokens: int) -> dict[str, float]:
     return {"ttft_s": (first or end) - t0, "completion_s": end - t0}
 
 
-def client_main() -> None:
-    """The agents' process: per job line, every call at once (one client and thread each).
+def sdk_agent_processes(calls: list[dict], max_tokens: int) -> dict:
+    """Every call from an agent process of its own, all at once: each child (forked from this
+    process, `openai` imported, as `axrl.agents.forkserver` starts `python agent.py` episodes)
+    builds its client and connects, then all start their call on one signal (the parent closing a
+    pipe); seconds from the signal to the last child's reply parsed."""
+    go_r, go_w = os.pipe()
+    res_r, res_w = os.pipe()
+    pids = []
+    for c in calls:
+        pid = os.fork()
+        if pid == 0:  # the agent
+            code = 0
+            try:
+                os.close(go_w)
+                client = openai.OpenAI(base_url=c["base_url"], api_key=c["api_key"], max_retries=0)
+                client.models.list()  # connection set-up outside the timing (an agent keeps its client)
+                os.write(res_w, b"r")
+                os.read(go_r, 1)  # returns on the parent's close: every agent starts at once
+                cpu = time.process_time()
+                r = client.chat.completions.create(model="policy", messages=c["messages"], max_tokens=max_tokens)
+                end, cpu = time.perf_counter(), time.process_time() - cpu
+                os.write(res_w, json.dumps({"end": end, "cpu": cpu, "tokens": r.usage.completion_tokens}).encode() + b"\n")
+            except BaseException as e:  # noqa: BLE001 — reported to the parent, never a second bench
+                os.write(res_w, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()[:4000] + b"\n")
+                code = 1
+            os._exit(code)
+        pids.append(pid)
+    os.close(go_r)
+    os.close(res_w)
+    reader = os.fdopen(res_r, "rb")
+    for _ in calls:  # every agent connected
+        if reader.read(1) != b"r":
+            raise RuntimeError(f"an SDK agent failed before its call: {reader.readline()!r}")
+    t0 = time.perf_counter()
+    os.close(go_w)
+    done = [json.loads(reader.readline()) for _ in calls]
+    reader.close()
+    for pid in pids:
+        os.waitpid(pid, 0)
+    errors = [d["error"] for d in done if "error" in d]
+    if errors:
+        raise RuntimeError(f"SDK agents failed: {errors}")
+    # perf_counter is CLOCK_MONOTONIC: one clock for every process of the machine
+    return {"seconds": max(d["end"] for d in done) - t0, "tokens": sum(d["tokens"] for d in done), "t0": t0,
+            "ends": [d["end"] for d in done], "cpu_s": sum(d["cpu"] for d in done)}
 
-    mode "sdk": the official `openai` client, as agents call; "http": the same JSON bodies, built
-    before the timing and posted with `http.client` — what the proxy itself costs, without the
+
+def client_main() -> None:
+    """The agents' process: per job line, every call at once.
+
+    mode "sdk": the official `openai` client, one client and thread per call in this process
+    (agents sharing a GIL); "sdk-processes": the same client, one agent process per call (as AxRL
+    runs a command agent: `sdk_agent_processes`); "http": the same JSON bodies, built before the timing and
+    posted with `http.client` from one thread each — what the proxy itself costs, without the
     SDK's request building and response parsing (the agent's own CPU, on the same cores)."""
     for line in sys.stdin:
         job = json.loads(line)
         if job["mode"] == "stream":
             print(json.dumps(stream_call(job["calls"][0], job["max_tokens"])), flush=True)
+            continue
+        if job["mode"] == "sdk-processes":
+            print(json.dumps(sdk_agent_processes(job["calls"], job["max_tokens"])), flush=True)
             continue
         calls, sdk = job["calls"], job["mode"] == "sdk"
         if sdk:
@@ -93,7 +146,16 @@ def client_main() -> None:
                 posts.append((f"{url.path}/chat/completions", json.dumps(
                     {"model": "policy", "messages": c["messages"], "max_tokens": job["max_tokens"]}), headers))
 
+        ends, cpu = [0.0] * len(calls), [0.0] * len(calls)
+
         def call(i: int) -> int:
+            c0 = time.thread_time()
+            try:
+                return call_once(i)
+            finally:
+                ends[i], cpu[i] = time.perf_counter(), time.thread_time() - c0
+
+        def call_once(i: int) -> int:
             if sdk:
                 r = clients[i].chat.completions.create(model="policy", messages=calls[i]["messages"],
                                                        max_tokens=job["max_tokens"])
@@ -106,7 +168,8 @@ def client_main() -> None:
             t0 = time.perf_counter()
             tokens = sum(pool.map(call, range(len(calls))))
             seconds = time.perf_counter() - t0
-        print(json.dumps({"seconds": seconds, "tokens": tokens}), flush=True)
+        print(json.dumps({"seconds": seconds, "tokens": tokens, "t0": t0, "ends": ends, "cpu_s": sum(cpu)}),
+              flush=True)
 
 
 def main() -> None:
@@ -154,61 +217,117 @@ def main() -> None:
     # agents do in training: in this process it would take the GIL from the engine's scheduler.
     client = subprocess.Popen([sys.executable, __file__, "--client"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True)
+    at_engine: list[list[float]] = []  # [submitted, finished] of each call the proxy made
 
     with ProxyServer(tok, model_name="policy", coalesce_window_s=args.coalesce_ms / 1e3) as proxy:
         def agents(mode: str, n: int) -> dict:
             """n sessions' calls made by the client process in `mode`; its report."""
-            sessions = [proxy.open_session(engine_submit(engine), SessionPolicy(sampling, max_tokens=args.max_tokens,
-                                                                                seed=i),
+            sessions = [proxy.open_session(timed_submit(engine, at_engine),
+                                           SessionPolicy(sampling, max_tokens=args.max_tokens, seed=i),
                                            max_context_len=512) for i in range(n)]
             job = {"calls": [{"base_url": proxy.base_url(s), "api_key": s.api_key, "messages": c}
                              for s, c in zip(sessions, conversations)], "max_tokens": args.max_tokens,
                    "mode": mode}
+            at_engine.clear()
             client.stdin.write(json.dumps(job) + "\n")
             client.stdin.flush()
             done = json.loads(client.stdout.readline())
             for s in sessions:
                 proxy.close_session(s)
-            return done
-
-        def through_proxy(mode: str) -> tuple[float, int]:
-            done = agents(mode, args.requests)
-            return done["seconds"], done["tokens"]
+            return {**done, "at_engine": [list(x) for x in at_engine]}
 
         direct()  # warm-up of every path
-        through_proxy("http")
-        through_proxy("sdk")
+        for mode in PROXY_PATHS:
+            agents(mode, args.requests)
         agents("stream", 1)
-        d, c, p, k, streamed = [], [], [], [], []
+        runs: dict[str, list[dict]] = {name: [] for name in ("direct", "direct_concurrent", *PROXY_PATHS, "stream")}
         for _ in range(args.rounds):
-            for out, run in ((d, direct), (c, direct_concurrent), (p, lambda: through_proxy("http")),
-                             (k, lambda: through_proxy("sdk"))):
+            for name, run in (("direct", direct), ("direct_concurrent", direct_concurrent)):
                 seconds, tokens = run()
-                out.append(tokens / seconds)
-            streamed.append(agents("stream", 1))
+                runs[name].append({"seconds": seconds, "tokens": tokens})
+            for mode in (*PROXY_PATHS, "stream"):
+                runs[mode].append(agents(mode, 1 if mode == "stream" else args.requests))
     client.stdin.close()
     client.wait(timeout=30)
     engine.shutdown()
-    d_med, c_med, p_med, k_med = (statistics.median(x) for x in (d, c, p, k))
-    print(f"direct (one submission)  tokens/s per round: {', '.join(f'{x:.0f}' for x in d)}")
-    print(f"direct (one per thread)  tokens/s per round: {', '.join(f'{x:.0f}' for x in c)}")
-    print(f"proxy (HTTP client)      tokens/s per round: {', '.join(f'{x:.0f}' for x in p)}")
-    print(f"proxy (openai SDK)       tokens/s per round: {', '.join(f'{x:.0f}' for x in k)}")
-    ttft, full = (statistics.median(x[key] * 1e3 for x in streamed) for key in ("ttft_s", "completion_s"))
+    report(args, runs)
+
+
+# The proxy paths, as `client_main` runs them, and how the report names them.
+PROXY_PATHS = {"http": "proxy (HTTP client)", "sdk": "proxy (SDK, threads)", "sdk-processes": "proxy (SDK, processes)"}
+
+
+class timed_submit(engine_submit):  # noqa: N801 — as engine_submit
+    """`engine_submit` that notes in `log`, per call, when it reached the engine and when the
+    engine finished it (the engine's thread runs the done callback)."""
+
+    def __init__(self, engine: EmbeddedEngine, log: list[list[float]]) -> None:
+        super().__init__(engine)
+        submit_many = self.many
+
+        def many(requests: list[GenerateRequest]) -> list:
+            t = time.perf_counter()
+            futures = submit_many(requests)
+            for f in futures:
+                entry = [t, t]
+                log.append(entry)
+                f.add_done_callback(lambda _f, e=entry: e.__setitem__(1, time.perf_counter()))
+            return futures
+
+        self.many = many
+
+
+def where_the_time_goes(run: dict) -> dict[str, float]:
+    """One proxy round's timeline, ms from the moment the agents start their calls: the last call
+    to reach the engine, the last the engine finished, the last reply the agents had parsed, and
+    the agents' CPU per call (request building, sending, reading, parsing)."""
+    t0, ms = run["t0"], 1e3
+    return {"last_at_engine": (max(a for a, _ in run["at_engine"]) - t0) * ms,
+            "engine_done": (max(b for _, b in run["at_engine"]) - t0) * ms,
+            "replies_parsed": (max(run["ends"]) - t0) * ms,
+            "client_cpu_per_call": run["cpu_s"] / len(run["ends"]) * ms}
+
+
+def report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
+    """The per-round lines, the breakdown of where a round's time goes, and the JSON line."""
+    rate = {name: [r["tokens"] / r["seconds"] for r in rs] for name, rs in runs.items() if name != "stream"}
+    med = {name: statistics.median(x) for name, x in rate.items()}
+    for name, label in (("direct", "direct (one submission)"), ("direct_concurrent", "direct (one per thread)"),
+                        *PROXY_PATHS.items()):
+        print(f"{label:<24} tokens/s per round: {', '.join(f'{x:.0f}' for x in rate[name])}")
+    streamed = runs["stream"]
     print("proxy (streamed call)    first chunk / end, ms: "
           + ", ".join(f"{x['ttft_s'] * 1e3:.1f} / {x['completion_s'] * 1e3:.1f}" for x in streamed))
-    print(json.dumps({"preset": args.preset, "requests": args.requests, "max_tokens": args.max_tokens,
-                      "rounds": args.rounds, "coalesce_ms": args.coalesce_ms, "direct_tokens_per_s": round(d_med, 1),
-                      "direct_concurrent_tokens_per_s": round(c_med, 1), "proxy_tokens_per_s": round(p_med, 1),
-                      "proxy_vs_direct_tokens_per_s_ratio": round(p_med / d_med, 3),
-                      "proxy_vs_direct_concurrent_ratio": round(p_med / c_med, 3),
-                      "proxy_sdk_tokens_per_s": round(k_med, 1), "proxy_sdk_vs_direct_ratio": round(k_med / d_med, 3),
-                      # each round's path over the same round's direct one, the median: a load
-                      # change between rounds (a shared box) moves both sides of a round alike
-                      "proxy_vs_direct_paired_ratio": round(statistics.median(x / y for x, y in zip(p, d)), 3),
-                      "proxy_sdk_vs_direct_paired_ratio": round(statistics.median(x / y for x, y in zip(k, d)), 3),
-                      "ttft_ms": round(ttft, 1), "completion_ms": round(full, 1)}))
+    direct_ms = statistics.median(r["seconds"] for r in runs["direct"]) * 1e3
+    print(f"where the time goes (medians over rounds, ms from the calls' start): direct, all done at {direct_ms:.1f}")
+    steps = {}
+    for mode, label in PROXY_PATHS.items():
+        parts = [where_the_time_goes(r) for r in runs[mode]]
+        steps[mode] = {key: statistics.median(p[key] for p in parts) for key in parts[0]}
+        x = steps[mode]
+        print(f"  {label:<24} last call at the engine {x['last_at_engine']:5.1f}, engine done {x['engine_done']:5.1f}, "
+              f"replies parsed {x['replies_parsed']:5.1f}; agents' CPU per call {x['client_cpu_per_call']:.2f}")
 
+    def paired(name: str) -> float:
+        # each round's path over the same round's direct one, the median: a load change between
+        # rounds (a shared box) moves both sides of a round alike
+        return round(statistics.median(x / y for x, y in zip(rate[name], rate["direct"])), 3)
+
+    print(json.dumps({
+        "preset": args.preset, "requests": args.requests, "max_tokens": args.max_tokens, "rounds": args.rounds,
+        "coalesce_ms": args.coalesce_ms, "direct_tokens_per_s": round(med["direct"], 1),
+        "direct_concurrent_tokens_per_s": round(med["direct_concurrent"], 1),
+        "proxy_tokens_per_s": round(med["http"], 1),
+        "proxy_vs_direct_tokens_per_s_ratio": round(med["http"] / med["direct"], 3),
+        "proxy_vs_direct_concurrent_ratio": round(med["http"] / med["direct_concurrent"], 3),
+        "proxy_sdk_tokens_per_s": round(med["sdk"], 1), "proxy_sdk_vs_direct_ratio": round(med["sdk"] / med["direct"], 3),
+        "proxy_sdk_processes_vs_direct_ratio": round(med["sdk-processes"] / med["direct"], 3),
+        "proxy_vs_direct_paired_ratio": paired("http"), "proxy_sdk_vs_direct_paired_ratio": paired("sdk"),
+        "proxy_sdk_processes_vs_direct_paired_ratio": paired("sdk-processes"),
+        "direct_ms": round(direct_ms, 1),
+        **{f"{mode.replace('-', '_')}_{key}_ms": round(v, 2) for mode, x in steps.items() for key, v in x.items()},
+        "ttft_ms": round(statistics.median(x["ttft_s"] for x in streamed) * 1e3, 1),
+        "completion_ms": round(statistics.median(x["completion_s"] for x in streamed) * 1e3, 1)}))
 
 if __name__ == "__main__":
     main()
