@@ -2,27 +2,39 @@
 
 The same requests both ways, on one free-running embedded engine (random-init tiny MoE, every
 turn runs to max_tokens: `ignore_eos`): `--requests` chat prompts at once, directly as token ids
-via `submit_many`, and through the proxy — one session each, called at once from as many threads
-of a separate process (as agents run, not in the engine's process), the proxy parsing the HTTP
-request, rendering the template, coalescing the calls that arrive together into one engine
-submission if `--coalesce-ms` > 0 (the proxy's default: off), recording and stitching. Two clients:
-"HTTP" posts the JSON bodies (built before the timing) with `http.client` — the proxy's own
-cost; "SDK" is the official `openai` client, whose request building and response parsing (the
-agent's own CPU, on the same cores, serialised on the client process's GIL) come on top. A
-third direct path submits each request from its own thread, as independent agents arrive: what
+via `submit_many`, and through the proxy — one session each, all called at once from a separate
+process (agents never run in the engine's process), the proxy parsing the HTTP request,
+rendering the template, coalescing the calls that arrive together into one engine submission if
+`--coalesce-ms` > 0 (the proxy's default: off), recording and stitching. Three agent sides:
+"HTTP" posts the JSON bodies (built before the timing) with `http.client`, one thread each — the
+proxy's own cost; "SDK" is the official `openai` client, one client and thread per call in one
+process, whose request building and response parsing (the agents' own CPU, serialised on that
+process's GIL, on the same two cores as the engine) come on top; "SDK, processes" is the same
+client with every call from an agent process of its own (forked with `openai` imported, as AxRL
+forks a `python agent.py` episode) — no shared GIL, but 16 processes and the engine on the cores.
+Every client is built and connected before the timing (an agent keeps its client across turns).
+A direct path also submits each request from its own thread, as independent agents arrive: what
 staggered arrivals cost the engine (admission and prefill spread over iterations). Rounds
-alternate (direct, per thread, HTTP, SDK, streamed, direct, …) so all see the same machine load;
-the medians are compared. "Streamed" is one `stream: true` chat call through the proxy (over
-HTTP, alone on the engine): the time to its first content chunk vs to the end of its stream.
+alternate (direct, per thread, HTTP, SDK, SDK processes, streamed, direct, …) so all see the
+same machine load; the medians are compared. "Streamed" is one `stream: true` chat call through
+the proxy (over HTTP, alone on the engine): the time to its first content chunk and to its end.
 
-    OMP_NUM_THREADS=1 python bench/proxy_overhead.py --rounds 3
+Where a round's time goes, per proxy path (medians, ms from the moment the agents start): when
+the last call reached the engine (the agents building and sending + the proxy's intake), when
+the engine finished the last one (compare the direct path's whole time), when the agents had
+parsed the last reply, and the agents' CPU per call (their process's thread or process CPU
+time). perf_counter is CLOCK_MONOTONIC, one clock for both processes.
+
+    OMP_NUM_THREADS=1 python bench/proxy_overhead.py --rounds 9
 
 Last stdout line: one JSON object; `proxy_vs_direct_tokens_per_s_ratio` (proxy over HTTP / one
 submission, the issue's target ≥ 0.95), `proxy_vs_direct_concurrent_ratio` (over HTTP / one per
-thread) and `proxy_sdk_vs_direct_ratio` (through the SDK / one submission, target ≥ 0.9): ratios
-of the medians; `proxy_vs_direct_paired_ratio` and `proxy_sdk_vs_direct_paired_ratio`: the median
+thread), `proxy_sdk_vs_direct_ratio` (through the SDK, threads / one submission, target ≥ 0.9)
+and `proxy_sdk_processes_vs_direct_ratio`: ratios of the medians; `*_paired_ratio`: the median
 of each round's ratio to the same round's direct run (steadier when the box's load changes);
-`ttft_ms` and `completion_ms`: the streamed call's first content chunk and its end (medians).
+`direct_ms` and per path `<path>_last_at_engine_ms`, `_engine_done_ms`, `_replies_parsed_ms`,
+`_client_cpu_per_call_ms` (the breakdown above); `ttft_ms` and `completion_ms`: the streamed
+call's first content chunk and its end (medians).
 """
 
 from __future__ import annotations
