@@ -54,6 +54,8 @@ import openai
 import torch
 
 from axrl.agents.proxy import ProxyServer, SessionPolicy, engine_submit
+from axrl.agents.proxy.stitch import appended_text, render
+from axrl.core.token_stream import assistant_close_ids, reply_glue
 from axrl.inference import EmbeddedEngine
 from axrl.inference.protocol import GenerateRequest, SamplingParams
 from axrl.model import build_model, preset_config
@@ -125,6 +127,62 @@ def sdk_agent_processes(calls: list[dict], max_tokens: int) -> dict:
             "ends": [d["end"] for d in done], "cpu_s": sum(d["cpu"] for d in done)}
 
 
+def http_agent(call: dict) -> tuple[http.client.HTTPConnection, str, dict[str, str]]:
+    """An HTTP agent's connection to its session (set up outside the timing, as an agent keeps
+    its connection across turns), the chat path and the headers."""
+    url = urllib.parse.urlsplit(call["base_url"])
+    conn = http.client.HTTPConnection(url.hostname, url.port)
+    headers = {"Authorization": f"Bearer {call['api_key']}", "Content-Type": "application/json"}
+    conn.request("GET", f"{url.path}/models", headers=headers)
+    conn.getresponse().read()
+    return conn, f"{url.path}/chat/completions", headers
+
+
+def agent_sessions(job: dict) -> dict:
+    """Multi-turn agent sessions, one thread each, all started at once: every session makes
+    `turns` chat calls back to back, appending the assistant's reply and then `follow_up` (the
+    tool's answer, the same short text every turn) to its conversation before the next call.
+    mode "http-turns" posts the JSON with `http.client`; "sdk-turns" calls the official client."""
+    calls, sdk, turns, follow_up = job["calls"], job["mode"] == "sdk-turns", job["turns"], job["follow_up"]
+    if sdk:
+        agents = [openai.OpenAI(base_url=c["base_url"], api_key=c["api_key"], max_retries=0) for c in calls]
+        for a in agents:  # connection set-up outside the timing
+            a.models.list()
+    else:
+        agents = [http_agent(c) for c in calls]
+    ends, cpu = [0.0] * len(calls), [0.0] * len(calls)
+
+    def turn(i: int, messages: list[dict]) -> tuple[dict, int]:
+        """One chat call: the assistant message to append and the tokens generated."""
+        if sdk:
+            r = agents[i].chat.completions.create(model="policy", messages=messages, max_tokens=job["max_tokens"])
+            reply = r.choices[0].message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"})
+            return reply, r.usage.completion_tokens
+        conn, path, headers = agents[i]
+        conn.request("POST", path, json.dumps({"model": "policy", "messages": messages,
+                                               "max_tokens": job["max_tokens"]}), headers)
+        r = json.loads(conn.getresponse().read())
+        reply = {k: v for k, v in r["choices"][0]["message"].items() if k in ("role", "content", "tool_calls")}
+        return reply, r["usage"]["completion_tokens"]
+
+    def session(i: int) -> int:
+        c0, tokens, messages = time.thread_time(), 0, list(calls[i]["messages"])
+        for _ in range(turns):
+            reply, n = turn(i, messages)
+            tokens += n
+            messages += [reply, follow_up]
+        ends[i], cpu[i] = time.perf_counter(), time.thread_time() - c0
+        return tokens
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        list(pool.map(lambda i: None, range(len(calls))))  # start the threads outside the timing
+        t0 = time.perf_counter()
+        tokens = sum(pool.map(session, range(len(calls))))
+        seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "tokens": tokens, "t0": t0, "ends": ends, "cpu_s": sum(cpu),
+            "calls": len(calls) * turns}
+
+
 def client_main() -> None:
     """The agents' process: per job line, every call at once.
 
@@ -135,6 +193,9 @@ def client_main() -> None:
     SDK's request building and response parsing (the agent's own CPU, on the same cores)."""
     for line in sys.stdin:
         job = json.loads(line)
+        if job["mode"] in ("http-turns", "sdk-turns"):
+            print(json.dumps(agent_sessions(job)), flush=True)
+            continue
         if job["mode"] == "stream":
             print(json.dumps(stream_call(job["calls"][0], job["max_tokens"])), flush=True)
             continue
@@ -149,14 +210,10 @@ def client_main() -> None:
         else:
             conns, posts = [], []
             for c in calls:
-                url = urllib.parse.urlsplit(c["base_url"])
-                conn = http.client.HTTPConnection(url.hostname, url.port)
-                headers = {"Authorization": f"Bearer {c['api_key']}", "Content-Type": "application/json"}
-                conn.request("GET", f"{url.path}/models", headers=headers)
-                conn.getresponse().read()
+                conn, path, headers = http_agent(c)
                 conns.append(conn)
-                posts.append((f"{url.path}/chat/completions", json.dumps(
-                    {"model": "policy", "messages": c["messages"], "max_tokens": job["max_tokens"]}), headers))
+                posts.append((path, json.dumps({"model": "policy", "messages": c["messages"],
+                                                "max_tokens": job["max_tokens"]}), headers))
 
         ends, cpu = [0.0] * len(calls), [0.0] * len(calls)
 
@@ -184,89 +241,145 @@ def client_main() -> None:
               flush=True)
 
 
+FOLLOW_UP = {"role": "user", "content": "calculator: 46. Go on."}  # every session's next message, every turn
+
+
 def main() -> None:
     if "--client" in sys.argv:
         return client_main()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny-moe")
-    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=16, help="agents (sessions) at once")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--turns", type=int, default=4,
+                    help="model calls per agent session in the multi-turn workload (rollout.max_turns' default)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--coalesce-ms", type=float, default=0.0,
                     help="the proxy's coalescing window (0: every call submitted on its own)")
     args = ap.parse_args()
+    if args.turns < 1 or args.requests < 1:
+        ap.error("--turns and --requests must be >= 1")
     torch.set_num_threads(1)
-    tok = Tokenizer.default()
-    cfg = preset_config(args.preset, vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id,
-                        pad_token_id=tok.pad_token_id)
-    engine = EmbeddedEngine(build_model(cfg, seed=0).eval(), max_batch_size=args.requests, max_seq_len=512,
-                            eos_token_id=tok.eos_token_id)
-    conversations = [[{"role": "system", "content": "Use the calculator tool, then reply: The answer is N."},
-                      {"role": "user", "content": f"What is {17 + i} + {29 * i}?"}] for i in range(args.requests)]
-    sampling = SamplingParams(max_new_tokens=args.max_tokens, temperature=1.0, ignore_eos=True)
+    bench = Bench(args)
+    runs = bench.run()
+    report(args, runs)
 
-    def requests() -> list[GenerateRequest]:
-        return [GenerateRequest(input_ids=tok.apply_chat_template(c, add_generation_prompt=True),
-                                sampling_params=SamplingParams(**{**vars(sampling), "seed": i}),
-                                return_logprob=True) for i, c in enumerate(conversations)]
 
-    def direct() -> tuple[float, int]:
+class Bench:
+    """The engine, the conversations, and every path's round (see the module doc)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.tok = tok = Tokenizer.default()
+        cfg = preset_config(args.preset, vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id,
+                            pad_token_id=tok.pad_token_id)
+        self.max_seq_len = 512 + 128 * args.turns
+        self.engine = EmbeddedEngine(build_model(cfg, seed=0).eval(), max_batch_size=args.requests,
+                                     max_seq_len=self.max_seq_len, eos_token_id=tok.eos_token_id)
+        self.conversations = [[{"role": "system", "content": "Use the calculator tool, then reply: The answer is N."},
+                               {"role": "user", "content": f"What is {17 + i} + {29 * i}?"}]
+                              for i in range(args.requests)]
+        self.sampling = SamplingParams(max_new_tokens=args.max_tokens, temperature=1.0, ignore_eos=True)
+        self.prompts = [tok.apply_chat_template(c, add_generation_prompt=True) for c in self.conversations]
+        self.glue = reply_glue(assistant_close_ids(tok), closed=False)  # a reply cut at max_tokens
+        conv = self.conversations[0] + [{"role": "assistant", "content": "."}, FOLLOW_UP]
+        full = render(tok, conv, None, generation=True)
+        self.follow_ids = tok.encode(appended_text(tok, conv, len(conv) - 1, None, full))
+        self.at_engine: dict[int, list[list[float]]] = {}  # per session: [submitted, finished] of each call
+
+    def requests(self, prompts: list[list[int]], turn: int = 0) -> list[GenerateRequest]:
+        return [GenerateRequest(input_ids=p, sampling_params=SamplingParams(
+            **{**vars(self.sampling), "seed": i + 1000 * turn}), return_logprob=True) for i, p in enumerate(prompts)]
+
+    def direct(self) -> dict:
         """All requests in one submission: admitted together, one batch from the first step."""
-        batch = requests()
+        batch = self.requests(self.prompts)
         t0 = time.perf_counter()
-        results = [f.result() for f in engine.submit_many(batch)]
-        return time.perf_counter() - t0, sum(len(r.output_ids) for r in results)
+        results = [f.result() for f in self.engine.submit_many(batch)]
+        return {"seconds": time.perf_counter() - t0, "tokens": sum(len(r.output_ids) for r in results)}
 
-    def direct_concurrent() -> tuple[float, int]:
+    def direct_concurrent(self) -> dict:
         """Each request submitted on its own from its own thread, as independent agents arrive."""
-        batch = requests()
+        batch = self.requests(self.prompts)
         with ThreadPoolExecutor(len(batch)) as pool:
             t0 = time.perf_counter()
-            results = list(pool.map(lambda r: engine.submit_many([r])[0].result(), batch))
-            return time.perf_counter() - t0, sum(len(r.output_ids) for r in results)
+            results = list(pool.map(lambda r: self.engine.submit_many([r])[0].result(), batch))
+            return {"seconds": time.perf_counter() - t0, "tokens": sum(len(r.output_ids) for r in results)}
 
-    # The agents' side (the SDK clients, one thread per request) runs in a process of its own, as
-    # agents do in training: in this process it would take the GIL from the engine's scheduler.
-    client = subprocess.Popen([sys.executable, __file__, "--client"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)
-    at_engine: list[list[float]] = []  # [submitted, finished] of each call the proxy made
+    def direct_turns(self) -> dict:
+        """The multi-turn sessions' token streams without the proxy and agents: per turn, every
+        session's next prompt (its stream so far, the reply's close, the follow-up message: what
+        the proxy stitches) in one submission. Only the engine's time counts (building the next
+        prompts is left out): the engine's best case."""
+        prompts, seconds, tokens, lengths = list(self.prompts), 0.0, 0, []
+        for turn in range(self.args.turns):
+            batch = self.requests(prompts, turn)
+            t0 = time.perf_counter()
+            results = [f.result() for f in self.engine.submit_many(batch)]
+            seconds += time.perf_counter() - t0
+            tokens += sum(len(r.output_ids) for r in results)
+            lengths.append([len(p) for p in prompts])
+            prompts = [p + list(r.output_ids) + self.glue + self.follow_ids for p, r in zip(prompts, results)]
+        return {"seconds": seconds, "tokens": tokens, "prompt_lens": lengths}
 
-    with ProxyServer(tok, model_name="policy", coalesce_window_s=args.coalesce_ms / 1e3) as proxy:
-        def agents(mode: str, n: int) -> dict:
-            """n sessions' calls made by the client process in `mode`; its report."""
-            sessions = [proxy.open_session(timed_submit(engine, at_engine),
-                                           SessionPolicy(sampling, max_tokens=args.max_tokens, seed=i),
-                                           max_context_len=512) for i in range(n)]
-            job = {"calls": [{"base_url": proxy.base_url(s), "api_key": s.api_key, "messages": c}
-                             for s, c in zip(sessions, conversations)], "max_tokens": args.max_tokens,
-                   "mode": mode}
-            at_engine.clear()
-            client.stdin.write(json.dumps(job) + "\n")
-            client.stdin.flush()
-            done = json.loads(client.stdout.readline())
-            for s in sessions:
-                proxy.close_session(s)
-            return {**done, "at_engine": [list(x) for x in at_engine]}
+    def agents(self, proxy: ProxyServer, mode: str, n: int) -> dict:
+        """n sessions' calls made by the client process in `mode`; its report."""
+        self.at_engine = {i: [] for i in range(n)}
+        sessions = [proxy.open_session(timed_submit(self.engine, self.at_engine[i]),
+                                       SessionPolicy(self.sampling, max_tokens=self.args.max_tokens, seed=i),
+                                       max_context_len=self.max_seq_len) for i in range(n)]
+        job = {"calls": [{"base_url": proxy.base_url(s), "api_key": s.api_key, "messages": c}
+                         for s, c in zip(sessions, self.conversations)], "max_tokens": self.args.max_tokens,
+               "mode": mode, "turns": self.args.turns, "follow_up": FOLLOW_UP}
+        self.client.stdin.write(json.dumps(job) + "\n")
+        self.client.stdin.flush()
+        done = json.loads(self.client.stdout.readline())
+        if mode.endswith("-turns"):
+            self.check_sessions(sessions)
+        for s in sessions:
+            proxy.close_session(s)
+        return {**done, "at_engine": [list(x) for log in self.at_engine.values() for x in log],
+                "per_session": [[list(x) for x in log] for log in self.at_engine.values()]}
 
-        direct()  # warm-up of every path
-        for mode in PROXY_PATHS:
-            agents(mode, args.requests)
-        agents("stream", 1)
-        runs: dict[str, list[dict]] = {name: [] for name in ("direct", "direct_concurrent", *PROXY_PATHS, "stream")}
-        for _ in range(args.rounds):
-            for name, run in (("direct", direct), ("direct_concurrent", direct_concurrent)):
-                seconds, tokens = run()
-                runs[name].append({"seconds": seconds, "tokens": tokens})
-            for mode in (*PROXY_PATHS, "stream"):
-                runs[mode].append(agents(mode, 1 if mode == "stream" else args.requests))
-    client.stdin.close()
-    client.wait(timeout=30)
-    engine.shutdown()
-    report(args, runs)
+    def check_sessions(self, sessions: list) -> None:
+        """Every multi-turn session recorded one chain of `turns` calls, each prompt as long as the
+        direct path's (the same token streams both ways) and each reply `max_tokens` long."""
+        expected = self.direct_lengths
+        for i, s in enumerate(sessions):
+            turns = [s.turns[k] for k in sorted(s.turns)]
+            got = [(t.parent, len(t.prompt_ids), len(t.output_ids)) for t in turns]
+            want = [(k or None, expected[k][i], self.args.max_tokens) for k in range(self.args.turns)]
+            if got != want:
+                raise RuntimeError(f"session {i} recorded (parent, prompt length, reply length) {got}, "
+                                   f"the direct path ran {want}: the paths' token streams differ")
+
+    def run(self) -> dict[str, list[dict]]:
+        """Warm every path up, then `rounds` rounds of every path, alternating."""
+        # The agents' side runs in a process of its own, as agents do in training: in this
+        # process it would take the GIL from the engine's scheduler.
+        self.client = subprocess.Popen([sys.executable, __file__, "--client"], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True)
+        n, paths = self.args.requests, (*PROXY_PATHS, *TURN_PATHS, "stream")
+        with ProxyServer(self.tok, model_name="policy", coalesce_window_s=self.args.coalesce_ms / 1e3) as proxy:
+            self.direct()
+            self.direct_lengths = self.direct_turns()["prompt_lens"]
+            for mode in paths:
+                self.agents(proxy, mode, 1 if mode == "stream" else n)
+            runs: dict[str, list[dict]] = {name: [] for name in ("direct", "direct_concurrent", "direct_turns", *paths)}
+            for _ in range(self.args.rounds):
+                for name in ("direct", "direct_concurrent", "direct_turns"):
+                    runs[name].append(getattr(self, name)())
+                for mode in paths:
+                    runs[mode].append(self.agents(proxy, mode, 1 if mode == "stream" else n))
+        self.client.stdin.close()
+        self.client.wait(timeout=30)
+        self.engine.shutdown()
+        return runs
 
 
 # The proxy paths, as `client_main` runs them, and how the report names them.
 PROXY_PATHS = {"http": "proxy (HTTP client)", "sdk": "proxy (SDK, threads)", "sdk-processes": "proxy (SDK, processes)"}
+TURN_PATHS = {"http-turns": "proxy (HTTP client)", "sdk-turns": "proxy (SDK, threads)"}
 
 
 class timed_submit(engine_submit):  # noqa: N801 — as engine_submit
@@ -300,46 +413,85 @@ def where_the_time_goes(run: dict) -> dict[str, float]:
             "client_cpu_per_call": run["cpu_s"] / len(run["ends"]) * ms}
 
 
+def between_turns(run: dict) -> dict[str, float]:
+    """One multi-turn proxy round's timeline: the whole round (ms), how long a session was away
+    from the engine between two of its turns (the engine's reply to the next call's submission:
+    the proxy's response, the agent's parsing and next request, the proxy's intake; median over
+    all sessions' turns), how many sessions the engine held on average (their time in it over the
+    round's), and the agents' CPU per call."""
+    gaps = [log[t + 1][0] - log[t][1] for log in run["per_session"] for t in range(len(log) - 1)]
+    in_engine = sum(b - a for a, b in run["at_engine"])
+    return {"round": run["seconds"] * 1e3, "between_turns": statistics.median(gaps) * 1e3 if gaps else 0.0,
+            "mean_in_flight": in_engine / run["seconds"], "client_cpu_per_call": run["cpu_s"] / run["calls"] * 1e3}
+
+
+def medians(parts: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(p[key] for p in parts) for key in parts[0]}
+
+
 def report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
     """The per-round lines, the breakdown of where a round's time goes, and the JSON line."""
     rate = {name: [r["tokens"] / r["seconds"] for r in rs] for name, rs in runs.items() if name != "stream"}
     med = {name: statistics.median(x) for name, x in rate.items()}
-    for name, label in (("direct", "direct (one submission)"), ("direct_concurrent", "direct (one per thread)"),
-                        *PROXY_PATHS.items()):
-        print(f"{label:<24} tokens/s per round: {', '.join(f'{x:.0f}' for x in rate[name])}")
-    streamed = runs["stream"]
-    print("proxy (streamed call)    first chunk / end, ms: "
-          + ", ".join(f"{x['ttft_s'] * 1e3:.1f} / {x['completion_s'] * 1e3:.1f}" for x in streamed))
-    direct_ms = statistics.median(r["seconds"] for r in runs["direct"]) * 1e3
-    print(f"where the time goes (medians over rounds, ms from the calls' start): direct, all done at {direct_ms:.1f}")
-    steps = {}
-    for mode, label in PROXY_PATHS.items():
-        parts = [where_the_time_goes(r) for r in runs[mode]]
-        steps[mode] = {key: statistics.median(p[key] for p in parts) for key in parts[0]}
-        x = steps[mode]
-        print(f"  {label:<24} last call at the engine {x['last_at_engine']:5.1f}, engine done {x['engine_done']:5.1f}, "
-              f"replies parsed {x['replies_parsed']:5.1f}; agents' CPU per call {x['client_cpu_per_call']:.2f}")
 
-    def paired(name: str) -> float:
+    def paired(name: str, direct: str) -> float:
         # each round's path over the same round's direct one, the median: a load change between
         # rounds (a shared box) moves both sides of a round alike
-        return round(statistics.median(x / y for x, y in zip(rate[name], rate["direct"])), 3)
+        return round(statistics.median(x / y for x, y in zip(rate[name], rate[direct])), 3)
 
+    def ratio(name: str, direct: str) -> float:
+        return round(med[name] / med[direct], 3)
+
+    print(f"multi-turn: {args.requests} sessions x {args.turns} turns x {args.max_tokens} tokens")
+    for name, label in (("direct_turns", "direct (per turn, one submission)"), *TURN_PATHS.items()):
+        print(f"  {label:<34} tokens/s per round: {', '.join(f'{x:.0f}' for x in rate[name])}")
+    direct_turns_ms = statistics.median(r["seconds"] for r in runs["direct_turns"]) * 1e3
+    print(f"  where the time goes (medians, ms): direct, all {args.turns} turns done in {direct_turns_ms:.1f}")
+    turns = {mode: medians([between_turns(r) for r in runs[mode]]) for mode in TURN_PATHS}
+    for mode, label in TURN_PATHS.items():
+        x = turns[mode]
+        print(f"    {label:<24} round {x['round']:6.1f}, a session away from the engine between turns "
+              f"{x['between_turns']:5.2f}, sessions in the engine on average {x['mean_in_flight']:4.1f} of "
+              f"{args.requests}; agents' CPU per call {x['client_cpu_per_call']:.2f}")
+    print(f"single turn: {args.requests} calls at the same instant x {args.max_tokens} tokens")
+    for name, label in (("direct", "direct (one submission)"), ("direct_concurrent", "direct (one per thread)"),
+                        *PROXY_PATHS.items()):
+        print(f"  {label:<34} tokens/s per round: {', '.join(f'{x:.0f}' for x in rate[name])}")
+    streamed = runs["stream"]
+    print("  proxy (streamed call)              first chunk / end, ms: "
+          + ", ".join(f"{x['ttft_s'] * 1e3:.1f} / {x['completion_s'] * 1e3:.1f}" for x in streamed))
+    direct_ms = statistics.median(r["seconds"] for r in runs["direct"]) * 1e3
+    print(f"  where the time goes (medians, ms from the calls' start): direct, all done at {direct_ms:.1f}")
+    steps = {mode: medians([where_the_time_goes(r) for r in runs[mode]]) for mode in PROXY_PATHS}
+    for mode, label in PROXY_PATHS.items():
+        x = steps[mode]
+        print(f"    {label:<24} last call at the engine {x['last_at_engine']:5.1f}, engine done "
+              f"{x['engine_done']:5.1f}, replies parsed {x['replies_parsed']:5.1f}; agents' CPU per call "
+              f"{x['client_cpu_per_call']:.2f}")
+    single = {
+        "direct_tokens_per_s": round(med["direct"], 1), "direct_concurrent_tokens_per_s": round(med["direct_concurrent"], 1),
+        "proxy_tokens_per_s": round(med["http"], 1), "proxy_vs_direct_tokens_per_s_ratio": ratio("http", "direct"),
+        "proxy_vs_direct_concurrent_ratio": ratio("http", "direct_concurrent"),
+        "proxy_sdk_tokens_per_s": round(med["sdk"], 1), "proxy_sdk_vs_direct_ratio": ratio("sdk", "direct"),
+        "proxy_sdk_processes_vs_direct_ratio": ratio("sdk-processes", "direct"),
+        "proxy_vs_direct_paired_ratio": paired("http", "direct"), "proxy_sdk_vs_direct_paired_ratio": paired("sdk", "direct"),
+        "proxy_sdk_processes_vs_direct_paired_ratio": paired("sdk-processes", "direct"), "direct_ms": round(direct_ms, 1),
+        **{f"{mode.replace('-', '_')}_{key}_ms": round(v, 2) for mode, x in steps.items() for key, v in x.items()}}
     print(json.dumps({
-        "preset": args.preset, "requests": args.requests, "max_tokens": args.max_tokens, "rounds": args.rounds,
-        "coalesce_ms": args.coalesce_ms, "direct_tokens_per_s": round(med["direct"], 1),
-        "direct_concurrent_tokens_per_s": round(med["direct_concurrent"], 1),
-        "proxy_tokens_per_s": round(med["http"], 1),
-        "proxy_vs_direct_tokens_per_s_ratio": round(med["http"] / med["direct"], 3),
-        "proxy_vs_direct_concurrent_ratio": round(med["http"] / med["direct_concurrent"], 3),
-        "proxy_sdk_tokens_per_s": round(med["sdk"], 1), "proxy_sdk_vs_direct_ratio": round(med["sdk"] / med["direct"], 3),
-        "proxy_sdk_processes_vs_direct_ratio": round(med["sdk-processes"] / med["direct"], 3),
-        "proxy_vs_direct_paired_ratio": paired("http"), "proxy_sdk_vs_direct_paired_ratio": paired("sdk"),
-        "proxy_sdk_processes_vs_direct_paired_ratio": paired("sdk-processes"),
-        "direct_ms": round(direct_ms, 1),
-        **{f"{mode.replace('-', '_')}_{key}_ms": round(v, 2) for mode, x in steps.items() for key, v in x.items()},
+        "preset": args.preset, "requests": args.requests, "max_tokens": args.max_tokens, "turns": args.turns,
+        "rounds": args.rounds, "coalesce_ms": args.coalesce_ms,
+        "direct_tokens_per_s": round(med["direct_turns"], 1), "proxy_tokens_per_s": round(med["http-turns"], 1),
+        "proxy_sdk_tokens_per_s": round(med["sdk-turns"], 1),
+        "proxy_vs_direct_tokens_per_s_ratio": ratio("http-turns", "direct_turns"),
+        "proxy_sdk_vs_direct_ratio": ratio("sdk-turns", "direct_turns"),
+        "proxy_vs_direct_paired_ratio": paired("http-turns", "direct_turns"),
+        "proxy_sdk_vs_direct_paired_ratio": paired("sdk-turns", "direct_turns"), "direct_ms": round(direct_turns_ms, 1),
+        **{f"{mode.replace('-', '_')}_{key}" + ("" if key == "mean_in_flight" else "_ms"): round(v, 2)
+           for mode, x in turns.items() for key, v in x.items()},
+        **{f"single_turn_{key}": v for key, v in single.items()},
         "ttft_ms": round(statistics.median(x["ttft_s"] for x in streamed) * 1e3, 1),
         "completion_ms": round(statistics.median(x["completion_s"] for x in streamed) * 1e3, 1)}))
+
 
 if __name__ == "__main__":
     main()
