@@ -1,40 +1,52 @@
 """What the recording proxy costs: generated tokens/s through it vs the engine directly.
 
-The same requests both ways, on one free-running embedded engine (random-init tiny MoE, every
-turn runs to max_tokens: `ignore_eos`): `--requests` chat prompts at once, directly as token ids
-via `submit_many`, and through the proxy — one session each, all called at once from a separate
-process (agents never run in the engine's process), the proxy parsing the HTTP request,
-rendering the template, coalescing the calls that arrive together into one engine submission if
-`--coalesce-ms` > 0 (the proxy's default: off), recording and stitching. Three agent sides:
-"HTTP" posts the JSON bodies (built before the timing) with `http.client`, one thread each — the
-proxy's own cost; "SDK" is the official `openai` client, one client and thread per call in one
-process, whose request building and response parsing (the agents' own CPU, serialised on that
-process's GIL, on the same two cores as the engine) come on top; "SDK, processes" is the same
-client with every call from an agent process of its own (forked with `openai` imported, as AxRL
-forks a `python agent.py` episode) — no shared GIL, but 16 processes and the engine on the cores.
-Every client is built and connected before the timing (an agent keeps its client across turns).
-A direct path also submits each request from its own thread, as independent agents arrive: what
-staggered arrivals cost the engine (admission and prefill spread over iterations). Rounds
-alternate (direct, per thread, HTTP, SDK, SDK processes, streamed, direct, …) so all see the
-same machine load; the medians are compared. "Streamed" is one `stream: true` chat call through
-the proxy (over HTTP, alone on the engine): the time to its first content chunk and to its end.
+One free-running embedded engine (random-init tiny MoE, every turn runs to max_tokens:
+`ignore_eos`), `--requests` agents, two workloads, rounds alternating between every path so all
+see the same machine load; the agents always run in a process of their own (never in the
+engine's), their clients built and connected before the timing (an agent keeps its client).
 
-Where a round's time goes, per proxy path (medians, ms from the moment the agents start): when
-the last call reached the engine (the agents building and sending + the proxy's intake), when
-the engine finished the last one (compare the direct path's whole time), when the agents had
-parsed the last reply, and the agents' CPU per call (their process's thread or process CPU
-time). perf_counter is CLOCK_MONOTONIC, one clock for both processes.
+**Multi-turn (the headline).** What AxRL runs: each agent a session of `--turns` chat calls (the
+default 4 is `rollout.max_turns`' default, with `rollout.max_new_tokens`' 48 per turn: what the
+quickstart trains on), each call's reply appended to the conversation and then a fixed short
+message (`FOLLOW_UP`, the tool's answer), then the next call. Through the proxy, every agent is a
+thread running its turns back to back: "HTTP" posts the JSON with `http.client` (the proxy's own
+cost), "SDK" calls the official `openai` client (its request building and response parsing, the
+agents' own CPU serialised on their process's GIL, on the same cores as the engine, come on top).
+Directly, the same token streams (each session's stream so far, the reply's turn close, the
+follow-up message: exactly what the proxy stitches — checked: every proxy session records one
+chain of `--turns` calls with the direct path's prompt lengths and `max_tokens` replies) go to the
+engine per turn, all sessions in one `submit_many`, only the engine's time counted: the engine's
+best case, the agents' and the proxy's time all charged to the proxy paths.
+
+**Single turn (a worst case, kept for its breakdown).** All `--requests` calls fired at the same
+instant, one call each: directly in one `submit_many` and from one thread each, and through the
+proxy over HTTP, the SDK from threads, and the SDK from one forked process per agent (as AxRL
+forks a `python agent.py` episode). Here the SDK's ~2 ms of client CPU per call is serialised at
+one instant (the 16th call reaches the engine ≥ 16 × ~1 ms of request building late): the agents'
+cost, which a free proxy would leave at ≈ 0.88. `--coalesce-ms` > 0 sets the proxy's coalescing
+window (off by default). Also one `stream: true` call per round (over HTTP, alone on the engine):
+the time to its first content chunk and to its end.
+
+Where the time goes, per proxy path (medians over rounds, ms). Multi-turn: the round; how long a
+session was away from the engine between two of its turns (from the engine finishing one call to
+it receiving the next: the proxy's reply, the agent's parsing and next request, the proxy's
+intake); how many sessions the engine held on average; the agents' CPU per call and the proxy's
+(its event-loop thread's CPU time, in the engine's process). Single turn: when the last call
+reached the engine, when the engine finished the last one, when the agents had parsed the last
+reply, and the same CPU per call. perf_counter is CLOCK_MONOTONIC, one clock for both processes.
 
     OMP_NUM_THREADS=1 python bench/proxy_overhead.py --rounds 9
 
-Last stdout line: one JSON object; `proxy_vs_direct_tokens_per_s_ratio` (proxy over HTTP / one
-submission, the issue's target ≥ 0.95), `proxy_vs_direct_concurrent_ratio` (over HTTP / one per
-thread), `proxy_sdk_vs_direct_ratio` (through the SDK, threads / one submission, target ≥ 0.9)
-and `proxy_sdk_processes_vs_direct_ratio`: ratios of the medians; `*_paired_ratio`: the median
-of each round's ratio to the same round's direct run (steadier when the box's load changes);
-`direct_ms` and per path `<path>_last_at_engine_ms`, `_engine_done_ms`, `_replies_parsed_ms`,
-`_client_cpu_per_call_ms` (the breakdown above); `ttft_ms` and `completion_ms`: the streamed
-call's first content chunk and its end (medians).
+Last stdout line: one JSON object. The issue's keys are the multi-turn figures:
+`proxy_vs_direct_tokens_per_s_ratio` (HTTP agents over the direct path, target ≥ 0.95) and
+`proxy_sdk_vs_direct_ratio` (SDK agents, target ≥ 0.9), ratios of the medians; `*_paired_ratio`
+the median of each round's ratio to the same round's direct run (steadier when the box's load
+changes); `direct_ms`, and per path `<path>_turns_round_ms`, `_between_turns_ms`,
+`_mean_in_flight`, `_client_cpu_per_call_ms`, `_proxy_cpu_per_call_ms`. The single-turn figures
+carry a `single_turn_` prefix (`single_turn_proxy_vs_direct_tokens_per_s_ratio`,
+`single_turn_proxy_sdk_vs_direct_ratio`, `_concurrent`, `_sdk_processes`, paired, and per path
+`_last_at_engine_ms`, `_engine_done_ms`, `_replies_parsed_ms`, `_client_cpu_per_call_ms`,
+`_proxy_cpu_per_call_ms`); `ttft_ms` and `completion_ms`: the streamed call (medians).
 """
 
 from __future__ import annotations
@@ -331,9 +343,11 @@ class Bench:
         job = {"calls": [{"base_url": proxy.base_url(s), "api_key": s.api_key, "messages": c}
                          for s, c in zip(sessions, self.conversations)], "max_tokens": self.args.max_tokens,
                "mode": mode, "turns": self.args.turns, "follow_up": FOLLOW_UP}
+        cpu = proxy.cpu_seconds()
         self.client.stdin.write(json.dumps(job) + "\n")
         self.client.stdin.flush()
         done = json.loads(self.client.stdout.readline())
+        done["proxy_cpu_s"] = proxy.cpu_seconds() - cpu
         if mode.endswith("-turns"):
             self.check_sessions(sessions)
         for s in sessions:
@@ -410,7 +424,8 @@ def where_the_time_goes(run: dict) -> dict[str, float]:
     return {"last_at_engine": (max(a for a, _ in run["at_engine"]) - t0) * ms,
             "engine_done": (max(b for _, b in run["at_engine"]) - t0) * ms,
             "replies_parsed": (max(run["ends"]) - t0) * ms,
-            "client_cpu_per_call": run["cpu_s"] / len(run["ends"]) * ms}
+            "client_cpu_per_call": run["cpu_s"] / len(run["ends"]) * ms,
+            "proxy_cpu_per_call": run["proxy_cpu_s"] / len(run["ends"]) * ms}
 
 
 def between_turns(run: dict) -> dict[str, float]:
@@ -422,7 +437,8 @@ def between_turns(run: dict) -> dict[str, float]:
     gaps = [log[t + 1][0] - log[t][1] for log in run["per_session"] for t in range(len(log) - 1)]
     in_engine = sum(b - a for a, b in run["at_engine"])
     return {"round": run["seconds"] * 1e3, "between_turns": statistics.median(gaps) * 1e3 if gaps else 0.0,
-            "mean_in_flight": in_engine / run["seconds"], "client_cpu_per_call": run["cpu_s"] / run["calls"] * 1e3}
+            "mean_in_flight": in_engine / run["seconds"], "client_cpu_per_call": run["cpu_s"] / run["calls"] * 1e3,
+            "proxy_cpu_per_call": run["proxy_cpu_s"] / run["calls"] * 1e3}
 
 
 def medians(parts: list[dict[str, float]]) -> dict[str, float]:
@@ -430,33 +446,35 @@ def medians(parts: list[dict[str, float]]) -> dict[str, float]:
 
 
 def report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
-    """The per-round lines, the breakdown of where a round's time goes, and the JSON line."""
+    """The per-round lines, the breakdowns of where a round's time goes, and the JSON line."""
     rate = {name: [r["tokens"] / r["seconds"] for r in rs] for name, rs in runs.items() if name != "stream"}
     med = {name: statistics.median(x) for name, x in rate.items()}
 
-    def paired(name: str, direct: str) -> float:
-        # each round's path over the same round's direct one, the median: a load change between
-        # rounds (a shared box) moves both sides of a round alike
-        return round(statistics.median(x / y for x, y in zip(rate[name], rate[direct])), 3)
+    def ratios(name: str, direct: str) -> tuple[float, float]:
+        """The ratio of the medians, and the paired ratio: each round's path over the same round's
+        direct one, the median (a load change between rounds moves both sides of a round alike)."""
+        return (round(med[name] / med[direct], 3),
+                round(statistics.median(x / y for x, y in zip(rate[name], rate[direct])), 3))
 
-    def ratio(name: str, direct: str) -> float:
-        return round(med[name] / med[direct], 3)
+    def per_round(name: str, label: str) -> None:
+        print(f"  {label:<34} tokens/s per round: {', '.join(f'{x:.0f}' for x in rate[name])}")
 
     print(f"multi-turn: {args.requests} sessions x {args.turns} turns x {args.max_tokens} tokens")
     for name, label in (("direct_turns", "direct (per turn, one submission)"), *TURN_PATHS.items()):
-        print(f"  {label:<34} tokens/s per round: {', '.join(f'{x:.0f}' for x in rate[name])}")
-    direct_turns_ms = statistics.median(r["seconds"] for r in runs["direct_turns"]) * 1e3
-    print(f"  where the time goes (medians, ms): direct, all {args.turns} turns done in {direct_turns_ms:.1f}")
+        per_round(name, label)
+    turns_ms = statistics.median(r["seconds"] for r in runs["direct_turns"]) * 1e3
+    print(f"  where the time goes (medians, ms): direct, all {args.turns} turns done in {turns_ms:.1f}")
     turns = {mode: medians([between_turns(r) for r in runs[mode]]) for mode in TURN_PATHS}
     for mode, label in TURN_PATHS.items():
         x = turns[mode]
         print(f"    {label:<24} round {x['round']:6.1f}, a session away from the engine between turns "
               f"{x['between_turns']:5.2f}, sessions in the engine on average {x['mean_in_flight']:4.1f} of "
-              f"{args.requests}; agents' CPU per call {x['client_cpu_per_call']:.2f}")
+              f"{args.requests}; CPU per call: agents' {x['client_cpu_per_call']:.2f}, "
+              f"the proxy's {x['proxy_cpu_per_call']:.2f}")
     print(f"single turn: {args.requests} calls at the same instant x {args.max_tokens} tokens")
     for name, label in (("direct", "direct (one submission)"), ("direct_concurrent", "direct (one per thread)"),
                         *PROXY_PATHS.items()):
-        print(f"  {label:<34} tokens/s per round: {', '.join(f'{x:.0f}' for x in rate[name])}")
+        per_round(name, label)
     streamed = runs["stream"]
     print("  proxy (streamed call)              first chunk / end, ms: "
           + ", ".join(f"{x['ttft_s'] * 1e3:.1f} / {x['completion_s'] * 1e3:.1f}" for x in streamed))
@@ -466,26 +484,28 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
     for mode, label in PROXY_PATHS.items():
         x = steps[mode]
         print(f"    {label:<24} last call at the engine {x['last_at_engine']:5.1f}, engine done "
-              f"{x['engine_done']:5.1f}, replies parsed {x['replies_parsed']:5.1f}; agents' CPU per call "
-              f"{x['client_cpu_per_call']:.2f}")
-    single = {
-        "direct_tokens_per_s": round(med["direct"], 1), "direct_concurrent_tokens_per_s": round(med["direct_concurrent"], 1),
-        "proxy_tokens_per_s": round(med["http"], 1), "proxy_vs_direct_tokens_per_s_ratio": ratio("http", "direct"),
-        "proxy_vs_direct_concurrent_ratio": ratio("http", "direct_concurrent"),
-        "proxy_sdk_tokens_per_s": round(med["sdk"], 1), "proxy_sdk_vs_direct_ratio": ratio("sdk", "direct"),
-        "proxy_sdk_processes_vs_direct_ratio": ratio("sdk-processes", "direct"),
-        "proxy_vs_direct_paired_ratio": paired("http", "direct"), "proxy_sdk_vs_direct_paired_ratio": paired("sdk", "direct"),
-        "proxy_sdk_processes_vs_direct_paired_ratio": paired("sdk-processes", "direct"), "direct_ms": round(direct_ms, 1),
-        **{f"{mode.replace('-', '_')}_{key}_ms": round(v, 2) for mode, x in steps.items() for key, v in x.items()}}
+              f"{x['engine_done']:5.1f}, replies parsed {x['replies_parsed']:5.1f}; CPU per call: agents' "
+              f"{x['client_cpu_per_call']:.2f}, the proxy's {x['proxy_cpu_per_call']:.2f}")
+    (http, http_p), (sdk, sdk_p) = ratios("http-turns", "direct_turns"), ratios("sdk-turns", "direct_turns")
+    single = {"direct_tokens_per_s": round(med["direct"], 1),
+              "direct_concurrent_tokens_per_s": round(med["direct_concurrent"], 1),
+              "proxy_tokens_per_s": round(med["http"], 1), "proxy_sdk_tokens_per_s": round(med["sdk"], 1),
+              "direct_ms": round(direct_ms, 1)}
+    for key, name, direct in (("proxy_vs_direct_tokens_per_s", "http", "direct"),
+                              ("proxy_vs_direct_concurrent", "http", "direct_concurrent"),
+                              ("proxy_sdk_vs_direct", "sdk", "direct"),
+                              ("proxy_sdk_processes_vs_direct", "sdk-processes", "direct")):
+        single[f"{key}_ratio"], single[f"{key.replace('_tokens_per_s', '')}_paired_ratio"] = ratios(name, direct)
+    single.update({f"{mode.replace('-', '_')}_{key}_ms": round(v, 2)
+                   for mode, x in steps.items() for key, v in x.items()})
     print(json.dumps({
         "preset": args.preset, "requests": args.requests, "max_tokens": args.max_tokens, "turns": args.turns,
         "rounds": args.rounds, "coalesce_ms": args.coalesce_ms,
         "direct_tokens_per_s": round(med["direct_turns"], 1), "proxy_tokens_per_s": round(med["http-turns"], 1),
         "proxy_sdk_tokens_per_s": round(med["sdk-turns"], 1),
-        "proxy_vs_direct_tokens_per_s_ratio": ratio("http-turns", "direct_turns"),
-        "proxy_sdk_vs_direct_ratio": ratio("sdk-turns", "direct_turns"),
-        "proxy_vs_direct_paired_ratio": paired("http-turns", "direct_turns"),
-        "proxy_sdk_vs_direct_paired_ratio": paired("sdk-turns", "direct_turns"), "direct_ms": round(direct_turns_ms, 1),
+        "proxy_vs_direct_tokens_per_s_ratio": http, "proxy_sdk_vs_direct_ratio": sdk,
+        "proxy_vs_direct_paired_ratio": http_p, "proxy_sdk_vs_direct_paired_ratio": sdk_p,
+        "direct_ms": round(turns_ms, 1),
         **{f"{mode.replace('-', '_')}_{key}" + ("" if key == "mean_in_flight" else "_ms"): round(v, 2)
            for mode, x in turns.items() for key, v in x.items()},
         **{f"single_turn_{key}": v for key, v in single.items()},
