@@ -555,3 +555,19 @@ def test_no_window_submits_each_call_at_once(tok):
     assert coalescer.wrap(submit) is submit
     with pytest.raises(ValueError, match="window_s"):
         CallCoalescer(window_s=0.1, max_wait_s=0.01)
+
+
+def test_cpu_seconds_is_the_proxy_threads_cpu(calc, proxy, tok):
+    """`cpu_seconds` (what bench/proxy_overhead.py charges the proxy per call) grows with the
+    calls the proxy serves, and not with CPU spent in another thread of the process."""
+    _, _, client = calc
+    assert ProxyServer(tok).cpu_seconds() == 0.0  # not started: no thread
+    before = proxy.cpu_seconds()
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < 0.2:  # this thread's CPU is not the proxy's
+        pass
+    idle = proxy.cpu_seconds() - before
+    for _ in range(5):
+        agent_turns(client, QUESTION)
+    served = proxy.cpu_seconds() - before - idle
+    assert idle < 0.05 and served > idle
