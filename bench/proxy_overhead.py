@@ -285,9 +285,6 @@ class Bench:
         self.tok = tok = Tokenizer.default()
         cfg = preset_config(args.preset, vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id,
                             pad_token_id=tok.pad_token_id)
-        self.max_seq_len = 512 + 128 * args.turns
-        self.engine = EmbeddedEngine(build_model(cfg, seed=0).eval(), max_batch_size=args.requests,
-                                     max_seq_len=self.max_seq_len, eos_token_id=tok.eos_token_id)
         self.conversations = [[{"role": "system", "content": "Use the calculator tool, then reply: The answer is N."},
                                {"role": "user", "content": f"What is {17 + i} + {29 * i}?"}]
                               for i in range(args.requests)]
@@ -297,9 +294,16 @@ class Bench:
         conv = self.conversations[0] + [{"role": "assistant", "content": "."}, FOLLOW_UP]
         full = render(tok, conv, None, generation=True)
         self.follow_ids = tok.encode(appended_text(tok, conv, len(conv) - 1, None, full))
+        # The engine's context: the single-turn bench's 512 (the quickstart's rollout.max_context_len),
+        # more only when the sessions' streams need it.
+        longest = max(map(len, self.prompts)) + args.turns * (args.max_tokens + len(self.glue) + len(self.follow_ids))
+        self.max_seq_len = max(512, -(-longest // 64) * 64)
+        self.engine = EmbeddedEngine(build_model(cfg, seed=0).eval(), max_batch_size=args.requests,
+                                     max_seq_len=self.max_seq_len, eos_token_id=tok.eos_token_id)
         self.at_engine: dict[int, list[list[float]]] = {}  # per session: [submitted, finished] of each call
 
     def requests(self, prompts: list[list[int]], turn: int = 0) -> list[GenerateRequest]:
+        """One engine request per session: its prompt ids, the bench's sampling, a seed per session and turn."""
         return [GenerateRequest(input_ids=p, sampling_params=SamplingParams(
             **{**vars(self.sampling), "seed": i + 1000 * turn}), return_logprob=True) for i, p in enumerate(prompts)]
 
@@ -442,6 +446,7 @@ def between_turns(run: dict) -> dict[str, float]:
 
 
 def medians(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Per key, the median over rounds."""
     return {key: statistics.median(p[key] for p in parts) for key in parts[0]}
 
 
