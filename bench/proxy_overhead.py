@@ -272,9 +272,20 @@ def main() -> None:
     if args.turns < 1 or args.requests < 1:
         ap.error("--turns and --requests must be >= 1")
     torch.set_num_threads(1)
-    bench = Bench(args)
-    runs = bench.run()
+    runs = Bench(args).run()
+    same_tokens(args, runs)
     report(args, runs)
+
+
+def same_tokens(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
+    """Every round of every path generated what it should: the rates compare the same tokens."""
+    for name, rounds in runs.items():
+        if name == "stream":
+            continue
+        expected = args.requests * args.max_tokens * (args.turns if name in ("direct_turns", *TURN_PATHS) else 1)
+        got = [r["tokens"] for r in rounds]
+        if any(n != expected for n in got):
+            raise RuntimeError(f"{name}: generated {got} tokens per round, not {expected}: the paths differ")
 
 
 class Bench:

@@ -571,3 +571,23 @@ def test_cpu_seconds_is_the_proxy_threads_cpu(calc, proxy, tok):
         agent_turns(client, QUESTION)
     served = proxy.cpu_seconds() - before - idle
     assert idle < 0.05 and served > idle
+
+
+def test_proxy_overhead_bench_runs_small() -> None:
+    """bench/proxy_overhead.py at a tiny size: every multi-turn proxy session recorded the direct
+    path's token streams and every path generated the same number of tokens (the bench exits
+    non-zero otherwise), and the last line carries the issue's keys (the multi-turn figures) beside
+    the single-turn ones."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench" / "proxy_overhead.py"
+    out = subprocess.run([sys.executable, str(bench), "--rounds", "1", "--requests", "3", "--turns", "3",
+                          "--max-tokens", "6"], check=True, capture_output=True, text=True, timeout=300)
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["turns"] == 3 and summary["requests"] == 3
+    for key in ("proxy_vs_direct_tokens_per_s_ratio", "proxy_sdk_vs_direct_ratio",
+                "single_turn_proxy_vs_direct_tokens_per_s_ratio", "single_turn_proxy_sdk_vs_direct_ratio",
+                "http_turns_between_turns_ms", "sdk_turns_proxy_cpu_per_call_ms", "single_turn_sdk_last_at_engine_ms"):
+        assert summary[key] > 0, key
