@@ -52,15 +52,19 @@ carry a `single_turn_` prefix (`single_turn_proxy_vs_direct_tokens_per_s_ratio`,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import http.client
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
 
 import openai
 import torch
@@ -151,11 +155,12 @@ def http_agent(call: dict) -> tuple[http.client.HTTPConnection, str, dict[str, s
 
 
 def agent_sessions(job: dict) -> dict:
-    """Multi-turn agent sessions, one thread each, all started at once: every session makes
-    `turns` chat calls back to back, appending the assistant's reply and then `follow_up` (the
-    tool's answer, the same short text every turn) to its conversation before the next call.
-    mode "http-turns" posts the JSON with `http.client`; "sdk-turns" calls the official client."""
-    calls, sdk, turns, follow_up = job["calls"], job["mode"] == "sdk-turns", job["turns"], job["follow_up"]
+    """Multi-turn agent sessions, one thread each, all started at once: session i makes
+    `len(lengths[i])` chat calls back to back (call t with `max_tokens` lengths[i][t]), appending
+    the assistant's reply and then `follow_up` (the tool's answer) to its conversation before the
+    next call. mode "http-turns" posts the JSON with `http.client`; "sdk-turns" calls the official
+    client (one per agent, built and connected before the timing)."""
+    calls, sdk, lengths, follow_up = job["calls"], job["mode"] == "sdk-turns", job["lengths"], job["follow_up"]
     if sdk:
         agents = [openai.OpenAI(base_url=c["base_url"], api_key=c["api_key"], max_retries=0) for c in calls]
         for a in agents:  # connection set-up outside the timing
@@ -164,23 +169,23 @@ def agent_sessions(job: dict) -> dict:
         agents = [http_agent(c) for c in calls]
     ends, cpu = [0.0] * len(calls), [0.0] * len(calls)
 
-    def turn(i: int, messages: list[dict]) -> tuple[dict, int]:
+    def turn(i: int, messages: list[dict], max_tokens: int) -> tuple[dict, int]:
         """One chat call: the assistant message to append and the tokens generated."""
         if sdk:
-            r = agents[i].chat.completions.create(model="policy", messages=messages, max_tokens=job["max_tokens"])
+            r = agents[i].chat.completions.create(model="policy", messages=messages, max_tokens=max_tokens)
             reply = r.choices[0].message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"})
             return reply, r.usage.completion_tokens
         conn, path, headers = agents[i]
-        conn.request("POST", path, json.dumps({"model": "policy", "messages": messages,
-                                               "max_tokens": job["max_tokens"]}), headers)
+        conn.request("POST", path, json.dumps({"model": "policy", "messages": messages, "max_tokens": max_tokens}),
+                     headers)
         r = json.loads(conn.getresponse().read())
         reply = {k: v for k, v in r["choices"][0]["message"].items() if k in ("role", "content", "tool_calls")}
         return reply, r["usage"]["completion_tokens"]
 
     def session(i: int) -> int:
         c0, tokens, messages = time.thread_time(), 0, list(calls[i]["messages"])
-        for _ in range(turns):
-            reply, n = turn(i, messages)
+        for max_tokens in lengths[i]:
+            reply, n = turn(i, messages, max_tokens)
             tokens += n
             messages += [reply, follow_up]
         ends[i], cpu[i] = time.perf_counter(), time.thread_time() - c0
@@ -192,7 +197,7 @@ def agent_sessions(job: dict) -> dict:
         tokens = sum(pool.map(session, range(len(calls))))
         seconds = time.perf_counter() - t0
     return {"seconds": seconds, "tokens": tokens, "t0": t0, "ends": ends, "cpu_s": sum(cpu),
-            "calls": len(calls) * turns}
+            "calls": sum(map(len, lengths))}
 
 
 def client_main() -> None:
@@ -254,6 +259,11 @@ def client_main() -> None:
 
 
 FOLLOW_UP = {"role": "user", "content": "calculator: 46. Go on."}  # every session's next message, every turn
+WORKLOADS = {"steady": "", "lockstep": "lockstep_"}  # the multi-turn workloads and their keys' prefixes
+DIRECT_PATHS = {"direct_callback": "direct (done-callback resubmits)", "direct_threads": "direct (thread per session)"}
+TURN_PATHS = {"http-turns": "proxy (HTTP client)", "sdk-turns": "proxy (SDK, threads)"}
+# The single-turn proxy paths, as `client_main` runs them, and how the report names them.
+PROXY_PATHS = {"http": "proxy (HTTP client)", "sdk": "proxy (SDK, threads)", "sdk-processes": "proxy (SDK, processes)"}
 
 
 def main() -> None:
@@ -262,30 +272,65 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny-moe")
     ap.add_argument("--requests", type=int, default=16, help="agents (sessions) at once")
-    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=48,
+                    help="tokens per call (single turn, lockstep); the steady turns' mean (drawn from [1/3, 5/3] of it)")
     ap.add_argument("--turns", type=int, default=4,
-                    help="model calls per agent session in the multi-turn workload (rollout.max_turns' default)")
+                    help="model calls per agent session in the multi-turn workloads (rollout.max_turns' default)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0, help="the steady workload's turn-length draws")
     ap.add_argument("--coalesce-ms", type=float, default=0.0,
                     help="the proxy's coalescing window (0: every call submitted on its own)")
     args = ap.parse_args()
-    if args.turns < 1 or args.requests < 1:
-        ap.error("--turns and --requests must be >= 1")
+    if args.turns < 1 or args.requests < 1 or args.max_tokens < 3:
+        ap.error("--turns and --requests must be >= 1, --max-tokens >= 3")
     torch.set_num_threads(1)
-    runs = Bench(args).run()
-    same_tokens(args, runs)
-    report(args, runs)
+    bench = Bench(args)
+    runs = bench.run()
+    same_tokens(args, bench.lengths, runs)
+    report(args, bench.lengths, runs)
 
 
-def same_tokens(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
+def turn_lengths(args: argparse.Namespace) -> dict[str, list[list[int]]]:
+    """Per workload, session and turn, the call's `max_tokens` (exact: `ignore_eos`). Steady: drawn
+    uniformly from [max_tokens // 3, 5 * max_tokens // 3] ([16, 80] at 48), seeded; lockstep: all
+    `max_tokens`."""
+    rng = random.Random(args.seed)
+    lo, hi = args.max_tokens // 3, 5 * args.max_tokens // 3
+    return {"steady": [[rng.randint(lo, hi) for _ in range(args.turns)] for _ in range(args.requests)],
+            "lockstep": [[args.max_tokens] * args.turns for _ in range(args.requests)]}
+
+
+def same_tokens(args: argparse.Namespace, lengths: dict[str, list[list[int]]], runs: dict[str, list[dict]]) -> None:
     """Every round of every path generated what it should: the rates compare the same tokens."""
     for name, rounds in runs.items():
         if name == "stream":
             continue
-        expected = args.requests * args.max_tokens * (args.turns if name in ("direct_turns", *TURN_PATHS) else 1)
+        workload = name.split(":")[0]
+        expected = sum(map(sum, lengths[workload])) if workload in WORKLOADS else args.requests * args.max_tokens
         got = [r["tokens"] for r in rounds]
         if any(n != expected for n in got):
             raise RuntimeError(f"{name}: generated {got} tokens per round, not {expected}: the paths differ")
+
+
+def timed_many(submit_many: Callable, logs: list[list[list[float]]], requests: list[GenerateRequest]) -> list:
+    """`submit_many(requests)`, noting in logs[k], per request k, [when it reached the engine, when
+    the engine finished it] (the engine's thread stamps the end, before any later done-callback)."""
+    t = time.perf_counter()
+    futures = submit_many(requests)
+    for f, log in zip(futures, logs):
+        entry = [t, t]
+        log.append(entry)
+        f.add_done_callback(lambda _f, e=entry: e.__setitem__(1, time.perf_counter()))
+    return futures
+
+
+class timed_submit(engine_submit):  # noqa: N801 — as engine_submit
+    """`engine_submit` that notes each call in `log` (`timed_many`)."""
+
+    def __init__(self, engine: EmbeddedEngine, log: list[list[float]]) -> None:
+        super().__init__(engine)
+        submit_many = self.many
+        self.many = lambda requests: timed_many(submit_many, [log] * len(requests), requests)
 
 
 class Bench:
@@ -299,6 +344,8 @@ class Bench:
         self.conversations = [[{"role": "system", "content": "Use the calculator tool, then reply: The answer is N."},
                                {"role": "user", "content": f"What is {17 + i} + {29 * i}?"}]
                               for i in range(args.requests)]
+        self.lengths = turn_lengths(args)
+        self.max_len = max(args.max_tokens, *(n for w in self.lengths.values() for s in w for n in s))
         self.sampling = SamplingParams(max_new_tokens=args.max_tokens, temperature=1.0, ignore_eos=True)
         self.prompts = [tok.apply_chat_template(c, add_generation_prompt=True) for c in self.conversations]
         self.glue = reply_glue(assistant_close_ids(tok), closed=False)  # a reply cut at max_tokens
@@ -307,134 +354,156 @@ class Bench:
         self.follow_ids = tok.encode(appended_text(tok, conv, len(conv) - 1, None, full))
         # The engine's context: the single-turn bench's 512 (the quickstart's rollout.max_context_len),
         # more only when the sessions' streams need it.
-        longest = max(map(len, self.prompts)) + args.turns * (args.max_tokens + len(self.glue) + len(self.follow_ids))
+        longest = max(len(p) + sum(n + len(self.glue) + len(self.follow_ids) for n in s)
+                      for w in self.lengths.values() for p, s in zip(self.prompts, w))
         self.max_seq_len = max(512, -(-longest // 64) * 64)
         self.engine = EmbeddedEngine(build_model(cfg, seed=0).eval(), max_batch_size=args.requests,
                                      max_seq_len=self.max_seq_len, eos_token_id=tok.eos_token_id)
         self.at_engine: dict[int, list[list[float]]] = {}  # per session: [submitted, finished] of each call
 
-    def requests(self, prompts: list[list[int]], turn: int = 0) -> list[GenerateRequest]:
-        """One engine request per session: its prompt ids, the bench's sampling, a seed per session and turn."""
-        return [GenerateRequest(input_ids=p, sampling_params=SamplingParams(
-            **{**vars(self.sampling), "seed": i + 1000 * turn}), return_logprob=True) for i, p in enumerate(prompts)]
+    def request(self, i: int, prompt: list[int], turn: int = 0, max_tokens: int | None = None) -> GenerateRequest:
+        """Session i's engine request: its prompt ids, the bench's sampling, a seed per session and turn."""
+        return GenerateRequest(input_ids=prompt, sampling_params=dataclasses.replace(
+            self.sampling, seed=i + 1000 * turn, max_new_tokens=max_tokens or self.args.max_tokens),
+            return_logprob=True)
 
     def direct(self) -> dict:
         """All requests in one submission: admitted together, one batch from the first step."""
-        batch = self.requests(self.prompts)
+        batch = [self.request(i, p) for i, p in enumerate(self.prompts)]
         t0 = time.perf_counter()
         results = [f.result() for f in self.engine.submit_many(batch)]
         return {"seconds": time.perf_counter() - t0, "tokens": sum(len(r.output_ids) for r in results)}
 
     def direct_concurrent(self) -> dict:
         """Each request submitted on its own from its own thread, as independent agents arrive."""
-        batch = self.requests(self.prompts)
+        batch = [self.request(i, p) for i, p in enumerate(self.prompts)]
         with ThreadPoolExecutor(len(batch)) as pool:
             t0 = time.perf_counter()
             results = list(pool.map(lambda r: self.engine.submit_many([r])[0].result(), batch))
             return {"seconds": time.perf_counter() - t0, "tokens": sum(len(r.output_ids) for r in results)}
 
-    def direct_turns(self) -> dict:
-        """The multi-turn sessions' token streams without the proxy and agents: per turn, every
-        session's next prompt (its stream so far, the reply's close, the follow-up message: what
-        the proxy stitches) in one submission. Only the engine's time counts (building the next
-        prompts is left out): the engine's best case."""
-        prompts, seconds, tokens, lengths = list(self.prompts), 0.0, 0, []
-        for turn in range(self.args.turns):
-            batch = self.requests(prompts, turn)
-            t0 = time.perf_counter()
-            results = [f.result() for f in self.engine.submit_many(batch)]
-            seconds += time.perf_counter() - t0
-            tokens += sum(len(r.output_ids) for r in results)
-            lengths.append([len(p) for p in prompts])
-            prompts = [p + list(r.output_ids) + self.glue + self.follow_ids for p, r in zip(prompts, results)]
-        return {"seconds": seconds, "tokens": tokens, "prompt_lens": lengths}
+    def direct_chained(self, workload: str, threads: bool) -> dict:
+        """The multi-turn sessions' token streams without the proxy and agents: each session's
+        next turn (its stream so far, the reply's close, the follow-up message: what the proxy
+        stitches) submitted the moment its previous one finishes — from the finished call's
+        done-callback on the engine's own thread (no wake-up between turns; all first turns in one
+        submission), or from one thread per session in this process (`threads`)."""
+        lengths, n = self.lengths[workload], self.args.requests
+        logs: list[list[list[float]]] = [[] for _ in range(n)]
+        prompt_lens: list[list[int]] = [[] for _ in range(n)]
+        tokens, errors, finished = [0] * n, [], threading.Semaphore(0)
 
-    def agents(self, proxy: ProxyServer, mode: str, n: int) -> dict:
-        """n sessions' calls made by the client process in `mode`; its report."""
+        def submit(sessions: list[int], turn: int, prompts: list[list[int]]) -> list:
+            for i, p in zip(sessions, prompts):
+                prompt_lens[i].append(len(p))
+            return timed_many(self.engine.submit_many, [logs[i] for i in sessions],
+                              [self.request(i, p, turn, lengths[i][turn]) for i, p in zip(sessions, prompts)])
+
+        def step(i: int, turn: int, prompt: list[int], result: Any) -> list[int] | None:
+            """Count a finished turn; the session's next prompt, None after its last turn."""
+            tokens[i] += len(result.output_ids)
+            return prompt + list(result.output_ids) + self.glue + self.follow_ids if turn + 1 < len(lengths[i]) else None
+
+        def chain(i: int, turn: int, prompt: list[int], future: Any) -> None:  # on the engine's thread
+            try:
+                nxt = step(i, turn, prompt, future.result())
+                if nxt is not None:
+                    submit([i], turn + 1, [nxt])[0].add_done_callback(lambda f: chain(i, turn + 1, nxt, f))
+                    return
+            except BaseException as e:  # noqa: BLE001 — a callback's error would be swallowed
+                errors.append(e)
+            finished.release()
+
+        def session(i: int) -> None:
+            prompt, turn = self.prompts[i], 0
+            while prompt is not None:
+                prompt, turn = step(i, turn, prompt, submit([i], turn, [prompt])[0].result()), turn + 1
+
+        with ThreadPoolExecutor(n) as pool:
+            list(pool.map(lambda i: None, range(n)))  # start the threads outside the timing
+            t0 = time.perf_counter()
+            if threads:
+                list(pool.map(session, range(n)))
+            else:
+                for i, f in enumerate(submit(list(range(n)), 0, self.prompts)):
+                    f.add_done_callback(lambda f, i=i: chain(i, 0, self.prompts[i], f))
+                for _ in range(n):
+                    if not finished.acquire(timeout=300) or errors:
+                        raise RuntimeError(f"the direct chained sessions failed: {errors or 'timed out'}")
+            seconds = time.perf_counter() - t0
+        return {"seconds": seconds, "tokens": sum(tokens), "prompt_lens": prompt_lens, "per_session": logs,
+                "at_engine": [x for log in logs for x in log]}
+
+    def agents(self, proxy: ProxyServer, mode: str, n: int, workload: str | None = None) -> dict:
+        """n sessions' calls made by the client process in `mode` (multi-turn: `workload`'s turns); its report."""
         self.at_engine = {i: [] for i in range(n)}
         sessions = [proxy.open_session(timed_submit(self.engine, self.at_engine[i]),
-                                       SessionPolicy(self.sampling, max_tokens=self.args.max_tokens, seed=i),
+                                       SessionPolicy(self.sampling, max_tokens=self.max_len, seed=i),
                                        max_context_len=self.max_seq_len) for i in range(n)]
         job = {"calls": [{"base_url": proxy.base_url(s), "api_key": s.api_key, "messages": c}
                          for s, c in zip(sessions, self.conversations)], "max_tokens": self.args.max_tokens,
-               "mode": mode, "turns": self.args.turns, "follow_up": FOLLOW_UP}
+               "mode": mode, "lengths": workload and self.lengths[workload], "follow_up": FOLLOW_UP}
         cpu = proxy.cpu_seconds()
         self.client.stdin.write(json.dumps(job) + "\n")
         self.client.stdin.flush()
         done = json.loads(self.client.stdout.readline())
         done["proxy_cpu_s"] = proxy.cpu_seconds() - cpu
-        if mode.endswith("-turns"):
-            self.check_sessions(sessions)
+        if workload:
+            self.check_sessions(sessions, workload)
         for s in sessions:
             proxy.close_session(s)
         return {**done, "at_engine": [list(x) for log in self.at_engine.values() for x in log],
                 "per_session": [[list(x) for x in log] for log in self.at_engine.values()]}
 
-    def check_sessions(self, sessions: list) -> None:
-        """Every multi-turn session recorded one chain of `turns` calls, each prompt as long as the
-        direct path's (the same token streams both ways) and each reply `max_tokens` long."""
-        expected = self.direct_lengths
+    def check_sessions(self, sessions: list, workload: str) -> None:
+        """Every multi-turn session recorded one chain of its turns, each prompt as long as the
+        direct path's (the same token streams both ways) and each reply its turn's length."""
+        expected, lengths = self.direct_lengths[workload], self.lengths[workload]
         for i, s in enumerate(sessions):
-            turns = [s.turns[k] for k in sorted(s.turns)]
-            got = [(t.parent, len(t.prompt_ids), len(t.output_ids)) for t in turns]
-            want = [(k or None, expected[k][i], self.args.max_tokens) for k in range(self.args.turns)]
+            got = [(t.parent, len(t.prompt_ids), len(t.output_ids)) for t in (s.turns[k] for k in sorted(s.turns))]
+            want = [(k or None, expected[i][k], n) for k, n in enumerate(lengths[i])]
             if got != want:
                 raise RuntimeError(f"session {i} recorded (parent, prompt length, reply length) {got}, "
                                    f"the direct path ran {want}: the paths' token streams differ")
 
+    def run_path(self, proxy: ProxyServer, name: str) -> dict:
+        """One round of the path `name` ("direct", "http", ..., or "<workload>:<path>")."""
+        workload, _, path = name.rpartition(":")
+        if path in DIRECT_PATHS:
+            run = self.direct_chained(workload, threads=path == "direct_threads")
+            if self.direct_lengths.setdefault(workload, run["prompt_lens"]) != run["prompt_lens"]:
+                raise RuntimeError(f"{name}: the direct paths' prompt lengths differ from round to round")
+            return run
+        if path in ("direct", "direct_concurrent"):
+            return getattr(self, path)()
+        return self.agents(proxy, path, 1 if path == "stream" else self.args.requests, workload or None)
+
     def run(self) -> dict[str, list[dict]]:
         """Warm every path up, then `rounds` rounds of every path, alternating."""
-        # The agents' side runs in a process of its own, as agents do in training: in this
+        # The agents' side runs in a process of their own, as agents do in training: in this
         # process it would take the GIL from the engine's scheduler.
         self.client = subprocess.Popen([sys.executable, __file__, "--client"], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, text=True)
-        n, paths = self.args.requests, (*PROXY_PATHS, *TURN_PATHS, "stream")
+        self.direct_lengths: dict[str, list[list[int]]] = {}
+        names = ["direct", "direct_concurrent", *PROXY_PATHS, "stream",
+                 *(f"{w}:{p}" for w in WORKLOADS for p in (*DIRECT_PATHS, *TURN_PATHS))]
         with ProxyServer(self.tok, model_name="policy", coalesce_window_s=self.args.coalesce_ms / 1e3) as proxy:
-            self.direct()
-            self.direct_lengths = self.direct_turns()["prompt_lens"]
-            for mode in paths:
-                self.agents(proxy, mode, 1 if mode == "stream" else n)
-            runs: dict[str, list[dict]] = {name: [] for name in ("direct", "direct_concurrent", "direct_turns", *paths)}
+            for name in names:  # the warm-up round (the direct paths first: the checks' prompt lengths)
+                self.run_path(proxy, name)
+            runs: dict[str, list[dict]] = {name: [] for name in names}
             for _ in range(self.args.rounds):
-                for name in ("direct", "direct_concurrent", "direct_turns"):
-                    runs[name].append(getattr(self, name)())
-                for mode in paths:
-                    runs[mode].append(self.agents(proxy, mode, 1 if mode == "stream" else n))
+                for name in names:
+                    runs[name].append(self.run_path(proxy, name))
         self.client.stdin.close()
         self.client.wait(timeout=30)
         self.engine.shutdown()
         return runs
 
 
-# The proxy paths, as `client_main` runs them, and how the report names them.
-PROXY_PATHS = {"http": "proxy (HTTP client)", "sdk": "proxy (SDK, threads)", "sdk-processes": "proxy (SDK, processes)"}
-TURN_PATHS = {"http-turns": "proxy (HTTP client)", "sdk-turns": "proxy (SDK, threads)"}
-
-
-class timed_submit(engine_submit):  # noqa: N801 — as engine_submit
-    """`engine_submit` that notes in `log`, per call, when it reached the engine and when the
-    engine finished it (the engine's thread runs the done callback)."""
-
-    def __init__(self, engine: EmbeddedEngine, log: list[list[float]]) -> None:
-        super().__init__(engine)
-        submit_many = self.many
-
-        def many(requests: list[GenerateRequest]) -> list:
-            t = time.perf_counter()
-            futures = submit_many(requests)
-            for f in futures:
-                entry = [t, t]
-                log.append(entry)
-                f.add_done_callback(lambda _f, e=entry: e.__setitem__(1, time.perf_counter()))
-            return futures
-
-        self.many = many
-
-
 def where_the_time_goes(run: dict) -> dict[str, float]:
-    """One proxy round's timeline, ms from the moment the agents start their calls: the last call
-    to reach the engine, the last the engine finished, the last reply the agents had parsed, and
-    the agents' CPU per call (request building, sending, reading, parsing)."""
+    """One single-turn proxy round's timeline, ms from the moment the agents start their calls:
+    the last call to reach the engine, the last the engine finished, the last reply the agents had
+    parsed, and the agents' CPU per call (request building, sending, reading, parsing)."""
     t0, ms = run["t0"], 1e3
     return {"last_at_engine": (max(a for a, _ in run["at_engine"]) - t0) * ms,
             "engine_done": (max(b for _, b in run["at_engine"]) - t0) * ms,
@@ -444,16 +513,19 @@ def where_the_time_goes(run: dict) -> dict[str, float]:
 
 
 def between_turns(run: dict) -> dict[str, float]:
-    """One multi-turn proxy round's timeline: the whole round (ms), how long a session was away
-    from the engine between two of its turns (the engine's reply to the next call's submission:
-    the proxy's response, the agent's parsing and next request, the proxy's intake; median over
-    all sessions' turns), how many sessions the engine held on average (their time in it over the
-    round's), and the agents' CPU per call."""
+    """One multi-turn round's timeline: the whole round (ms), how long a session was away from
+    the engine between two of its turns (the engine finishing one call to it receiving the next;
+    through the proxy: its reply, the agent's parsing and next request, the proxy's intake; median
+    over all sessions' turns), how many sessions the engine held on average (their time in it over
+    the round's), and, through the proxy, the agents' and the proxy's CPU per call."""
     gaps = [log[t + 1][0] - log[t][1] for log in run["per_session"] for t in range(len(log) - 1)]
     in_engine = sum(b - a for a, b in run["at_engine"])
-    return {"round": run["seconds"] * 1e3, "between_turns": statistics.median(gaps) * 1e3 if gaps else 0.0,
-            "mean_in_flight": in_engine / run["seconds"], "client_cpu_per_call": run["cpu_s"] / run["calls"] * 1e3,
-            "proxy_cpu_per_call": run["proxy_cpu_s"] / run["calls"] * 1e3}
+    out = {"round": run["seconds"] * 1e3, "between_turns": statistics.median(gaps) * 1e3 if gaps else 0.0,
+           "mean_in_flight": in_engine / run["seconds"]}
+    if "cpu_s" in run:
+        out.update(client_cpu_per_call=run["cpu_s"] / run["calls"] * 1e3,
+                   proxy_cpu_per_call=run["proxy_cpu_s"] / run["calls"] * 1e3)
+    return out
 
 
 def medians(parts: list[dict[str, float]]) -> dict[str, float]:
@@ -461,36 +533,61 @@ def medians(parts: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.median(p[key] for p in parts) for key in parts[0]}
 
 
-def report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
-    """The per-round lines, the breakdowns of where a round's time goes, and the JSON line."""
-    rate = {name: [r["tokens"] / r["seconds"] for r in rs] for name, rs in runs.items() if name != "stream"}
-    med = {name: statistics.median(x) for name, x in rate.items()}
+class Rates:
+    """Generated tokens/s per path and round, and the ratios of two paths."""
 
-    def ratios(name: str, direct: str) -> tuple[float, float]:
+    def __init__(self, runs: dict[str, list[dict]]) -> None:
+        self.rate = {name: [r["tokens"] / r["seconds"] for r in rs] for name, rs in runs.items() if name != "stream"}
+        self.med = {name: statistics.median(x) for name, x in self.rate.items()}
+
+    def ratios(self, name: str, direct: str) -> tuple[float, float]:
         """The ratio of the medians, and the paired ratio: each round's path over the same round's
         direct one, the median (a load change between rounds moves both sides of a round alike)."""
-        return (round(med[name] / med[direct], 3),
-                round(statistics.median(x / y for x, y in zip(rate[name], rate[direct])), 3))
+        return (round(self.med[name] / self.med[direct], 3),
+                round(statistics.median(x / y for x, y in zip(self.rate[name], self.rate[direct])), 3))
 
-    def per_round(name: str, label: str) -> None:
-        print(f"  {label:<34} tokens/s per round: {', '.join(f'{x:.0f}' for x in rate[name])}")
+    def per_round(self, name: str, label: str) -> None:
+        print(f"  {label:<34} tokens/s per round: {', '.join(f'{x:.0f}' for x in self.rate[name])}")
 
-    print(f"multi-turn: {args.requests} sessions x {args.turns} turns x {args.max_tokens} tokens")
-    for name, label in (("direct_turns", "direct (per turn, one submission)"), *TURN_PATHS.items()):
-        per_round(name, label)
-    turns_ms = statistics.median(r["seconds"] for r in runs["direct_turns"]) * 1e3
-    print(f"  where the time goes (medians, ms): direct, all {args.turns} turns done in {turns_ms:.1f}")
-    turns = {mode: medians([between_turns(r) for r in runs[mode]]) for mode in TURN_PATHS}
-    for mode, label in TURN_PATHS.items():
-        x = turns[mode]
-        print(f"    {label:<24} round {x['round']:6.1f}, a session away from the engine between turns "
+
+def multi_turn_report(args: argparse.Namespace, workload: str, lengths: list[list[int]], runs: dict[str, list[dict]],
+                      rates: Rates) -> dict:
+    """One multi-turn workload's lines and JSON keys (unprefixed)."""
+    flat = [n for s in lengths for n in s]
+    title = "steady state" if workload == "steady" else "lockstep"
+    print(f"multi-turn, {title}: {args.requests} sessions x {args.turns} turns, max_tokens "
+          + (f"drawn from [{min(flat)}, {max(flat)}] (seed {args.seed})" if workload == "steady" else f"{flat[0]}")
+          + f", {sum(flat)} tokens a round")
+    paths = {**DIRECT_PATHS, **TURN_PATHS}
+    for path, label in paths.items():
+        rates.per_round(f"{workload}:{path}", label)
+    direct = max(DIRECT_PATHS, key=lambda p: rates.med[f"{workload}:{p}"])
+    parts = {path: medians([between_turns(r) for r in runs[f"{workload}:{path}"]]) for path in paths}
+    print(f"  where the time goes (medians, ms); `direct` is {DIRECT_PATHS[direct]}")
+    for path, label in paths.items():
+        x = parts[path]
+        print(f"    {label:<32} round {x['round']:6.1f}, a session away from the engine between turns "
               f"{x['between_turns']:5.2f}, sessions in the engine on average {x['mean_in_flight']:4.1f} of "
-              f"{args.requests}; CPU per call: agents' {x['client_cpu_per_call']:.2f}, "
-              f"the proxy's {x['proxy_cpu_per_call']:.2f}")
+              f"{args.requests}" + (f"; CPU per call: agents' {x['client_cpu_per_call']:.2f}, the proxy's "
+                                    f"{x['proxy_cpu_per_call']:.2f}" if "client_cpu_per_call" in x else ""))
+    (http, http_p), (sdk, sdk_p) = (rates.ratios(f"{workload}:{p}", f"{workload}:{direct}") for p in TURN_PATHS)
+    return {"direct_path": direct, "direct_tokens_per_s": round(rates.med[f"{workload}:{direct}"], 1),
+            **{f"{p}_tokens_per_s": round(rates.med[f"{workload}:{p}"], 1) for p in DIRECT_PATHS},
+            "proxy_tokens_per_s": round(rates.med[f"{workload}:http-turns"], 1),
+            "proxy_sdk_tokens_per_s": round(rates.med[f"{workload}:sdk-turns"], 1),
+            "proxy_vs_direct_tokens_per_s_ratio": http, "proxy_sdk_vs_direct_ratio": sdk,
+            "proxy_vs_direct_paired_ratio": http_p, "proxy_sdk_vs_direct_paired_ratio": sdk_p,
+            "direct_ms": round(parts[direct]["round"], 1),
+            **{f"{path.replace('-', '_')}_{key}" + ("" if key == "mean_in_flight" else "_ms"): round(v, 2)
+               for path, x in parts.items() for key, v in x.items() if key != "round" or path in TURN_PATHS}}
+
+
+def single_turn_report(args: argparse.Namespace, runs: dict[str, list[dict]], rates: Rates) -> dict:
+    """The single-turn burst's lines and JSON keys (unprefixed)."""
     print(f"single turn: {args.requests} calls at the same instant x {args.max_tokens} tokens")
     for name, label in (("direct", "direct (one submission)"), ("direct_concurrent", "direct (one per thread)"),
                         *PROXY_PATHS.items()):
-        per_round(name, label)
+        rates.per_round(name, label)
     streamed = runs["stream"]
     print("  proxy (streamed call)              first chunk / end, ms: "
           + ", ".join(f"{x['ttft_s'] * 1e3:.1f} / {x['completion_s'] * 1e3:.1f}" for x in streamed))
@@ -502,28 +599,32 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
         print(f"    {label:<24} last call at the engine {x['last_at_engine']:5.1f}, engine done "
               f"{x['engine_done']:5.1f}, replies parsed {x['replies_parsed']:5.1f}; CPU per call: agents' "
               f"{x['client_cpu_per_call']:.2f}, the proxy's {x['proxy_cpu_per_call']:.2f}")
-    (http, http_p), (sdk, sdk_p) = ratios("http-turns", "direct_turns"), ratios("sdk-turns", "direct_turns")
-    single = {"direct_tokens_per_s": round(med["direct"], 1),
-              "direct_concurrent_tokens_per_s": round(med["direct_concurrent"], 1),
-              "proxy_tokens_per_s": round(med["http"], 1), "proxy_sdk_tokens_per_s": round(med["sdk"], 1),
+    single = {"direct_tokens_per_s": round(rates.med["direct"], 1),
+              "direct_concurrent_tokens_per_s": round(rates.med["direct_concurrent"], 1),
+              "proxy_tokens_per_s": round(rates.med["http"], 1), "proxy_sdk_tokens_per_s": round(rates.med["sdk"], 1),
               "direct_ms": round(direct_ms, 1)}
     for key, name, direct in (("proxy_vs_direct_tokens_per_s", "http", "direct"),
                               ("proxy_vs_direct_concurrent", "http", "direct_concurrent"),
                               ("proxy_sdk_vs_direct", "sdk", "direct"),
                               ("proxy_sdk_processes_vs_direct", "sdk-processes", "direct")):
-        single[f"{key}_ratio"], single[f"{key.replace('_tokens_per_s', '')}_paired_ratio"] = ratios(name, direct)
+        single[f"{key}_ratio"], single[f"{key.replace('_tokens_per_s', '')}_paired_ratio"] = rates.ratios(name, direct)
     single.update({f"{mode.replace('-', '_')}_{key}_ms": round(v, 2)
                    for mode, x in steps.items() for key, v in x.items()})
+    return single
+
+
+def report(args: argparse.Namespace, lengths: dict[str, list[list[int]]], runs: dict[str, list[dict]]) -> None:
+    """The per-round lines, the breakdowns of where a round's time goes, and the JSON line."""
+    rates = Rates(runs)
+    multi = {w: multi_turn_report(args, w, lengths[w], runs, rates) for w in WORKLOADS}
+    single = single_turn_report(args, runs, rates)
+    streamed = runs["stream"]
+    steady = [n for s in lengths["steady"] for n in s]
     print(json.dumps({
         "preset": args.preset, "requests": args.requests, "max_tokens": args.max_tokens, "turns": args.turns,
-        "rounds": args.rounds, "coalesce_ms": args.coalesce_ms,
-        "direct_tokens_per_s": round(med["direct_turns"], 1), "proxy_tokens_per_s": round(med["http-turns"], 1),
-        "proxy_sdk_tokens_per_s": round(med["sdk-turns"], 1),
-        "proxy_vs_direct_tokens_per_s_ratio": http, "proxy_sdk_vs_direct_ratio": sdk,
-        "proxy_vs_direct_paired_ratio": http_p, "proxy_sdk_vs_direct_paired_ratio": sdk_p,
-        "direct_ms": round(turns_ms, 1),
-        **{f"{mode.replace('-', '_')}_{key}" + ("" if key == "mean_in_flight" else "_ms"): round(v, 2)
-           for mode, x in turns.items() for key, v in x.items()},
+        "rounds": args.rounds, "seed": args.seed, "coalesce_ms": args.coalesce_ms,
+        "turn_tokens_min": min(steady), "turn_tokens_max": max(steady), "tokens_per_round": sum(steady),
+        **{f"{prefix}{key}": v for w, prefix in WORKLOADS.items() for key, v in multi[w].items()},
         **{f"single_turn_{key}": v for key, v in single.items()},
         "ttft_ms": round(statistics.median(x["ttft_s"] for x in streamed) * 1e3, 1),
         "completion_ms": round(statistics.median(x["completion_s"] for x in streamed) * 1e3, 1)}))
