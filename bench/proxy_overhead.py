@@ -1,72 +1,79 @@
 """What the recording proxy costs: generated tokens/s through it vs the engine directly.
 
-One free-running embedded engine (random-init tiny MoE, every turn runs to max_tokens:
-`ignore_eos`), `--requests` agents, two workloads, rounds alternating between every path so all
-see the same machine load; the agents always run in a process of their own (never in the
-engine's), their clients built and connected before the timing (an agent keeps its client).
+One free-running embedded engine (random-init tiny MoE, every call runs to its `max_tokens`:
+`ignore_eos`, so every path generates exactly the same number of tokens — checked, the bench
+exits non-zero otherwise), `--requests` agents (16) in a process of their own
+(`bench/proxy_agents.py`, never the engine's), their clients built and connected before the
+timing (an agent keeps its client). Rounds alternate between every path, so all see the same
+machine load. Three workloads:
 
-**Multi-turn (the headline).** What AxRL runs: each agent a session of `--turns` chat calls (the
-default 4 is `rollout.max_turns`' default, with `rollout.max_new_tokens`' 48 per turn: what the
-quickstart trains on), each call's reply appended to the conversation and then a fixed short
-message (`FOLLOW_UP`, the tool's answer), then the next call. Through the proxy, every agent is a
-thread running its turns back to back: "HTTP" posts the JSON with `http.client` (the proxy's own
-cost), "SDK" calls the official `openai` client (its request building and response parsing, the
-agents' own CPU serialised on their process's GIL, on the same cores as the engine, come on top).
-Directly, the same token streams (each session's stream so far, the reply's turn close, the
-follow-up message: exactly what the proxy stitches — checked: every proxy session records one
-chain of `--turns` calls with the direct path's prompt lengths and `max_tokens` replies) go to the
-engine per turn, all sessions in one `submit_many`, only the engine's time counted: the engine's
-best case, the agents' and the proxy's time all charged to the proxy paths.
+**Steady-state multi-turn: the headline, the issue's keys.** What AxRL's rollouts are: each agent
+a session of `--turns` chat calls (4, `rollout.max_turns`' default), each reply appended to the
+conversation and then a fixed short message (`FOLLOW_UP`, the tool's answer), then the next
+call; and turns of varying length (EOS, tool outputs), so while one agent parses its reply and
+builds its next call the engine decodes the others. Each turn's `max_tokens` is drawn (seeded,
+`--seed`; the same draws for every path) uniformly from [max_tokens/3, 5·max_tokens/3]: [16, 80]
+at the default 48 (`rollout.max_new_tokens`, what the quickstart trains on) — the quickstart's
+mean turn, spread wide enough that sessions finish their turns on different engine steps, no
+turn under a third of it. Directly, the same token streams (each session's stream so far, the
+reply's turn close, the follow-up message: what the proxy stitches) go to the engine, each
+session's next turn submitted the moment its previous one finishes, two ways: from the finished
+call's done-callback on the engine's own thread (`direct_callback`: no wake-up between turns,
+all first turns in one submission) and from one thread per session (`direct_threads`); `direct`
+is the faster of the two (median tokens/s) — the engine's best case, only what the agents and
+the proxy add can separate the paths. Through the proxy every agent is a thread running its
+turns back to back: "HTTP" posts the JSON with `http.client` (~0.25 ms of client CPU a call: the
+proxy's own cost), "SDK" calls the official `openai` client (one per agent; its ~2 ms of request
+building and reply parsing per call, on the agents' process's GIL and the same cores as the
+engine, come on top). Every proxy session must record one chain of its turns with the direct
+path's prompt lengths and reply lengths.
 
-**Single turn (a worst case, kept for its breakdown).** All `--requests` calls fired at the same
-instant, one call each: directly in one `submit_many` and from one thread each, and through the
-proxy over HTTP, the SDK from threads, and the SDK from one forked process per agent (as AxRL
-forks a `python agent.py` episode). Here the SDK's ~2 ms of client CPU per call is serialised at
-one instant (the 16th call reaches the engine ≥ 16 × ~1 ms of request building late): the agents'
-cost, which a free proxy would leave at ≈ 0.88. `--coalesce-ms` > 0 sets the proxy's coalescing
-window (off by default). Also one `stream: true` call per round (over HTTP, alone on the engine):
-the time to its first content chunk and to its end.
+**Lockstep multi-turn (`lockstep_` keys): a worst case.** The same with every turn `max_tokens`
+long: every session's turn ends on the same engine step, so all the agents' client CPU and the
+proxy's intake between two turns fall where the engine has nothing to decode.
 
-Where the time goes, per proxy path (medians over rounds, ms). Multi-turn: the round; how long a
-session was away from the engine between two of its turns (from the engine finishing one call to
-it receiving the next: the proxy's reply, the agent's parsing and next request, the proxy's
-intake); how many sessions the engine held on average; the agents' CPU per call and the proxy's
-(its event-loop thread's CPU time, in the engine's process). Single turn: when the last call
-reached the engine, when the engine finished the last one, when the agents had parsed the last
-reply, and the same CPU per call. perf_counter is CLOCK_MONOTONIC, one clock for both processes.
+**Single turn (`single_turn_` keys).** All calls fired at the same instant, one each: directly in
+one `submit_many` and from one thread each, and through the proxy over HTTP, the SDK from
+threads, and the SDK from one forked process per agent (as AxRL forks a `python agent.py`
+episode). Also one `stream: true` call per round (over HTTP, alone on the engine): the time to
+its first content chunk and to its end. `--coalesce-ms` > 0 sets the proxy's coalescing window.
 
     OMP_NUM_THREADS=1 python bench/proxy_overhead.py --rounds 9
 
-Last stdout line: one JSON object. The issue's keys are the multi-turn figures:
-`proxy_vs_direct_tokens_per_s_ratio` (HTTP agents over the direct path, target ≥ 0.95) and
-`proxy_sdk_vs_direct_ratio` (SDK agents, target ≥ 0.9), ratios of the medians; `*_paired_ratio`
-the median of each round's ratio to the same round's direct run (steadier when the box's load
-changes); `direct_ms`, and per path `<path>_turns_round_ms`, `_between_turns_ms`,
-`_mean_in_flight`, `_client_cpu_per_call_ms`, `_proxy_cpu_per_call_ms`. The single-turn figures
-carry a `single_turn_` prefix (`single_turn_proxy_vs_direct_tokens_per_s_ratio`,
-`single_turn_proxy_sdk_vs_direct_ratio`, `_concurrent`, `_sdk_processes`, paired, and per path
-`_last_at_engine_ms`, `_engine_done_ms`, `_replies_parsed_ms`, `_client_cpu_per_call_ms`,
-`_proxy_cpu_per_call_ms`); `ttft_ms` and `completion_ms`: the streamed call (medians).
+Last stdout line: one JSON object. `proxy_vs_direct_tokens_per_s_ratio` (HTTP agents over
+`direct`, target ≥ 0.95) and `proxy_sdk_vs_direct_ratio` (SDK agents, target ≥ 0.9): steady
+state, ratios of the median tokens/s over rounds; `*_paired_ratio`: the median of each round's
+ratio to the same round's `direct` run (steadier when the box's load changes); `direct_path`
+(which direct way was faster), `direct_ms` (its round), `direct_callback_tokens_per_s`,
+`direct_threads_tokens_per_s`; where the time goes, medians over rounds, per path
+(`direct_callback`, `direct_threads`, `http_turns`, `sdk_turns`): `_between_turns_ms` (how long a
+session was away from the engine between two of its turns: from the engine finishing one call
+to it receiving the next — through the proxy, the proxy's reply, the agent's parsing and next
+request, the proxy's intake), `_mean_in_flight` (sessions the engine held on average: their time
+in it over the round's), and through the proxy `_round_ms`, `_client_cpu_per_call_ms` (the
+agents' thread CPU time per call) and `_proxy_cpu_per_call_ms` (the proxy's event-loop thread's
+CPU time per call, in the engine's process). The same keys with a `lockstep_` prefix for the
+lockstep workload, and the single-turn ones with `single_turn_` (`_last_at_engine_ms`,
+`_engine_done_ms`, `_replies_parsed_ms`: ms from the calls' start; `direct_concurrent`: the
+one-thread-per-call direct path); `ttft_ms`, `completion_ms`: the streamed call (medians).
+perf_counter is CLOCK_MONOTONIC, one clock for both processes.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import http.client
 import json
-import os
 import random
 import statistics
 import subprocess
 import sys
 import threading
 import time
-import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Callable
 
-import openai
 import torch
 
 from axrl.agents.proxy import ProxyServer, SessionPolicy, engine_submit
@@ -78,186 +85,6 @@ from axrl.model import build_model, preset_config
 from axrl.tokenizer import Tokenizer
 
 
-def stream_call(call: dict, max_tokens: int) -> dict[str, float]:
-    """One streamed chat call over HTTP: seconds to its first content chunk and to its end."""
-    url = urllib.parse.urlsplit(call["base_url"])
-    conn = http.client.HTTPConnection(url.hostname, url.port)
-    headers = {"Authorization": f"Bearer {call['api_key']}", "Content-Type": "application/json"}
-    conn.request("GET", f"{url.path}/models", headers=headers)  # connection set-up outside the timing
-    conn.getresponse().read()
-    body = json.dumps({"model": "policy", "messages": call["messages"], "max_tokens": max_tokens, "stream": True})
-    t0, first = time.perf_counter(), None
-    conn.request("POST", f"{url.path}/chat/completions", body, headers)
-    for line in conn.getresponse():  # SSE lines as they arrive
-        if first is None and line.startswith(b"data: {") and b'"content": "' in line and b'"content": ""' not in line:
-            first = time.perf_counter()
-    end = time.perf_counter()
-    conn.close()
-    return {"ttft_s": (first or end) - t0, "completion_s": end - t0}
-
-
-def sdk_agent_processes(calls: list[dict], max_tokens: int) -> dict:
-    """Every call from an agent process of its own, all at once: each child (forked from this
-    process, `openai` imported, as `axrl.agents.forkserver` starts `python agent.py` episodes)
-    builds its client and connects, then all start their call on one signal (the parent closing a
-    pipe); seconds from the signal to the last child's reply parsed."""
-    go_r, go_w = os.pipe()
-    res_r, res_w = os.pipe()
-    pids = []
-    for c in calls:
-        pid = os.fork()
-        if pid == 0:  # the agent
-            code = 0
-            try:
-                os.close(go_w)
-                client = openai.OpenAI(base_url=c["base_url"], api_key=c["api_key"], max_retries=0)
-                client.models.list()  # connection set-up outside the timing (an agent keeps its client)
-                os.write(res_w, b"r")
-                os.read(go_r, 1)  # returns on the parent's close: every agent starts at once
-                cpu = time.process_time()
-                r = client.chat.completions.create(model="policy", messages=c["messages"], max_tokens=max_tokens)
-                end, cpu = time.perf_counter(), time.process_time() - cpu
-                os.write(res_w, json.dumps({"end": end, "cpu": cpu, "tokens": r.usage.completion_tokens}).encode() + b"\n")
-            except BaseException as e:  # noqa: BLE001 — reported to the parent, never a second bench
-                os.write(res_w, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()[:4000] + b"\n")
-                code = 1
-            os._exit(code)
-        pids.append(pid)
-    os.close(go_r)
-    os.close(res_w)
-    reader = os.fdopen(res_r, "rb")
-    for _ in calls:  # every agent connected
-        if reader.read(1) != b"r":
-            raise RuntimeError(f"an SDK agent failed before its call: {reader.readline()!r}")
-    t0 = time.perf_counter()
-    os.close(go_w)
-    done = [json.loads(reader.readline()) for _ in calls]
-    reader.close()
-    for pid in pids:
-        os.waitpid(pid, 0)
-    errors = [d["error"] for d in done if "error" in d]
-    if errors:
-        raise RuntimeError(f"SDK agents failed: {errors}")
-    # perf_counter is CLOCK_MONOTONIC: one clock for every process of the machine
-    return {"seconds": max(d["end"] for d in done) - t0, "tokens": sum(d["tokens"] for d in done), "t0": t0,
-            "ends": [d["end"] for d in done], "cpu_s": sum(d["cpu"] for d in done)}
-
-
-def http_agent(call: dict) -> tuple[http.client.HTTPConnection, str, dict[str, str]]:
-    """An HTTP agent's connection to its session (set up outside the timing, as an agent keeps
-    its connection across turns), the chat path and the headers."""
-    url = urllib.parse.urlsplit(call["base_url"])
-    conn = http.client.HTTPConnection(url.hostname, url.port)
-    headers = {"Authorization": f"Bearer {call['api_key']}", "Content-Type": "application/json"}
-    conn.request("GET", f"{url.path}/models", headers=headers)
-    conn.getresponse().read()
-    return conn, f"{url.path}/chat/completions", headers
-
-
-def agent_sessions(job: dict) -> dict:
-    """Multi-turn agent sessions, one thread each, all started at once: session i makes
-    `len(lengths[i])` chat calls back to back (call t with `max_tokens` lengths[i][t]), appending
-    the assistant's reply and then `follow_up` (the tool's answer) to its conversation before the
-    next call. mode "http-turns" posts the JSON with `http.client`; "sdk-turns" calls the official
-    client (one per agent, built and connected before the timing)."""
-    calls, sdk, lengths, follow_up = job["calls"], job["mode"] == "sdk-turns", job["lengths"], job["follow_up"]
-    if sdk:
-        agents = [openai.OpenAI(base_url=c["base_url"], api_key=c["api_key"], max_retries=0) for c in calls]
-        for a in agents:  # connection set-up outside the timing
-            a.models.list()
-    else:
-        agents = [http_agent(c) for c in calls]
-    ends, cpu = [0.0] * len(calls), [0.0] * len(calls)
-
-    def turn(i: int, messages: list[dict], max_tokens: int) -> tuple[dict, int]:
-        """One chat call: the assistant message to append and the tokens generated."""
-        if sdk:
-            r = agents[i].chat.completions.create(model="policy", messages=messages, max_tokens=max_tokens)
-            reply = r.choices[0].message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"})
-            return reply, r.usage.completion_tokens
-        conn, path, headers = agents[i]
-        conn.request("POST", path, json.dumps({"model": "policy", "messages": messages, "max_tokens": max_tokens}),
-                     headers)
-        r = json.loads(conn.getresponse().read())
-        reply = {k: v for k, v in r["choices"][0]["message"].items() if k in ("role", "content", "tool_calls")}
-        return reply, r["usage"]["completion_tokens"]
-
-    def session(i: int) -> int:
-        c0, tokens, messages = time.thread_time(), 0, list(calls[i]["messages"])
-        for max_tokens in lengths[i]:
-            reply, n = turn(i, messages, max_tokens)
-            tokens += n
-            messages += [reply, follow_up]
-        ends[i], cpu[i] = time.perf_counter(), time.thread_time() - c0
-        return tokens
-
-    with ThreadPoolExecutor(len(calls)) as pool:
-        list(pool.map(lambda i: None, range(len(calls))))  # start the threads outside the timing
-        t0 = time.perf_counter()
-        tokens = sum(pool.map(session, range(len(calls))))
-        seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "tokens": tokens, "t0": t0, "ends": ends, "cpu_s": sum(cpu),
-            "calls": sum(map(len, lengths))}
-
-
-def client_main() -> None:
-    """The agents' process: per job line, every call at once.
-
-    mode "sdk": the official `openai` client, one client and thread per call in this process
-    (agents sharing a GIL); "sdk-processes": the same client, one agent process per call (as AxRL
-    runs a command agent: `sdk_agent_processes`); "http": the same JSON bodies, built before the timing and
-    posted with `http.client` from one thread each — what the proxy itself costs, without the
-    SDK's request building and response parsing (the agent's own CPU, on the same cores)."""
-    for line in sys.stdin:
-        job = json.loads(line)
-        if job["mode"] in ("http-turns", "sdk-turns"):
-            print(json.dumps(agent_sessions(job)), flush=True)
-            continue
-        if job["mode"] == "stream":
-            print(json.dumps(stream_call(job["calls"][0], job["max_tokens"])), flush=True)
-            continue
-        if job["mode"] == "sdk-processes":
-            print(json.dumps(sdk_agent_processes(job["calls"], job["max_tokens"])), flush=True)
-            continue
-        calls, sdk = job["calls"], job["mode"] == "sdk"
-        if sdk:
-            clients = [openai.OpenAI(base_url=c["base_url"], api_key=c["api_key"], max_retries=0) for c in calls]
-            for c in clients:  # connection set-up outside the timing (an agent keeps its client)
-                c.models.list()
-        else:
-            conns, posts = [], []
-            for c in calls:
-                conn, path, headers = http_agent(c)
-                conns.append(conn)
-                posts.append((path, json.dumps({"model": "policy", "messages": c["messages"],
-                                                "max_tokens": job["max_tokens"]}), headers))
-
-        ends, cpu = [0.0] * len(calls), [0.0] * len(calls)
-
-        def call(i: int) -> int:
-            c0 = time.thread_time()
-            try:
-                return call_once(i)
-            finally:
-                ends[i], cpu[i] = time.perf_counter(), time.thread_time() - c0
-
-        def call_once(i: int) -> int:
-            if sdk:
-                r = clients[i].chat.completions.create(model="policy", messages=calls[i]["messages"],
-                                                       max_tokens=job["max_tokens"])
-                return r.usage.completion_tokens
-            conns[i].request("POST", *posts[i])
-            return json.loads(conns[i].getresponse().read())["usage"]["completion_tokens"]
-
-        with ThreadPoolExecutor(len(calls)) as pool:
-            list(pool.map(lambda i: None, range(len(calls))))  # start the threads outside the timing
-            t0 = time.perf_counter()
-            tokens = sum(pool.map(call, range(len(calls))))
-            seconds = time.perf_counter() - t0
-        print(json.dumps({"seconds": seconds, "tokens": tokens, "t0": t0, "ends": ends, "cpu_s": sum(cpu)}),
-              flush=True)
-
-
 FOLLOW_UP = {"role": "user", "content": "calculator: 46. Go on."}  # every session's next message, every turn
 WORKLOADS = {"steady": "", "lockstep": "lockstep_"}  # the multi-turn workloads and their keys' prefixes
 DIRECT_PATHS = {"direct_callback": "direct (done-callback resubmits)", "direct_threads": "direct (thread per session)"}
@@ -267,8 +94,6 @@ PROXY_PATHS = {"http": "proxy (HTTP client)", "sdk": "proxy (SDK, threads)", "sd
 
 
 def main() -> None:
-    if "--client" in sys.argv:
-        return client_main()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny-moe")
     ap.add_argument("--requests", type=int, default=16, help="agents (sessions) at once")
@@ -468,6 +293,13 @@ class Bench:
 
     def run_path(self, proxy: ProxyServer, name: str) -> dict:
         """One round of the path `name` ("direct", "http", ..., or "<workload>:<path>")."""
+        steps = self.engine.health()["iterations"]
+        run = self.run_once(proxy, name)
+        run["engine_steps"] = self.engine.health()["iterations"] - steps
+        return run
+
+    def run_once(self, proxy: ProxyServer, name: str) -> dict:
+        """`run_path` without the engine's step count."""
         workload, _, path = name.rpartition(":")
         if path in DIRECT_PATHS:
             run = self.direct_chained(workload, threads=path == "direct_threads")
@@ -482,7 +314,7 @@ class Bench:
         """Warm every path up, then `rounds` rounds of every path, alternating."""
         # The agents' side runs in a process of their own, as agents do in training: in this
         # process it would take the GIL from the engine's scheduler.
-        self.client = subprocess.Popen([sys.executable, __file__, "--client"], stdin=subprocess.PIPE,
+        self.client = subprocess.Popen([sys.executable, str(Path(__file__).with_name("proxy_agents.py"))], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, text=True)
         self.direct_lengths: dict[str, list[list[int]]] = {}
         names = ["direct", "direct_concurrent", *PROXY_PATHS, "stream",
@@ -517,11 +349,16 @@ def between_turns(run: dict) -> dict[str, float]:
     the engine between two of its turns (the engine finishing one call to it receiving the next;
     through the proxy: its reply, the agent's parsing and next request, the proxy's intake; median
     over all sessions' turns), how many sessions the engine held on average (their time in it over
-    the round's), and, through the proxy, the agents' and the proxy's CPU per call."""
+    the round's), its steps (scheduler iterations) and the time per step while it held any session
+    (ms), and, through the proxy, the agents' and the proxy's CPU per call."""
     gaps = [log[t + 1][0] - log[t][1] for log in run["per_session"] for t in range(len(log) - 1)]
     in_engine = sum(b - a for a, b in run["at_engine"])
+    busy, end = 0.0, 0.0  # how long the engine held at least one session
+    for a, b in sorted(run["at_engine"]):
+        busy, end = (busy + b - max(a, end), b) if b > end else (busy, end)
     out = {"round": run["seconds"] * 1e3, "between_turns": statistics.median(gaps) * 1e3 if gaps else 0.0,
-           "mean_in_flight": in_engine / run["seconds"]}
+           "mean_in_flight": in_engine / run["seconds"], "engine_steps": run["engine_steps"],
+           "engine_step": busy * 1e3 / max(run["engine_steps"], 1)}
     if "cpu_s" in run:
         out.update(client_cpu_per_call=run["cpu_s"] / run["calls"] * 1e3,
                    proxy_cpu_per_call=run["proxy_cpu_s"] / run["calls"] * 1e3)
@@ -568,7 +405,8 @@ def multi_turn_report(args: argparse.Namespace, workload: str, lengths: list[lis
         x = parts[path]
         print(f"    {label:<32} round {x['round']:6.1f}, a session away from the engine between turns "
               f"{x['between_turns']:5.2f}, sessions in the engine on average {x['mean_in_flight']:4.1f} of "
-              f"{args.requests}" + (f"; CPU per call: agents' {x['client_cpu_per_call']:.2f}, the proxy's "
+              f"{args.requests}, {x['engine_steps']:.0f} engine steps of {x['engine_step']:.2f}"
+              + (f"; CPU per call: agents' {x['client_cpu_per_call']:.2f}, the proxy's "
                                     f"{x['proxy_cpu_per_call']:.2f}" if "client_cpu_per_call" in x else ""))
     (http, http_p), (sdk, sdk_p) = (rates.ratios(f"{workload}:{p}", f"{workload}:{direct}") for p in TURN_PATHS)
     return {"direct_path": direct, "direct_tokens_per_s": round(rates.med[f"{workload}:{direct}"], 1),
@@ -578,7 +416,7 @@ def multi_turn_report(args: argparse.Namespace, workload: str, lengths: list[lis
             "proxy_vs_direct_tokens_per_s_ratio": http, "proxy_sdk_vs_direct_ratio": sdk,
             "proxy_vs_direct_paired_ratio": http_p, "proxy_sdk_vs_direct_paired_ratio": sdk_p,
             "direct_ms": round(parts[direct]["round"], 1),
-            **{f"{path.replace('-', '_')}_{key}" + ("" if key == "mean_in_flight" else "_ms"): round(v, 2)
+            **{f"{path.replace('-', '_')}_{key}" + ("" if key in ("mean_in_flight", "engine_steps") else "_ms"): round(v, 2)
                for path, x in parts.items() for key, v in x.items() if key != "round" or path in TURN_PATHS}}
 
 

@@ -576,8 +576,8 @@ def test_cpu_seconds_is_the_proxy_threads_cpu(calc, proxy, tok):
 def test_proxy_overhead_bench_runs_small() -> None:
     """bench/proxy_overhead.py at a tiny size: every multi-turn proxy session recorded the direct
     path's token streams and every path generated the same number of tokens (the bench exits
-    non-zero otherwise), and the last line carries the issue's keys (the multi-turn figures) beside
-    the single-turn ones."""
+    non-zero otherwise); the last line carries the issue's keys (the steady-state figures, whose
+    turns vary in length, against the faster direct path) beside the lockstep and single-turn ones."""
     import subprocess
     import sys
     from pathlib import Path
@@ -587,7 +587,13 @@ def test_proxy_overhead_bench_runs_small() -> None:
                           "--max-tokens", "6"], check=True, capture_output=True, text=True, timeout=300)
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["turns"] == 3 and summary["requests"] == 3
-    for key in ("proxy_vs_direct_tokens_per_s_ratio", "proxy_sdk_vs_direct_ratio",
+    assert 2 == summary["turn_tokens_min"] < summary["turn_tokens_max"] == 10  # the steady turns' lengths vary
+    for key in ("proxy_vs_direct_tokens_per_s_ratio", "proxy_sdk_vs_direct_ratio", "proxy_sdk_vs_direct_paired_ratio",
+                "lockstep_proxy_vs_direct_tokens_per_s_ratio", "lockstep_proxy_sdk_vs_direct_ratio",
                 "single_turn_proxy_vs_direct_tokens_per_s_ratio", "single_turn_proxy_sdk_vs_direct_ratio",
-                "http_turns_between_turns_ms", "sdk_turns_proxy_cpu_per_call_ms", "single_turn_sdk_last_at_engine_ms"):
+                "http_turns_between_turns_ms", "sdk_turns_proxy_cpu_per_call_ms", "sdk_turns_mean_in_flight",
+                "direct_callback_mean_in_flight", "direct_threads_mean_in_flight", "single_turn_sdk_last_at_engine_ms"):
         assert summary[key] > 0, key
+    # `direct` is the faster of the two direct ways, so no proxy figure is against a weakened engine
+    assert summary["direct_tokens_per_s"] == max(summary["direct_callback_tokens_per_s"],
+                                                 summary["direct_threads_tokens_per_s"])
