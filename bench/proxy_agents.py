@@ -10,10 +10,12 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import select
 import sys
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import openai
 
@@ -198,5 +200,26 @@ def client_main() -> None:
               flush=True)
 
 
+def burn(burst_s: float, period_s: float, stopped: Callable[[float], bool]) -> None:
+    """Spend `burst_s` of this thread's CPU in Python every `period_s` until `stopped(timeout)`
+    (which waits up to `timeout` seconds) says so."""
+    while True:
+        t, cpu = time.perf_counter(), time.thread_time()
+        while time.thread_time() - cpu < burst_s:
+            sum(i * i for i in range(100))
+        if stopped(max(period_s - (time.perf_counter() - t), 0.0)):
+            return
+
+
+def burner_main(burst_s: float, period_s: float) -> None:
+    """`burn` in a process of its own: CPU without the GIL of the engine's
+    process, until stdin closes."""
+    print("burning", flush=True)
+    burn(burst_s, period_s, lambda timeout: bool(select.select([sys.stdin], [], [], timeout)[0]))
+
+
 if __name__ == "__main__":
-    client_main()
+    if sys.argv[1:2] == ["--burn"]:
+        burner_main(float(sys.argv[2]), float(sys.argv[3]))
+    else:
+        client_main()

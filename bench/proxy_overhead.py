@@ -83,12 +83,14 @@ from axrl.inference import EmbeddedEngine
 from axrl.inference.protocol import GenerateRequest, SamplingParams
 from axrl.model import build_model, preset_config
 from axrl.tokenizer import Tokenizer
+from proxy_agents import burn
 
 
 FOLLOW_UP = {"role": "user", "content": "calculator: 46. Go on."}  # every session's next message, every turn
 WORKLOADS = {"steady": "", "lockstep": "lockstep_"}  # the multi-turn workloads and their keys' prefixes
 DIRECT_PATHS = {"direct_callback": "direct (done-callback resubmits)", "direct_threads": "direct (thread per session)"}
 TURN_PATHS = {"http-turns": "proxy (HTTP client)", "sdk-turns": "proxy (SDK, threads)"}
+BURN_PATHS = {"direct_burn_thread": "direct + HTTP's CPU, a thread", "direct_burn_process": "direct + HTTP's CPU, a process"}
 # The single-turn proxy paths, as `client_main` runs them, and how the report names them.
 PROXY_PATHS = {"http": "proxy (HTTP client)", "sdk": "proxy (SDK, threads)", "sdk-processes": "proxy (SDK, processes)"}
 
@@ -294,13 +296,15 @@ class Bench:
     def run_path(self, proxy: ProxyServer, name: str) -> dict:
         """One round of the path `name` ("direct", "http", ..., or "<workload>:<path>")."""
         steps = self.engine.health()["iterations"]
-        run = self.run_once(proxy, name)
+        run = self.last[name] = self.run_once(proxy, name)
         run["engine_steps"] = self.engine.health()["iterations"] - steps
         return run
 
     def run_once(self, proxy: ProxyServer, name: str) -> dict:
         """`run_path` without the engine's step count."""
         workload, _, path = name.rpartition(":")
+        if path in BURN_PATHS:
+            return self.direct_burning(workload, path)
         if path in DIRECT_PATHS:
             run = self.direct_chained(workload, threads=path == "direct_threads")
             if self.direct_lengths.setdefault(workload, run["prompt_lens"]) != run["prompt_lens"]:
@@ -310,6 +314,31 @@ class Bench:
             return getattr(self, path)()
         return self.agents(proxy, path, 1 if path == "stream" else self.args.requests, workload or None)
 
+    def direct_burning(self, workload: str, path: str) -> dict:
+        """`direct_callback` while a burner spends the HTTP agents' and the proxy's CPU of this
+        round's HTTP run (per call, at one call per direct round / calls), in a thread of this
+        process (`direct_burn_thread`: on the engine's GIL, as the proxy is) or in a process of its
+        own (`direct_burn_process`): how much the same CPU costs the engine without any agent."""
+        http, direct = self.last[f"{workload}:http-turns"], self.last[f"{workload}:direct_callback"]
+        burst, period = (http["cpu_s"] + http["proxy_cpu_s"]) / http["calls"], direct["seconds"] / http["calls"]
+        if path == "direct_burn_thread":
+            stop = threading.Event()
+            burner = threading.Thread(target=burn, args=(burst, period, stop.wait))
+            burner.start()
+            try:
+                return self.direct_chained(workload, threads=False)
+            finally:
+                stop.set()
+                burner.join()
+        with subprocess.Popen([sys.executable, str(Path(__file__).with_name("proxy_agents.py")), "--burn", str(burst),
+                               str(period)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as burner:
+            if burner.stdout.readline() != "burning\n":
+                raise RuntimeError("the burner process did not start")
+            try:
+                return self.direct_chained(workload, threads=False)
+            finally:
+                burner.stdin.close()
+
     def run(self) -> dict[str, list[dict]]:
         """Warm every path up, then `rounds` rounds of every path, alternating."""
         # The agents' side runs in a process of their own, as agents do in training: in this
@@ -317,8 +346,10 @@ class Bench:
         self.client = subprocess.Popen([sys.executable, str(Path(__file__).with_name("proxy_agents.py"))], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, text=True)
         self.direct_lengths: dict[str, list[list[int]]] = {}
+        self.last: dict[str, dict] = {}  # per path, its latest run
         names = ["direct", "direct_concurrent", *PROXY_PATHS, "stream",
-                 *(f"{w}:{p}" for w in WORKLOADS for p in (*DIRECT_PATHS, *TURN_PATHS))]
+                 *(f"{w}:{p}" for w in WORKLOADS for p in (*DIRECT_PATHS, *TURN_PATHS)),
+                 *(f"steady:{p}" for p in BURN_PATHS)]
         with ProxyServer(self.tok, model_name="policy", coalesce_window_s=self.args.coalesce_ms / 1e3) as proxy:
             for name in names:  # the warm-up round (the direct paths first: the checks' prompt lengths)
                 self.run_path(proxy, name)
@@ -395,7 +426,7 @@ def multi_turn_report(args: argparse.Namespace, workload: str, lengths: list[lis
     print(f"multi-turn, {title}: {args.requests} sessions x {args.turns} turns, max_tokens "
           + (f"drawn from [{min(flat)}, {max(flat)}] (seed {args.seed})" if workload == "steady" else f"{flat[0]}")
           + f", {sum(flat)} tokens a round")
-    paths = {**DIRECT_PATHS, **TURN_PATHS}
+    paths = {**DIRECT_PATHS, **TURN_PATHS, **(BURN_PATHS if workload == "steady" else {})}
     for path, label in paths.items():
         rates.per_round(f"{workload}:{path}", label)
     direct = max(DIRECT_PATHS, key=lambda p: rates.med[f"{workload}:{p}"])
@@ -416,6 +447,9 @@ def multi_turn_report(args: argparse.Namespace, workload: str, lengths: list[lis
             "proxy_vs_direct_tokens_per_s_ratio": http, "proxy_sdk_vs_direct_ratio": sdk,
             "proxy_vs_direct_paired_ratio": http_p, "proxy_sdk_vs_direct_paired_ratio": sdk_p,
             "direct_ms": round(parts[direct]["round"], 1),
+            **{f"{p}_{key}": v for p in (BURN_PATHS if workload == "steady" else ()) for key, v in
+               zip(("tokens_per_s", "vs_direct_ratio"), (round(rates.med[f"{workload}:{p}"], 1),
+                                                         rates.ratios(f"{workload}:{p}", f"{workload}:{direct}")[0]))},
             **{f"{path.replace('-', '_')}_{key}" + ("" if key in ("mean_in_flight", "engine_steps") else "_ms"): round(v, 2)
                for path, x in parts.items() for key, v in x.items() if key != "round" or path in TURN_PATHS}}
 
