@@ -26,7 +26,11 @@ turns back to back: "HTTP" posts the JSON with `http.client` (~0.25 ms of client
 proxy's own cost), "SDK" calls the official `openai` client (one per agent; its ~2 ms of request
 building and reply parsing per call, on the agents' process's GIL and the same cores as the
 engine, come on top). Every proxy session must record one chain of its turns with the direct
-path's prompt lengths and reply lengths.
+path's prompt lengths and reply lengths. Two more direct runs say what the proxy path's CPU
+alone costs the engine: `direct_callback` while a burner spends, per call, the CPU the HTTP
+agents and the proxy spent in the same round's HTTP run, at one call's share of the direct round
+— in a thread of the engine's process (`direct_burn_thread`: on its GIL, as the proxy is) or in a
+process of its own (`direct_burn_process`).
 
 **Lockstep multi-turn (`lockstep_` keys): a worst case.** The same with every turn `max_tokens`
 long: every session's turn ends on the same engine step, so all the agents' client CPU and the
@@ -50,10 +54,13 @@ ratio to the same round's `direct` run (steadier when the box's load changes); `
 session was away from the engine between two of its turns: from the engine finishing one call
 to it receiving the next — through the proxy, the proxy's reply, the agent's parsing and next
 request, the proxy's intake), `_mean_in_flight` (sessions the engine held on average: their time
-in it over the round's), and through the proxy `_round_ms`, `_client_cpu_per_call_ms` (the
-agents' thread CPU time per call) and `_proxy_cpu_per_call_ms` (the proxy's event-loop thread's
-CPU time per call, in the engine's process). The same keys with a `lockstep_` prefix for the
-lockstep workload, and the single-turn ones with `single_turn_` (`_last_at_engine_ms`,
+in it over the round's), `_engine_steps` (scheduler iterations in the round), `_engine_step_ms`
+(the time per step while the engine held any session), and through the proxy `_round_ms`,
+`_client_cpu_per_call_ms` (the agents' thread CPU time per call) and `_proxy_cpu_per_call_ms`
+(the proxy's event-loop thread's CPU time per call, in the engine's process);
+`direct_burn_thread_tokens_per_s`, `direct_burn_process_tokens_per_s` and their
+`_vs_direct_ratio` (the burner runs; the same breakdown keys). The same keys with a `lockstep_`
+prefix for the lockstep workload (no burner runs), and the single-turn ones with `single_turn_` (`_last_at_engine_ms`,
 `_engine_done_ms`, `_replies_parsed_ms`: ms from the calls' start; `direct_concurrent`: the
 one-thread-per-call direct path); `ttft_ms`, `completion_ms`: the streamed call (medians).
 perf_counter is CLOCK_MONOTONIC, one clock for both processes.
