@@ -15,9 +15,14 @@ import sys
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Any, Callable
 
-import openai
+
+def sdk_client(call: dict) -> Any:
+    """The official client for one agent's session (no retries: every call must answer)."""
+    import openai  # here, not at the top: the burner process (`burner_main`) needs none of it
+
+    return openai.OpenAI(base_url=call["base_url"], api_key=call["api_key"], max_retries=0)
 
 
 def stream_call(call: dict, max_tokens: int) -> dict[str, float]:
@@ -43,6 +48,8 @@ def sdk_agent_processes(calls: list[dict], max_tokens: int) -> dict:
     process, `openai` imported, as `axrl.agents.forkserver` starts `python agent.py` episodes)
     builds its client and connects, then all start their call on one signal (the parent closing a
     pipe); seconds from the signal to the last child's reply parsed."""
+    import openai  # noqa: F401 — in the parent, before the forks, as the fork server has it
+
     go_r, go_w = os.pipe()
     res_r, res_w = os.pipe()
     pids = []
@@ -52,7 +59,7 @@ def sdk_agent_processes(calls: list[dict], max_tokens: int) -> dict:
             code = 0
             try:
                 os.close(go_w)
-                client = openai.OpenAI(base_url=c["base_url"], api_key=c["api_key"], max_retries=0)
+                client = sdk_client(c)
                 client.models.list()  # connection set-up outside the timing (an agent keeps its client)
                 os.write(res_w, b"r")
                 os.read(go_r, 1)  # returns on the parent's close: every agent starts at once
@@ -104,7 +111,7 @@ def agent_sessions(job: dict) -> dict:
     client (one per agent, built and connected before the timing)."""
     calls, sdk, lengths, follow_up = job["calls"], job["mode"] == "sdk-turns", job["lengths"], job["follow_up"]
     if sdk:
-        agents = [openai.OpenAI(base_url=c["base_url"], api_key=c["api_key"], max_retries=0) for c in calls]
+        agents = [sdk_client(c) for c in calls]
         for a in agents:  # connection set-up outside the timing
             a.models.list()
     else:
@@ -163,7 +170,7 @@ def client_main() -> None:
             continue
         calls, sdk = job["calls"], job["mode"] == "sdk"
         if sdk:
-            clients = [openai.OpenAI(base_url=c["base_url"], api_key=c["api_key"], max_retries=0) for c in calls]
+            clients = [sdk_client(c) for c in calls]
             for c in clients:  # connection set-up outside the timing (an agent keeps its client)
                 c.models.list()
         else:
