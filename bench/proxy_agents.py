@@ -8,6 +8,7 @@ line: the calls of every agent at once, over HTTP (`http.client`) or the officia
 from __future__ import annotations
 
 import http.client
+import importlib
 import json
 import os
 import select
@@ -48,7 +49,7 @@ def sdk_agent_processes(calls: list[dict], max_tokens: int) -> dict:
     process, `openai` imported, as `axrl.agents.forkserver` starts `python agent.py` episodes)
     builds its client and connects, then all start their call on one signal (the parent closing a
     pipe); seconds from the signal to the last child's reply parsed."""
-    import openai  # noqa: F401 — in the parent, before the forks, as the fork server has it
+    importlib.import_module("openai")  # in the parent, before the forks, as the fork server has it
 
     go_r, go_w = os.pipe()
     res_r, res_w = os.pipe()
