@@ -114,6 +114,13 @@ class ProxyServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
+    def cpu_seconds(self) -> float:
+        """CPU time the server's thread (the event loop that parses, stitches, records and replies
+        for every session) has used so far: what the proxy costs the process it runs in."""
+        if self._thread is None or self._thread.ident is None:
+            return 0.0
+        return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
+
     def base_url(self, session: Session) -> str:
         """The OpenAI base URL of `session` (what the agent's client is given)."""
         return f"{self.url}/sessions/{session.id}/v1"
