@@ -32,7 +32,7 @@ import numpy as np
 
 from . import routing_codec
 from . import schema as S
-from .reader import _READ_ERRORS, StepFile, _checksum
+from .reader import _READ_ERRORS, ColumnsByPath, StepFile, _checksum
 from .routing_stream import RoutingRange, RoutingStream
 from .schema import CorruptStepError
 
@@ -57,7 +57,7 @@ def sample_chunks(off: np.ndarray, t: int, chunk_tokens: int) -> list[tuple[int,
 
 
 @dataclass(frozen=True)
-class StepChunk:
+class StepChunk(ColumnsByPath):
     """Rows of one run of whole samples: samples ``sample0:sample1``, tokens ``token0:token1``.
     ``data`` maps dataset paths to arrays as ``StepFile.read_columns`` would for a step holding
     only these samples (``/samples/offsets`` starting at 0)."""
@@ -74,15 +74,6 @@ class StepChunk:
     @property
     def num_tokens(self) -> int:
         return self.token1 - self.token0
-
-    def __getitem__(self, name: str) -> Any:
-        return self.data[name]
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self.data.get(name, default)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.data
 
 
 def _per_token(name: str) -> bool:

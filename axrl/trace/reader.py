@@ -298,13 +298,9 @@ def read_step(path: str | os.PathLike) -> dict[str, Any]:
         return sf.read_all()
 
 
-@dataclass(frozen=True)
-class StepColumns:
-    """Datasets read from one step file by ``TraceReader.iter_columns``."""
+class ColumnsByPath:
+    """Mapping-style access to ``self.data`` (dataset path -> array), for the reader's results."""
 
-    step: int
-    path: Path
-    attrs: dict[str, Any]
     data: dict[str, Any]
 
     def __getitem__(self, name: str) -> Any:
@@ -315,6 +311,16 @@ class StepColumns:
 
     def __contains__(self, name: str) -> bool:
         return name in self.data
+
+
+@dataclass(frozen=True)
+class StepColumns(ColumnsByPath):
+    """Datasets read from one step file by ``TraceReader.iter_columns``."""
+
+    step: int
+    path: Path
+    attrs: dict[str, Any]
+    data: dict[str, Any]
 
 
 @dataclass(frozen=True)
