@@ -32,7 +32,8 @@ import numpy as np
 
 from . import routing_codec
 from . import schema as S
-from .reader import _READ_ERRORS, ColumnsByPath, StepFile, _checksum
+from .columns import ColumnsByPath
+from .reader import _READ_ERRORS, StepFile, _checksum
 from .routing_stream import RoutingRange, RoutingStream
 from .schema import CorruptStepError
 

@@ -21,6 +21,7 @@ import yaml
 
 from . import routing_codec
 from . import schema as S
+from .columns import StepColumns
 from .run_dir import list_step_files, read_metrics_file
 from .schema import CorruptStepError, NotARunDirError, SchemaVersionError, TraceError
 from .shards import check_shards, shard_files
@@ -296,31 +297,6 @@ def read_step(path: str | os.PathLike) -> dict[str, Any]:
     """Load a whole step file: ``{'attrs': {...}, 'group_attrs': {...}, '/tokens/ids': array, ...}``."""
     with StepFile(path) as sf:
         return sf.read_all()
-
-
-class ColumnsByPath:
-    """Mapping-style access to ``self.data`` (dataset path -> array), for the reader's results."""
-
-    data: dict[str, Any]
-
-    def __getitem__(self, name: str) -> Any:
-        return self.data[name]
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self.data.get(name, default)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.data
-
-
-@dataclass(frozen=True)
-class StepColumns(ColumnsByPath):
-    """Datasets read from one step file by ``TraceReader.iter_columns``."""
-
-    step: int
-    path: Path
-    attrs: dict[str, Any]
-    data: dict[str, Any]
 
 
 @dataclass(frozen=True)
