@@ -126,6 +126,7 @@ class SGLangEngine:
         self._thread.start()
         self._http, self._sem, self._resync_locks = self._call(self._make_loop_objects())
         self._closed = False
+        self._abort_retries: set[concurrent.futures.Future] = set()  # `_abort_again` tasks still running
         self.cleanup: list[Path] = []  # directories shutdown() removes (e.g. a temporary start-up export)
 
     # -- set-up helpers ----------------------------------------------------------------------------
@@ -381,7 +382,10 @@ class SGLangEngine:
         except httpx.HTTPError:
             pass  # a dead server aborts nothing; the retry path sees `_aborted`
         if not self._closed:
-            asyncio.run_coroutine_threadsafe(self._abort_again(rid), self._loop)
+            retry = asyncio.run_coroutine_threadsafe(self._abort_again(rid), self._loop)
+            with self._lock:
+                self._abort_retries.add(retry)
+            retry.add_done_callback(self._abort_retries.discard)
         return True
 
     async def _abort_again(self, rid: str, tries: int = 5) -> None:
@@ -441,6 +445,10 @@ class SGLangEngine:
             rids = list(self._inflight)
         for rid in rids:
             self.abort(rid)
+        with self._lock:
+            retries = list(self._abort_retries)
+        for retry in retries:   # cancelled on the loop before it stops, not destroyed pending with it
+            retry.cancel()
         try:
             self._call(self._http.aclose())
         finally:
