@@ -354,6 +354,13 @@ try:
                                                 "runtime.ray.placement.engine_gpus=1"]).runtime.ray.placement, 1)
 except ConfigError as e:
     out["refused"] = str(e)
+# The training service runs no engine: the same GPUs that refused train + engine hold the train rank alone.
+alone = place(ray, load_config(sys.argv[1], gpus + ["runtime.ray.placement.train_gpus=1",
+                                                    "runtime.ray.placement.engine_gpus=1"]).runtime.ray.placement,
+              1, engine=False)
+out["alone"] = {"engine": alone.engine is None, "gpu": ray.get(probe.options(**alone.train[0].options()).remote()),
+                "bundles": [len(ray.util.placement_group_table(g)["bundles"]) for g in alone.groups]}
+alone.release(ray)
 print(json.dumps(out))
 """
 
@@ -361,7 +368,8 @@ print(json.dumps(out))
 def test_gpu_placement_colocates_engine_and_trainer_on_one_gpu(tmp_path):
     """train_gpus / engine_gpus of 0.5 in one colocated placement group put the train rank and the
     engine on the same GPU (what rollout.release_memory is for); more GPUs than the cluster has are
-    refused before any work, naming the keys. Run on a Ray node that declares one GPU (this machine
+    refused before any work, naming the keys; a driver without an engine (the training service)
+    reserves the train ranks alone. Run on a Ray node that declares one GPU (this machine
     has none, so nothing computes on it: the placement is what is tested)."""
     import subprocess
     import sys
@@ -372,6 +380,7 @@ def test_gpu_placement_colocates_engine_and_trainer_on_one_gpu(tmp_path):
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["train"] == out["engine"] and len(out["train"]) == 1
     assert "needs 2 GPUs; the cluster has 1" in out["refused"] and "train_gpus=1" in out["refused"]
+    assert out["alone"] == {"engine": True, "gpu": out["train"], "bundles": [1]}
 
 
 def test_gpu_keys_name_what_is_missing():

@@ -38,7 +38,9 @@ MONITOR_GROUPS = {"monitor": 1, "poll": 1, TRACE_GROUP: 1}
 class RayExecutor:
     """Owns the cluster connection and the placement groups of one run."""
 
-    def __init__(self, settings: RunSettings, ray_settings: RaySettings, events: EventLog) -> None:
+    def __init__(self, settings: RunSettings, ray_settings: RaySettings, events: EventLog, engine: bool = True) -> None:
+        """engine: reserve the engine's placement slot (False for a driver that runs only the train
+        group, as the training service does; `start_rollout` is then refused)."""
         ray = import_ray()
         self.owns_cluster = not ray.is_initialized() and ray_settings.address is None
         self.ray = connect(ray_settings)
@@ -55,7 +57,7 @@ class RayExecutor:
         self.placement: Placement | None = None
         try:
             self.placement = place(self.ray, ray_settings.placement,
-                                   train_slots(settings.backend, ray_settings.train_ranks))
+                                   train_slots(settings.backend, ray_settings.train_ranks), engine=engine)
         except BaseException:
             self.close()
             raise
@@ -85,6 +87,8 @@ class RayExecutor:
         """The rollout actor; it starts its engine actor in the engine's placement slot. Scheduled
         with no CPUs of its own (as the driver is): its work is the agent loop between engine steps."""
         assert self.train_group is not None
+        if self.placement.engine is None:
+            raise RuntimeError("this RayExecutor was placed without an engine slot (engine=False): it starts no rollout")
         remote = self.ray.remote(concurrency_groups=MONITOR_GROUPS)(RolloutActor)
         engine_options, train = self.placement.engine.options(), self.train_group.attachment()
         s, r = self.settings, self.r

@@ -4,7 +4,8 @@
 on as few nodes as fit; `separate`: one group for the train ranks and one for the engine, each
 with the strategy, so the two sides can take different nodes. A placement the cluster cannot
 hold is refused before any actor starts, naming the keys: at once when the cluster's CPUs
-cannot cover it, otherwise when the groups are not ready within `placement.timeout_s`.
+cannot cover it, otherwise when the groups are not ready within `placement.timeout_s`. A driver
+that runs no engine (the training service) places the train ranks alone.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class Slot:
 @dataclass
 class Placement:
     train: list[Slot]
-    engine: Slot
+    engine: Slot | None            # None: placed without an engine (`place(..., engine=False)`)
     groups: list[Any] = field(default_factory=list)
 
     def release(self, ray: ModuleType) -> None:
@@ -61,44 +62,50 @@ def train_slots(backend: BackendSettings, train_ranks: int) -> int:
     return train_ranks
 
 
-def _describe(p: RayPlacementSettings, ranks: int) -> str:
-    gpus = (f" (train_gpus={p.train_gpus}, engine_gpus={p.engine_gpus})" if p.train_gpus or p.engine_gpus else "")
+def _describe(p: RayPlacementSettings, ranks: int, engine: bool) -> str:
+    gpus = (f" (train_gpus={p.train_gpus}" + (f", engine_gpus={p.engine_gpus}" if engine else "") + ")"
+            if p.train_gpus or (engine and p.engine_gpus) else "")
     return (f"runtime.ray.placement (mode {p.mode}, strategy {p.strategy}): {ranks} train rank(s) × "
-            f"train_cpus={p.train_cpus} + 1 engine × engine_cpus={p.engine_cpus}{gpus}")
+            f"train_cpus={p.train_cpus}" + (f" + 1 engine × engine_cpus={p.engine_cpus}" if engine else "") + gpus)
 
 
 def _bundle(cpus: float, gpus: float) -> dict[str, float]:
     return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
 
 
-def place(ray: ModuleType, p: RayPlacementSettings, ranks: int) -> Placement:
-    """Reserve the run's placement groups for `ranks` train actors and the engine, or raise
-    ConfigError naming the keys."""
+def place(ray: ModuleType, p: RayPlacementSettings, ranks: int, engine: bool = True) -> Placement:
+    """Reserve the run's placement groups for `ranks` train actors and (with `engine`) the
+    engine, or raise ConfigError naming the keys."""
     from ray.util.placement_group import placement_group
 
     resources = ray.cluster_resources()
-    for kind, need in (("CPU", ranks * p.train_cpus + p.engine_cpus), ("GPU", ranks * p.train_gpus + p.engine_gpus)):
+    on_engine = 1 if engine else 0
+    for kind, need in (("CPU", ranks * p.train_cpus + on_engine * p.engine_cpus),
+                       ("GPU", ranks * p.train_gpus + on_engine * p.engine_gpus)):
         have = float(resources.get(kind, 0.0))
         if need > have:
-            raise ConfigError(f"{_describe(p, ranks)} needs {need:g} {kind}s; the cluster has {have:g} "
+            raise ConfigError(f"{_describe(p, ranks, engine)} needs {need:g} {kind}s; the cluster has {have:g} "
                               f"(lower runtime.ray.train_ranks or the *_{kind.lower()}s, or add nodes)")
     train_bundles = [_bundle(p.train_cpus, p.train_gpus) for _ in range(ranks)]
     engine_bundle = _bundle(p.engine_cpus, p.engine_gpus)
-    if p.mode == "colocated":
+    if not engine:
+        groups = [placement_group(train_bundles, strategy=p.strategy)]
+    elif p.mode == "colocated":
         groups = [placement_group(train_bundles + [engine_bundle], strategy=p.strategy)]
     else:
         groups = [placement_group(train_bundles, strategy=p.strategy), placement_group([engine_bundle], strategy=p.strategy)]
-    placement = Placement(train=[], engine=Slot(None, 0, p.engine_cpus, p.engine_gpus), groups=groups)
+    placement = Placement(train=[], engine=None, groups=groups)
     ready = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=p.timeout_s)[0]
     if len(ready) < len(groups):
         placement.release(ray)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         per_node = sorted((float(n["Resources"].get("CPU", 0)) for n in nodes), reverse=True)
-        raise ConfigError(f"{_describe(p, ranks)} cannot be placed within runtime.ray.placement.timeout_s="
+        raise ConfigError(f"{_describe(p, ranks, engine)} cannot be placed within runtime.ray.placement.timeout_s="
                           f"{p.timeout_s:g} s on {len(nodes)} node(s) with CPUs {per_node} (STRICT_PACK needs one "
                           "node holding every bundle, STRICT_SPREAD one node per bundle; free CPUs may be taken "
                           "by other work)")
     placement.train = [Slot(groups[0], i, p.train_cpus, p.train_gpus) for i in range(ranks)]
-    placement.engine = (Slot(groups[0], ranks, p.engine_cpus, p.engine_gpus) if p.mode == "colocated"
-                        else Slot(groups[1], 0, p.engine_cpus, p.engine_gpus))
+    if engine:
+        placement.engine = (Slot(groups[0], ranks, p.engine_cpus, p.engine_gpus) if p.mode == "colocated"
+                            else Slot(groups[1], 0, p.engine_cpus, p.engine_gpus))
     return placement
