@@ -5,7 +5,9 @@ streams the stored rows a stored chunk at a time (``axrl/trace/routing_stream.py
 agreement and overlap, the routing class of every token (the ``routing_delta`` breakdown, the worst
 tokens), every other figure — on steps whose trainer routing differs in many layers and samples,
 including rows whose marks name a reordering of the same experts (agreeing sets), invalid rows, and
-stored chunks smaller than a sample so that pieces and windows cross them."""
+stored chunks smaller than a sample so that pieces and windows cross them. The TUI's per-sample
+routing column (``fill_routing``) is computed on the same stream and held to the decoded figure
+the same way, R3 and sharded steps included."""
 
 from __future__ import annotations
 
@@ -289,3 +291,21 @@ def test_tui_routing_column_of_sharded_steps(tmp_path, encoding, monkeypatch):
         assert sf.shards
         got = _streamed_sample_agree(sf, 100, monkeypatch)
     assert got.tobytes() == ref.tobytes()
+
+
+def test_tui_routing_column_of_a_damaged_packed_step_is_an_error(tmp_path):
+    """Marks naming more trainer rows than are stored: the TUI's routing column raises
+    ``CorruptStepError`` naming the step file (the samples screen shows it as a warning), never a
+    column read from the wrong rows."""
+    from axrl.trace import CorruptStepError
+    from axrl_debug.tui import metrics
+
+    write_run(tmp_path / "run", [moe_record(0, 128, 10, 8)], routing_encoding="packed")
+    bad = tmp_path / "run" / "trace" / "step_000000.h5"
+    with h5py.File(bad, "r+") as f:
+        rows = f["/routing/train_rows"][()]
+        del f["/routing/train_rows"]
+        f.create_dataset("/routing/train_rows", data=rows[:-5])
+    with StepFile(bad) as sf:
+        with pytest.raises(CorruptStepError, match=str(bad)):
+            metrics.chunked_routing_agree(sf)
