@@ -23,7 +23,8 @@ trainer's routing the engine's (R3: only the rows never fed to the model differ,
   time), with ``analysis_tokens_per_s_after_startup``, the rate once it is paid;
 * ``tui_open_s``: the TUI's model of the run showing the step list and opening the step's samples
   screen (``RunModel`` + ``step``), in a fresh process; beside it what follows the first screen:
-  ``tui_routing_s`` (the per-sample routing column of a large MoE step, ``fill_routing``),
+  ``tui_routing_s`` (the per-sample routing column of a large MoE step, ``fill_routing``: the
+  routing streamed as stored and compared as ``mismatch`` does),
   ``tui_scan_s`` (the background scan of the step-file metrics, a helper process in the app) and
   the process's peak RSS ``tui_peak_rss_gb``.
 

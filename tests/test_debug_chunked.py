@@ -207,6 +207,44 @@ def test_peak_memory_does_not_grow_with_the_step(tmp_path, monkeypatch):
     assert peaks[1] < 1.2 * peaks[0], peaks
 
 
+@pytest.mark.parametrize("encoding", ["raw", "packed"])
+def test_tui_routing_column_memory_does_not_grow_with_the_step(tmp_path, monkeypatch, encoding):
+    """The TUI's per-sample routing column (``fill_routing``) of a step 4× longer at a fixed chunk
+    size: the same peak of traced allocations within 20 % (the routing streamed a stored chunk at a
+    time), and the figure the decoded columns give. Stored chunks of 16 KiB, so that every routing
+    dataset's reach the writer's cap in both steps (at its 1 MiB the smaller step's marks and
+    trainer rows would fit one smaller chunk)."""
+    import sys
+
+    from axrl.trace import writer
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import trace_scale
+
+    from axrl_debug.tui import metrics
+
+    monkeypatch.setattr(trace_scale, "SAMPLE_LEN", 2048)
+    monkeypatch.setattr(trace_scale, "LAYERS", 8)
+    monkeypatch.setattr(writer, "_CHUNK_BYTES", 1 << 14)
+    peaks = []
+    for samples in (16, 64):
+        rec = trace_scale.synthetic_step(samples / trace_scale.SAMPLES)
+        path = tmp_path / f"run{samples}"
+        write_run(path, [rec], routing_encoding=encoding)
+        del rec
+        with StepFile(path / "trace" / "step_000000.h5") as sf:
+            metrics.chunked_routing_agree(sf, 4096)             # imports and caches outside the measure
+            tracemalloc.start()
+            got = metrics.chunked_routing_agree(sf, 4096)
+            peaks.append(tracemalloc.get_traced_memory()[1])
+            tracemalloc.stop()
+            off = np.asarray(sf["/samples/offsets"], dtype=np.int64)
+            cols = sf.read_columns(metrics.SAMPLE_ROUTING_COLUMNS[:2], optional=metrics.SAMPLE_ROUTING_COLUMNS[2:])
+            whole = metrics._routing_agree(off, cols, compiled=True)
+        assert got.tobytes() == whole.tobytes() and 0.5 < float(got.mean()) < 1
+    assert peaks[1] < 1.2 * peaks[0], peaks
+
+
 def test_tui_opens_a_large_moe_step_without_its_routing_then_fills_it(run, monkeypatch):
     """The samples table from chunks is the whole-column one; above ``LAZY_ROUTING_TOKENS`` the
     routing column is left for ``fill_routing``, which gives the same values."""

@@ -5,7 +5,9 @@ streams the stored rows a stored chunk at a time (``axrl/trace/routing_stream.py
 agreement and overlap, the routing class of every token (the ``routing_delta`` breakdown, the worst
 tokens), every other figure — on steps whose trainer routing differs in many layers and samples,
 including rows whose marks name a reordering of the same experts (agreeing sets), invalid rows, and
-stored chunks smaller than a sample so that pieces and windows cross them."""
+stored chunks smaller than a sample so that pieces and windows cross them. The TUI's per-sample
+routing column (``fill_routing``) is computed on the same stream and held to the decoded figure
+the same way, R3 and sharded steps included."""
 
 from __future__ import annotations
 
@@ -201,3 +203,109 @@ def test_marks_without_stored_rows_drop_the_step(tmp_path):
     with StepFile(bad) as sf:
         with pytest.raises(Exception):
             sf["/routing/train"]
+
+
+def _decoded_sample_agree(sf) -> np.ndarray:
+    """The TUI's per-sample routing agreement from the decoded whole columns, the numpy set
+    comparison (``sample_stats``'s) — checked equal to the compiled rows' first."""
+    from axrl_debug.tui import metrics
+
+    off = np.asarray(sf["/samples/offsets"], dtype=np.int64)
+    cols = sf.read_columns(ROUTING[:2], optional=ROUTING[2:])
+    ref = metrics._routing_agree(off, cols)
+    assert ref.tobytes() == metrics._routing_agree(off, cols, compiled=True).tobytes()
+    return ref
+
+
+def _streamed_sample_agree(sf, chunk_tokens: int | None, monkeypatch) -> np.ndarray:
+    """``chunked_routing_agree`` (the TUI's ``fill_routing``), which must take the stream: the
+    decoding path refuses to run."""
+    from axrl_debug.tui import metrics
+
+    with monkeypatch.context() as m:
+        m.setattr(metrics, "_routing_agree", lambda *a, **k: pytest.fail("the routing pair was decoded"))
+        return metrics.chunked_routing_agree(sf, chunk_tokens)
+
+
+@pytest.mark.parametrize("chunk_tokens", [100, None])
+def test_tui_routing_column_streams_alike(runs, chunk_tokens, monkeypatch):
+    """The TUI's per-sample routing agreement (``fill_routing`` → ``chunked_routing_agree``) on the
+    routing streamed as stored, raw and packed, in stored chunks smaller than a sample: byte for
+    byte the figure of the decoded whole columns — invalid rows left out (their trainer routing
+    differs too), marked reorderings agreeing."""
+    (experts, layers, k, valid), raw, packed = runs
+    for step in raw.steps:
+        with raw.open(step) as sf:
+            ref = _decoded_sample_agree(sf)
+            if valid:       # some samples hold invalid rows, which would change the figure if counted
+                v = np.asarray(sf["/routing/rollout_valid"]) != 0
+                assert not v.all()
+        assert np.isfinite(ref).any() and (ref[np.isfinite(ref)] < 1).any()
+        for reader in (raw, packed):
+            with reader.open(step) as sf:
+                got = _streamed_sample_agree(sf, chunk_tokens, monkeypatch)
+            assert got.tobytes() == ref.tobytes(), (reader.path.name, step)
+
+
+def test_tui_routing_column_of_r3_steps_reads_no_rollout_rows(tmp_path, monkeypatch):
+    """R3 (the trainer routes as the engine: no valid row marked; the invalid rows' marks only, on
+    one step not even those): every sample agrees fully, as decoding says, and the packed step's
+    rollout rows are never read."""
+    from axrl.trace import routing_stream
+
+    records = [moe_record(s, 128, 10, 8) for s in range(2)]
+    for i, r in enumerate(records):
+        v = np.asarray(r.routing_rollout_valid) == 0
+        train = r.routing_rollout.copy()
+        train[v] = 0 if i == 0 else train[v]
+        records[i] = replace(r, routing_train=train)
+    write_run(tmp_path / "raw", records)
+    write_run(tmp_path / "packed", records, routing_encoding="packed")
+    read = []
+    real = routing_stream._Rows.rows
+    monkeypatch.setattr(routing_stream._Rows, "rows", lambda self, a, b: (read.append(self.name), real(self, a, b))[1])
+    for step in (0, 1):
+        with StepFile(tmp_path / "raw" / "trace" / f"step_{step:06d}.h5") as sf:
+            ref = _decoded_sample_agree(sf)
+        assert set(ref[np.isfinite(ref)].tolist()) == {1.0}
+        for name in ("packed", "raw"):
+            with StepFile(tmp_path / name / "trace" / f"step_{step:06d}.h5") as sf:
+                assert _streamed_sample_agree(sf, 100, monkeypatch).tobytes() == ref.tobytes()
+            if name == "packed":
+                assert "/routing/rollout_packed" not in read and "/routing/train_differs" in read
+
+
+@pytest.mark.parametrize("encoding", ["raw", "packed"])
+def test_tui_routing_column_of_sharded_steps(tmp_path, encoding, monkeypatch):
+    """A sharded step (routing rows in shard files behind virtual datasets) streams to the figure of
+    the same step unsharded, decoded."""
+    from test_trace_shards import write_sharded
+
+    rec = moe_record(0, 128, 10, 8)
+    write_run(tmp_path / "plain", [rec])
+    with StepFile(tmp_path / "plain" / "trace" / "step_000000.h5") as sf:
+        ref = _decoded_sample_agree(sf)
+    (tmp_path / "sharded").mkdir()
+    path = write_sharded(tmp_path / "sharded", rec, [3, 9], encoding)
+    with StepFile(path) as sf:
+        assert sf.shards
+        got = _streamed_sample_agree(sf, 100, monkeypatch)
+    assert got.tobytes() == ref.tobytes()
+
+
+def test_tui_routing_column_of_a_damaged_packed_step_is_an_error(tmp_path):
+    """Marks naming more trainer rows than are stored: the TUI's routing column raises
+    ``CorruptStepError`` naming the step file (the samples screen shows it as a warning), never a
+    column read from the wrong rows."""
+    from axrl.trace import CorruptStepError
+    from axrl_debug.tui import metrics
+
+    write_run(tmp_path / "run", [moe_record(0, 128, 10, 8)], routing_encoding="packed")
+    bad = tmp_path / "run" / "trace" / "step_000000.h5"
+    with h5py.File(bad, "r+") as f:
+        rows = f["/routing/train_rows"][()]
+        del f["/routing/train_rows"]
+        f.create_dataset("/routing/train_rows", data=rows[:-5])
+    with StepFile(bad) as sf:
+        with pytest.raises(CorruptStepError, match=str(bad)):
+            metrics.chunked_routing_agree(sf)

@@ -230,7 +230,8 @@ def detect_spikes(steps: list[int], series: dict[str, list[float]],
 
 # ============================================================================ step
 # Steps above this many tokens open without their per-sample routing agreement, filled in once the
-# samples screen is up (``StepModel.fill_routing``): a 1 M-token 48-layer step holds ~770 MB of it.
+# samples screen is up (``StepModel.fill_routing``): a 1 M-token 48-layer step holds 400–770 MB of
+# stored routing, and comparing it needs the compiled kernels (numba's start alone is ~0.3 s).
 LAZY_ROUTING_TOKENS = 1 << 16
 
 
@@ -311,7 +312,8 @@ class StepModel:
         return model
 
     def fill_routing(self) -> None:
-        """Compute the per-sample routing agreement left pending by ``load`` (chunk by chunk)."""
+        """Compute the per-sample routing agreement left pending by ``load``: the routing pair
+        streamed as stored and compared as ``mismatch`` compares it (``chunked_routing_agree``)."""
         if not self.routing_pending:
             return
         with StepFile(self.path) as sf:

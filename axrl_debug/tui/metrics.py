@@ -23,7 +23,7 @@ import numpy as np
 
 from axrl.trace.quantities import split_deltas, split_mask
 from axrl_debug.analysis.mismatch import MismatchConfig, routing_agreement, step_tokens
-from axrl_debug.analysis.mismatch.compiled import agreeing_layers
+from axrl_debug.analysis.mismatch.compiled import agreeing_layers, streamed_agreeing_layers
 
 # Columns of a step file needed for the per-sample table (routing is optional: MoE only).
 SAMPLE_STAT_COLUMNS = ("/samples/offsets", "/tokens/loss_mask", "/tokens/rollout_logprob",
@@ -73,22 +73,30 @@ def sample_stats(step: int, policy_version: int, cols: Mapping[str, Any]) -> Sam
 def _routing_agree(off: np.ndarray, cols: Mapping[str, Any], compiled: bool = False) -> np.ndarray:
     """Per sample: the share of valid (row, layer) pairs whose expert sets agree (NaN: dense).
     ``compiled``: count them with the analysis's compiled pass (loads numba)."""
+    if "/routing/rollout" not in cols or "/routing/train" not in cols:
+        return np.full(off.size - 1, math.nan)
+    rr, rt = np.asarray(cols["/routing/rollout"]), np.asarray(cols["/routing/train"])
+    if not rr.shape[0]:
+        return np.full(off.size - 1, math.nan)
+    per_row = agreeing_layers(rr, rt) if compiled else layer_agreement(rr, rt).sum(axis=1)
+    return _share_per_sample(off, per_row, _valid_rows(cols, rr.shape[0]), int(rr.shape[1]))
+
+
+def _valid_rows(cols: Mapping[str, Any], t: int) -> np.ndarray:
+    """bool [t]: rows with valid rollout routing (every row where ``rollout_valid`` is not recorded)."""
+    valid = cols.get("/routing/rollout_valid")
+    return np.ones(t, dtype=bool) if valid is None else np.asarray(valid) != 0
+
+
+def _share_per_sample(off: np.ndarray, per_row: np.ndarray, valid: np.ndarray, layers: int) -> np.ndarray:
+    """Per sample: Σ agreeing layers over its valid rows / (valid rows · layers); NaN without valid
+    rows. ``per_row``: agreeing layers of each row (an invalid row's is weighted out, never read)."""
     n = off.size - 1
-    agree = np.full(n, math.nan)
-    if "/routing/rollout" in cols and "/routing/train" in cols:
-        rr, rt = np.asarray(cols["/routing/rollout"]), np.asarray(cols["/routing/train"])
-        t = rr.shape[0]
-        if t:
-            valid = cols.get("/routing/rollout_valid")
-            valid = np.ones(t, dtype=bool) if valid is None else np.asarray(valid) != 0
-            per_row = agreeing_layers(rr, rt) if compiled else layer_agreement(rr, rt).sum(axis=1)
-            sample_of = np.repeat(np.arange(n), np.diff(off))
-            rows = np.bincount(sample_of, weights=valid, minlength=n)
-            agreeing = np.bincount(sample_of, weights=per_row * valid, minlength=n)
-            layers = rr.shape[1]
-            with np.errstate(invalid="ignore", divide="ignore"):
-                agree = np.where(rows > 0, agreeing / (np.maximum(rows, 1) * layers), math.nan)
-    return agree
+    sample_of = np.repeat(np.arange(n), np.diff(off))
+    rows = np.bincount(sample_of, weights=valid, minlength=n)
+    agreeing = np.bincount(sample_of, weights=per_row * valid, minlength=n)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(rows > 0, agreeing / (np.maximum(rows, 1) * layers), math.nan)
 
 
 def chunked_sample_stats(sf: Any, *, routing: bool) -> tuple[SampleStats, np.ndarray]:
@@ -115,15 +123,28 @@ def chunked_sample_stats(sf: Any, *, routing: bool) -> tuple[SampleStats, np.nda
     return stats, generated
 
 
-def chunked_routing_agree(sf: Any) -> np.ndarray:
+def chunked_routing_agree(sf: Any, chunk_tokens: int | None = None) -> np.ndarray:
     """The ``routing_agree`` column of ``sample_stats`` alone, chunk by chunk, compiled (it runs
-    after the first screen, where loading numba no longer delays anything)."""
-    from axrl.trace.chunks import iter_chunks
+    after the first screen, where loading numba no longer delays anything). The routing pair is
+    streamed as stored, as ``mismatch`` reads it (``streamed_agreeing_layers``: packed routing
+    compared from its marks, only the marked rows decoded); a layout the stream does not take is
+    decoded. ``chunk_tokens``: ``iter_chunks``'s (None: its default)."""
+    from axrl.trace.chunks import DEFAULT_CHUNK_TOKENS, iter_chunks
 
     agree = np.full(sf.num_samples, math.nan)
-    for ch in iter_chunks(sf, ("/samples/offsets", *SAMPLE_ROUTING_COLUMNS[:2]), optional=SAMPLE_ROUTING_COLUMNS[2:]):
-        agree[ch.sample0:ch.sample1] = _routing_agree(np.asarray(ch["/samples/offsets"], dtype=np.int64), ch.data,
-                                                      compiled=True)
+    buffers: dict[str, np.ndarray] = {}
+    for ch in iter_chunks(sf, ("/samples/offsets", *SAMPLE_ROUTING_COLUMNS[:2]), optional=SAMPLE_ROUTING_COLUMNS[2:],
+                          chunk_tokens=chunk_tokens or DEFAULT_CHUNK_TOKENS, buffers=buffers, fast_checksums=True,
+                          stream_routing=True):
+        off = np.asarray(ch["/samples/offsets"], dtype=np.int64)
+        rows = slice(ch.sample0, ch.sample1)
+        if ch.routing is None:
+            agree[rows] = _routing_agree(off, ch.data, compiled=True)
+        elif ch.num_tokens:
+            valid = _valid_rows(ch.data, ch.num_tokens)
+            per_row = streamed_agreeing_layers(ch.routing, None if "/routing/rollout_valid" not in ch.data
+                                               else valid.view(np.uint8))
+            agree[rows] = _share_per_sample(off, per_row, valid, ch.routing.layers)
     return agree
 
 

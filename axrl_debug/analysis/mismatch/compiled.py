@@ -226,13 +226,25 @@ def _breakdown_pass(kern: Any, ws: _Scratch, c: _Block, a: _Analysed, off: np.nd
 
 
 def agreeing_layers(rr: np.ndarray, rt: np.ndarray) -> np.ndarray:
-    """int32 [T]: layers whose expert sets agree, per routing row (compiled; the TUI's per-sample
-    routing column of a large step)."""
+    """int32 [T]: layers whose expert sets agree, per routing row (compiled)."""
     t, layers = rr.shape[0], rr.shape[1]
     out = np.zeros(t, np.int32)
     if t:
         compare_rows(rr, rt, _NO_BYTES, False, np.empty(t, bool), np.zeros(layers, np.int64),
                      np.zeros(layers, np.int64), out)
+    return out
+
+
+def streamed_agreeing_layers(rng: RoutingRange, valid: np.ndarray | None) -> np.ndarray:
+    """``agreeing_layers`` of a chunk's routing pair streamed as stored (``compare_stream``: packed
+    routing compared from its marks, only the marked rows decoded) — for the valid rows (``valid``:
+    uint8 [T], None for every row); an invalid row's count is not compared, to be weighted out (the
+    TUI's per-sample routing column of a large step)."""
+    t = rng.token1 - rng.token0
+    out = np.zeros(t, np.int32)
+    if t:
+        compare_stream(rng, _NO_BYTES if valid is None else valid, valid is not None, np.empty(t, bool),
+                       np.zeros(rng.layers, np.int64), np.zeros(rng.layers, np.int64), out)
     return out
 
 

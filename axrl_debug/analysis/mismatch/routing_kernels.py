@@ -139,7 +139,7 @@ for _i in range(64):
 
 @njit(cache=True, nogil=True)
 def packed_routing_rows(packed, bits, differs, rows, k, valid, has_valid, row_agree, disagree, lost,
-                        ids, members):  # pragma: no cover - compiled
+                        ids, members, row_layers):  # pragma: no cover - compiled
     """``routing_rows`` on packed routing (``axrl.trace.routing_codec``, ids of at most 8 bits),
     reading only what the ``train_differs`` marks name: an unmarked (token, layer) holds the
     rollout's very ids (agrees, |A ∩ B| = k: nothing to count); a marked one is compared with the
@@ -150,7 +150,9 @@ def packed_routing_rows(packed, bits, differs, rows, k, valid, has_valid, row_ag
     A marked row of an invalid token (``valid[t] == 0``) is skipped, not compared: the layer
     counts leave it out and a token's routing class ignores an invalid row before it, so its
     ``row_agree`` is set False unread — and ``packed`` may then hold no bytes ([T, 0]) when no
-    valid row is marked.
+    valid row is marked. ``row_layers[t]`` (when not empty): how many layers of row t agree, as
+    ``routing_rows`` counts them — for a valid row; an invalid row's is L less its marked layers,
+    equally unread.
 
     ``packed`` uint8 [T, B]; ``differs`` uint8 [T, ⌈L/8⌉] (at most 64 layers a word, in turn).
     Returns the stored rows used, or −1 when a mark names a layer past L or a row past ``rows``
@@ -168,6 +170,7 @@ def packed_routing_rows(packed, bits, differs, rows, k, valid, has_valid, row_ag
     for t in range(nt):
         counted = not has_valid or valid[t] != 0
         every = True
+        agreeing = nl
         for first in range(0, nbytes, 8):
             m = _word_at(differs[t], first, min(8, nbytes - first), ~np.uint64(0))
             while m != np.uint64(0):
@@ -177,6 +180,7 @@ def packed_routing_rows(packed, bits, differs, rows, k, valid, has_valid, row_ag
                     return -1
                 if not counted:         # a row never fed to the model: no figure reads its comparison
                     every = False
+                    agreeing -= 1
                     r += 1
                     continue
                 if k == 8:
@@ -189,10 +193,12 @@ def packed_routing_rows(packed, bits, differs, rows, k, valid, has_valid, row_ag
                 r += 1
                 if hits != k:
                     every = False
-                    if counted:
-                        disagree[layer] += 1
-                        lost[layer] += k - hits
+                    agreeing -= 1
+                    disagree[layer] += 1
+                    lost[layer] += k - hits
         row_agree[t] = every
+        if row_layers.size:
+            row_layers[t] = agreeing
     return r
 
 

@@ -35,12 +35,13 @@ def compare_rows(rr: np.ndarray, rt: np.ndarray, valid: np.ndarray, has_valid: b
 
 
 def compare_stream(rng: RoutingRange, valid: np.ndarray, has_valid: bool, row_agree: np.ndarray,
-                   layer_agree: np.ndarray, layer_hits: np.ndarray) -> None:
+                   layer_agree: np.ndarray, layer_hits: np.ndarray, row_layers: np.ndarray = NO_COUNTS) -> None:
     """``compare_rows`` on a chunk's routing read piece by piece as stored (``rng``): packed pieces
     of ids ≤ 8 bits through ``routing_kernels.packed_routing_rows`` (only the marked valid rows
     decoded; a piece without such marks, as under R3, does not even read its rollout rows), others decoded
-    (``RoutingPiece.arrays``) through ``routing_kernels.routing_rows``. A packed piece whose marks
-    disagree with its stored trainer rows raises ``CorruptStepError``."""
+    (``RoutingPiece.arrays``) through ``routing_kernels.routing_rows``. ``row_layers`` (int32 [T],
+    when not empty): the agreeing layers of each valid row (an invalid row's is not compared). A
+    packed piece whose marks disagree with its stored trainer rows raises ``CorruptStepError``."""
     layers, k = rng.layers, rng.k
     disagree, lost = np.zeros(layers, np.int64), np.zeros(layers, np.int64)
     ids, members = np.zeros(2 * k, np.int64), np.zeros(4, np.uint64)
@@ -48,20 +49,21 @@ def compare_stream(rng: RoutingRange, valid: np.ndarray, has_valid: bool, row_ag
     for p in rng.pieces():
         v = valid[p.start:p.stop] if has_valid else valid
         agree = row_agree[p.start:p.stop]
+        counts = row_layers[p.start:p.stop] if row_layers.size else NO_COUNTS
         if p.differs is not None and p.bits <= 8:
             # the rollout rows are read only when a valid row is marked (the comparison skips the
             # others): under R3 only the marks of the rows never fed to the model, if any
             marked = routing_codec.count_marks(p.differs[v != 0] if has_valid else p.differs)
             rollout = p.rollout if marked else np.empty((p.stop - p.start, 0), np.uint8)
             used = kern.packed_routing_rows(rollout, p.bits, p.differs, p.train, k, v, has_valid, agree,
-                                            disagree, lost, ids, members)
+                                            disagree, lost, ids, members, counts)
             if used != p.train.shape[0]:
                 raise CorruptStepError(f"{rng.stream.sf.path}: {p.train.shape[0]} stored trainer routing rows for "
                                        f"tokens {rng.token0 + p.start}:{rng.token0 + p.stop}, whose marks name "
                                        f"{'others' if used < 0 else used}")
         else:
             rr, rt = p.arrays()
-            _rows_pass(rr, rt, v, has_valid, agree, disagree, lost, NO_COUNTS)
+            _rows_pass(rr, rt, v, has_valid, agree, disagree, lost, counts)
     _set_counts(_valid_rows(row_agree.shape[0], valid, has_valid), k, disagree, lost, layer_agree, layer_hits)
 
 
