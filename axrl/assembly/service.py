@@ -150,7 +150,11 @@ def build_service(serve_cfg: ServeConfig, cfg: Config, run_dir: Path, poll_s: fl
     model_dir = Path(serve_cfg.model_path)
     base = {k: v.detach().clone() for k, v in hf_state_dict(server.engine.model).items()}
     routing = RoutingMemory() if records_routing(cfg, server.engine.config.num_experts) else None
-    engine, scorer = sampling_engine(cfg, server, model_dir)
+    try:
+        engine, scorer = sampling_engine(cfg, server, model_dir)
+    except BaseException:
+        server.engine.shutdown()
+        raise
     state = ServiceState(Sampler(engine, scorer, server.tokenizer, base, routing),
                          model_factory(cfg, model_dir, run_dir, full_finetune, routing),
                          server.model_name, model_dir, server.engine.config.model_type, FutureStore(poll_s=poll_s))
