@@ -176,6 +176,31 @@ def scoring_gap(scored: list[float | None], trainer: np.ndarray) -> float:
     return float(np.max(np.abs(np.asarray(scored[1:], np.float64) - trainer)))
 
 
+def check_base_sampling(sc: Scenario) -> None:
+    """At the served weights the server's sampled logprobs and compute_logprobs are the trainer's."""
+    assert [len(s.tokens) for s in sc.before] == [MAX_TOKENS] * SAMPLES
+    assert completion_gap(sc.prompt, sc.before, sc.trainer_before) < LOGPROB_TOL
+    assert scoring_gap(sc.scored_before, sc.trainer_before[0]) < LOGPROB_TOL
+
+
+def check_new_weights(sc: Scenario) -> None:
+    """After the step, the server samples from the saved sampler weights: its outputs change (same
+    seed), and its logprobs and prompt scores are the trainer's new ones."""
+    if [s.tokens for s in sc.after] == [s.tokens for s in sc.before]:
+        moved = max(abs(a - b) for x, y in zip(sc.after, sc.before) for a, b in zip(x.logprobs, y.logprobs))
+        assert moved > 100 * LOGPROB_TOL, "the samples at the new weights equal the base weights' samples"
+    assert completion_gap(sc.prompt, sc.after, sc.trainer_after) < LOGPROB_TOL
+    assert scoring_gap(sc.scored_after, sc.trainer_after[0]) < LOGPROB_TOL
+
+
+def check_step_mismatch(sc: Scenario, step: int) -> dict:
+    """`axrl-debug mismatch` reads the step: every sampled token, at float32 rounding; its report."""
+    report = mismatch_report(sc.service.run, step)
+    assert report["tokens"]["analysed"] == SAMPLES * MAX_TOKENS
+    assert report["metrics"]["max_abs"] < LOGPROB_TOL
+    return report
+
+
 def measured(sc: Scenario) -> dict[str, float]:
     """The session's timings and its largest sampler–trainer and scorer–trainer gaps (printed by the suites)."""
     return {**sc.times,

@@ -24,9 +24,8 @@ import h5py
 import pytest
 
 from axrl.inference.servers.launcher import free_port
-from tests.service_real_util import (LOGPROB_TOL, MAX_TOKENS, SAMPLES, Scenario, Service, completion_gap,
-                                     measured, mismatch_report, moe_model, run_scenario,
-                                     scoring_gap)
+from tests.service_real_util import (Scenario, Service, check_base_sampling, check_new_weights, check_step_mismatch,
+                                     measured, moe_model, run_scenario)
 
 VLLM_PYTHON = os.environ.get("AXRL_VLLM_PYTHON", "")
 SKIP_REASON = "real-vLLM suite: set AXRL_VLLM_PYTHON to the python of an environment built by scripts/vllm-cpu-env.sh DIR"
@@ -56,19 +55,13 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Scenario:
 def test_sampled_tokens_carry_the_trainers_logprobs(session: Scenario) -> None:
     """At the served weights, vLLM's sampled logprobs and compute_logprobs equal the trainer's
     teacher-forced logprobs of the same tokens."""
-    assert [len(s.tokens) for s in session.before] == [MAX_TOKENS] * SAMPLES
-    assert completion_gap(session.prompt, session.before, session.trainer_before) < LOGPROB_TOL
-    assert scoring_gap(session.scored_before, session.trainer_before[0]) < LOGPROB_TOL
+    check_base_sampling(session)
 
 
 def test_sampler_weights_reach_the_vllm_server(session: Scenario) -> None:
     """After a training step, save_weights_for_sampler's weights are what vLLM samples from: its
     outputs change (same seed), and its logprobs and prompt scores are the trainer's new ones."""
-    if [s.tokens for s in session.after] == [s.tokens for s in session.before]:
-        moved = max(abs(a - b) for x, y in zip(session.after, session.before) for a, b in zip(x.logprobs, y.logprobs))
-        assert moved > 100 * LOGPROB_TOL, "the samples at the new weights equal the base weights' samples"
-    assert completion_gap(session.prompt, session.after, session.trainer_after) < LOGPROB_TOL
-    assert scoring_gap(session.scored_after, session.trainer_after[0]) < LOGPROB_TOL
+    check_new_weights(session)
 
 
 def test_trace_records_both_steps_without_routing(session: Scenario) -> None:
@@ -78,9 +71,7 @@ def test_trace_records_both_steps_without_routing(session: Scenario) -> None:
     for step in (0, 1):
         with h5py.File(run / "trace" / f"step_{step:06d}.h5") as f:
             assert "routing" not in f
-        report = mismatch_report(run, step)
-        assert report["tokens"]["analysed"] == SAMPLES * MAX_TOKENS
-        assert report["metrics"]["max_abs"] < LOGPROB_TOL
+        check_step_mismatch(session, step)
     log = session.service.log_path.read_text(errors="replace")
     assert "sampling on vllm servers" in log and "MoE routing is not recorded" in log
 
