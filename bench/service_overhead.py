@@ -46,13 +46,14 @@ from axrl.tokenizer import Tokenizer
 ADAM = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 1.0}
 
 
-def _server(model: Path, run: Path, log: Path) -> tuple[subprocess.Popen, str]:
+def _server(model: Path, run: Path, log: Path, *extra: str, wait_s: float = 120) -> tuple[subprocess.Popen, str]:
+    """`axrl serve --training` on `model` with the flags `extra`, once it answers (within `wait_s`)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "axrl.cli", "serve", "--model-path", str(model), "--training",
-                             "--run-dir", str(run), "--port", str(port)], stdout=open(log, "w"),
+                             "--run-dir", str(run), "--port", str(port), *extra], stdout=open(log, "w"),
                             stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
-    for _ in range(240):
+    for _ in range(int(wait_s * 2)):
         try:
             if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
                 return proc, url

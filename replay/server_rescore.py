@@ -31,6 +31,7 @@ import torch
 
 from axrl.config import Config
 from axrl.inference.scoring import Scorer, ScoringError
+from axrl.inference.servers.scorer import server_scorer
 from axrl.inference.sglang.launcher import SGLangLauncher, ServerStartError, free_port
 from axrl.trace import StepFile
 from replay.compare import Divergence
@@ -216,13 +217,7 @@ def _check_serves(engine: str, url: str, model_dir: Path, opts: ServerOptions, c
 
 def make_scorer(engine: str, url: str, vocab_size: int) -> Scorer:
     """The scorer of `engine` over the server at `url`."""
-    if engine == "sglang":
-        from axrl.inference.sglang.scorer import SGLangScorer
-
-        return SGLangScorer(url, vocab_size=vocab_size)
-    from axrl.inference.vllm.scorer import VLLMScorer
-
-    return VLLMScorer(url, vocab_size=vocab_size)
+    return server_scorer(engine, url, vocab_size)
 
 
 def _score(engine: str, url: str, vocab_size: int, sequences: list[list[int]], temperature: float) -> list[np.ndarray]:

@@ -199,3 +199,51 @@ def test_unnamed_sampler_snapshots_are_bounded_and_dropped_ones_say_so() -> None
         sampler.check(p)
     with pytest.raises(UserError, match="dropped"):
         sampler.check(paths[0])
+
+
+def _tiny_dense(tmp_path):
+    from axrl.model import build_model, preset_config, save_hf
+    from axrl.tokenizer import Tokenizer
+
+    tok = Tokenizer.default()
+    cfg = preset_config("tiny-dense", vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id)
+    return save_hf(build_model(cfg, seed=0), tmp_path / "model", tokenizer=tok)
+
+
+def test_a_vllm_service_without_vllm_says_what_to_build(tmp_path) -> None:
+    """`rollout.engine: vllm` is wired in: without a vLLM environment the service says how to get one."""
+    from axrl.assembly.service import build_service
+    from axrl.config import load_config
+    from axrl.inference.serve import ServeConfig
+
+    cfg = load_config(None, ["rollout.engine=vllm", f"rollout.vllm.python={tmp_path / 'none' / 'python'}"])
+    with pytest.raises(ValueError, match="does not exist; build the CPU environment with scripts/vllm-cpu-env.sh"):
+        build_service(ServeConfig(model_path=str(_tiny_dense(tmp_path))), cfg, tmp_path / "run")
+
+
+def test_stopping_the_service_finishes_its_work_then_stops_the_engines(tmp_path, monkeypatch) -> None:
+    """Shutting the app down runs the service's releases (queued training work and step files, then
+    the sampling servers) before the served engine stops, each even when an earlier one fails —
+    Starlette never runs `router.on_shutdown` beside a lifespan, which once left them undone."""
+    from fastapi.testclient import TestClient
+
+    from axrl.assembly.service import build_service
+    from axrl.config import load_config
+    from axrl.inference.serve import ServeConfig
+    from axrl.service.state import ServiceState
+
+    model = _tiny_dense(tmp_path)
+    calls: list[str] = []
+
+    def failing_close(self) -> None:
+        calls.append("state")
+        raise RuntimeError("a release failed")
+    monkeypatch.setattr(ServiceState, "close", failing_close)
+    app, server, _state = build_service(ServeConfig(model_path=str(model)), load_config(None, []), tmp_path / "run")
+    stop_engine = server.engine.shutdown
+    monkeypatch.setattr(server.engine, "shutdown", lambda: (calls.append("engine"), stop_engine()))
+    with pytest.raises(RuntimeError, match="a release failed"):
+        with TestClient(app):
+            assert calls == []
+    assert calls == ["state", "engine"]

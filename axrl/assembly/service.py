@@ -20,10 +20,9 @@ import torch
 from axrl.assembly import settings as S
 from axrl.assembly.build import make_engine, make_tokenizer, make_train_backend
 from axrl.config import Config, config_to_dict
-from axrl.errors import ConfigError
 from axrl.inference.scoring import EmbeddedScorer, Scorer
 from axrl.inference.serve.main import startup_message
-from axrl.inference.sglang.scorer import SGLangScorer
+from axrl.inference.servers.scorer import server_scorer
 from axrl.inference.serve.serve_app import create_app
 from axrl.inference.serve.state import ServeConfig, build_server
 from axrl.model import hf_state_dict
@@ -38,11 +37,11 @@ from axrl.trace import RunDir
 from axrl.train.protocol import TrainBackend
 
 
-def check_service_config(cfg: Config) -> None:
-    """Refuse what the service does not drive (yet), saying what to use instead."""
-    if cfg.rollout.engine == "vllm":
-        raise ConfigError("axrl serve --training samples on the embedded engine or SGLang (rollout.engine: embedded | "
-                          "sglang); vllm is not wired into the service yet")
+def records_routing(cfg: Config, num_experts: int) -> bool:
+    """Whether sampled sequences bring their MoE routing into the trace: on an MoE model, from the
+    embedded engine or SGLang. vLLM servers return none (AxRL launches them without
+    --enable-return-routed-experts, which the CPU build cannot run), so their steps record no routing."""
+    return bool(num_experts) and cfg.rollout.engine != "vllm"
 
 
 class ServedDirectory:
@@ -66,13 +65,28 @@ class ServedDirectory:
 
 def sampling_engine(cfg: Config, server: Any, model_dir: Path) -> tuple[Any, Scorer]:
     """The engine Tinker sampling runs on and its prompt scorer: the served embedded engine, or
-    SGLang servers (`rollout.engine: sglang`, launched on the served directory or given by URL)
-    with their teacher-forced scorer."""
+    SGLang / vLLM servers (`rollout.engine: sglang | vllm`, launched on the served directory or
+    given by URL) with their teacher-forced scorer. New sampler weights reach the servers by the
+    engine's own weight route (vLLM's CPU build: a restart on the exported directory)."""
     if cfg.rollout.engine == "embedded":
         return server.engine, EmbeddedScorer(server.engine.model, server.engine.config.vocab_size)
     source = ServedDirectory(model_dir, server.engine.model)
     engine = make_engine(cfg, server.tokenizer, source)  # type: ignore[arg-type]  (the part of a backend it reads)
-    return engine, SGLangScorer(engine.urls[0], vocab_size=source.model_config.vocab_size)
+    try:
+        return engine, server_scorer(cfg.rollout.engine, engine.urls[0], source.model_config.vocab_size)
+    except BaseException:
+        engine.shutdown()
+        raise
+
+
+def sampling_note(cfg: Config, state: ServiceState, num_experts: int) -> str:
+    """The start-up line saying where Tinker sampling runs and whether MoE routing is recorded."""
+    engine = state.sampler.engine
+    where = ("sampling on the embedded engine" if cfg.rollout.engine == "embedded"
+             else f"sampling on {cfg.rollout.engine} servers {', '.join(engine.urls)}")
+    if num_experts and not records_routing(cfg, num_experts):
+        where += " (MoE routing is not recorded: vLLM servers return none)"
+    return where
 
 
 def model_config(cfg: Config, model_dir: Path, lora_rank: int | None) -> Config:
@@ -129,23 +143,25 @@ def service_backend(cfg: Config) -> tuple[TrainBackend, Callable[[], None]]:
 def build_service(serve_cfg: ServeConfig, cfg: Config, run_dir: Path, poll_s: float = 30.0,
                   full_finetune: bool = False) -> tuple[Any, Any, ServiceState]:
     """The FastAPI app of `axrl serve --training` and its state."""
-    check_service_config(cfg)
     if run_dir.exists() and any(run_dir.iterdir()):
         raise FileExistsError(f"--run-dir {run_dir} is not empty: axrl serve --training records a new run "
                               "(each created model from checkpoint 0); choose another --run-dir")
     server = build_server(serve_cfg)
     model_dir = Path(serve_cfg.model_path)
     base = {k: v.detach().clone() for k, v in hf_state_dict(server.engine.model).items()}
-    routing = RoutingMemory() if server.engine.config.num_experts else None
-    engine, scorer = sampling_engine(cfg, server, model_dir)
+    routing = RoutingMemory() if records_routing(cfg, server.engine.config.num_experts) else None
+    try:
+        engine, scorer = sampling_engine(cfg, server, model_dir)
+    except BaseException:
+        server.engine.shutdown()
+        raise
     state = ServiceState(Sampler(engine, scorer, server.tokenizer, base, routing),
                          model_factory(cfg, model_dir, run_dir, full_finetune, routing),
                          server.model_name, model_dir, server.engine.config.model_type, FutureStore(poll_s=poll_s))
-    app = create_app(server)
+    # at shutdown: the queued training work and step files first, then the sampling servers
+    releases = [state.close] + ([scorer.close, engine.shutdown] if engine is not server.engine else [])
+    app = create_app(server, on_shutdown=releases)
     add_tinker_routes(app, state)
-    app.router.on_shutdown.append(state.close)
-    if engine is not server.engine:   # servers this service launched (or connected to) for sampling
-        app.router.on_shutdown.extend([scorer.close, engine.shutdown])
     return app, server, state
 
 
@@ -154,8 +170,9 @@ def serve_training(serve_cfg: ServeConfig, cfg: Config, run_dir: Path, full_fine
     import uvicorn
 
     started = time.perf_counter()
-    app, server, _state = build_service(serve_cfg, cfg, run_dir, full_finetune=full_finetune)
+    app, server, state = build_service(serve_cfg, cfg, run_dir, full_finetune=full_finetune)
     base = f"http://{serve_cfg.host}:{serve_cfg.port}"
     print(startup_message(server, time.perf_counter() - started) + f"\n  Tinker API (tinker==0.38.0) at {base} "
-          f"(TINKER_BASE_URL={base} TINKER_API_KEY=tml-…); recording into {run_dir}", file=sys.stderr, flush=True)
+          f"(TINKER_BASE_URL={base} TINKER_API_KEY=tml-…); recording into {run_dir}\n  "
+          + sampling_note(cfg, state, server.engine.config.num_experts), file=sys.stderr, flush=True)
     uvicorn.run(app, host=serve_cfg.host, port=serve_cfg.port, log_level=serve_cfg.log_level, access_log=False)

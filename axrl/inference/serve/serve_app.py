@@ -16,8 +16,8 @@ Errors are SGLang's error object `{"object": "error", "message", "type", "code"}
 
 from __future__ import annotations
 
-from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from contextlib import ExitStack, asynccontextmanager
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -34,17 +34,19 @@ from axrl.inference.servers import weight_sync
 from axrl.inference.sglang.wire import WireError
 
 
-def create_app(server: AxrlServer) -> FastAPI:
-    """The FastAPI app for `server`; shutting it down stops the engine and leaves weight groups."""
+def create_app(server: AxrlServer, on_shutdown: Sequence[Callable[[], None]] = ()) -> FastAPI:
+    """The FastAPI app for `server`; shutting it down runs `on_shutdown` in order, then stops the
+    engine and leaves weight groups. (With a lifespan, Starlette never runs `router.on_shutdown`:
+    what a front built on this app must release at shutdown goes here.)"""
 
     @asynccontextmanager
     async def lifespan(_app: Any) -> AsyncIterator[None]:
-        try:
+        with ExitStack() as stack:   # run last-pushed first, each even after one fails
+            stack.callback(lambda: [weight_sync.destroy_weights_group(g) for g in server.groups.values()])
+            stack.callback(server.engine.shutdown)
+            for release in reversed(on_shutdown):
+                stack.callback(release)
             yield
-        finally:
-            server.engine.shutdown()
-            for group in server.groups.values():
-                weight_sync.destroy_weights_group(group)
 
     app = FastAPI(title="axrl serve", lifespan=lifespan)
     handle_api_errors(app, lambda e: sglang_error_body(str(e), e.status))

@@ -76,10 +76,12 @@ class VLLMScorer:
     def _complete(self, prompts: list[list[int]], full: bool) -> list[dict[str, Any]]:
         body = {"model": self.model, "prompt": prompts, "max_tokens": 1, "temperature": 1.0,
                 "prompt_logprobs": -1 if full else 0, "return_token_ids": True}
-        try:
-            r = self.client.post(self.url + "/v1/completions", json=body)
-        except httpx.HTTPError as e:
-            raise ScoringError(f"{self.url}/v1/completions: {type(e).__name__}: {e}") from None
+        r = self._post(body)
+        if r.status_code == 404:
+            # A server restarted on new weights (AxRL's CPU weight route) serves them under the new
+            # directory's name: ask it again which model it serves.
+            body["model"] = self.model = self._served_model()
+            r = self._post(body)
         if r.status_code != 200:
             hint = (" (the whole distribution is needed at T != 1: start vLLM with --max-logprobs -1)"
                     if full and "max allowed" in r.text else "")
@@ -89,6 +91,12 @@ class VLLMScorer:
         if len(choices) != len(prompts):
             raise ScoringError(f"{self.url}/v1/completions: {len(choices)} choices for {len(prompts)} prompts")
         return choices
+
+    def _post(self, body: dict[str, Any]) -> httpx.Response:
+        try:
+            return self.client.post(self.url + "/v1/completions", json=body)
+        except httpx.HTTPError as e:
+            raise ScoringError(f"{self.url}/v1/completions: {type(e).__name__}: {e}") from None
 
     def _logprobs(self, seq: Sequence[int], choice: dict[str, Any], temperature: float, full: bool) -> np.ndarray:
         entries = choice.get("prompt_logprobs")
