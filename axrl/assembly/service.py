@@ -22,7 +22,7 @@ from axrl.assembly.build import make_engine, make_tokenizer, make_train_backend
 from axrl.config import Config, config_to_dict
 from axrl.inference.scoring import EmbeddedScorer, Scorer
 from axrl.inference.serve.main import startup_message
-from axrl.inference.servers.scorer import server_scorer
+from axrl.inference.server_scorer import server_scorer
 from axrl.inference.serve.serve_app import create_app
 from axrl.inference.serve.state import ServeConfig, build_server
 from axrl.model import hf_state_dict
@@ -121,13 +121,14 @@ def model_factory(cfg: Config, model_dir: Path, run_dir: Path, full_finetune: bo
 def service_backend(cfg: Config) -> tuple[TrainBackend, Callable[[], None]]:
     """A model's trainer and what releases it: the run's backend in this process, or under
     `runtime.executor: ray` a train group of `runtime.ray.train_ranks` actors (their gradients
-    summed over ranks, as the service's summed losses need)."""
+    summed over ranks, as the service's summed losses need) placed without an engine slot (sampling
+    runs in the service's own process or on its servers)."""
     if cfg.runtime.executor != "ray":
         backend = make_train_backend(cfg, make_tokenizer(cfg))
         return backend, backend.close
     from axrl.ray_executor.executor import RayExecutor
 
-    executor = RayExecutor(S.run_settings(cfg), cfg.runtime.ray, EventLog())
+    executor = RayExecutor(S.run_settings(cfg), cfg.runtime.ray, EventLog(), engine=False)
     try:
         group = executor.start_train_group()
     except BaseException:

@@ -4,6 +4,8 @@ score by a prefill-only `/generate`, vLLM by `/v1/completions` with `prompt_logp
 Every vLLM server AxRL talks to runs with `--logprobs-mode processed_logprobs` (the launcher's flag,
 and what the vLLM client requires of servers given by URL), so its prompt "logprobs" are logprobs,
 never logits: `VLLMScorer(logits_mode=False)`.
+
+It sits above `sglang/` and `vllm/` (not in `servers/`, which both of them build on).
 """
 
 from __future__ import annotations
