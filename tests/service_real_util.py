@@ -156,6 +156,24 @@ def run_scenario(service: Service) -> Scenario:
     return sc_
 
 
+def session_on(engine: str, python: str, root: Path, sets: dict[str, str]) -> Scenario:
+    """The module's session on real `engine` servers ("sglang" / "vllm") launched with `python`
+    on a free port: the service started on tiny-moe, the SDK session run, the service stopped.
+    `sets`: the engine's further `--set`s. The port is kept in `times[f"{engine}_port"]`."""
+    port = free_port()
+    service = Service(moe_model(root), root, {"rollout.engine": engine, f"rollout.{engine}.python": python,
+                                              f"rollout.{engine}.base_port": str(port),
+                                              f"rollout.{engine}.log_dir": str(root / f"{engine}-logs"), **sets})
+    try:
+        scenario = run_scenario(service)
+    finally:
+        service.close()
+    scenario.times["service_startup_s"] = round(service.startup_s, 1)
+    scenario.times[f"{engine}_port"] = port
+    print(f"[service-{engine}] {json.dumps(measured(scenario))}", file=sys.__stderr__, flush=True)
+    return scenario
+
+
 def wait_for_step(run: Path, step: int) -> None:
     """Step files are written in the background: wait until step `step`'s is on disk."""
     deadline = time.time() + 120

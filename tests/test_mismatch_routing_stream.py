@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -155,24 +156,32 @@ def test_numpy_path_decodes_a_stream(runs):
     assert json.dumps(streamed.result()) == json.dumps(acc.result())
 
 
-def test_r3_steps_read_no_rollout_rows(tmp_path, monkeypatch):
-    """Trainer routing equal to the rollout's (R3): the packed comparison reads the marks only —
-    not one stored rollout row, even where the rows never fed to the model are marked (they are
-    stored as zeros for the rollout only) — and reports full agreement, as decoding everything does."""
+def _r3_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Two R3 steps written raw (tmp_path/raw) and packed (tmp_path/packed): the trainer routing is
+    the rollout's, its invalid rows zeroed as the rollout's are stored on step 0 and kept on step 1
+    (marked there). Returns the list the routing stream appends each dataset name it reads rows of."""
     from axrl.trace import routing_stream
 
     records = [moe_record(s, 128, 10, 8) for s in range(2)]
     for i, r in enumerate(records):
+        invalid = np.asarray(r.routing_rollout_valid) == 0
         train = r.routing_rollout.copy()
-        train[np.asarray(r.routing_rollout_valid) == 0] = 0     # as stored: the rollout's invalid rows are zeros
-        if i == 1:                                                # one step: the trainer's invalid rows not zeroed
-            train[np.asarray(r.routing_rollout_valid) == 0] = r.routing_rollout[np.asarray(r.routing_rollout_valid) == 0]
+        if i == 0:
+            train[invalid] = 0     # as stored: the rollout's invalid rows are zeros
         records[i] = replace(r, routing_train=train)
     write_run(tmp_path / "raw", records)
     write_run(tmp_path / "packed", records, routing_encoding="packed")
-    read = []
+    read: list[str] = []
     real = routing_stream._Rows.rows
     monkeypatch.setattr(routing_stream._Rows, "rows", lambda self, a, b: (read.append(self.name), real(self, a, b))[1])
+    return read
+
+
+def test_r3_steps_read_no_rollout_rows(tmp_path, monkeypatch):
+    """Trainer routing equal to the rollout's (R3): the packed comparison reads the marks only —
+    not one stored rollout row, even where the rows never fed to the model are marked (they are
+    stored as zeros for the rollout only) — and reports full agreement, as decoding everything does."""
+    read = _r3_runs(tmp_path, monkeypatch)
     cfg = MismatchConfig(compiled=True, top_k=20, chunk_tokens=100)
     packed = _read_steps(TraceReader(tmp_path / "packed"), [0, 1], cfg).result()
     assert "/routing/rollout_packed" not in read and "/routing/train_differs" in read
@@ -251,19 +260,7 @@ def test_tui_routing_column_of_r3_steps_reads_no_rollout_rows(tmp_path, monkeypa
     """R3 (the trainer routes as the engine: no valid row marked; the invalid rows' marks only, on
     one step not even those): every sample agrees fully, as decoding says, and the packed step's
     rollout rows are never read."""
-    from axrl.trace import routing_stream
-
-    records = [moe_record(s, 128, 10, 8) for s in range(2)]
-    for i, r in enumerate(records):
-        v = np.asarray(r.routing_rollout_valid) == 0
-        train = r.routing_rollout.copy()
-        train[v] = 0 if i == 0 else train[v]
-        records[i] = replace(r, routing_train=train)
-    write_run(tmp_path / "raw", records)
-    write_run(tmp_path / "packed", records, routing_encoding="packed")
-    read = []
-    real = routing_stream._Rows.rows
-    monkeypatch.setattr(routing_stream._Rows, "rows", lambda self, a, b: (read.append(self.name), real(self, a, b))[1])
+    read = _r3_runs(tmp_path, monkeypatch)
     for step in (0, 1):
         with StepFile(tmp_path / "raw" / "trace" / f"step_{step:06d}.h5") as sf:
             ref = _decoded_sample_agree(sf)

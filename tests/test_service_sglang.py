@@ -15,18 +15,14 @@ that session saw.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
-import sys
 from pathlib import Path
 
 import h5py
 import pytest
 
-from axrl.inference.servers.launcher import free_port
-from tests.service_real_util import (Scenario, Service, check_base_sampling, check_new_weights, check_step_mismatch,
-                                     measured, moe_model, run_scenario)
+from tests.service_real_util import Scenario, check_base_sampling, check_new_weights, check_step_mismatch, session_on
 
 SGLANG_PYTHON = os.environ.get("AXRL_SGLANG_PYTHON", "")
 SKIP_REASON = ("real-SGLang suite: set AXRL_SGLANG_PYTHON to the python of an environment built by "
@@ -39,21 +35,8 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Scenario:
     """The service on SGLang, the SDK session's results, and the SGLang port (the service is stopped)."""
     if not Path(SGLANG_PYTHON).is_file():
         pytest.fail(f"AXRL_SGLANG_PYTHON={SGLANG_PYTHON} does not exist; build it with scripts/sglang-cpu-env.sh DIR")
-    root = tmp_path_factory.mktemp("service-sglang")
-    port = free_port()
-    service = Service(moe_model(root), root, {"rollout.engine": "sglang", "rollout.sglang.server": "sglang",
-                                              "rollout.sglang.python": SGLANG_PYTHON,
-                                              "rollout.sglang.cpu_compat": "true",
-                                              "rollout.sglang.base_port": str(port),
-                                              "rollout.sglang.log_dir": str(root / "sglang-logs")})
-    try:
-        scenario = run_scenario(service)
-    finally:
-        service.close()
-    scenario.times["service_startup_s"] = round(service.startup_s, 1)
-    scenario.times["sglang_port"] = port
-    print(f"[service-sglang] {json.dumps(measured(scenario))}", file=sys.__stderr__, flush=True)
-    return scenario
+    return session_on("sglang", SGLANG_PYTHON, tmp_path_factory.mktemp("service-sglang"),
+                      {"rollout.sglang.server": "sglang", "rollout.sglang.cpu_compat": "true"})
 
 
 def test_sampled_tokens_carry_the_trainers_logprobs(session: Scenario) -> None:

@@ -14,18 +14,14 @@ tiny-moe directory); one SDK session samples, trains a step on its samples, save
 
 from __future__ import annotations
 
-import json
 import os
 import socket
-import sys
 from pathlib import Path
 
 import h5py
 import pytest
 
-from axrl.inference.servers.launcher import free_port
-from tests.service_real_util import (Scenario, Service, check_base_sampling, check_new_weights, check_step_mismatch,
-                                     measured, moe_model, run_scenario)
+from tests.service_real_util import Scenario, check_base_sampling, check_new_weights, check_step_mismatch, session_on
 
 VLLM_PYTHON = os.environ.get("AXRL_VLLM_PYTHON", "")
 SKIP_REASON = "real-vLLM suite: set AXRL_VLLM_PYTHON to the python of an environment built by scripts/vllm-cpu-env.sh DIR"
@@ -37,19 +33,7 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Scenario:
     """The service on vLLM, the SDK session's results, and the vLLM port (the service is stopped)."""
     if not Path(VLLM_PYTHON).is_file():
         pytest.fail(f"AXRL_VLLM_PYTHON={VLLM_PYTHON} does not exist; build it with scripts/vllm-cpu-env.sh DIR")
-    root = tmp_path_factory.mktemp("service-vllm")
-    port = free_port()
-    service = Service(moe_model(root), root, {"rollout.engine": "vllm", "rollout.vllm.python": VLLM_PYTHON,
-                                              "rollout.vllm.base_port": str(port),
-                                              "rollout.vllm.log_dir": str(root / "vllm-logs")})
-    try:
-        scenario = run_scenario(service)
-    finally:
-        service.close()
-    scenario.times["service_startup_s"] = round(service.startup_s, 1)
-    scenario.times["vllm_port"] = port
-    print(f"[service-vllm] {json.dumps(measured(scenario))}", file=sys.__stderr__, flush=True)
-    return scenario
+    return session_on("vllm", VLLM_PYTHON, tmp_path_factory.mktemp("service-vllm"), {})
 
 
 def test_sampled_tokens_carry_the_trainers_logprobs(session: Scenario) -> None:
