@@ -459,3 +459,33 @@ def test_miles_missing_context_parallel_rank(tmp_path: Path) -> None:
         (tmp_path / f"1_{rank}.pt").unlink()
     r = invoke("import", "miles", tmp_path, tmp_path / "run")
     assert said(r, "context-parallel ranks [1] of 2 missing")
+
+
+def test_slime_rollout_dump_defaults_and_dict_rewards(tmp_path: Path) -> None:
+    """slime dumps a rollout before filling in defaults (THUDM/slime ``slime/ray/rollout.py``:
+    ``_save_debug_rollout_data`` runs before ``_convert_samples_to_train_data`` sets ``loss_mask``
+    to all ones): a single-turn run's samples hold ``loss_mask`` None, a rollout without logprobs
+    ``rollout_log_probs`` None, and with ``--reward-key`` the reward is a dict."""
+    src = tmp_path / "dumps"
+    src.mkdir()
+    steps = slime_dumps(src)
+    d = torch.load(src / "rollout_1.pt", weights_only=False)
+    for s in d["samples"]:
+        s["loss_mask"] = None
+        s["reward"] = {"acc": s["reward"], "format": 1.0}
+    d["samples"][0]["rollout_log_probs"] = None
+    torch.save(d, src / "rollout_1.pt")
+    r = invoke("import", "slime", src, tmp_path / "run")
+    assert said(r, "rollout_1.pt: samples[0]: field 'reward' is a dict (keys ['acc', 'format']): pass --reward-key")
+    report = one_json(invoke("import", "slime", src, tmp_path / "run", "--reward-key", "acc", "--json"))
+    assert any("1 of 128 samples have rollout_log_probs None" in n for n in report["notes"])
+    summary = one_json(invoke("summary", tmp_path / "run", "--json"))
+    assert summary["steps"][1]["reward"] == pytest.approx(np.mean([s["reward"] for s in steps[1]]))
+    with StepFile(tmp_path / "run" / "trace" / "step_000001.h5") as sf:
+        offsets, mask = sf["/samples/offsets"][:], sf["/tokens/loss_mask"][:]
+        rollout = sf["/tokens/rollout_logprob"][:]
+        for i, s in enumerate(steps[1][:4]):
+            a, p, b = int(offsets[i]), int(offsets[i]) + len(s["prompt"]), int(offsets[i + 1])
+            assert mask[a:p].sum() == 0 and mask[p:b].all()      # None: every response token trained
+        assert np.isnan(rollout[offsets[0]:offsets[1]]).all()    # no rollout logprobs: NaN, not 0
+        assert np.array_equal(rollout[p:b], steps[1][3]["rollout"].astype(np.float32))

@@ -53,6 +53,7 @@ class ImportOptions:
     trust_pickle: bool = False
     group_size: int | None = None         # NeMo-RL: samples per prompt (else inferred from prompts)
     num_experts: int | None = None        # MoE routing: experts per layer (else max id + 1)
+    reward_key: str | None = None         # slime/miles: the entry of a dict reward (slime's --reward-key)
 
 
 def need(obj: Mapping[str, Any], key: str, where: str) -> Any:
