@@ -39,15 +39,35 @@ def _fail(name: str, msg: str) -> RecorderError:
     return RecorderError(f"Recorder.write_step: {name}: {msg}")
 
 
+def _array(name: str, value: Any, dtype: Any = None) -> np.ndarray:
+    """``value`` (a list, array or torch tensor) as numpy. Tensors go through ``.numpy()`` (float
+    ones as float32: numpy has no bfloat16); a float column reads None entries as NaN (not known)."""
+    if hasattr(value, "detach") and hasattr(value, "is_floating_point"):     # a torch tensor
+        t = value.detach().cpu()
+        value = (t.float() if t.is_floating_point() else t).numpy()
+    try:
+        a = np.asarray(value)
+        if a.dtype == object and dtype is not None and np.dtype(dtype).kind == "f":
+            a = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise _fail(name, f"not a numeric array ({e})") from None
+    return a
+
+
 def _per_sample(name: str, values: Any, n: int, dtype: Any) -> np.ndarray:
-    """One value per sample as a 1-D array of ``dtype`` (N entries)."""
+    """One value per sample as a 1-D array of ``dtype`` (N entries); integer columns refuse
+    non-integral values (they would be truncated silently)."""
     if values is None:
         raise _fail(name, f"is required (one value per sample, N={n})")
-    a = np.asarray(values)
+    a = _array(name, values)
     if a.shape != (n,):
         raise _fail(name, f"shape {a.shape}, expected ({n},) (one value per sample, N = len(token_ids))")
     if a.size and a.dtype.kind not in "biuf":
         raise _fail(name, f"dtype {a.dtype} is not numeric")
+    if np.dtype(dtype).kind in "iu" and a.dtype.kind == "f":
+        bad = np.flatnonzero(~np.isfinite(a) | (a != np.round(a)))
+        if bad.size:
+            raise _fail(name, f"sample {bad[0]}: {a[bad[0]]} is not an integer")
     return a.astype(dtype)
 
 
@@ -55,7 +75,7 @@ def _one_sample(name: str, value: Any, i: int, length: int, prompt_len: int, fil
                 dtype: Any) -> np.ndarray:
     """Sample i's column over all its ``length`` tokens from a full or response-only array (or a
     scalar, broadcast over the response); the prompt of a response-only array gets ``fill``."""
-    a = np.asarray(value)
+    a = _array(f"{name}[{i}]", value, dtype)
     response = length - prompt_len
     if a.ndim == 0:
         a = np.full(response, a.item() if a.dtype.kind in "biuf" else np.nan)
@@ -94,7 +114,7 @@ def _routing(routing: Sequence[Any], lengths: np.ndarray, num_experts: int | Non
         raise _fail("routing", f"expected one array per sample (N={lengths.size}), got {len(routing)}")
     rows, valid, lk = [], [], None
     for i, (r, n) in enumerate(zip(routing, lengths)):
-        a = np.asarray(r)
+        a = _array(f"routing[{i}]", r)
         if a.ndim != 3 or a.shape[0] not in (n, n - 1) or (lk is not None and a.shape[1:] != lk):
             want = f"(L, k) = {lk}" if lk is not None else "L, k >= 1"
             raise _fail(f"routing[{i}]", f"shape {a.shape}, expected ({n}, L, k) or ({n - 1}, L, k) with {want}")
@@ -131,7 +151,7 @@ def _prompt_lens(prompt_lens: Any, loss_mask: Sequence[Any], lengths: np.ndarray
         raise _fail("loss_mask", f"expected one array per sample (N={n})")
     out = np.empty(n, np.int64)
     for i, (m, length) in enumerate(zip(loss_mask, lengths)):
-        m = np.asarray(m)
+        m = _array(f"loss_mask[{i}]", m)
         if m.shape != (length,):
             raise _fail(f"loss_mask[{i}]", f"shape {m.shape}, expected ({length},) (len(token_ids[{i}])); "
                                            "response-only masks need prompt_lens")
@@ -210,10 +230,18 @@ class Recorder:
         Raises ``RecorderError`` naming the field and the shape it expected.
         """
         n = len(token_ids)
-        ids = [np.asarray(t) for t in token_ids]
+        ids = [_array(f"token_ids[{i}]", t) for i, t in enumerate(token_ids)]
         for i, a in enumerate(ids):
             if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
                 raise _fail(f"token_ids[{i}]", f"shape {a.shape} dtype {a.dtype}, expected 1-D integers")
+            if a.size and a.min() < 0:
+                j = int(np.argmax(a < 0))
+                raise _fail(f"token_ids[{i}]", f"token {j} is {a[j]}: ids are >= 0 (drop padding and "
+                                               "ignore-index entries such as -100 before recording)")
+        if self.run.step_path(int(step)).exists():
+            raise RecorderError(f"Recorder.write_step: step {step} is already in {self.run.path} "
+                                f"({self.run.step_path(int(step)).name}): each step is written once (a new "
+                                "Recorder(..., overwrite=True) replaces the whole trace)")
         lengths = np.array([a.size for a in ids], np.int64)
         plens = _prompt_lens(prompt_lens, loss_mask, lengths)
         mask = _ragged("loss_mask", loss_mask, lengths, plens, 0, np.int64)
