@@ -310,6 +310,39 @@ def test_nemo_rl_malformed(tmp_path: Path) -> None:
     assert said(r, "do not split into groups of --group-size 7")
 
 
+def test_nemo_rl_logger_layout_dynamic_sampling_and_two_experiments(tmp_path: Path) -> None:
+    """NeMo-RL's ``Logger.log_batched_dict_as_jsonl`` (nemo_rl/utils/logger.py) walks the batch with
+    ``make_microbatch_iterator(1)``: every field of a line is a batch of one (``[[...]]``, ``[0.5]``)
+    plus ``idx``. With dynamic sampling ``rewards`` is the unfiltered list (longer, so trailing lines
+    hold only it) and ``filtered_rewards`` the trained samples' rewards."""
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    steps = nemo_dumps(flat)
+    src = tmp_path / "logs" / "exp_001"
+    src.mkdir(parents=True)
+    for step in (1, 2):
+        lines = [json.loads(x) for x in (flat / f"train_data_step{step}.jsonl").read_text().splitlines()]
+        out = []
+        for i, obj in enumerate(lines):
+            obj["filtered_rewards"], obj["rewards"] = obj["rewards"], -1.0      # the unfiltered one: not this sample's
+            out.append({**{k: [v] for k, v in obj.items()}, "idx": i})
+        out += [{"rewards": [0.0], "filtered_rewards": [], "input_lengths": [], "token_ids": [], "idx": len(out)}]
+        (src / f"train_data_step{step}.jsonl").write_text("".join(json.dumps(o) + "\n" for o in out))
+    report = one_json(invoke("import", "nemo-rl", src, tmp_path / "run", "--json"))
+    assert report["steps"] == [1, 2] and report["samples"] == STEPS * N
+    assert any("1 line(s) past the trained batch" in n for n in report["notes"])
+    summary, mismatch = analyse(tmp_path / "run")
+    assert mismatch["metrics"]["mean_abs"] == pytest.approx(mean_abs([p for s in steps for p in loss_pairs(s)]), rel=1e-9)
+    assert [r["reward"] for r in summary["steps"]] == pytest.approx([np.mean([s["reward"] for s in st]) for st in steps])
+    (tmp_path / "logs" / "exp_002").mkdir()
+    (tmp_path / "logs" / "exp_002" / "train_data_step1.jsonl").write_text("{}\n")
+    r = invoke("import", "nemo-rl", tmp_path / "logs", tmp_path / "run2")
+    assert said(r, "two dumps of step 1") and said(r, "point SRC at one experiment's log directory")
+    (src / "train_data_step1.jsonl").write_text(json.dumps({"content": ["q"], "rewards": [1.0], "idx": 0}) + "\n")
+    r = invoke("import", "nemo-rl", src, tmp_path / "run3")
+    assert said(r, "train_data_step1.jsonl:1: missing field 'token_ids'")
+
+
 # ----------------------------------------------------------------------------- AxisRL
 @pytest.fixture
 def fake_packages(monkeypatch):
