@@ -24,7 +24,7 @@ import numpy as np
 from .quantities import mean_abs_delta
 from .record import StepRecord
 from .run_dir import RunDir
-from .schema import TraceValidationError
+from .schema import UPDATE_REQUIRED, TraceValidationError
 
 __all__ = ["Recorder", "RecorderError"]
 
@@ -298,9 +298,12 @@ class Recorder:
         position = np.arange(t) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         prompt = position < np.repeat(plens, lengths)
         updates = dict(update_metrics or {})
-        if updates and any(len(v) != 1 for v in updates.values()):
+        if updates and any(np.size(v) != 1 for v in updates.values()):
             raise _fail("update_metrics", "one value per column (one update over all samples): which samples "
                                           "each of several updates trained on is not known")
+        if updates:    # the optimizer facts the caller does not know (often lr) are NaN, not invented
+            updates = {**{k: [math.nan] for k in UPDATE_REQUIRED},
+                       **{k: [float(_array(f"update_metrics[{k!r}]", v).reshape(-1)[0])] for k, v in updates.items()}}
         teacher = cols.pop("teacher_logprob", None)
         return StepRecord(
             step=int(step), policy_version=version, sample_offsets=np.r_[0, np.cumsum(lengths)],
