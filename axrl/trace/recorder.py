@@ -297,13 +297,14 @@ class Recorder:
         self._next_sample_id = int(sids.max()) + 1 if n else self._next_sample_id
         position = np.arange(t) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         prompt = position < np.repeat(plens, lengths)
-        updates = dict(update_metrics or {})
-        if updates and any(np.size(v) != 1 for v in updates.values()):
+        updates = {k: _array(f"update_metrics[{k!r}]", v, np.float64).reshape(-1)
+                   for k, v in (update_metrics or {}).items()}
+        if updates and any(v.size != 1 for v in updates.values()):
             raise _fail("update_metrics", "one value per column (one update over all samples): which samples "
                                           "each of several updates trained on is not known")
         if updates:    # the optimizer facts the caller does not know (often lr) are NaN, not invented
             updates = {**{k: [math.nan] for k in UPDATE_REQUIRED},
-                       **{k: [float(_array(f"update_metrics[{k!r}]", v).reshape(-1)[0])] for k, v in updates.items()}}
+                       **{k: [float(v[0])] for k, v in updates.items()}}
         teacher = cols.pop("teacher_logprob", None)
         return StepRecord(
             step=int(step), policy_version=version, sample_offsets=np.r_[0, np.cumsum(lengths)],
