@@ -299,6 +299,9 @@ class Recorder:
         prompt = position < np.repeat(plens, lengths)
         updates = {k: _array(f"update_metrics[{k!r}]", v, np.float64).reshape(-1)
                    for k, v in (update_metrics or {}).items()}
+        for k, v in updates.items():
+            if v.dtype.kind not in "biuf":
+                raise _fail(f"update_metrics[{k!r}]", f"dtype {v.dtype} is not numeric")
         if updates and any(v.size != 1 for v in updates.values()):
             raise _fail("update_metrics", "one value per column (one update over all samples): which samples "
                                           "each of several updates trained on is not known")
