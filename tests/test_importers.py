@@ -486,6 +486,34 @@ def test_axisrl_misaligned_labels(tmp_path: Path, fake_packages, monkeypatch) ->
     assert said(r, "row 0: labels[0] = 0 is not input_ids[1] = 1")
 
 
+def test_axisrl_uuid_groups_and_left_padding(tmp_path: Path, fake_packages, monkeypatch) -> None:
+    """``uid`` as verl-style trainers keep it (a non-tensor list of prompt uuids, shared across
+    ranks) groups the rows; a left-padded row is refused rather than trimmed at the wrong end."""
+    TensorDict = fake_packages[0]
+    ids = torch.arange(24).reshape(4, 6)
+    labels = torch.cat([ids[:, 1:], torch.full((4, 1), -100)], 1)
+    cols = {k: torch.zeros(4, 6) for k in ("loss_mask", "rollout_logprobs", "old_logprobs", "advantage")}
+    for rank, uids in enumerate((["u-b", "u-a", "u-b", "u-c"], ["u-a", "u-c", "u-d", "u-d"])):
+        d = tmp_path / "spike_snapshots" / "iter_5"
+        d.mkdir(parents=True, exist_ok=True)
+        td = TensorDict({"input_ids": ids, "labels": labels, "reward": torch.zeros(4), **cols}, batch_size=[4])
+        td.set_non_tensor("uid", uids)
+        torch.save(td, d / f"batch_rank{rank}.pt")
+    forget_snapshot_classes(monkeypatch)
+    one_json(invoke("import", "axisrl", tmp_path / "spike_snapshots", tmp_path / "run", "--json"))
+    with StepFile(tmp_path / "run" / "trace" / "step_000005.h5") as sf:
+        assert sf["/samples/group_id"][:].tolist() == [0, 1, 0, 2, 1, 2, 3, 3]
+    monkeypatch.undo()                                     # tensordict importable again, to save the next fixture
+    am = torch.ones(4, 6, dtype=torch.long)
+    am[2, :2] = 0                                          # row 2 padded on the left
+    d = tmp_path / "iter_6"
+    d.mkdir()
+    torch.save(TensorDict({"input_ids": ids, "labels": labels, "reward": torch.zeros(4), "attention_mask": am,
+                           **cols}, batch_size=[4]), d / "batch_rank0.pt")
+    r = invoke("import", "axisrl", d, tmp_path / "run2")
+    assert said(r, "batch_rank0.pt: row 2: attention_mask is not ones then zeros (right padding)")
+
+
 def test_miles_missing_context_parallel_rank(tmp_path: Path) -> None:
     slime_dumps(tmp_path, miles=True)
     for rank in (2, 3):                       # DP shard 0's cp_rank 1 (both of its TP copies)
