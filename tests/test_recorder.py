@@ -149,6 +149,8 @@ def test_routing_and_teacher_columns(tmp_path) -> None:
     (lambda a: a["token_ids"][2].__setitem__(5, -100), "token_ids[2]: token 5 is -100: ids are >= 0"),
     (lambda a: a.__setitem__("group_ids", np.arange(48) / 5), "group_ids: sample 1: 0.2 is not an integer"),
     (lambda a: a["token_ids"].__setitem__(1, [1, [2, 3]]), "token_ids[1]: not a numeric array"),
+    (lambda a: a.__setitem__("trainer_logprobs", [-t for t in a["trainer_logprobs"]]),    # NLL, not log p
+     "trainer_logprobs: the median over the loss tokens is"),
 ])
 def test_bad_inputs_name_the_field_and_shape(tmp_path, change, needle) -> None:
     a = arrays(0)

@@ -127,6 +127,20 @@ def _routing(routing: Sequence[Any], lengths: np.ndarray, num_experts: int | Non
     return np.concatenate(rows), np.concatenate(valid)
 
 
+def _check_log_probabilities(cols: dict[str, np.ndarray], mask: np.ndarray) -> None:
+    """Refuse a logprob column whose loss tokens are mostly positive — probabilities or negative
+    log-likelihoods passed for log p: every analysis (mismatch, KL estimates, ratios) would be
+    silently wrong. The median, not the maximum: noise and rounding put a few log p near 0 above it."""
+    for key, name in (("rollout_logprob", "rollout_logprobs"), ("old_logprob", "trainer_logprobs"),
+                      ("ref_logprob", "ref_logprobs"), ("teacher_logprob", "teacher_logprobs")):
+        values = cols[key][mask == 1] if key in cols else np.zeros(0)
+        values = values[np.isfinite(values)]
+        if values.size and np.median(values) > 0:
+            raise _fail(name, f"the median over the loss tokens is {np.median(values):.4g} > 0 "
+                              f"({int((values > 0).sum())} of {values.size} positive): pass log p(token) (≤ 0), "
+                              "not a probability or a negative log-likelihood")
+
+
 def _strings(name: str, values: Sequence[str] | None, n: int, default: Sequence[str]) -> list[str]:
     """One string per sample (``default`` when not given)."""
     if values is None:
@@ -280,6 +294,7 @@ class Recorder:
             for key in ("old_logprob", "ref_logprob", "teacher_logprob"):
                 if key in cols:
                     cols[key][off] = np.nan
+        _check_log_probabilities(cols, mask)
         return cols
 
     def _record(self, step: int, n: int, ids: list[np.ndarray], lengths: np.ndarray, plens: np.ndarray,
