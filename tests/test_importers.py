@@ -535,6 +535,7 @@ def test_slime_rollout_dump_defaults_and_dict_rewards(tmp_path: Path) -> None:
         s["loss_mask"] = None
         s["reward"] = {"acc": s["reward"], "format": 1.0}
     d["samples"][0]["rollout_log_probs"] = None
+    d["samples"][5]["remove_sample"] = True                  # slime zeroes its loss mask: not trained
     torch.save(d, src / "rollout_1.pt")
     r = invoke("import", "slime", src, tmp_path / "run")
     assert said(r, "rollout_1.pt: samples[0]: field 'reward' is a dict (keys ['acc', 'format']): pass --reward-key")
@@ -549,4 +550,5 @@ def test_slime_rollout_dump_defaults_and_dict_rewards(tmp_path: Path) -> None:
             a, p, b = int(offsets[i]), int(offsets[i]) + len(s["prompt"]), int(offsets[i + 1])
             assert mask[a:p].sum() == 0 and mask[p:b].all()      # None: every response token trained
         assert np.isnan(rollout[offsets[0]:offsets[1]]).all()    # no rollout logprobs: NaN, not 0
+        assert mask[offsets[5]:offsets[6]].sum() == 0
         assert np.array_equal(rollout[p:b], steps[1][3]["rollout"].astype(np.float32))

@@ -161,15 +161,18 @@ def _sample(s: dict, where: str, train: dict[str, Any] | None, options: ImportOp
     """One sample's arrays (response-only logprobs, full-length tokens). slime dumps a rollout
     before it fills in defaults: ``loss_mask`` None means every response token is trained (what
     slime's ``_convert_samples_to_train_data`` then uses), ``rollout_log_probs`` None that the
-    rollout returned none (stored NaN: no mismatch for the sample)."""
+    rollout returned none (stored NaN: no mismatch for the sample); ``remove_sample`` that none of
+    it is trained (slime zeroes its loss mask)."""
     tokens = vector(s, "tokens", where, dtype=np.int64)
     n = int(scalar(s, "response_length", where))
     if not 0 <= n <= tokens.size:
         raise ImportFormatError(f"{where}: response_length {n} outside [0, len(tokens)={tokens.size}]")
     unset = {k for k in ("loss_mask", "rollout_log_probs") if k in s and s[k] is None}
+    removed = bool(s.get("remove_sample"))     # slime then trains none of it (its loss mask zeroed)
     out: dict[str, Any] = {
         "tokens": tokens, "prompt_len": tokens.size - n, "reward": _reward(s, where, options.reward_key),
-        "mask": np.ones(n, np.int64) if "loss_mask" in unset else vector(s, "loss_mask", where, n, np.int64),
+        "mask": (np.zeros(n, np.int64) if removed else np.ones(n, np.int64) if "loss_mask" in unset
+                 else vector(s, "loss_mask", where, n, np.int64)),
         "rollout": np.full(n, np.nan) if "rollout_log_probs" in unset else vector(s, "rollout_log_probs", where, n),
         "index": int(scalar(s, "index", where)), "group": int(scalar(s, "group_index", where)),
         "trainer": None, "ref": None, "teacher": None, "entropy": None, "advantages": np.zeros(n),
