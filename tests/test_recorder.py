@@ -203,6 +203,7 @@ def test_torch_tensors_none_entries_and_a_step_written_twice(tmp_path) -> None:
     a["rollout_logprobs"] = bf16
     a["trainer_logprobs"] = [torch.tensor(t).half() for t in a["trainer_logprobs"]]
     a["token_ids"] = [torch.tensor(t) for t in a["token_ids"]]
+    a["rewards"] = [torch.tensor(r).bfloat16() for r in a["rewards"]]      # a list of 0-d tensors
     full = [None] * PROMPT + [float(x) for x in a["trainer_logprobs"][0].float()]
     a["trainer_logprobs"][0] = full                                  # full length, None over the prompt
     rec = Recorder(tmp_path / "run", engine=None, backend=None)

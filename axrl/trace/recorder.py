@@ -45,6 +45,8 @@ def _array(name: str, value: Any, dtype: Any = None) -> np.ndarray:
     if hasattr(value, "detach") and hasattr(value, "is_floating_point"):     # a torch tensor
         t = value.detach().cpu()
         value = (t.float() if t.is_floating_point() else t).numpy()
+    elif isinstance(value, (list, tuple)) and any(hasattr(v, "detach") for v in value):   # e.g. [tensor(0.5), ...]
+        value = [_array(name, v) for v in value]
     try:
         a = np.asarray(value)
         if a.dtype == object and dtype is not None and np.dtype(dtype).kind == "f":
