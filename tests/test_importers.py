@@ -220,6 +220,8 @@ def test_slime_malformed_dumps_are_named(tmp_path: Path) -> None:
     torch.save(d, src / "rollout_1.pt")
     r = invoke("import", "slime", src, tmp_path / "run2")
     assert said(r, "field 'rollout_log_probs' has shape (3,), expected (")
+    r = invoke("import", "slime", src, tmp_path / "run3", "--num-experts", 16)    # the fixture's ids go to 31
+    assert said(r, f"step 0 ({src / 'rollout_0.pt'}, {src / 'train_0_0.pt'}): Recorder.write_step: routing[0]: token")
     assert not (tmp_path / "run2").exists()      # step 0 was fine, step 1 not: no half-imported run left
 
 

@@ -168,6 +168,11 @@ def test_bad_routing_and_existing_dir(tmp_path) -> None:
     with pytest.raises(RecorderError, match=r"routing\[1\]: shape \(3, 2\), expected"):
         rec.write_step(0, routing=[np.zeros((len(a["token_ids"][0]), 2, 2), int), np.zeros((3, 2))],
                        num_experts=8, **a)
+    routing = [np.zeros((len(t), 2, 2), np.int32) for t in a["token_ids"]]
+    routing[1][7, 1, 0] = 300                                     # an id the given expert count does not have
+    with pytest.raises(RecorderError, match=r"routing\[1\]: token 7: expert ids \[0, 0, 300, 0\] outside "
+                                            r"\[0, num_experts=256\): give the model's expert count"):
+        rec.write_step(0, routing=routing, num_experts=256, **a)
     with pytest.raises(FileExistsError, match="not empty"):
         Recorder(tmp_path / "run", engine=None, backend=None)
 

@@ -123,6 +123,12 @@ def _routing(routing: Sequence[Any], lengths: np.ndarray, num_experts: int | Non
         if a.size and a.dtype.kind not in "iu":
             raise _fail(f"routing[{i}]", f"dtype {a.dtype} is not an integer type")
         lk = a.shape[1:]
+        out_of_range = np.flatnonzero(((a < 0) | (a >= num_experts)).reshape(a.shape[0], -1).any(axis=1)) if a.size else []
+        if len(out_of_range):
+            t = int(out_of_range[0])
+            raise _fail(f"routing[{i}]", f"token {t}: expert ids {a[t].reshape(-1).tolist()[:8]} outside [0, "
+                                         f"num_experts={num_experts}): give the model's expert count (num_experts, "
+                                         "--num-experts); padding such as -1 is not an expert id")
         missing = int(n) - a.shape[0]
         rows.append(np.concatenate([a.astype(np.int64), np.zeros((missing, *lk), np.int64)]))
         valid.append(np.r_[np.ones(a.shape[0], np.uint8), np.zeros(missing, np.uint8)])
