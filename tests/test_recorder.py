@@ -173,6 +173,8 @@ def test_bad_routing_and_existing_dir(tmp_path) -> None:
     with pytest.raises(RecorderError, match=r"routing\[1\]: token 7: expert ids \[0, 0, 300, 0\] outside "
                                             r"\[0, num_experts=256\): give the model's expert count"):
         rec.write_step(0, routing=routing, num_experts=256, **a)
+    with pytest.raises(RecorderError, match=r"step 1.5 is not an int >= 0"):
+        rec.write_step(1.5, **a)                                   # int() would have made it step 1
     with pytest.raises(FileExistsError, match="not empty"):
         Recorder(tmp_path / "run", engine=None, backend=None)
 

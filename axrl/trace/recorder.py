@@ -251,6 +251,8 @@ class Recorder:
         where no logprob exists). Rollout logprobs off the mask are always NaN (not generated).
         Raises ``RecorderError`` naming the field and the shape it expected.
         """
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise RecorderError(f"Recorder.write_step: step {step!r} is not an int >= 0")
         n = len(token_ids)
         ids = [_array(f"token_ids[{i}]", t) for i, t in enumerate(token_ids)]
         for i, a in enumerate(ids):
