@@ -538,16 +538,18 @@ def test_slime_rollout_dump_defaults_and_dict_rewards(tmp_path: Path) -> None:
         s["reward"] = {"acc": s["reward"], "format": 1.0}
     d["samples"][0]["rollout_log_probs"] = None
     d["samples"][5]["remove_sample"] = True                  # slime zeroes its loss mask: not trained
+    d["samples"][5]["reward"] = None                         # and does not score it
     torch.save(d, src / "rollout_1.pt")
     r = invoke("import", "slime", src, tmp_path / "run")
     assert said(r, "rollout_1.pt: samples[0]: field 'reward' is a dict (keys ['acc', 'format']): pass --reward-key")
     report = one_json(invoke("import", "slime", src, tmp_path / "run", "--reward-key", "acc", "--json"))
     assert any("1 of 128 samples have rollout_log_probs None" in n for n in report["notes"])
     summary = one_json(invoke("summary", tmp_path / "run", "--json"))
-    assert summary["steps"][1]["reward"] == pytest.approx(np.mean([s["reward"] for s in steps[1]]))
+    assert summary["steps"][1]["reward"] == pytest.approx(np.mean([s["reward"] for i, s in enumerate(steps[1]) if i != 5]))
     with StepFile(tmp_path / "run" / "trace" / "step_000001.h5") as sf:
         offsets, mask = sf["/samples/offsets"][:], sf["/tokens/loss_mask"][:]
         rollout = sf["/tokens/rollout_logprob"][:]
+        assert np.isnan(sf["/samples/reward"][5])
         for i, s in enumerate(steps[1][:4]):
             a, p, b = int(offsets[i]), int(offsets[i]) + len(s["prompt"]), int(offsets[i + 1])
             assert mask[a:p].sum() == 0 and mask[p:b].all()      # None: every response token trained

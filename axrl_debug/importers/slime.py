@@ -32,6 +32,7 @@ newest version any of its samples saw (slime does not dump the trainer's). Non-n
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterator
@@ -147,7 +148,10 @@ def _response(s: dict, key: str, where: str, n: int, optional: bool = False) -> 
 
 
 def _reward(s: dict, where: str, key: str | None) -> float:
-    """The sample's reward: a number, or with slime's ``--reward-key`` one entry of a dict."""
+    """The sample's reward: a number, or with slime's ``--reward-key`` one entry of a dict; None
+    (not scored, e.g. an aborted or removed sample) is NaN."""
+    if "reward" in s and s["reward"] is None:
+        return math.nan
     raw = need(s, "reward", where)
     if isinstance(raw, dict):
         if key is None or key not in raw:
