@@ -514,6 +514,13 @@ def test_axisrl_uuid_groups_and_left_padding(tmp_path: Path, fake_packages, monk
                            **cols}, batch_size=[4]), d / "batch_rank0.pt")
     r = invoke("import", "axisrl", d, tmp_path / "run2")
     assert said(r, "batch_rank0.pt: row 2: attention_mask is not ones then zeros (right padding)")
+    other = tmp_path / "other_run" / "spike_snapshots" / "iter_5"        # a second run's snapshot of iteration 5
+    other.mkdir(parents=True)
+    (other / "batch_rank0.pt").write_bytes((tmp_path / "spike_snapshots" / "iter_5" / "batch_rank0.pt").read_bytes())
+    (tmp_path / "iter_6" / "batch_rank0.pt").unlink()
+    r = invoke("import", "axisrl", tmp_path, tmp_path / "run3")
+    assert said(r, "two dumps of step 5:") and said(r, "point SRC at one run's dumps")
+    assert not (tmp_path / "run3").exists()
 
 
 def test_miles_missing_context_parallel_rank(tmp_path: Path) -> None:

@@ -129,7 +129,12 @@ def _record(steps: Iterable[ImportedStep], run: str | Path, *, fmt: str, src: st
     rec = Recorder(run, engine=engine, backend=backend, model=model, source=source, overwrite=overwrite)
     report: dict[str, Any] = {"run": str(rec.path), "format": fmt, "steps": [], "samples": 0, "tokens": 0,
                               "absent": absent, "notes": []}
+    seen: dict[int, list[str]] = {}
     for s in steps:
+        if s.step in seen:
+            raise ImportFormatError(f"two dumps of step {s.step}: {', '.join(seen[s.step])} and {', '.join(s.files)} "
+                                    "(several runs under SRC?): point SRC at one run's dumps")
+        seen[s.step] = s.files
         try:
             _write_step(rec, s, options)
         except TraceValidationError as e:    # name the dumps the bad value came from
