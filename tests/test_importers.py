@@ -223,6 +223,10 @@ def test_slime_malformed_dumps_are_named(tmp_path: Path) -> None:
     r = invoke("import", "slime", src, tmp_path / "run3", "--num-experts", 16)    # the fixture's ids go to 31
     assert said(r, f"step 0 ({src / 'rollout_0.pt'}, {src / 'train_0_0.pt'}): Recorder.write_step: routing[0]: token")
     assert not (tmp_path / "run2").exists()      # step 0 was fine, step 1 not: no half-imported run left
+    (tmp_path / "a_file").write_text("x")
+    assert said(invoke("import", "slime", src, tmp_path / "a_file"), "a_file exists and is not a directory")
+    assert said(invoke("import", "slime", src, tmp_path / "a_file" / "run"), "Not a directory: RUN must be a directory")
+    assert (tmp_path / "a_file").read_text() == "x"
 
 
 # ----------------------------------------------------------------------------- hostile pickles
