@@ -199,6 +199,8 @@ class Recorder:
                  config: Mapping[str, Any] | None = None, seed: int | None = None,
                  overwrite: bool = False) -> None:
         path = Path(run_dir)
+        if path.exists() and not path.is_dir():
+            raise FileExistsError(f"{path} exists and is not a directory: a run is a directory")
         if path.exists() and any(path.iterdir()) and not overwrite:
             raise FileExistsError(f"{path} exists and is not empty (pass overwrite=True to replace its trace)")
         self.run = RunDir(path)

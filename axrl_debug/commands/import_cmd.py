@@ -41,6 +41,8 @@ def import_command(
             report = import_run(format, src, run, options=options, model=model, overwrite=force)
         except (ImportFormatError, TraceError, FileExistsError) as e:
             raise BadInput(str(e)) from None
+        except (NotADirectoryError, PermissionError) as e:    # RUN (or a folder above it) is a file, or read-only
+            raise BadInput(f"{e.filename}: {e.strerror}: RUN must be a directory you can write") from None
         if json_out:
             print_json(report)
             return 0
