@@ -220,7 +220,13 @@ def test_slime_malformed_dumps_are_named(tmp_path: Path) -> None:
     torch.save(d, src / "rollout_1.pt")
     r = invoke("import", "slime", src, tmp_path / "run2")
     assert said(r, "field 'rollout_log_probs' has shape (3,), expected (")
+    r = invoke("import", "slime", src, tmp_path / "run3", "--num-experts", 16)    # the fixture's ids go to 31
+    assert said(r, f"step 0 ({src / 'rollout_0.pt'}, {src / 'train_0_0.pt'}): Recorder.write_step: routing[0]: token")
     assert not (tmp_path / "run2").exists()      # step 0 was fine, step 1 not: no half-imported run left
+    (tmp_path / "a_file").write_text("x")
+    assert said(invoke("import", "slime", src, tmp_path / "a_file"), "a_file exists and is not a directory")
+    assert said(invoke("import", "slime", src, tmp_path / "a_file" / "run"), "Not a directory: RUN must be a directory")
+    assert (tmp_path / "a_file").read_text() == "x"
 
 
 # ----------------------------------------------------------------------------- hostile pickles
@@ -308,6 +314,39 @@ def test_nemo_rl_malformed(tmp_path: Path) -> None:
     assert said(r, "train_data_step2.jsonl:6: missing field 'prev_logprobs'")
     r = invoke("import", "nemo-rl", tmp_path / "train_data_step1.jsonl", tmp_path / "run1", "--group-size", 7)
     assert said(r, "do not split into groups of --group-size 7")
+
+
+def test_nemo_rl_logger_layout_dynamic_sampling_and_two_experiments(tmp_path: Path) -> None:
+    """NeMo-RL's ``Logger.log_batched_dict_as_jsonl`` (nemo_rl/utils/logger.py) walks the batch with
+    ``make_microbatch_iterator(1)``: every field of a line is a batch of one (``[[...]]``, ``[0.5]``)
+    plus ``idx``. With dynamic sampling ``rewards`` is the unfiltered list (longer, so trailing lines
+    hold only it) and ``filtered_rewards`` the trained samples' rewards."""
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    steps = nemo_dumps(flat)
+    src = tmp_path / "logs" / "exp_001"
+    src.mkdir(parents=True)
+    for step in (1, 2):
+        lines = [json.loads(x) for x in (flat / f"train_data_step{step}.jsonl").read_text().splitlines()]
+        out = []
+        for i, obj in enumerate(lines):
+            obj["filtered_rewards"], obj["rewards"] = obj["rewards"], -1.0      # the unfiltered one: not this sample's
+            out.append({**{k: [v] for k, v in obj.items()}, "idx": i})
+        out += [{"rewards": [0.0], "filtered_rewards": [], "input_lengths": [], "token_ids": [], "idx": len(out)}]
+        (src / f"train_data_step{step}.jsonl").write_text("".join(json.dumps(o) + "\n" for o in out))
+    report = one_json(invoke("import", "nemo-rl", src, tmp_path / "run", "--json"))
+    assert report["steps"] == [1, 2] and report["samples"] == STEPS * N
+    assert any("1 line(s) past the trained batch" in n for n in report["notes"])
+    summary, mismatch = analyse(tmp_path / "run")
+    assert mismatch["metrics"]["mean_abs"] == pytest.approx(mean_abs([p for s in steps for p in loss_pairs(s)]), rel=1e-9)
+    assert [r["reward"] for r in summary["steps"]] == pytest.approx([np.mean([s["reward"] for s in st]) for st in steps])
+    (tmp_path / "logs" / "exp_002").mkdir()
+    (tmp_path / "logs" / "exp_002" / "train_data_step1.jsonl").write_text("{}\n")
+    r = invoke("import", "nemo-rl", tmp_path / "logs", tmp_path / "run2")
+    assert said(r, "two dumps of step 1") and said(r, "point SRC at one experiment's log directory")
+    (src / "train_data_step1.jsonl").write_text(json.dumps({"content": ["q"], "rewards": [1.0], "idx": 0}) + "\n")
+    r = invoke("import", "nemo-rl", src, tmp_path / "run3")
+    assert said(r, "train_data_step1.jsonl:1: missing field 'token_ids'")
 
 
 # ----------------------------------------------------------------------------- AxisRL
@@ -453,9 +492,78 @@ def test_axisrl_misaligned_labels(tmp_path: Path, fake_packages, monkeypatch) ->
     assert said(r, "row 0: labels[0] = 0 is not input_ids[1] = 1")
 
 
+def test_axisrl_uuid_groups_and_left_padding(tmp_path: Path, fake_packages, monkeypatch) -> None:
+    """``uid`` as verl-style trainers keep it (a non-tensor list of prompt uuids, shared across
+    ranks) groups the rows; a left-padded row is refused rather than trimmed at the wrong end."""
+    TensorDict = fake_packages[0]
+    ids = torch.arange(24).reshape(4, 6)
+    labels = torch.cat([ids[:, 1:], torch.full((4, 1), -100)], 1)
+    cols = {k: torch.zeros(4, 6) for k in ("loss_mask", "rollout_logprobs", "old_logprobs", "advantage")}
+    for rank, uids in enumerate((["u-b", "u-a", "u-b", "u-c"], ["u-a", "u-c", "u-d", "u-d"])):
+        d = tmp_path / "spike_snapshots" / "iter_5"
+        d.mkdir(parents=True, exist_ok=True)
+        td = TensorDict({"input_ids": ids, "labels": labels, "reward": torch.zeros(4), **cols}, batch_size=[4])
+        td.set_non_tensor("uid", uids)
+        torch.save(td, d / f"batch_rank{rank}.pt")
+    forget_snapshot_classes(monkeypatch)
+    one_json(invoke("import", "axisrl", tmp_path / "spike_snapshots", tmp_path / "run", "--json"))
+    with StepFile(tmp_path / "run" / "trace" / "step_000005.h5") as sf:
+        assert sf["/samples/group_id"][:].tolist() == [0, 1, 0, 2, 1, 2, 3, 3]
+    monkeypatch.undo()                                     # tensordict importable again, to save the next fixture
+    am = torch.ones(4, 6, dtype=torch.long)
+    am[2, :2] = 0                                          # row 2 padded on the left
+    d = tmp_path / "iter_6"
+    d.mkdir()
+    torch.save(TensorDict({"input_ids": ids, "labels": labels, "reward": torch.zeros(4), "attention_mask": am,
+                           **cols}, batch_size=[4]), d / "batch_rank0.pt")
+    r = invoke("import", "axisrl", d, tmp_path / "run2")
+    assert said(r, "batch_rank0.pt: row 2: attention_mask is not ones then zeros (right padding)")
+    other = tmp_path / "other_run" / "spike_snapshots" / "iter_5"        # a second run's snapshot of iteration 5
+    other.mkdir(parents=True)
+    (other / "batch_rank0.pt").write_bytes((tmp_path / "spike_snapshots" / "iter_5" / "batch_rank0.pt").read_bytes())
+    (tmp_path / "iter_6" / "batch_rank0.pt").unlink()
+    r = invoke("import", "axisrl", tmp_path, tmp_path / "run3")
+    assert said(r, "two dumps of step 5:") and said(r, "point SRC at one run's dumps")
+    assert not (tmp_path / "run3").exists()
+
+
 def test_miles_missing_context_parallel_rank(tmp_path: Path) -> None:
     slime_dumps(tmp_path, miles=True)
     for rank in (2, 3):                       # DP shard 0's cp_rank 1 (both of its TP copies)
         (tmp_path / f"1_{rank}.pt").unlink()
     r = invoke("import", "miles", tmp_path, tmp_path / "run")
     assert said(r, "context-parallel ranks [1] of 2 missing")
+
+
+def test_slime_rollout_dump_defaults_and_dict_rewards(tmp_path: Path) -> None:
+    """slime dumps a rollout before filling in defaults (THUDM/slime ``slime/ray/rollout.py``:
+    ``_save_debug_rollout_data`` runs before ``_convert_samples_to_train_data`` sets ``loss_mask``
+    to all ones): a single-turn run's samples hold ``loss_mask`` None, a rollout without logprobs
+    ``rollout_log_probs`` None, and with ``--reward-key`` the reward is a dict."""
+    src = tmp_path / "dumps"
+    src.mkdir()
+    steps = slime_dumps(src)
+    d = torch.load(src / "rollout_1.pt", weights_only=False)
+    for s in d["samples"]:
+        s["loss_mask"] = None
+        s["reward"] = {"acc": s["reward"], "format": 1.0}
+    d["samples"][0]["rollout_log_probs"] = None
+    d["samples"][5]["remove_sample"] = True                  # slime zeroes its loss mask: not trained
+    d["samples"][5]["reward"] = None                         # and does not score it
+    torch.save(d, src / "rollout_1.pt")
+    r = invoke("import", "slime", src, tmp_path / "run")
+    assert said(r, "rollout_1.pt: samples[0]: field 'reward' is a dict (keys ['acc', 'format']): pass --reward-key")
+    report = one_json(invoke("import", "slime", src, tmp_path / "run", "--reward-key", "acc", "--json"))
+    assert any("1 of 128 samples have rollout_log_probs None" in n for n in report["notes"])
+    summary = one_json(invoke("summary", tmp_path / "run", "--json"))
+    assert summary["steps"][1]["reward"] == pytest.approx(np.mean([s["reward"] for i, s in enumerate(steps[1]) if i != 5]))
+    with StepFile(tmp_path / "run" / "trace" / "step_000001.h5") as sf:
+        offsets, mask = sf["/samples/offsets"][:], sf["/tokens/loss_mask"][:]
+        rollout = sf["/tokens/rollout_logprob"][:]
+        assert np.isnan(sf["/samples/reward"][5])
+        for i, s in enumerate(steps[1][:4]):
+            a, p, b = int(offsets[i]), int(offsets[i]) + len(s["prompt"]), int(offsets[i + 1])
+            assert mask[a:p].sum() == 0 and mask[p:b].all()      # None: every response token trained
+        assert np.isnan(rollout[offsets[0]:offsets[1]]).all()    # no rollout logprobs: NaN, not 0
+        assert mask[offsets[5]:offsets[6]].sum() == 0
+        assert np.array_equal(rollout[p:b], steps[1][3]["rollout"].astype(np.float32))

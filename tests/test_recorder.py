@@ -146,6 +146,11 @@ def test_routing_and_teacher_columns(tmp_path) -> None:
     (lambda a: a.__setitem__("prompt_lens", None), "loss_mask[0]: shape"),
     (lambda a: a["token_ids"].__setitem__(0, np.zeros((2, 3), np.int64)), "token_ids[0]: shape (2, 3)"),
     (lambda a: a.__setitem__("trainer_logprobs", a["trainer_logprobs"][:-1]), "trainer_logprobs: expected one array per sample (N=48), got 47"),
+    (lambda a: a["token_ids"][2].__setitem__(5, -100), "token_ids[2]: token 5 is -100: ids are >= 0"),
+    (lambda a: a.__setitem__("group_ids", np.arange(48) / 5), "group_ids: sample 1: 0.2 is not an integer"),
+    (lambda a: a["token_ids"].__setitem__(1, [1, [2, 3]]), "token_ids[1]: not a numeric array"),
+    (lambda a: a.__setitem__("trainer_logprobs", [-t for t in a["trainer_logprobs"]]),    # NLL, not log p
+     "trainer_logprobs: the median over the loss tokens is"),
 ])
 def test_bad_inputs_name_the_field_and_shape(tmp_path, change, needle) -> None:
     a = arrays(0)
@@ -163,6 +168,13 @@ def test_bad_routing_and_existing_dir(tmp_path) -> None:
     with pytest.raises(RecorderError, match=r"routing\[1\]: shape \(3, 2\), expected"):
         rec.write_step(0, routing=[np.zeros((len(a["token_ids"][0]), 2, 2), int), np.zeros((3, 2))],
                        num_experts=8, **a)
+    routing = [np.zeros((len(t), 2, 2), np.int32) for t in a["token_ids"]]
+    routing[1][7, 1, 0] = 300                                     # an id the given expert count does not have
+    with pytest.raises(RecorderError, match=r"routing\[1\]: token 7: expert ids \[0, 0, 300, 0\] outside "
+                                            r"\[0, num_experts=256\): give the model's expert count"):
+        rec.write_step(0, routing=routing, num_experts=256, **a)
+    with pytest.raises(RecorderError, match=r"step 1.5 is not an int >= 0"):
+        rec.write_step(1.5, **a)                                   # int() would have made it step 1
     with pytest.raises(FileExistsError, match="not empty"):
         Recorder(tmp_path / "run", engine=None, backend=None)
 
@@ -177,5 +189,41 @@ def test_update_metrics_and_overwrite(tmp_path) -> None:
     assert row["loss"] == 0.5 and row["grad_norm"] == 1.5
     with StepFile(tmp_path / "run" / "trace" / "step_000000.h5") as sf:
         assert sf["/train/update_samples"].tolist() == list(range(8))
+    import torch                                   # the scalars as a training loop holds them; lr not known
+    rec.write_step(1, update_metrics={"loss": torch.tensor(0.25), "grad_norm": [np.float32(3.0)]}, **arrays(1, n=8))
+    summary = one_json(invoke("summary", tmp_path / "run", "--json"))
+    assert summary["steps"][1]["loss"] == 0.25 and summary["steps"][1]["grad_norm"] == 3.0
+    assert summary["rollout_precision"] == {"weight_dtype": None, "kv_dtype": None}   # not known, not AxRL's fp32
+    with StepFile(tmp_path / "run" / "trace" / "step_000001.h5") as sf:
+        assert np.isnan(sf["/train/updates/lr"][:]).all()
     again = Recorder(tmp_path / "run", engine=None, backend=None, overwrite=True)
     assert TraceReader(again.path).steps == [] and not (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
+def test_torch_tensors_none_entries_and_a_step_written_twice(tmp_path) -> None:
+    """What a trainer hands over as it is: bf16/fp16 torch tensors (numpy has no bfloat16), logprob
+    lists with None for "not known" (vLLM's first prompt token); a step written twice is refused
+    naming the step, and the first write stays."""
+    import torch
+    a = arrays(0, n=8)
+    bf16 = [torch.tensor(r).bfloat16() for r in a["rollout_logprobs"]]
+    a["rollout_logprobs"] = bf16
+    a["trainer_logprobs"] = [torch.tensor(t).half() for t in a["trainer_logprobs"]]
+    a["token_ids"] = [torch.tensor(t) for t in a["token_ids"]]
+    a["rewards"] = [torch.tensor(r).bfloat16() for r in a["rewards"]]      # a list of 0-d tensors
+    full = [None] * PROMPT + [float(x) for x in a["trainer_logprobs"][0].float()]
+    a["trainer_logprobs"][0] = full                                  # full length, None over the prompt
+    rec = Recorder(tmp_path / "run", engine=None, backend=None)
+    rec.write_step(0, **a)
+    with StepFile(tmp_path / "run" / "trace" / "step_000000.h5") as sf:
+        off, mask = sf["/samples/offsets"][:], sf["/tokens/loss_mask"][:]
+        rollout, old = sf["/tokens/rollout_logprob"][:], sf["/tokens/old_logprob"][:]
+        stored = rollout[off[1] + PROMPT:off[2]][mask[off[1] + PROMPT:off[2]] == 1]
+        want = bf16[1].float().numpy()[a["loss_mask"][1] == 1]
+        assert np.array_equal(stored, want)                           # bf16 values, exactly
+        assert np.isnan(old[:PROMPT]).all() and np.isfinite(old[PROMPT:off[1]]).all()
+    before = (tmp_path / "run" / "trace" / "step_000000.h5").read_bytes()
+    with pytest.raises(RecorderError, match=r"step 0 is already in .*step_000000.h5.*written once"):
+        rec.write_step(0, **arrays(1, n=8))
+    assert (tmp_path / "run" / "trace" / "step_000000.h5").read_bytes() == before
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1

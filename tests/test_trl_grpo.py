@@ -150,3 +150,18 @@ def test_the_example_script_records_a_run_the_debugger_reads(tmp_path: Path) -> 
         assert r.exit_code == 0, (args, r.output)
     from axrl_debug.tui.data import RunModel
     assert RunModel(run).steps == [0, 1]
+
+
+def test_a_trainer_without_grpo_methods_is_named(tmp_path: Path) -> None:
+    """A trainer that is not trl 1.16's GRPOTrainer (another trl version renamed its private
+    methods, another trainer class) is refused naming what it lacks, before anything is written."""
+    import types
+
+    from axrl.integrations.trl_grpo import record_grpo
+
+    trainer = types.SimpleNamespace(training_step=lambda *a: 0.0, _get_grad_norm=lambda *a: 0.0,
+                                    accelerator=types.SimpleNamespace(num_processes=1))
+    with pytest.raises(TypeError, match=r"SimpleNamespace \(trl .*\) has no _generate, _calculate_rewards, "
+                                        r"_generate_and_score_completions: it records a trl GRPOTrainer"):
+        record_grpo(trainer, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

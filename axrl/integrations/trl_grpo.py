@@ -32,6 +32,8 @@ from transformers import TrainerCallback
 from axrl.trace import Recorder
 
 __all__ = ["GRPORecording", "record_grpo", "step_arrays"]
+# the trainer methods the hook wraps (trl 1.16.0's GRPOTrainer, transformers' Trainer)
+_WRAPPED = ("_generate", "_calculate_rewards", "_generate_and_score_completions", "training_step", "_get_grad_norm")
 
 
 def _np(t: Any) -> np.ndarray:
@@ -173,9 +175,14 @@ def record_grpo(trainer: Any, run_dir: str | os.PathLike, *, model: str | None =
     """Record every generation batch ``trainer`` (a trl ``GRPOTrainer``) trains on into ``run_dir``
     as AxRL steps (step k = the k-th generation batch; policy version = the optimizer steps taken
     before it). Call before ``trainer.train()``."""
+    import trl
+
+    missing = [m for m in _WRAPPED if not callable(getattr(trainer, m, None))]
+    if missing:
+        raise TypeError(f"record_grpo: {type(trainer).__name__} (trl {trl.__version__}) has no {', '.join(missing)}: "
+                        "it records a trl GRPOTrainer as trl 1.16.0 writes it (pip install 'axrl[trl]')")
     if trainer.accelerator.num_processes > 1:
         raise NotImplementedError("record_grpo records single-process runs (each rank holds a slice of the batch)")
-    import trl
 
     engine = "vllm" if getattr(trainer, "use_vllm", False) else "transformers"
     recorder = Recorder(run_dir, engine=engine, backend="trl", overwrite=overwrite,

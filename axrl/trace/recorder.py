@@ -24,7 +24,7 @@ import numpy as np
 from .quantities import mean_abs_delta
 from .record import StepRecord
 from .run_dir import RunDir
-from .schema import TraceValidationError
+from .schema import UPDATE_REQUIRED, TraceValidationError
 
 __all__ = ["Recorder", "RecorderError"]
 
@@ -39,15 +39,37 @@ def _fail(name: str, msg: str) -> RecorderError:
     return RecorderError(f"Recorder.write_step: {name}: {msg}")
 
 
+def _array(name: str, value: Any, dtype: Any = None) -> np.ndarray:
+    """``value`` (a list, array or torch tensor) as numpy. Tensors go through ``.numpy()`` (float
+    ones as float32: numpy has no bfloat16); a float column reads None entries as NaN (not known)."""
+    if hasattr(value, "detach") and hasattr(value, "is_floating_point"):     # a torch tensor
+        t = value.detach().cpu()
+        value = (t.float() if t.is_floating_point() else t).numpy()
+    elif isinstance(value, (list, tuple)) and any(hasattr(v, "detach") for v in value):   # e.g. [tensor(0.5), ...]
+        value = [_array(name, v) for v in value]
+    try:
+        a = np.asarray(value)
+        if a.dtype == object and dtype is not None and np.dtype(dtype).kind == "f":
+            a = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise _fail(name, f"not a numeric array ({e})") from None
+    return a
+
+
 def _per_sample(name: str, values: Any, n: int, dtype: Any) -> np.ndarray:
-    """One value per sample as a 1-D array of ``dtype`` (N entries)."""
+    """One value per sample as a 1-D array of ``dtype`` (N entries); integer columns refuse
+    non-integral values (they would be truncated silently)."""
     if values is None:
         raise _fail(name, f"is required (one value per sample, N={n})")
-    a = np.asarray(values)
+    a = _array(name, values)
     if a.shape != (n,):
         raise _fail(name, f"shape {a.shape}, expected ({n},) (one value per sample, N = len(token_ids))")
     if a.size and a.dtype.kind not in "biuf":
         raise _fail(name, f"dtype {a.dtype} is not numeric")
+    if np.dtype(dtype).kind in "iu" and a.dtype.kind == "f":
+        bad = np.flatnonzero(~np.isfinite(a) | (a != np.round(a)))
+        if bad.size:
+            raise _fail(name, f"sample {bad[0]}: {a[bad[0]]} is not an integer")
     return a.astype(dtype)
 
 
@@ -55,7 +77,7 @@ def _one_sample(name: str, value: Any, i: int, length: int, prompt_len: int, fil
                 dtype: Any) -> np.ndarray:
     """Sample i's column over all its ``length`` tokens from a full or response-only array (or a
     scalar, broadcast over the response); the prompt of a response-only array gets ``fill``."""
-    a = np.asarray(value)
+    a = _array(f"{name}[{i}]", value, dtype)
     response = length - prompt_len
     if a.ndim == 0:
         a = np.full(response, a.item() if a.dtype.kind in "biuf" else np.nan)
@@ -94,17 +116,37 @@ def _routing(routing: Sequence[Any], lengths: np.ndarray, num_experts: int | Non
         raise _fail("routing", f"expected one array per sample (N={lengths.size}), got {len(routing)}")
     rows, valid, lk = [], [], None
     for i, (r, n) in enumerate(zip(routing, lengths)):
-        a = np.asarray(r)
+        a = _array(f"routing[{i}]", r)
         if a.ndim != 3 or a.shape[0] not in (n, n - 1) or (lk is not None and a.shape[1:] != lk):
             want = f"(L, k) = {lk}" if lk is not None else "L, k >= 1"
             raise _fail(f"routing[{i}]", f"shape {a.shape}, expected ({n}, L, k) or ({n - 1}, L, k) with {want}")
         if a.size and a.dtype.kind not in "iu":
             raise _fail(f"routing[{i}]", f"dtype {a.dtype} is not an integer type")
         lk = a.shape[1:]
+        out_of_range = np.flatnonzero(((a < 0) | (a >= num_experts)).reshape(a.shape[0], -1).any(axis=1)) if a.size else []
+        if len(out_of_range):
+            t = int(out_of_range[0])
+            raise _fail(f"routing[{i}]", f"token {t}: expert ids {a[t].reshape(-1).tolist()[:8]} outside [0, "
+                                         f"num_experts={num_experts}): give the model's expert count (num_experts, "
+                                         "--num-experts); padding such as -1 is not an expert id")
         missing = int(n) - a.shape[0]
         rows.append(np.concatenate([a.astype(np.int64), np.zeros((missing, *lk), np.int64)]))
         valid.append(np.r_[np.ones(a.shape[0], np.uint8), np.zeros(missing, np.uint8)])
     return np.concatenate(rows), np.concatenate(valid)
+
+
+def _check_log_probabilities(cols: dict[str, np.ndarray], mask: np.ndarray) -> None:
+    """Refuse a logprob column whose loss tokens are mostly positive — probabilities or negative
+    log-likelihoods passed for log p: every analysis (mismatch, KL estimates, ratios) would be
+    silently wrong. The median, not the maximum: noise and rounding put a few log p near 0 above it."""
+    for key, name in (("rollout_logprob", "rollout_logprobs"), ("old_logprob", "trainer_logprobs"),
+                      ("ref_logprob", "ref_logprobs"), ("teacher_logprob", "teacher_logprobs")):
+        values = cols[key][mask == 1] if key in cols else np.zeros(0)
+        values = values[np.isfinite(values)]
+        if values.size and np.median(values) > 0:
+            raise _fail(name, f"the median over the loss tokens is {np.median(values):.4g} > 0 "
+                              f"({int((values > 0).sum())} of {values.size} positive): pass log p(token) (≤ 0), "
+                              "not a probability or a negative log-likelihood")
 
 
 def _strings(name: str, values: Sequence[str] | None, n: int, default: Sequence[str]) -> list[str]:
@@ -131,7 +173,7 @@ def _prompt_lens(prompt_lens: Any, loss_mask: Sequence[Any], lengths: np.ndarray
         raise _fail("loss_mask", f"expected one array per sample (N={n})")
     out = np.empty(n, np.int64)
     for i, (m, length) in enumerate(zip(loss_mask, lengths)):
-        m = np.asarray(m)
+        m = _array(f"loss_mask[{i}]", m)
         if m.shape != (length,):
             raise _fail(f"loss_mask[{i}]", f"shape {m.shape}, expected ({length},) (len(token_ids[{i}])); "
                                            "response-only masks need prompt_lens")
@@ -157,6 +199,8 @@ class Recorder:
                  config: Mapping[str, Any] | None = None, seed: int | None = None,
                  overwrite: bool = False) -> None:
         path = Path(run_dir)
+        if path.exists() and not path.is_dir():
+            raise FileExistsError(f"{path} exists and is not a directory: a run is a directory")
         if path.exists() and any(path.iterdir()) and not overwrite:
             raise FileExistsError(f"{path} exists and is not empty (pass overwrite=True to replace its trace)")
         self.run = RunDir(path)
@@ -209,11 +253,21 @@ class Recorder:
         where no logprob exists). Rollout logprobs off the mask are always NaN (not generated).
         Raises ``RecorderError`` naming the field and the shape it expected.
         """
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise RecorderError(f"Recorder.write_step: step {step!r} is not an int >= 0")
         n = len(token_ids)
-        ids = [np.asarray(t) for t in token_ids]
+        ids = [_array(f"token_ids[{i}]", t) for i, t in enumerate(token_ids)]
         for i, a in enumerate(ids):
             if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
                 raise _fail(f"token_ids[{i}]", f"shape {a.shape} dtype {a.dtype}, expected 1-D integers")
+            if a.size and a.min() < 0:
+                j = int(np.argmax(a < 0))
+                raise _fail(f"token_ids[{i}]", f"token {j} is {a[j]}: ids are >= 0 (drop padding and "
+                                               "ignore-index entries such as -100 before recording)")
+        if self.run.step_path(int(step)).exists():
+            raise RecorderError(f"Recorder.write_step: step {step} is already in {self.run.path} "
+                                f"({self.run.step_path(int(step)).name}): each step is written once (a new "
+                                "Recorder(..., overwrite=True) replaces the whole trace)")
         lengths = np.array([a.size for a in ids], np.int64)
         plens = _prompt_lens(prompt_lens, loss_mask, lengths)
         mask = _ragged("loss_mask", loss_mask, lengths, plens, 0, np.int64)
@@ -252,6 +306,7 @@ class Recorder:
             for key in ("old_logprob", "ref_logprob", "teacher_logprob"):
                 if key in cols:
                     cols[key][off] = np.nan
+        _check_log_probabilities(cols, mask)
         return cols
 
     def _record(self, step: int, n: int, ids: list[np.ndarray], lengths: np.ndarray, plens: np.ndarray,
@@ -269,10 +324,17 @@ class Recorder:
         self._next_sample_id = int(sids.max()) + 1 if n else self._next_sample_id
         position = np.arange(t) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         prompt = position < np.repeat(plens, lengths)
-        updates = dict(update_metrics or {})
-        if updates and any(len(v) != 1 for v in updates.values()):
+        updates = {k: _array(f"update_metrics[{k!r}]", v, np.float64).reshape(-1)
+                   for k, v in (update_metrics or {}).items()}
+        for k, v in updates.items():
+            if v.dtype.kind not in "biuf":
+                raise _fail(f"update_metrics[{k!r}]", f"dtype {v.dtype} is not numeric")
+        if updates and any(v.size != 1 for v in updates.values()):
             raise _fail("update_metrics", "one value per column (one update over all samples): which samples "
                                           "each of several updates trained on is not known")
+        if updates:    # the optimizer facts the caller does not know (often lr) are NaN, not invented
+            updates = {**{k: [math.nan] for k in UPDATE_REQUIRED},
+                       **{k: [float(v[0])] for k, v in updates.items()}}
         teacher = cols.pop("teacher_logprob", None)
         return StepRecord(
             step=int(step), policy_version=version, sample_offsets=np.r_[0, np.cumsum(lengths)],

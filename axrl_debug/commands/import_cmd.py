@@ -19,6 +19,8 @@ def import_command(
                                    "consecutive samples with identical prompt tokens form a group)."),
     num_experts: int = typer.Option(None, "--num-experts", min=1, help="MoE routing: experts per layer "
                                     "(default: the largest expert id seen + 1)."),
+    reward_key: str = typer.Option(None, "--reward-key", help="slime/miles: the entry of dict rewards to "
+                                   "record (the run's --reward-key)."),
     model: str = typer.Option(None, "--model", help="Model name or path to record in manifest.json."),
     trust_pickle: bool = typer.Option(False, "--trust-pickle", help="Load pickled dumps without the allowlist "
                                       "(runs whatever code they reference: only for files you trust)."),
@@ -33,11 +35,14 @@ def import_command(
         from axrl.trace import TraceError
         from axrl_debug.importers import ImportFormatError, ImportOptions, import_run
 
-        options = ImportOptions(trust_pickle=trust_pickle, group_size=group_size, num_experts=num_experts)
+        options = ImportOptions(trust_pickle=trust_pickle, group_size=group_size, num_experts=num_experts,
+                                reward_key=reward_key)
         try:
             report = import_run(format, src, run, options=options, model=model, overwrite=force)
         except (ImportFormatError, TraceError, FileExistsError) as e:
             raise BadInput(str(e)) from None
+        except (NotADirectoryError, PermissionError) as e:    # RUN (or a folder above it) is a file, or read-only
+            raise BadInput(f"{e.filename}: {e.strerror}: RUN must be a directory you can write") from None
         if json_out:
             print_json(report)
             return 0
@@ -45,6 +50,8 @@ def import_command(
                   f"({report['steps'][0]}..{report['steps'][-1]}), {report['samples']} samples, "
                   f"{report['tokens']} tokens", highlight=False)
         out.print("absent (the dumps do not hold it): " + "; ".join(report["absent"]), highlight=False)
+        for note in report["notes"]:
+            out.print(f"note: {note}", highlight=False)
         out.print(f"next: axrl-debug summary {report['run']}", highlight=False)
         return 0
 

@@ -100,9 +100,12 @@ def show_pool(rows: list[dict[str, Any]]) -> None:
                        for r in rows]))
 
 
-def rollout_precision(manifest: dict) -> dict[str, str]:
+def rollout_precision(manifest: dict) -> dict[str, str | None]:
     """The rollout engine's weight and KV precision the run recorded (runs from before
-    `rollout.weight_dtype` rolled out in the model's precision: fp32 / auto)."""
+    `rollout.weight_dtype` rolled out in the model's precision: fp32 / auto). A run written by
+    another trainer (manifest ``source``) did not say: None, not AxRL's defaults."""
+    if manifest.get("source"):
+        return {"weight_dtype": None, "kv_dtype": None}
     extra = manifest.get("extra") or {}
     return {"weight_dtype": extra.get("rollout_weight_dtype", "fp32"), "kv_dtype": extra.get("rollout_kv_dtype", "auto")}
 
@@ -171,7 +174,7 @@ def summary(
                         "problems": problems, **({"events": faults} if faults else {})})
             return 0
         show_steps(reader.path, flagged)
-        if precision["weight_dtype"] != "fp32" or precision["kv_dtype"] != "auto":
+        if precision["weight_dtype"] not in ("fp32", None) or precision["kv_dtype"] not in ("auto", None):
             out.print(f"rollout precision: weights {precision['weight_dtype']}, KV cache {precision['kv_dtype']} "
                       "(rollout.weight_dtype / rollout.kv_dtype)", highlight=False)
         if sessions:

@@ -59,8 +59,15 @@ def _matrix(td: dict, key: str, where: str, shape: tuple[int, ...] | None) -> np
 def _lengths(td: dict, where: str, shape: tuple[int, int]) -> np.ndarray:
     if td.get("attention_mask") is None:
         return np.full(shape[0], shape[1], np.int64)
-    am = _matrix(td, "attention_mask", where, shape)
-    return am.astype(np.int64).sum(axis=1)
+    am = _matrix(td, "attention_mask", where, shape).astype(np.int64)
+    n = am.sum(axis=1)
+    # rows are trimmed to their first n tokens: a left-padded (or holed) row would be cut wrong
+    bad = np.flatnonzero(am != (np.arange(shape[1])[None, :] < n[:, None]))
+    if bad.size:
+        b = int(bad[0] // shape[1])
+        raise ImportFormatError(f"{where}: row {b}: attention_mask is not ones then zeros (right padding); "
+                                "rows padded on the left cannot be trimmed to their tokens")
+    return n
 
 
 def _rank_rows(td: Any, where: str) -> list[dict[str, Any]]:
@@ -74,7 +81,10 @@ def _rank_rows(td: Any, where: str) -> list[dict[str, Any]]:
     if adv.shape not in (ids.shape, (ids.shape[0],)) or reward.shape != (ids.shape[0],):
         raise ImportFormatError(f"{where}: 'advantage' {adv.shape} / 'reward' {reward.shape}, expected "
                                 f"{ids.shape} or ({ids.shape[0]},) / ({ids.shape[0]},)")
-    groups = next((as_numpy(td[k], k).reshape(-1) for k in ("group_ids", "uid") if td.get(k) is not None), None)
+    groups = next((np.asarray(_keys(td[k], f"{where}.{k}")) for k in ("group_ids", "uid") if td.get(k) is not None),
+                  None)
+    if groups is not None and groups.shape != (ids.shape[0],):
+        raise ImportFormatError(f"{where}: group ids of shape {groups.shape}, expected ({ids.shape[0]},)")
     rows = []
     for b, n in enumerate(_lengths(td, where, ids.shape)):
         lab = labels[b, :n - 1]
@@ -90,8 +100,25 @@ def _rank_rows(td: Any, where: str) -> list[dict[str, Any]]:
                      "ref": None if ref is None else shift_label_aligned(ref[b, :n].astype(np.float64), np.nan),
                      "advantages": (np.where(mask == 1, float(adv[b]), 0.0) if a is None
                                     else shift_label_aligned(a.astype(np.float64), 0.0)),
-                     "reward": float(reward[b]), "group": None if groups is None else int(groups[b])})
+                     "reward": float(reward[b]), "group": None if groups is None else groups[b]})
     return rows
+
+
+def _keys(value: Any, where: str) -> list[Any]:
+    """A row's group key: a number (``group_ids``) or a string (``uid``, e.g. a prompt's uuid)."""
+    if isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray) and value.dtype.kind in "OUS"):
+        return [str(v) if isinstance(v, (str, bytes, np.str_)) else v for v in np.asarray(value, object).reshape(-1)]
+    return as_numpy(value, where).reshape(-1).tolist()
+
+
+def _group_ids(rows: list[dict[str, Any]]) -> list[int]:
+    """Integer group ids: the rows' integer ids as they are, string keys (uuids) numbered by first
+    appearance across the ranks."""
+    keys = [r["group"] for r in rows]
+    if all(isinstance(k, (int, np.integer)) for k in keys):
+        return [int(k) for k in keys]
+    numbered: dict[Any, int] = {}
+    return [numbered.setdefault(k, len(numbered)) for k in keys]
 
 
 def _handle_key(h: Any, where: str) -> tuple:
@@ -144,7 +171,7 @@ def _step(it: int, d: Path, options: ImportOptions) -> ImportedStep:
         note = _rank_routing(td, f, rank_rows, options)
         notes += [note] if note else []
         rows += rank_rows
-    groups = [r["group"] if r["group"] is not None else i for i, r in enumerate(rows)]
+    groups = _group_ids([r if r["group"] is not None else {**r, "group": i} for i, r in enumerate(rows)])
     routed = [r.get("routing") for r in rows]
     if any(r is not None for r in routed) and any(r is None for r in routed):
         notes.append(f"{d}: routing of some ranks only: left out for the step")

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from axrl.trace import Recorder
+from axrl.trace import Recorder, TraceValidationError
 
 from .safe_load import ImportFormatError, as_numpy
 
@@ -53,6 +53,7 @@ class ImportOptions:
     trust_pickle: bool = False
     group_size: int | None = None         # NeMo-RL: samples per prompt (else inferred from prompts)
     num_experts: int | None = None        # MoE routing: experts per layer (else max id + 1)
+    reward_key: str | None = None         # slime/miles: the entry of a dict reward (slime's --reward-key)
 
 
 def need(obj: Mapping[str, Any], key: str, where: str) -> Any:
@@ -128,16 +129,29 @@ def _record(steps: Iterable[ImportedStep], run: str | Path, *, fmt: str, src: st
     rec = Recorder(run, engine=engine, backend=backend, model=model, source=source, overwrite=overwrite)
     report: dict[str, Any] = {"run": str(rec.path), "format": fmt, "steps": [], "samples": 0, "tokens": 0,
                               "absent": absent, "notes": []}
+    seen: dict[int, list[str]] = {}
     for s in steps:
-        experts = num_experts_of(s.routing, options.num_experts)
-        rec.write_step(s.step, token_ids=s.token_ids, loss_mask=s.loss_mask, rollout_logprobs=s.rollout_logprobs,
-                       trainer_logprobs=s.trainer_logprobs, rewards=s.rewards, advantages=s.advantages,
-                       group_ids=s.group_ids, prompt_lens=s.prompt_lens, ref_logprobs=s.ref_logprobs,
-                       teacher_logprobs=s.teacher_logprobs, entropy=s.entropy,
-                       routing=s.routing, num_experts=experts, sample_ids=s.sample_ids, nan_off_mask=True,
-                       policy_version=s.policy_version, token_policy_versions=s.policy_versions)
+        if s.step in seen:
+            raise ImportFormatError(f"two dumps of step {s.step}: {', '.join(seen[s.step])} and {', '.join(s.files)} "
+                                    "(several runs under SRC?): point SRC at one run's dumps")
+        seen[s.step] = s.files
+        try:
+            _write_step(rec, s, options)
+        except TraceValidationError as e:    # name the dumps the bad value came from
+            raise ImportFormatError(f"step {s.step} ({', '.join(s.files)}): {e}") from None
         report["steps"].append(s.step)
         report["notes"] += s.notes
         report["samples"] += s.num_samples
         report["tokens"] += int(sum(len(t) for t in s.token_ids))
     return report
+
+
+def _write_step(rec: Recorder, s: ImportedStep, options: ImportOptions) -> None:
+    """One imported step through the Recorder."""
+    experts = num_experts_of(s.routing, options.num_experts)
+    rec.write_step(s.step, token_ids=s.token_ids, loss_mask=s.loss_mask, rollout_logprobs=s.rollout_logprobs,
+                   trainer_logprobs=s.trainer_logprobs, rewards=s.rewards, advantages=s.advantages,
+                   group_ids=s.group_ids, prompt_lens=s.prompt_lens, ref_logprobs=s.ref_logprobs,
+                   teacher_logprobs=s.teacher_logprobs, entropy=s.entropy,
+                   routing=s.routing, num_experts=experts, sample_ids=s.sample_ids, nan_off_mask=True,
+                   policy_version=s.policy_version, token_policy_versions=s.policy_versions)

@@ -41,11 +41,32 @@ def _files(src: Path) -> list[tuple[int, Path]]:
         out.append((int(m.group(1)), p))
     if not out:
         raise ImportFormatError(f"{src}: no train_data_step*.jsonl in it")
-    return sorted(out)
+    out.sort()
+    for (a, pa), (b, pb) in zip(out, out[1:]):
+        if a == b:
+            raise ImportFormatError(f"{src}: two dumps of step {a}: {pa} and {pb} (several experiments under "
+                                    "SRC?): point SRC at one experiment's log directory, e.g. logs/exp_001")
+    return out
+
+
+def _unbatch(obj: Any) -> Any:
+    """A line as NeMo-RL's logger writes it: ``log_batched_dict_as_jsonl`` walks the batch with
+    ``make_microbatch_iterator(1)``, so every field is a batch of one (``"token_ids": [[...]]``,
+    ``"rewards": [0.5]``) next to ``idx``; unwrapped here. A line whose ``token_ids`` is already one
+    flat list is read as it is."""
+    ids = obj.get("token_ids") if isinstance(obj, dict) else None
+    if not (isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], list)):
+        return obj
+    return {k: v[0] if isinstance(v, list) and len(v) == 1 else v for k, v in obj.items()}
 
 
 def _sample(obj: Any, where: str) -> dict[str, Any]:
     """One line's sample, padding trimmed to ``input_lengths``."""
+    obj = _unbatch(obj)
+    if isinstance(obj, dict) and obj.get("token_ids") is None:
+        raise ImportFormatError(f"{where}: missing field 'token_ids' (the line has {sorted(obj)}): NeMo-RL "
+                                "versions or logging paths that write no token ids cannot be imported, the "
+                                "trace is per token")
     ids = vector(obj, "token_ids", where, dtype=np.int64)
     n = int(scalar(obj, "input_lengths", where))
     if not 0 < n <= ids.size:
@@ -66,7 +87,8 @@ def _sample(obj: Any, where: str) -> dict[str, Any]:
         mask = np.zeros_like(mask)     # a sample left out of the loss (e.g. overlong filtering): nothing trained
     return {"ids": ids[:n], "mask": mask, "rollout": cols["generation_logprobs"], "trainer": cols["prev_logprobs"],
             "advantages": advantages,
-            "reward": scalar(obj, "rewards", where), "prompt_len": int(hits[0]) if hits.size else n}
+            "reward": scalar(obj, "filtered_rewards" if "filtered_rewards" in obj else "rewards", where),
+            "prompt_len": int(hits[0]) if hits.size else n}
 
 
 def _groups(samples: list[dict[str, Any]], group_size: int | None, where: Path) -> list[int]:
@@ -86,7 +108,8 @@ def _groups(samples: list[dict[str, Any]], group_size: int | None, where: Path) 
 
 
 def _read_file(step: int, path: Path, options: ImportOptions) -> ImportedStep:
-    samples = []
+    """One step's samples (with dynamic sampling, the trained ones: ``filtered_rewards``)."""
+    samples, skipped = [], 0
     with open(path, encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
@@ -96,15 +119,20 @@ def _read_file(step: int, path: Path, options: ImportOptions) -> ImportedStep:
                 obj = json.loads(line)
             except ValueError as e:
                 raise ImportFormatError(f"{where}: not JSON ({e})") from None
+            if isinstance(obj, dict) and obj.get("filtered_rewards") == []:
+                skipped += 1     # dynamic sampling: a line past the trained batch (rewards is the unfiltered one)
+                continue
             samples.append(_sample(obj, where))
     if not samples:
         raise ImportFormatError(f"{path}: no samples")
+    notes = [f"{path}: {skipped} line(s) past the trained batch (dynamic sampling: only 'rewards' of "
+             "rollouts filtered out) skipped"] if skipped else []
     return ImportedStep(
         step=step, token_ids=[s["ids"] for s in samples], loss_mask=[s["mask"] for s in samples],
         rollout_logprobs=[s["rollout"] for s in samples], trainer_logprobs=[s["trainer"] for s in samples],
         advantages=[s["advantages"] for s in samples], rewards=[s["reward"] for s in samples],
         group_ids=_groups(samples, options.group_size, path), prompt_lens=[s["prompt_len"] for s in samples],
-        files=[str(path)])
+        files=[str(path)], notes=notes)
 
 
 def read_steps(src: Path, options: ImportOptions) -> Iterator[ImportedStep]:

@@ -32,6 +32,7 @@ newest version any of its samples saw (slime does not dump the trainer's). Non-n
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterator
@@ -146,15 +147,37 @@ def _response(s: dict, key: str, where: str, n: int, optional: bool = False) -> 
     return vector(s, key, where, n)
 
 
-def _sample(s: dict, where: str, train: dict[str, Any] | None) -> dict[str, Any]:
-    """One sample's arrays (response-only logprobs, full-length tokens)."""
+def _reward(s: dict, where: str, key: str | None) -> float:
+    """The sample's reward: a number, or with slime's ``--reward-key`` one entry of a dict; None
+    (not scored, e.g. an aborted or removed sample) is NaN."""
+    if "reward" in s and s["reward"] is None:
+        return math.nan
+    raw = need(s, "reward", where)
+    if isinstance(raw, dict):
+        if key is None or key not in raw:
+            what = "pass --reward-key KEY (slime's --reward-key)" if key is None else f"--reward-key {key!r} is not one"
+            raise ImportFormatError(f"{where}: field 'reward' is a dict (keys {sorted(map(str, raw))}): {what}")
+        return scalar(raw, key, f"{where}: reward")
+    return scalar(s, "reward", where)
+
+
+def _sample(s: dict, where: str, train: dict[str, Any] | None, options: ImportOptions) -> dict[str, Any]:
+    """One sample's arrays (response-only logprobs, full-length tokens). slime dumps a rollout
+    before it fills in defaults: ``loss_mask`` None means every response token is trained (what
+    slime's ``_convert_samples_to_train_data`` then uses), ``rollout_log_probs`` None that the
+    rollout returned none (stored NaN: no mismatch for the sample); ``remove_sample`` that none of
+    it is trained (slime zeroes its loss mask)."""
     tokens = vector(s, "tokens", where, dtype=np.int64)
     n = int(scalar(s, "response_length", where))
     if not 0 <= n <= tokens.size:
         raise ImportFormatError(f"{where}: response_length {n} outside [0, len(tokens)={tokens.size}]")
+    unset = {k for k in ("loss_mask", "rollout_log_probs") if k in s and s[k] is None}
+    removed = bool(s.get("remove_sample"))     # slime then trains none of it (its loss mask zeroed)
     out: dict[str, Any] = {
-        "tokens": tokens, "prompt_len": tokens.size - n, "reward": scalar(s, "reward", where),
-        "mask": vector(s, "loss_mask", where, n, np.int64), "rollout": vector(s, "rollout_log_probs", where, n),
+        "tokens": tokens, "prompt_len": tokens.size - n, "reward": _reward(s, where, options.reward_key),
+        "mask": (np.zeros(n, np.int64) if removed else np.ones(n, np.int64) if "loss_mask" in unset
+                 else vector(s, "loss_mask", where, n, np.int64)),
+        "rollout": np.full(n, np.nan) if "rollout_log_probs" in unset else vector(s, "rollout_log_probs", where, n),
         "index": int(scalar(s, "index", where)), "group": int(scalar(s, "group_index", where)),
         "trainer": None, "ref": None, "teacher": None, "entropy": None, "advantages": np.zeros(n),
         "versions": _weight_versions(s.get("weight_versions")),
@@ -191,13 +214,13 @@ def _optional(samples: list[dict[str, Any]], name: str) -> list[np.ndarray] | No
     return [x[name] for x in samples] if samples and all(x[name] is not None for x in samples) else None
 
 
-def _step(rid: int, f: Path, dump: Any, train_dumps: list[tuple[Path, Any]]) -> ImportedStep:
+def _step(rid: int, f: Path, dump: Any, train_dumps: list[tuple[Path, Any]], options: ImportOptions) -> ImportedStep:
     """The step of rollout ``rid``: rollout samples joined with their train-dump samples."""
     key, train = _train_by_key(train_dumps) if train_dumps else ("", {})
     rollout = need(dump, "samples", str(f))
     joined = [(i if key == "rollout_position" else int(s.get("index", -1)) if isinstance(s, dict) else -1)
               for i, s in enumerate(rollout)]
-    samples = [_sample(s, f"{f}: samples[{i}]", train.get(k) if train else None)
+    samples = [_sample(s, f"{f}: samples[{i}]", train.get(k) if train else None, options)
                for i, (s, k) in enumerate(zip(rollout, joined))]
     if train:
         unmatched = sorted(set(train) - set(joined))
@@ -206,6 +229,9 @@ def _step(rid: int, f: Path, dump: Any, train_dumps: list[tuple[Path, Any]]) -> 
         missing = [k for k, x in zip(joined, samples) if x["trainer"] is None]
         if missing:
             raise ImportFormatError(f"{f}: rollout samples {missing[:5]} have no train-dump sample ({key})")
+    no_lp = sum(1 for s in rollout if isinstance(s, dict) and "rollout_log_probs" in s and s["rollout_log_probs"] is None)
+    notes = [f"{f}: {no_lp} of {len(samples)} samples have rollout_log_probs None (the rollout returned no "
+             "logprobs): stored NaN, mismatch leaves them out"] if no_lp else []
     routed = [x.get("routing") for x in samples]
     versions = [x["versions"] for x in samples]
     versioned = all(v is not None for v in versions) and bool(versions)
@@ -218,7 +244,7 @@ def _step(rid: int, f: Path, dump: Any, train_dumps: list[tuple[Path, Any]]) -> 
         entropy=_optional(samples, "entropy"), routing=routed if all(r is not None for r in routed) else None,
         sample_ids=[x["index"] for x in samples], files=[str(f)] + [str(p) for p, _ in train_dumps],
         policy_versions=[min(v) for v in versions] if versioned else None,
-        policy_version=max(max(v) for v in versions) if versioned else None)
+        policy_version=max(max(v) for v in versions) if versioned else None, notes=notes)
 
 
 def read_steps(src: Path, options: ImportOptions) -> Iterator[ImportedStep]:
@@ -232,4 +258,4 @@ def read_steps(src: Path, options: ImportOptions) -> Iterator[ImportedStep]:
     for rid in sorted(rollouts):
         f = rollouts[rid]
         trained = [(p, load_dump(p, trust=options.trust_pickle)) for p in train.get(rid, [])]
-        yield _step(rid, f, load_dump(f, trust=options.trust_pickle), trained)
+        yield _step(rid, f, load_dump(f, trust=options.trust_pickle), trained, options)
