@@ -189,6 +189,13 @@ def test_sdk_supervised_steps_sampling_stops_and_errors(server: Server, model_di
         tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     assert tc.forward([_datum(ids)], "cross_entropy").result().metrics["loss:sum"] > 0   # still serving
 
+    # A diverging run (a huge learning rate) answers its optim_step with NaN metrics, not a hung future.
+    for _ in range(2):
+        tc.forward_backward([_datum(ids)], "cross_entropy").result()
+        metrics = tc.optim_step(types.AdamParams(learning_rate=1e30)).result(timeout=60).metrics
+    assert np.isnan(metrics["grad_norm:mean"]) and np.isnan(metrics["loss:sum"])
+    assert tc.get_info().model_id.endswith(":train:0")
+
 
 def test_cookbook_supervised_loop_on_its_bundled_conversations(server: Server, model_dir: Path,
                                                                tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ sequential forward_backward chunks and no stuck-request detection.
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any
 
@@ -268,4 +269,18 @@ def _add_future_routes(app: FastAPI, state: ServiceState) -> None:
         kind, value = await state.store.retrieve(str(body.get("request_id")))
         if kind == "proto":
             return Response(content=value, media_type=PROTO)
-        return JSONResponse(value)
+        return JSONResponse(finite_json(value))
+
+
+def finite_json(value: Any) -> Any:
+    """`value` with every NaN / infinite float as the string "nan" / "inf" / "-inf": JSON has no such
+    numbers (the SDK's orjson refuses them), and the SDK's pydantic models read these strings back
+    as floats — so a diverged step's metrics reach the client instead of failing the response (a
+    500 that the SDK would retry forever)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite_json(v) for v in value]
+    return value
