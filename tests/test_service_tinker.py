@@ -189,6 +189,15 @@ def test_sdk_supervised_steps_sampling_stops_and_errors(server: Server, model_di
         tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     assert tc.forward([_datum(ids)], "cross_entropy").result().metrics["loss:sum"] > 0   # still serving
 
+    # Prompts the engine cannot take are the user's mistake, named, and the server goes on sampling.
+    with pytest.raises(tinker.RequestFailedError, match=r"prompt has 1100 tokens.*--context-length"):
+        sampler.sample(types.ModelInput.from_ints((ids * 200)[:1100]), 1, types.SamplingParams(max_tokens=2)).result()
+    with pytest.raises(tinker.RequestFailedError, match=r"prompt token 1 = 5000 is outside"):
+        sampler.sample(types.ModelInput.from_ints([ids[0], 5000]), 1, types.SamplingParams(max_tokens=2)).result()
+    near = sampler.sample(types.ModelInput.from_ints((ids * 200)[:1020]), 2,
+                          types.SamplingParams(max_tokens=50, stop=[])).result()   # cut at the context's end
+    assert [(len(s.tokens), s.stop_reason) for s in near.sequences] == [(4, "length")] * 2
+
     # A diverging run (a huge learning rate) answers its optim_step with NaN metrics, not a hung future.
     for _ in range(2):
         tc.forward_backward([_datum(ids)], "cross_entropy").result()
