@@ -178,6 +178,20 @@ def test_sdk_supervised_steps_sampling_stops_and_errors(server: Server, model_di
     assert tc.forward([_datum(ids)], "cross_entropy").result().metrics["loss:sum"] != before
     tc.load_state_with_optimizer(saved).result()
     assert tc.forward([_datum(ids)], "cross_entropy").result().metrics["loss:sum"] == before   # the same bits
+    # The SDK's non-deprecated resume: a new training client from the state (create-via-load), with
+    # the saved LoRA rank and AdamW moments; a step on it and on the reloaded client agree bitwise.
+    resumed = sc.create_training_client_from_state_with_optimizer(saved).result()
+    assert resumed.get_info().lora_rank == 4 and resumed.get_info().model_id != info.model_id
+    after = []
+    for client in (tc, resumed):
+        client.forward_backward([_datum(ids)], "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        after.append(client.forward([_datum(ids)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist())
+    assert after[0] == after[1]
+    _wait_for_step(server.run / "models" / "model_1", 0)    # the resumed model's run replays from the state
+    replay = _debug("replay", str(server.run / "models" / "model_1"), "--step", "0", "--json")
+    assert replay.returncode == 0 and json.loads(replay.stdout)["verdict"] == "bitwise-equal", replay.stdout[-2000:]
+    tc.load_state_with_optimizer(saved).result()
 
     with pytest.raises(tinker.RequestFailedError, match="unknown loss_fn 'nope'"):
         tc.forward_backward([_datum(ids)], "nope").result()
