@@ -208,6 +208,11 @@ def test_sdk_supervised_steps_sampling_stops_and_errors(server: Server, model_di
         sampler.sample(types.ModelInput.from_ints((ids * 200)[:1100]), 1, types.SamplingParams(max_tokens=2)).result()
     with pytest.raises(tinker.RequestFailedError, match=r"prompt token 1 = 5000 is outside"):
         sampler.sample(types.ModelInput.from_ints([ids[0], 5000]), 1, types.SamplingParams(max_tokens=2)).result()
+    for bad, field in ((dict(top_p=0.0), "top_p"), (dict(top_k=0), "top_k"), (dict(temperature=-1.0), "temperature"),
+                       (dict(stop=[5000]), "stop_token_ids")):
+        with pytest.raises(tinker.RequestFailedError, match=f"sampling_params.{field} must") as refused:
+            sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2, **bad)).result()
+        assert refused.value.category == "user"          # the client's mistake, not a server fault
     near = sampler.sample(types.ModelInput.from_ints((ids * 200)[:1020]), 2,
                           types.SamplingParams(max_tokens=50, stop=[])).result()   # cut at the context's end
     assert [(len(s.tokens), s.stop_reason) for s in near.sequences] == [(4, "length")] * 2

@@ -137,11 +137,17 @@ class Sampler:
 
     def sample(self, path: str, spec: SampleSpec) -> bytes:
         """Sample `spec` from the snapshot at `path`; the SampleResponse protobuf."""
+        requests = [self._request(spec, i) for i in range(spec.num_samples)]
         if self.limits is not None:
             self.limits.check(spec.prompt)
+        try:   # the engine's own checks, up front: a bad sampling parameter is the client's mistake
+            for request in requests:      # (each: the seeds differ)
+                request.validated(vocab_size=None if self.limits is None else self.limits.vocab_size)
+        except ValueError as e:
+            raise UserError(str(e).replace("input_ids", "prompt")) from None
         self._acquire(path)
         try:
-            results = self.engine.generate_batch([self._request(spec, i) for i in range(spec.num_samples)])
+            results = self.engine.generate_batch(requests)
             prompt_lp = self._prompt_logprobs(spec) if spec.prompt_logprobs else None
         finally:
             self._release()
