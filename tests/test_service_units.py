@@ -271,3 +271,12 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_any_gradient() -> N
     call = decode_forward_backward(_request([first], "cross_entropy"))
     with pytest.raises(UserError, match=r"data\[0\].model_input\[0\] = 7000 is outside"):
         pack(call.data, "cross_entropy", vocab_size=1024)
+
+
+def test_a_datum_longer_than_the_models_positions_is_refused() -> None:
+    call = decode_forward_backward(_request([_datum(list(range(1, 12)), weights=np.ones(10, np.float32))],
+                                            "cross_entropy"))
+    with pytest.raises(UserError, match=r"data\[0\] is 11 tokens \(model_input \+ the last target\), more than "
+                                        r"the model's max_position_embeddings 8"):
+        pack(call.data, "cross_entropy", vocab_size=1024, max_positions=8)
+    assert pack(call.data, "cross_entropy", vocab_size=1024, max_positions=11).num_samples == 1

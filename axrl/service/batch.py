@@ -19,15 +19,20 @@ from axrl.service.wire import Datum
 from axrl.train.protocol import PackedBatch
 
 
-def pack(data: list[Datum], loss_fn: str, vocab_size: int | None = None) -> PackedBatch:
+def pack(data: list[Datum], loss_fn: str, vocab_size: int | None = None,
+         max_positions: int | None = None) -> PackedBatch:
     """The call's datums as a PackedBatch; UserError names a datum that lacks an input `loss_fn`
-    reads, or (given `vocab_size`) a token id the model has no embedding for — checked here, before
-    any gradient, so a refused call leaves the accumulated gradients as they were."""
+    reads, or (given `vocab_size`, `max_positions`) a token id the model has no embedding for or a
+    sequence longer than its positions — checked here, before any gradient, so a refused call
+    leaves the accumulated gradients as they were."""
     if not data:
         raise UserError("forward_backward: data is empty (send at least one datum)")
     for i, d in enumerate(data):
         if vocab_size is not None:
             _check_vocab(i, d, vocab_size)
+        if max_positions is not None and d.tokens.size > max_positions:
+            raise UserError(f"data[{i}] is {d.tokens.size} tokens (model_input + the last target), more than the "
+                            f"model's max_position_embeddings {max_positions}: shorten or split it")
         missing = [k for k in NEEDS[loss_fn] if k not in d.inputs]
         if missing:
             raise UserError(f"data[{i}].loss_fn_inputs: {loss_fn} needs {missing[0]!r} (it reads {list(NEEDS[loss_fn])})")
