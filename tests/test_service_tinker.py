@@ -178,6 +178,20 @@ def test_sdk_supervised_steps_sampling_stops_and_errors(server: Server, model_di
     assert tc.forward([_datum(ids)], "cross_entropy").result().metrics["loss:sum"] != before
     tc.load_state_with_optimizer(saved).result()
     assert tc.forward([_datum(ids)], "cross_entropy").result().metrics["loss:sum"] == before   # the same bits
+    # The SDK's non-deprecated resume: a new training client from the state (create-via-load), with
+    # the saved LoRA rank and AdamW moments; a step on it and on the reloaded client agree bitwise.
+    resumed = sc.create_training_client_from_state_with_optimizer(saved).result()
+    assert resumed.get_info().lora_rank == 4 and resumed.get_info().model_id != info.model_id
+    after = []
+    for client in (tc, resumed):
+        client.forward_backward([_datum(ids)], "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        after.append(client.forward([_datum(ids)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist())
+    assert after[0] == after[1]
+    _wait_for_step(server.run / "models" / "model_1", 0)    # the resumed model's run replays from the state
+    replay = _debug("replay", str(server.run / "models" / "model_1"), "--step", "0", "--json")
+    assert replay.returncode == 0 and json.loads(replay.stdout)["verdict"] == "bitwise-equal", replay.stdout[-2000:]
+    tc.load_state_with_optimizer(saved).result()
 
     with pytest.raises(tinker.RequestFailedError, match="unknown loss_fn 'nope'"):
         tc.forward_backward([_datum(ids)], "nope").result()
@@ -188,6 +202,27 @@ def test_sdk_supervised_steps_sampling_stops_and_errors(server: Server, model_di
     with pytest.raises(tinker.RequestFailedError, match="no forward_backward since the last optim_step"):
         tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     assert tc.forward([_datum(ids)], "cross_entropy").result().metrics["loss:sum"] > 0   # still serving
+
+    # Prompts the engine cannot take are the user's mistake, named, and the server goes on sampling.
+    with pytest.raises(tinker.RequestFailedError, match=r"prompt has 1100 tokens.*--context-length"):
+        sampler.sample(types.ModelInput.from_ints((ids * 200)[:1100]), 1, types.SamplingParams(max_tokens=2)).result()
+    with pytest.raises(tinker.RequestFailedError, match=r"prompt token 1 = 5000 is outside"):
+        sampler.sample(types.ModelInput.from_ints([ids[0], 5000]), 1, types.SamplingParams(max_tokens=2)).result()
+    for bad, field in ((dict(top_p=0.0), "top_p"), (dict(top_k=0), "top_k"), (dict(temperature=-1.0), "temperature"),
+                       (dict(stop=[5000]), "stop_token_ids")):
+        with pytest.raises(tinker.RequestFailedError, match=f"sampling_params.{field} must") as refused:
+            sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2, **bad)).result()
+        assert refused.value.category == "user"          # the client's mistake, not a server fault
+    near = sampler.sample(types.ModelInput.from_ints((ids * 200)[:1020]), 2,
+                          types.SamplingParams(max_tokens=50, stop=[])).result()   # cut at the context's end
+    assert [(len(s.tokens), s.stop_reason) for s in near.sequences] == [(4, "length")] * 2
+
+    # A diverging run (a huge learning rate) answers its optim_step with NaN metrics, not a hung future.
+    for _ in range(2):
+        tc.forward_backward([_datum(ids)], "cross_entropy").result()
+        metrics = tc.optim_step(types.AdamParams(learning_rate=1e30)).result(timeout=60).metrics
+    assert np.isnan(metrics["grad_norm:mean"]) and np.isnan(metrics["loss:sum"])
+    assert tc.get_info().model_id.endswith(":train:0")
 
 
 def test_cookbook_supervised_loop_on_its_bundled_conversations(server: Server, model_dir: Path,

@@ -247,3 +247,36 @@ def test_stopping_the_service_finishes_its_work_then_stops_the_engines(tmp_path,
         with TestClient(app):
             assert calls == []
     assert calls == ["state", "engine"]
+
+
+def test_non_finite_datum_inputs_are_refused_naming_datum_field_and_position() -> None:
+    # a NaN weight or an -inf sampler logprob would otherwise poison the accumulated gradients (and
+    # the next optim_step moves every weight to NaN)
+    good = _datum([1, 2, 3, 4], weights=np.ones(3, np.float32))
+    nan_w = _datum([1, 2, 3, 4], weights=np.asarray([1.0, np.nan, 1.0], np.float32))
+    with pytest.raises(UserError, match=r"data\[1\].loss_fn_inputs\['weights'\]\[1\] is nan"):
+        decode_forward_backward(_request([good, nan_w], "cross_entropy"))
+    inf_q = _datum([1, 2, 3, 4], advantages=np.ones(3, np.float32), logprobs=np.asarray([0, -np.inf, -1], np.float32))
+    with pytest.raises(UserError, match=r"data\[0\].loss_fn_inputs\['logprobs'\]\[1\] is -inf"):
+        decode_forward_backward(_request([inf_q]))
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_any_gradient() -> None:
+    big = _datum([1, 2, 3, 5000], weights=np.ones(3, np.float32))
+    call = decode_forward_backward(_request([_datum([1, 2, 3], weights=np.ones(2, np.float32)), big], "cross_entropy"))
+    with pytest.raises(UserError, match=r"data\[1\].loss_fn_inputs\['target_tokens'\]\[2\] = 5000 is outside the "
+                                        r"model's vocabulary \[0, 1024\)"):
+        pack(call.data, "cross_entropy", vocab_size=1024)
+    first = _datum([7000, 2, 3], weights=np.ones(2, np.float32))
+    call = decode_forward_backward(_request([first], "cross_entropy"))
+    with pytest.raises(UserError, match=r"data\[0\].model_input\[0\] = 7000 is outside"):
+        pack(call.data, "cross_entropy", vocab_size=1024)
+
+
+def test_a_datum_longer_than_the_models_positions_is_refused() -> None:
+    call = decode_forward_backward(_request([_datum(list(range(1, 12)), weights=np.ones(10, np.float32))],
+                                            "cross_entropy"))
+    with pytest.raises(UserError, match=r"data\[0\] is 11 tokens \(model_input \+ the last target\), more than "
+                                        r"the model's max_position_embeddings 8"):
+        pack(call.data, "cross_entropy", vocab_size=1024, max_positions=8)
+    assert pack(call.data, "cross_entropy", vocab_size=1024, max_positions=11).num_samples == 1

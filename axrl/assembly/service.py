@@ -31,7 +31,7 @@ from axrl.service.futures import FutureStore
 from axrl.service.model import ServiceModel
 from axrl.service.routes import add_tinker_routes
 from axrl.service.routing import RoutingMemory
-from axrl.service.sampling import Sampler
+from axrl.service.sampling import PromptLimits, Sampler
 from axrl.service.state import ServiceState
 from axrl.trace import RunDir
 from axrl.train.protocol import TrainBackend
@@ -156,7 +156,11 @@ def build_service(serve_cfg: ServeConfig, cfg: Config, run_dir: Path, poll_s: fl
     except BaseException:
         server.engine.shutdown()
         raise
-    state = ServiceState(Sampler(engine, scorer, server.tokenizer, base, routing),
+    mc = server.engine.config
+    # the embedded engine's context is --context-length; servers apply their own and say so
+    limits = PromptLimits(mc.vocab_size, serve_cfg.context_length if engine is server.engine else None,
+                          getattr(mc, "max_position_embeddings", None))
+    state = ServiceState(Sampler(engine, scorer, server.tokenizer, base, routing, limits),
                          model_factory(cfg, model_dir, run_dir, full_finetune, routing),
                          server.model_name, model_dir, server.engine.config.model_type, FutureStore(poll_s=poll_s))
     # at shutdown: the queued training work and step files first, then the sampling servers

@@ -19,11 +19,20 @@ from axrl.service.wire import Datum
 from axrl.train.protocol import PackedBatch
 
 
-def pack(data: list[Datum], loss_fn: str) -> PackedBatch:
-    """The call's datums as a PackedBatch; UserError names a datum that lacks an input `loss_fn` reads."""
+def pack(data: list[Datum], loss_fn: str, vocab_size: int | None = None,
+         max_positions: int | None = None) -> PackedBatch:
+    """The call's datums as a PackedBatch; UserError names a datum that lacks an input `loss_fn`
+    reads, or (given `vocab_size`, `max_positions`) a token id the model has no embedding for or a
+    sequence longer than its positions — checked here, before any gradient, so a refused call
+    leaves the accumulated gradients as they were."""
     if not data:
         raise UserError("forward_backward: data is empty (send at least one datum)")
     for i, d in enumerate(data):
+        if vocab_size is not None:
+            _check_vocab(i, d, vocab_size)
+        if max_positions is not None and d.tokens.size > max_positions:
+            raise UserError(f"data[{i}] is {d.tokens.size} tokens (model_input + the last target), more than the "
+                            f"model's max_position_embeddings {max_positions}: shorten or split it")
         missing = [k for k in NEEDS[loss_fn] if k not in d.inputs]
         if missing:
             raise UserError(f"data[{i}].loss_fn_inputs: {loss_fn} needs {missing[0]!r} (it reads {list(NEEDS[loss_fn])})")
@@ -45,6 +54,16 @@ def pack(data: list[Datum], loss_fn: str) -> PackedBatch:
                        loss_mask=torch.from_numpy(np.concatenate(mask)),
                        advantages=torch.from_numpy(np.concatenate(adv)),
                        rollout_logprobs=torch.from_numpy(np.concatenate(q)))
+
+
+def _check_vocab(i: int, d: Datum, vocab_size: int) -> None:
+    outside = np.nonzero((d.tokens < 0) | (d.tokens >= vocab_size))[0]
+    if outside.size:
+        j = int(outside[0])
+        # the packed sequence is model_input + the last target (wire.Datum)
+        field = f"model_input[{j}]" if j < d.n else f"loss_fn_inputs['target_tokens'][{d.n - 1}]"
+        raise UserError(f"data[{i}].{field} = {int(d.tokens[j])} is outside the model's vocabulary "
+                        f"[0, {vocab_size})")
 
 
 def per_datum(batch: PackedBatch, column: torch.Tensor) -> list[np.ndarray]:

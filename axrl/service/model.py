@@ -57,7 +57,8 @@ class ServiceModel:
         """One forward_backward (gradients accumulate until optim_step) or forward (`forward_only`);
         the ForwardBackwardOutput protobuf: per-datum logprobs and elementwise_loss, `loss:sum`."""
         config = check_loss(call.loss_fn, call.loss_fn_config)
-        batch = pack(call.data, call.loss_fn)
+        mc = self.backend.model_config
+        batch = pack(call.data, call.loss_fn, mc.vocab_size, getattr(mc, "max_position_embeddings", None))
         if call.forward_only:
             res = self.backend.forward(batch)
             loss, cols = ServiceLoss(call.loss_fn, config)(res.logprobs, res.entropy, batch, LossContext.of(batch))

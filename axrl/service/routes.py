@@ -9,6 +9,7 @@ sequential forward_backward chunks and no stuck-request detection.
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any
 
@@ -178,10 +179,8 @@ def _add_weight_routes(app: FastAPI, state: ServiceState) -> None:
         def op(model: Any) -> Result:
             model.load_state(state.checkpoint_of(path), bool(body.get("optimizer")))
             return "json", {"type": "load_weights", "path": path, "model_id": model.model_id}
-        if body.get("model_id") is None:
-            return _future(state.store.complete(error_result(UserError(
-                "load_weights without model_id (create-via-load) is not supported by AxRL: create_model, "
-                "then load_weights into it"))))
+        if body.get("model_id") is None:     # create-via-load (create_training_client_from_state*)
+            return _future(state.store.submit(lambda: _create_via_load(state, body), state.train_pool))
         return await _ordered(state, body, op)
 
     @app.post("/api/v1/save_weights_for_sampler")
@@ -198,6 +197,21 @@ def _add_weight_routes(app: FastAPI, state: ServiceState) -> None:
                 return "json", {"type": "save_weights_for_sampler", "path": path}
             return "json", {"type": "save_weights_for_sampler", "sampling_session_id": state.open_sampling_session(path)}
         return await _ordered(state, body, op)
+
+
+def _create_via_load(state: ServiceState, body: dict[str, Any]) -> Result:
+    """A new model `{session}:train:{model_seq_id}` with the LoRA rank of the model that saved
+    `path`, loaded from it (with its AdamW moments when `optimizer`)."""
+    sid, path = str(body.get("session_id")), str(body.get("path"))
+    state.session(sid)
+    state.check_base_model(body.get("base_model"))
+    opt = body.get("optimizer_config") or {}
+    if opt.get("type", "adamw") != "adamw":
+        raise UserError(f"optimizer_config.type {opt.get('type')!r}: AxRL trains with AdamW only")
+    checkpoint = state.checkpoint_of(path)
+    model = state.create_model(f"{sid}:train:{int(body.get('model_seq_id') or 0)}", state.saved_by(path).lora_rank)
+    model.load_state(checkpoint, bool(body.get("optimizer")))
+    return "json", {"type": "load_weights", "path": path, "model_id": model.model_id}
 
 
 def _add_sampling_routes(app: FastAPI, state: ServiceState) -> None:
@@ -268,4 +282,18 @@ def _add_future_routes(app: FastAPI, state: ServiceState) -> None:
         kind, value = await state.store.retrieve(str(body.get("request_id")))
         if kind == "proto":
             return Response(content=value, media_type=PROTO)
-        return JSONResponse(value)
+        return JSONResponse(finite_json(value))
+
+
+def finite_json(value: Any) -> Any:
+    """`value` with every NaN / infinite float as the string "nan" / "inf" / "-inf": JSON has no such
+    numbers (the SDK's orjson refuses them), and the SDK's pydantic models read these strings back
+    as floats — so a diverged step's metrics reach the client instead of failing the response (a
+    500 that the SDK would retry forever)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite_json(v) for v in value]
+    return value

@@ -45,6 +45,29 @@ class SampleSpec:
     prompt_logprobs: bool
 
 
+@dataclass
+class PromptLimits:
+    """What a prompt must fit: the model's vocabulary and the sampling engine's context (prompt +
+    output; the embedded engine's is `axrl serve --context-length`)."""
+
+    vocab_size: int
+    context_length: int | None
+    max_position_embeddings: int | None = None
+
+    def check(self, prompt: list[int]) -> None:
+        """UserError naming the prompt's first bad token id, or a prompt the context cannot hold."""
+        bad = [(i, t) for i, t in enumerate(prompt) if not 0 <= t < self.vocab_size]
+        if bad:
+            raise UserError(f"prompt token {bad[0][0]} = {bad[0][1]} is outside the model's vocabulary "
+                            f"[0, {self.vocab_size})")
+        if self.context_length is not None and len(prompt) >= self.context_length:
+            model = (f"; the model's max_position_embeddings is {self.max_position_embeddings}"
+                     if self.max_position_embeddings else "")
+            raise UserError(f"prompt has {len(prompt)} tokens, but the sampling engine's context holds "
+                            f"{self.context_length} (prompt + output): restart the service with a larger "
+                            f"`axrl serve --context-length`{model}")
+
+
 def parse_stop(stop: Any) -> tuple[list[int] | None, list[str]]:
     """SamplingParams.stop: None (EOS), a string, strings, or token ids ([] disables EOS too)."""
     if stop is None:
@@ -64,8 +87,9 @@ class Sampler:
     model), the routing of every sequence it samples is remembered for the trace."""
 
     def __init__(self, engine: Any, scorer: Scorer, tokenizer: Any, base_weights: dict[str, torch.Tensor],
-                 routing: RoutingMemory | None = None) -> None:
+                 routing: RoutingMemory | None = None, limits: PromptLimits | None = None) -> None:
         self.engine, self.scorer, self.tokenizer, self.routing = engine, scorer, tokenizer, routing
+        self.limits = limits
         self.snapshots: dict[str, dict[str, torch.Tensor]] = {BASE: base_weights}
         self.loaded = BASE
         self.ephemeral: list[str] = []
@@ -113,9 +137,17 @@ class Sampler:
 
     def sample(self, path: str, spec: SampleSpec) -> bytes:
         """Sample `spec` from the snapshot at `path`; the SampleResponse protobuf."""
+        requests = [self._request(spec, i) for i in range(spec.num_samples)]
+        if self.limits is not None:
+            self.limits.check(spec.prompt)
+        try:   # the engine's own checks, up front: a bad sampling parameter is the client's mistake
+            for request in requests:      # (each: the seeds differ)
+                request.validated(vocab_size=None if self.limits is None else self.limits.vocab_size)
+        except ValueError as e:
+            raise UserError(str(e).replace("input_ids", "prompt")) from None
         self._acquire(path)
         try:
-            results = self.engine.generate_batch([self._request(spec, i) for i in range(spec.num_samples)])
+            results = self.engine.generate_batch(requests)
             prompt_lp = self._prompt_logprobs(spec) if spec.prompt_logprobs else None
         finally:
             self._release()

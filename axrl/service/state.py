@@ -93,6 +93,10 @@ class ServiceState:
                             f"(saved: {sorted(self.saved)[:5]})")
         return self.saved[path]
 
+    def saved_by(self, path: str) -> ServiceModel:
+        """The model whose save_weights wrote `path` (`tinker://MODEL/weights/NAME`)."""
+        return self.model(path.removeprefix("tinker://").rsplit("/weights/", 1)[0])
+
     def open_sampling_session(self, model_path: str | None) -> str:
         path = model_path or BASE
         self.sampler.check(path)

@@ -86,6 +86,10 @@ def _datum(i: int, msg: Any) -> Datum:
         if a.size != x.size:
             raise UserError(f"data[{i}].loss_fn_inputs[{name!r}] has {a.size} values for {x.size} model_input "
                             "tokens: every input needs one value per position")
+        if not np.isfinite(a).all():
+            bad = int(np.nonzero(~np.isfinite(a))[0][0])
+            raise UserError(f"data[{i}].loss_fn_inputs[{name!r}][{bad}] is {a[bad]}: every value must be finite "
+                            "(a NaN or infinite input would poison the accumulated gradients)")
         inputs[name] = a.astype(np.int64 if DATUM_KEYS[name] == "int64" else np.float32)
     if x.size == 0:
         raise UserError(f"data[{i}].model_input is empty")
