@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from axrl.config import Config
-from axrl.inference.scoring import Scorer, ScoringError
+from axrl.inference.scoring import ScoringError
 from axrl.inference.server_scorer import server_scorer
 from axrl.inference.sglang.launcher import SGLangLauncher, ServerStartError, free_port
 from axrl.trace import StepFile
@@ -215,15 +215,10 @@ def _check_serves(engine: str, url: str, model_dir: Path, opts: ServerOptions, c
                                + (", or pass --load-weights to load it into this server" if engine == "sglang" else ""))
 
 
-def make_scorer(engine: str, url: str, vocab_size: int) -> Scorer:
-    """The scorer of `engine` over the server at `url`."""
-    return server_scorer(engine, url, vocab_size)
-
-
 def _score(engine: str, url: str, vocab_size: int, sequences: list[list[int]], temperature: float) -> list[np.ndarray]:
     """The server's teacher-forced logprobs of `sequences`; a scorer's refusal as bad input."""
     try:
-        scorer = make_scorer(engine, url, vocab_size)
+        scorer = server_scorer(engine, url, vocab_size)
         try:
             return scorer.score(sequences, temperature)
         finally:
