@@ -16,13 +16,13 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from axrl.algo.loss_config import PolicyLossConfig
 from axrl.config_faults import FaultsSection
 from axrl.config_section import Section
-from axrl.errors import ConfigError
+from axrl.core.errors import ConfigError
 from axrl.inference.sglang.settings import SGLangSettings
 from axrl.inference.vllm.settings import VLLMSettings
 from axrl.model.device import DEVICE_PATTERN
 from axrl.ray_executor.settings import RaySettings
-from axrl.recording.trackers import MlflowSettings, WandbSettings
-from axrl.train.lora import LORA_TARGETS
+from axrl.runtime.recording.trackers import MlflowSettings, WandbSettings
+from axrl.train.torch.lora import LORA_TARGETS
 
 
 class ModelSection(Section):

@@ -44,7 +44,7 @@ def best_times(fns: list[Callable[[], object]], repeats: int) -> list[float]:
 
 def start_servers(args: argparse.Namespace, model_dir: Path, max_len: int, batch: int, stack: ExitStack) -> dict[str, Any]:
     """The server engines asked for, each one launched server behind its AxRL client (closed by `stack`)."""
-    from axrl.inference.servers.launcher import ServerLauncher, free_port
+    from axrl.inference.remote.launcher import ServerLauncher, free_port
     from axrl.inference.sglang.client import SGLangEngine
     from axrl.inference.sglang.factory import CPU_COMPAT, server_command
     from axrl.inference.sglang.settings import ServedModel, SGLangSettings

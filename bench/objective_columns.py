@@ -34,7 +34,7 @@ import torch
 from axrl.config import load_config
 from axrl.assembly.build import build_components, policy_loss
 from axrl.console.progress import PhaseTimer, TrainProgress
-from axrl.recording.records import step_record
+from axrl.runtime.recording.builders import step_record
 from axrl.runtime.warmup import warm_up
 from axrl.train.metrics import TOKEN_COLUMN_PREFIX, join_token_columns, split_token_columns
 from axrl.train.micro_batch import micro_batches

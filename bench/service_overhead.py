@@ -3,7 +3,7 @@ through the official `tinker` SDK against `axrl serve --training`, vs the same u
 
 Both sides train the same LoRA model (a random-init preset with AxRL's tokenizer, rank `--rank`)
 on the same `--datums` cross-entropy datums of `--tokens` tokens, with the same AdamW parameters,
-one torch thread each. In process: `axrl.service.training.run_call` + `apply_optim` on a backend
+one torch thread each. In process: `axrl.tinker_api.training.run_call` + `apply_optim` on a backend
 built by `make_train_backend` from the same config the server builds — the server's own compute.
 Through the SDK: protobuf encoding, HTTP, seq_id ordering, the future's long-poll, the per-datum
 logprobs back, and the server recording the step (trace file in the background, metrics line,
@@ -37,10 +37,10 @@ from axrl.assembly.build import make_tokenizer, make_train_backend
 from axrl.config import load_config
 from axrl.inference.sglang.launcher import free_port
 from axrl.model import build_model, preset_config, save_hf
-from axrl.assembly.service import model_config
-from axrl.service.batch import pack
-from axrl.service.training import apply_optim, check_adam, run_call
-from axrl.service.wire import Datum
+from axrl.assembly.tinker_api import model_config
+from axrl.tinker_api.batch import pack
+from axrl.tinker_api.training import apply_optim, check_adam, run_call
+from axrl.tinker_api.wire import Datum
 from axrl.tokenizer import Tokenizer
 
 ADAM = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 1.0}

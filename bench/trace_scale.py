@@ -53,7 +53,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from axrl.recording.step_writer import StepWriter
+from axrl.runtime.recording.step_writer import StepWriter
 from axrl.trace import RunDir, StepRecord
 
 GPU_STEP_S = 30.0

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from axrl.algo import PolicyLossConfig, make_policy_loss  # noqa: E402
 from axrl.model import build_model, preset_config  # noqa: E402
 from axrl.train import PackedBatch, TorchBackend, TorchBackendConfig  # noqa: E402
-from axrl.train.lora import LoRAConfig  # noqa: E402
+from axrl.train.torch.lora import LoRAConfig  # noqa: E402
 
 
 def make_batch(samples: int, min_len: int, max_len: int, vocab: int, seed: int = 0) -> PackedBatch:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from axrl.recording.reward_plot import save_reward_plot
+from axrl.runtime.recording.reward_plot import save_reward_plot
 from axrl.trace import read_metrics_file
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from axrl.recording.records import UpdateResult
+from axrl.runtime.results import UpdateResult
 from replay.recorded import RecordedStep
 
 

@@ -2,7 +2,7 @@
 
 Each *context* is one engine request of a recorded sample: turn k's prompt (the stream up to the
 turn's first generated token) is prefilled, then the turn's recorded tokens are fed one decode
-step at a time, exactly as the engine's scheduler does (`axrl.inference.scheduler.Scheduler`):
+step at a time, exactly as the engine's scheduler does (`axrl.inference.embedded.scheduler.Scheduler`):
 the fused prefill over packed prompts, one `FusedDecoder.step` per iteration over slots [0, n)
 (idle rows fed token 0 at position 0), `lm_head` on the running rows, and the sampler's logprob
 `log_softmax(logits.float() / T)` at the recorded token.
@@ -14,7 +14,7 @@ previous turn (all submissions between two iterations in sample-id order), the e
 into the lowest free slots, prefills them and decodes slots [0, n) — so every GEMM has the shape it
 had. A run with the embedded engine's prefix cache (`prefix_cache`) is mirrored on that schedule by
 a real `PrefixCache` with the run's pool, driven by the engine's own functions
-(`axrl.inference.prefix_reuse`) where the engine calls them: cached K/V copied into the slots, only
+(`axrl.inference.embedded.prefix_reuse`) where the engine calls them: cached K/V copied into the slots, only
 suffixes prefilled, the same inserts and evictions (docs/prefix-merge.md, "Debugging a cached run").
 Without a schedule, the requests of one turn run as one batch with whole prompts prefilled (an
 approximation). Neither covers
@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from axrl.inference.decode import FusedDecoder
-from axrl.inference.kv_cache import StaticKVCache
-from axrl.inference.prefix_cache import CacheMatch, PrefixCache
-from axrl.inference.prefix_reuse import cache_sequence, retire, split_shared, take_cached_prefix
+from axrl.inference.embedded.decode import FusedDecoder
+from axrl.inference.embedded.kv_cache import StaticKVCache
+from axrl.inference.embedded.prefix_cache import CacheMatch, PrefixCache
+from axrl.inference.embedded.prefix_reuse import cache_sequence, retire, split_shared, take_cached_prefix
 from axrl.model import Qwen3ForCausalLM
 
 DEFAULT_MAX_PREFILL_TOKENS = 8192  # EmbeddedEngine's default (make_embedded_engine keeps it)
@@ -272,7 +272,7 @@ def _run_batch(model: Qwen3ForCausalLM, decoder: FusedDecoder, cache: StaticKVCa
 @dataclass(eq=False)
 class _Request:
     """A teacher-forced request of `_Clocked`: the fields of `SequenceState` that the engine's
-    prefix-reuse functions (`axrl.inference.prefix_reuse`) read and write, so the engine's own
+    prefix-reuse functions (`axrl.inference.embedded.prefix_reuse`) read and write, so the engine's own
     cache code runs on it."""
 
     context: int

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from axrl.runtime.checkpoint import list_checkpoints
 from axrl.trace import StepFile, TraceError, TraceReader
-from axrl.recording.tiers import ATTR_TRACE_LEVEL
+from axrl.runtime.recording.tiers import ATTR_TRACE_LEVEL
 from replay.recorded import REQUIRED
 
 

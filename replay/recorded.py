@@ -16,9 +16,9 @@ import torch
 
 from axrl.algo.turn_credit import turn_rewards_from_column
 from axrl.config import Config
-from axrl.service.training import CallSpec, service_attrs
-from axrl.recording.records import CRITIC_ATTRS
-from axrl.recording.tiers import ATTR_TRACE_LEVEL
+from axrl.tinker_api.training import CallSpec, service_attrs
+from axrl.runtime.recording.builders import CRITIC_ATTRS
+from axrl.runtime.recording.tiers import ATTR_TRACE_LEVEL
 from axrl.trace import StepFile
 from axrl.train.protocol import PackedBatch
 

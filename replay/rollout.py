@@ -39,7 +39,7 @@ from axrl.config import Config
 from axrl.assembly.build import make_data, make_embedded_engine, make_engine_model, make_rollout
 from axrl.assembly.settings import rollout_clock
 from axrl.core.trajectory import Trajectory
-from axrl.inference.prefix_cache import DEFAULT_BLOCK_SIZE, pool_tokens
+from axrl.inference.embedded.prefix_cache import DEFAULT_BLOCK_SIZE, pool_tokens
 from axrl.trace import StepFile
 from replay.compare import Divergence
 from replay.engine_path import ClockSchedule, contexts_of, run_engine_path

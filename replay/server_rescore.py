@@ -31,7 +31,7 @@ import torch
 
 from axrl.config import Config
 from axrl.inference.scoring import ScoringError
-from axrl.inference.server_scorer import server_scorer
+from axrl.inference.scoring.by_engine import server_scorer
 from axrl.inference.sglang.launcher import SGLangLauncher, ServerStartError, free_port
 from axrl.trace import StepFile
 from replay.compare import Divergence

@@ -28,10 +28,10 @@ import torch
 
 from axrl.config import Config, ConfigError, load_config
 from axrl.runtime.checkpoint import load_checkpoint
-from axrl.service.training import replay_service_step, service_forward
+from axrl.tinker_api.training import replay_service_step, service_forward
 from axrl.assembly.build import make_tokenizer, make_train_backend, policy_loss
 from axrl.assembly.settings import routing_replay, step_settings
-from axrl.recording.records import CriticStep, UpdateResult
+from axrl.runtime.results import CriticStep, UpdateResult
 from axrl.runtime.updates import CombinedHooks, run_updates, train_critic
 from axrl.tokenizer import Tokenizer
 from axrl.trace import StepFile, TraceError

@@ -42,7 +42,7 @@ from axrl.algo.processor import gae_advantages, gae_token_rewards, update_splits
 from axrl.config import Config, ConfigError, apply_overrides, load_config
 from axrl.assembly.build import make_train_backend, policy_loss
 from axrl.assembly.settings import advantage_settings, distill_settings, routing_replay, step_settings
-from axrl.recording.records import UpdateResult
+from axrl.runtime.results import UpdateResult
 from axrl.runtime.reference import restore_reference, with_reference_logprobs
 from axrl.runtime.updates import run_updates
 from axrl.tokenizer import Tokenizer

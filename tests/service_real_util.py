@@ -24,7 +24,7 @@ import numpy as np
 import tinker
 from tinker import types
 
-from axrl.inference.servers.launcher import free_port
+from axrl.inference.remote.launcher import free_port
 from axrl.model import build_model, preset_config, save_hf
 from axrl.tokenizer import Tokenizer
 

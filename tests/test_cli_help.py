@@ -13,7 +13,7 @@ import typer
 from typer.testing import CliRunner
 
 from axrl.cli import app as axrl_app
-from axrl.cli_help import reflow
+from axrl.cli.help import reflow
 from axrl_debug.cli import COMMANDS, register_commands
 from axrl_debug.cli import app as debug_app
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from axrl.agents.proxy import ProxyServer
-from axrl.agents.proxy.service import AgentService
+from axrl.agents.proxy.trajectories import AgentService
 from axrl.agents.proxy.session import Session
 from axrl.core import (FINISH_REASONS, STATUSES, Trajectory, append_generated, assistant_close_ids, reply_glue,
                        routing_rows, token_versions)

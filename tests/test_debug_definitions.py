@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from axrl.recording.records import mismatch as recorder_mismatch
+from axrl.runtime.recording.builders import mismatch as recorder_mismatch
 from axrl.trace import TraceReader
 from axrl.trace.quantities import analysed_mask, delta, mean_abs_delta, split_deltas, split_mask
 from axrl_debug.analysis.mismatch import MismatchAccumulator, MismatchConfig, mismatch_report, step_tokens

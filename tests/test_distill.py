@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from axrl.algo.distill import DistillSettings, distill_token_advantages
 from axrl.cli import app as axrl_app
-from axrl.errors import ConfigError
+from axrl.core.errors import ConfigError
 from axrl.model import build_model, preset_config, save_hf
 from axrl.runtime.teacher import make_teacher, tokenizer_difference
 from axrl.tokenizer import Tokenizer

@@ -129,8 +129,8 @@ def test_reference_decode_path_agrees(moe_model):
 def test_fused_prefill_matches_model_forward(moe_model):
     """The fused prefill (packed tokens, padded attention) vs the model's own forward writing the
     same slots: cache contents, last-token hidden states and routing. Slots not contiguous."""
-    from axrl.inference.decode import FusedDecoder
-    from axrl.inference.kv_cache import StaticKVCache
+    from axrl.inference.embedded.decode import FusedDecoder
+    from axrl.inference.embedded.kv_cache import StaticKVCache
     cfg = moe_model.config
     prompts, slots = [PROMPTS[1], PROMPTS[0], PROMPTS[2]], [5, 1, 2]
     make_cache = lambda: StaticKVCache(cfg.num_hidden_layers, 8, cfg.num_key_value_heads, 32, cfg.head_dim)
@@ -156,7 +156,7 @@ def test_fused_prefill_matches_model_forward(moe_model):
 def test_expert_bags_match_sorted_experts(moe_model, n):
     """The two MoE kernels of the fast path (embedding bags for small batches, sorted grouped GEMMs
     for big ones) compute the same block; the decoder picks by size, both must agree."""
-    from axrl.inference.decode import FusedDecoder
+    from axrl.inference.embedded.decode import FusedDecoder
     decoder = FusedDecoder(moe_model, 32, 8)
     w = decoder.layers[0]
     assert n * w.top_k <= decoder.bag_max_rows  # the largest batch the bag kernel takes: 32 here

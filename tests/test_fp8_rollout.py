@@ -1,4 +1,4 @@
-"""Low-precision rollout (`rollout.weight_dtype`, `rollout.kv_dtype`; axrl.inference.quant): the
+"""Low-precision rollout (`rollout.weight_dtype`, `rollout.kv_dtype`; axrl.inference.embedded.quant): the
 block-fp8 quantiser against an independent per-block reference, the engine's logprobs under fp8
 weights / KV (plausibly off fp32, still deterministic), the precision recorded in the run, rollout
 replay bitwise with fp8, and the refusal of fp8 SGLang on CPU."""
@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 from axrl.cli import app as axrl_app
 from axrl.assembly.settings import sglang_settings
 from axrl.config import load_config
-from axrl.errors import ConfigError
+from axrl.core.errors import ConfigError
 from axrl.inference import EmbeddedEngine, GenerateRequest, SamplingParams
-from axrl.inference.quant import (BLOCK, FP8_MAX, apply_rollout_precision, dequantise_fp8, fp8_round_rows,
+from axrl.inference.embedded.quant import (BLOCK, FP8_MAX, apply_rollout_precision, dequantise_fp8, fp8_round_rows,
                                   is_quantised, quantise_fp8)
 from axrl.model import build_model, hf_state_dict, preset_config
 from axrl_debug.cli import app as debug_app

@@ -14,7 +14,7 @@ import torch
 from axrl.config import ConfigError, load_config
 from axrl.model import build_model, load_hf, preset_config, save_hf
 from axrl.train import LossContext, PackedBatch, TorchBackend, TorchBackendConfig
-from axrl.train.lora import LoRAConfig, target_group
+from axrl.train.torch.lora import LoRAConfig, target_group
 from train_util import axrl, debug, train
 
 torch.set_num_threads(1)
@@ -272,7 +272,7 @@ LORA_RUN = ["steps=3", "warmup.steps=0", "checkpoint.every=2", "train.lr=1e-3", 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
-    from axrl.export import export_checkpoint
+    from axrl.cli.export import export_checkpoint
 
     tmp = tmp_path_factory.mktemp("lora")
     train(tmp / "warm", COMMON + WARM_BASE)
@@ -333,7 +333,7 @@ def test_export_merged_and_adapter_only(run, tmp_path):
 
 
 def test_adapter_of_a_preset_run_comes_with_its_base(tmp_path):
-    from axrl.export import export_adapter
+    from axrl.cli.export import export_adapter
 
     backend = make_backend(LoRAConfig(targets=("attn",)))
     train_steps(backend, 1)
@@ -345,7 +345,7 @@ def test_adapter_of_a_preset_run_comes_with_its_base(tmp_path):
 
 
 def test_adapter_only_needs_a_lora_run(tmp_path):
-    from axrl.export import export_checkpoint
+    from axrl.cli.export import export_checkpoint
 
     run = tmp_path / "run"
     (run / "checkpoints" / "step_000000").mkdir(parents=True)

@@ -15,9 +15,9 @@ import torch
 
 import replay.rollout
 from axrl.inference import EmbeddedEngine, GenerateRequest, SamplingParams
-from axrl.inference.kv_cache import StaticKVCache
-from axrl.inference.prefix_cache import PrefixCache
-from axrl.inference.scheduler import Scheduler
+from axrl.inference.embedded.kv_cache import StaticKVCache
+from axrl.inference.embedded.prefix_cache import PrefixCache
+from axrl.inference.embedded.scheduler import Scheduler
 from axrl.model import build_model, hf_state_dict, preset_config
 from replay.explain import explain_step
 from replay.rollout import teacher_forced_check

@@ -437,7 +437,7 @@ def test_non_loopback_bind_needs_the_flag(tok):
 # ---------------------------------------------------------------------------------- agent service
 
 def test_agent_service_validates_and_pools_trajectories(proxy, tok):
-    from axrl.agents.proxy.service import EXTERNAL_ID_BASE, AgentService
+    from axrl.agents.proxy.trajectories import EXTERNAL_ID_BASE, AgentService
     from axrl.rollout.pool import TrajectoryPool
 
     pool = TrajectoryPool(2)

@@ -248,7 +248,7 @@ def test_n_choices_fork_as_n_and_a_retry_as_an_edit(session):
 
 def test_the_step_record_keeps_fork_causes_and_drift(session):
     """The session columns of a step record (/samples/fork_cause, /tokens/drift)."""
-    from axrl.recording.records import _session_columns
+    from axrl.runtime.recording.builders import _session_columns
 
     s, client, _, _ = session
     messages = solve(client, [SYSTEM, {"role": "user", "content": "What is 37 + 58?"}])
@@ -265,7 +265,7 @@ def test_the_step_record_keeps_fork_causes_and_drift(session):
 
 
 def test_trajectory_intake_needs_the_agent_key(session, tok):
-    from axrl.agents.proxy.service import AgentService
+    from axrl.agents.proxy.trajectories import AgentService
     from axrl.rollout.pool import TrajectoryPool
 
     s, _, _, proxy = session

@@ -19,7 +19,7 @@ import ray  # noqa: E402  (the test extra installs it: a broken import fails)
 
 from trace_util import trace_datasets  # noqa: E402
 from axrl.config import ConfigError, load_config  # noqa: E402
-from axrl.recording.events import read_events  # noqa: E402
+from axrl.runtime.recording.events import read_events  # noqa: E402
 from axrl.assembly.build import train  # noqa: E402
 from axrl.ray_executor.wire import wire_bytes  # noqa: E402
 
@@ -544,7 +544,7 @@ def test_data_parallel_ranks_sum_to_the_one_process_gradient_and_stay_identical(
 
     from axrl.assembly.build import make_tokenizer, make_train_backend, policy_loss
     from axrl.assembly.settings import run_settings
-    from axrl.recording.events import EventLog
+    from axrl.runtime.recording.events import EventLog
     from axrl.ray_executor.executor import RayExecutor
     from axrl.train.protocol import PackedBatch
 

@@ -20,7 +20,7 @@ import pytest
 
 import ray  # noqa: E402  (the test extra installs it: a broken import fails)
 
-from axrl.recording.events import read_events  # noqa: E402
+from axrl.runtime.recording.events import read_events  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))

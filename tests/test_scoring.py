@@ -1,4 +1,4 @@
-"""Teacher-forced scoring on servers (axrl/inference/scoring.py and its per-engine scorers), with
+"""Teacher-forced scoring on servers (axrl/inference/scoring/base.py and its per-engine scorers), with
 `axrl serve` as the server (no SGLang or vLLM environment needed; the real-engine versions of these
 checks are in tests/test_sglang_real.py and tests/test_vllm_scoring.py):
 
@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from axrl.algo.distill import DistillSettings
 from axrl.cli import app as axrl_app
-from axrl.errors import ConfigError
+from axrl.core.errors import ConfigError
 from axrl.inference.scoring import at_temperature, request_groups
 from axrl.runtime.teacher import make_teacher
 from axrl.tokenizer import Tokenizer

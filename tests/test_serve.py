@@ -432,8 +432,8 @@ def test_prefill_only_generate_scores_prompts_like_the_trainer(setup, monkeypatc
     distribution, top_logprobs_num) at the rollout temperature; with a small reply budget the whole
     distribution comes in windows of 7 positions (logprob_start_len > 0 on cut streams)."""
     from axrl.inference.scoring import EmbeddedScorer
-    from axrl.inference.sglang import scorer as sglang_scorer
-    from axrl.inference.sglang.scorer import SGLangScorer
+    from axrl.inference.scoring import sglang as sglang_scorer
+    from axrl.inference.scoring.sglang import SGLangScorer
 
     if window is not None:
         monkeypatch.setattr(sglang_scorer, "FULL_VOCAB_BUDGET", window * Tokenizer.default().vocab_size)

@@ -17,11 +17,11 @@ from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
 
-from axrl.service.batch import pack
-from axrl.service.errors import UserError
-from axrl.service.futures import FutureStore
-from axrl.service.losses import ServiceLoss, check_loss
-from axrl.service.wire import Sequence, decode_forward_backward, encode_forward_backward_output, encode_sample_response
+from axrl.tinker_api.batch import pack
+from axrl.tinker_api.errors import UserError
+from axrl.tinker_api.futures import FutureStore
+from axrl.tinker_api.losses import ServiceLoss, check_loss
+from axrl.tinker_api.wire import Sequence, decode_forward_backward, encode_forward_backward_output, encode_sample_response
 from axrl.train.protocol import LossContext
 
 
@@ -184,7 +184,7 @@ def test_retrieve_long_polls_then_answers_try_again() -> None:
 
 
 def test_unnamed_sampler_snapshots_are_bounded_and_dropped_ones_say_so() -> None:
-    from axrl.service.sampling import KEEP_EPHEMERAL, Sampler
+    from axrl.tinker_api.sampling import KEEP_EPHEMERAL, Sampler
 
     class Engine:
         def update_weights(self, source, version):   # noqa: ANN001 - a stand-in that only counts loads
@@ -213,7 +213,7 @@ def _tiny_dense(tmp_path):
 
 def test_a_vllm_service_without_vllm_says_what_to_build(tmp_path) -> None:
     """`rollout.engine: vllm` is wired in: without a vLLM environment the service says how to get one."""
-    from axrl.assembly.service import build_service
+    from axrl.assembly.tinker_api import build_service
     from axrl.config import load_config
     from axrl.inference.serve import ServeConfig
 
@@ -228,10 +228,10 @@ def test_stopping_the_service_finishes_its_work_then_stops_the_engines(tmp_path,
     Starlette never runs `router.on_shutdown` beside a lifespan, which once left them undone."""
     from fastapi.testclient import TestClient
 
-    from axrl.assembly.service import build_service
+    from axrl.assembly.tinker_api import build_service
     from axrl.config import load_config
     from axrl.inference.serve import ServeConfig
-    from axrl.service.state import ServiceState
+    from axrl.tinker_api.state import ServiceState
 
     model = _tiny_dense(tmp_path)
     calls: list[str] = []

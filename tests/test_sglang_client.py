@@ -357,7 +357,7 @@ def test_a_killed_launchers_servers_are_stopped_by_the_next_launcher(tmp_path):
     import sys
 
     from axrl.inference.sglang.launcher import port_is_free
-    from axrl.processes import process_stat
+    from axrl.core.processes import process_stat
 
     server = tmp_path / "deaf_server.py"
     server.write_text(_DEAF_SERVER)

@@ -335,7 +335,7 @@ def test_killed_server_is_restarted_and_requests_are_retried(server, models):
     assert served_version(url) == str(v)
 
 
-# -- teacher-forced scoring (axrl/inference/scoring.py): replay --engine sglang, distill.url ---------------
+# -- teacher-forced scoring (axrl/inference/scoring/base.py): replay --engine sglang, distill.url ---------------
 @real_sglang
 def test_prefill_scoring_gives_the_trainer_logprobs_at_the_rollout_temperature(server, models, monkeypatch):
     """SGLangScorer (prefill-only /generate, batched) against a direct forward of the same weights,
@@ -343,8 +343,8 @@ def test_prefill_scoring_gives_the_trainer_logprobs_at_the_rollout_temperature(s
     streams). SGLang's own input_token_logprobs ignore the request's temperature (they equal the
     T = 1 values): the scorer's T != 1 route renormalises the whole distribution."""
     from axrl.inference.scoring import EmbeddedScorer
-    from axrl.inference.sglang import scorer as sglang_scorer
-    from axrl.inference.sglang.scorer import SGLangScorer
+    from axrl.inference.scoring import sglang as sglang_scorer
+    from axrl.inference.scoring.sglang import SGLangScorer
 
     launcher, engine = server
     engine.update_weights(models["seed2"])

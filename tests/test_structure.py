@@ -18,7 +18,7 @@ PACKAGES = ("axrl", "replay", "axrl_debug")
 
 # The modules of `axrl/` allowed to import `axrl.config`: the config itself, the assembly layer
 # that maps it onto settings objects, and the commands that load a config file.
-CONFIG_READERS = ("axrl.config", "axrl.assembly", "axrl.cli", "axrl.export")
+CONFIG_READERS = ("axrl.config", "axrl.assembly", "axrl.cli", "axrl.cli.export")
 
 
 def module_name(path: Path, root: Path) -> str:

@@ -179,7 +179,7 @@ def test_agent_loop_trains_exactly_the_generated_ids(name, dirs, hf):
         think = tok.encode("<think>\nadd\n</think>")
         assert len(think) <= traj.drift_tokens <= len(think) + 3
     # the step record carries the drift of white-box samples too (/samples/drift_tokens, metrics)
-    from axrl.recording.records import _session_columns, _session_metrics
+    from axrl.runtime.recording.builders import _session_columns, _session_metrics
     assert _session_columns([traj]).get("drift_tokens", [0]) == [traj.drift_tokens]
     assert _session_metrics([traj]).get("drift_tokens", 0) == traj.drift_tokens
 

@@ -677,7 +677,7 @@ def test_background_writer_keeps_order_bounds_the_queue_and_reports_failures(tmp
     next call, naming the step, and later steps are not written past it."""
     import threading
 
-    from axrl.recording.step_writer import StepWriter
+    from axrl.runtime.recording.step_writer import StepWriter
 
     run = RunDir(tmp_path / "run")
     gate, written = threading.Event(), []

@@ -121,8 +121,8 @@ def test_spike_ring_promotes_the_last_k_steps_through_the_background_writer(tmp_
     writer): steps 3, 4, 5 are on disk in full, bit for bit the records, and the others reduced."""
     from test_trace import make_record
 
-    from axrl.recording.step_writer import StepWriter
-    from axrl.recording.tiers import TieredRecords, TierSettings
+    from axrl.runtime.recording.step_writer import StepWriter
+    from axrl.runtime.recording.tiers import TieredRecords, TierSettings
     from axrl.runtime.learner import _write
     from axrl.trace import RunDir
 

@@ -15,7 +15,7 @@ import pytest
 
 from axrl.trace import CorruptStepError, RunDir, StepFile, TraceReader, read_step
 from axrl.trace import schema as S
-from axrl.trace.record import prepare
+from axrl.trace.step_record import prepare
 from axrl.trace.shards import routing_rows, shard_dir, write_shard, write_sharded_step
 from test_trace import assert_records_equal, make_record
 
@@ -184,7 +184,7 @@ write_sharded(Path({trace!r}), full, [4, 9], overwrite=True)""")
 def test_killed_promotion_leaves_the_reduced_step_whole(tmp_path, kill_at):
     """A spike's promotion of a ring step rewrites a step that is on disk reduced: killed half
     way, the step reads as it was (level standard, whole), and a later promotion replaces it."""
-    from axrl.recording.tiers import TierSettings, reduce_record
+    from axrl.runtime.recording.tiers import TierSettings, reduce_record
 
     run = RunDir(tmp_path / "run")
     run.write_manifest(seed=0)
@@ -268,7 +268,7 @@ def test_learner_and_ranks_write_the_step_a_local_run_writes(tmp_path):
     import dataclasses
 
     from axrl.ray_executor.trace_shards import RankShards
-    from axrl.recording.tiers import TierSettings, reduce_record
+    from axrl.runtime.recording.tiers import TierSettings, reduce_record
 
     group = InProcessGroup(3)
     run = RunDir(tmp_path / "run")
@@ -299,8 +299,8 @@ def test_spike_ring_with_sharding_leaves_the_k_steps_before_the_spike_full(tmp_p
     import dataclasses
 
     from axrl.ray_executor.trace_shards import RankShards
-    from axrl.recording.step_writer import StepWriter
-    from axrl.recording.tiers import TieredRecords, TierSettings
+    from axrl.runtime.recording.step_writer import StepWriter
+    from axrl.runtime.recording.tiers import TieredRecords, TierSettings
 
     group = InProcessGroup(3)
     run = RunDir(tmp_path / "run")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from axrl.recording.metrics_log import MetricsLog
-from axrl.recording.trackers import scalars
+from axrl.runtime.recording.metrics_log import MetricsLog
+from axrl.runtime.recording.trackers import scalars
 from axrl.trace import RunDir
 from train_util import train
 

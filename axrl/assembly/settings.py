@@ -14,9 +14,9 @@ from axrl.algo.loss_config import PolicyLossConfig
 from axrl.algo.processor import AdvantageSettings
 from axrl.config import Config, config_to_dict
 from axrl.inference.protocol import SamplingParams
-from axrl.inference.quant import server_quantization_args
+from axrl.inference.embedded.quant import server_quantization_args
 from axrl.inference.sglang.settings import ServedModel, SGLangSettings
-from axrl.inference.servers.settings import ServerFleetSettings
+from axrl.inference.remote.settings import ServerFleetSettings
 from axrl.inference.vllm.settings import VLLMSettings
 from axrl.rollout.runner import Clock
 from axrl.rollout.schedule import Schedule
@@ -24,14 +24,14 @@ from axrl.rollout.worker import RolloutPolicy
 from axrl.runtime.components import (AgentSettings, BackendSettings, DataSettings, EngineSettings, EvalSettings,
                                      LearnerSettings, ModelSource, RolloutSideSettings, RunSettings)
 from axrl.runtime.faults import Faults
-from axrl.recording.tiers import TierSettings
+from axrl.runtime.recording.tiers import TierSettings
 from axrl.runtime.learner import RecordSettings
 from axrl.runtime.loop import LoopSettings, WarmupSettings
 from axrl.runtime.spike_trigger import SpikeSettings
 from axrl.runtime.step_trainer import TrainStepSettings
 from axrl.train import TorchBackendConfig
 from axrl.train.critic import CriticConfig
-from axrl.train.lora import LoRAConfig
+from axrl.train.torch.lora import LoRAConfig
 from axrl.train.protocol import R3, R3Scope
 
 __all__ = ["advantage_settings", "backend_settings", "data_settings", "distill_settings", "engine_settings", "faults",

@@ -10,7 +10,7 @@ import os
 import socket
 from types import ModuleType
 
-from axrl.errors import ConfigError
+from axrl.core.errors import ConfigError
 from axrl.ray_executor.settings import RaySettings
 
 RAY_EXTRA = "pip install 'axrl[ray]'"

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Iterable, Mapping
 
 from axrl.inference.protocol import GenerateRequest, GenerateResult, settle_future
-from axrl.recording.events import EventLog
+from axrl.runtime.recording.events import EventLog
 from axrl.ray_executor.calls import RestartableActor, RestartingHandle, close_actor, is_dead, unwrap
 from axrl.ray_executor.handles import DataPlane, WeightsHandle, payload_bytes
 from axrl.ray_executor.wire import wire_bytes

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl.runtime.components import RunSettings
-from axrl.recording.events import EventLog
+from axrl.runtime.recording.events import EventLog
 from axrl.console.health_table import health_table
 from axrl.ray_executor.actors import TrainRankActor
 from axrl.ray_executor.cluster import connect, import_ray

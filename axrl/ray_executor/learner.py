@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from axrl.runtime.components import LearnerSettings, make_step_trainer
-from axrl.recording.events import EventLog
+from axrl.runtime.recording.events import EventLog
 from axrl.ray_executor.activity import Activity, ActorBase
 from axrl.ray_executor.calls import close_actor, is_dead, unwrap
 from axrl.ray_executor.handles import DataPlane

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from axrl.recording.events import EventLog
+from axrl.runtime.recording.events import EventLog
 from axrl.trace.run_dir import atomic_write_text
 
 STATUS_FILE = "status.json"

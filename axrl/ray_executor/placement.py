@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from axrl.errors import ConfigError
+from axrl.core.errors import ConfigError
 from axrl.runtime.components import BackendSettings
 from axrl.ray_executor.settings import RayPlacementSettings
 

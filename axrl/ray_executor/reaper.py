@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from axrl.processes import is_running, process_stat
+from axrl.core.processes import is_running, process_stat
 
 
 def descendants(root: int) -> dict[int, int]:

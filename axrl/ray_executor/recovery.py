@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from axrl.recording.events import EventLog
+from axrl.runtime.recording.events import EventLog
 from axrl.ray_executor.train_group import TrainGroupLost
 
 

@@ -22,7 +22,7 @@ import torch
 
 from axrl.runtime.components import (RunSettings, embedded_engine_for, fresh_engine_model, make_data, make_engine,
                                      make_rollout_side, make_tokenizer)
-from axrl.recording.events import EventLog
+from axrl.runtime.recording.events import EventLog
 from axrl.ray_executor.activity import Activity, ActorBase
 from axrl.ray_executor.calls import RestartableActor, RestartingHandle, close_actor, unwrap
 from axrl.ray_executor.handles import DataPlane, WeightsHandle

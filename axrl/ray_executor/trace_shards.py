@@ -8,7 +8,7 @@ trainer's routing; when the learner's background writer reaches the step, each r
 rows into ``trace/step_N.shards/train_rankR.h5`` (in its own thread: the "trace" concurrency
 group, beside training) and the learner writes the index (`RankShards`; axrl/trace/shards.py).
 
-With a `trace.keep_full` ring (axrl/recording/tiers.py) a step is first written reduced, and its
+With a `trace.keep_full` ring (axrl/runtime/recording/tiers.py) a step is first written reduced, and its
 rows must survive until it leaves the ring or a spike promotes it: the ranks hold the rows of the
 ring's steps (`hold`: the learner says which after every write) and write them as the promoted
 step's shards, which the learner's full index then replaces the reduced one over. The ring's
@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from axrl.recording.tiers import ATTR_PROMOTED_BY, ATTR_TRACE_LEVEL, TierSettings, writes_routing
-from axrl.trace.record import StepRecord
+from axrl.runtime.recording.tiers import ATTR_PROMOTED_BY, ATTR_TRACE_LEVEL, TierSettings, writes_routing
+from axrl.trace.step_record import StepRecord
 from axrl.trace.shards import ShardInfo, routing_rows, write_shard, write_sharded_step
 from axrl.train.protocol import ForwardResult, PackedBatch
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from axrl.model.config import ModelConfig
-from axrl.recording.events import EventLog
+from axrl.runtime.recording.events import EventLog
 from axrl.ray_executor.calls import close_actor
 from axrl.ray_executor.handles import DataPlane, WeightsHandle, payload_bytes, rank_label, shard_rows
 from axrl.ray_executor.trace_shards import TRACE_GROUP

@@ -16,16 +16,16 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 import torch
 
 from axrl.agents.proxy import ProxyServer
-from axrl.agents.proxy.service import AgentService
+from axrl.agents.proxy.trajectories import AgentService
 from axrl.agents.tasks import Task
 from axrl.agents.tasks.resolve import resolve_task
 from axrl.algo.processor import AdvantageSettings, AlgorithmProcessor
 from axrl.algo.distill import DistillSettings
 from axrl.data import PromptLoader
-from axrl.errors import ConfigError
+from axrl.core.errors import ConfigError
 from axrl.inference.embedded import EmbeddedEngine
 from axrl.inference.protocol import InferenceEngine, SamplingParams
-from axrl.inference.quant import KVDtype, WeightDtype
+from axrl.inference.embedded.quant import KVDtype, WeightDtype
 from axrl.inference.sglang.settings import ServedModel, SGLangSettings
 from axrl.inference.vllm.settings import VLLMSettings
 from axrl.model import (ModelConfig, Qwen3ForCausalLM, build_model, hf_state_dict, load_hf, load_weights_into,
@@ -38,7 +38,7 @@ from axrl.rollout.runner import Clock, RolloutSettings
 from axrl.rollout.schedule import Schedule
 from axrl.rollout.worker import RolloutPolicy, RolloutWorker
 from axrl.runtime.evaluator import Evaluator
-from axrl.recording.events import EventLog
+from axrl.runtime.recording.events import EventLog
 from axrl.runtime.learner import Learner, RecordSettings, StepLearner
 from axrl.runtime.step_trainer import TrainStepSettings, StepTrainer
 from axrl.sync import WeightSync
@@ -89,7 +89,7 @@ class EngineSettings:
     max_context_len: int = 512
     prefix_cache: bool = False
     prefix_cache_tokens: int = 0
-    weight_dtype: WeightDtype = "fp32"    # axrl.inference.quant
+    weight_dtype: WeightDtype = "fp32"    # axrl.inference.embedded.quant
     kv_dtype: KVDtype = "auto"
 
 

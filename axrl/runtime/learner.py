@@ -21,9 +21,9 @@ import torch
 
 from axrl.rollout.pool import Batch
 from axrl.console.progress import PhaseTimer
-from axrl.recording.records import step_metrics, step_record
-from axrl.recording.step_writer import StepWriter
-from axrl.recording.tiers import ATTR_PROMOTED_BY, TieredRecords, TierSettings
+from axrl.runtime.recording.builders import step_metrics, step_record
+from axrl.runtime.recording.step_writer import StepWriter
+from axrl.runtime.recording.tiers import ATTR_PROMOTED_BY, TieredRecords, TierSettings
 from axrl.runtime.spike_trigger import SpikeSettings, SpikeTrigger
 from axrl.runtime.step_trainer import StepTrainer
 from axrl.trace import RunDir, StepRecord

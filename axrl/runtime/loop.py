@@ -25,8 +25,8 @@ import torch
 from axrl.runtime.checkpoint import clean_partial, latest_checkpoint, load_checkpoint, save_checkpoint
 from axrl.runtime.components import Components
 from axrl.runtime.learner import StepLearner
-from axrl.recording.metrics_log import MetricsLog
-from axrl.recording.trackers import MlflowSettings, WandbSettings
+from axrl.runtime.recording.metrics_log import MetricsLog
+from axrl.runtime.recording.trackers import MlflowSettings, WandbSettings
 from axrl.console.progress import PhaseTimer, TrainProgress
 from axrl.runtime.reference import keep_reference, restore_reference
 from axrl.runtime.warmup import warm_up

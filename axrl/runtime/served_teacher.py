@@ -1,6 +1,6 @@
 """A served distillation teacher (`distill.url`): an SGLang server or `axrl serve` scores the
 student's sampled tokens, teacher-forced, through prefill-only `/generate` requests batched over
-the step's samples (`axrl.inference.sglang.scorer.SGLangScorer`), at the rollout temperature:
+the step's samples (`axrl.inference.scoring.sglang.SGLangScorer`), at the rollout temperature:
 log_softmax(logits / T) at each token, T the batch's temperature — the quantity a local teacher
 (axrl/runtime/teacher.py) computes. SGLang's prompt logprobs are at temperature 1, so at T ≠ 1 the
 scorer renormalises the whole distribution of each position (slime #2085: scoring the teacher at
@@ -20,9 +20,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from axrl.errors import ConfigError
+from axrl.core.errors import ConfigError
 from axrl.inference.scoring import ScoringError
-from axrl.inference.sglang.scorer import SGLangScorer, server_info
+from axrl.inference.scoring.sglang import SGLangScorer, server_info
 from axrl.tokenizer import Tokenizer, load_tokenizer
 from axrl.train.protocol import PackedBatch
 

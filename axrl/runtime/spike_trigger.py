@@ -1,7 +1,7 @@
 """The online spike trigger (`trace.spike_ratio`): a step whose largest update grad norm exceeds
 k × the rolling median of the previous steps' (AxisRL's GradSpikeDebugConfig: k = 2) is marked
 in its step file (attrs `spike`, `spike_grad_norm_ratio`, `spike_dump`) and gets the deep dump
-`axrl-debug replay --dump` would write (`axrl.recording.dump`), at the time.
+`axrl-debug replay --dump` would write (`axrl.runtime.recording.dump`), at the time.
 
 How, without slowing normal steps beyond one copy of the trainer state: `before_step` keeps the
 state the step starts from (`TrainBackend.state_dict`); when the step spikes, `after_step` loads
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from axrl.recording.dump import DumpProbe, dump_path
-from axrl.recording.records import TrainedStep
+from axrl.runtime.recording.dump import DumpProbe, dump_path
+from axrl.runtime.results import TrainedStep
 from axrl.runtime.step_trainer import TrainStepSettings
 from axrl.runtime.updates import run_updates
 from axrl.train.determinism import capture_rng_state, restore_rng_state

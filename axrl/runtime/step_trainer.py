@@ -29,7 +29,7 @@ from axrl.algo.processor import AlgorithmProcessor, ProcessedBatch, with_gae
 from axrl.rollout.pool import Batch
 from axrl.runtime.faults import Faults
 from axrl.console.progress import PhaseTimer
-from axrl.recording.records import TrainedStep
+from axrl.runtime.results import TrainedStep
 from axrl.runtime.reference import with_reference_logprobs
 from axrl.runtime.updates import run_updates, train_critic
 from axrl.sync import WeightSync

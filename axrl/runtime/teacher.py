@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from axrl.algo.distill import DistillSettings
-from axrl.errors import ConfigError
+from axrl.core.errors import ConfigError
 from axrl.model import Qwen3ForCausalLM, build_model, load_hf, load_weights_into, preset_config
 from axrl.runtime.checkpoint import checkpoint_of
 from axrl.tokenizer import Tokenizer, load_tokenizer

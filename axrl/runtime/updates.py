@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from axrl.algo.processor import update_splits
-from axrl.recording.records import CriticStep, UpdateResult
+from axrl.runtime.results import CriticStep, UpdateResult
 from axrl.train.critic import Critic, critic_batch
 from axrl.train.protocol import R3, LossFn, PackedBatch, TrainBackend
 

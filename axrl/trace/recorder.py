@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .quantities import mean_abs_delta
-from .record import StepRecord
+from .step_record import StepRecord
 from .run_dir import RunDir
 from .schema import UPDATE_REQUIRED, TraceValidationError
 

@@ -1,6 +1,6 @@
 """Write one training step to ``trace/step_XXXXXX.h5``, crash-safely.
 
-``StepRecord`` (`axrl.trace.record`) holds everything a step file contains (numpy arrays / python scalars; ragged per-sample
+``StepRecord`` (`axrl.trace.step_record`) holds everything a step file contains (numpy arrays / python scalars; ragged per-sample
 data as CSR offsets + flat token arrays). ``write_step`` validates it, writes ``step_XXXXXX.h5.tmp``,
 flushes and fsyncs it, renames it to the final name with ``os.replace`` and fsyncs the directory, so
 a final ``step_*.h5`` name only ever refers to a complete file.
@@ -17,7 +17,7 @@ import numpy as np
 
 from . import routing_codec
 from . import schema as S
-from .record import StepRecord, _Prepared, prepare
+from .step_record import StepRecord, _Prepared, prepare
 
 __all__ = ["DEFAULT_COMPRESSION", "RAW_DATASETS", "StepRecord", "atomic_h5", "fsync_dir", "write_step"]
 

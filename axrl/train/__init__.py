@@ -8,7 +8,7 @@ from axrl.train.optim import clip_grads_, grad_norm, lr_at
 from axrl.train.protocol import (ForwardResult, LossContext, LossFn, PackedBatch, StepStats, TrainBackend,
                                  TrainMetrics)
 from axrl.train.settings import BackendConfig
-from axrl.train.torch_backend import TorchBackend, TorchBackendConfig
+from axrl.train.torch.backend import TorchBackend, TorchBackendConfig
 
 __all__ = [
     "BackendConfig", "ForwardResult", "LossContext", "LossFn", "PackedBatch", "PaddedMicroBatch", "RngState",

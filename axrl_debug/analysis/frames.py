@@ -2,7 +2,7 @@
 ``golden``/``check`` and ``export`` share.
 
 Sources: the scalars the training loop already logged to ``metrics.jsonl`` (reward, loss,
-grad_norm, clipfrac, mismatch — see ``axrl/recording/records.py``) are taken from there when the
+grad_norm, clipfrac, mismatch — see ``axrl/runtime/recording/builders.py``) are taken from there when the
 row has a finite value, because that is what the run itself reported; otherwise, and for every
 metric the loop does not log (k3 KL, routing agreement, version lag, …), they are computed from
 the step file. ``df.attrs["sources"]`` says which metric came from where.
@@ -39,7 +39,7 @@ STEP_COLUMNS = ("step", "policy_version", "reward", "loss", "grad_norm", "clipfr
 SPLIT_STEP_COLUMNS = ("mismatch_engine", "mismatch_staleness")
 
 _STEP_SAMPLE_COLUMNS = ["/samples/reward", "/samples/status", "/train/updates/loss", "/train/updates/grad_norm"]
-# trace.level summary steps hold no tokens; their per-sample counts (axrl/recording/tiers.py) stand in
+# trace.level summary steps hold no tokens; their per-sample counts (axrl/runtime/recording/tiers.py) stand in
 _STEP_OPTIONAL_COLUMNS = ["/train/updates/clipfrac", "/train/weights_fingerprint_after", "/samples/tokens",
                           "/samples/generated_tokens", "/samples/mismatch_max"]
 

@@ -12,7 +12,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from axrl.recording.tiers import ATTR_TRACE_LEVEL
+from axrl.runtime.recording.tiers import ATTR_TRACE_LEVEL
 from axrl.trace import SchemaVersionError, TraceError, TraceReader
 from axrl_debug.commands.base import BadInput, err, out
 

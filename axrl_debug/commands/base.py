@@ -15,7 +15,7 @@ from typing import Any, Callable, NoReturn
 import typer
 from rich.console import Console
 
-from axrl.cli_help import Typer
+from axrl.cli.help import Typer
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 

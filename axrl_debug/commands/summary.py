@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from axrl.recording.events import read_events
+from axrl.runtime.recording.events import read_events
 from axrl_debug.analysis.frames import step_table
 from axrl_debug.analysis.objective import objective_by_step
 from axrl_debug.analysis.pool import pool_by_step

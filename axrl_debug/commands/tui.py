@@ -83,7 +83,7 @@ def _require_column(files: dict[int, Path], step: int | None, against: str) -> N
     every token would show no Δ, which reads as "no difference". The step opened (else the
     first) is checked, or the next with per-token columns if it was recorded at trace.level
     summary; a run with none in its first steps is not refused (nothing to colour anyway)."""
-    from axrl.recording.tiers import ATTR_TRACE_LEVEL
+    from axrl.runtime.recording.tiers import ATTR_TRACE_LEVEL
     from axrl.trace import StepFile, TraceError
 
     column, run_kind = _NEEDS[against]

@@ -8,7 +8,7 @@
     POST /sessions/{id}/reward                  {"reward": float, "turn": int (optional: per-turn)}
     POST /sessions/{id}/end                     {"failed": bool, "error": str} (both optional)
     GET  /sessions/{id}                         the session's turns, forks and drift (debugging)
-    POST /v1/trajectories                       token-level trajectories (axrl.agents.proxy.service; the
+    POST /v1/trajectories                       token-level trajectories (axrl.agents.proxy.trajectories; the
                                                 run's agent key: the service's or a live session's)
     GET  /health
 

@@ -6,7 +6,7 @@ import dataclasses
 import threading
 from typing import Callable
 
-from axrl.agents.proxy.service import AgentService
+from axrl.agents.proxy.trajectories import AgentService
 from axrl.agents.proxy.session import Session
 from axrl.inference.openai.errors import ApiError
 from axrl.inference.protocol import SamplingParams

@@ -30,7 +30,7 @@ from axrl.inference.serve.sglang_routes import add_generation_routes, add_info_r
 from axrl.inference.serve.state import AxrlServer
 from axrl.inference.serve.weight_routes import (add_disk_weight_routes, add_distributed_weight_routes,
                                                 add_weight_group_routes)
-from axrl.inference.servers import weight_sync
+from axrl.inference.remote import weight_sync
 from axrl.inference.sglang.wire import WireError
 
 

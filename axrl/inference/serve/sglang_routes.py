@@ -4,7 +4,7 @@
   a batch is scheduled exactly as `EmbeddedEngine.submit_many` would be in-process); `stream`
   sends cumulative SSE chunks then `data: [DONE]`. A client that disconnects aborts its requests.
   A prefill-only request (`max_new_tokens: 0`, `logprob_start_len: 0`) returns teacher-forced
-  prompt logprobs instead (`prefill_scoring`).
+  prompt logprobs instead (`score_route`).
 - `POST /abort_request` {rid | abort_all}; `POST /flush_cache` (a no-op: every weight update
   clears the prefix cache); `POST /release_memory_occupation` (frees the KV cache while idle;
   400 with requests in flight), `POST /resume_memory_occupation`.
@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from axrl.inference.openai.errors import ApiError, bad
 from axrl.inference.openai.http import json_body
 from axrl.inference.protocol import GenerateRequest
-from axrl.inference.serve.prefill_scoring import is_prefill_scoring, score_body
+from axrl.inference.serve.score_route import is_prefill_scoring, score_body
 from axrl.inference.serve.state import AxrlServer
 
 

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from axrl.inference.openai.errors import ApiError
 from axrl.inference.openai.http import json_body
 from axrl.inference.serve.state import AxrlServer
-from axrl.inference.servers import weight_sync
+from axrl.inference.remote import weight_sync
 from axrl.model import hf_state_dict
 
 

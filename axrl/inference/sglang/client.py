@@ -41,10 +41,10 @@ from typing import Any, Iterable, Sequence
 import httpx
 
 from axrl.inference.protocol import GenerateRequest, GenerateResult, settle_future, validate_submission
-from axrl.inference.servers.launcher import ServerLauncher
-from axrl.inference.servers.transport import BlockingTransport, Retryable, ServerUnavailable, backoff_delay, \
+from axrl.inference.remote.launcher import ServerLauncher
+from axrl.inference.remote.transport import BlockingTransport, Retryable, ServerUnavailable, backoff_delay, \
     error_message
-from axrl.inference.servers.weights import ServerWeights
+from axrl.inference.remote.weights import ServerWeights
 from axrl.inference.sglang.routing import Router, split_batches
 from axrl.inference.sglang.weight_updater import WeightUpdater
 from axrl.inference.sglang.wire import WireError, batch_to_wire, parse_weight_version, progress_from_chunk, \

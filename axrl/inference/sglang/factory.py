@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from axrl.inference.sglang.client import SGLangEngine
-from axrl.inference.servers.fleet import launch_or_connect
+from axrl.inference.remote.fleet import launch_or_connect
 from axrl.inference.sglang.settings import ServedModel, SGLangSettings
 from axrl.tokenizer import Tokenizer
 from axrl.train.protocol import TrainBackend

@@ -9,7 +9,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from axrl.inference.servers.settings import ServerFleetSettings
+from axrl.inference.remote.settings import ServerFleetSettings
 
 __all__ = ["SGLangSettings", "ServedModel"]
 

@@ -1,6 +1,6 @@
 """The SGLang client's weight routes, on top of the shared version bookkeeping
-(`axrl/inference/servers/weights.py`). The tensor transport itself (export, buckets,
-collectives) is `servers/weight_sync`.
+(`axrl/inference/remote/weights.py`). The tensor transport itself (export, buckets,
+collectives) is `remote/weight_sync`.
 
 `weight_sync="disk"` exports the state dict as an HF directory and calls
 `/update_weights_from_disk`; `"distributed"` builds a process group with every server
@@ -20,10 +20,10 @@ from typing import Any, Callable, Mapping, Sequence
 import httpx
 import torch
 
-from axrl.inference.servers import weight_sync
-from axrl.inference.servers.launcher import ServerLauncher, free_port
-from axrl.inference.servers.transport import BlockingTransport, error_message, in_daemon_thread
-from axrl.inference.servers.weights import ServerWeights
+from axrl.inference.remote import weight_sync
+from axrl.inference.remote.launcher import ServerLauncher, free_port
+from axrl.inference.remote.transport import BlockingTransport, error_message, in_daemon_thread
+from axrl.inference.remote.weights import ServerWeights
 
 _GROUP_IDS = itertools.count(1)  # weight-group names must be unique per trainer process
 

@@ -1,7 +1,7 @@
 """The vLLM rollout engine: a client implementing `InferenceEngine` over vLLM's token-in/token-out
 API (`client`, `wire`), its weight route (`weight_updater`) and the factory that launches or
 connects to servers (`factory`). Launching, health, port claims and retries are shared with the
-SGLang engine (`axrl/inference/servers`)."""
+SGLang engine (`axrl/inference/remote`)."""
 
 __all__ = ["VLLMEngine"]
 

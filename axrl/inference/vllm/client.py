@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import httpx
 
 from axrl.inference.protocol import GenerateRequest, GenerateResult
-from axrl.inference.servers.weights import ServerWeights
+from axrl.inference.remote.weights import ServerWeights
 from axrl.inference.sglang.client import SGLangEngine
 from axrl.inference.vllm.weight_updater import ROUTES, VLLMWeights
 from axrl.inference.vllm.wire import WIRE_ID_PREFIX, request_to_vllm, result_from_vllm

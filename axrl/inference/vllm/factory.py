@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from axrl.inference.servers.fleet import launch_or_connect
+from axrl.inference.remote.fleet import launch_or_connect
 from axrl.inference.sglang.settings import ServedModel
 from axrl.inference.vllm.client import VLLMEngine
 from axrl.inference.vllm.settings import VLLMSettings

@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from axrl.inference.servers.settings import ServerFleetSettings
+from axrl.inference.remote.settings import ServerFleetSettings
 
 __all__ = ["VLLMSettings"]
 

@@ -1,5 +1,5 @@
 """The vLLM client's weight routes, on top of the shared version bookkeeping
-(`axrl/inference/servers/weights.py`). Both load an exported HF directory:
+(`axrl/inference/remote/weights.py`). Both load an exported HF directory:
 
 - `"reload"`, in place, on servers started with `VLLM_SERVER_DEV_MODE=1`:
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from axrl.inference.servers.weights import ServerWeights
+from axrl.inference.remote.weights import ServerWeights
 
 ROUTES = ("reload", "restart")
 
