@@ -15,7 +15,7 @@ import pytest
 
 from axrl.trace import CorruptStepError, RunDir, StepFile, TraceReader, read_step
 from axrl.trace import schema as S
-from axrl.trace.step_record import prepare
+from axrl.trace.prepare import prepare
 from axrl.trace.shards import routing_rows, shard_dir, write_shard, write_sharded_step
 from test_trace import assert_records_equal, make_record
 

@@ -15,7 +15,9 @@ from .schema import (
 )
 from .writer import StepRecord, write_step
 from .run_dir import RunDir, read_metrics_file
-from .reader import StepColumns, StepFile, TraceProblem, TraceReader, read_step
+from .columns import StepColumns
+from .reader import TraceProblem, TraceReader
+from .step_file import StepFile, read_step
 from .recorder import Recorder, RecorderError
 
 __all__ = [

@@ -33,7 +33,7 @@ import numpy as np
 from . import routing_codec
 from . import schema as S
 from .columns import ColumnsByPath
-from .reader import _READ_ERRORS, StepFile, _checksum
+from .step_file import _READ_ERRORS, StepFile, _checksum
 from .routing_stream import RoutingRange, RoutingStream
 from .schema import CorruptStepError
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from . import routing_codec
 from . import schema as S
-from .reader import _READ_ERRORS, StepFile, _checksum
+from .step_file import _READ_ERRORS, StepFile, _checksum
 from .schema import CorruptStepError
 
 # Stored rollout routing per piece: a stored chunk of the writer's layout (≤ 1 MiB) stays in the

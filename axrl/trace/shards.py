@@ -27,7 +27,8 @@ import h5py
 import numpy as np
 
 from . import schema as S
-from .step_record import StepRecord, _Prepared, prepare
+from .prepare import _Prepared, prepare
+from .step_record import StepRecord
 from .writer import DEFAULT_COMPRESSION, RAW_DATASETS, _pack_routing, _write_h5, atomic_h5
 
 __all__ = ["SHARDED_PATHS", "ShardInfo", "remove_shards", "routing_rows", "shard_dir", "shard_files",

@@ -17,7 +17,8 @@ import numpy as np
 
 from . import routing_codec
 from . import schema as S
-from .step_record import StepRecord, _Prepared, prepare
+from .prepare import _Prepared, prepare
+from .step_record import StepRecord
 
 __all__ = ["DEFAULT_COMPRESSION", "RAW_DATASETS", "StepRecord", "atomic_h5", "fsync_dir", "write_step"]
 
