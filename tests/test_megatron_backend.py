@@ -371,9 +371,14 @@ def test_tensor_and_expert_parallel_match_world_size_1(megatron, tp, ep, dispatc
     ref.forward_backward(batch, pg_loss), par.forward_backward(batch, pg_loss)
     ref.optimizer_step(), par.optimizer_step()
     assert weights_diff(ref, par) < 1e-4
+    # a wrong call fails in the driver, before it is sent: the workers keep serving
+    from axrl.train.megatron.rank import MegatronRank
+    with pytest.raises(TypeError, match="MegatronRank.swap_weights: missing a required argument: 'key'"):
+        par._group.call(MegatronRank.swap_weights)
+    assert par._group.call(MegatronRank.data_parallel_rank) == par._dp_of
     # a worker-side failure surfaces in the driver and stops the workers
-    with pytest.raises(RuntimeError, match="failed in no_such_method; workers stopped"):
-        par._group.call("no_such_method")
+    with pytest.raises(RuntimeError, match="failed in swap_weights; workers stopped"):
+        par._group.call(MegatronRank.swap_weights, "never kept")
     with pytest.raises(RuntimeError, match="closed"):
         par.forward(batch)
 
