@@ -17,7 +17,8 @@ import torch
 from axrl.model import build_model, hf_state_dict, preset_config
 from axrl.train import TorchBackend, TorchBackendConfig
 from axrl.train.megatron.convert import shard, to_hf, to_megatron, unshard
-from tests.test_train_backend import make_batch, pg_loss
+from tests.backend_util import make_batch
+from tests.test_train_backend import pg_loss
 
 import megatron.core as _megatron_core  # noqa: E402,F401  (the test extra installs it: a broken import fails)
 
