@@ -6,6 +6,7 @@ import concurrent.futures
 import re
 from typing import Any, Callable, Iterable
 
+import numpy as np
 import torch
 
 from axrl.inference import EmbeddedEngine
@@ -16,12 +17,25 @@ from axrl.tokenizer import Tokenizer
 
 
 class ScriptedEngine:
-    """An InferenceEngine whose output ids are `reply(prompt_ids)`, cut at max_new_tokens, with
-    logprob −0.5 each: the proxy's stitching and the agents' tool use, with outputs a test chooses."""
+    """An InferenceEngine whose outputs a test chooses, each token with logprob −0.5, cut at the
+    request's max_new_tokens.
 
-    def __init__(self, reply: Callable[[list[int]], list[int]]) -> None:
-        self.reply, self.requests = reply, []
-        self._version = 0
+    `reply` is either a function `prompt ids -> output ids` (the proxy's stitching, the agents'
+    tool use) or a script: a list consumed one entry per request, each a list of output ids or a
+    dict {"ids", "type", "versions"} (a finish type, per-token weight versions). The finish reason:
+    the entry's "type" when given; else with `eos`, a stop when the (cut) output ends in it and
+    "length" otherwise; without, "length" when the reply was cut and a stop on its last token
+    otherwise. With `routing`, a request that asks for routing gets row p filled with p + 1 (L × K),
+    so a test can check that every token got exactly its own row (and 0 = padding)."""
+
+    L, K = 2, 2
+
+    def __init__(self, reply: Callable[[list[int]], list[int]] | list[Any], eos: int | None = None,
+                 version: int = 0, *, routing: bool = False) -> None:
+        self.script = None if callable(reply) else list(reply)
+        self.reply = reply if callable(reply) else (lambda _prompt: self.script.pop(0))
+        self.eos, self.version, self.routing = eos, version, routing
+        self.requests: list[GenerateRequest] = []
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         return self._run(request)
@@ -36,23 +50,40 @@ class ScriptedEngine:
 
     def _run(self, request: GenerateRequest) -> GenerateResult:
         self.requests.append(request)
-        ids = list(self.reply(list(request.input_ids)))
+        spec = self.reply(list(request.input_ids))
+        spec = spec if isinstance(spec, dict) else {"ids": spec}
         limit = request.sampling_params.max_new_tokens
-        finish = {"type": "length", "length": limit} if len(ids) > limit else {"type": "stop", "matched": ids[-1]}
-        ids = ids[:limit]
+        full = list(spec["ids"])
+        ids = full[:limit]
+        kind = spec.get("type") or self._finish(full, ids)
+        finish = ({"type": kind, "matched": ids[-1] if self.eos is None else self.eos} if kind == "stop"
+                  else {"type": kind, "length": len(ids)})
+        versions = spec.get("versions", [self.version] * len(ids))[:len(ids)]
         return GenerateResult(rid=request.rid, output_ids=ids, output_logprobs=[-0.5] * len(ids),
-                              routed_experts=None, finish_reason=finish, weight_version=self._version,
-                              output_weight_versions=[self._version] * len(ids), prompt_tokens=len(request.input_ids))
+                              routed_experts=self._routing(request, len(ids)), finish_reason=finish,
+                              weight_version=self.version, output_weight_versions=versions,
+                              prompt_tokens=len(request.input_ids))
+
+    def _finish(self, full: list[int], ids: list[int]) -> str:
+        if self.eos is not None:
+            return "stop" if ids and ids[-1] == self.eos else "length"
+        return "length" if len(full) > len(ids) else "stop"
+
+    def _routing(self, request: GenerateRequest, n_out: int) -> np.ndarray | None:
+        if not (self.routing and request.return_routed_experts):
+            return None
+        pos = np.arange(request.routed_experts_start_len, len(request.input_ids) + n_out - 1)
+        return np.broadcast_to((pos + 1)[:, None, None], (len(pos), self.L, self.K)).astype(np.int32)
 
     def update_weights(self, source: Any, version: int | None = None) -> int:
-        self._version = self._version + 1 if version is None else version
-        return self._version
+        self.version = self.version + 1 if version is None else version
+        return self.version
 
     def abort(self, rid: str) -> bool:
         return False
 
     def health(self) -> dict[str, Any]:
-        return {"ok": True, "weight_version": self._version, "running": 0, "waiting": 0}
+        return {"ok": True, "weight_version": self.version, "running": 0, "waiting": 0}
 
     def release_memory(self) -> None:  # a scripted engine holds no KV cache
         pass
@@ -62,7 +93,7 @@ class ScriptedEngine:
 
     @property
     def weight_version(self) -> int:
-        return self._version
+        return self.version
 
     def shutdown(self) -> None:
         pass

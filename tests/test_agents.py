@@ -9,7 +9,6 @@ test needs exact tokens (stream == chat template, glue, per-turn requests).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 from fractions import Fraction
 from typing import Any
@@ -25,10 +24,11 @@ from axrl.agents.tasks.common import format_number, parse_answer
 from axrl.core.trajectory import Trajectory
 from axrl.data import PromptDataError, PromptLoader, read_prompt_file
 from axrl.inference.embedded import EmbeddedEngine
-from axrl.inference.protocol import GenerateRequest, GenerateResult, InferenceEngine, SamplingParams
+from axrl.inference.protocol import InferenceEngine, SamplingParams
 from axrl.model import build_model, preset_config
 from axrl.rollout.agent_loop import run_episode, turn_seed
 from axrl.tokenizer import Tokenizer
+from agent_util import ScriptedEngine
 
 torch.set_num_threads(1)
 
@@ -53,75 +53,16 @@ def run(coro):
     return asyncio.run(coro)
 
 
+#: the agent-loop tests' scripted engine: weights version 7, a routing row per token when asked
+SCRIPTED = {"version": 7, "routing": True}
+
+
 def episode(engine, tok, env, prompt, *, max_new_tokens=8, seed=1, max_turns=8, max_context_len=2048,
             return_routing=False, sample_id=0) -> Trajectory:
     return run(run_episode(engine, tok, env, prompt, sample_id=sample_id, group_id=0,
                            sampling=SamplingParams(max_new_tokens=max_new_tokens, seed=seed),
                            max_turns=max_turns, max_context_len=max_context_len,
                            return_routing=return_routing))
-
-
-class ScriptedEngine:
-    """Implements the InferenceEngine protocol by returning scripted outputs.
-
-    Each script entry is a list of output ids or a dict {"ids", "type", "versions"}; outputs are
-    cut at the request's max_new_tokens ("length"). Routing row p is filled with p + 1, so a test
-    can check that every token got exactly its own row (and 0 = padding).
-    """
-
-    L, K = 2, 2
-
-    def __init__(self, script: list[Any], eos: int, version: int = 7) -> None:
-        self.script, self.eos, self.version = list(script), eos, version
-        self.requests: list[GenerateRequest] = []
-
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        self.requests.append(request)
-        spec = self.script.pop(0)
-        spec = spec if isinstance(spec, dict) else {"ids": spec}
-        limit = request.sampling_params.max_new_tokens
-        ids = list(spec["ids"])[:limit]
-        kind = spec.get("type") or ("stop" if ids and ids[-1] == self.eos else "length")
-        finish = {"type": kind, "matched": self.eos} if kind == "stop" else {"type": kind, "length": len(ids)}
-        rows = None
-        if request.return_routed_experts:
-            pos = np.arange(request.routed_experts_start_len, len(request.input_ids) + len(ids) - 1)
-            rows = np.broadcast_to((pos + 1)[:, None, None], (len(pos), self.L, self.K)).astype(np.int32)
-        versions = spec.get("versions", [self.version] * len(ids))[:len(ids)]
-        return GenerateResult(rid=request.rid, output_ids=ids, output_logprobs=[-0.5] * len(ids),
-                              routed_experts=rows, finish_reason=finish, weight_version=self.version,
-                              output_weight_versions=versions, prompt_tokens=len(request.input_ids))
-
-    def submit_many(self, requests: list[GenerateRequest]) -> list[concurrent.futures.Future]:
-        futures = []
-        for r in requests:
-            f: concurrent.futures.Future = concurrent.futures.Future()
-            f.set_result(asyncio.run(self.generate(r)))
-            futures.append(f)
-        return futures
-
-    def update_weights(self, source: Any, version: int | None = None) -> int:
-        self.version = self.version + 1 if version is None else version
-        return self.version
-
-    def abort(self, rid: str) -> bool:
-        return False
-
-    def health(self) -> dict[str, Any]:
-        return {"ok": True, "weight_version": self.version, "running": 0, "waiting": 0}
-
-    def release_memory(self) -> None:  # a scripted engine holds no KV cache
-        pass
-
-    def resume_memory(self) -> None:
-        pass
-
-    @property
-    def weight_version(self) -> int:
-        return self.version
-
-    def shutdown(self) -> None:
-        pass
 
 
 def assert_well_formed(traj: Trajectory) -> None:
@@ -168,7 +109,7 @@ def test_stream_equals_chat_template_of_final_conversation(tok):
     demo = task.demonstration(prompt)
     call_text, final_text = assistant_text(tok, demo[-3]), demo[-1]["content"]
     eos = tok.eos_token_id
-    eng = ScriptedEngine([tok.encode(call_text) + [eos], tok.encode(final_text) + [eos]], eos=eos)
+    eng = ScriptedEngine([tok.encode(call_text) + [eos], tok.encode(final_text) + [eos]], eos=eos, **SCRIPTED)
     assert isinstance(eng, InferenceEngine)
     traj = episode(eng, tok, env, prompt, max_new_tokens=64)
     assert_well_formed(traj)
@@ -205,7 +146,7 @@ def test_routing_rows_align_one_per_token(tok):
     task = get_task("echo", turns=3)
     prompt = task.prompt(0, 1)
     words = prompt.fields["words"]
-    eng = ScriptedEngine([tok.encode(w) + [eos] for w in words], eos=eos)
+    eng = ScriptedEngine([tok.encode(w) + [eos] for w in words], eos=eos, **SCRIPTED)
     traj = episode(eng, tok, task.make_env(), prompt, return_routing=True)
     assert_well_formed(traj)
     assert traj.finish_reason == "stop" and traj.reward == 1.0
@@ -229,7 +170,7 @@ def test_per_token_versions_within_a_turn(tok):
     prompt = task.prompt(0, 0)
     ids = tok.encode(f"The answer is {prompt.fields['answer']}.") + [eos]
     versions = [4] * 3 + [5] * (len(ids) - 3)  # weights updated mid-request (partial rollout)
-    eng = ScriptedEngine([{"ids": ids, "versions": versions}], eos=eos)
+    eng = ScriptedEngine([{"ids": ids, "versions": versions}], eos=eos, **SCRIPTED)
     traj = episode(eng, tok, task.make_env(), prompt, max_new_tokens=64)
     assert_well_formed(traj)
     assert traj.policy_version[traj.prompt_len:].tolist() == versions and traj.reward == 1.0
@@ -240,7 +181,7 @@ def test_truncated_turn_is_closed_with_masked_eos_and_length_finish(tok):
     task = get_task("echo", turns=2)
     prompt = task.prompt(0, 0)
     long_reply = tok.encode(" ".join(["word"] * 20))
-    eng = ScriptedEngine([long_reply, long_reply], eos=eos)
+    eng = ScriptedEngine([long_reply, long_reply], eos=eos, **SCRIPTED)
     traj = episode(eng, tok, task.make_env(), prompt, max_new_tokens=5)
     assert_well_formed(traj)
     # Turn 1 hit the per-turn limit; the env went on, so the loop closed the turn itself
@@ -256,7 +197,7 @@ def test_abort_keeps_partial_turn(tok):
     task = get_task("echo", turns=3)
     prompt = task.prompt(0, 0)
     eng = ScriptedEngine([tok.encode(prompt.fields["words"][0]) + [eos], {"ids": [17, 18], "type": "abort"}],
-                         eos=eos)
+                         eos=eos, **SCRIPTED)
     traj = episode(eng, tok, task.make_env(), prompt, return_routing=True)
     assert_well_formed(traj)
     assert traj.finish_reason == "abort" and traj.num_turns == 2 and traj.token_ids[-2:].tolist() == [17, 18]
@@ -269,7 +210,7 @@ def test_context_limit_exact(tok):
     prompt = task.prompt(0, 0)
     P = len(tok.apply_chat_template(task.make_env().reset(prompt), add_generation_prompt=True))
     # Generation is capped by the room left: the first turn fills the context exactly.
-    eng = ScriptedEngine([[100] * 50], eos=eos)
+    eng = ScriptedEngine([[100] * 50], eos=eos, **SCRIPTED)
     traj = episode(eng, tok, task.make_env(), prompt, max_new_tokens=50, max_context_len=P + 4,
                    return_routing=True)
     assert eng.requests[0].sampling_params.max_new_tokens == 4
@@ -277,12 +218,12 @@ def test_context_limit_exact(tok):
     assert traj.routed_experts.shape[0] == P + 4
     # A complete turn whose follow-up segment does not fit: stop before any partial glue.
     reply = tok.encode(prompt.fields["words"][0]) + [eos]
-    eng = ScriptedEngine([reply], eos=eos)
+    eng = ScriptedEngine([reply], eos=eos, **SCRIPTED)
     traj = episode(eng, tok, task.make_env(), prompt, max_new_tokens=50, max_context_len=P + len(reply) + 3)
     assert traj.finish_reason == "context" and traj.num_tokens == P + len(reply)
     assert traj.loss_mask[-1] == 1
     # A prompt that alone does not fit is cut at the limit; nothing is generated.
-    eng = ScriptedEngine([], eos=eos)
+    eng = ScriptedEngine([], eos=eos, **SCRIPTED)
     traj = episode(eng, tok, task.make_env(), prompt, max_context_len=P - 2)
     assert traj.finish_reason == "context" and traj.num_tokens == P - 2 and traj.num_generated == 0
     assert traj.info["prompt_truncated"] and not eng.requests
@@ -410,7 +351,7 @@ def test_thousand_turn_episode_scripted(tok):
     task = get_task("echo", turns=turns)
     prompt = task.prompt(0, 0)
     eos = tok.eos_token_id
-    eng = ScriptedEngine([tok.encode(w) + [eos] for w in prompt.fields["words"]], eos=eos)
+    eng = ScriptedEngine([tok.encode(w) + [eos] for w in prompt.fields["words"]], eos=eos, **SCRIPTED)
     traj = episode(eng, tok, task.make_env(), prompt, max_turns=turns, max_context_len=100_000,
                    return_routing=True)
     assert_well_formed(traj)
@@ -539,7 +480,7 @@ def test_demonstration_through_the_agent_loop_gives_the_template_stream(tok):
     demo = task.demonstration(prompt)
     eos = tok.eos_token_id
     replies = [tok.encode(assistant_text(tok, m)) + [eos] for m in demo if m["role"] == "assistant"]
-    traj = episode(ScriptedEngine(replies, eos=eos), tok, task.make_env(), prompt)
+    traj = episode(ScriptedEngine(replies, eos=eos, **SCRIPTED), tok, task.make_env(), prompt)
     assert traj.reward == 1.0 and traj.token_ids.tolist() == tok.apply_chat_template(demo)[:-1]
 
 

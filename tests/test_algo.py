@@ -116,9 +116,11 @@ def ref_aggregate(tok_losses: list[float], mask: list[float], offsets: list[int]
 # --------------------------------------------------------------------------- helpers
 
 
-def make_batch(lengths: list[int], seed: int = 0, dtype=torch.float64, empty_sample: int | None = None,
-               spread: float = 0.4) -> tuple[PackedBatch, torch.Tensor, torch.Tensor]:
-    """Random packed batch: prompt-like first tokens masked, NaN rollout logprobs off the mask."""
+def loss_inputs(lengths: list[int], seed: int = 0, dtype=torch.float64, empty_sample: int | None = None,
+                spread: float = 0.4) -> tuple[PackedBatch, torch.Tensor, torch.Tensor]:
+    """A loss's inputs (batch, trainer logprobs, entropy): a random packed batch with prompt-like
+    first tokens masked and NaN rollout logprobs off the mask (not `backend_util.make_batch`, a
+    backend's input)."""
     g = torch.Generator().manual_seed(seed)
     T = sum(lengths)
     offsets = torch.tensor([0] + list(np.cumsum(lengths)), dtype=torch.int64)
@@ -383,7 +385,7 @@ def test_symmetric_clip_band() -> None:
 
 
 def test_on_policy_without_old_logprobs_is_reinforce() -> None:
-    batch, lp0, _ = make_batch([5, 7, 4], seed=3)
+    batch, lp0, _ = loss_inputs([5, 7, 4], seed=3)
     batch.old_logprobs = None
     batch.rollout_logprobs = None
     batch.ref_logprobs = None
@@ -453,7 +455,7 @@ FULL_CFGS = [
 
 @pytest.mark.parametrize("cfg", FULL_CFGS, ids=lambda c: f"{c.loss_agg}-kl{c.kl_coef}-tis{c.tis}")
 def test_loss_and_gradient_match_reference(cfg: PolicyLossConfig) -> None:
-    batch, lp0, ent0 = make_batch([6, 9, 3, 12, 5], seed=11, empty_sample=2, spread=0.4)
+    batch, lp0, ent0 = loss_inputs([6, 9, 3, 12, 5], seed=11, empty_sample=2, spread=0.4)
     ctx = ctx_for(batch)
     lp = lp0.clone().requires_grad_(True)
     ent = ent0.clone().requires_grad_(True)
@@ -501,7 +503,7 @@ def test_token_mean_vs_seq_mean_differ_as_expected() -> None:
 @pytest.mark.parametrize("cfg", FULL_CFGS, ids=lambda c: f"{c.loss_agg}-kl{c.kl_coef}-tis{c.tis}")
 @pytest.mark.parametrize("split", [[[0, 1], [2, 3, 4], [5]], [[5, 3], [0], [4, 2, 1]]])
 def test_micro_batch_invariance(cfg: PolicyLossConfig, split: list[list[int]]) -> None:
-    batch, lp0, ent0 = make_batch([7, 4, 10, 3, 8, 6], seed=5, empty_sample=3, dtype=torch.float64)
+    batch, lp0, ent0 = loss_inputs([7, 4, 10, 3, 8, 6], seed=5, empty_sample=3, dtype=torch.float64)
     ctx = ctx_for(batch)
     fn = make_policy_loss(cfg)
 
@@ -537,7 +539,7 @@ def test_micro_batch_invariance(cfg: PolicyLossConfig, split: list[list[int]]) -
 
 
 def test_float32_micro_batch_invariance() -> None:
-    batch, lp0, ent0 = make_batch([30, 50, 20, 40], seed=9, dtype=torch.float32)
+    batch, lp0, ent0 = loss_inputs([30, 50, 20, 40], seed=9, dtype=torch.float32)
     cfg = PolicyLossConfig(tis=True, kl_coef=0.01, loss_agg="seq-mean-token-mean")
     ctx = ctx_for(batch)
     fn = make_policy_loss(cfg)
@@ -558,7 +560,7 @@ def test_float32_micro_batch_invariance() -> None:
 
 
 def test_nan_and_inf_at_masked_positions_give_finite_gradients() -> None:
-    batch, lp0, ent0 = make_batch([6, 9, 5], seed=2)
+    batch, lp0, ent0 = loss_inputs([6, 9, 5], seed=2)
     m = batch.loss_mask > 0
     # make sure all the poison is there: NaN rollout/old/ref/advantage and −inf/NaN logprobs
     assert torch.isnan(batch.rollout_logprobs[~m]).all()
@@ -598,7 +600,7 @@ def test_validation_errors() -> None:
                 dict(loss_agg="seq-mean-token-sum-norm"), dict(log_ratio_clamp=0.0)):
         with pytest.raises(ValueError):
             PolicyLossConfig(**bad)  # type: ignore[arg-type]
-    batch, lp0, ent0 = make_batch([4, 4], seed=0)
+    batch, lp0, ent0 = loss_inputs([4, 4], seed=0)
     ctx = ctx_for(batch)
     batch.ref_logprobs = None
     with pytest.raises(ValueError):

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from axrl_debug.cli import app
 from axrl_debug.synthetic import TinySample, TinyToken, gen, tiny_record, write_run
+from trace_util import make_run
 
 COMMANDS = ["summary", "mismatch", "spikes", "diff", "export", "golden", "check"]
 
@@ -25,13 +26,12 @@ def samples(step: int) -> list[TinySample]:
                         TinyToken(id=7, route_valid=0)], reward=0.0)]
 
 
-def make_run(path, steps=(0, 1, 2, 3, 4), metrics=True):
-    recs = [tiny_record(s, s, samples(s), update_metrics={"loss": [0.1 * (s + 1)], "grad_norm": [1.0],
-                                                              "lr": [1e-4], "clipfrac": [0.0]}) for s in steps]
-    rows = [{"step": s, "loss": 0.1 * (s + 1), "reward": 0.5, "grad_norm": 1.0, "clipfrac": 0.0}
-            for s in steps] if metrics else None
-    write_run(path, recs, metrics=rows)
-    return path
+def cli_run(path, steps=(0, 1, 2, 3, 4), metrics=True):
+    """`make_run` of `samples`, loss 0.1 × (step + 1), with metrics.jsonl when `metrics`."""
+    return make_run(path, steps, samples,
+                    lambda s: {"loss": [0.1 * (s + 1)], "grad_norm": [1.0], "lr": [1e-4], "clipfrac": [0.0]},
+                    (lambda s: {"loss": 0.1 * (s + 1), "reward": 0.5, "grad_norm": 1.0, "clipfrac": 0.0})
+                    if metrics else None)
 
 
 def invoke(*args: str):
@@ -54,7 +54,7 @@ def test_help(cmd):
 
 
 def test_summary_and_json(tmp_path):
-    run = make_run(tmp_path / "run")
+    run = cli_run(tmp_path / "run")
     r = invoke("summary", run)
     assert r.exit_code == 0, r.output
     assert "mean|Δ|" in r.stdout and "worst mismatch: step 4" in " ".join(r.stdout.split())
@@ -70,14 +70,14 @@ def test_summary_and_json(tmp_path):
 
 
 def test_summary_without_metrics_jsonl_uses_step_files(tmp_path):
-    run = make_run(tmp_path / "run", metrics=False)
+    run = cli_run(tmp_path / "run", metrics=False)
     doc = one_json(invoke("summary", run, "--json"))
     assert doc["sources"]["loss"] == "step files"
     assert doc["steps"][2]["loss"] == pytest.approx(0.3) and doc["steps"][2]["reward"] == 0.5
 
 
 def test_mismatch_json_shape_and_steps(tmp_path):
-    run = make_run(tmp_path / "run")
+    run = cli_run(tmp_path / "run")
     doc = one_json(invoke("mismatch", run, "--steps", "1:2", "--json", "--top", "2"))
     assert doc["steps"] == [1, 2]
     assert set(doc) >= {"run", "steps", "thresholds", "tokens", "metrics", "breakdowns", "routing", "top",
@@ -90,7 +90,7 @@ def test_mismatch_json_shape_and_steps(tmp_path):
 
 
 def test_mismatch_plots(tmp_path):
-    run = make_run(tmp_path / "run")
+    run = cli_run(tmp_path / "run")
     r = invoke("mismatch", run, "--plot", tmp_path / "plots", "--json")
     doc = one_json(r)
     names = sorted(p.split("/")[-1] for p in doc["plots"])
@@ -112,7 +112,7 @@ def test_mismatch_plots(tmp_path):
     (["diff", "{run}", "{tmp}/nope"], "run directory not found"),
 ])
 def test_bad_input_exits_2(tmp_path, args, needle):
-    run = make_run(tmp_path / "run", steps=(0, 1, 5))
+    run = cli_run(tmp_path / "run", steps=(0, 1, 5))
     (tmp_path / "empty").mkdir()
     argv = [a.format(tmp=tmp_path, run=run) for a in args]
     r = invoke(*argv)
@@ -122,14 +122,14 @@ def test_bad_input_exits_2(tmp_path, args, needle):
 
 
 def test_missing_step_names_nearest(tmp_path):
-    run = make_run(tmp_path / "run", steps=(0, 1, 5, 9))
+    run = cli_run(tmp_path / "run", steps=(0, 1, 5, 9))
     r = invoke("mismatch", run, "--step", "3")
     msg = " ".join(r.stderr.split())
     assert r.exit_code == 2 and "nearest available: 1, 5" in msg and "available: 0-1, 5, 9" in msg
 
 
 def test_unknown_schema_version_exits_2(tmp_path):
-    run = make_run(tmp_path / "run")
+    run = cli_run(tmp_path / "run")
     m = json.loads((run / "manifest.json").read_text())
     m["schema_version"] = 99
     (run / "manifest.json").write_text(json.dumps(m))
@@ -138,7 +138,7 @@ def test_unknown_schema_version_exits_2(tmp_path):
 
 
 def test_truncated_step_reported_once_and_skipped(tmp_path):
-    run = make_run(tmp_path / "run")
+    run = cli_run(tmp_path / "run")
     bad = run / "trace" / "step_000002.h5"
     bad.write_bytes(bad.read_bytes()[:300])
     for cmd in ("summary", "mismatch", "spikes", "golden"):
@@ -162,7 +162,7 @@ def test_corrupt_chunk_found_while_reading_is_skipped(tmp_path, monkeypatch, com
     from axrl_debug.analysis import mismatch
 
     monkeypatch.setattr(mismatch, "COMPILED_MIN_BYTES", 0 if compiled else 1 << 62)
-    run = make_run(tmp_path / "run")
+    run = cli_run(tmp_path / "run")
     bad = run / "trace" / "step_000003.h5"
     with h5py.File(bad, "r") as f:
         info = f["/tokens/old_logprob"].id.get_chunk_info(0)
@@ -176,7 +176,7 @@ def test_corrupt_chunk_found_while_reading_is_skipped(tmp_path, monkeypatch, com
 
 
 def test_every_step_damaged_is_bad_input(tmp_path):
-    run = make_run(tmp_path / "run", steps=(0,))
+    run = cli_run(tmp_path / "run", steps=(0,))
     p = run / "trace" / "step_000000.h5"
     p.write_bytes(b"not hdf5")
     r = invoke("summary", run)

@@ -13,32 +13,31 @@ from typer.testing import CliRunner
 from axrl.trace import TraceReader
 from axrl_debug.analysis.diff import is_close, rel_diff
 from axrl_debug.cli import app
-from axrl_debug.synthetic import TinySample, TinyToken, gen, tiny_record, write_run
+from axrl_debug.synthetic import TinySample, TinyToken, gen
+from trace_util import make_run
 
 
 def invoke(*args):
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
-def make_run(path, *, change_from: int | None = None, steps: int = 5, fp: str = "fp"):
-    """Steps whose values are a function of the step; from ``change_from`` on, loss is 1 % higher
-    and the token sampled at the end differs (as after a code change)."""
-    recs, rows = [], []
-    for s in range(steps):
-        changed = change_from is not None and s >= change_from
-        loss = (1.0 + 0.1 * s) * (1.01 if changed else 1.0)
-        smp = [TinySample([TinyToken(id=1), gen(0.5, 0.001, version=s, id=2),
-                           gen(0.5, -0.001, version=s, id=9 if changed else 3), TinyToken(id=4, route_valid=0)],
-                          reward=0.5)]
-        recs.append(tiny_record(s, s, smp, update_metrics={"loss": [loss], "grad_norm": [1.0], "lr": [1e-4]},
-                                fingerprint=fp + ("x" if changed else "")))
-        rows.append({"step": s, "loss": loss, "grad_norm": 1.0, "reward": 0.5})
-    write_run(path, recs, metrics=rows)
-    return path
+def diff_run(path, *, change_from: int | None = None, steps: int = 5, fp: str = "fp"):
+    """`make_run` whose values are a function of the step; from ``change_from`` on, loss is 1 %
+    higher and the token sampled at the end differs (as after a code change)."""
+    changed = lambda s: change_from is not None and s >= change_from  # noqa: E731
+    loss = lambda s: (1.0 + 0.1 * s) * (1.01 if changed(s) else 1.0)  # noqa: E731
+
+    def samples(s):
+        return [TinySample([TinyToken(id=1), gen(0.5, 0.001, version=s, id=2),
+                            gen(0.5, -0.001, version=s, id=9 if changed(s) else 3), TinyToken(id=4, route_valid=0)],
+                           reward=0.5)]
+    return make_run(path, range(steps), samples, lambda s: {"loss": [loss(s)], "grad_norm": [1.0], "lr": [1e-4]},
+                    lambda s: {"loss": loss(s), "grad_norm": 1.0, "reward": 0.5},
+                    fingerprint=lambda s: fp + ("x" if changed(s) else ""))
 
 
 def test_diff_identical_runs(tmp_path):
-    a, b = make_run(tmp_path / "a"), make_run(tmp_path / "b")
+    a, b = diff_run(tmp_path / "a"), diff_run(tmp_path / "b")
     r = invoke("diff", a, b)
     assert r.exit_code == 0 and "identical within tolerance" in r.stdout
     doc = json.loads(invoke("diff", a, b, "--json").stdout)
@@ -47,7 +46,7 @@ def test_diff_identical_runs(tmp_path):
 
 
 def test_diff_finds_first_diverging_step(tmp_path):
-    a, b = make_run(tmp_path / "a", change_from=3), make_run(tmp_path / "b")
+    a, b = diff_run(tmp_path / "a", change_from=3), diff_run(tmp_path / "b")
     r = invoke("diff", a, b)
     assert r.exit_code == 1 and "diverged at step 3" in r.stdout
     doc = json.loads(invoke("diff", a, b, "--json").stdout)
@@ -62,7 +61,7 @@ def test_diff_finds_first_diverging_step(tmp_path):
 
 
 def test_diff_steps_only_in_one_run(tmp_path):
-    a, b = make_run(tmp_path / "a", steps=5), make_run(tmp_path / "b", steps=3)
+    a, b = diff_run(tmp_path / "a", steps=5), diff_run(tmp_path / "b", steps=3)
     doc = json.loads(invoke("diff", a, b, "--json").stdout)
     assert doc["only_in_a"] == [3, 4] and doc["only_in_b"] == [] and doc["first_divergence"] is None
 
@@ -76,7 +75,7 @@ def test_tolerance_rule():
 
 @pytest.mark.parametrize("fmt", ["parquet", "csv"])
 def test_export_round_trip(tmp_path, fmt):
-    run = make_run(tmp_path / "run", steps=3)
+    run = diff_run(tmp_path / "run", steps=3)
     out = tmp_path / "export"
     r = invoke("export", run, "--format", fmt, "--out", out, "--routing", "--json")
     assert r.exit_code == 0, r.output
@@ -114,14 +113,14 @@ def test_export_round_trip(tmp_path, fmt):
 
 
 def test_export_refuses_a_file_as_out(tmp_path):
-    run = make_run(tmp_path / "run", steps=1)
+    run = diff_run(tmp_path / "run", steps=1)
     (tmp_path / "f").write_text("x")
     r = invoke("export", run, "--out", tmp_path / "f")
     assert r.exit_code == 2
 
 
 def test_reader_column_helpers(tmp_path):
-    run = make_run(tmp_path / "run", steps=3)
+    run = diff_run(tmp_path / "run", steps=3)
     reader = TraceReader(run)
     cols = reader.columns(["/tokens/loss_mask", "/tokens/ids"], steps=[1, 2])
     assert cols["step"].tolist() == [1] * 4 + [2] * 4 and cols["/tokens/ids"].dtype == np.int32

@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from axrl_debug.analysis.gate import parse_tol
 from axrl_debug.cli import app
-from axrl_debug.synthetic import TinySample, TinyToken, gen, tiny_record, write_run
+from axrl_debug.synthetic import TinySample, TinyToken, gen
+from trace_util import make_run
 
 ROOT = Path(__file__).resolve().parents[1]
 GATE_CONFIG = ROOT / "examples" / "golden" / "ci_gate.yaml"
@@ -26,20 +27,19 @@ def invoke(*args):
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
-def make_run(path, losses=(0.5, 0.4, 0.3)):
-    recs, rows = [], []
-    for s, loss in enumerate(losses):
-        smp = [TinySample([TinyToken(id=1), gen(0.5, 0.001 * (s + 1), version=s, id=2),
-                           gen(0.25, -0.002, version=s, id=3), TinyToken(id=4, route_valid=0)], reward=0.25 * s)]
-        recs.append(tiny_record(s, s, smp, update_metrics={"loss": [loss], "grad_norm": [2.0 + s], "lr": [1e-4]}))
-        rows.append({"step": s, "loss": loss, "grad_norm": 2.0 + s, "reward": 0.25 * s, "clipfrac": 0.0})
-    write_run(path, recs, metrics=rows)
-    return path
+def gate_run(path, losses=(0.5, 0.4, 0.3)):
+    """`make_run` with one sample a step, step s's loss `losses[s]`."""
+    def samples(s):
+        return [TinySample([TinyToken(id=1), gen(0.5, 0.001 * (s + 1), version=s, id=2),
+                            gen(0.25, -0.002, version=s, id=3), TinyToken(id=4, route_valid=0)], reward=0.25 * s)]
+    return make_run(path, range(len(losses)), samples,
+                    lambda s: {"loss": [losses[s]], "grad_norm": [2.0 + s], "lr": [1e-4]},
+                    lambda s: {"loss": losses[s], "grad_norm": 2.0 + s, "reward": 0.25 * s, "clipfrac": 0.0})
 
 
 @pytest.fixture()
 def golden(tmp_path):
-    run = make_run(tmp_path / "run")
+    run = gate_run(tmp_path / "run")
     path = tmp_path / "golden.json"
     r = invoke("golden", run, "-o", path, "--tol", "mismatch=1e-4")
     assert r.exit_code == 0, r.output

@@ -15,6 +15,7 @@ from axrl.config import ConfigError, load_config
 from axrl.model import build_model, load_hf, preset_config, save_hf
 from axrl.train import LossContext, PackedBatch, TorchBackend, TorchBackendConfig
 from axrl.train.torch.lora import LoRAConfig, target_group
+from tests.backend_util import make_backend, make_batch
 from train_util import axrl, debug, train
 
 torch.set_num_threads(1)
@@ -23,23 +24,13 @@ MODEL = preset_config("micro-moe", mlp_only_layers=[0])
 LORA = LoRAConfig(rank=4, alpha=8.0)
 
 
-def make_batch(lengths=(5, 9, 3, 12, 7), seed: int = 0) -> PackedBatch:
-    g = torch.Generator().manual_seed(seed)
-    T = sum(lengths)
-    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
-    loss_mask = (torch.rand(T, generator=g) < 0.8).float()
-    loss_mask[offsets[:-1]] = 0.0
-    return PackedBatch(input_ids=torch.randint(0, MODEL.vocab_size, (T,), generator=g), offsets=offsets,
-                       loss_mask=loss_mask, advantages=torch.randn(T, generator=g), temperature=1.0)
-
-
 def pg_loss(logprobs, entropy, mb: PackedBatch, ctx: LossContext):
     return -(mb.advantages * logprobs * mb.loss_mask).sum() / ctx.num_loss_tokens, {}
 
 
-def make_backend(lora: LoRAConfig | None = LORA, seed: int = 0, **cfg) -> TorchBackend:
-    return TorchBackend(build_model(MODEL, seed=0), TorchBackendConfig(lr=1e-2, num_threads=1, seed=seed,
-                                                                       lora=lora, **cfg))
+def lora_backend(lora: LoRAConfig | None = LORA, seed: int = 0, **cfg) -> TorchBackend:
+    """`make_backend` on MODEL (model seed 0) with `lora` adapters and the config's `seed`."""
+    return make_backend(MODEL, 0, seed=seed, lora=lora, **cfg)
 
 
 def train_steps(backend: TorchBackend, steps: int, first_seed: int = 0) -> None:
@@ -96,7 +87,7 @@ def test_targets_choose_the_modules():
     assert target_group("model.layers.1.mlp.experts.3.down_proj") == "experts"
     assert target_group("model.layers.1.mlp.gate") is None          # the router stays frozen
     assert target_group("lm_head") is None
-    names = lambda targets: list(make_backend(LoRAConfig(targets=targets)).lora.modules)  # noqa: E731
+    names = lambda targets: list(lora_backend(LoRAConfig(targets=targets)).lora.modules)  # noqa: E731
     assert len(names(("attn",))) == 2 * 4
     assert names(("mlp",)) == [f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
     assert len(names(("experts",))) == MODEL.num_experts * 3
@@ -106,20 +97,20 @@ def test_targets_choose_the_modules():
 
 def test_zero_b_is_the_base_model_and_a_is_seeded():
     batch = make_batch()
-    base, lora = make_backend(lora=None), make_backend()
+    base, lora = lora_backend(lora=None), lora_backend()
     assert all(torch.count_nonzero(p) == 0 for n, p in lora.lora.named_parameters() if "lora_B" in n)
     a, b = base.forward(batch), lora.forward(batch)
     assert torch.equal(a.logprobs, b.logprobs) and torch.equal(a.entropy, b.entropy)
     assert torch.equal(a.routed_experts, b.routed_experts)
     assert base.fingerprint() == lora.fingerprint()   # merged with B = 0: the base weights exactly
-    same, other = make_backend().lora.state_dict(), make_backend(seed=1).lora.state_dict()
+    same, other = lora_backend().lora.state_dict(), lora_backend(seed=1).lora.state_dict()
     assert all(torch.equal(v, same[k]) for k, v in lora.lora.state_dict().items())
     assert not torch.equal(other["model.layers.0.self_attn.q_proj.lora_A.weight"],
                            same["model.layers.0.self_attn.q_proj.lora_A.weight"])
 
 
 def test_only_adapters_train_and_hold_optimizer_state():
-    backend, full = make_backend(), make_backend(lora=None)
+    backend, full = lora_backend(), lora_backend(lora=None)
     base_before = {k: v.clone() for k, v in backend.model.state_dict().items()}
     backend.forward_backward(make_batch(), pg_loss)
     assert all(p.grad is None for p in backend.model.parameters())
@@ -138,7 +129,7 @@ def test_only_adapters_train_and_hold_optimizer_state():
 
 
 def test_merged_weights_reach_the_engine():
-    backend = make_backend()
+    backend = lora_backend()
     train_steps(backend, 2)
     base = dict(backend.model.state_dict())
     merged = dict(backend.named_weights())
@@ -156,7 +147,7 @@ def test_merged_weights_reach_the_engine():
 
 
 def test_export_hf_writes_the_merged_model(tmp_path):
-    backend = make_backend()
+    backend = lora_backend()
     train_steps(backend, 1)
     before = backend.model.state_dict()["model.layers.0.self_attn.q_proj.weight"].clone()
     backend.export_hf(tmp_path / "merged")
@@ -166,7 +157,7 @@ def test_export_hf_writes_the_merged_model(tmp_path):
 
 
 def test_keep_weights_swaps_the_adapters():
-    backend = make_backend()
+    backend = lora_backend()
     batch = make_batch(seed=3)
     start = backend.forward(batch).logprobs
     backend.keep_weights("ref")
@@ -178,14 +169,14 @@ def test_keep_weights_swaps_the_adapters():
 def test_inspect_reports_the_adapters_gradients_and_leaves_the_run_alone():
     lora = LoRAConfig(rank=4, alpha=8.0, dropout=0.1)
     batch = make_batch(seed=4)
-    inspected = make_backend(lora)    # (each backend re-seeds the global RNG: run one after the other)
+    inspected = lora_backend(lora)    # (each backend re-seeds the global RNG: run one after the other)
     train_steps(inspected, 1)
     batch.old_logprobs = inspected.forward(batch).logprobs
     report = inspected.inspect(batch, pg_loss)
     assert report.param_names == [n for n, _ in inspected.lora.named_parameters()]
     assert bool((report.param_grad_norm > 0).any()) and bool(torch.isfinite(report.sample_grad_norm).all())
     train_steps(inspected, 1, first_seed=1)
-    plain = make_backend(lora)
+    plain = lora_backend(lora)
     train_steps(plain, 2)
     # Dropout draws from the global RNG; the inspection did not shift the next step's masks.
     assert inspected.fingerprint() == plain.fingerprint()
@@ -197,9 +188,9 @@ def test_inspect_reports_the_adapters_gradients_and_leaves_the_run_alone():
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_checkpoint_resume_is_bitwise(tmp_path, dropout):
     lora = LoRAConfig(rank=4, alpha=8.0, dropout=dropout)
-    straight = make_backend(lora)
+    straight = lora_backend(lora)
     train_steps(straight, 3)
-    first = make_backend(lora)
+    first = lora_backend(lora)
     train_steps(first, 1)
     first.save(tmp_path / "ckpt")
     saved = json.loads((tmp_path / "ckpt" / "trainer_state.json").read_text())
@@ -216,14 +207,14 @@ def test_checkpoint_resume_is_bitwise(tmp_path, dropout):
 
 
 def test_checkpoint_mismatch_is_refused(tmp_path):
-    make_backend().save(tmp_path / "lora")
-    make_backend(lora=None).save(tmp_path / "full")
+    lora_backend().save(tmp_path / "lora")
+    lora_backend(lora=None).save(tmp_path / "full")
     with pytest.raises(ValueError, match="unexpected.*lora_A"):
-        make_backend(lora=None).load(tmp_path / "lora")
+        lora_backend(lora=None).load(tmp_path / "lora")
     with pytest.raises(ValueError, match="LoRA adapters do not match train.lora"):
-        make_backend().load(tmp_path / "full")
+        lora_backend().load(tmp_path / "full")
     with pytest.raises(ValueError, match="a different rank"):
-        make_backend(LoRAConfig(rank=2)).load(tmp_path / "lora")
+        lora_backend(LoRAConfig(rank=2)).load(tmp_path / "lora")
 
 
 # ---------------------------------------------------------------- PEFT export
@@ -254,9 +245,9 @@ def test_peft_export_loads_with_peft(tmp_path, model, targets):
 
 def test_peft_export_refuses_what_peft_cannot_place(tmp_path):
     with pytest.raises(ValueError, match="dense MLP of an MoE model.*without --adapter-only"):
-        make_backend().export_adapter(tmp_path / "adapter")
+        lora_backend().export_adapter(tmp_path / "adapter")
     with pytest.raises(ValueError, match="train.lora is null"):
-        make_backend(lora=None).export_adapter(tmp_path / "adapter")
+        lora_backend(lora=None).export_adapter(tmp_path / "adapter")
 
 
 # ---------------------------------------------------------------- a short run: trace, replay, export
@@ -335,7 +326,7 @@ def test_export_merged_and_adapter_only(run, tmp_path):
 def test_adapter_of_a_preset_run_comes_with_its_base(tmp_path):
     from axrl.cli.export import export_adapter
 
-    backend = make_backend(LoRAConfig(targets=("attn",)))
+    backend = lora_backend(LoRAConfig(targets=("attn",)))
     train_steps(backend, 1)
     export_adapter(backend, None, tmp_path / "out")
     config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())

@@ -17,7 +17,8 @@ import torch
 from axrl.model import build_model, hf_state_dict, preset_config
 from axrl.train import TorchBackend, TorchBackendConfig
 from axrl.train.megatron.convert import shard, to_hf, to_megatron, unshard
-from tests.test_train_backend import make_batch, pg_loss
+from tests.backend_util import make_batch
+from tests.test_train_backend import pg_loss
 
 import megatron.core as _megatron_core  # noqa: E402,F401  (the test extra installs it: a broken import fails)
 
@@ -371,9 +372,14 @@ def test_tensor_and_expert_parallel_match_world_size_1(megatron, tp, ep, dispatc
     ref.forward_backward(batch, pg_loss), par.forward_backward(batch, pg_loss)
     ref.optimizer_step(), par.optimizer_step()
     assert weights_diff(ref, par) < 1e-4
+    # a wrong call fails in the driver, before it is sent: the workers keep serving
+    from axrl.train.megatron.rank import MegatronRank
+    with pytest.raises(TypeError, match="MegatronRank.swap_weights: missing a required argument: 'key'"):
+        par._group.call(MegatronRank.swap_weights)
+    assert par._group.call(MegatronRank.data_parallel_rank) == par._dp_of
     # a worker-side failure surfaces in the driver and stops the workers
-    with pytest.raises(RuntimeError, match="failed in no_such_method; workers stopped"):
-        par._group.call("no_such_method")
+    with pytest.raises(RuntimeError, match="failed in swap_weights; workers stopped"):
+        par._group.call(MegatronRank.swap_weights, "never kept")
     with pytest.raises(RuntimeError, match="closed"):
         par.forward(batch)
 

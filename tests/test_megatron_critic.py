@@ -20,7 +20,7 @@ import torch
 
 from axrl.model import build_model, hf_state_dict, preset_config
 from axrl.train.critic import Critic, CriticConfig, critic_batch
-from tests.test_train_backend import make_batch
+from tests.backend_util import make_batch
 
 import megatron.core as _megatron_core  # noqa: E402,F401  (the test extra installs it: a broken import fails)
 

@@ -16,7 +16,8 @@ import torch
 
 from axrl.model import build_model, preset_config
 from axrl.train import TorchBackend, TorchBackendConfig
-from tests.test_train_backend import make_batch, pg_loss
+from tests.backend_util import make_batch
+from tests.test_train_backend import pg_loss
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device (scripts/gpu-check-megatron.sh)", allow_module_level=True)

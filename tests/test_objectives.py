@@ -16,7 +16,7 @@ from axrl.algo.objectives import objective
 from axrl.algo.terms import ObjectiveTerms, flag
 from axrl.config import ConfigError, load_config
 from axrl.train.protocol import PackedBatch
-from tests.test_algo import ctx_for, make_batch, ref_aggregate
+from tests.test_algo import ctx_for, loss_inputs, ref_aggregate
 
 torch.set_num_threads(1)
 NAN = float("nan")
@@ -119,7 +119,7 @@ CASES = [("grpo2", {}), ("grpo2", {"dual_soft_clip": 1.5}), ("cispo", {}), ("top
 @pytest.mark.parametrize("mode", AGGS)
 @pytest.mark.parametrize("name,args", CASES, ids=[f"{n}-{a}" for n, a in CASES])
 def test_objective_matches_reference(name, args, mode):
-    batch, lp0, _ = make_batch([6, 9, 3, 12, 5, 8], seed=7, empty_sample=2, spread=0.5)
+    batch, lp0, _ = loss_inputs([6, 9, 3, 12, 5, 8], seed=7, empty_sample=2, spread=0.5)
     lo, hi = (0.2, 0.28) if not name.startswith("gspo") else (0.05, 0.08)
     cfg = PolicyLossConfig(loss=name, loss_args=args, clip_low=lo, clip_high=hi, loss_agg=mode, tis=False)
     loss, grad, metrics = run_loss(cfg, batch, lp0)
@@ -135,7 +135,7 @@ def test_objective_matches_reference(name, args, mode):
 
 
 def test_gspo_and_gspo_token_give_the_same_gradient_with_sequence_advantages():
-    batch, lp0, _ = make_batch([7, 4, 10, 6], seed=3, spread=0.3)
+    batch, lp0, _ = loss_inputs([7, 4, 10, 6], seed=3, spread=0.3)
     # one advantage per sequence (the GRPO broadcast)
     adv = torch.zeros_like(batch.advantages)
     for i, s in enumerate(samples_of(batch)):
@@ -281,7 +281,7 @@ CORRECTION_CASES = [("tis", {"level": "token", "cap": 1.5}), ("tis", {"level": "
 
 @pytest.mark.parametrize("name,params", CORRECTION_CASES, ids=[f"{n}-{p}" for n, p in CORRECTION_CASES])
 def test_correction_matches_reference(name, params):
-    batch, lp0, _ = make_batch([6, 9, 4, 12, 7], seed=13, spread=0.2)
+    batch, lp0, _ = loss_inputs([6, 9, 4, 12, 7], seed=13, spread=0.2)
     batch.rollout_logprobs[int(batch.offsets[3]) + 5] = NAN  # a loss token without a rollout logprob
     w, rules = correction_ref(name, batch, **params)
     cfg = PolicyLossConfig(correction={name: params}, tis=False)
@@ -299,7 +299,7 @@ def test_correction_matches_reference(name, params):
 
 
 def test_corrections_combine_by_product_and_legacy_tis_is_the_token_correction():
-    batch, lp0, _ = make_batch([8, 10, 6], seed=21, spread=0.2)
+    batch, lp0, _ = loss_inputs([8, 10, 6], seed=21, spread=0.2)
     combo = {"tis": {"cap": 1.3}, "icepop": {"low": 0.8, "high": 1.25}}
     _, g_both, m_both = run_loss(PolicyLossConfig(correction=combo, tis=False), batch, lp0)
     w_tis, _ = correction_ref("tis", batch, level="token", cap=1.3)
@@ -362,7 +362,7 @@ def test_a_new_objective_is_one_function_and_one_registration():
     try:
         cfg = load_config(None, ["algo.loss=test_scaled_reinforce", "algo.loss_args={scale: 2.0}", "algo.tis=false"])
         from axrl.assembly.build import policy_loss
-        batch, lp0, _ = make_batch([5, 7], seed=1)
+        batch, lp0, _ = loss_inputs([5, 7], seed=1)
         loss, grad, metrics = run_loss(policy_loss(cfg).cfg, batch, lp0)
         m = batch.loss_mask > 0
         M = int(m.sum())

@@ -15,6 +15,7 @@ from axrl.train import LossContext, PackedBatch, TorchBackend, TorchBackendConfi
 from axrl.train.micro_batch import micro_batches, shared_with_previous, split_micro_batches
 from axrl.train.prefix_tree import build_prefix_tree
 from axrl.train.protocol import R3Scope
+from tests.backend_util import make_backend
 
 torch.set_num_threads(1)
 TOL = 2e-6
@@ -93,9 +94,9 @@ def test_per_turn_chain_costs_only_the_longest_sample():
     assert tree.position_ids.tolist() == list(range(40))
 
 
-def make_backend(merge: bool, preset: str = "micro-moe", **cfg) -> TorchBackend:
-    return TorchBackend(build_model(preset_config(preset, vocab_size=64), seed=3),
-                        TorchBackendConfig(lr=1e-2, num_threads=1, prefix_merge=merge, **cfg))
+def merge_backend(merge: bool, preset: str = "micro-moe", **cfg) -> TorchBackend:
+    """`make_backend` on `preset` with a 64-token vocabulary (model seed 3), prefix merging `merge`."""
+    return make_backend(preset_config(preset, vocab_size=64), 3, prefix_merge=merge, **cfg)
 
 
 def pg_loss(logprobs, entropy, mb: PackedBatch, ctx: LossContext):
@@ -112,7 +113,7 @@ def grads(be: TorchBackend) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("preset", ["micro-moe", "tiny-dense"])
 def test_merged_equals_unmerged(seed, preset):
     batch = pack(random_tree_samples(seed), seed=seed)
-    flat, merged = make_backend(False, preset), make_backend(True, preset)
+    flat, merged = merge_backend(False, preset), merge_backend(True, preset)
     a, b = flat.forward(batch), merged.forward(batch)
     assert (a.logprobs - b.logprobs).abs().max() < TOL
     assert (a.entropy - b.entropy).abs().max() < TOL
@@ -215,7 +216,7 @@ def test_r3_at_shared_slots_replays_the_training_path():
     # Two samples share [1..7]; their recorded routing there differs (as two separately prefilled
     # requests' could). Sample 1 trains token 7, so the shared slot predicting it (token 6) replays
     # sample 1's routing; the other shared slots, trained by nobody, the first sample's.
-    be = make_backend(True)
+    be = merge_backend(True)
     cfg = be.model_config
     samples = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 9]]
     loss = [[0] * 8, [0] * 6 + [1, 1]]
@@ -235,7 +236,7 @@ def test_r3_at_shared_slots_replays_the_training_path():
     assert torch.equal(out.routed_experts[8 + 5], routing[8 + 5])    # the training path's own row
     assert torch.equal(out.routed_experts[5], routing[8 + 5])        # ... also seen by sample 0
     # Equal to an unmerged R3 forward over the routing the tree replays.
-    flat = make_backend(False)
+    flat = merge_backend(False)
     replayed = PackedBatch(**{**batch.__dict__, "routed_experts": out.routed_experts})
     ref = flat.forward(replayed, r3=True)
     assert (out.logprobs - ref.logprobs).abs().max() < TOL
@@ -259,7 +260,7 @@ def test_merged_training_is_bitwise_repeatable():
     batch = pack(random_tree_samples(4), seed=4)
     fps = []
     for _ in range(2):
-        be = make_backend(True)
+        be = merge_backend(True)
         be.forward_backward(batch, pg_loss)
         stats = be.optimizer_step()
         fps.append((be.fingerprint(), stats.grad_norm))

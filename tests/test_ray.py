@@ -230,7 +230,8 @@ def test_megatron_rank_actors_each_fetch_only_their_data_parallel_share(cluster)
     from axrl.ray_executor.megatron_ranks import RayRankGroup
     from axrl.train.megatron import MegatronBackend, MegatronBackendConfig
     from axrl.train.megatron.shares import split_for_ranks
-    from tests.test_train_backend import make_batch, pg_loss
+    from tests.backend_util import make_batch
+    from tests.test_train_backend import pg_loss
 
     plane, groups = DataPlane(in_driver=False), []
 

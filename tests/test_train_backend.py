@@ -15,24 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from axrl.model import build_model, load_hf, preset_config
+from axrl.model import load_hf
 from axrl.train import (LossContext, PackedBatch, TorchBackend, TorchBackendConfig, TrainBackend, capture_rng_state,
                         grad_norm, lr_at, pad_micro_batch, restore_rng_state, split_micro_batches, unpad,
                         weights_fingerprint)
+from tests.backend_util import LENGTHS, make_backend, make_batch
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
-LENGTHS = [5, 9, 3, 12, 7]
-
-
-def make_batch(lengths=LENGTHS, seed: int = 0, temperature: float = 1.0, vocab: int = 1024) -> PackedBatch:
-    g = torch.Generator().manual_seed(seed)
-    T = sum(lengths)
-    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
-    loss_mask = (torch.rand(T, generator=g) < 0.8).float()
-    loss_mask[offsets[:-1]] = 0.0  # position 0 of a sample has no prediction
-    return PackedBatch(input_ids=torch.randint(0, vocab, (T,), generator=g), offsets=offsets, loss_mask=loss_mask,
-                       advantages=torch.randn(T, generator=g), temperature=temperature)
 
 
 def pg_loss(logprobs, entropy, mb: PackedBatch, ctx: LossContext):
@@ -41,11 +31,6 @@ def pg_loss(logprobs, entropy, mb: PackedBatch, ctx: LossContext):
     loss = -(mb.advantages * logprobs * mb.loss_mask).sum() / ctx.num_loss_tokens
     ent = (entropy.detach() * mb.loss_mask).sum() / ctx.num_loss_tokens
     return loss, {"entropy": float(ent)}
-
-
-def make_backend(preset: str = "micro-moe", model_seed: int = 0, **cfg) -> TorchBackend:
-    cfg = {"lr": 1e-2, "num_threads": 1, **cfg}
-    return TorchBackend(build_model(preset_config(preset), seed=model_seed), TorchBackendConfig(**cfg))
 
 
 def grads(backend: TorchBackend) -> dict[str, torch.Tensor]:

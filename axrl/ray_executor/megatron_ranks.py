@@ -15,7 +15,7 @@ reference is sent, so a rank fetches its own rows and the TP ranks of one DP ran
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from axrl.model import ModelConfig
 from axrl.ray_executor.activity import Activity, ActorBase, free_address
@@ -23,6 +23,7 @@ from axrl.ray_executor.calls import close_actor
 from axrl.ray_executor.handles import DataPlane, payload_bytes, rank_label
 from axrl.ray_executor.wire import wire_bytes
 from axrl.train.megatron.model import ParallelSizes
+from axrl.train.megatron.rank_calls import RankCall
 
 
 class MegatronRankActor(ActorBase):
@@ -44,14 +45,16 @@ class MegatronRankActor(ActorBase):
             init_distributed(self.rank, self.world, port, sizes, seed, host=host)
             self.state = MegatronRank(model_cfg, sizes, dispatcher, weights)
 
-    def call(self, method: str, args: tuple[Any, ...]) -> Any:
-        with self.activity_.doing(method):
-            return getattr(self.state, method)(*args)
+    def call(self, call: RankCall) -> Any:
+        """Run a typed call (`rank_calls.py`) on this rank."""
+        with self.activity_.doing(call.name):
+            return call.run(self.state)
 
-    def call_with(self, method: str, first: Any, args: tuple[Any, ...]) -> Any:
+    def call_with(self, first: Any, call: RankCall) -> Any:
         """`call` with this rank's own first argument (resolved from its object reference)."""
         self.activity_.count("fetched_bytes", payload_bytes(first))
-        return self.call(method, (first, *args))
+        with self.activity_.doing(call.name):
+            return call.run(self.state, first)
 
     def fetched_bytes(self) -> int:
         return int(self.activity_.total("fetched_bytes"))
@@ -103,16 +106,18 @@ class RayRankGroup:
             self._ray.get(ready)
         return self._ray.get(refs)
 
-    def call(self, method: str, *args: Any) -> list[Any]:
-        """Every rank runs `method(*args)` (small arguments; weights go into the object store once
-        and every rank reads them from there)."""
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Every rank runs the `MegatronRank` method `fn(rank, *args, **kwargs)`, checked here (small
+        arguments; weights go into the object store once and every rank reads them from there)."""
+        call = RankCall.of(fn, *args, **kwargs)
         self._check_open()
-        ref = self._ray.put(args)
-        return self._collect([a.call.remote(method, ref) for a in self.actors], method)
+        ref = self._ray.put(call)
+        return self._collect([a.call.remote(ref) for a in self.actors], call.name)
 
-    def call_each(self, method: str, firsts: list[Any], *args: Any) -> list[Any]:
-        """Rank r runs `method(firsts[r], *args)`; each distinct first argument is put in the object
-        store once and rank r is sent only the reference to its own."""
+    def call_each(self, fn: Callable[..., Any], firsts: list[Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Rank r runs `fn(rank, firsts[r], *args, **kwargs)`; each distinct first argument is put in
+        the object store once and rank r is sent only the reference to its own."""
+        call = RankCall.each(fn, firsts[0], *args, **kwargs)
         self._check_open()
         refs: dict[int, tuple[Any, int]] = {}   # id → (object ref, its payload bytes)
         for obj in firsts:
@@ -121,9 +126,9 @@ class RayRankGroup:
                 self._plane.by_reference("megatron_shares", wire_bytes(obj))
         for r, obj in enumerate(firsts):
             self._plane.shared(rank_label(r, "megatron"), refs[id(obj)][1])
-        rest = self._ray.put(args)
-        return self._collect([a.call_with.remote(method, refs[id(obj)][0], rest)
-                              for a, obj in zip(self.actors, firsts)], method)
+        rest = self._ray.put(call)
+        return self._collect([a.call_with.remote(refs[id(obj)][0], rest)
+                              for a, obj in zip(self.actors, firsts)], call.name)
 
     def fetched_bytes(self, timeout_s: float = 30.0) -> dict[str, int]:
         """What each rank says it fetched, by label."""

@@ -25,6 +25,7 @@ from axrl.train.fingerprint import weights_fingerprint
 from axrl.train.metrics import TOKEN_COLUMN_PREFIX, join_token_columns, reduce_microbatch_metrics
 from axrl.train.optim import lr_at
 from axrl.train.protocol import R3, AdamHyper, ForwardResult, Inspection, LossFn, PackedBatch, R3Scope, StepStats, TrainMetrics
+from axrl.train.megatron.rank import MegatronRank
 from axrl.train.megatron.rank_state import gather_moments, gather_weights, load_moments
 from axrl.train.megatron.shares import by_micro_batch, split_for_ranks
 from axrl.train.r3 import use_r3
@@ -154,7 +155,7 @@ class MegatronBackend:
         self._group: RankGroup = group_cls(model.config, sizes, config.moe_dispatcher, weights, config.seed,
                                 config.num_threads or torch.get_num_threads())
         self._data_parallel = sizes.data_parallel
-        self._dp_of = self._group.call("data_parallel_rank")  # global rank → its DP rank
+        self._dp_of = self._group.call(MegatronRank.data_parallel_rank)  # global rank → its DP rank
         self._dtype = next(model.parameters()).dtype
         self._hf_names = [n for n, p in model.named_parameters() if p.requires_grad]  # StepStats order
         self.scheduler_step = 0
@@ -185,10 +186,10 @@ class MegatronBackend:
         return StepKnobs(dtype=c.dtype, micro_batch_tokens=c.micro_batch_tokens, micro_batch_size=c.micro_batch_size,
                          prefix_merge=c.prefix_merge)
 
-    def _call_with_shares(self, method: str, batch: PackedBatch, *args: Any) -> list[Any]:
-        """`method(work, *args)` on every rank, each sent only its DP rank's `RankWork`."""
+    def _call_with_shares(self, fn: Callable[..., Any], batch: PackedBatch, *args: Any) -> list[Any]:
+        """The rank method `fn(rank, work, *args)` on every rank, each sent only its DP rank's `RankWork`."""
         works = split_for_ranks(batch.to("cpu"), self._data_parallel, self._knobs())
-        return self._group.call_each(method, [works[d] for d in self._dp_of], *args)
+        return self._group.call_each(fn, [works[d] for d in self._dp_of], *args)
 
     def _use_r3(self, batch: PackedBatch, r3: R3) -> R3Scope | None:
         return use_r3(self.model_config, batch, r3)
@@ -199,12 +200,12 @@ class MegatronBackend:
         if weights is not None and weights not in self._kept:
             raise KeyError(f"no weights kept under {weights!r} (kept: {sorted(self._kept)})")
         if weights is not None:
-            self._group.call("swap_weights", weights)
+            self._group.call(MegatronRank.swap_weights, weights)
         try:
-            answers = self._call_with_shares("forward", batch, self._use_r3(batch, r3))
+            answers = self._call_with_shares(MegatronRank.forward, batch, self._use_r3(batch, r3))
         finally:
             if weights is not None:
-                self._group.call("swap_weights", weights)
+                self._group.call(MegatronRank.swap_weights, weights)
         per_mb = by_micro_batch(answers)
         # micro-batches in order, each one's DP shares in order: the batch's sample order
         cat = lambda i: None if per_mb[0][0][i] is None else torch.cat(  # noqa: E731
@@ -216,7 +217,7 @@ class MegatronBackend:
 
     def forward_backward(self, batch: PackedBatch, loss_fn: LossFn, *, r3: R3 = False) -> TrainMetrics:
         """Accumulate grads of `loss_fn` micro-batch by micro-batch (fixed order, see micro_batch.py)."""
-        per_mb = by_micro_batch(self._call_with_shares("forward_backward", batch, loss_fn, self._use_r3(batch, r3)))
+        per_mb = by_micro_batch(self._call_with_shares(MegatronRank.forward_backward, batch, loss_fn, self._use_r3(batch, r3)))
         # shares in dp order = sample order: their per-token columns concatenate into the batch's
         shares = [[_split_columns(r) for r in mb if r is not None] for mb in per_mb]
         # one row per micro-batch, as the embedded backend reports; DP shares combine like micro-batches
@@ -236,7 +237,8 @@ class MegatronBackend:
         c = self.config
         lr = lr_at(c, self.scheduler_step) * lr_scale if lr is None else lr
         adam = adam or AdamHyper(c.betas, c.eps, c.weight_decay, c.grad_clip)
-        answers = self._group.call("optimizer_step", _SLOT, lr, adam.grad_clip, adam.betas, adam.eps, adam.weight_decay)
+        answers = self._group.call(MegatronRank.optimizer_step, _SLOT, lr, adam.grad_clip, adam.betas, adam.eps,
+                                   adam.weight_decay)
         norm = answers[0][0]
         if torch.isfinite(torch.tensor(norm)):
             self.scheduler_step += 1
@@ -252,17 +254,17 @@ class MegatronBackend:
                          param_grad_norm={n: math.sqrt(sq[n]) for n in self._hf_names if n in sq})
 
     def reset_optimizer(self) -> None:
-        self._group.call("drop_slot", _SLOT)  # the next step builds a fresh AdamW
-        self._group.call("zero_grad")
+        self._group.call(MegatronRank.drop_slot, _SLOT)  # the next step builds a fresh AdamW
+        self._group.call(MegatronRank.zero_grad)
         self.scheduler_step = self.skipped_steps = 0
         self._has_grads = False
 
     def keep_weights(self, key: str) -> None:
-        self._group.call("keep_weights", key)
+        self._group.call(MegatronRank.keep_weights, key)
         self._kept.add(key)
 
     def forget_weights(self, key: str) -> None:
-        self._group.call("forget_weights", key)
+        self._group.call(MegatronRank.forget_weights, key)
         self._kept.discard(key)
 
     def inspect(self, batch: PackedBatch, loss_fn: LossFn, *, r3: R3 = False) -> Inspection | None:
@@ -343,7 +345,7 @@ class MegatronBackend:
             if name in weights and tuple(t.shape) != tuple(weights[name].shape):
                 raise ValueError(f"{src('model')}: '{name}' has shape {tuple(t.shape)}, the model expects {tuple(weights[name].shape)}")
         cfg = self.model_config
-        self._group.call("load_weights", {k: v.float() for k, v in to_megatron(model_sd, cfg).items()})
+        self._group.call(MegatronRank.load_weights, {k: v.float() for k, v in to_megatron(model_sd, cfg).items()})
         c = self.config
         load_moments(self._group.call, _SLOT, optim, lambda hf: to_megatron(hf, cfg), c.betas, c.eps, c.weight_decay)
         self.scheduler_step = int(state["scheduler_step"])

@@ -15,7 +15,7 @@ replay re-executes its updates bit for bit.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -23,6 +23,8 @@ from axrl.model import ModelConfig
 from axrl.train.critic import CriticConfig, CriticFiles, CriticUpdate, check_critic_state, critic_sources
 from axrl.train.determinism import capture_rng_state
 from axrl.train.fingerprint import weights_fingerprint
+from axrl.train.megatron.rank import MegatronRank
+from axrl.train.megatron.rank_calls import RankCall
 from axrl.train.megatron.rank_state import gather_moments, gather_weights, load_moments
 from axrl.train.megatron.shares import StepKnobs, by_micro_batch, split_for_ranks
 from axrl.train.megatron.value_head import VALUE_HEAD, body_to_megatron, critic_to_hf, critic_to_megatron, zero_head
@@ -45,25 +47,28 @@ class MegatronCritic(CriticFiles):
         self._group, self._dp_of, self._dp = group, dp_of, data_parallel
         self.model_config, self._dtype = model_config, dtype
         full = {**body_to_megatron(body, model_config, source), **zero_head(model_config.hidden_size)}
-        group.call("attach_critic", {k: v.detach().to("cpu", torch.float32) for k, v in full.items()})
+        group.call(MegatronRank.attach_critic, {k: v.detach().to("cpu", torch.float32) for k, v in full.items()})
         self.scheduler_step = 0
         self.skipped_steps = 0
         self._weights: dict[str, torch.Tensor] | None = None  # gathered, until the weights change
 
-    def _call(self, method: str, *args: Any) -> list[Any]:
-        return self._group.call("on_critic", method, *args)
+    def _call(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """The rank method `fn(critic_rank, *args)` on every rank's value model (checked here)."""
+        return self._group.call(MegatronRank.on_critic, RankCall.of(fn, *args))
 
-    def _each(self, method: str, batch: PackedBatch, *args: Any) -> list[list[Any]]:
-        """`method(work, *args)` on every rank's value model with its DP share; per micro-batch, the
-        shares' answers in sample order (`shares.by_micro_batch`)."""
+    def _each(self, fn: Callable[..., Any], batch: PackedBatch, *args: Any) -> list[list[Any]]:
+        """`fn(critic_rank, work, *args)` on every rank's value model with its DP share; per
+        micro-batch, the shares' answers in sample order (`shares.by_micro_batch`)."""
         c = self.config
         knobs = StepKnobs(dtype=c.dtype, micro_batch_tokens=c.micro_batch_tokens, micro_batch_size=c.micro_batch_size)
-        works = split_for_ranks(batch.to("cpu"), self._dp, knobs)
-        return by_micro_batch(self._group.call_each("on_critic_with", [works[d] for d in self._dp_of], method, *args))
+        shares = split_for_ranks(batch.to("cpu"), self._dp, knobs)
+        works = [shares[d] for d in self._dp_of]
+        return by_micro_batch(self._group.call_each(MegatronRank.on_critic_with, works,
+                                                    RankCall.each(fn, works[0], *args)))
 
     def values(self, batch: PackedBatch) -> torch.Tensor:
         """float32 [T] (on the batch's device): V of every token (0 at each sample's first)."""
-        per_mb = self._each("value_forward", batch)
+        per_mb = self._each(MegatronRank.value_forward, batch)
         return torch.cat([share for shares in per_mb for share in shares]).to(batch.input_ids.device)
 
     def train(self, batch: PackedBatch, splits: Sequence[Sequence[int]]) -> list[CriticUpdate]:
@@ -74,14 +79,14 @@ class MegatronCritic(CriticFiles):
         """`Critic._update` on the ranks: accumulate, then the ranks' AdamW step in the critic's slot."""
         c = self.config
         denom = float(batch.loss_mask.sum().clamp(min=1))
-        per_mb = self._each("value_forward_backward", batch, c.value_clip, denom)
+        per_mb = self._each(MegatronRank.value_forward_backward, batch, c.value_clip, denom)
         total, clipped = 0.0, 0.0
         for shares in per_mb:
             for loss, n_clipped in (s for s in shares if s is not None):
                 total += loss
                 clipped += n_clipped
         lr = lr_at(c, self.scheduler_step)
-        norm = self._call("optimizer_step", _SLOT, lr, c.grad_clip, c.betas, c.eps, c.weight_decay)[0][0]
+        norm = self._call(MegatronRank.optimizer_step, _SLOT, lr, c.grad_clip, c.betas, c.eps, c.weight_decay)[0][0]
         if math.isfinite(norm):
             self.scheduler_step += 1
             self._weights = None
@@ -93,7 +98,7 @@ class MegatronCritic(CriticFiles):
         """Load the policy's HF-named `weights` into the value model's decoder (the head is kept)."""
         head = {k: v for k, v in self._full().items() if k in VALUE_HEAD}
         body = body_to_megatron(weights, self.model_config, "the policy's weights")
-        self._call("load_weights", {**{k: v.float() for k, v in body.items()}, **head})
+        self._call(MegatronRank.load_weights, {**{k: v.float() for k, v in body.items()}, **head})
         self._weights = None
 
     # ------------------------------------------------------------------ state
@@ -124,7 +129,7 @@ class MegatronCritic(CriticFiles):
         weights = check_critic_state(dict(self.named_weights()), state, self.config, src)
         cfg, c = self.model_config, self.config
         to_mg = lambda named: critic_to_megatron(named, cfg, src("model"))  # noqa: E731
-        self._call("load_weights", {k: v.float() for k, v in to_mg(weights).items()})
+        self._call(MegatronRank.load_weights, {k: v.float() for k, v in to_mg(weights).items()})
         load_moments(self._call, _SLOT, state["optimizer"], to_mg, c.betas, c.eps, c.weight_decay)
         self.scheduler_step = int(state["scheduler_step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))

@@ -1,9 +1,11 @@
 """Where the ranks live: in the driver process (world size 1) or in worker processes that the
 backend spawns itself (world size TP × DP > 1, gloo over localhost; NCCL on GPUs).
 
-Both are a `RankGroup`: `call(method, *args) -> [result of rank 0, rank 1, …]` runs the same
-`MegatronRank` method on every rank (collectives inside need all of them), in lockstep;
-`call_each` does the same with a first argument per rank (each rank's own share of a batch).
+Both are a `RankGroup`: `call(MegatronRank.method, *args) -> [result of rank 0, rank 1, …]` runs
+the same `MegatronRank` method on every rank (collectives inside need all of them), in lockstep;
+`call_each` does the same with a first argument per rank (each rank's own share of a batch). A
+call is typed (`rank_calls.py`): the method itself, its arguments bound against its signature in
+the driver before anything is sent, and resolved on the rank from the registry of its methods.
 Workers get batches and return results through pipes; an exception in any worker is re-raised in
 the driver with the worker's traceback, and every wait has a timeout so a wedged collective cannot
 hang the caller. Under `runtime.executor: ray` the ranks are Ray actors
@@ -21,10 +23,11 @@ import time
 import traceback
 import weakref
 from multiprocessing.connection import Client, Listener, wait
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from axrl.model import ModelConfig
 from axrl.train.megatron.model import ParallelSizes
+from axrl.train.megatron.rank_calls import RankCall
 
 #: seconds to wait for a rank's answer (start-up imports megatron-core: several seconds).
 CALL_TIMEOUT_S = float(os.environ.get("AXRL_MEGATRON_TIMEOUT", "600"))
@@ -35,12 +38,13 @@ class RankGroup(Protocol):
 
     world_size: int
 
-    def call(self, method: str, *args: Any) -> list[Any]:
-        """Every rank runs `MegatronRank.method(*args)`; their answers in rank order."""
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Every rank runs the `MegatronRank` method `fn(rank, *args, **kwargs)` (checked here,
+        `RankCall.of`); their answers in rank order."""
         ...
 
-    def call_each(self, method: str, firsts: list[Any], *args: Any) -> list[Any]:
-        """Rank r runs `method(firsts[r], *args)`: each is sent only its own first argument."""
+    def call_each(self, fn: Callable[..., Any], firsts: list[Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Rank r runs `fn(rank, firsts[r], *args, **kwargs)`: each is sent only its own first argument."""
         ...
 
     def close(self) -> None:
@@ -70,13 +74,16 @@ class InProcessGroup:
             raise
         self.world_size = 1
 
-    def call(self, method: str, *args: Any) -> list[Any]:
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        return self._run(RankCall.of(fn, *args, **kwargs))
+
+    def call_each(self, fn: Callable[..., Any], firsts: list[Any], *args: Any, **kwargs: Any) -> list[Any]:
+        return self._run(RankCall.each(fn, firsts[0], *args, **kwargs), firsts[0])
+
+    def _run(self, call: RankCall, *first: Any) -> list[Any]:
         if not self._open:
             raise RuntimeError("the Megatron backend is closed")
-        return [getattr(self.rank, method)(*args)]
-
-    def call_each(self, method: str, firsts: list[Any], *args: Any) -> list[Any]:
-        return self.call(method, firsts[0], *args)
+        return [call.run(self.rank, *first)]
 
     def close(self) -> None:
         global _in_process_users
@@ -108,7 +115,7 @@ def _recv(conn: Any) -> Any:
 
 def _serve(conn: Any) -> None:
     """Worker process main loop: receive the init tuple, build the rank, then serve
-    (method, args) messages until ("close",) or until the driver disappears."""
+    ("call", RankCall, firsts) messages until ("close",) or until the driver disappears."""
     rank, world, port, model_cfg, sizes, dispatcher, weights, seed, num_threads = _recv(conn)
     try:
         from axrl.train.megatron.rank import MegatronRank, init_distributed, worker_setup
@@ -128,7 +135,7 @@ def _serve(conn: Any) -> None:
         if msg[0] == "close":
             break
         try:
-            _send(conn, ("ok", getattr(state, msg[0])(*msg[1])))
+            _send(conn, ("ok", msg[1].run(state, *msg[2])))
         except BaseException:  # noqa: BLE001
             _send(conn, ("error", traceback.format_exc()))
     import torch.distributed as dist
@@ -201,18 +208,18 @@ class WorkerGroup:
                 results[r] = value
         return [results[r] for r in range(len(self.conns))]
 
-    def call(self, method: str, *args: Any) -> list[Any]:
-        return self._run(method, [args] * len(self.conns))
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        return self._run(RankCall.of(fn, *args, **kwargs), [()] * len(self.conns))
 
-    def call_each(self, method: str, firsts: list[Any], *args: Any) -> list[Any]:
-        return self._run(method, [(first, *args) for first in firsts])
+    def call_each(self, fn: Callable[..., Any], firsts: list[Any], *args: Any, **kwargs: Any) -> list[Any]:
+        return self._run(RankCall.each(fn, firsts[0], *args, **kwargs), [(first,) for first in firsts])
 
-    def _run(self, method: str, per_rank: list[tuple[Any, ...]]) -> list[Any]:
+    def _run(self, call: RankCall, firsts: list[tuple[Any, ...]]) -> list[Any]:
         if self._closed:
             raise RuntimeError("the Megatron backend's workers are closed")
-        for conn, args in zip(self.conns, per_rank):
-            _send(conn, (method, args))
-        return self._collect(method)
+        for conn, first in zip(self.conns, firsts):
+            _send(conn, ("call", call, first))
+        return self._collect(call.name)
 
     def close(self) -> None:
         if not self._closed:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +34,9 @@ from axrl.train.prefix_tree import PrefixTree
 from axrl.train.metrics import TOKEN_COLUMN_PREFIX, split_token_columns
 from axrl.train.optim import adamw, clip_grads_, set_adam_hyper
 from axrl.train.protocol import LossFn, R3Scope
+
+if TYPE_CHECKING:
+    from axrl.train.megatron.rank_calls import RankCall
 
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -372,15 +375,18 @@ class MegatronRank:
         Megatron weights (`value_head.critic_to_megatron`)."""
         self.critic = MegatronRank(self.cfg, self.sizes, self.dispatcher, full_weights, value_head=True)
 
-    def on_critic(self, method: str, *args: Any) -> Any:
-        """`method(*args)` of the value model's rank (its weights, optimizer slot, state)."""
+    def on_critic(self, call: RankCall) -> Any:
+        """A typed call (`RankCall.of`) on the value model's rank (its weights, optimizer slot, state)."""
+        return call.run(self._critic())
+
+    def on_critic_with(self, work: RankWork, call: RankCall) -> Any:
+        """`on_critic` with this rank's own `RankWork` first (`RankGroup.call_each`; `RankCall.each`)."""
+        return call.run(self._critic(), work)
+
+    def _critic(self) -> MegatronRank:
         if self.critic is None:
             raise RuntimeError("this Megatron rank holds no critic (attach_critic was not called)")
-        return getattr(self.critic, method)(*args)
-
-    def on_critic_with(self, work: RankWork, method: str, *args: Any) -> Any:
-        """`on_critic` with this rank's own `RankWork` first (`RankGroup.call_each`)."""
-        return self.on_critic(method, work, *args)
+        return self.critic
 
     def _values(self, share: Share, work: RankWork) -> torch.Tensor:
         """Packed V [T] (float32) of this rank's share of a micro-batch (value model only)."""

@@ -11,21 +11,22 @@ from typing import Any, Callable
 import torch
 
 from axrl.train.megatron.convert import unshard
+from axrl.train.megatron.rank import MegatronRank
 
-Call = Callable[..., list[Any]]                     # RankGroup.call of one model: (method, *args) → answers
+Call = Callable[..., list[Any]]                     # RankGroup.call of one model: (rank method, *args) → answers
 Convert = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def gather_weights(call: Call, num_experts: int) -> dict[str, torch.Tensor]:
     """The model's full Megatron-named weights, from every rank's shard."""
-    return unshard(call("local_weights"), num_experts=num_experts)
+    return unshard(call(MegatronRank.local_weights), num_experts=num_experts)
 
 
 def gather_moments(call: Call, slot: str, convert: Convert, num_experts: int) -> dict[str, dict[str, torch.Tensor]]:
     """The optimizer slot's AdamW state per checkpoint name ({step, exp_avg, exp_avg_sq}); {} before
     its first step."""
-    parts = call("optimizer_state", slot)
+    parts = call(MegatronRank.optimizer_state, slot)
     if not parts[0][0]:
         return {}
     step = next(iter(parts[0][0].values()))["step"]
@@ -44,8 +45,8 @@ def load_moments(call: Call, slot: str, optim: dict[str, dict[str, torch.Tensor]
         step = float(next(iter(optim.values()))["step"])
         moments = {k: back({n: s[k].float() for n, s in optim.items()}) for k in ADAM_KEYS}
         full = {n: {k: moments[k][n] for k in moments} for n in moments["exp_avg"]}
-    call("load_optimizer_state", slot, full, step, betas, eps, weight_decay)
-    call("zero_grad")
+    call(MegatronRank.load_optimizer_state, slot, full, step, betas, eps, weight_decay)
+    call(MegatronRank.zero_grad)
 
 
 __all__ = ["gather_moments", "gather_weights", "load_moments"]
