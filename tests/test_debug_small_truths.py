@@ -73,3 +73,18 @@ def test_top_collapses_the_same_token_of_identical_samples(tmp_path) -> None:
     assert top[0]["sample_ids"] == [0, 1, 2]
     text = " ".join(invoke("mismatch", run, "--top", "3").stdout.split())
     assert "(+2 identical)" in text
+
+
+def test_the_loss_proxy_reads_the_default_tis_as_the_loss_did() -> None:
+    # config.yaml of a run that names no correction has algo.tis: null — its loss had token TIS
+    import numpy as np
+
+    from axrl_debug.analysis.spikes import loss_proxy
+    cols = {"/samples/offsets": np.array([0, 3]), "/tokens/loss_mask": np.array([0, 1, 1]),
+            "/tokens/advantage": np.array([0.0, 1.0, 1.0]), "/tokens/old_logprob": np.array([0.0, 0.0, 0.0]),
+            "/tokens/rollout_logprob": np.array([0.0, -5.0, 0.0]), "/train/update_samples": np.array([0]),
+            "/train/updates/sample_offsets": np.array([0, 1])}
+    capped = loss_proxy(cols, {"tis": None, "tis_cap": 2.0, "loss_agg": "token-mean"})
+    assert capped.tolist() == loss_proxy(cols, {"tis": True, "tis_cap": 2.0, "loss_agg": "token-mean"}).tolist()
+    named = loss_proxy(cols, {"tis": None, "correction": {"mis": {}}, "tis_cap": 2.0, "loss_agg": "token-mean"})
+    assert named.tolist() == loss_proxy(cols, {"tis": False, "loss_agg": "token-mean"}).tolist() != capped.tolist()
