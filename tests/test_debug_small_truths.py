@@ -6,7 +6,6 @@ token, identical samples collapsed."""
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import typer.main
 

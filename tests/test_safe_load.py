@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import builtins
 import collections
-import io
 import pickle
 from pathlib import Path
 
