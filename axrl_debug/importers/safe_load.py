@@ -189,7 +189,11 @@ _CALLABLE_OBJECTS: dict[int, Any] = {}   # id -> object, on first use: _CALLABLE
 def _callable_objects() -> dict[int, Any]:
     """The objects a dump may call, by identity (never by ==: an array compares element-wise)."""
     if not _CALLABLE_OBJECTS:
-        found = [_resolve(m, n) for m, n in sorted(_CALLABLE) if _importable(m, n)]
+        # numpy 2's numpy.core.* is a deprecated alias of numpy._core.* (same objects): not imported
+        # here (it warns), only when a dump names it
+        legacy = hasattr(np, "_core")
+        found = [_resolve(m, n) for m, n in sorted(_CALLABLE)
+                 if not (legacy and m.startswith("numpy.core.")) and _importable(m, n)]
         found += [_resolve(m, n) for m, n in sorted(_VALUES) if m == "numpy.dtypes"]
         _CALLABLE_OBJECTS.update({id(o): o for o in [*found, _reconstructor]})
     return _CALLABLE_OBJECTS
