@@ -83,7 +83,7 @@ def ref_token(lp, old, A, roll, ref, ent, cfg: PolicyLossConfig) -> tuple[float,
         raw = math.exp(old - roll)
         capped = raw > cfg.tis_cap
         w = min(raw, cfg.tis_cap)
-    if cfg.tis:
+    if cfg.tis_short_form():
         pg, dpg = pg * w, dpg * w
     loss, grad = pg, dpg
     if cfg.kl_coef > 0:

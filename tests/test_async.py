@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import h5py
@@ -21,6 +20,7 @@ from trace_util import trace_datasets
 from train_util import QUICKSTART, debug, train_command
 from axrl.agents.tasks import get_task
 from axrl.config import load_config
+from axrl.trace.kill_points import ENV as KILL_ENV
 from axrl.model import build_model, preset_config, save_hf
 from axrl.assembly.build import train
 from axrl.runtime.warmup import warm_up
@@ -268,21 +268,17 @@ def assert_same_traces(run_a: Path, run_b: Path) -> None:
 
 
 def test_sigkill_and_resume_lose_no_group_and_train_none_twice(warm_model, tmp_path):
-    """SIGKILLed three times, each at a point the test picks by watching the run directory — while
-    step 1's trace file is written (or just after), while the checkpoint before step 3 is written
-    (or just after), at the step boundary after the next one — with groups in flight each time
-    (async), and resumed until done: every group started is trained once, recorded as dropped, or
-    pending in the final checkpoint. Each point comes at least one whole step before the end, so
-    the run is still going when it is reached, however fast the machine."""
+    """SIGKILLed three times, each at a point the run itself signals (AXRL_KILL_AT: the run kills
+    itself the moment it gets there, axrl/trace/kill_points.py) — step 1's trace file written but
+    not yet renamed, the checkpoint before step 3 written but not renamed, the checkpoint before
+    step 4 complete — with groups in flight each time (async), and resumed until done: every group
+    started is trained once, recorded as dropped, or pending in the final checkpoint."""
     run_dir = tmp_path / "run"
-    trace, ckpt = run_dir / "trace", run_dir / "checkpoints"
     extra = ("steps=6", "rollout.max_staleness=2", "rollout.partial_rollout=recompute")
     args = _axrl(run_dir, warm_model, *extra)
-    # (what is under way, files whose appearance marks it, the checkpoint the resume starts from)
-    # (with the checkpoint after a step written within the ~2 ms the test takes to notice, one later)
-    kill_points = [("writing step 1's trace file", [trace / "step_000001.h5.tmp", trace / "step_000001.h5"], (1, 2)),
-                   ("writing the checkpoint before step 3", [ckpt / "step_000003.tmp", ckpt / "step_000003"], (2, 3)),
-                   ("the step boundary before step 4", [ckpt / "step_000004" / "state.json"], (4,))]
+    # (the kill point, the checkpoints a resume may start from: the trace is written in the
+    # background, so the main loop may or may not have saved the next checkpoint by then)
+    kill_points = [("written:step_000001.h5", (1, 2)), ("written:step_000003", (2,)), ("renamed:step_000004", (4,))]
     _kill_and_resume(args, run_dir, kill_points, tmp_path / "stderr.txt", steps=6)
     trained, dropped = [], []
     for s in steps(run_dir):
@@ -294,49 +290,51 @@ def test_sigkill_and_resume_lose_no_group_and_train_none_twice(warm_model, tmp_p
     assert set(range(final["next_position"])) == set(accounted), "a started group was lost"
 
 
-def _kill_and_resume(args: list[str], run_dir: Path, kill_points: list[tuple[str, list[Path], tuple[int, ...]]],
+def _landed(run_dir: Path, point: str) -> bool:
+    """The run directory shows the run died exactly at `point` (`written:NAME`: NAME's tmp is
+    there and NAME is not; `renamed:NAME`: NAME is there, complete)."""
+    kind, name = point.split(":")
+    where = run_dir / ("trace" if name.endswith(".h5") else "checkpoints")
+    tmp, final = where / (name + ".tmp"), where / name
+    if kind == "written":
+        return tmp.exists() and not final.exists()
+    return final.exists() and not tmp.exists() and (name.endswith(".h5") or (final / "state.json").is_file())
+
+
+def _kill_and_resume(args: list[str], run_dir: Path, kill_points: list[tuple[str, tuple[int, ...]]],
                      stderr: Path, steps: int) -> None:
-    """Start the run, SIGKILL it at each kill point (the first of its files to appear) and
-    --resume it, then resume it to the end; each resume must start at a checkpoint the point
-    allows (the kills landed where the test put them)."""
-    for attempt, (what, marks, _) in enumerate(kill_points):
-        assert not any(m.exists() for m in marks), (what, "reached before the run started")
+    """Start the run with AXRL_KILL_AT set to each kill point in turn (the run SIGKILLs itself the
+    moment it reaches it: no race with a watcher), check it died there, --resume it, then resume
+    it to the end; each resume must start at a checkpoint the point allows."""
+    for attempt, (point, _) in enumerate(kill_points):
         with open(stderr, "w") as err:
-            proc = subprocess.Popen(args + (["--resume"] if attempt else []), env=ENV, stdout=subprocess.DEVNULL,
-                                    stderr=err)
-        deadline = time.monotonic() + 600
-        while not any(m.exists() for m in marks):
-            assert proc.poll() is None, f"the run exited ({proc.returncode}) before {what}: {stderr.read_text()[-2000:]}"
-            assert time.monotonic() < deadline, f"{what}: not reached in 600 s"
-            time.sleep(0.002)
-        assert proc.poll() is None, f"the run was over at {what}: {stderr.read_text()[-2000:]}"
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait() == -signal.SIGKILL
+            proc = subprocess.run(args + (["--resume"] if attempt else []), env={**ENV, KILL_ENV: point},
+                                  stdout=subprocess.DEVNULL, stderr=err, timeout=600)
+        assert proc.returncode == -signal.SIGKILL, f"{point}: the run exited {proc.returncode}: " \
+                                                   f"{stderr.read_text()[-2000:]}"
+        assert _landed(run_dir, point), point
     with open(stderr, "w") as err:
         done = subprocess.run(args + ["--resume"], env=ENV, stdout=subprocess.DEVNULL, stderr=err, timeout=600)
     assert done.returncode == 0, stderr.read_text()[-2000:]
     assert len(list((run_dir / "trace").glob("step_*.h5"))) == steps
     resumes = [r["from_step"] for r in json.loads((run_dir / "manifest.json").read_text())["resumes"]]
     assert len(resumes) == len(kill_points), resumes
-    for (what, _, expected), got in zip(kill_points, resumes):
-        assert got in expected, (what, resumes)
+    for (point, expected), got in zip(kill_points, resumes):
+        assert got in expected, (point, resumes)
 
 
 def test_sigkill_and_resume_continue_the_uninterrupted_schedule_bitwise(warm_model, tmp_path):
     """checkpoint.quiescent (the default): a deterministic async run (η = 2, checkpoints every 2
-    steps) killed while step 1 is written, while step 3 is written, and just after the checkpoint
-    before step 4 (groups of batch 4 already running), then resumed, writes every step file bit
-    for bit as the uninterrupted run does. The pipeline drains only at the checkpoints: steps 2
-    and 4 train lag-0 tokens only, the others train stale ones."""
+    steps) killed (AXRL_KILL_AT, from inside) once step 1's trace file is written, once step 3's
+    is, and just after the checkpoint before step 4 (groups of batch 4 already running), then
+    resumed, writes every step file bit for bit as the uninterrupted run does. The pipeline
+    drains only at the checkpoints: steps 2 and 4 train lag-0 tokens only, the others train stale ones."""
     extra = ("steps=6", "rollout.max_staleness=2", "rollout.partial_rollout=continue", "checkpoint.every=2",
              "checkpoint.quiescent=true")
     whole = subprocess.Popen(_axrl(tmp_path / "whole", warm_model, *extra), env=ENV, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE)
     run_dir = tmp_path / "killed"
-    trace, ckpt = run_dir / "trace", run_dir / "checkpoints"
-    kill_points = [("writing step 1's trace file", [trace / "step_000001.h5.tmp", trace / "step_000001.h5"], (0,)),
-                   ("writing step 3's trace file", [trace / "step_000003.h5.tmp", trace / "step_000003.h5"], (2,)),
-                   ("the checkpoint before step 4", [ckpt / "step_000004" / "state.json"], (4,))]
+    kill_points = [("written:step_000001.h5", (0,)), ("written:step_000003.h5", (2,)), ("renamed:step_000004", (4,))]
     _kill_and_resume(_axrl(run_dir, warm_model, *extra), run_dir, kill_points, tmp_path / "stderr.txt", steps=6)
     assert whole.wait(timeout=600) == 0, whole.stderr.read().decode()[-2000:]
     assert_same_traces(tmp_path / "whole", run_dir)

@@ -199,6 +199,10 @@ def test_sdk_supervised_steps_sampling_stops_and_errors(server: Server, model_di
                       loss_fn_inputs={"target_tokens": np.asarray(ids[:4]), "weights": np.ones(4, np.float32)})
     with pytest.raises(tinker.RequestFailedError, match="target_tokens must be model_input shifted by one"):
         tc.forward_backward([bad], "cross_entropy").result()
+    # the refusal consumed its seq_id: the next request is served at once (it used to wait 10 s)
+    t0 = time.perf_counter()
+    assert tc.forward([_datum(ids)], "cross_entropy").result().metrics["loss:sum"] > 0
+    assert time.perf_counter() - t0 < 5.0
     with pytest.raises(tinker.RequestFailedError, match="no forward_backward since the last optim_step"):
         tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     assert tc.forward([_datum(ids)], "cross_entropy").result().metrics["loss:sum"] > 0   # still serving

@@ -9,6 +9,7 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -280,3 +281,125 @@ def test_a_datum_longer_than_the_models_positions_is_refused() -> None:
                                         r"the model's max_position_embeddings 8"):
         pack(call.data, "cross_entropy", vocab_size=1024, max_positions=8)
     assert pack(call.data, "cross_entropy", vocab_size=1024, max_positions=11).num_samples == 1
+
+
+class _FakeModel:
+    """A service model that answers every forward_backward / optim_step at once (the routes'
+    ordering is under test, not the training)."""
+
+    lora_rank = None
+
+    def __init__(self, model_id: str) -> None:
+        self.model_id, self.ran = model_id, []
+
+    def forward_backward(self, call) -> bytes:     # noqa: ANN001 - a decoded ForwardBackwardCall
+        self.ran.append(call.seq_id)
+        return encode_forward_backward_output({}, {"loss:sum": 0.0}, len(call.data))
+
+    def optim_step(self, params) -> dict:          # noqa: ANN001 - the request's AdamW params
+        return {"metrics": {}}
+
+    def close(self) -> None:
+        pass
+
+
+def _refused_bodies(model_id: str) -> dict[str, bytes]:
+    """forward_backward bodies that decode_forward_backward refuses, one per kind, seq_id unset."""
+    from tinker.proto import tinker_public_pb2 as pb
+
+    def body(datum: types.Datum, loss_fn: str = "cross_entropy", tweak=None) -> bytes:   # noqa: ANN001
+        req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(
+            data=[datum], loss_fn=loss_fn), model_id=model_id, seq_id=0)
+        msg = forward_backward_request_to_proto(req)
+        if tweak is not None:
+            tweak(msg.data[0].loss_fn_inputs)
+        return msg.SerializeToString()
+
+    ones = np.ones(3, np.float32)
+
+    def bad_dtype(inputs) -> None:                 # noqa: ANN001 - the datum's protobuf map
+        inputs["weights"].dtype = pb.DTYPE_BFLOAT16
+
+    def two_d(inputs) -> None:                     # noqa: ANN001
+        inputs["weights"].shape[:] = [3, 1]
+    return {
+        "nan weight": body(_datum([1, 2, 3, 4], weights=np.asarray([1, np.nan, 1], np.float32))),
+        "inf logprob": body(_datum([1, 2, 3, 4], advantages=ones, logprobs=np.asarray([0, -np.inf, 0], np.float32)),
+                            "importance_sampling"),
+        "shape mismatch": body(_datum([1, 2, 3, 4], weights=np.ones(2, np.float32))),
+        "bad dtype": body(_datum([1, 2, 3, 4], weights=ones), tweak=bad_dtype),
+        "2-d input": body(_datum([1, 2, 3, 4], weights=ones), tweak=two_d),
+        "unknown key": body(_datum([1, 2, 3, 4], weights=ones, extra=ones)),
+        "not shifted": body(types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
+                                        loss_fn_inputs={"target_tokens": np.asarray([2, 9, 4]), "weights": ones})),
+    }
+
+
+def _with_seq(body: bytes, seq: int) -> bytes:
+    from tinker.proto import tinker_public_pb2 as pb
+
+    msg = pb.ForwardBackwardRequest()
+    msg.ParseFromString(body)
+    msg.seq_id = seq
+    return msg.SerializeToString()
+
+
+def test_every_refused_request_consumes_its_seq_id_so_the_next_is_served_at_once() -> None:
+    # A refused forward_backward used to be answered without taking its turn: its seq_id stayed
+    # unused and the model's next request waited out the gap limit (10 s) for it.
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from axrl.tinker_api.routes import add_tinker_routes
+    from axrl.tinker_api.state import ServiceState
+
+    state = ServiceState(sampler=None, make_model=lambda i, mid, rank: _FakeModel(mid), base_model="m",
+                         model_dir=Path("/nonexistent"), arch="qwen3", store=FutureStore(poll_s=5.0, gap_s=10.0))
+    app = FastAPI()
+    add_tinker_routes(app, state)
+    model = state.create_model("s:train:0", None)
+    good = _request([_datum([1, 2, 3], weights=np.ones(2, np.float32))], "cross_entropy")
+    headers = {"x-api-key": "tml-test"}
+    seq = 1
+    with TestClient(app) as client:
+        def post(path: str, **kw) -> tuple[dict, float]:   # noqa: ANN003
+            t0 = time.perf_counter()
+            r = client.post(f"/api/v1/{path}", headers=headers, **kw)
+            assert r.status_code == 200, r.text
+            res = client.post("/api/v1/retrieve_future", headers=headers, json={"request_id": r.json()["request_id"]})
+            return res, time.perf_counter() - t0
+
+        for kind, bad in _refused_bodies("s:train:0").items():
+            res, _ = post("forward_backward", content=_with_seq(bad, seq))
+            assert res.json()["category"] == "user", (kind, res.text)
+            _, waited = post("forward_backward", content=_with_seq(good, seq + 1))
+            assert waited < 2.0, f"after a refused forward_backward ({kind}) the next request waited {waited:.1f} s"
+            seq += 2
+        # a request for an unknown model is refused in its turn too (the model may be created later)
+        res, _ = post("forward_backward", content=_with_seq(_request([], "cross_entropy").replace(b"s:train:0",
+                                                                                                b"s:train:9"), 1))
+        assert "unknown model_id" in res.json()["error"]
+        _, waited = post("optim_step", json={"model_id": "s:train:9", "seq_id": 2})
+        assert waited < 2.0
+        _, waited = post("optim_step", json={"model_id": "s:train:0", "seq_id": seq})
+        assert waited < 2.0
+    assert model.ran == list(range(2, seq, 2))      # only the good requests ran, in order
+    state.close()
+
+
+def test_a_sampler_logprob_of_exactly_zero_is_kept_and_unknown_stays_nan() -> None:
+    # a token sampled with p = 1 (logprob 0.0 in float32) used to be stored as NaN ("unknown"), so
+    # it left the trace's rollout logprobs and the mismatch statistics
+    adv = np.asarray([0.0, 0.0, 1.0, 1.0, 0.0], np.float32)
+    lp = np.asarray([0.0, 0.0, 0.0, -1.5, 0.0], np.float32)
+    mask = np.asarray([0, 0, 1, 1, 1], np.float32)
+    call = decode_forward_backward(_request([_datum([5, 6, 7, 8, 9, 10], advantages=adv, logprobs=lp),
+                                             _datum([5, 6, 7, 8, 9, 10], advantages=adv, logprobs=lp, mask=mask),
+                                             _datum([5, 6, 7], weights=np.ones(2, np.float32))]))
+    batch = pack(call.data[:2], "importance_sampling")
+    q = batch.rollout_logprobs.tolist()
+    assert q[3:5] == [0.0, -1.5]                          # sampled at p = 1: 0.0, not NaN
+    assert all(math.isnan(v) for v in q[:3] + [q[5]])      # prompt filler and the untrained tail: unknown
+    assert q[6 + 3:6 + 6] == [0.0, -1.5, 0.0]              # the mask names the last position as sampled
+    ce = pack(call.data[2:], "cross_entropy")
+    assert bool(torch.isnan(ce.rollout_logprobs).all())   # no logprobs sent: unknown everywhere

@@ -25,8 +25,12 @@ class PolicyLossConfig(BaseModel):
     clip_low / clip_high: ε_low, ε_high of the ratio band [1 − ε_low, 1 + ε_high].
     dual_clip: c > 1 for dual-clip PPO, None to disable.
     tis / tis_cap: short form of `correction: {tis: {level: token, cap: tis_cap}}` (ignored when
-        `correction` names `tis`); tis_cap is also the cap of the `tis_*` diagnostics. Not decoupled
-        runs only: a decoupled loss's token weight is the behaviour weight below.
+        `correction` names `tis`); tis_cap is also the cap of the `tis_*` diagnostics. `tis: null`
+        (the default) is the default correction: token TIS applies only when `correction` names no
+        correction — naming one (e.g. `{mis: …}`) replaces it, and `tis: true` asks for both.
+        `tis: false`: off. The same in YAML and Python (`PolicyLossConfig()` has token TIS;
+        `PolicyLossConfig(correction={"mis": …})` has MIS only). Not decoupled runs only: a
+        decoupled loss's token weight is the behaviour weight below.
     decoupled: decoupled PPO (AReaL) — every loss token is weighted by the behaviour weight
         w_t = π_prox/μ = exp(old − rollout), a plain importance weight, uncapped unless
         `behaviour_weight_cap`. null: follow `runtime.mode` (true in asynchronous runs, where
@@ -57,8 +61,9 @@ class PolicyLossConfig(BaseModel):
     clip_low: float = Field(0.2, ge=0, le=1)
     clip_high: float = Field(0.28, ge=0)
     dual_clip: float | None = Field(None, gt=1)
-    tis: bool = Field(True, description="short form of correction.tis (token level, cap tis_cap); not decoupled "
-                                        "runs")
+    tis: bool | None = Field(None, description="short form of correction.tis (token level, cap tis_cap); not "
+                                               "decoupled runs. null: on only when algo.correction names no "
+                                               "correction; true: on beside the named ones; false: off")
     tis_cap: float = Field(2.0, gt=0)
     decoupled: bool | None = Field(None, description="decoupled PPO: weight every loss token by π_prox/μ (the "
                                                      "behaviour weight); null: on in asynchronous runs")
@@ -109,6 +114,18 @@ class PolicyLossConfig(BaseModel):
 
         return OBJECTIVES.params(self.loss, self.loss_args, "algo.loss_args")
 
+    def tis_short_form(self) -> bool:
+        """Whether the `tis` short form adds token TIS (cap tis_cap) to a loss that is not decoupled:
+        `tis: true`, or `tis: null` (the default) with no correction named in `correction`."""
+        if self.tis is not None:
+            return self.tis
+        return not any(args is not None for args in self.correction.values()) and "tis" not in self.correction
+
+    def effective_corrections(self) -> dict[str, dict[str, Any]]:
+        """{name: parameters} of the corrections in effect — what `axrl train` prints at start and
+        stores in the manifest (`extra.corrections`); {} when none."""
+        return {c.name: params.model_dump(mode="json") for c, params in self.corrections()}
+
     def corrections(self) -> list[tuple[Any, BaseModel]]:
         """The corrections in effect with their validated parameters, in a fixed (name) order."""
         return self._corrections(undecided_ok=False)
@@ -126,7 +143,7 @@ class PolicyLossConfig(BaseModel):
                 raise ValueError("algo.behaviour_weight_cap caps the behaviour weight of decoupled PPO (asynchronous "
                                  "runs, or algo.decoupled: true); this loss is not decoupled: cap its TIS weight "
                                  "with algo.tis_cap or correction.tis.cap")
-            if self.tis and "tis" not in chosen:
+            if self.tis_short_form() and "tis" not in chosen:
                 chosen["tis"] = {"level": "token", "cap": self.tis_cap}
         return [(CORRECTIONS.get(name), CORRECTIONS.params(name, args, f"algo.correction.{name}"))
                 for name, args in sorted(chosen.items()) if args is not None]
@@ -143,7 +160,7 @@ class PolicyLossConfig(BaseModel):
                 raise ValueError("algo.behaviour_weight_cap and algo.correction.tis both set the behaviour weight of "
                                  "decoupled PPO; keep one (correction.tis.cap caps it)")
             return
-        if not self.tis:
+        if self.tis is False:
             raise ValueError(f"algo.tis: false would drop the behaviour weight: {why}; {off}")
         if self.tis_cap != PolicyLossConfig.model_fields["tis_cap"].default:
             raise ValueError(f"algo.tis_cap ({self.tis_cap:g}) caps the TIS weight of runs that are not decoupled; "

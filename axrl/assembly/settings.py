@@ -273,4 +273,4 @@ def loop_settings(cfg: Config) -> LoopSettings:
         config=config_to_dict(cfg),
         manifest={"backend": cfg.train.backend, "engine": cfg.rollout.engine, "mode": cfg.runtime.mode,
                   "rollout_clock": rollout_clock(cfg), "rollout_weight_dtype": cfg.rollout.weight_dtype,
-                  "rollout_kv_dtype": cfg.rollout.kv_dtype})
+                  "rollout_kv_dtype": cfg.rollout.kv_dtype, "corrections": loss_config(cfg).effective_corrections()})

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from axrl.trace.kill_points import kill_point
 from axrl.train.protocol import TrainBackend
 
 STATE_FILE = "state.json"
@@ -45,6 +46,7 @@ def save_checkpoint(run_dir: Path, next_step: int, backend: TrainBackend, state:
         json.dump({"next_step": next_step, **state}, f, indent=2, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
+    kill_point(f"written:{final.name}")         # tests of crash recovery (AXRL_KILL_AT)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -53,6 +55,7 @@ def save_checkpoint(run_dir: Path, next_step: int, backend: TrainBackend, state:
         os.fsync(fd)
     finally:
         os.close(fd)
+    kill_point(f"renamed:{final.name}")
     if keep:
         for old in list_checkpoints(run_dir)[:-keep]:
             if old[0] != 0:  # the post-warm-up state is the root of every replay: keep it

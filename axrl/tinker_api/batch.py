@@ -4,7 +4,8 @@ per-datum outputs back out of the packed rows.
 Row i + 1 of a sequence carries datum position i (`wire.Datum`); each sequence's row 0 predicts
 nothing. Columns: `advantages` holds the datum's advantages (RL losses) or its weights
 (cross_entropy: −Σ w·lp is REINFORCE with A = w); `rollout_logprobs` the sampler's logprobs the
-client sent (NaN where it sent none or 0, i.e. prompt positions); `loss_mask` the positions the
+client sent (NaN where it sent none, or 0 on a position not trained, i.e. prompt positions; a 0.0
+on a trained position is a token sampled with p = 1 and is kept); `loss_mask` the positions the
 loss trains on (weight ≠ 0, or advantage / sampler logprob ≠ 0).
 """
 
@@ -44,10 +45,16 @@ def pack(data: list[Datum], loss_fn: str, vocab_size: int | None = None,
         lp = d.inputs.get("logprobs", np.zeros(n, np.float32))
         ids.append(d.tokens)
         adv.append(np.concatenate([zero, a]))
-        q.append(np.concatenate([[np.nan], np.where(lp != 0, lp, np.nan)]).astype(np.float32))
         trained = (a != 0) | (lp != 0)
         if "mask" in d.inputs:
             trained &= d.inputs["mask"] != 0
+        # A sampler logprob of exactly 0.0 on a trained position is a token sampled with p = 1 in
+        # float32, not a missing value: keep it (else it leaves the mismatch statistics). NaN
+        # ("unknown") only where no logprobs were sent, or at an untrained 0 (the prompt's filler).
+        known = ((lp != 0) | trained) if "logprobs" in d.inputs else np.zeros(n, bool)
+        if "logprobs" in d.inputs and "mask" in d.inputs:
+            known |= d.inputs["mask"] != 0
+        q.append(np.concatenate([[np.nan], np.where(known, lp, np.nan)]).astype(np.float32))
         mask.append(np.concatenate([zero, trained.astype(np.float32)]))
     offsets = np.cumsum([0] + [x.size for x in ids]).astype(np.int64)
     return PackedBatch(input_ids=torch.from_numpy(np.concatenate(ids)), offsets=torch.from_numpy(offsets),

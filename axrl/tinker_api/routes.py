@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from axrl.tinker_api.errors import UserError
+from axrl.tinker_api.errors import RefusedRequest, UserError
 from axrl.tinker_api.futures import Result, error_result
 from axrl.tinker_api.sampling import BASE, SampleSpec, parse_stop
 from axrl.tinker_api.state import ServiceState
@@ -132,9 +132,14 @@ def _add_training_routes(app: FastAPI, state: ServiceState) -> None:
     async def forward_backward(request: Request) -> dict[str, Any]:
         try:
             call = decode_forward_backward(await request.body())
+        except RefusedRequest as e:         # a bad datum / config: the header and its seq_id parsed
+            return await _refuse(state, e.model_id, e.seq_id, e)
+        except UserError as e:              # not a protobuf at all: there is no seq_id to consume
+            return _future(store.complete(error_result(e)))
+        try:
             model = state.model(call.model_id)
         except UserError as e:
-            return _future(store.complete(error_result(e)))
+            return await _refuse(state, call.model_id, call.seq_id, e)
         rid, _ = await store.submit_ordered(call.model_id, call.seq_id,
                                             lambda: ("proto", model.forward_backward(call)), state.train_pool)
         return _future(rid, model_id=call.model_id)
@@ -146,15 +151,22 @@ def _add_training_routes(app: FastAPI, state: ServiceState) -> None:
         return await _ordered(state, body, lambda m: ("json", {"type": "optim_step", **m.optim_step(params)}))
 
 
+async def _refuse(state: ServiceState, model_id: str, seq_id: int, e: UserError) -> dict[str, Any]:
+    """Answer a refused request in its turn: it consumes its seq_id like a served one (else the
+    model's next request would wait `gap_s` for it); a retried POST gets the same refusal."""
+    rid, _ = await state.store.submit_ordered(str(model_id), seq_id, lambda: error_result(e), state.train_pool)
+    return _future(rid, model_id=str(model_id))
+
+
 async def _ordered(state: ServiceState, body: dict[str, Any], op: Any) -> dict[str, Any]:
     """Run `op(model)` in the model's seq_id order on the training thread; the future."""
+    seq = body.get("seq_id")
+    if not isinstance(seq, int) or isinstance(seq, bool):
+        return _future(state.store.complete(error_result(UserError(f"seq_id must be an integer, got {seq!r}"))))
     try:
         model = state.model(body.get("model_id"))
-        seq = body.get("seq_id")
-        if not isinstance(seq, int):
-            raise UserError(f"seq_id must be an integer, got {seq!r}")
     except UserError as e:
-        return _future(state.store.complete(error_result(e)))
+        return await _refuse(state, str(body.get("model_id")), seq, e)
     rid, _ = await state.store.submit_ordered(model.model_id, seq, lambda: op(model), state.train_pool)
     return _future(rid, model_id=model.model_id)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from axrl.tinker_api.errors import UserError
+from axrl.tinker_api.errors import RefusedRequest, UserError
 
 #: loss_fn_inputs AxRL reads, with their wire dtype (others are refused: nothing would use them)
 DATUM_KEYS = {"target_tokens": "int64", "weights": "float32", "advantages": "float32", "logprobs": "float32",
@@ -113,12 +113,16 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
         msg.ParseFromString(body)
     except Exception as e:  # noqa: BLE001 - the protobuf runtime raises its own DecodeError
         raise UserError(f"forward_backward: the body is not a ForwardBackwardRequest protobuf: {e}") from None
-    config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
-    for k, v in msg.loss_fn_config_v2.items():
-        config[k] = v.text if v.WhichOneof("value") == "text" else float(v.number)
+    try:
+        config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
+        for k, v in msg.loss_fn_config_v2.items():
+            config[k] = v.text if v.WhichOneof("value") == "text" else float(v.number)
+        data = [_datum(i, d) for i, d in enumerate(msg.data)]
+    except UserError as e:
+        # the header parsed: the refusal carries the request's place in the model's seq_id order
+        raise RefusedRequest(str(e), msg.model_id, int(msg.seq_id)) from None
     return ForwardBackwardCall(model_id=msg.model_id, seq_id=int(msg.seq_id), loss_fn=msg.loss_fn,
-                              loss_fn_config=config, forward_only=bool(msg.forward_only),
-                              data=[_datum(i, d) for i, d in enumerate(msg.data)])
+                              loss_fn_config=config, forward_only=bool(msg.forward_only), data=data)
 
 
 def _batched(arrays: list[np.ndarray], dtype: Any) -> Any:

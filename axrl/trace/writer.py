@@ -17,6 +17,7 @@ import numpy as np
 
 from . import routing_codec
 from . import schema as S
+from .kill_points import kill_point
 from .prepare import _Prepared, prepare
 from .step_record import StepRecord
 
@@ -159,6 +160,7 @@ def atomic_h5(final: Path, fill: Callable[[h5py.File], None]) -> Path:
             fill(f)
             f.flush()
         _fsync_path(tmp)
+        kill_point(f"written:{final.name}")     # tests of crash recovery (AXRL_KILL_AT)
         os.replace(tmp, final)
     except BaseException:
         try:
@@ -167,5 +169,6 @@ def atomic_h5(final: Path, fill: Callable[[h5py.File], None]) -> Path:
             pass
         raise
     fsync_dir(final.parent)
+    kill_point(f"renamed:{final.name}")
     return final
 

@@ -7,12 +7,19 @@ Golden file (JSON, strict — NaN is written as null)::
      "metrics": ["reward", "loss", ...],
      "tolerance": {"rtol": 1e-5, "atol": 1e-12},         # default for every metric
      "tolerances": {"mismatch": {"rtol": ..., "atol": ...}},   # optional per-metric defaults
+     "cross_machine_tolerances": {"loss": {"rtol": 1e-3, "atol": 1e-9}, ...},   # optional, below
      "steps": [{"step": 0, "reward": 0.2, "loss": 0.0012, ...}, ...]}
 
 Tolerance of a metric, first match wins: ``--tol METRIC=…`` on the command line, then ``--rtol`` /
 ``--atol`` given on the command line, then the golden file's ``tolerances[METRIC]``, then its
 ``tolerance``, then ``DEFAULT_RTOL`` / ``DEFAULT_ATOL``. The rule is ``|actual − golden| ≤ atol +
 rtol · |golden|`` (``analysis.diff.is_close``).
+
+Bits belong to the machine: the tight tolerances hold for a run on the machine that made the
+golden — the same ``MACHINE_KEYS`` (CPU dispatch level, instruction-set flags digest, platform
+string, torch build) in the checked run's manifest as in the golden's ``source``. A run made
+elsewhere is checked with the golden file's ``cross_machine_tolerances[METRIC]`` where it has one
+(between the command line and ``tolerances`` in the precedence above), and the check says so.
 """
 
 from __future__ import annotations
@@ -53,8 +60,9 @@ def _clean(v: Any) -> Any:
 def make_golden(df: pd.DataFrame, *, run: str, manifest: Mapping[str, Any] | None,
                 metrics: Iterable[str] = DEFAULT_GOLDEN_METRICS, rtol: float = DEFAULT_RTOL,
                 atol: float = DEFAULT_ATOL, tolerances: Mapping[str, Mapping[str, float]] | None = None,
-                ) -> dict[str, Any]:
-    """A golden document from a step table (``frames.step_table``)."""
+                cross_machine: Mapping[str, Mapping[str, float]] | None = None) -> dict[str, Any]:
+    """A golden document from a step table (``frames.step_table``); ``cross_machine``: the
+    tolerances for a run made on another machine (module docstring)."""
     metrics = [m for m in metrics if m in df.columns]
     man = dict(manifest or {})
     versions = man.get("versions") or {}
@@ -71,6 +79,7 @@ def make_golden(df: pd.DataFrame, *, run: str, manifest: Mapping[str, Any] | Non
         "run": run, "source": source, "metrics": metrics,
         "tolerance": {"rtol": rtol, "atol": atol},
         "tolerances": {k: dict(v) for k, v in (tolerances or {}).items()},
+        **({"cross_machine_tolerances": {k: dict(v) for k, v in cross_machine.items()}} if cross_machine else {}),
         "steps": [{"step": int(r["step"]), **{m: _clean(r[m]) for m in metrics}}
                   for r in df.to_dict(orient="records")],
     }
@@ -126,11 +135,27 @@ class Tolerance:
     atol: float
 
 
+#: what decides the bits besides the config: a run whose manifest differs from the golden's
+#: source in any of these ran other kernels (a VM's CPU model says only "Xeon": the flags decide)
+MACHINE_KEYS = ("cpu_capability", "cpu_flags", "platform", "torch")
+
+
+def machine_differences(golden: Mapping[str, Any], manifest: Mapping[str, Any]) -> list[str]:
+    """``MACHINE_KEYS`` on which the checked run's manifest differs from the golden's source, as
+    "key: here vs golden" ([] = the golden's machine, where the tight tolerances hold)."""
+    src = golden.get("source") or {}
+    here = {**manifest, "torch": (manifest.get("versions") or {}).get("torch")}
+    return [f"{k}: {here.get(k)} here, {src.get(k)} in the golden" for k in MACHINE_KEYS
+            if src.get(k) != here.get(k)]
+
+
 def resolve_tolerance(metric: str, golden: Mapping[str, Any], rtol: float | None, atol: float | None,
-                      overrides: Mapping[str, Mapping[str, float]]) -> Tolerance:
+                      overrides: Mapping[str, Mapping[str, float]], same_machine: bool = True) -> Tolerance:
     """The tolerance of one metric by the precedence in the module docstring."""
     base = golden.get("tolerance") or {}
     per = (golden.get("tolerances") or {}).get(metric) or {}
+    if not same_machine:
+        per = {**per, **((golden.get("cross_machine_tolerances") or {}).get(metric) or {})}
     r = per.get("rtol", base.get("rtol", DEFAULT_RTOL))
     a = per.get("atol", base.get("atol", DEFAULT_ATOL))
     if rtol is not None:
@@ -143,14 +168,15 @@ def resolve_tolerance(metric: str, golden: Mapping[str, Any], rtol: float | None
 
 def check(df: pd.DataFrame, golden: Mapping[str, Any], *, rtol: float | None = None,
           atol: float | None = None, overrides: Mapping[str, Mapping[str, float]] | None = None,
-          ) -> dict[str, Any]:
+          same_machine: bool = True) -> dict[str, Any]:
     """Compare a fresh run's step table with a golden document. Every (golden step, metric) pair
     becomes one result: ``ok``, ``moved`` (beyond tolerance), ``missing step`` (the run lacks the
-    step) or ``missing metric`` (the run cannot compute it)."""
+    step) or ``missing metric`` (the run cannot compute it). ``same_machine`` false: the golden's
+    ``cross_machine_tolerances`` apply (``machine_differences``)."""
     overrides = overrides or {}
     metrics = list(golden["metrics"])
     actual = df.set_index("step") if len(df) else pd.DataFrame()
-    tols = {m: resolve_tolerance(m, golden, rtol, atol, overrides) for m in metrics}
+    tols = {m: resolve_tolerance(m, golden, rtol, atol, overrides, same_machine) for m in metrics}
     unknown = sorted(set(overrides) - set(metrics))
     results: list[dict[str, Any]] = []
     for g in golden["steps"]:

@@ -73,6 +73,7 @@ import pandas as pd
 
 import h5py
 
+from axrl.algo.loss_config import PolicyLossConfig
 from axrl.trace import TraceReader
 
 DEFAULT_SPIKE_METRICS = ("loss", "grad_norm", "mismatch", "reward")
@@ -225,7 +226,9 @@ def loss_proxy(cols: Mapping[str, Any], algo: Mapping[str, Any]) -> np.ndarray:
     delta = np.asarray(cols["/tokens/old_logprob"], dtype=np.float64) - \
         np.asarray(cols["/tokens/rollout_logprob"], dtype=np.float64)
     t, n = lm.size, off.size - 1
-    if algo.get("tis", True):
+    # the run's token TIS as its loss resolved it (algo.tis: null = on unless a correction is named)
+    short_form = PolicyLossConfig.model_construct(tis=algo.get("tis", True), correction=algo.get("correction") or {})
+    if short_form.tis_short_form():
         w = np.where(lm & np.isfinite(delta), np.minimum(np.exp(np.where(np.isfinite(delta), delta, 0.0)),
                                                          float(algo.get("tis_cap", 2.0))), 1.0)
     else:

@@ -9,7 +9,8 @@ from typing import Any
 import typer
 
 from axrl_debug.analysis.frames import step_table
-from axrl_debug.analysis.gate import GoldenError, check as run_check, junit_xml, parse_tol, read_golden
+from axrl_debug.analysis.gate import (GoldenError, check as run_check, junit_xml, machine_differences, parse_tol,
+                                      read_golden)
 from axrl_debug.commands.base import EXIT_FAILED, JSON_OPTION, BadInput, app, err, out, print_json, run_command
 from axrl_debug.commands._common import fmt, open_run, report_problems, show, simple_table
 
@@ -71,12 +72,19 @@ def check(
             raise BadInput(str(e)) from None
         reader = open_run(run)
         df = step_table(reader)
-        report = run_check(df, doc, rtol=rtol, atol=atol, overrides=overrides)
+        elsewhere = machine_differences(doc, reader.manifest)
+        report = run_check(df, doc, rtol=rtol, atol=atol, overrides=overrides, same_machine=not elsewhere)
         if report["unknown_tol_metrics"]:
             raise BadInput(f"--tol names metric(s) not in the golden file: {report['unknown_tol_metrics']} "
                            f"(golden metrics: {doc['metrics']})")
         notes = _environment_notes(doc, reader.manifest)
+        cross = doc.get("cross_machine_tolerances") or {}
+        if elsewhere:
+            notes.append(f"this run was made on another machine than the golden's ({'; '.join(elsewhere)})"
+                         + (f": the golden's cross-machine tolerances apply to {', '.join(sorted(cross))}"
+                            if cross else ": the golden file states no cross-machine tolerance"))
         report.update({"run": str(reader.path), "golden": str(golden), "notes": notes,
+                       "machine": {"same": not elsewhere, "differences": elsewhere},
                        "problems": report_problems(reader)})
         if junit is not None:
             report["junit"] = str(junit_xml(report, junit))

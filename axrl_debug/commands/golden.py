@@ -26,6 +26,9 @@ def golden(
     rtol: float = typer.Option(DEFAULT_RTOL, "--rtol", min=0.0, help="Default relative tolerance stored in the file."),
     atol: float = typer.Option(DEFAULT_ATOL, "--atol", min=0.0, help="Default absolute tolerance stored in the file."),
     tol: list[str] = typer.Option(None, "--tol", help=TOL_HELP),
+    cross_tol: list[str] = typer.Option(None, "--cross-machine-tol", help="Tolerance for a run checked on "
+                                        "another machine than this run's (other CPU flags, platform or torch "
+                                        "build): METRIC=RTOL or METRIC=RTOL,ATOL, stored in the file (repeatable)."),
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Write the per-step metrics of RUN (loss, grad norm, reward, mismatch, routing agreement, …)
@@ -37,6 +40,7 @@ def golden(
         names = [m.strip() for m in metrics.split(",") if m.strip()]
         try:
             tolerances = parse_tol(tol or [])
+            cross = parse_tol(cross_tol or [])
         except ValueError as e:
             raise BadInput(str(e)) from None
         df = step_table(reader, chosen)
@@ -44,7 +48,7 @@ def golden(
         if unknown:
             raise BadInput(f"unknown metric(s) {unknown}; choose from {[c for c in df.columns if c != 'step']}")
         doc = make_golden(df, run=str(reader.path), manifest=reader.manifest, metrics=names, rtol=rtol,
-                          atol=atol, tolerances=tolerances)
+                          atol=atol, tolerances=tolerances, cross_machine=cross)
         path = write_golden(doc, output)
         problems = report_problems(reader)
         if json_out:

@@ -8,11 +8,13 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import typer
 
 from axrl.tokenizer import run_tokenizer
 from axrl_debug.analysis.mismatch import MismatchConfig, attach_context, mismatch_report
 from axrl_debug.analysis.mismatch.config import TEACHER_COLUMN
+from axrl_debug.analysis.mismatch.top import collapse_identical
 from axrl_debug.analysis.objective import objective_report
 from axrl_debug.commands.base import JSON_OPTION, BadInput, app, err, out, print_json, run_command
 from axrl_debug.commands._common import (STEP_OPTION_HELP, STEPS_OPTION_HELP, fmt, open_run, pct,
@@ -87,6 +89,27 @@ def _split_lag_table(rows: list[dict[str, Any]]) -> Any:
                          "staleness share"], cells)
 
 
+def _count_generated(reader: Any, res: dict[str, Any]) -> None:
+    """Name the counts for what they are: the analysis's loss-mask count is `trained`, and
+    `generated` counts the tokens the engine sampled (a rollout logprob or a policy version ≥ 0;
+    a token can be generated and not trained, e.g. a masked turn or a dropped sample)."""
+    tok = res["tokens"]
+    tok["trained"] = tok.pop("generated")
+    by_step = {}
+    for sc in reader.iter_columns([], res["steps"], optional=("/tokens/rollout_logprob", "/tokens/policy_version")):
+        gen = None
+        if "/tokens/rollout_logprob" in sc:
+            gen = ~np.isnan(np.asarray(sc["/tokens/rollout_logprob"], dtype=np.float32))
+        if "/tokens/policy_version" in sc:
+            ver = np.asarray(sc["/tokens/policy_version"]) >= 0
+            gen = ver if gen is None else gen | ver
+        by_step[sc.step] = 0 if gen is None else int(np.count_nonzero(gen))
+    tok["generated"] = sum(by_step.values())
+    for row in res.get("per_step") or []:
+        row["trained"] = row.pop("generated", None)
+        row["generated"] = by_step.get(row["step"], 0)
+
+
 def print_report(res: dict[str, Any]) -> None:
     m, th, tok = res["metrics"], res["thresholds"], res["tokens"]
     steps = res["steps"]
@@ -96,7 +119,8 @@ def print_report(res: dict[str, Any]) -> None:
                   "logprob and 'trainer' reads 'teacher': KL k1 / k3 estimate KL(student ‖ teacher), the reverse "
                   "KL the distillation advantage minimises", highlight=False)
     out.print(f"[bold]{res['run']}[/] — {span}: {tok['analysed']} analysed tokens "
-              f"(loss_mask = 1 with a rollout logprob) of {tok['generated']} generated, {tok['total']} total; "
+              f"(loss_mask = 1 with a rollout logprob) of {tok['trained']} trained (loss_mask = 1), "
+              f"{tok['generated']} generated (sampled by the engine), {tok['total']} total; "
               f"clip band [{1 - th['clip_low']:g}, {1 + th['clip_high']:g}], TIS cap {th['tis_cap']:g}",
               highlight=False)
     # 7 digits: ratio / ESS / token_mult_prob_error sit next to 1 and would all print as "1"
@@ -122,7 +146,7 @@ def print_report(res: dict[str, Any]) -> None:
         split = any("engine_delta" in t for t in res["top"])
         rows = []
         for i, t in enumerate(res["top"], 1):
-            rows.append([str(i), str(t["step"]), fmt(t["sample_id"]), fmt(t.get("position")),
+            rows.append([str(i), str(t["step"]), _samples_cell(t), fmt(t.get("position")),
                          fmt(t.get("turn")), fmt(t.get("policy_version")), f"{t['delta']:+.3g}",
                          *([_signed(t.get("engine_delta")), _signed(t.get("staleness_delta"))] if split else []),
                          f"{t['rollout_prob']:.3g}", f"{t['trainer_prob']:.3g}", t.get("routing") or "–"])
@@ -132,6 +156,12 @@ def print_report(res: dict[str, Any]) -> None:
         for i, t in enumerate(res["top"], 1):
             # context on its own line: it needs the width more than the numbers do
             out.print(f"  #{i:<2} {t.get('context') or ''}", highlight=False, markup=False, soft_wrap=True)
+
+
+def _samples_cell(t: dict[str, Any]) -> str:
+    """The sample id, and how many identical samples share the row (`collapse_identical`)."""
+    n = t.get("identical", 1)
+    return fmt(t["sample_id"]) + (f" (+{n - 1} identical)" if n > 1 else "")
 
 
 def public_token(t: dict[str, Any]) -> dict[str, Any]:
@@ -196,16 +226,19 @@ def mismatch(
         reader = open_run(run)
         chosen = select_steps(reader, step, steps)
         _check_against(reader, chosen, against)
-        cfg = MismatchConfig.from_run_config(reader.config, top_k=top, against=against,
+        # more candidates than shown: identical rows (one completion repeated in a group) collapse
+        cfg = MismatchConfig.from_run_config(reader.config, top_k=top * 4, against=against,
                                              plot_points=20000 if plot is not None else 0)
         res, acc = mismatch_report(reader, chosen, cfg, workers=workers, context=False)
         attach_context(reader, res["top"], tokenizer=run_tokenizer(reader.config))  # the run's own tokenizer
+        res["top"] = collapse_identical(res.get("top") or [], top)
         if not res["steps"]:
             report_problems(reader)
             raise BadInput("every selected step file is damaged (see the warnings above)")
         if plot is not None:
             from axrl_debug.plots import mismatch_plots
             res["plots"] = [str(p) for p in mismatch_plots(acc, res, plot)]
+        _count_generated(reader, res)
         res["objective"] = objective_report(reader, res["steps"])
         res["problems"] = report_problems(reader)
         res["top"] = [public_token(t) for t in res.get("top") or []]

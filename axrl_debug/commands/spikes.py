@@ -17,6 +17,12 @@ from axrl_debug.commands._common import (STEPS_OPTION_HELP, fmt, open_run, pct, 
                                          select_steps, show, simple_table)
 
 
+_D = SpikeConfig()     # the defaults: the type owns them, the options read them
+UNFLAGGABLE_NOTE = ("A fault present from step 0 is the baseline itself and never a spike: compare the run "
+                    "with a healthy one (`axrl-debug check RUN --golden FILE`, `axrl-debug diff RUN HEALTHY`) "
+                    "and look at `axrl-debug mismatch RUN` for an engine/trainer gap.")
+
+
 def _print_attribution(a: dict[str, Any]) -> None:
     if "error" in a:
         out.print(f"  [yellow]{a['error']}[/]")
@@ -56,14 +62,14 @@ def spikes(
     steps: str = typer.Option(None, "--steps", help=STEPS_OPTION_HELP),
     metrics: str = typer.Option(",".join(DEFAULT_SPIKE_METRICS), "--metrics",
                                 help="Comma-separated step-table columns to watch (see `summary --json`)."),
-    window: int = typer.Option(10, "--window", min=1, help="Trailing baseline window, in steps."),
-    threshold: float = typer.Option(5.0, "--threshold", min=0.0,
+    window: int = typer.Option(_D.window, "--window", min=1, help="Trailing baseline window, in steps."),
+    threshold: float = typer.Option(_D.threshold, "--threshold", min=0.0,
                                     help="Flag |x − median| > threshold · 1.4826 · MAD (robust z)."),
-    min_history: int = typer.Option(SpikeConfig.min_history, "--min-history", min=1,
+    min_history: int = typer.Option(_D.min_history, "--min-history", min=1,
                                     help="Finite values needed in the window before a step can be flagged."),
-    rel_floor: float = typer.Option(0.1, "--rel-floor", min=0.0,
+    rel_floor: float = typer.Option(_D.rel_floor, "--rel-floor", min=0.0,
                                     help="Scale floor as a fraction of |median| (a flat history is not infinitely tight)."),
-    min_ratio: float = typer.Option(3.0, "--min-ratio", min=1.0,
+    min_ratio: float = typer.Option(_D.min_ratio, "--min-ratio", min=1.0,
                                     help="Grad norm and mismatch metrics must also reach this multiple of the baseline."),
     top: int = typer.Option(5, "--top", min=1, help="Samples/tokens listed per spike."),
     two_sided: bool = typer.Option(False, "--two-sided", help="Also flag drops of grad norm and mismatch "
@@ -77,7 +83,9 @@ def spikes(
 
     A spike must be unusual (robust z) and large in its own units: grad norm and mismatch at least
     --min-ratio × the baseline, mismatch above 4 ulps of the run's dtype (rounding), the loss off its
-    baseline by at least 1 % of the step's mean |advantage|."""
+    baseline by at least 1 % of the step's mean |advantage|. The first --min-history steps have no
+    baseline and are never flagged: a fault present from step 0 is the baseline itself (compare the
+    run against a healthy one: `check --golden`, `diff`, and `mismatch` for the engine gap)."""
 
     def body() -> int:
         reader = open_run(run)
@@ -97,14 +105,20 @@ def spikes(
             if "error" not in attributions[s]:
                 attributions[s]["gradient"] = gradient_attribution(reader, s, window=window, top=top)
         problems = report_problems(reader)
+        blind = [int(x) for x in df["step"].iloc[:max(1, min(cfg.min_history, cfg.window))]]
         if json_out:
             print_json({"run": str(reader.path), "config": cfg.__dict__, "steps": len(df),
                         "spikes": found, "attributions": [attributions[s] for s in spike_steps],
-                        "problems": problems})
+                        "unflaggable_steps": blind, "unflaggable_note": UNFLAGGABLE_NOTE, "problems": problems})
             return 0
         if not found:
             out.print(f"no spikes in {len(df)} steps ({', '.join(names)}: none with |robust z| > {threshold:g} "
                       f"that is also above its noise floor; window {window})", highlight=False)
+        if blind:
+            span = f"step {blind[0]}" if len(blind) == 1 else f"steps {blind[0]}–{blind[-1]}"
+            out.print(f"{span}: no baseline yet (--min-history {cfg.min_history}), never flagged. {UNFLAGGABLE_NOTE}",
+                      highlight=False)
+        if not found:
             return 0
         show(simple_table(
             f"{len(found)} spike(s) in {len(df)} steps (window {window}, |z| > {threshold:g})",

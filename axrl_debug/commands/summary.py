@@ -161,6 +161,11 @@ def summary(
         # Faults and recoveries (RUN/events.jsonl: actor deaths, restarts, train-group resumes).
         faults = [e for e in read_events(reader.path) if e["event"] not in ("actors_started",)]
         sessions = sessions_by_step(reader, list(df["step"]))
+        drift: list[dict[str, Any]] = []
+        if not any(r["sessions"] for r in sessions):     # a white-box run: no agent sessions, maybe drift
+            drift = [{k: r[k] for k in ("step", "drift_samples", "drift_tokens", "drift_ids")}
+                     for r in sessions if r["drift_samples"]]
+            sessions = []
         pool = pool_by_step(reader, list(df["step"]))
         turns = turns_by_step(reader, list(df["step"]))
         values = value_errors(reader, list(df["step"]))
@@ -169,7 +174,7 @@ def summary(
             cols = [c for c in flagged.columns if not c.endswith("_z")]
             print_json({"run": str(reader.path), "rollout_precision": precision, "steps": records(flagged[cols]),
                         "sources": df.attrs.get("sources", {}), "spikes": spikes, "worst": worst,
-                        "sessions": sessions, "pool": pool, **({"turns": turns} if turns else {}),
+                        "sessions": sessions, **({"drift": drift} if drift else {}), "pool": pool, **({"turns": turns} if turns else {}),
                         **({"value_error": values} if values else {}),
                         "problems": problems, **({"events": faults} if faults else {})})
             return 0
@@ -179,6 +184,10 @@ def summary(
                       "(rollout.weight_dtype / rollout.kv_dtype)", highlight=False)
         if sessions:
             show_sessions(sessions)
+        if drift:
+            out.print(f"re-tokenisation drift: {sum(r['drift_samples'] for r in drift)} sample(s) on {len(drift)} "
+                      f"step(s) differ from the template's rendering of their conversation "
+                      f"({sum(r['drift_tokens'] for r in drift)} tokens)", highlight=False)
         if pool:
             show_pool(pool)
         if turns:

@@ -182,7 +182,7 @@ class DumpProbe:
         cfg = self.inner.cfg
         with h5py.File(tmp, "w") as f:
             f.attrs.update({"format": DUMP_FORMAT, "version": DUMP_VERSION, "created_unix": time.time(),
-                            "loss": cfg.loss, "loss_agg": cfg.loss_agg, "tis": cfg.tis, "tis_cap": cfg.tis_cap,
+                            "loss": cfg.loss, "loss_agg": cfg.loss_agg, "tis": cfg.tis_short_form(), "tis_cap": cfg.tis_cap,
                             "r3": bool(self.r3)})
             f.attrs.update({k: v for k, v in attrs.items() if v is not None})
             # The step file's own keys too, so `axrl.trace.StepFile` (spikes, TUI) opens a dump as it

@@ -81,3 +81,19 @@ def split_fields(rollout_lp: Any, old_lp: Any, behaviour_lp: Any) -> dict[str, f
     """The ``engine_delta`` / ``staleness_delta`` fields of one worst token."""
     engine, stale = split_deltas(rollout_lp, old_lp, behaviour_lp)
     return {"engine_delta": float(engine), "staleness_delta": float(stale)}
+
+
+def collapse_identical(top: list[dict[str, Any]], k: int) -> list[dict[str, Any]]:
+    """The worst tokens with identical rows collapsed: the same token at the same position of
+    identical samples (a group's samples often repeat one completion) is one row with
+    ``identical`` = how many and ``sample_ids`` = whose; the first ``k`` distinct rows, in order.
+    Identical = same step, token id, decoded context, position, turn and Δ."""
+    rows: dict[tuple, dict[str, Any]] = {}
+    for t in top:
+        key = (t["step"], t.get("token_id"), t.get("context"), t.get("position"), t.get("turn"), t["delta"])
+        if key in rows:
+            rows[key]["identical"] += 1
+            rows[key]["sample_ids"].append(t.get("sample_id"))
+        else:
+            rows[key] = {**t, "identical": 1, "sample_ids": [t.get("sample_id")]}
+    return list(rows.values())[:k]
