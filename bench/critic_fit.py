@@ -44,7 +44,7 @@ from axrl.runtime.teacher import load_teacher  # noqa: E402
 from axrl.train.critic import Critic, CriticConfig, critic_batch  # noqa: E402
 from axrl.train.protocol import PackedBatch  # noqa: E402
 
-# name: (lr, updates_per_step, value_clip, lam, head: "zero" = weight 0 | "random" = N(0, 0.02²))
+# name: (lr, updates_per_step, value_clip, lam, head weight: "zero" | "random" N(0, 0.02²) | "small" N(0, 0.001²))
 ROWS = {
     "default_zero": (1e-5, 1, 0.2, 0.95, "zero"),         # the old defaults: critic lr 1e-5, λ 0.95, zero head
     "example_zero": (3e-4, 2, 0.2, 0.95, "zero"),         # examples/quickstart_ppo.yaml before
@@ -56,6 +56,11 @@ ROWS = {
     "example_random_noclip": (3e-4, 2, None, 0.95, "random"),
     "lr1e-3_random_lam1": (1e-3, 2, 0.2, 1.0, "random"),
     "lr1e-3_random_lam1_4upd": (1e-3, 4, 0.2, 1.0, "random"),
+    "lr1e-3_small_lam1_4upd": (1e-3, 4, 0.2, 1.0, "small"),
+    "lr1e-3_small_lam1": (1e-3, 2, 0.2, 1.0, "small"),
+    "lr3e-4_small_lam1_4upd": (3e-4, 4, 0.2, 1.0, "small"),
+    "lr3e-3_random_lam1_4upd": (3e-3, 4, 0.2, 1.0, "random"),
+    "lr1e-3_random_lam1_8upd_noclip": (1e-3, 8, None, 1.0, "random"),
 }
 
 
@@ -93,7 +98,8 @@ def run_row(name: str, ckpt: Path, steps: list, cfg: tuple) -> dict:
     critic = Critic(model, CriticConfig(lr=lr, weight_decay=0.0, value_clip=clip, updates_per_step=updates))
     with torch.no_grad():
         w = critic.model.value_head.weight
-        w.copy_(torch.zeros_like(w) if head == "zero" else torch.randn(w.shape, generator=torch.Generator().manual_seed(0)) * 0.02)
+        std = {"zero": 0.0, "random": 0.02, "small": 1e-3}[head]
+        w.copy_(torch.randn(w.shape, generator=torch.Generator().manual_seed(0)) * std)
     ev, share, t0 = [], [], time.perf_counter()
     for batch, rewards, gid, turn in steps:
         old = critic.values(batch)
