@@ -8,16 +8,20 @@ starts a fresh critic from that policy (`axrl.train.critic.Critic`, the run's ow
 it the recorded steps in order, as a run would: values of step k's batch before training on it
 (V_old: the critic has never seen these episodes, so they are held out), then GAE (γ = 1, the
 row's λ, outcome credit) from those values and the row's updates on its returns with its clip.
+Each row sets the value head's initial weight itself (`zero`: the old init; `random`: N(0, 0.02²),
+`axrl.train.critic.initial_value_head`'s; `small`: N(0, 0.001²)), so old and new init compare on
+the same data.
 
 Reported per row, for each step k: EV_k = 1 − Var(R − V_old) / Var(R) over the batch's trained
 tokens, with R the episode's reward on each of its tokens (what "explained variance of returns"
 means; independent of λ). Two references on the same tokens: `prompt_ceiling`, the EV of the
 leave-one-out group mean (the mean reward of the sample's group without it: a value that knows
-the prompt's expected reward and nothing about the answer; a critic reading the prompt cannot do
-better than the true per-prompt mean, which this estimates from the 7 other samples), and
+the prompt's expected reward and nothing about the answer; a value that reads only the prompt
+cannot beat the true per-prompt mean, which this estimates from the other samples — values at
+later tokens also see the answer and could), and
 `lambda_target_share`, the share of Var(R) the row's λ-return targets carry.
 
-    python bench/critic_fit.py RUN [--steps 0-7] [--groups 8] [--rows default,example,...]
+    python bench/critic_fit.py RUN [--steps 0-7] [--groups 8] [--rows example_zero,lr1e-3_random_lam1_4upd,...]
 
 Ends with one JSON line: per row its EV per step and the mean over the last half
 (`ev_last_half`), `prompt_ceiling` (mean), the settings of each row.
