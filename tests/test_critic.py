@@ -325,7 +325,7 @@ def test_the_critic_warm_up_leaves_the_policy_optimizer_untouched():
     assert a[-1].fingerprint == b[-1].fingerprint and a[-1].stats.lr == b[-1].stats.lr
 
 
-def test_run_s_warm_up_step_consumed_no_policy_schedule(ppo_run):
+def test_a_critic_warm_up_step_takes_no_policy_schedule_position(ppo_run):
     """RUN: 1 critic warm-up step, then 1 real step of 2 policy updates before checkpoint 2."""
     state = json.loads((ppo_run / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
     assert state["scheduler_step"] == 2
