@@ -144,6 +144,38 @@ def teacher_kl(run_dir: Path) -> list[float]:
     return [kl[0], kl[-1]] if kl else []
 
 
+def grpo_kl_to(run_dir: Path, ckpt: Path, steps: list[int]) -> dict[int, float]:
+    """KL k1 (nats/token) of the GRPO run's own rollouts of step k to the checkpoint `ckpt` (its
+    later self, the teacher): mean(rollout − teacher logprob) over loss tokens, the teacher scored
+    as a distillation run scores it (`LocalTeacher`, at the rollout temperature). How far along its
+    path GRPO already is at step k, in the unit a student's logged `teacher_kl` uses."""
+    import h5py
+    import numpy as np
+    import torch
+    import yaml
+
+    from axrl.runtime.teacher import LocalTeacher, load_teacher
+    from axrl.train import TorchBackendConfig
+    from axrl.train.protocol import PackedBatch
+
+    torch.set_num_threads(1)
+    temperature = float(yaml.safe_load((run_dir / "config.yaml").read_text())["rollout"]["temperature"])
+    model, _ = load_teacher(str(ckpt), torch.float32)
+    teacher = LocalTeacher(model, TorchBackendConfig(micro_batch_tokens=4096))
+    out = {}
+    for k in steps:
+        with h5py.File(run_dir / "trace" / f"step_{k:06d}.h5") as f:
+            batch = PackedBatch(input_ids=torch.from_numpy(f["tokens/ids"][:].astype(np.int64)),
+                                offsets=torch.from_numpy(f["samples/offsets"][:].astype(np.int64)),
+                                loss_mask=torch.from_numpy((f["tokens/loss_mask"][:] > 0).astype(np.float32)),
+                                temperature=temperature)
+            rollout = torch.from_numpy(f["tokens/rollout_logprob"][:].astype(np.float64))
+        t = teacher.score(batch).double()
+        m = (batch.loss_mask > 0) & torch.isfinite(rollout)
+        out[k] = round(float((rollout[m] - t[m]).mean()), 5)
+    return out
+
+
 def median_step_time(run_dir: Path) -> float:
     """The run's median step time in seconds (the teacher's scoring forward is in a student's)."""
     return round(statistics.median(float(r["step_time"]) for r in _rows(run_dir) if "step_time" in r), 2)
@@ -160,17 +192,25 @@ def main() -> None:
                     help="comma-separated distill.mode values, each optionally with its own coef: reverse_kl+reward:5")
     ap.add_argument("--coef", type=float, default=1.0, help="distill.coef of a --modes entry without one")
     ap.add_argument("--reuse", action="store_true")
+    ap.add_argument("--teacher-at", type=int, default=None,
+                    help="the teacher is the GRPO run's checkpoint at this step (default: --teacher-steps); its "
+                         "eval reward there is the target")
+    ap.add_argument("--grpo-kl", action="store_true",
+                    help="also score the GRPO run's own rollouts with the teacher (grpo_kl_to): its KL to the "
+                         "teacher at each evaluated step, beside the students' logged teacher_kl")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     common = [f"eval.every={args.eval_every}", f"eval.prompts={args.eval_prompts}", "eval.samples_per_prompt=1"]
     teacher_dir = args.out / "teacher"
     wall = {"teacher": train(teacher_dir, common + [f"steps={args.teacher_steps}"], args.reuse)}
-    ckpt = teacher_dir / "checkpoints" / f"step_{args.teacher_steps:06d}"
+    at = args.teacher_steps if args.teacher_at is None else args.teacher_at
+    ckpt = teacher_dir / "checkpoints" / f"step_{at:06d}"
     students = {}
     for entry in args.modes.split(","):
         mode, _, coef = entry.partition(":")
         name = f"{mode}:{float(coef):g}" if coef else mode
-        run = args.out / f"student_{name.replace('+', '_').replace(':', '_c')}"
+        run = args.out / (f"student_{name.replace('+', '_').replace(':', '_c')}"
+                          + ("" if args.teacher_at is None else f"_t{at}"))
         wall[name] = train(run, common + [f"steps={args.student_steps}", f"distill.teacher={ckpt}",
                                           f"distill.mode={mode}", f"distill.coef={float(coef or args.coef)}"],
                            args.reuse)
@@ -184,7 +224,8 @@ def main() -> None:
 def report(args: argparse.Namespace, teacher_dir: Path, students: dict[str, Path], wall: dict[str, float]) -> None:
     """Print the table and, last, the JSON line."""
     n = args.eval_prompts
-    grpo = curve(teacher_dir)
+    at = args.teacher_steps if args.teacher_at is None else args.teacher_at
+    grpo = [(s, r) for s, r in curve(teacher_dir) if s <= at]
     teacher_eval = grpo[-1][1]
     start = grpo[0][1]
     curves = {"grpo": grpo, **{m: curve(r) for m, r in students.items()}}
@@ -208,6 +249,10 @@ def report(args: argparse.Namespace, teacher_dir: Path, students: dict[str, Path
         "curves": {m: [[s, r] for s, r in c] for m, c in curves.items()},
         "teacher_kl_first_last": {m: teacher_kl(r) for m, r in students.items()},
         "median_step_time_s": {m: median_step_time(d) for m, d in {"grpo": teacher_dir, **students}.items()},
+        "teacher_at": at, "steps_to_90pct_gain_grpo": to_90["grpo"],
+        "steps_to_90pct_gain_distill": to_90[primary],
+        "grpo_teacher_kl": (grpo_kl_to(teacher_dir, teacher_dir / "checkpoints" / f"step_{at:06d}",
+                                       [s for s, _ in grpo if s < at]) if args.grpo_kl else None),
         "wall_s": {k: round(v, 1) for k, v in wall.items()},
     }))
 

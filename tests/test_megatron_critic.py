@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from axrl.model import build_model, hf_state_dict, preset_config
-from axrl.train.critic import Critic, CriticConfig, critic_batch
+from axrl.train.critic import Critic, CriticConfig, critic_batch, initial_value_head
 from tests.backend_util import make_batch
 
 import megatron.core as _megatron_core  # noqa: E402,F401  (the test extra installs it: a broken import fails)
@@ -241,7 +241,9 @@ def test_critic_from_a_model_directory_and_one_of_another_architecture(tmp_path)
         assert not backend.critic.from_policy
         body = dict(backend.critic.named_weights())
         assert all(torch.equal(body["body." + n], p) for n, p in hf_state_dict(model).items() if n != "lm_head.weight")
-        assert not body["value_head.weight"].any()
+        # the torch critic's initial head (small random weight, zero bias), not a zero one
+        head = initial_value_head(model.config.hidden_size, 0)
+        assert torch.equal(body["value_head.weight"], head["weight"]) and not body["value_head.bias"].any()
     finally:
         backend.close()
     with pytest.raises(ConfigError, match="critic.model .*other: train.backend megatron builds the critic with the "

@@ -57,11 +57,13 @@ class TrainStepSettings:
     behaviour_logprob: bool = False
     keep_versions: int = 0
     faults: Faults = field(default_factory=Faults)
-    critic_warmup_steps: int = 0     # first steps in which only the critic learns (policy lr 0)
+    critic_warmup_steps: int = 0     # first steps in which only the critic learns (policy frozen)
 
     def lr_scale_at(self, step: int) -> float:
         """The policy's learning-rate factor at `step`: the faults' (1 by default), times 0 while
-        the critic warms up (its weights then do not move; replay applies the same factor)."""
+        the critic warms up. At 0 `run_updates` runs and records the policy's updates, then restores
+        the backend's state: weights, AdamW moments, step counts and schedule are as before the step
+        (replay applies the same factor, so it re-executes the same way)."""
         return self.faults.lr_scale_at(step) * (0.0 if step < self.critic_warmup_steps else 1.0)
 
     @property

@@ -7,7 +7,8 @@ recording tests the recording, not a re-implementation of it.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from contextlib import contextmanager
+from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -57,7 +58,33 @@ def run_updates(backend: TrainBackend, batch: PackedBatch, splits: Sequence[Sequ
 
     `batch` must carry the old logprobs. Each update is forward_backward over its samples, then
     optimizer_step, then a weights fingerprint — the order the trace records.
+
+    `lr_scale == 0` (the critic's warm-up, `critic.warmup_steps`) is no update at all: the updates
+    still run, so the step's losses, token columns and grad norms are recorded as in any step, but
+    the backend's state is restored afterwards — an AdamW step at rate 0 would leave the weights
+    but move the moments, the step counts and the schedule position, so the policy's first real
+    update would not be the one a run without the warm-up makes (`frozen_policy`).
     """
+    if lr_scale == 0.0:
+        with frozen_policy(backend):
+            return _updates(backend, batch, splits, loss_fn, r3=r3, lr_scale=lr_scale, hooks=hooks)
+    return _updates(backend, batch, splits, loss_fn, r3=r3, lr_scale=lr_scale, hooks=hooks)
+
+
+@contextmanager
+def frozen_policy(backend: TrainBackend) -> Iterator[None]:
+    """Run the body, then put the backend back as it was: weights, AdamW moments and step counts,
+    schedule counters and RNG (its `state_dict`, a copy). Costs a copy of the weights and moments,
+    paid only in the steps that train nothing."""
+    saved = backend.state_dict()
+    try:
+        yield
+    finally:
+        backend.load_state_dict(saved)
+
+
+def _updates(backend: TrainBackend, batch: PackedBatch, splits: Sequence[Sequence[int]], loss_fn: LossFn, *,
+             r3: R3, lr_scale: float, hooks: UpdateHooks | None) -> list[UpdateResult]:
     results = []
     for u, samples in enumerate(splits):
         samples = list(samples)

@@ -20,14 +20,15 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from axrl.model import ModelConfig
-from axrl.train.critic import CriticConfig, CriticFiles, CriticUpdate, check_critic_state, critic_sources
+from axrl.train.critic import (CriticConfig, CriticFiles, CriticUpdate, check_critic_state, critic_sources,
+                               initial_value_head)
 from axrl.train.determinism import capture_rng_state
 from axrl.train.fingerprint import weights_fingerprint
 from axrl.train.megatron.rank import MegatronRank
 from axrl.train.megatron.rank_calls import RankCall
 from axrl.train.megatron.rank_state import gather_moments, gather_weights, load_moments
 from axrl.train.megatron.shares import StepKnobs, by_micro_batch, split_for_ranks
-from axrl.train.megatron.value_head import VALUE_HEAD, body_to_megatron, critic_to_hf, critic_to_megatron, zero_head
+from axrl.train.megatron.value_head import VALUE_HEAD, body_to_megatron, critic_to_hf, critic_to_megatron
 from axrl.train.optim import lr_at
 from axrl.train.protocol import PackedBatch
 
@@ -46,7 +47,10 @@ class MegatronCritic(CriticFiles):
         self.from_policy = from_policy  # see `Critic.from_policy`
         self._group, self._dp_of, self._dp = group, dp_of, data_parallel
         self.model_config, self._dtype = model_config, dtype
-        full = {**body_to_megatron(body, model_config, source), **zero_head(model_config.hidden_size)}
+        # the torch critic's initial head (axrl.train.critic.initial_value_head), so both start alike
+        head = initial_value_head(model_config.hidden_size, config.seed)
+        full = {**body_to_megatron(body, model_config, source),
+                **{f"value_head.{k}": v for k, v in head.items()}}
         group.call(MegatronRank.attach_critic, {k: v.detach().to("cpu", torch.float32) for k, v in full.items()})
         self.scheduler_step = 0
         self.skipped_steps = 0
