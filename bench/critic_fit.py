@@ -42,7 +42,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from axrl.algo.gae import explained_variance, gae, token_rewards  # noqa: E402
+from axrl.algo.gae import gae, token_rewards  # noqa: E402
+from axrl.train.value_loss import explained_variance  # noqa: E402
 from axrl.algo.processor import update_splits  # noqa: E402
 from axrl.runtime.teacher import load_teacher  # noqa: E402
 from axrl.train.critic import Critic, CriticConfig, critic_batch  # noqa: E402

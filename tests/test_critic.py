@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from axrl.algo.gae import gae, token_rewards, value_loss
+from axrl.algo.gae import gae, token_rewards
+from axrl.train.value_loss import value_loss
 from axrl.algo.processor import AdvantageSettings, AlgorithmProcessor, with_gae
 from axrl.config import ConfigError, load_config
 from axrl.core.trajectory import Trajectory

@@ -13,7 +13,7 @@ decides, a zero head explained 0–4 % of held-out return variance after 10 step
 It reuses the policy backend's pieces so the two step alike: the same micro-batch split and
 right padding (`axrl.train.micro_batch`), the same AdamW groups, grad norm and clipping
 (`axrl.train.optim`), the same pickle-free checkpoint files (`checkpoint_files`, in a `critic/`
-directory beside the policy's). The loss is `axrl.algo.gae.value_loss`. Routing replay does not
+directory beside the policy's). The loss is `axrl.train.value_loss`. Routing replay does not
 apply to the critic (its routers are its own). Deterministic under the backend's determinism
 settings: no randomness is drawn, so replay re-executes its updates bit for bit.
 """
@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from axrl.algo.gae import explained_variance, value_loss
+from axrl.train.value_loss import explained_variance, value_loss
 from axrl.model import Qwen3ForCausalLM
 from axrl.train.checkpoint_files import check_optimizer_state, read_checkpoint, warn_config_diff, write_checkpoint
 from axrl.train.determinism import capture_rng_state

@@ -2,7 +2,7 @@
 model that the backend's ranks hold beside the policy (`MegatronRank.attach_critic`).
 
 Same interface and arithmetic as the torch critic (`axrl/train/critic.py`): `values` (no grad),
-`train` (one AdamW update per split, the value loss `axrl.algo.gae.value_loss` normalised by the
+`train` (one AdamW update per split, the value loss `axrl.train.value_loss` normalised by the
 update's trained tokens, accumulated micro-batch by micro-batch in the same order and sizes),
 `copy_policy`, the fingerprint and the pickle-free checkpoint files in `critic/`, under the torch
 critic's names — so the loop, the trace, replay and resume use either, and a critic checkpoint

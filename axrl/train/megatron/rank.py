@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from axrl.algo.gae import value_loss
+from axrl.train.value_loss import value_loss
 from axrl.model import ModelConfig
 from axrl.train.megatron import cpu_compat
 from axrl.train.megatron.convert import EXPERT_NAME, global_expert_name, hf_slices, split_rule, shard
@@ -402,7 +402,7 @@ class MegatronRank:
 
     def value_forward_backward(self, work: RankWork, clip: float | None,
                                denom: float) -> tuple[int, list[tuple[float, float] | None]] | None:
-        """Accumulate the value loss's gradients (`axrl.algo.gae.value_loss` over the update's
+        """Accumulate the value loss's gradients (`axrl.train.value_loss` over the update's
         `denom` trained tokens; the work's batch carries the returns in `advantages` and the old
         values in `old_logprobs`, `critic.critic_batch`). Per micro-batch this share's (loss,
         clipped-token count), None for an empty share."""
