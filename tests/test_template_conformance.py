@@ -175,8 +175,10 @@ def test_agent_loop_trains_exactly_the_generated_ids(name, dirs, hf):
         assert rendered[:len(ids)] != ids and traj.drift_tokens > 0
     else:
         assert rendered[:len(ids)] == ids and traj.drift_tokens == 0
-    if name == "qwen3":  # the stripped reasoning is what drifted: the think block's tokens, no more
-        think = tok.encode("<think>\nadd\n</think>")
+    if name == "qwen3":  # what drifted: the stripped reasoning, and the empty think block Qwen3 writes
+        # before the calls of the last turn (the model generated it; history re-renders it away)
+        think = tok.encode("<think>\nadd\n</think>") + tok.encode("<think>\n\n</think>\n\n")
+        assert texts[0].startswith("<think>\n\n</think>\n\n<tool_call>")
         assert len(think) <= traj.drift_tokens <= len(think) + 3
     # the step record carries the drift of white-box samples too (/samples/drift_tokens, metrics)
     from axrl.recording.records import _session_columns, _session_metrics
@@ -230,18 +232,38 @@ NO_SYSTEM = ("{%- if messages[0].role == 'system' %}{{ raise_exception('System r
 FLAT_CALLS = CONVENTIONS["chatml"].template.replace("call.function.", "call.")
 
 
-@pytest.mark.parametrize("template, feature, advice", [
-    (NO_SYSTEM, "cannot render a system message: System role not supported", "fold it into the first user turn"),
-    (FLAT_CALLS, "cannot render an assistant tool call in the Hugging Face form", "read the call as tool_call.function"),
-])
-def test_a_template_axrl_cannot_follow_is_refused_naming_the_feature(template, feature, advice, dirs, tmp_path):
-    src = dirs["gemma" if template is NO_SYSTEM else "chatml"]
-    bad = _with_template(src, tmp_path / "bad", template)
+def test_a_template_axrl_cannot_follow_is_refused_naming_the_feature(dirs, tmp_path):
+    bad = _with_template(dirs["chatml"], tmp_path / "bad", FLAT_CALLS)
+    feature, advice = "cannot render an assistant tool call in the Hugging Face form", "read the call as tool_call.function"
     with pytest.raises(ValueError) as err:
         load_tokenizer(bad)
     assert feature in str(err.value) and advice in str(err.value) and "check-template" in str(err.value)
     result = axrl("model", "check-template", bad)
-    assert result.exit_code == 1 and "refused" in result.output and feature in result.output
+    assert result.exit_code == 2 and "refused" in result.output and feature in result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_template_without_a_system_role_gets_the_system_prompt_folded(dirs, hf, tmp_path):
+    """Gemma 2's published template raises on a system message; Google documents putting the
+    instructions in the first user turn, which AxRL then does (and says so)."""
+    d = _with_template(dirs["gemma"], tmp_path / "nosys", NO_SYSTEM)
+    tok, theirs = load_tokenizer(d), transformers.AutoTokenizer.from_pretrained(str(d))
+    assert tok.fold_system
+    chat = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]
+    folded = [{"role": "user", "content": "Be terse.\n\nHi"}]
+    assert tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
+        theirs.apply_chat_template(folded, add_generation_prompt=True, tokenize=False)
+    result = axrl("model", "check-template", d)
+    assert result.exit_code == 0 and "AxRL folds the system prompt into the first user turn" in result.output
+
+
+def test_a_template_that_raises_on_a_parameter_gets_a_verdict_not_a_traceback(dirs, tmp_path):
+    """A check tool must never crash: whatever the template raises is quoted in the verdict."""
+    boom = "{{ raise_exception('this template is broken on purpose') }}"
+    d = _with_template(dirs["chatml"], tmp_path / "boom", boom)
+    result = axrl("model", "check-template", d)
+    assert result.exit_code == 2 and "this template is broken on purpose" in result.output, result.output
+    assert "Traceback" not in result.output
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama3", "gemma"])
@@ -281,3 +303,20 @@ def test_the_calculator_env_reads_tool_calls_in_every_template_format(name, dirs
     outcome = env.step(env_action(tok, reply))
     assert not outcome.done and [m["content"] for m in outcome.observation] == ["95"], (reply, outcome)
     assert env_action(tok, "The answer is 95.") == "The answer is 95."   # no call: the text as it is
+
+
+def test_qwen3_calls_are_read_after_the_empty_think_block_and_after_reasoning(dirs):
+    """Qwen3's published template writes `<think>\\n\\n</think>\\n\\n` before the calls of the last
+    turn: the call's start tag is still `<tool_call>`, two calls parse as two, and a call after
+    real reasoning parses as one (the reasoning is split off and kept apart)."""
+    tok = load_tokenizer(dirs["qwen3"])
+    assert tok.tool_parser.name == "hermes" and tok.reasoning_parser == "think"
+    assert tok.tool_call_format.start == "<tool_call>" and tok.tool_call_start == "<tool_call>"
+    two = tok.reply_text(CALLS)
+    assert [c["name"] for c in tok.parse_tool_calls(two)] == ["calculator", "calculator"]
+    after = "<think>\nI add them.\n</think>\n\n" + two.split("</think>\n\n", 1)[1].split("\n<tool_call>")[0]
+    calls = tok.parse_tool_calls(after)
+    assert [(c["name"], c["arguments"]) for c in calls] == [("calculator", {"expression": "37 + 58"})]
+    assert tok.split_reasoning(after)[0] == "I add them."
+    out = axrl("model", "check-template", dirs["qwen3"]).output
+    assert "rendered into the call's turn" not in out and "tool parser    hermes" in out, out

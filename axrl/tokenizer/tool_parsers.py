@@ -80,7 +80,25 @@ def _blocks(text: str, start: str, end: str) -> list[tuple[str, bool]]:
 
 
 def _hermes(text: str) -> list[Call]:
-    return parse_tool_calls(text)
+    """``<tool_call>`` blocks; the JSON is read first, so ``</tool_call>`` inside a string value
+    does not end the block (the plain block reading is the fallback for malformed JSON)."""
+    calls: list[Call] = []
+    pos = 0
+    while (at := text.find("<tool_call>", pos)) >= 0:
+        begin = at + len("<tool_call>")
+        found = _json_at(text, begin)
+        if found is not None and text[found[1]:].lstrip().startswith("</tool_call>"):
+            stop = found[1]
+            calls.append(_parse_one(text[begin:stop].strip(), True, "<tool_call>"))
+            pos = text.index("</tool_call>", stop) + len("</tool_call>")
+            continue
+        block = parse_tool_calls(text[at:])[:1]  # malformed: up to the next end tag, as before
+        calls += block
+        end = text.find("</tool_call>", begin)
+        if end < 0:
+            break
+        pos = end + len("</tool_call>")
+    return calls
 
 
 def _json_calls(text: str, pos: int) -> list[Call]:
@@ -117,16 +135,27 @@ _MISTRAL_ARGS = "[ARGS]"
 
 def _mistral(text: str) -> list[Call]:
     calls: list[Call] = []
-    for part in text.split("[TOOL_CALLS]")[1:]:
-        part = part.strip()
-        if part.startswith(("[", "{")):  # v3: a JSON list of {"name", "arguments", "id"}
-            calls += _json_calls(part, 0)
-        elif _MISTRAL_ARGS in part:      # v11+: name[ARGS]{arguments}
-            name, args = part.split(_MISTRAL_ARGS, 1)
-            found = _json_at(args, 0)
-            calls.append(_named(part, name, args if found is None else args[:found[1]]))
-        else:
-            calls.append(_entry(part, error="no JSON list or [ARGS] after [TOOL_CALLS]"))
+    pos = 0
+    while (at := text.find("[TOOL_CALLS]", pos)) >= 0:
+        begin = at + len("[TOOL_CALLS]")
+        rest = text[begin:].lstrip()
+        begin = len(text) - len(rest)
+        found = _json_at(text, begin) if rest.startswith(("[", "{")) else None
+        if found is not None:  # v3: a JSON list of {"name", "arguments", "id"}
+            value, pos = found
+            calls += [_parse_one(json.dumps(v), True, "") | {"raw": text[begin:pos]}
+                      for v in (value if isinstance(value, list) else [value])]
+            continue
+        head = rest.split("[TOOL_CALLS]", 1)[0]
+        if not rest.startswith(("[", "{")) and _MISTRAL_ARGS in head:  # v11+: name[ARGS]{arguments}
+            name, args = head.split(_MISTRAL_ARGS, 1)
+            start = begin + len(name) + len(_MISTRAL_ARGS)
+            found = _json_at(text, start)
+            calls.append(_named(head, name, text[start:found[1]] if found else args))
+            pos = found[1] if found else begin + len(head)
+            continue
+        calls.append(_entry(head.strip(), error="no JSON list or NAME[ARGS]{…} after [TOOL_CALLS]"))
+        pos = begin + len(head)
     return calls
 
 
@@ -198,7 +227,7 @@ def _pythonic(text: str) -> list[Call]:
     body = text.strip()
     if body.startswith("<|python_start|>"):
         body = body[len("<|python_start|>"):].split("<|python_end|>")[0].strip()
-    if not (body.startswith("[") and body.endswith("]") and "(" in body):
+    if not (body.startswith("[") and re.match(r"\[\s*[A-Za-z_][\w.]*\(", body)):
         return []
     try:
         tree = ast.parse(body, mode="eval").body
