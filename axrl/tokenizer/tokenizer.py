@@ -131,6 +131,11 @@ class Tokenizer:
             config["chat_template"] = jinja_file.read_text(encoding="utf-8")
         elif (path / "chat_template.json").is_file():
             config["chat_template"] = _read_json(path / "chat_template.json").get("chat_template")
+        # transformers 5 saves named templates (Hermes-3's `tool_use`) as additional_chat_templates/NAME.jinja.
+        extra = sorted((path / "additional_chat_templates").glob("*.jinja"))
+        if extra and isinstance(config.get("chat_template"), str):
+            config["chat_template"] = [{"name": "default", "template": config["chat_template"]}] + [
+                {"name": f.stem, "template": f.read_text(encoding="utf-8")} for f in extra]
         for key, value in _read_json(path / "special_tokens_map.json").items():
             config.setdefault(key, value)
         eos: list[int] = []
@@ -367,6 +372,20 @@ class Tokenizer:
         if self.tool_parser is not None:
             return self.tool_parser.parse(rest)
         return parse_with_format(rest, self.tool_call_format)
+
+    def reply_message(self, text: str) -> Message:
+        """The assistant message of a generated reply for the conversation the agent loop keeps:
+        with a family parser and well-formed calls, the prose before them and structured
+        ``tool_calls`` (templates that check roles, like Mistral's, refuse calls written as plain
+        text); otherwise the text as it is. Where the template writes the calls differently from
+        the model, the difference is drift."""
+        calls = self.parse_tool_calls(text) if self.tool_parser is not None else []
+        if not calls or any(c["error"] for c in calls):
+            return {"role": "assistant", "content": text}
+        start = self.tool_call_start
+        prose = text.split(start, 1)[0].strip() if start else ""
+        return {"role": "assistant", "content": prose,
+                "tool_calls": [self.call_message(c["name"], c["arguments"], k + 1) for k, c in enumerate(calls)]}
 
     @property
     def tool_call_start(self) -> str:
