@@ -87,8 +87,9 @@ def _describe(tok: Tokenizer, path: Path, lines: list[str]) -> bool:
     if tok.tool_free:
         calls = f"not rendered (tool-free tasks only): {tok.tool_free}"
     lines.append(f"  tool calls     {calls}; arguments passed as {'a JSON string' if tok.arguments_form == 'string' else 'a mapping'}")
-    lines.append(f"  tool parser    {tok.tool_parser.name if tok.tool_parser else 'learned from the template'} "
-                 "(override with model.tool_parser)")
+    parser = tok.tool_parser.name if tok.tool_parser else "none (tool-free)" if tok.tool_free else \
+        "the format read off the template (no known family)"
+    lines.append(f"  tool parser    {parser} (override with model.tool_parser)")
     if not tok.tool_free:
         lines.append(f"  tool results   {_tool_result_placement(tok)}")
     conversation, note = _sample_for(tok)
@@ -137,8 +138,10 @@ def _tool_result_placement(tok: Tokenizer) -> str:
     if text.startswith(before):
         return f"role 'tool' rendered as {text[len(before):text.index(_RESULT)]!r} + result"
     common = len(os.path.commonprefix([before, text]))
-    return (f"role 'tool' rendered after the call's turn, which the template writes differently once a result "
-            f"follows ({before[common:common + 30]!r} → {text[common:common + 30]!r}): recorded as drift")
+    seg = text[:text.index(_RESULT)]
+    prefix = seg[seg.rindex(tok.eos_token) + len(tok.eos_token):] if tok.eos_token in seg else seg[common:]
+    return (f"role 'tool' rendered as {prefix!r} + result; once a result follows, the template rewrites the "
+            f"call's turn (it had {before[common:common + 24]!r} there): recorded as drift")
 
 
 def _reasoning(tok: Tokenizer, conversation: list[Message]) -> str:
