@@ -71,6 +71,7 @@ CONVENTIONS = {c.name: c for c in (
                pad="<｜▁pad▁｜>", bos="<｜begin▁of▁sentence｜>"),
     Convention("r1_distill", DEEPSEEK_SPECIALS + ("<think>", "</think>"), eos="<｜end▁of▁sentence｜>",
                pad="<｜▁pad▁｜>", bos="<｜begin▁of▁sentence｜>"),
+    Convention("qwen3_coder", CHATML_SPECIALS, eos="<|im_end|>", pad="<|endoftext|>", stop=("<|endoftext|>",)),
     # Hermes-3 ships named templates: `default` (no tools) and `tool_use`.
     Convention("hermes3", CHATML_SPECIALS, eos="<|im_end|>", pad="<|endoftext|>", named=("tool_use",)),
 )}

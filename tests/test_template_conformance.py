@@ -52,6 +52,7 @@ EXPECTED = {
     "qwen3": ("<|im_end|>", "<|im_start|>assistant\n", "<tool_call>", True, "hermes", 2, "string"),
     "chatml": ("<|im_end|>", "<|im_start|>assistant\n", "<tool_call>", False, "hermes", 2, "string"),
     "hermes3": ("<|im_end|>", "<|im_start|>assistant\n", "<tool_call>", False, "hermes", 2, "string"),
+    "qwen3_coder": ("<|im_end|>", "<|im_start|>assistant\n", "<tool_call>", False, "qwen3_coder", 2, "mapping"),
     "llama3": ("<|eot_id|>", "<|start_header_id|>assistant<|end_header_id|>\n\n", "", False, "llama3_json", 1,
                "mapping"),
     "mistral": ("</s>", "", "[TOOL_CALLS]", True, "mistral", 2, "string"),
@@ -110,7 +111,7 @@ def test_rendering_equals_transformers(name, dirs, hf):
                     theirs.encode(text, add_special_tokens=False)
     # the tools, both calls and both results reach the rendering (not silently dropped)
     whole = ours.apply_chat_template(conversation(name), tools=TOOLS, tokenize=False)
-    shown = {"qwen3": 5, "chatml": 5, "hermes3": 5, "mistral": 5, "deepseek_v3": 5, "deepseek_v31": 5, "llama3": 3}
+    shown = {"qwen3_coder": 5, "qwen3": 5, "chatml": 5, "hermes3": 5, "mistral": 5, "deepseek_v3": 5, "deepseek_v31": 5, "llama3": 3}
     assert all(s in whole for s in ("Evaluate <x> & 'y'.", "37 + 58", "95", "2 * 3", "6")[:shown.get(name, 0)])
 
 
@@ -125,7 +126,8 @@ def test_what_axrl_reads_off_the_template(name, dirs, hf):
     if call_start is None:  # tool-free: said so, not refused
         assert tok.tool_call_format is None and tok.tool_free
         return
-    assert tok.tool_call_format is not None and tok.tool_call_format.start == call_start
+    # the learned JSON format where there is one (XML calls have none), else the parser's opening
+    assert (tok.tool_call_format.start if tok.tool_call_format else tok.tool_call_start) == call_start
     # the parser's round trip: a reply with N calls, as the template writes them, parses to the same N calls
     parsed = tok.parse_tool_calls(tok.reply_text(calls(name)))
     assert [(c["name"], c["arguments"], c["error"]) for c in parsed] == [("calculator", a, None) for a in ARGS[:n]]
@@ -347,3 +349,17 @@ def test_qwen3_calls_are_read_after_the_empty_think_block_and_after_reasoning(di
     assert tok.split_reasoning(after)[0] == "I add them."
     out = axrl("model", "check-template", dirs["qwen3"]).output
     assert "rendered into the call's turn" not in out and "tool parser    hermes" in out, out
+
+
+def test_model_tool_parser_overrides_the_parser_read_off_the_template(dirs):
+    """`model.tool_parser` (vLLM's names) replaces the detected parser; an unknown name is refused
+    naming the key and the choices."""
+    from axrl.config import Config
+
+    assert Config.model_validate({"model": {"tool_parser": "pythonic"}}).model.tool_parser == "pythonic"
+    tok = load_tokenizer(dirs["chatml"], "pythonic")
+    assert tok.tool_parser.name == "pythonic"
+    assert [(c["name"], c["arguments"]) for c in tok.parse_tool_calls('[calculator(expression="1 + 1")]')] == [
+        ("calculator", {"expression": "1 + 1"})]
+    with pytest.raises(ValueError, match="model.tool_parser: unknown tool-call parser 'nope'"):
+        load_tokenizer(dirs["chatml"], "nope")

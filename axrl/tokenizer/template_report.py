@@ -83,7 +83,8 @@ def _describe(tok: Tokenizer, path: Path, lines: list[str]) -> bool:
                      "shows: recorded as drift")
     lines.append(f"  system role    {_system_placement(tok)}")
     fmt = tok.tool_call_format
-    calls = f"{fmt.describe()}" if fmt else "not rendered"
+    calls = fmt.describe() if fmt else f"written in the {tok.tool_parser.name} format" if tok.tool_parser \
+        else "not rendered"
     if tok.tool_free:
         calls = f"not rendered (tool-free tasks only): {tok.tool_free}"
     lines.append(f"  tool calls     {calls}; arguments passed as {'a JSON string' if tok.arguments_form == 'string' else 'a mapping'}")
