@@ -72,6 +72,10 @@ CONVENTIONS = {c.name: c for c in (
     Convention("r1_distill", DEEPSEEK_SPECIALS + ("<think>", "</think>"), eos="<｜end▁of▁sentence｜>",
                pad="<｜▁pad▁｜>", bos="<｜begin▁of▁sentence｜>"),
     Convention("qwen3_coder", CHATML_SPECIALS, eos="<|im_end|>", pad="<|endoftext|>", stop=("<|endoftext|>",)),
+    Convention("kimi_k2", ("[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
+                           "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                           "<|tool_call_argument_begin|>", "<|tool_call_end|>", "[PAD]"),
+               eos="<|im_end|>", pad="[PAD]", stop=("[EOS]",)),
     # Hermes-3 ships named templates: `default` (no tools) and `tool_use`.
     Convention("hermes3", CHATML_SPECIALS, eos="<|im_end|>", pad="<|endoftext|>", named=("tool_use",)),
 )}

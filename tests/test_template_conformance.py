@@ -52,6 +52,8 @@ EXPECTED = {
     "qwen3": ("<|im_end|>", "<|im_start|>assistant\n", "<tool_call>", True, "hermes", 2, "string"),
     "chatml": ("<|im_end|>", "<|im_start|>assistant\n", "<tool_call>", False, "hermes", 2, "string"),
     "hermes3": ("<|im_end|>", "<|im_start|>assistant\n", "<tool_call>", False, "hermes", 2, "string"),
+    "kimi_k2": ("<|im_end|>", "<|im_assistant|>assistant<|im_middle|>", "<|tool_calls_section_begin|>", False,
+                "kimi_k2", 2, "string"),
     "qwen3_coder": ("<|im_end|>", "<|im_start|>assistant\n", "<tool_call>", False, "qwen3_coder", 2, "mapping"),
     "llama3": ("<|eot_id|>", "<|start_header_id|>assistant<|end_header_id|>\n\n", "", False, "llama3_json", 1,
                "mapping"),
@@ -71,8 +73,10 @@ def calls(name: str) -> dict:
     """An assistant turn with as many parallel calls as the family's template allows, arguments
     in the form its template reads (the wire's JSON string, or a mapping)."""
     n, form = EXPECTED[name][5], EXPECTED[name][6]
-    return {"role": "assistant", "content": "", "tool_calls": [
-        hf_tool_call("calculator", json.dumps(a) if form == "string" else a, k + 1) for k, a in enumerate(ARGS[:n])]}
+    made = [hf_tool_call("calculator", json.dumps(a) if form == "string" else a, k + 1) for k, a in enumerate(ARGS[:n])]
+    if name == "kimi_k2":  # Kimi's ids carry the name: functions.NAME:INDEX
+        made = [{**c, "id": f"functions.calculator:{k}"} for k, c in enumerate(made)]
+    return {"role": "assistant", "content": "", "tool_calls": made}
 
 
 def conversation(name: str) -> list[dict]:
@@ -111,7 +115,7 @@ def test_rendering_equals_transformers(name, dirs, hf):
                     theirs.encode(text, add_special_tokens=False)
     # the tools, both calls and both results reach the rendering (not silently dropped)
     whole = ours.apply_chat_template(conversation(name), tools=TOOLS, tokenize=False)
-    shown = {"qwen3_coder": 5, "qwen3": 5, "chatml": 5, "hermes3": 5, "mistral": 5, "deepseek_v3": 5, "deepseek_v31": 5, "llama3": 3}
+    shown = {"kimi_k2": 5, "qwen3_coder": 5, "qwen3": 5, "chatml": 5, "hermes3": 5, "mistral": 5, "deepseek_v3": 5, "deepseek_v31": 5, "llama3": 3}
     assert all(s in whole for s in ("Evaluate <x> & 'y'.", "37 + 58", "95", "2 * 3", "6")[:shown.get(name, 0)])
 
 

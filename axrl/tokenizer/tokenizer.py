@@ -397,7 +397,10 @@ class Tokenizer:
     def call_message(self, name: str, arguments: dict[str, Any], index: int) -> Message:
         """An assistant tool call as this template wants it: ``arguments`` as the wire's JSON string
         or as a mapping (:attr:`arguments_form`)."""
-        return hf_tool_call(name, json.dumps(arguments) if self.arguments_form == "string" else arguments, index)
+        call = hf_tool_call(name, json.dumps(arguments) if self.arguments_form == "string" else arguments, index)
+        if self.tool_parser is not None and self.tool_parser.name == "kimi_k2":
+            call["id"] = f"functions.{name}:{index - 1}"  # Kimi writes the id, and so the name, verbatim
+        return call
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, eos={self.eos_token!r}, pad={self.pad_token!r})"
