@@ -367,3 +367,15 @@ def test_model_tool_parser_overrides_the_parser_read_off_the_template(dirs):
         ("calculator", {"expression": "1 + 1"})]
     with pytest.raises(ValueError, match="model.tool_parser: unknown tool-call parser 'nope'"):
         load_tokenizer(dirs["chatml"], "nope")
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "thinking", "reasoning"])
+def test_reasoning_field_aliases_render_as_transformers_does(field, dirs, hf):
+    """A client may send an assistant message's reasoning as `reasoning_content`, `thinking` or
+    `reasoning`: transformers 5 fills the others from it, so the Qwen3 template (which reads
+    `reasoning_content`) renders it whichever name is used, and AxRL renders the same."""
+    tok, theirs = load_tokenizer(dirs["qwen3"]), hf["qwen3"]
+    chat = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4", field: "add two and two"}]
+    text = tok.apply_chat_template(chat, tokenize=False)
+    assert "<think>\nadd two and two\n</think>" in text
+    assert text == theirs.apply_chat_template(chat, tokenize=False)
