@@ -231,6 +231,10 @@ def test_train_two_steps_and_decode_the_trace(name, dirs, hf, tmp_path):
     run = tmp_path / "run"
     train(run, [f"model.path={dirs[name]}", *TRAIN])
     tok, theirs = load_tokenizer(dirs[name]), hf[name]
+    # the manifest records what AxRL chose for the template
+    facts = json.loads((run / "manifest.json").read_text())["extra"]["chat_template"]
+    assert facts["tool_parser"] == EXPECTED[name][4] and facts["arguments"] == EXPECTED[name][6]
+    assert facts["system_folded_by_axrl"] is False and facts["tool_free"] == (EXPECTED[name][2] is None)
     with StepFile(run / "trace" / "step_000001.h5") as sf:
         ids, off = sf["/tokens/ids"].astype(np.int64), sf["/samples/offsets"]
         mask, prompt_len = sf["/tokens/loss_mask"], sf["/samples/prompt_len"]

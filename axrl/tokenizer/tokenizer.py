@@ -387,6 +387,15 @@ class Tokenizer:
         return {"role": "assistant", "content": prose,
                 "tool_calls": [self.call_message(c["name"], c["arguments"], k + 1) for k, c in enumerate(calls)]}
 
+    def template_facts(self) -> dict[str, Any]:
+        """What AxRL chose for this chat template, for the run's manifest: the tool-call and reasoning
+        parsers, the arguments form, whether AxRL folds the system prompt (the template has no
+        system role), whether the template is tool-free, and its named templates."""
+        return {"tool_parser": self.tool_parser.name if self.tool_parser else None,
+                "reasoning_parser": self.reasoning_parser, "arguments": self.arguments_form,
+                "system_folded_by_axrl": self.fold_system, "tool_free": bool(self.tool_free),
+                "templates": sorted(self.chat_templates)}
+
     @property
     def tool_call_start(self) -> str:
         """The text that opens the first tool call of a reply ("" for bare JSON / pythonic calls)."""
