@@ -45,12 +45,6 @@ class ToolParser:
     start: str
     parse: Callable[[str], list[Call]]
 
-    def content(self, text: str) -> str:
-        """The prose of a reply before its first call."""
-        if not self.start:  # bare JSON / pythonic: the calls are the whole reply
-            return "" if self.parse(text) else text
-        return text.split(self.start, 1)[0]
-
 
 def _named(raw: str, name: str, args: Any) -> Call:
     """An entry for a call whose name and arguments were read separately (args: JSON text or value)."""
