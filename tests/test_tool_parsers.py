@@ -139,3 +139,13 @@ def test_reasoning_after_an_opened_block_and_unclosed_reasoning():
     assert split_reasoning("<think>cut off while thinking", "think") == ("cut off while thinking", "")
     assert split_reasoning("No reasoning here.", "think") == ("", "No reasoning here.")
     assert split_reasoning("Prose <think>not reasoning</think>", "think")[0] == ""
+
+
+@pytest.mark.parametrize("family", sorted(PARSERS))
+def test_every_parser_pickles(family):
+    """Tokenizers (and so their parsers) travel to rollout workers by pickle."""
+    import pickle
+
+    parser = pickle.loads(pickle.dumps(get_tool_parser(family)))
+    assert parsed(family, write(family, CALLS[:1])) == [(c["name"], c["arguments"], c["error"])
+                                                        for c in parser.parse(write(family, CALLS[:1]))]

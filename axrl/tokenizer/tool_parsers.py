@@ -176,6 +176,14 @@ def _deepseek(text: str, name_first: bool) -> list[Call]:
     return calls
 
 
+def _deepseek_v3(text: str) -> list[Call]:
+    return _deepseek(text, name_first=False)
+
+
+def _deepseek_v31(text: str) -> list[Call]:  # module-level, not a lambda: tokenizers are pickled
+    return _deepseek(text, name_first=True)
+
+
 _FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(</function>|$)", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]*)>\n?(.*?)\n?(</parameter>|$)", re.S)
 
@@ -277,8 +285,8 @@ PARSERS: dict[str, ToolParser] = {p.name: p for p in (
     ToolParser("hermes", "<tool_call>", _hermes),
     ToolParser("llama3_json", "", _llama3_json),
     ToolParser("mistral", "[TOOL_CALLS]", _mistral),
-    ToolParser("deepseek_v3", "<｜tool▁calls▁begin｜>", lambda t: _deepseek(t, name_first=False)),
-    ToolParser("deepseek_v31", "<｜tool▁calls▁begin｜>", lambda t: _deepseek(t, name_first=True)),
+    ToolParser("deepseek_v3", "<｜tool▁calls▁begin｜>", _deepseek_v3),
+    ToolParser("deepseek_v31", "<｜tool▁calls▁begin｜>", _deepseek_v31),
     ToolParser("qwen3_coder", "<tool_call>", _qwen3_coder),
     ToolParser("pythonic", "", _pythonic),
     ToolParser("openai", "<|start|>assistant", _openai),
