@@ -30,6 +30,9 @@ class ModelSection(Section):
     path: str | None = Field(None, description="HF model directory to start from")
     init_seed: int = 0
     dtype: Literal["float32", "bfloat16"] = "float32"
+    tool_parser: str | None = Field(None, description="tool-call parser by its vLLM/SGLang name (hermes, llama3_json, "
+                                    "mistral, deepseek_v3, deepseek_v31, qwen3_coder, pythonic, openai, kimi_k2, "
+                                    "glm45); default: read off the chat template")
 
 
 class DataSection(Section):

@@ -26,14 +26,27 @@ class Convention:
     stop: tuple[str, ...] = ()  # generation_config.json eos_token_id besides `eos`
     turn_end: str = ""          # the token that ends an assistant turn ("" = `eos`)
     extra: dict = field(default_factory=dict)
+    named: tuple[str, ...] = ()  # further named templates, in tests/templates/{name}_{named}.jinja
 
     @property
     def template(self) -> str:
         return (TEMPLATES / f"{self.name}.jinja").read_text(encoding="utf-8")
 
+    @property
+    def templates(self) -> str | dict[str, str]:
+        """The template, or transformers' named templates (``default`` and the others)."""
+        if not self.named:
+            return self.template
+        return {"default": self.template, **{n: (TEMPLATES / f"{self.name}_{n}.jinja").read_text(encoding="utf-8")
+                                             for n in self.named}}
+
 
 CHATML_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
                    "<tool_response>", "</tool_response>")
+DEEPSEEK_SPECIALS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                     "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                     "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
+                     "<｜tool▁output▁end｜>", "<｜▁pad▁｜>")
 CONVENTIONS = {c.name: c for c in (
     Convention("qwen3", CHATML_SPECIALS + ("<think>", "</think>"), eos="<|im_end|>", pad="<|endoftext|>",
                stop=("<|endoftext|>",)),
@@ -54,6 +67,17 @@ CONVENTIONS = {c.name: c for c in (
     # Gemma's tokenizer names <eos> as eos; the turn ends with <end_of_turn>, which generation_config lists.
     Convention("gemma", ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"),
                eos="<eos>", pad="<pad>", bos="<bos>", stop=("<end_of_turn>",), turn_end="<end_of_turn>"),
+    Convention("deepseek_v31", DEEPSEEK_SPECIALS + ("<think>", "</think>"), eos="<｜end▁of▁sentence｜>",
+               pad="<｜▁pad▁｜>", bos="<｜begin▁of▁sentence｜>"),
+    Convention("r1_distill", DEEPSEEK_SPECIALS + ("<think>", "</think>"), eos="<｜end▁of▁sentence｜>",
+               pad="<｜▁pad▁｜>", bos="<｜begin▁of▁sentence｜>"),
+    Convention("qwen3_coder", CHATML_SPECIALS, eos="<|im_end|>", pad="<|endoftext|>", stop=("<|endoftext|>",)),
+    Convention("kimi_k2", ("[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
+                           "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                           "<|tool_call_argument_begin|>", "<|tool_call_end|>", "[PAD]"),
+               eos="<|im_end|>", pad="[PAD]", stop=("[EOS]",)),
+    # Hermes-3 ships named templates: `default` (no tools) and `tool_use`.
+    Convention("hermes3", CHATML_SPECIALS, eos="<|im_end|>", pad="<|endoftext|>", named=("tool_use",)),
 )}
 
 
@@ -68,7 +92,7 @@ def write_convention_dir(path: Path, convention: Convention, *, seed: int = 0) -
     special = {"eos_token": convention.eos, "pad_token": convention.pad}
     if convention.bos:
         special["bos_token"] = convention.bos
-    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=convention.template,
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=convention.templates,
                                                   **special)
     hf_tok.save_pretrained(path)
     return path

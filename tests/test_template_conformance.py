@@ -16,6 +16,7 @@ plus the refusal of templates AxRL cannot follow and ``axrl model check-template
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import numpy as np
@@ -42,24 +43,50 @@ NAMES = sorted(CONVENTIONS)
 TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "Evaluate <x> & 'y'.",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
-CALLS = {"role": "assistant", "content": "", "tool_calls": [
-    hf_tool_call("calculator", {"expression": "37 + 58"}, 1), hf_tool_call("calculator", '{"expression": "2 * 3"}', 2)]}
-CONVERSATION = [
-    {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "What is 37 + 58? Ünïcödé ✓"},
-    CALLS, hf_tool_result("95", 1), hf_tool_result("6", 2),
-    {"role": "assistant", "content": "<think>\nadd\n</think>\n\nThe answer is 95."},
-    {"role": "user", "content": "And 1 + 1?"},
-]
-# What each convention's tokenizer should read off its template.
-EXPECTED = {  # name: (turn-end token, reply opening, tool-call start, templates that re-render history)
-    "qwen3": ("<|im_end|>", "<|im_start|>assistant\n", "<tool_call>", True),
-    "chatml": ("<|im_end|>", "<|im_start|>assistant\n", "<tool_call>", False),
-    "llama3": ("<|eot_id|>", "<|start_header_id|>assistant<|end_header_id|>\n\n", "", False),
-    "mistral": ("</s>", "", "[TOOL_CALLS]", True),
-    "deepseek_v3": ("<｜end▁of▁sentence｜>", "<｜Assistant｜>", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>", False),
-    "gemma": ("<end_of_turn>", "<start_of_turn>model\n", "```tool_call", False),
+ARGS = [{"expression": "37 + 58"}, {"expression": "2 * 3"}]
+RESULTS = ["95", "6"]
+# What each convention's tokenizer should read off its template:
+# (turn-end token, reply opening, tool-call start (None: tool-free), re-renders history, tool parser,
+#  calls per turn, arguments form)
+EXPECTED = {
+    "qwen3": ("<|im_end|>", "<|im_start|>assistant\n", "<tool_call>", True, "hermes", 2, "string"),
+    "chatml": ("<|im_end|>", "<|im_start|>assistant\n", "<tool_call>", False, "hermes", 2, "string"),
+    "hermes3": ("<|im_end|>", "<|im_start|>assistant\n", "<tool_call>", False, "hermes", 2, "string"),
+    "kimi_k2": ("<|im_end|>", "<|im_assistant|>assistant<|im_middle|>", "<|tool_calls_section_begin|>", False,
+                "kimi_k2", 2, "string"),
+    "qwen3_coder": ("<|im_end|>", "<|im_start|>assistant\n", "<tool_call>", False, "qwen3_coder", 2, "mapping"),
+    "llama3": ("<|eot_id|>", "<|start_header_id|>assistant<|end_header_id|>\n\n", "", False, "llama3_json", 1,
+               "mapping"),
+    "mistral": ("</s>", "", "[TOOL_CALLS]", True, "mistral", 2, "string"),
+    "deepseek_v3": ("<｜end▁of▁sentence｜>", "<｜Assistant｜>", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>", False,
+                    "deepseek_v3", 2, "string"),
+    "deepseek_v31": ("<｜end▁of▁sentence｜>", "<｜Assistant｜></think>", "<｜tool▁call▁begin｜>", True, "deepseek_v31",
+                     2, "string"),
+    "r1_distill": ("<｜end▁of▁sentence｜>", "<｜Assistant｜><think>\n", None, True, None, 0, "mapping"),
+    "gemma": ("<end_of_turn>", "<start_of_turn>model\n", None, False, None, 0, "mapping"),
 }
+TOOL_FREE = sorted(n for n in NAMES if EXPECTED[n][2] is None)
+WITH_TOOLS = sorted(n for n in NAMES if EXPECTED[n][2] is not None)
+
+
+def calls(name: str) -> dict:
+    """An assistant turn with as many parallel calls as the family's template allows, arguments
+    in the form its template reads (the wire's JSON string, or a mapping)."""
+    n, form = EXPECTED[name][5], EXPECTED[name][6]
+    made = [hf_tool_call("calculator", json.dumps(a) if form == "string" else a, k + 1) for k, a in enumerate(ARGS[:n])]
+    if name == "kimi_k2":  # Kimi's ids carry the name: functions.NAME:INDEX
+        made = [{**c, "id": f"functions.calculator:{k}"} for k, c in enumerate(made)]
+    return {"role": "assistant", "content": "", "tool_calls": made}
+
+
+def conversation(name: str) -> list[dict]:
+    """An agent episode in the family's shapes: system, question, calls and results (where the
+    template has tools), a reasoning answer, a new question."""
+    n = EXPECTED[name][5]
+    middle = [calls(name)] + [hf_tool_result(RESULTS[k], k + 1) for k in range(n)] if n else []
+    return [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 37 + 58? Ünïcödé ✓"},
+            *middle, {"role": "assistant", "content": "<think>\nadd\n</think>\n\nThe answer is 95."},
+            {"role": "user", "content": "And 1 + 1?"}]
 
 
 @pytest.fixture(scope="module")
@@ -80,34 +107,39 @@ def test_rendering_equals_transformers(name, dirs, hf):
     ours, theirs = load_tokenizer(dirs[name]), hf[name]
     for tools in (None, TOOLS):
         for gen in (False, True):
-            for messages in (CONVERSATION, CONVERSATION[:5]):
+            for messages in (conversation(name), conversation(name)[:3 + EXPECTED[name][5] if EXPECTED[name][5] else 2]):
                 text = ours.apply_chat_template(messages, tools=tools, add_generation_prompt=gen, tokenize=False)
                 assert text == theirs.apply_chat_template(messages, tools=tools, add_generation_prompt=gen,
                                                           tokenize=False)
                 assert ours.apply_chat_template(messages, tools=tools, add_generation_prompt=gen) == \
                     theirs.encode(text, add_special_tokens=False)
     # the tools, both calls and both results reach the rendering (not silently dropped)
-    whole = ours.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False)
-    assert all(s in whole for s in ("Evaluate <x> & 'y'.", "37 + 58", "2 * 3", "95", "6"))
+    whole = ours.apply_chat_template(conversation(name), tools=TOOLS, tokenize=False)
+    shown = {"kimi_k2": 5, "qwen3_coder": 5, "qwen3": 5, "chatml": 5, "hermes3": 5, "mistral": 5, "deepseek_v3": 5, "deepseek_v31": 5, "llama3": 3}
+    assert all(s in whole for s in ("Evaluate <x> & 'y'.", "37 + 58", "95", "2 * 3", "6")[:shown.get(name, 0)])
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_what_axrl_reads_off_the_template(name, dirs, hf):
     tok, theirs = load_tokenizer(dirs[name]), hf[name]
-    turn_end, opening, call_start, _ = EXPECTED[name]
+    turn_end, opening, call_start, _, parser, n, form = EXPECTED[name]
     assert tok.eos_token == turn_end and tok.eos_token_id == theirs.convert_tokens_to_ids(turn_end)
     assert tok.eos_token_id in tok.stop_token_ids
     assert tok.generation_prompt_text() == opening
-    assert tok.tool_call_format is not None and tok.tool_call_format.start == call_start
-    # a reply written the way the template writes calls parses back to the same calls
-    calls = tok.parse_tool_calls(tok.reply_text(CALLS))
-    assert [(c["name"], c["arguments"], c["error"]) for c in calls] == [
-        ("calculator", {"expression": "37 + 58"}, None), ("calculator", {"expression": "2 * 3"}, None)]
+    assert (tok.tool_parser.name if tok.tool_parser else None) == parser and tok.arguments_form == form
+    if call_start is None:  # tool-free: said so, not refused
+        assert tok.tool_call_format is None and tok.tool_free
+        return
+    # the learned JSON format where there is one (XML calls have none), else the parser's opening
+    assert (tok.tool_call_format.start if tok.tool_call_format else tok.tool_call_start) == call_start
+    # the parser's round trip: a reply with N calls, as the template writes them, parses to the same N calls
+    parsed = tok.parse_tool_calls(tok.reply_text(calls(name)))
+    assert [(c["name"], c["arguments"], c["error"]) for c in parsed] == [("calculator", a, None) for a in ARGS[:n]]
 
 
 # -- (b) the agent loop's token stream ---------------------------------------------------------------
 
-ANSWERS = {"37 + 58": "95", "2 * 3": "6"}
+ANSWERS = dict(zip((a["expression"] for a in ARGS), RESULTS))
 
 
 class _ToolEnv:
@@ -144,14 +176,15 @@ def _episode(tok, replies: list[list[int]]):
     return traj, env, engine
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", WITH_TOOLS)
 def test_agent_loop_trains_exactly_the_generated_ids(name, dirs, hf):
     tok, theirs = load_tokenizer(dirs[name]), hf[name]
-    texts = [tok.reply_text(CALLS), "<think>\nadd\n</think>\n\nThe answer is 95.", "2"]
+    texts = [tok.reply_text(calls(name)), "<think>\nadd\n</think>\n\nThe answer is 95.", "2"]
+    n = EXPECTED[name][5]
     replies = [tok.encode(t) + [tok.eos_token_id] for t in texts]
     traj, env, engine = _episode(tok, replies)
     assert traj.status == "ok" and traj.finish_reason == "stop" and traj.num_turns == 3
-    assert [c["name"] for c in env.calls] == ["calculator", "calculator"]      # the env read both calls
+    assert [c["name"] for c in env.calls] == ["calculator"] * n      # the env read every call
     ids, mask, turn = traj.token_ids.tolist(), np.asarray(traj.loss_mask), np.asarray(traj.turn)
     # token in, token out: the trained ids of turn i are exactly the ids the engine returned
     for i, reply in enumerate(replies, start=1):
@@ -163,8 +196,8 @@ def test_agent_loop_trains_exactly_the_generated_ids(name, dirs, hf):
     assert ids[:traj.prompt_len] == theirs.encode(prompt, add_special_tokens=False)
     # every request held the stream so far: what the model conditioned on is what is trained
     assert all(ids[:len(r.input_ids)] == list(r.input_ids) for r in engine.requests)
-    # the finished chat as transformers renders it, the replies as plain text (what the loop holds)
-    chat = opening + [{"role": "assistant", "content": texts[0]}, hf_tool_result("95", 1), hf_tool_result("6", 2),
+    # the finished chat as transformers renders it: the calls structured, as the loop keeps them
+    chat = opening + [tok.reply_message(texts[0]), *[hf_tool_result(RESULTS[k], k + 1) for k in range(n)],
                       {"role": "assistant", "content": texts[1]}, {"role": "user", "content": "And 1 + 1?"},
                       {"role": "assistant", "content": texts[2]}]
     rendered = theirs.encode(theirs.apply_chat_template(chat, tools=TOOLS, tokenize=False), add_special_tokens=False)
@@ -175,8 +208,10 @@ def test_agent_loop_trains_exactly_the_generated_ids(name, dirs, hf):
         assert rendered[:len(ids)] != ids and traj.drift_tokens > 0
     else:
         assert rendered[:len(ids)] == ids and traj.drift_tokens == 0
-    if name == "qwen3":  # the stripped reasoning is what drifted: the think block's tokens, no more
-        think = tok.encode("<think>\nadd\n</think>")
+    if name == "qwen3":  # what drifted: the stripped reasoning, and the empty think block Qwen3 writes
+        # before the calls of the last turn (the model generated it; history re-renders it away)
+        think = tok.encode("<think>\nadd\n</think>") + tok.encode("<think>\n\n</think>\n\n")
+        assert texts[0].startswith("<think>\n\n</think>\n\n<tool_call>")
         assert len(think) <= traj.drift_tokens <= len(think) + 3
     # the step record carries the drift of white-box samples too (/samples/drift_tokens, metrics)
     from axrl.runtime.recording.builders import _session_columns, _session_metrics
@@ -196,6 +231,10 @@ def test_train_two_steps_and_decode_the_trace(name, dirs, hf, tmp_path):
     run = tmp_path / "run"
     train(run, [f"model.path={dirs[name]}", *TRAIN])
     tok, theirs = load_tokenizer(dirs[name]), hf[name]
+    # the manifest records what AxRL chose for the template
+    facts = json.loads((run / "manifest.json").read_text())["extra"]["chat_template"]
+    assert facts["tool_parser"] == EXPECTED[name][4] and facts["arguments"] == EXPECTED[name][6]
+    assert facts["system_folded_by_axrl"] is False and facts["tool_free"] == (EXPECTED[name][2] is None)
     with StepFile(run / "trace" / "step_000001.h5") as sf:
         ids, off = sf["/tokens/ids"].astype(np.int64), sf["/samples/offsets"]
         mask, prompt_len = sf["/tokens/loss_mask"], sf["/samples/prompt_len"]
@@ -230,18 +269,38 @@ NO_SYSTEM = ("{%- if messages[0].role == 'system' %}{{ raise_exception('System r
 FLAT_CALLS = CONVENTIONS["chatml"].template.replace("call.function.", "call.")
 
 
-@pytest.mark.parametrize("template, feature, advice", [
-    (NO_SYSTEM, "cannot render a system message: System role not supported", "fold it into the first user turn"),
-    (FLAT_CALLS, "cannot render an assistant tool call in the Hugging Face form", "read the call as tool_call.function"),
-])
-def test_a_template_axrl_cannot_follow_is_refused_naming_the_feature(template, feature, advice, dirs, tmp_path):
-    src = dirs["gemma" if template is NO_SYSTEM else "chatml"]
-    bad = _with_template(src, tmp_path / "bad", template)
+def test_a_template_axrl_cannot_follow_is_refused_naming_the_feature(dirs, tmp_path):
+    bad = _with_template(dirs["chatml"], tmp_path / "bad", FLAT_CALLS)
+    feature, advice = "cannot render an assistant tool call in the Hugging Face form", "read the call as tool_call.function"
     with pytest.raises(ValueError) as err:
         load_tokenizer(bad)
     assert feature in str(err.value) and advice in str(err.value) and "check-template" in str(err.value)
     result = axrl("model", "check-template", bad)
-    assert result.exit_code == 1 and "refused" in result.output and feature in result.output
+    assert result.exit_code == 2 and "refused" in result.output and feature in result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_template_without_a_system_role_gets_the_system_prompt_folded(dirs, hf, tmp_path):
+    """Gemma 2's published template raises on a system message; Google documents putting the
+    instructions in the first user turn, which AxRL then does (and says so)."""
+    d = _with_template(dirs["gemma"], tmp_path / "nosys", NO_SYSTEM)
+    tok, theirs = load_tokenizer(d), transformers.AutoTokenizer.from_pretrained(str(d))
+    assert tok.fold_system
+    chat = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]
+    folded = [{"role": "user", "content": "Be terse.\n\nHi"}]
+    assert tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
+        theirs.apply_chat_template(folded, add_generation_prompt=True, tokenize=False)
+    result = axrl("model", "check-template", d)
+    assert result.exit_code == 0 and "AxRL folds the system prompt into the first user turn" in result.output
+
+
+def test_a_template_that_raises_on_a_parameter_gets_a_verdict_not_a_traceback(dirs, tmp_path):
+    """A check tool must never crash: whatever the template raises is quoted in the verdict."""
+    boom = "{{ raise_exception('this template is broken on purpose') }}"
+    d = _with_template(dirs["chatml"], tmp_path / "boom", boom)
+    result = axrl("model", "check-template", d)
+    assert result.exit_code == 2 and "this template is broken on purpose" in result.output, result.output
+    assert "Traceback" not in result.output
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama3", "gemma"])
@@ -265,7 +324,7 @@ def test_the_existing_qwen_style_checkpoint_still_loads(tmp_path):
     assert result.exit_code == 0 and "identically" in result.output, result.output
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", WITH_TOOLS)
 def test_the_calculator_env_reads_tool_calls_in_every_template_format(name, dirs):
     """A reply whose tool call is written the template's way (bare JSON, `[TOOL_CALLS]`, name
     outside the JSON …) reaches the calculator env as calls it executes: `env_action` rewrites
@@ -275,9 +334,52 @@ def test_the_calculator_env_reads_tool_calls_in_every_template_format(name, dirs
 
     tok = load_tokenizer(dirs[name])
     reply = tok.reply_text({"role": "assistant", "content": "",
-                            "tool_calls": [hf_tool_call("calculator", {"expression": "37 + 58"}, 1)]})
+                            "tool_calls": [tok.call_message("calculator", {"expression": "37 + 58"}, 1)]})
     env = CalculatorEnv()
     env.reset(Prompt("p", text="What is 37 + 58?", fields={"answer": 95}))
     outcome = env.step(env_action(tok, reply))
     assert not outcome.done and [m["content"] for m in outcome.observation] == ["95"], (reply, outcome)
     assert env_action(tok, "The answer is 95.") == "The answer is 95."   # no call: the text as it is
+
+
+def test_qwen3_calls_are_read_after_the_empty_think_block_and_after_reasoning(dirs):
+    """Qwen3's published template writes `<think>\\n\\n</think>\\n\\n` before the calls of the last
+    turn: the call's start tag is still `<tool_call>`, two calls parse as two, and a call after
+    real reasoning parses as one (the reasoning is split off and kept apart)."""
+    tok = load_tokenizer(dirs["qwen3"])
+    assert tok.tool_parser.name == "hermes" and tok.reasoning_parser == "think"
+    assert tok.tool_call_format.start == "<tool_call>" and tok.tool_call_start == "<tool_call>"
+    two = tok.reply_text(calls("qwen3"))
+    assert [c["name"] for c in tok.parse_tool_calls(two)] == ["calculator", "calculator"]
+    after = "<think>\nI add them.\n</think>\n\n" + two.split("</think>\n\n", 1)[1].split("\n<tool_call>")[0]
+    read = tok.parse_tool_calls(after)
+    assert [(c["name"], c["arguments"]) for c in read] == [("calculator", {"expression": "37 + 58"})]
+    assert tok.split_reasoning(after)[0] == "I add them."
+    out = axrl("model", "check-template", dirs["qwen3"]).output
+    assert "rendered into the call's turn" not in out and "tool parser    hermes" in out, out
+
+
+def test_model_tool_parser_overrides_the_parser_read_off_the_template(dirs):
+    """`model.tool_parser` (vLLM's names) replaces the detected parser; an unknown name is refused
+    naming the key and the choices."""
+    from axrl.config import Config
+
+    assert Config.model_validate({"model": {"tool_parser": "pythonic"}}).model.tool_parser == "pythonic"
+    tok = load_tokenizer(dirs["chatml"], "pythonic")
+    assert tok.tool_parser.name == "pythonic"
+    assert [(c["name"], c["arguments"]) for c in tok.parse_tool_calls('[calculator(expression="1 + 1")]')] == [
+        ("calculator", {"expression": "1 + 1"})]
+    with pytest.raises(ValueError, match="model.tool_parser: unknown tool-call parser 'nope'"):
+        load_tokenizer(dirs["chatml"], "nope")
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "thinking", "reasoning"])
+def test_reasoning_field_aliases_render_as_transformers_does(field, dirs, hf):
+    """A client may send an assistant message's reasoning as `reasoning_content`, `thinking` or
+    `reasoning`: transformers 5 fills the others from it, so the Qwen3 template (which reads
+    `reasoning_content`) renders it whichever name is used, and AxRL renders the same."""
+    tok, theirs = load_tokenizer(dirs["qwen3"]), hf["qwen3"]
+    chat = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4", field: "add two and two"}]
+    text = tok.apply_chat_template(chat, tokenize=False)
+    assert "<think>\nadd two and two\n</think>" in text
+    assert text == theirs.apply_chat_template(chat, tokenize=False)

@@ -90,13 +90,14 @@ def env_action(tokenizer: Tokenizer, text: str) -> str:
     into them (Llama's bare JSON, Mistral's ``[TOOL_CALLS]`` list, DeepSeek's name-outside
     form …), the prose before the first call kept. So an env parses one format, whatever the
     model's template; the trained tokens are the model's own and are not touched."""
-    fmt = tokenizer.tool_call_format
-    if fmt is None or fmt.tags == (TOOL_CALL_START, TOOL_CALL_END):
+    parser, fmt = tokenizer.tool_parser, tokenizer.tool_call_format
+    if (parser.name == "hermes") if parser is not None else (fmt is None or fmt.tags == (TOOL_CALL_START, TOOL_CALL_END)):
         return text
     calls = tokenizer.parse_tool_calls(text)
     if not calls:
         return text
-    at = text.find(fmt.start) if fmt.start else len(text) - len(text.lstrip())
+    start = tokenizer.tool_call_start
+    at = text.find(start) if start else len(text) - len(text.lstrip())
     blocks = [c["raw"] if c.get("error") else json.dumps({"name": c["name"], "arguments": c["arguments"]})
               for c in calls]
     return text[:max(at, 0)] + "".join(f"{TOOL_CALL_START}{b}{TOOL_CALL_END}" for b in blocks)

@@ -51,7 +51,7 @@ def model_source(cfg: Config, *, dtype: str | None = None) -> ModelSource:
     """`model` + `runtime.device`; `dtype` overrides `model.dtype` (a replay what-if)."""
     m = cfg.model
     return ModelSource(path=m.path, preset=m.preset, init_seed=m.init_seed, dtype=dtype or m.dtype,  # type: ignore[arg-type]
-                       device=cfg.runtime.device)
+                       device=cfg.runtime.device, tool_parser=m.tool_parser)
 
 
 def backend_settings(cfg: Config, *, compute_dtype: str | None = None) -> BackendSettings:

@@ -246,13 +246,14 @@ def model_info(path: Path = typer.Argument(..., help="An HF model directory.")) 
 def model_check_template(path: Path = typer.Argument(..., help="An HF model directory (or a tokenizer directory).")) -> None:
     """Check that AxRL can follow a directory's chat template: run the load-time probes, compare
     its rendering of a sample agent conversation with transformers' apply_chat_template, and say
-    what AxRL does with it (turn end, tool-call format, system role, drift). Exit 1 on a refusal
-    or a rendering that differs from transformers'."""
+    what AxRL does with it (turn end, tool-call format and parser, system role, drift). Exit 2 on a
+    refusal or a rendering that differs from transformers' (the verdict quotes the template's own
+    error); never a traceback, whatever the template raises."""
     from axrl.tokenizer.template_report import check_template
 
     report = check_template(path)
     for line in report.lines:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     if not report.ok:
-        raise typer.Exit(1)
+        raise typer.Exit(2)
 

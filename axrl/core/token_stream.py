@@ -30,7 +30,9 @@ def assistant_close_ids(tokenizer: ChatRenderer) -> list[int]:
     the model generates) followed by glue the model never generates (ChatML: ``<|im_end|>`` and a
     newline)."""
     marker = "\x00"  # a character no template emits on its own
-    text = str(tokenizer.apply_chat_template([{"role": "assistant", "content": marker}], tokenize=False))
+    # After a user turn: templates that check role alternation (Mistral) refuse a lone reply.
+    text = str(tokenizer.apply_chat_template([{"role": "user", "content": "u"}, {"role": "assistant", "content": marker}],
+                                             tokenize=False))
     return tokenizer.encode(text[text.rindex(marker) + 1:])
 
 

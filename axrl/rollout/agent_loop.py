@@ -115,7 +115,9 @@ async def run_episode(
         out = result.output_ids
         closed = bool(out) and out[-1] == close_ids[0]  # the model ended its own turn
         text = tokenizer.decode(out[:-1] if closed else out)  # keep <tool_call> tags
-        conversation.append({"role": "assistant", "content": text})
+        conversation.append(tokenizer.reply_message(text))  # calls structured, as the template writes them
+        # The family's reasoning parser (<think>, harmony's analysis channel): kept per turn.
+        traj.info.setdefault("reasoning", []).append(tokenizer.split_reasoning(text)[0])
         truncated = result.finish_type == "length"
         try:
             outcome = env.step(env_action(tokenizer, text))

@@ -64,6 +64,7 @@ class ModelSource:
     init_seed: int = 0
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: str = "cpu"
+    tool_parser: str | None = None  # model.tool_parser: overrides the parser read off the chat template
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -359,7 +360,7 @@ def make_agent(a: AgentSettings | None, tokenizer: Tokenizer,
 
 def make_tokenizer(source: ModelSource) -> Tokenizer:
     """The run's tokenizer and chat template: `model.path`'s own, else the built-in one."""
-    return load_tokenizer(source.path)
+    return load_tokenizer(source.path, source.tool_parser)
 
 
 def initial_model(source: ModelSource, tokenizer: Tokenizer) -> Qwen3ForCausalLM:

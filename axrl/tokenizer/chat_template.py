@@ -118,10 +118,25 @@ def compile_template(source: str) -> Template:
     return env.from_string(source)
 
 
+# Names an assistant message's reasoning arrives under (OpenAI-compatible servers and SDKs differ).
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
 def _drop_none(message: dict[str, Any]) -> dict[str, Any]:
     # transformers drops None-valued keys (OpenAI sends content=None next to tool_calls);
     # doing the same keeps both renderers byte-identical.
     return {k: v for k, v in message.items() if v is not None}
+
+
+def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """The message with its reasoning under every name templates read, as transformers 5 does:
+    the first of ``REASONING_FIELDS`` that is set fills ``reasoning_content`` (what Qwen3 /
+    DeepSeek templates read) and ``thinking`` (gpt-oss), so a client's choice of name never
+    changes the prompt."""
+    reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def render(
@@ -133,7 +148,7 @@ def render(
 ) -> str:
     """Render ``messages`` with the Jinja chat template ``source``, as transformers does."""
     return compile_template(source).render(
-        messages=[_drop_none(dict(m)) for m in messages],
+        messages=[_alias_reasoning(_drop_none(dict(m))) for m in messages],
         tools=tools,
         documents=None,
         add_generation_prompt=add_generation_prompt,

@@ -22,6 +22,7 @@ a template that cannot render one of its shapes is refused here, naming the shap
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from importlib import resources
 from pathlib import Path
@@ -31,7 +32,9 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from axrl.tokenizer import chat_template as _ct
 from axrl.tokenizer import template_probe as _probe
-from axrl.tokenizer.tool_calls import ToolCallFormat, parse_with_format
+from axrl.tokenizer.reasoning import THINK_START, detect_reasoning_parser, split_reasoning
+from axrl.tokenizer.tool_calls import ToolCallFormat, hf_tool_call, parse_with_format
+from axrl.tokenizer.tool_parsers import ToolParser, detect_tool_parser, get_tool_parser
 
 Message = dict[str, Any]
 
@@ -47,20 +50,27 @@ class Tokenizer:
     """
 
     def __init__(self, tokenizer: _HFTokenizer, config: dict[str, Any], *, eos_token_ids: list[int] | None = None,
-                 pad_token_id: int | None = None, source: str = "tokenizer") -> None:
+                 pad_token_id: int | None = None, source: str = "tokenizer", tool_parser: str | None = None) -> None:
         """Wrap a loaded ``tokenizers.Tokenizer`` and its ``tokenizer_config.json`` dict.
 
         ``eos_token_ids`` / ``pad_token_id``: what ``generation_config.json`` or ``config.json`` of
         a model directory say (they complement the config's ``eos_token`` / ``pad_token``).
-        ``source`` names the directory in error messages.
+        ``source`` names the directory in error messages. ``tool_parser``: a name of
+        :data:`axrl.tokenizer.tool_parsers.PARSERS` (``model.tool_parser``), else read off the template.
         """
         self._tok = tokenizer
         self.config = dict(config)
         self.source = source
-        self.chat_template: str = _pick_template(self.config.get("chat_template"), source)
+        # transformers' list form holds named templates; `tool_use` renders whenever tools are given.
+        self.chat_templates: dict[str, str] = _pick_templates(self.config.get("chat_template"), source)
+        self.chat_template: str = self.chat_templates.get("default") or next(iter(self.chat_templates.values()))
+        self.fold_system = False  # set by the probes: AxRL folds the system prompt for templates without one
         # transformers renders templates with the special-token strings of the config.
         self.template_tokens = {k: v for k in TEMPLATE_TOKENS if (v := _token_str(self.config.get(k)))}
-        _probe.check_shapes(lambda m, **kw: self.apply_chat_template(m, tokenize=False, **kw), source)
+        shapes = _probe.check_shapes(lambda m, **kw: self.apply_chat_template(m, tokenize=False, **kw), source,
+                                     "\n".join(self.chat_templates.values()))
+        self.fold_system, self.tool_free = shapes.fold_system, shapes.tool_free
+        self.arguments_form: str = shapes.form or "mapping"
         self._generation_prompt = self._generation_prompt_text()
         self.eos_token_id: int = self._turn_end_id()
         self.eos_token: str = self._tok.id_to_token(self.eos_token_id)
@@ -79,15 +89,29 @@ class Tokenizer:
         # ChatML markers, when the vocabulary has them (None otherwise).
         self.im_start_id: int | None = self._tok.token_to_id(_ct.IM_START)
         self.im_end_id: int | None = self._tok.token_to_id(_ct.IM_END)
-        self.tool_call_format: ToolCallFormat | None = _probe.tool_call_format(
-            self._render, self._generation_prompt, self.eos_token)
+        self._read_tool_format(shapes.form, tool_parser)
+
+    def _read_tool_format(self, form: str | None, tool_parser: str | None) -> None:
+        """The tool-call and reasoning parsers: the family's (``model.tool_parser``, else the one
+        whose format the template writes), and the learned :class:`ToolCallFormat` for templates
+        of no known family."""
+        render = lambda m, **kw: self._render(m, **kw)  # noqa: E731
+        self.tool_call_format: ToolCallFormat | None = (
+            _probe.tool_call_format(render, form, self.eos_token) if form else None)
+        body = _probe.call_body(render, form, self.eos_token) if form else None
+        name = tool_parser or (detect_tool_parser(body) if body else None)
+        self.tool_parser: ToolParser | None = get_tool_parser(name) if name else None
+        gen = self._generation_prompt
+        self.reasoning_parser: str | None = detect_reasoning_parser("\n".join(self.chat_templates.values()), gen)
+        # R1 distills end the generation prompt inside an open <think> block: replies start in it.
+        self.reasoning_opened = gen.rstrip().endswith(THINK_START)
         # The tagged formats (Qwen, ChatML): what streaming replies watch for.
         self.tool_call_tags: tuple[str, str] | None = self.tool_call_format.tags if self.tool_call_format else None
 
     # -- loading / saving ---------------------------------------------------------------
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> Tokenizer:
+    def from_dir(cls, path: str | Path, tool_parser: str | None = None) -> Tokenizer:
         """Load a tokenizer directory or a Hugging Face model directory: ``tokenizer.json`` (the
         `tokenizers` library's format) + ``tokenizer_config.json``, ``chat_template.jinja`` /
         ``chat_template.json``, ``generation_config.json`` and ``config.json`` when present."""
@@ -107,6 +131,11 @@ class Tokenizer:
             config["chat_template"] = jinja_file.read_text(encoding="utf-8")
         elif (path / "chat_template.json").is_file():
             config["chat_template"] = _read_json(path / "chat_template.json").get("chat_template")
+        # transformers 5 saves named templates (Hermes-3's `tool_use`) as additional_chat_templates/NAME.jinja.
+        extra = sorted((path / "additional_chat_templates").glob("*.jinja"))
+        if extra and isinstance(config.get("chat_template"), str):
+            config["chat_template"] = [{"name": "default", "template": config["chat_template"]}] + [
+                {"name": f.stem, "template": f.read_text(encoding="utf-8")} for f in extra]
         for key, value in _read_json(path / "special_tokens_map.json").items():
             config.setdefault(key, value)
         eos: list[int] = []
@@ -117,7 +146,7 @@ class Tokenizer:
             eos += [int(i) for i in (ids if isinstance(ids, list) else [ids]) if isinstance(i, int)]
             if pad is None and isinstance(meta.get("pad_token_id"), int):
                 pad = int(meta["pad_token_id"])
-        return cls(tok, config, eos_token_ids=eos, pad_token_id=pad, source=str(path))
+        return cls(tok, config, eos_token_ids=eos, pad_token_id=pad, source=str(path), tool_parser=tool_parser)
 
     @classmethod
     def default(cls) -> Tokenizer:
@@ -130,7 +159,9 @@ class Tokenizer:
         special_tokens_map.json)."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        config = {**self.config, "chat_template": self.chat_template}
+        template: Any = self.chat_template if len(self.chat_templates) == 1 else \
+            [{"name": k, "template": v} for k, v in self.chat_templates.items()]
+        config = {**self.config, "chat_template": template}
         special = {**self.template_tokens, "pad_token": self.pad_token}
         (path / "tokenizer.json").write_text(self._tok.to_str(pretty=True) + "\n", encoding="utf-8")
         (path / "tokenizer_config.json").write_text(dump_json(config), encoding="utf-8")
@@ -146,7 +177,8 @@ class Tokenizer:
             raise ValueError(f"{self.source}: the chat template cannot render {messages!r}: {e}") from None
 
     def _turn_end_id(self) -> int:
-        text = self._render([{"role": "assistant", "content": _MARK}])
+        # After a user turn: templates that check role alternation (Mistral) refuse a lone reply.
+        text = self._render([{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}])
         after = self.encode(text[text.rindex(_MARK) + 1:])
         if not after or after[0] not in self.special_token_ids:
             raise ValueError(f"{self.source}: the chat template does not close an assistant message with a special "
@@ -207,7 +239,13 @@ class Tokenizer:
         """Warn when the template renders an agent-shaped conversation differently from the
         token stream the agent loop builds for it: that difference is drift (recorded per sample,
         never trained on), and serving the same chat would show the model other tokens."""
-        problem = self.incremental_mismatch(_probe.EPISODE, tools=[_probe.PROBE_TOOL])
+        if self.tool_call_format is None and self.tool_parser is None:
+            conversation = [m for m in _probe.episode(self.arguments_form) if m["role"] in ("system", "user")] + \
+                [{"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}, {"role": "assistant",
+                                                                                         "content": "b"}]
+        else:
+            conversation = _probe.episode(self.arguments_form)
+        problem = self.incremental_mismatch(conversation, tools=[_probe.PROBE_TOOL])
         if problem:
             warnings.warn(f"{self.source}: the chat template re-renders history ({problem}); AxRL trains "
                           "on the generated ids and records the difference as drift", stacklevel=2)
@@ -216,11 +254,18 @@ class Tokenizer:
         """The text the model generates for an assistant ``message``: its content and its
         structured ``tool_calls`` as this template writes them, without the end-of-turn token."""
         user = {"role": "user", "content": _MARK}
-        before = self._render([user], add_generation_prompt=True)
-        text = self._render([user, message])
-        if not text.startswith(before) or self.eos_token not in text[len(before):]:
-            raise ValueError(f"{self.source}: cannot isolate the text of assistant message {message!r}")
-        return text[len(before):text.rindex(self.eos_token)]
+        tools = [_probe.PROBE_TOOL] if message.get("tool_calls") else None
+        before = self._render([user], tools=tools, add_generation_prompt=True)
+        text = self._render([user, message], tools=tools)
+        # A generation prompt that opens a block (R1's `<think>\n`, which history never shows) is
+        # left out: the reply is what follows the part both renderings share.
+        opening = len(os.path.commonprefix([before, text]))
+        if opening < len(before) - len(self.generation_prompt_text()) or self.eos_token not in text[opening:]:
+            raise ValueError(f"{self.source}: cannot isolate the text of assistant message {message!r}: the template "
+                             f"renders the conversation before it differently once the reply is added (with the "
+                             f"generation prompt: {before[-60:]!r}; with the reply: {text[:len(before)][-60:]!r}); "
+                             "such a template re-renders history on every turn, which AxRL cannot stream")
+        return text[opening:text.rindex(self.eos_token)]
 
     # -- vocabulary ---------------------------------------------------------------------
 
@@ -276,7 +321,10 @@ class Tokenizer:
         Same output as ``transformers``' ``apply_chat_template`` on the saved directory.
         """
         # transformers exposes the special-token strings to templates; mirror it for parity.
-        text = _ct.render(self.chat_template, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+        template = self.chat_templates.get("tool_use", self.chat_template) if tools is not None else self.chat_template
+        if self.fold_system:
+            messages = fold_system(messages)
+        text = _ct.render(template, messages, tools=tools, add_generation_prompt=add_generation_prompt,
                           **self.template_tokens)
         return self.encode(text) if tokenize else text
 
@@ -310,24 +358,89 @@ class Tokenizer:
         """Ids that open an assistant turn (``<|im_start|>assistant\\n``)."""
         return self.encode(self.generation_prompt_text())
 
+    def split_reasoning(self, text: str) -> tuple[str, str]:
+        """(reasoning, the rest) of a reply, by the family's reasoning parser (:attr:`reasoning_parser`:
+        ``<think>`` blocks, harmony's analysis channel); ("", text) for templates without reasoning."""
+        return split_reasoning(text, self.reasoning_parser, opened=self.reasoning_opened)
+
     def parse_tool_calls(self, text: str) -> list[dict[str, Any]]:
-        """The tool calls in assistant ``text``, in this template's format (see
-        :attr:`tool_call_format`; ``<tool_call>`` blocks when it has none)."""
-        return parse_with_format(text, self.tool_call_format)
+        """The tool calls in assistant ``text``, after its reasoning, by the family's parser
+        (:attr:`tool_parser`), else in the format read off the template (:attr:`tool_call_format`;
+        ``<tool_call>`` blocks when it has none). Never raises: a malformed call is an entry with
+        ``error`` set."""
+        _, rest = self.split_reasoning(text)
+        if self.tool_parser is not None:
+            return self.tool_parser.parse(rest)
+        return parse_with_format(rest, self.tool_call_format)
+
+    def reply_message(self, text: str) -> Message:
+        """The assistant message of a generated reply for the conversation the agent loop keeps:
+        with a family parser and well-formed calls, the prose before them and structured
+        ``tool_calls`` (templates that check roles, like Mistral's, refuse calls written as plain
+        text); otherwise the text as it is. Where the template writes the calls differently from
+        the model, the difference is drift."""
+        calls = self.parse_tool_calls(text) if self.tool_parser is not None else []
+        if not calls or any(c["error"] for c in calls):
+            return {"role": "assistant", "content": text}
+        start = self.tool_call_start
+        prose = text.split(start, 1)[0].strip() if start else ""
+        return {"role": "assistant", "content": prose,
+                "tool_calls": [self.call_message(c["name"], c["arguments"], k + 1) for k, c in enumerate(calls)]}
+
+    def template_facts(self) -> dict[str, Any]:
+        """What AxRL chose for this chat template, for the run's manifest: the tool-call and reasoning
+        parsers, the arguments form, whether AxRL folds the system prompt (the template has no
+        system role), whether the template is tool-free, and its named templates."""
+        return {"tool_parser": self.tool_parser.name if self.tool_parser else None,
+                "reasoning_parser": self.reasoning_parser, "arguments": self.arguments_form,
+                "system_folded_by_axrl": self.fold_system, "tool_free": bool(self.tool_free),
+                "templates": sorted(self.chat_templates)}
+
+    @property
+    def tool_call_start(self) -> str:
+        """The text that opens the first tool call of a reply ("" for bare JSON / pythonic calls)."""
+        if self.tool_parser is not None:
+            return self.tool_parser.start
+        return self.tool_call_format.start if self.tool_call_format else "<tool_call>"
+
+    def call_message(self, name: str, arguments: dict[str, Any], index: int) -> Message:
+        """An assistant tool call as this template wants it: ``arguments`` as the wire's JSON string
+        or as a mapping (:attr:`arguments_form`)."""
+        call = hf_tool_call(name, json.dumps(arguments) if self.arguments_form == "string" else arguments, index)
+        if self.tool_parser is not None and self.tool_parser.name == "kimi_k2":
+            call["id"] = f"functions.{name}:{index - 1}"  # Kimi writes the id, and so the name, verbatim
+        return call
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, eos={self.eos_token!r}, pad={self.pad_token!r})"
 
 
-def _pick_template(template: Any, source: str) -> str:
-    """The chat template of a config: a string, or transformers' list of named templates."""
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default") or next(iter(named.values()), None)
-    if not isinstance(template, str) or not template.strip():
+def _pick_templates(template: Any, source: str) -> dict[str, str]:
+    """The chat templates of a config by name: a string is ``default``; transformers' list form
+    (Hermes-3: ``default`` and ``tool_use``) keeps its names."""
+    if isinstance(template, dict):
+        template = [{"name": k, "template": v} for k, v in template.items()]
+    named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)} \
+        if isinstance(template, list) else {"default": template}
+    named = {k: v for k, v in named.items() if isinstance(k, str) and isinstance(v, str) and v.strip()}
+    if not named:
         raise ValueError(f"{source}: no chat template (tokenizer_config.json 'chat_template' or chat_template.jinja); "
                          "AxRL renders every episode with the model's own template")
-    return template
+    return named
+
+
+def fold_system(messages: list[Message]) -> list[Message]:
+    """``messages`` with a leading system message folded into the first user turn (its text, a
+    blank line, the user's text), as Google documents for Gemma, whose templates have no system role."""
+    if not messages or messages[0].get("role") != "system":
+        return messages
+    rest = list(messages[1:])
+    first = next((i for i, m in enumerate(rest) if m.get("role") == "user"), None)
+    if first is None:
+        return [{"role": "user", "content": messages[0].get("content") or ""}, *rest]
+    user = rest[first]
+    rest[first] = {**user, "content": f"{messages[0].get('content') or ''}\n\n{user.get('content') or ''}"}
+    return rest
 
 
 def _token_str(value: Any) -> str | None:

@@ -23,7 +23,8 @@ from axrl.agents.env import Message
 from axrl.core.token_stream import ChatRenderer
 
 # Fields of an assistant message that carry what a template may drop from earlier turns.
-_REASONING_FIELDS = ("reasoning_content", "reasoning")
+# transformers 5 reads a message's reasoning under all three names (axrl.tokenizer.chat_template).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _NEUTRAL = "."  # stands for an assistant reply's text while locating the appended messages
 
 

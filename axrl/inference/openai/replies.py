@@ -52,12 +52,14 @@ def tool_calls_of(tokenizer: Tokenizer | None, tools: Any, text: str) -> tuple[s
         return text, []
     calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
               "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in good]
-    return text.split(tool_call_start(tokenizer))[0].strip() or None, calls
+    start = tokenizer.tool_call_start  # "" for bare JSON / pythonic calls: the reply is the calls
+    return (text.split(start)[0].strip() if start else "") or None, calls
 
 
-def tool_call_start(tokenizer: Tokenizer) -> str:
-    """The text that opens a tool call in the template's replies."""
-    return (tokenizer.tool_call_tags or ("<tool_call>", ""))[0]
+def tool_call_start(tokenizer: Tokenizer) -> str | None:
+    """The text that opens a tool call in the template's replies (what a stream holds back from);
+    None where calls have no opening marker (bare JSON)."""
+    return tokenizer.tool_call_start or None
 
 
 def finish_reason(finish_type: str, *, tool_calls: bool, abort: str = "abort") -> str:

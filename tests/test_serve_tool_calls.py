@@ -1,0 +1,74 @@
+"""`axrl serve`'s OpenAI chat endpoint on a Qwen3-family directory (the template of
+tests/templates/qwen3.jinja, which writes Qwen3's empty think block before calls), read with the
+official `openai` SDK: a reply with two calls comes back as two `tool_calls`, a call after a
+`<think>` block as one. The engine's reply is scripted (a random-init model writes no calls):
+the server's own app, tokenizer and reply parsing are what is tested."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from axrl.inference.protocol import GenerateResult
+from axrl.inference.serve.serve_app import create_app
+from axrl.inference.serve.state import ServeConfig, build_server
+from template_models import CONVENTIONS, write_convention_dir
+
+openai = pytest.importorskip("openai")
+from fastapi.testclient import TestClient  # noqa: E402
+
+torch.set_num_threads(1)
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+CALL = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    model_dir = write_convention_dir(tmp_path_factory.mktemp("qwen3") / "model", CONVENTIONS["qwen3"])
+    server = build_server(ServeConfig(model_path=str(model_dir)))
+    script: list[str] = []
+
+    async def follow(requests, is_disconnected):  # the engine's reply, scripted
+        tok = server.tokenizer
+        yield [GenerateResult(rid=r.rid, output_ids=tok.encode(script[0]) + [tok.eos_token_id], output_logprobs=[],
+                              routed_experts=None, finish_reason={"type": "stop", "matched": tok.eos_token_id},
+                              weight_version=0, prompt_tokens=len(r.input_ids)) for r in requests]
+
+    server.follow = follow  # type: ignore[method-assign]
+    http = TestClient(create_app(server))
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http)
+    yield client, script, Path(model_dir).name
+    http.close()
+    server.engine.shutdown() if hasattr(server.engine, "shutdown") else None
+
+
+def _ask(served, reply: str):
+    client, script, model = served
+    script[:] = [reply]
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": "37 + 58 and 2 * 3?"}],
+                                          tools=TOOLS, max_tokens=64).choices[0]
+
+
+def test_two_calls_come_back_as_two_tool_calls(served):
+    # as the Qwen3 template writes a last turn: an empty think block, then the calls
+    choice = _ask(served, "<think>\n\n</think>\n\n" + CALL.format("37 + 58") + "\n" + CALL.format("2 * 3"))
+    calls = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and len(calls) == 2
+    assert [json.loads(c.function.arguments) for c in calls] == [{"expression": "37 + 58"}, {"expression": "2 * 3"}]
+
+
+def test_a_call_after_reasoning_comes_back_as_one_tool_call(served):
+    choice = _ask(served, "<think>\nI should add them.\n</think>\n\n" + CALL.format("37 + 58"))
+    calls = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and len(calls) == 1
+    assert calls[0].function.name == "calculator" and json.loads(calls[0].function.arguments) == {"expression": "37 + 58"}
+
+
+def test_a_call_inside_the_reasoning_is_no_call(served):
+    choice = _ask(served, "<think>\nmaybe " + CALL.format("1 + 1") + "\n</think>\n\nThe answer is 2.")
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
