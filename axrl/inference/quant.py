@@ -110,7 +110,7 @@ def quantise_act_fp8(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Ten
     xf = x.float()
     if ng * group != C:
         xf = F.pad(xf, (0, ng * group - C))  # zeros do not change a group's amax
-    g = xf.view(*x.shape[:-1], ng, group)
+    g = xf.reshape(*x.shape[:-1], ng, group)
     scale = g.abs().amax(dim=-1, keepdim=True).clamp_min(ACT_EPS) / FP8_MAX
     q = (g / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(*x.shape[:-1], ng * group)[..., :C], scale.squeeze(-1)
@@ -123,7 +123,7 @@ def fp8_round_act(x: torch.Tensor, group: int = ACT_GROUP) -> torch.Tensor:
     ng = scale.shape[-1]
     if ng * group != C:
         q = F.pad(q.float(), (0, ng * group - C))
-    deq = q.float().view(*x.shape[:-1], ng, group) * scale.unsqueeze(-1)
+    deq = q.float().reshape(*x.shape[:-1], ng, group) * scale.unsqueeze(-1)
     return deq.view(*x.shape[:-1], ng * group)[..., :C].to(x.dtype)
 
 
