@@ -239,6 +239,10 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated training runs (fp32 is needed "
                                                                     "for the same-tokens part, fp8 for explain)")
     ap.add_argument("--set", dest="extra", action="append", default=[], help="an extra override for every run")
+    ap.add_argument("--same-step", type=int, default=None, help="the fp32 run's step for the same-tokens part "
+                                                                "(default: the last multiple of 5 below --steps; "
+                                                                "it must be checkpointed)")
+    ap.add_argument("--no-explain", action="store_true", help="skip `axrl-debug explain` on the fp8 run")
     args = ap.parse_args()
     names = args.variants.split(",")
     unknown = sorted(set(names) - set(VARIANTS))
@@ -251,11 +255,12 @@ def main() -> None:
         print(f"{n:>18}: mean|Δ| {r['mean_abs']:.3g}  k3 {r['k3']:.3g}  routing {r['routing_agreement']}  "
               f"eval {[round(v, 3) for _, v in r['eval_curve']]}  "
               f"train reward {r['mean_train_reward']:.3f}", flush=True)
-    last = (args.steps - 1) // 5 * 5  # a checkpointed step (checkpoint.every=5): no steps to re-run first
+    # a checkpointed step (checkpoint.every=5 unless --set): no steps to re-run first
+    last = (args.steps - 1) // 5 * 5 if args.same_step is None else args.same_step
     print(f"same tokens (fp32 run, step {last}):", flush=True)
     tokens = same_tokens(args.out / "fp32", last)
     explain = (explain_layers(debug_json("explain", str(args.out / "fp8"), "--step", str(last)))
-               if "fp8" in names else None)
+               if "fp8" in names and not args.no_explain else None)
     print(f"explain fp8 step {last}: {explain}", flush=True)
     flat = {f"{k}_{m}_abs_delta": v[f"{m}_abs"] for k, v in tokens.items() for m in ("mean", "max")}
     flat.update({f"{k}_routing_agreement": v["routing_agreement"] for k, v in tokens.items()})
