@@ -168,9 +168,25 @@ def _trainer_side(model, ro, samples: set[int], temperature: float) -> dict[int,
     return out
 
 
-def same_tokens(run: Path, step: int) -> dict[str, dict]:
+def same_tokens_parallel(run: Path, step: int, workers: int) -> dict[str, dict]:
+    """`same_tokens` with its rows split over `workers` processes (each rebuilds the trainer)."""
+    import concurrent.futures
+    import multiprocessing
+
+    names = list(SAME_TOKENS)
+    if workers <= 1:
+        return same_tokens(run, step)
+    chunks = [names[i::workers] for i in range(workers)]
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        parts = list(pool.map(same_tokens, [run] * workers, [step] * workers, chunks))
+    merged = {k: v for part in parts for k, v in part.items()}
+    return {k: merged[k] for k in names}
+
+
+def same_tokens(run: Path, step: int, names: list[str] | None = None) -> dict[str, dict]:
     """The gap each rollout precision adds on exactly the tokens of `run`'s step `step`: the engine's
-    decode path under that precision vs a trainer forward (see SAME_TOKENS)."""
+    decode path under that precision vs a trainer forward (see SAME_TOKENS; `names`: some rows)."""
+    torch.set_num_threads(1)
     from axrl.assembly.build import make_engine_model
     from axrl.trace import StepFile
     from replay.engine_path import contexts_of, run_engine_path
@@ -186,7 +202,8 @@ def same_tokens(run: Path, step: int) -> dict[str, dict]:
         generated = np.isfinite(ro.rollout_logprob) & (ro.policy_version == step)
         contexts = contexts_of(ro.off, ro.ids, ro.turn, generated)
         trainers: dict[str, dict] = {}
-        for name, (update, trainer) in SAME_TOKENS.items():
+        for name in names or list(SAME_TOKENS):
+            update, trainer = SAME_TOKENS[name]
             vcfg = _variant_cfg(cfg, update)
             if trainer not in trainers:
                 trainers[trainer] = _trainer_side(_trainer_model(cfg, state, trainer), ro,
@@ -243,11 +260,17 @@ def main() -> None:
                                                                 "(default: the last multiple of 5 below --steps; "
                                                                 "it must be checkpointed)")
     ap.add_argument("--no-explain", action="store_true", help="skip `axrl-debug explain` on the fp8 run")
+    ap.add_argument("--same-workers", type=int, default=1, help="processes for the same-tokens rows")
+    ap.add_argument("--same-tokens-only", action="store_true", help="only the same-tokens part, on the fp32 run "
+                                                                     "already in --out (printed as JSON)")
     args = ap.parse_args()
     names = args.variants.split(",")
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown or "fp32" not in names:
         raise SystemExit(f"--variants: unknown {unknown} or no fp32 (known: {', '.join(VARIANTS)})")
+    if args.same_tokens_only:
+        print(json.dumps(same_tokens_parallel(args.out / "fp32", args.same_step, args.same_workers)))
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     wall = train_all(args.out, args.steps, args.parallel, args.reuse, names, args.extra)
     runs = {n: run_metrics(args.out / n) for n in names}
@@ -258,7 +281,7 @@ def main() -> None:
     # a checkpointed step (checkpoint.every=5 unless --set): no steps to re-run first
     last = (args.steps - 1) // 5 * 5 if args.same_step is None else args.same_step
     print(f"same tokens (fp32 run, step {last}):", flush=True)
-    tokens = same_tokens(args.out / "fp32", last)
+    tokens = same_tokens_parallel(args.out / "fp32", last, args.same_workers)
     explain = (explain_layers(debug_json("explain", str(args.out / "fp8"), "--step", str(last)))
                if "fp8" in names and not args.no_explain else None)
     print(f"explain fp8 step {last}: {explain}", flush=True)
