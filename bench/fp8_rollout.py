@@ -40,7 +40,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -211,7 +210,8 @@ def same_tokens(run: Path, step: int, names: list[str] | None = None) -> dict[st
             model = make_engine_model(vcfg, state.backend.model_config, dict(state.backend.named_weights()))
             path = run_engine_path(model, contexts, temperature=cfg.rollout.temperature,
                                    max_seq_len=cfg.rollout.max_context_len, max_batch_size=cfg.rollout.max_batch_size,
-                                   schedule=clock_schedule(cfg, ro.sids, ro.gids), prefix_cache=engine_prefix_cache(cfg),
+                                   schedule=clock_schedule(cfg, ro.sids, ro.gids),
+                                   prefix_cache=engine_prefix_cache(cfg),
                                    kv_dtype=vcfg.rollout.kv_dtype)
             out[name] = _compare(path, trainers[trainer])
             out[name]["trainer"] = trainer

@@ -177,7 +177,8 @@ def test_the_run_records_its_rollout_precision(fp8_run):
     assert extra["rollout_weight_dtype"] == "fp8" and extra["rollout_kv_dtype"] == "fp8"
     out = CliRunner().invoke(debug_app, ["summary", str(fp8_run), "--json"])
     assert out.exit_code == 0, out.output
-    assert json.loads(out.output)["rollout_precision"] == {"weight_dtype": "fp8", "kv_dtype": "fp8", "precision": "auto"}
+    assert json.loads(out.output)["rollout_precision"] == {"weight_dtype": "fp8", "kv_dtype": "fp8",
+                                                           "precision": "auto"}
     out = CliRunner().invoke(debug_app, ["summary", str(fp8_run)])
     assert "rollout precision: weights fp8, KV cache fp8" in out.output
 

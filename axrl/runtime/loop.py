@@ -109,7 +109,8 @@ def start(s: LoopSettings, c: Components, run: RunDir, resume: bool,
     m = s.manifest
     run.write_manifest(seed=s.seed, backend=m["backend"], engine=m["engine"], threads=torch.get_num_threads(),
                        extra={"task": c.task.name, "mode": m["mode"], "rollout_clock": m["rollout_clock"],
-                              **{k: m[k] for k in ("rollout_weight_dtype", "rollout_kv_dtype", "rollout_precision") if k in m}})
+                              **{k: m[k] for k in ("rollout_weight_dtype", "rollout_kv_dtype", "rollout_precision")
+                                 if k in m}})
     w = s.warmup
     if w.steps:
         with progress.stage("warm-up", w.steps) as advance:
