@@ -71,6 +71,10 @@ class RolloutSection(Section):
         "fp32", description="precision of the rollout engine's linear weights, quantised from the trainer's at "
                             "every sync (fp8: e4m3, 128×128 block scales; router, lm_head, embeddings and norms "
                             "keep model.dtype); docs/debugging.md \"Low-precision rollout\"")
+    precision: Literal["auto", "fp8_w8a8"] = Field(
+        "auto", description="rollout numerics as a recipe: auto = weight_dtype alone; fp8_w8a8 = block-fp8 weights "
+                            "and fp8 activations (one dynamic scale per token and 128 channels) into every "
+                            "quantised linear, as SGLang/vLLM fp8 serving; docs/debugging.md \"Low-precision rollout\"")
     kv_dtype: Literal["auto", "fp8"] = Field(
         "auto", description="embedded engine: K/V cache precision (auto = model.dtype; fp8: e4m3, one scale per "
                             "token and head)")
@@ -440,13 +444,17 @@ class Config(Section):
         if r.engine != "embedded" and r.kv_dtype != "auto":
             raise ValueError(f"rollout.kv_dtype: {r.kv_dtype!r} is an embedded-engine setting; with rollout.engine: "
                              f"{r.engine} leave it 'auto' (pass the server's own KV flag in its server_args)")
-        if r.engine == "embedded" or r.weight_dtype == "fp32":
+        if r.precision == "fp8_w8a8" and r.weight_dtype == "bf16":
+            raise ValueError("rollout.precision: fp8_w8a8 holds the weights in block fp8; rollout.weight_dtype: bf16 "
+                             "contradicts it (leave weight_dtype at fp32 or set it to fp8)")
+        if r.engine == "embedded" or (r.weight_dtype == "fp32" and r.precision == "auto"):
             return self
         if r.weight_dtype == "bf16":
             raise ValueError(f"rollout.weight_dtype: bf16 is an embedded-engine setting; an {r.engine} server "
                              "computes in model.dtype (set model.dtype: bfloat16)")
         if self.runtime.device == "cpu":
-            raise ValueError(f"rollout.weight_dtype: fp8 with rollout.engine: {r.engine} needs a GPU: the server's "
+            what = "rollout.precision: fp8_w8a8" if r.precision == "fp8_w8a8" else "rollout.weight_dtype: fp8"
+            raise ValueError(f"{what} with rollout.engine: {r.engine} needs a GPU: the server's "
                              "`--quantization fp8` has no CPU kernels; on CPU use rollout.engine: embedded "
                              "(which computes with the fp8-quantised weights) or rollout.weight_dtype: fp32")
         return self

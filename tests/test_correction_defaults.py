@@ -12,7 +12,7 @@ import torch
 from axrl.algo import PolicyLossConfig
 from axrl.assembly.settings import loss_config
 from axrl.config import load_config
-from tests.test_algo import make_batch
+from tests.test_algo import loss_inputs
 from tests.test_objectives import run_loss
 from tests.train_util import QUICKSTART, train
 
@@ -35,7 +35,7 @@ def test_naming_a_correction_replaces_the_default_tis_in_python_and_yaml() -> No
 
 def test_the_named_correction_alone_is_the_loss() -> None:
     # mis alone used to be multiplied by the default token TIS weight as well
-    batch, lp0, _ = make_batch([6, 9, 4, 12, 7], seed=13, spread=0.4)
+    batch, lp0, _ = loss_inputs([6, 9, 4, 12, 7], seed=13, spread=0.4)
     named, _, _ = run_loss(PolicyLossConfig(correction={"mis": MIS}), batch, lp0)
     alone, _, _ = run_loss(PolicyLossConfig(correction={"mis": MIS}, tis=False), batch, lp0)
     both, _, _ = run_loss(PolicyLossConfig(correction={"mis": MIS}, tis=True), batch, lp0)

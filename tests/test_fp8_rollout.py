@@ -1,7 +1,8 @@
-"""Low-precision rollout (`rollout.weight_dtype`, `rollout.kv_dtype`; axrl.inference.embedded.quant): the
-block-fp8 quantiser against an independent per-block reference, the engine's logprobs under fp8
-weights / KV (plausibly off fp32, still deterministic), the precision recorded in the run, rollout
-replay bitwise with fp8, and the refusal of fp8 SGLang on CPU."""
+"""Low-precision rollout (`rollout.weight_dtype`, `rollout.precision`, `rollout.kv_dtype`;
+axrl.inference.quant): the block-fp8 and per-token-group activation quantisers against independent
+references, the engine's logprobs under fp8 weights / W8A8 / KV (plausibly off fp32, still
+deterministic), the precision recorded in the run, rollout replay bitwise with fp8 and W8A8, and
+the refusals (fp8 SGLang on CPU, W8A8 with bf16 weights or the model's own forward)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from axrl.assembly.settings import sglang_settings
 from axrl.config import load_config
 from axrl.core.errors import ConfigError
 from axrl.inference import EmbeddedEngine, GenerateRequest, SamplingParams
-from axrl.inference.embedded.quant import (BLOCK, FP8_MAX, apply_rollout_precision, dequantise_fp8, fp8_round_rows,
-                                  is_quantised, quantise_fp8)
+from axrl.inference.quant import (BLOCK, FP8_MAX, apply_rollout_precision, dequantise_fp8, fp8_round_act,
+                                  fp8_round_rows, is_quantised, quantise_act_fp8, quantise_fp8)
 from axrl.model import build_model, hf_state_dict, preset_config
 from axrl_debug.cli import app as debug_app
 from replay.rollout import replay_rollout, teacher_forced_check
@@ -101,10 +102,11 @@ def test_which_weights_are_quantised():
         assert kept in names and kept not in chosen
 
 
-def _logprobs(model, weight_dtype: str = "fp32", kv_dtype: str = "auto", source=None) -> list[list[float]]:
+def _logprobs(model, weight_dtype: str = "fp32", kv_dtype: str = "auto", source=None,
+              precision: str = "auto") -> list[list[float]]:
     prompts = [[5, 17, 300, 42, 9], [100, 200, 300, 400, 500, 600, 700, 800, 900, 1000, 11]]
     with EmbeddedEngine(model, max_batch_size=4, max_seq_len=64, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
-                        seed=3) as engine:
+                        seed=3, precision=precision) as engine:
         if source is not None:
             engine.update_weights(source)
         reqs = [GenerateRequest(input_ids=p, sampling_params=SamplingParams(max_new_tokens=16, temperature=1.0,
@@ -175,7 +177,8 @@ def test_the_run_records_its_rollout_precision(fp8_run):
     assert extra["rollout_weight_dtype"] == "fp8" and extra["rollout_kv_dtype"] == "fp8"
     out = CliRunner().invoke(debug_app, ["summary", str(fp8_run), "--json"])
     assert out.exit_code == 0, out.output
-    assert json.loads(out.output)["rollout_precision"] == {"weight_dtype": "fp8", "kv_dtype": "fp8"}
+    assert json.loads(out.output)["rollout_precision"] == {"weight_dtype": "fp8", "kv_dtype": "fp8",
+                                                           "precision": "auto"}
     out = CliRunner().invoke(debug_app, ["summary", str(fp8_run)])
     assert "rollout precision: weights fp8, KV cache fp8" in out.output
 
@@ -206,3 +209,119 @@ def test_fp8_sglang_is_refused_on_cpu():
     # on a GPU the server gets its own fp8 path
     cfg = load_config(QUICKSTART, [*sglang, "rollout.weight_dtype=fp8", "runtime.device=cuda"])
     assert sglang_settings(cfg).server_args[-2:] == ["--quantization", "fp8"]
+
+
+# -- W8A8: fp8 activations (rollout.precision: fp8_w8a8) ------------------------------------------
+
+def test_activation_quantiser_matches_a_per_token_reference():
+    """Per token (rows of <= 128 channels): scale = amax / 448, values rounded to the nearest e4m3
+    number — checked by hand on exact cases and against the numpy reference on random rows."""
+    x = torch.tensor([[448.0, 1.0, 0.5, -3.0],     # amax 448: scale 1, every value exact in e4m3
+                      [896.0, 3.3, -0.0, 7.0],     # scale 2: 3.3/2 = 1.65 → 1.625 (step 1/8) → 3.25
+                      [0.0, 0.0, 0.0, 0.0]])       # all zero: stays zero (scale floored, no NaN)
+    q, scale = quantise_act_fp8(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (3, 1)
+    assert scale[:2, 0].tolist() == [1.0, 2.0]
+    assert fp8_round_act(x).tolist() == [[448.0, 1.0, 0.5, -3.0], [896.0, 3.25, 0.0, 7.0], [0.0, 0.0, 0.0, 0.0]]
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randn(16, 96, generator=gen) * torch.logspace(-4, 2, 16)[:, None]
+    got, (_, sc) = fp8_round_act(rows).double().numpy(), quantise_act_fp8(rows)
+    for i, row in enumerate(rows.double().numpy()):
+        ref_q, ref_scale = _reference_block(row)
+        assert sc[i, 0].item() == pytest.approx(ref_scale, rel=1e-6)
+        np.testing.assert_allclose(got[i], ref_q * ref_scale, rtol=1e-6, atol=0)
+
+
+def test_activation_scales_are_per_group_of_128_channels():
+    """A token's 256 channels get two scales (SGLang's/vLLM's group_size 128): the small group keeps
+    its precision instead of flushing to zero under the large group's scale; bf16 keeps its dtype."""
+    x = torch.cat([torch.full((1, 128), 1000.0), torch.full((1, 128), 1e-3)], dim=1)
+    x[0, 200] = 2e-3
+    _, scale = quantise_act_fp8(x)
+    assert scale.shape == (1, 2) and scale[0].tolist() == pytest.approx([1000 / FP8_MAX, 2e-3 / FP8_MAX])
+    back = fp8_round_act(x)
+    assert back[0, 200].item() == pytest.approx(2e-3, rel=1e-6)
+    assert abs(back[0, 130].item() - 1e-3) <= E4M3_REL * 1e-3
+    assert fp8_round_act(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_w8a8_engine_is_off_fp32_plausibly_deterministic_and_not_weights_only():
+    model = lambda seed=0: build_model(preset_config("tiny-moe"), seed=seed)  # noqa: E731
+    sd = {k: v.clone() for k, v in hf_state_dict(model()).items()}
+    a = _logprobs(model(), precision="fp8_w8a8")
+    assert _logprobs(model(), precision="fp8_w8a8") == a  # same seed, same bits
+    assert _logprobs(model(), "fp8", precision="fp8_w8a8") == a  # fp8_w8a8 means fp8 weights anyway
+    ref, weights_only = _logprobs(model()), _logprobs(model(), "fp8")
+    assert a != ref and a != weights_only  # the activations are quantised too
+    assert _logprobs(model(seed=1), source=sd, precision="fp8_w8a8") == a  # a weight sync quantises alike
+    first = np.abs(np.array([x[0] - y[0] for x, y in zip(a, ref)]))
+    assert 0 < first.max() < 0.5
+
+
+def _engine_gap(precision: str, weight_dtype: str, seqs: list[list[int]]) -> float:
+    """Mean |engine logprob - fp32 full-forward logprob| over tokens the engine generated."""
+    model = build_model(preset_config("tiny-moe"), seed=0)
+    with EmbeddedEngine(build_model(preset_config("tiny-moe"), seed=0), max_batch_size=8, max_seq_len=96,
+                        weight_dtype=weight_dtype, precision=precision, seed=5) as engine:
+        reqs = [GenerateRequest(input_ids=p, sampling_params=SamplingParams(max_new_tokens=24, temperature=1.0,
+                                                                            ignore_eos=True, seed=i),
+                                return_logprob=True, rid=f"g{i}") for i, p in enumerate(seqs)]
+        res = engine.generate_batch(reqs, timeout=300)
+    gaps = []
+    for p, r in zip(seqs, res):
+        ref = _tf_logprobs(model, [p + r.output_ids])[0][len(p) - 1:]
+        gaps.append(np.abs(np.array(r.output_logprobs) - ref))
+    return float(np.mean(np.concatenate(gaps)))
+
+
+def test_w8a8_gap_is_larger_than_weights_only():
+    """Against the fp32 policy on the tokens each engine generated: fp32 engine (rounding only) <
+    fp8 weights < W8A8 — and W8A8 stays small next to the logprobs."""
+    seqs = [[5 + 37 * i + j for j in range(6 + i)] for i in range(6)]
+    fp32, fp8, w8a8 = (_engine_gap("auto", "fp32", seqs), _engine_gap("auto", "fp8", seqs),
+                       _engine_gap("fp8_w8a8", "fp32", seqs))
+    assert fp32 < 1e-4 < fp8 < w8a8 < 0.5
+
+
+def test_w8a8_refusals_name_the_keys():
+    with pytest.raises(ConfigError, match=r"rollout\.precision: fp8_w8a8 .* rollout\.weight_dtype: bf16"):
+        load_config(QUICKSTART, ["rollout.precision=fp8_w8a8", "rollout.weight_dtype=bf16"])
+    with pytest.raises(ConfigError, match=r"rollout\.precision: fp8_w8a8 with rollout\.engine: sglang needs a GPU"):
+        load_config(QUICKSTART, ["rollout.engine=sglang", "rollout.clock=rounds", "rollout.precision=fp8_w8a8"])
+    cfg = load_config(QUICKSTART, ["rollout.engine=sglang", "rollout.clock=rounds", "rollout.precision=fp8_w8a8",
+                                   "runtime.device=cuda"])
+    assert sglang_settings(cfg).server_args[-2:] == ["--quantization", "fp8"]
+    with pytest.raises(ValueError, match="decode_impl='fused'"):
+        EmbeddedEngine(build_model(preset_config("tiny-moe"), seed=0), decode_impl="model", precision="fp8_w8a8",
+                       clocked=True)
+
+
+@pytest.fixture(scope="module")
+def w8a8_run(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("w8a8") / "run"
+    args = ["train", str(QUICKSTART), "--run-dir", str(path)]
+    for s in [*SMALL, "rollout.precision=fp8_w8a8"]:
+        args += ["--set", s]
+    result = CliRunner().invoke(axrl_app, args)
+    assert result.exit_code == 0, result.output
+    return path
+
+
+def test_w8a8_run_records_its_precision_and_replays_bitwise(w8a8_run, tmp_path):
+    extra = json.loads((w8a8_run / "manifest.json").read_text())["extra"]
+    assert extra["rollout_precision"] == "fp8_w8a8"
+    out = CliRunner().invoke(debug_app, ["summary", str(w8a8_run), "--json"])
+    assert json.loads(out.output)["rollout_precision"] == {"weight_dtype": "fp8", "kv_dtype": "auto",
+                                                           "precision": "fp8_w8a8"}
+    assert "activations fp8 (W8A8)" in CliRunner().invoke(debug_app, ["summary", str(w8a8_run)]).output
+    result = replay_rollout(w8a8_run, 1)
+    assert result.verdict == "bitwise-equal", result.first_divergence
+    tf = teacher_forced_check(w8a8_run, 1, top=3)  # replay --rollout --engine embedded: the same W8A8 path
+    assert tf.tokens > 0 and tf.summary["max_abs_embedded_vs_recorded"] == 0.0
+    # the activations are what makes it bitwise: replayed with fp8 weights only, the step diverges
+    copy = tmp_path / "weights_only"
+    shutil.copytree(w8a8_run, copy)
+    cfg = yaml.safe_load((copy / "config.yaml").read_text())
+    cfg["rollout"].update(precision="auto", weight_dtype="fp8")
+    (copy / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert replay_rollout(copy, 1).verdict == "diverged"

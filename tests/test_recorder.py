@@ -193,7 +193,7 @@ def test_update_metrics_and_overwrite(tmp_path) -> None:
     rec.write_step(1, update_metrics={"loss": torch.tensor(0.25), "grad_norm": [np.float32(3.0)]}, **arrays(1, n=8))
     summary = one_json(invoke("summary", tmp_path / "run", "--json"))
     assert summary["steps"][1]["loss"] == 0.25 and summary["steps"][1]["grad_norm"] == 3.0
-    assert summary["rollout_precision"] == {"weight_dtype": None, "kv_dtype": None}   # not known, not AxRL's fp32
+    assert summary["rollout_precision"] == {"weight_dtype": None, "kv_dtype": None, "precision": None}  # not known
     with StepFile(tmp_path / "run" / "trace" / "step_000001.h5") as sf:
         assert np.isnan(sf["/train/updates/lr"][:]).all()
     again = Recorder(tmp_path / "run", engine=None, backend=None, overwrite=True)

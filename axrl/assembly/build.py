@@ -21,7 +21,7 @@ from axrl.config import Config
 from axrl.data import PromptLoader
 from axrl.core.errors import ConfigError
 from axrl.inference.embedded import EmbeddedEngine
-from axrl.inference.embedded.quant import apply_rollout_precision
+from axrl.inference.quant import apply_rollout_precision
 from axrl.model import ModelConfig, Qwen3ForCausalLM
 from axrl.runtime.recording.events import EventLog
 from axrl.rollout.agent_loop import opening
@@ -119,7 +119,7 @@ def make_engine_model(cfg: Config, model_config: ModelConfig, weights: dict[str,
     """The embedded engine's own copy of the policy (device and dtype of the run), holding `weights`."""
     model = factories.make_engine_model(S.model_source(cfg), model_config, weights)
     # The teacher-forced engine path (replay, explain) computes with the rollout's precision.
-    return apply_rollout_precision(model, cfg.rollout.weight_dtype)
+    return apply_rollout_precision(model, cfg.rollout.weight_dtype, cfg.rollout.precision)
 
 
 def make_embedded_engine(cfg: Config, backend: TrainBackend, tokenizer: Tokenizer, *, clocked: bool) -> EmbeddedEngine:

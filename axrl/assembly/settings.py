@@ -14,7 +14,7 @@ from axrl.algo.loss_config import PolicyLossConfig
 from axrl.algo.processor import AdvantageSettings
 from axrl.config import Config, config_to_dict
 from axrl.inference.protocol import SamplingParams
-from axrl.inference.embedded.quant import server_quantization_args
+from axrl.inference.quant import effective_weight_dtype, server_quantization_args
 from axrl.inference.sglang.settings import ServedModel, SGLangSettings
 from axrl.inference.remote.settings import ServerFleetSettings
 from axrl.inference.vllm.settings import VLLMSettings
@@ -201,7 +201,7 @@ def engine_settings(cfg: Config) -> EngineSettings:
     r = cfg.rollout
     return EngineSettings(max_batch_size=r.max_batch_size, max_context_len=r.max_context_len,
                           prefix_cache=r.prefix_cache, prefix_cache_tokens=r.prefix_cache_tokens,
-                          weight_dtype=r.weight_dtype, kv_dtype=r.kv_dtype)
+                          weight_dtype=r.weight_dtype, kv_dtype=r.kv_dtype, precision=r.precision)
 
 
 def agent_settings(cfg: Config) -> AgentSettings | None:
@@ -221,7 +221,9 @@ ServerT = TypeVar("ServerT", bound=ServerFleetSettings)
 
 def with_server_quantization(s: ServerT, weight_dtype: str) -> ServerT:
     """`rollout.sglang` / `rollout.vllm`, with `--quantization fp8` when `rollout.weight_dtype: fp8`
-    (GPU only; the config refuses it on CPU). Unverified until a GPU run."""
+    (GPU only; the config refuses it on CPU). Unverified until a GPU run. Both servers' online
+    `--quantization fp8` quantises activations dynamically as well, so `rollout.precision: fp8_w8a8`
+    asks for the same flag."""
     extra = server_quantization_args(weight_dtype)
     if not extra or "--quantization" in s.server_args:  # the user's own flag wins
         return s
@@ -230,12 +232,14 @@ def with_server_quantization(s: ServerT, weight_dtype: str) -> ServerT:
 
 def sglang_settings(cfg: Config) -> SGLangSettings:
     """`rollout.sglang` with the run's server quantisation flags."""
-    return with_server_quantization(cfg.rollout.sglang, cfg.rollout.weight_dtype)
+    return with_server_quantization(cfg.rollout.sglang, effective_weight_dtype(cfg.rollout.weight_dtype,
+                                                                               cfg.rollout.precision))
 
 
 def vllm_settings(cfg: Config) -> VLLMSettings:
     """`rollout.vllm` with the run's server quantisation flags."""
-    return with_server_quantization(cfg.rollout.vllm, cfg.rollout.weight_dtype)
+    return with_server_quantization(cfg.rollout.vllm, effective_weight_dtype(cfg.rollout.weight_dtype,
+                                                                             cfg.rollout.precision))
 
 
 def rollout_settings(cfg: Config) -> RolloutSideSettings:
@@ -273,4 +277,5 @@ def loop_settings(cfg: Config) -> LoopSettings:
         config=config_to_dict(cfg),
         manifest={"backend": cfg.train.backend, "engine": cfg.rollout.engine, "mode": cfg.runtime.mode,
                   "rollout_clock": rollout_clock(cfg), "rollout_weight_dtype": cfg.rollout.weight_dtype,
-                  "rollout_kv_dtype": cfg.rollout.kv_dtype, "corrections": loss_config(cfg).effective_corrections()})
+                  "rollout_kv_dtype": cfg.rollout.kv_dtype, "rollout_precision": cfg.rollout.precision,
+                  "corrections": loss_config(cfg).effective_corrections()})

@@ -25,7 +25,7 @@ from axrl.data import PromptLoader
 from axrl.core.errors import ConfigError
 from axrl.inference.embedded import EmbeddedEngine
 from axrl.inference.protocol import InferenceEngine, SamplingParams
-from axrl.inference.embedded.quant import KVDtype, WeightDtype
+from axrl.inference.quant import KVDtype, Precision, WeightDtype
 from axrl.inference.sglang.settings import ServedModel, SGLangSettings
 from axrl.inference.vllm.settings import VLLMSettings
 from axrl.model import (ModelConfig, Qwen3ForCausalLM, build_model, hf_state_dict, load_hf, load_weights_into,
@@ -90,8 +90,9 @@ class EngineSettings:
     max_context_len: int = 512
     prefix_cache: bool = False
     prefix_cache_tokens: int = 0
-    weight_dtype: WeightDtype = "fp32"    # axrl.inference.embedded.quant
+    weight_dtype: WeightDtype = "fp32"    # axrl.inference.quant
     kv_dtype: KVDtype = "auto"
+    precision: Precision = "auto"         # fp8_w8a8: fp8 activations too
 
 
 @dataclass(frozen=True)
@@ -466,4 +467,4 @@ def embedded_engine_for(s: EngineSettings, model: Qwen3ForCausalLM, tokenizer: T
     return EmbeddedEngine(model.eval(), max_batch_size=s.max_batch_size, max_seq_len=s.max_context_len,
                           eos_token_id=tokenizer.eos_token_id, clocked=clocked, prefix_cache=s.prefix_cache,
                           prefix_cache_tokens=s.prefix_cache_tokens, weight_dtype=s.weight_dtype,
-                          kv_dtype=s.kv_dtype)
+                          kv_dtype=s.kv_dtype, precision=s.precision)

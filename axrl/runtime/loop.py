@@ -110,7 +110,8 @@ def start(s: LoopSettings, c: Components, run: RunDir, resume: bool,
     run.write_manifest(seed=s.seed, backend=m["backend"], engine=m["engine"], threads=torch.get_num_threads(),
                        extra={"task": c.task.name, "mode": m["mode"], "rollout_clock": m["rollout_clock"],
                               "chat_template": c.tokenizer.template_facts(),
-                              **{k: m[k] for k in ("rollout_weight_dtype", "rollout_kv_dtype", "corrections")
+                              **{k: m[k] for k in ("rollout_weight_dtype", "rollout_kv_dtype", "rollout_precision",
+                                                   "corrections")
                                  if k in m}})
     if "corrections" in m:      # the corrections in effect, defaults resolved (algo.tis, decoupled)
         progress.log("corrections: " + (", ".join(f"{k} {v}" for k, v in m["corrections"].items()) or "none"))

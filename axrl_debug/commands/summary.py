@@ -101,13 +101,16 @@ def show_pool(rows: list[dict[str, Any]]) -> None:
 
 
 def rollout_precision(manifest: dict) -> dict[str, str | None]:
-    """The rollout engine's weight and KV precision the run recorded (runs from before
-    `rollout.weight_dtype` rolled out in the model's precision: fp32 / auto). A run written by
+    """The rollout engine's weight, KV and recipe precision the run recorded (runs from before
+    `rollout.weight_dtype` rolled out in the model's precision: fp32 / auto; `precision` fp8_w8a8 =
+    fp8 activations too, and its weights are fp8 whatever weight_dtype said). A run written by
     another trainer (manifest ``source``) did not say: None, not AxRL's defaults."""
     if manifest.get("source"):
-        return {"weight_dtype": None, "kv_dtype": None}
+        return {"weight_dtype": None, "kv_dtype": None, "precision": None}
     extra = manifest.get("extra") or {}
-    return {"weight_dtype": extra.get("rollout_weight_dtype", "fp32"), "kv_dtype": extra.get("rollout_kv_dtype", "auto")}
+    precision = extra.get("rollout_precision", "auto")
+    weights = "fp8" if precision == "fp8_w8a8" else extra.get("rollout_weight_dtype", "fp32")
+    return {"weight_dtype": weights, "kv_dtype": extra.get("rollout_kv_dtype", "auto"), "precision": precision}
 
 
 def show_steps(path: Path, flagged: Any) -> None:
@@ -180,8 +183,9 @@ def summary(
             return 0
         show_steps(reader.path, flagged)
         if precision["weight_dtype"] not in ("fp32", None) or precision["kv_dtype"] not in ("auto", None):
-            out.print(f"rollout precision: weights {precision['weight_dtype']}, KV cache {precision['kv_dtype']} "
-                      "(rollout.weight_dtype / rollout.kv_dtype)", highlight=False)
+            acts = ", activations fp8 (W8A8)" if precision["precision"] == "fp8_w8a8" else ""
+            out.print(f"rollout precision: weights {precision['weight_dtype']}{acts}, KV cache {precision['kv_dtype']} "
+                      "(rollout.weight_dtype / rollout.precision / rollout.kv_dtype)", highlight=False)
         if sessions:
             show_sessions(sessions)
         if drift:

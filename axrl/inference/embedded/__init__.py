@@ -3,7 +3,8 @@ docstring says who owns which thread). Its parts: the request inbox (`inbox.py`)
 thread (`scheduler.py`), the forward passes over the slot batch (`batch_forward.py`, the fused
 decode/prefill of `decode.py`), the static KV cache (`kv_cache.py`), the radix prefix cache and its
 use around a prefill (`prefix_cache.py`, `prefix_reuse.py`), checked weight updates
-(`weight_source.py`) and the rollout precision of its weights and K/V (`quant.py`)."""
+(`weight_source.py`). The rollout precision it computes in is `axrl/inference/quant.py`, shared with
+replay and the server engines' launch flags."""
 
 from axrl.inference.embedded.engine import EmbeddedEngine
 

@@ -24,6 +24,11 @@ and the engine can run the model's own forward instead (`decode_impl="model"`) a
 
 Packed weights are copies: call `repack()` after the model's weights change.
 
+W8A8 rollout (`rollout.precision: fp8_w8a8`, `axrl.inference.quant`): the input of every quantised
+linear layer (q/k/v, o, gate/up and down, dense and experts) passes through `_act`, the same
+per-token-group fp8 quantise → dequantise the fp8 GEMM's activation side applies; the router and
+lm_head inputs do not. Without it `_act` is the identity.
+
 Both passes take an optional `probe` (`axrl.model.ActivationProbe`): the same hook points as the
 model's forward ("in", "mid", "router", "out" per layer, then "final"), on the packed rows [N, ...]
 this path computes (prefill: the final norm only at each prompt's last token). Mismatch
@@ -39,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from axrl.inference.embedded.kv_cache import StaticKVCache
+from axrl.inference.quant import activation_rounding
 from axrl.model import ActivationProbe, Qwen3ForCausalLM
 
 
@@ -131,6 +137,7 @@ class FusedDecoder:
         cfg = m.config
         dtype = m.lm_head.weight.dtype
         self.dtype = dtype
+        self.act = activation_rounding(m)
         self.layers = [_LayerWeights(layer, self.n_heads, self.n_kv) for layer in m.model.layers]
         self.embed = m.model.embed_tokens.weight
         dev = self.embed.device
@@ -204,7 +211,7 @@ class FusedDecoder:
                                        per_sample_weights=torch.softmax(scores, dim=-1).view(-1))
             else:
                 attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=D ** -0.5)
-            x = torch.addmm(x, attn.reshape(n, H * D), w.w_o_t)
+            x = torch.addmm(x, self._act(attn.reshape(n, H * D)), w.w_o_t)
             x = self._layer_rest(x, w, li, routing if need_routing else None, probe)
         hidden = _norm(x, self.final_norm, self.final_eps)
         if probe is not None:
@@ -304,7 +311,7 @@ class FusedDecoder:
             q, k, v = self._qkv(x, w, cos, sin)
             cache.write_rows(li, cache_rows, k.reshape(N * KV, D), v.reshape(N * KV, D))
             attn = attend(li, q)
-            x = torch.addmm(x, attn.reshape(N, self.n_heads * D), w.w_o_t)
+            x = torch.addmm(x, self._act(attn.reshape(N, self.n_heads * D)), w.w_o_t)
             x = self._layer_rest(x, w, li, routing if need_routing else None, probe)
         last = torch.tensor(lens, device=x.device).cumsum(0) - 1
         hidden = _norm(x[last], self.final_norm, self.final_eps)
@@ -313,12 +320,16 @@ class FusedDecoder:
         return hidden, (torch.stack(routing, dim=1) if routing else None)
 
     # -- shared layer halves -----------------------------------------------------------------------
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        """A quantised linear layer's input as its GEMM sees it (fp8-rounded under W8A8, else x)."""
+        return x if self.act is None else self.act(x)
+
     def _qkv(self, x: torch.Tensor, w: _LayerWeights, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows x [N, hidden] → q [N, H, D], k [N, KV, D] (normed, rotated) and v [N, KV, D] (views)."""
         N = x.shape[0]
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
-        qkv = F.linear(_norm(x, w.input_norm, w.eps), w.w_qkv)
+        qkv = F.linear(self._act(_norm(x, w.input_norm, w.eps)), w.w_qkv)
         qk = _norm(qkv[:, :(H + KV) * D].view(N, H + KV, D), w.qk_norm, w.qk_eps)
         qk = qk * cos + qk.roll(D // 2, dims=-1) * sin  # RoPE on q and k at once
         return qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D:].view(N, KV, D)
@@ -337,10 +348,10 @@ class FusedDecoder:
         appends the layer's expert choices [N, top_k] to `routing` when given."""
         h = _norm(x, w.post_norm, w.eps)
         if not w.is_moe:
-            gu = F.linear(h, w.w_gate_up)
+            gu = F.linear(self._act(h), w.w_gate_up)
             if routing is not None and self.is_moe:  # dense layer inside an MoE model: zeros, as the model does
                 routing.append(torch.zeros(x.shape[0], self.top_k, dtype=torch.long, device=x.device))
-            return torch.addmm(x, F.silu(gu[:, :w.inter]) * gu[:, w.inter:], w.w_down_t)
+            return torch.addmm(x, self._act(F.silu(gu[:, :w.inter]) * gu[:, w.inter:]), w.w_down_t)
         logits = F.linear(h, w.w_router)
         if probe is not None:
             logits = probe.at("router", li, logits)
@@ -352,6 +363,7 @@ class FusedDecoder:
             weights = weights.to(h.dtype)
         if routing is not None:
             routing.append(experts)
+        h = self._act(h)  # the experts' input (the router above read it unquantised)
         if h.shape[0] * w.top_k <= self.bag_max_rows:
             return x.add_(self._experts_bags(h, w, weights, experts))
         return self._experts_sorted(x, h, w, weights, experts)
@@ -371,7 +383,7 @@ class FusedDecoder:
         rows = torch.add(self.hidden_range, experts.view(-1, 1), alpha=hidden).view(-1)
         gu = F.embedding_bag(rows, w.gate_up_rows, self.gate_up_offsets[:n * k], mode="sum",
                              per_sample_weights=h[:, None].expand(n, k, hidden).reshape(-1))
-        act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [n*k, inter], pairs in (token, j) order
+        act = self._act(F.silu(gu[:, :inter]) * gu[:, inter:])  # [n*k, inter], pairs in (token, j) order
         rows = torch.add(self.inter_range, experts.view(n, k, 1), alpha=inter).view(-1)
         return F.embedding_bag(rows, w.down_rows, self.down_offsets[:n], mode="sum",
                                per_sample_weights=(act.view(n, k, inter) * weights[:, :, None]).view(-1))
@@ -388,13 +400,13 @@ class FusedDecoder:
         offs = torch.searchsorted(sorted_experts, self.expert_ends, out_int32=True)
         if self.grouped:
             gu = F.grouped_mm(xs, w.w_gate_up, offs=offs)
-            y = F.grouped_mm(F.silu(gu[:, :w.inter]) * gu[:, w.inter:], w.w_down, offs=offs)
+            y = F.grouped_mm(self._act(F.silu(gu[:, :w.inter]) * gu[:, w.inter:]), w.w_down, offs=offs)
         else:
             parts, start = [], 0
             for e, end in enumerate(offs.tolist()):
                 if end > start:
                     gu = xs[start:end] @ w.w_gate_up[e]
-                    parts.append((F.silu(gu[:, :w.inter]) * gu[:, w.inter:]) @ w.w_down[e])
+                    parts.append(self._act(F.silu(gu[:, :w.inter]) * gu[:, w.inter:]) @ w.w_down[e])
                     start = end
             y = torch.cat(parts)
         return x.index_add_(0, token_of, y * weights.view(-1)[order, None])

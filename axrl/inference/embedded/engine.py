@@ -49,7 +49,8 @@ import torch
 from axrl.inference.embedded.inbox import ControlOp, Inbox, new_sequence
 from axrl.inference.embedded.prefix_cache import DEFAULT_BLOCK_SIZE, pool_tokens
 from axrl.inference.protocol import GenerateRequest, GenerateResult, settle_future, validate_submission
-from axrl.inference.embedded.quant import KVDtype, WeightDtype, apply_rollout_precision, check_weight_dtype, rollout_state_dict
+from axrl.inference.quant import (KVDtype, Precision, WeightDtype, apply_rollout_precision, check_weight_dtype,
+                                  effective_weight_dtype, rollout_state_dict)
 from axrl.inference.embedded.scheduler import Scheduler
 from axrl.inference.embedded.weight_source import load_weight_source
 from axrl.model import ModelConfig, Qwen3ForCausalLM, hf_state_dict
@@ -77,8 +78,10 @@ class EmbeddedEngine:
             cache's slots hold (max_batch_size × max_seq_len).
         prefix_cache_block: tokens per cached block (prefixes are reused in whole blocks).
         weight_dtype: "fp32" | "bf16" | "fp8" — the precision of the weights the engine computes
-            with (`axrl.inference.embedded.quant`): the model given and every update are quantised here.
+            with (`axrl.inference.quant`): the model given and every update are quantised here.
         kv_dtype: "auto" (the model's dtype) or "fp8" (K/V rounded through e4m3 as they are cached).
+        precision: "auto" (`weight_dtype` alone) or "fp8_w8a8": block-fp8 weights and the inputs of
+            the quantised linear layers rounded through e4m3 per token and 128 channels (fused decoder).
     """
 
     def __init__(self, model: Qwen3ForCausalLM, *, max_batch_size: int = 64, max_seq_len: int = 1024,
@@ -86,7 +89,7 @@ class EmbeddedEngine:
                  decode_impl: Literal["fused", "model"] = "fused", max_prefill_tokens: int = 8192,
                  clocked: bool = False, prefix_cache: bool | None = None, prefix_cache_tokens: int = 0,
                  prefix_cache_block: int = DEFAULT_BLOCK_SIZE, weight_dtype: WeightDtype = "fp32",
-                 kv_dtype: KVDtype = "auto") -> None:
+                 kv_dtype: KVDtype = "auto", precision: Precision = "auto") -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 2:
@@ -98,9 +101,13 @@ class EmbeddedEngine:
         if prefix_cache_tokens < 0 or prefix_cache_block < 1:
             raise ValueError(f"prefix_cache_tokens must be >= 0 and prefix_cache_block >= 1, "
                              f"got {prefix_cache_tokens}, {prefix_cache_block}")
-        check_weight_dtype(weight_dtype, kv_dtype)
-        self.weight_dtype: WeightDtype = weight_dtype
-        self.model = apply_rollout_precision(model.eval(), weight_dtype)
+        check_weight_dtype(weight_dtype, kv_dtype, precision)
+        if precision != "auto" and decode_impl != "fused":
+            raise ValueError(f"precision={precision!r} needs decode_impl='fused' (the fp8 activations are applied "
+                             "in the fused decoder; the model's own forward is the trainer's, unquantised)")
+        self.weight_dtype: WeightDtype = effective_weight_dtype(weight_dtype, precision)
+        self.precision: Precision = precision
+        self.model = apply_rollout_precision(model.eval(), weight_dtype, precision)
         self.config: ModelConfig = model.config
         self.max_batch_size, self.max_seq_len, self.seed = max_batch_size, max_seq_len, seed
         eos = self.config.eos_token_id if eos_token_id is None else eos_token_id
@@ -266,6 +273,7 @@ class EmbeddedEngine:
                 "generated_tokens": s.generated_tokens, "last_error": s.last_error,
                 "prefix_cache": None if s.prefix_cache is None else s.prefix_cache.stats(),
                 "kv_cache_bytes": s.cache.nbytes(), "weight_dtype": self.weight_dtype,
+                "precision": self.precision,
                 "kv_dtype": s.cache.kv_dtype}
 
     @property

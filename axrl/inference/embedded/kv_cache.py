@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from axrl.inference.embedded.quant import KV_DTYPES, fp8_round_rows
+from axrl.inference.quant import KV_DTYPES, fp8_round_rows
 
 
 class LayerKV:
