@@ -22,6 +22,7 @@ from axrl.inference.vllm.settings import VLLMSettings
 from axrl.model.device import DEVICE_PATTERN
 from axrl.ray_executor.settings import RaySettings
 from axrl.recording.trackers import MlflowSettings, WandbSettings
+from axrl.rollout.blackbox import AgentSettings
 from axrl.train.lora import LORA_TARGETS
 
 
@@ -353,41 +354,6 @@ class RuntimeSection(Section):
                         "trainer and the embedded engine hold the model")
 
 
-class AgentSection(Section):
-    """A black-box agent (docs/agents.md, "Bring your own agent"): the rollout workers run it once
-    per episode against a session of the recording OpenAI-compatible proxy; `data.task` still
-    provides the prompts (and the warm-up's demonstrations)."""
-
-    command: list[str] | None = Field(None, description="the agent's command, started once per episode with "
-                                      "OPENAI_BASE_URL / OPENAI_API_KEY set to its session")
-    function: str | None = Field(None, description="or 'module:fn' / 'file.py:fn' called as fn(base_url, "
-                                 "api_key, prompt) in a thread, once per episode")
-    prompt_via: Literal["stdin", "argument"] = "stdin"
-    timeout_s: float = Field(120.0, gt=0, description="per episode; past it the agent is killed, the episode failed")
-    max_concurrent: int = Field(16, ge=1, description="agent processes running at once")
-    verifier: str | None = Field(None, description="'module:fn' scoring a finished path: fn(prompt, messages) -> "
-                                 "float; default: the rewards the agent posts to /sessions/{id}/reward")
-    env: dict[str, str] = Field(default_factory=dict, description="extra environment of the agent process")
-    model_name: str = Field("axrl-policy", description="the model id the proxy serves (GET /v1/models)")
-    host: str = Field("127.0.0.1", description="the proxy's bind address")
-    port: int = Field(0, ge=0, le=65535, description="the proxy's port (0: a free one)")
-    allow_remote: bool = Field(False, description="allow a non-loopback `host` (the proxy serves the policy)")
-    render_tools: bool = Field(True, description="render the request's `tools` into the prompt (false: only "
-                               "parse tool calls, for a policy that learnt its tools without the schema)")
-    fork_server: bool = Field(True, description="fork `python script.py` agents from one interpreter that "
-                              "imported the script's modules once (false: a fresh process per episode)")
-    coalesce_ms: float = Field(0.0, ge=0, description="hold the proxy's model calls until none joined for this "
-                               "long, then submit them together (0: off; docs/agents.md, \"What the proxy costs\")")
-
-    @model_validator(mode="after")
-    def _one_agent(self) -> "AgentSection":
-        if (self.command is None) == (self.function is None):
-            raise ValueError("agent: set exactly one of `command` (a list: [program, args...]) and `function`")
-        if self.command is not None and not self.command:
-            raise ValueError("agent.command: an empty command; give [program, args...]")
-        return self
-
-
 class Config(Section):
     steps: int = Field(20, ge=1)
     seed: int = 0
@@ -405,7 +371,7 @@ class Config(Section):
     runtime: RuntimeSection = Field(default_factory=RuntimeSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
     faults: FaultsSection = Field(default_factory=FaultsSection)
-    agent: AgentSection | None = Field(None, description="a black-box agent plays the episodes (else the task's env)")
+    agent: AgentSettings | None = Field(None, description="a black-box agent plays the episodes (else the task's env)")
     distill: DistillSection | None = Field(None, description="on-policy distillation from a teacher (off: None)")
     critic: CriticSection | None = Field(None, description="PPO's value model, for algo.advantage: gae (off: None)")
 

@@ -21,7 +21,7 @@ from axrl.inference.vllm.settings import VLLMSettings
 from axrl.rollout.runner import Clock
 from axrl.rollout.schedule import Schedule
 from axrl.rollout.worker import RolloutPolicy
-from axrl.runtime.components import (AgentSettings, BackendSettings, DataSettings, EngineSettings, EvalSettings,
+from axrl.runtime.components import (BackendSettings, DataSettings, EngineSettings, EvalSettings,
                                      LearnerSettings, ModelSource, RolloutSideSettings, RunSettings)
 from axrl.runtime.faults import Faults
 from axrl.recording.tiers import TierSettings
@@ -204,18 +204,6 @@ def engine_settings(cfg: Config) -> EngineSettings:
                           weight_dtype=r.weight_dtype, kv_dtype=r.kv_dtype)
 
 
-def agent_settings(cfg: Config) -> AgentSettings | None:
-    """The black-box agent of section `agent` (None: the task's env plays the episodes)."""
-    a = cfg.agent
-    if a is None:
-        return None
-    return AgentSettings(command=None if a.command is None else list(a.command), function=a.function,
-                         prompt_via=a.prompt_via, timeout_s=a.timeout_s, max_concurrent=a.max_concurrent,
-                         verifier=a.verifier, env=dict(a.env), model_name=a.model_name, host=a.host, port=a.port,
-                         allow_remote=a.allow_remote, render_tools=a.render_tools, fork_server=a.fork_server,
-                         coalesce_ms=a.coalesce_ms)
-
-
 ServerT = TypeVar("ServerT", bound=ServerFleetSettings)
 
 
@@ -256,7 +244,7 @@ def rollout_settings(cfg: Config) -> RolloutSideSettings:
         sampling=SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                 top_k=r.top_k),
         max_turns=r.max_turns, schedule=schedule, policy=policy, clock=rollout_clock(cfg), seed=cfg.seed,
-        threads=cfg.runtime.threads, agent=agent_settings(cfg),
+        threads=cfg.runtime.threads, agent=cfg.agent,
         eval=EvalSettings(every=cfg.eval.every, prompts=cfg.eval.prompts, samples_per_prompt=cfg.eval.samples_per_prompt))
 
 

@@ -31,7 +31,7 @@ from axrl.inference.vllm.settings import VLLMSettings
 from axrl.model import (ModelConfig, Qwen3ForCausalLM, build_model, hf_state_dict, load_hf, load_weights_into,
                         preset_config)
 from axrl.model.device import resolve_device
-from axrl.rollout.blackbox import AgentSpec, BlackBoxPlayer, load_callable
+from axrl.rollout.blackbox import AgentSettings, BlackBoxPlayer
 from axrl.rollout.control import BatchSource, RolloutControl
 from axrl.rollout.pool import TrajectoryPool
 from axrl.rollout.runner import Clock, RolloutSettings
@@ -106,27 +106,6 @@ class DataSettings:
     seed: int = 0
     warmup: bool = False
     evaluate: bool = False
-
-
-@dataclass(frozen=True)
-class AgentSettings:
-    """A black-box agent: how to run it (`AgentSpec`, with `function` / `verifier` as 'module:fn'
-    strings, loaded where the episodes run) and its recording proxy's address."""
-
-    command: list[str] | None = None
-    function: str | None = None
-    prompt_via: Literal["stdin", "argument"] = "stdin"
-    timeout_s: float = 120.0
-    max_concurrent: int = 16
-    verifier: str | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    model_name: str = "axrl-policy"
-    host: str = "127.0.0.1"
-    port: int = 0
-    allow_remote: bool = False
-    render_tools: bool = True
-    fork_server: bool = True
-    coalesce_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -346,15 +325,12 @@ def make_agent(a: AgentSettings | None, tokenizer: Tokenizer,
     if a is None:
         return None, None
     try:
-        spec = AgentSpec(command=a.command, function=load_callable(a.function, "agent.function"),
-                         prompt_via=a.prompt_via, timeout_s=a.timeout_s, max_concurrent=a.max_concurrent,
-                         verifier=load_callable(a.verifier, "agent.verifier"), env=dict(a.env),
-                         model_name=a.model_name, render_tools=a.render_tools, fork_server=a.fork_server)
         proxy = ProxyServer(tokenizer, model_name=a.model_name, host=a.host, port=a.port,
-                            allow_remote=a.allow_remote, coalesce_window_s=a.coalesce_ms / 1000).start()
+                            allow_remote=a.allow_remote, coalesce_window_s=a.coalesce_ms / 1000)
+        player = BlackBoxPlayer(a, proxy, max_context_len=max_context_len)  # imports `function` / `verifier`
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return proxy, BlackBoxPlayer(spec, proxy, max_context_len=max_context_len)
+    return proxy.start(), player
 
 
 def make_tokenizer(source: ModelSource) -> Tokenizer:
