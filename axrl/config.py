@@ -6,12 +6,11 @@ values stop `axrl train` before any work starts, with the dotted key path in the
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from axrl.algo.loss_config import PolicyLossConfig
 from axrl.config_faults import FaultsSection
@@ -23,7 +22,9 @@ from axrl.model.device import DEVICE_PATTERN
 from axrl.ray_executor.settings import RaySettings
 from axrl.recording.trackers import MlflowSettings, WandbSettings
 from axrl.rollout.blackbox import AgentSettings
-from axrl.train.lora import LORA_TARGETS
+from axrl.train.lora import LoRAConfig
+from axrl.train.megatron.settings import MegatronLayout
+from axrl.train.settings import TrainSettings
 
 
 class ModelSection(Section):
@@ -149,65 +150,15 @@ class AlgoSection(PolicyLossConfig):
         return self
 
 
-class MegatronSection(Section):
-    """`train.backend: megatron` layout (docs/megatron.md): world size = tensor_parallel ×
-    data_parallel worker processes on one machine (one in-process rank when 1)."""
+class TrainSection(TrainSettings):
+    """`train`: the optimizer, schedule and micro-batching keys are the backends' own
+    `TrainSettings` (axrl/train/settings.py: one type, defaults and validation for the YAML and
+    `BackendConfig`), plus which backend trains, Megatron's layout, LoRA and updates per step."""
 
-    tensor_parallel: int = Field(1, ge=1, description="TP size (sequence parallel within it)")
-    expert_parallel: int = Field(1, ge=1, description="EP size; must divide tensor_parallel × data_parallel")
-    data_parallel: int = Field(0, ge=0, description="DP size; 0 = the smallest that fits expert_parallel: "
-                                                    "EP / gcd(TP, EP)")
-    sequence_parallel: bool = Field(True, description="required when tensor_parallel > 1")
-    moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
-
-    @model_validator(mode="after")
-    def _layout(self) -> "MegatronSection":
-        tp, ep, dp = self.tensor_parallel, self.expert_parallel, self.data_parallel
-        if dp and (tp * dp) % ep:  # Megatron's rule (expert TP 1): EP divides the world size
-            raise ValueError(f"expert_parallel={ep} must divide tensor_parallel × data_parallel = {tp} × {dp} "
-                             f"(the world size); set data_parallel to a multiple of {ep // math.gcd(tp, ep)}, "
-                             "or 0 to derive it")
-        if self.tensor_parallel > 1 and not self.sequence_parallel:
-            raise ValueError("tensor_parallel > 1 needs sequence_parallel: true (Megatron MoE + TP training)")
-        return self
-
-
-class LoRASection(Section):
-    """`train.lora`: LoRA adapters on a frozen base model (torch backend; docs/algorithms.md "LoRA")."""
-
-    rank: int = Field(8, ge=1, description="r: the adapters' inner dimension")
-    alpha: float = Field(16.0, gt=0, description="the adapter output is scaled by alpha / rank")
-    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input while training")
-    targets: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1,
-                               description="what gets adapters: attn (q/k/v/o_proj), mlp (dense layers' "
-                                           "gate/up/down_proj), experts (each MoE expert's gate/up/down_proj)")
-
-    @field_validator("targets")
-    @classmethod
-    def _known_targets(cls, targets: list[str]) -> list[str]:
-        unknown = [t for t in targets if t not in LORA_TARGETS]
-        if unknown:
-            raise ValueError(f"unknown target(s) {unknown}; choose from {list(LORA_TARGETS)}")
-        if len(set(targets)) != len(targets):
-            raise ValueError(f"targets repeat a name: {targets}")
-        return targets
-
-
-class TrainSection(Section):
     backend: Literal["torch", "megatron"] = "torch"
-    megatron: MegatronSection = Field(default_factory=MegatronSection)
-    lr: float = Field(1e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = Field(1.0, ge=0)
-    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
+    megatron: MegatronLayout = Field(default_factory=MegatronLayout)
     updates_per_step: int = Field(1, ge=1, description="optimizer updates per step (mini-batches)")
-    micro_batch_tokens: int = Field(4096, ge=1, description="tokens per micro-batch counting padding (samples × longest)")
-    prefix_merge: bool = Field(False, description="train each micro-batch as one prefix tree: shared prefixes "
-                                                  "computed once (docs/prefix-merge.md); the budget then counts "
-                                                  "tree slots")
-    lora: LoRASection | None = Field(None, description="train LoRA adapters instead of all weights (null = off)")
+    lora: LoRAConfig | None = Field(None, description="train LoRA adapters instead of all weights (null = off)")
 
     @model_validator(mode="after")
     def _lora_needs_torch(self) -> "TrainSection":

@@ -31,7 +31,6 @@ from axrl.runtime.spike_trigger import SpikeSettings
 from axrl.runtime.step_trainer import TrainStepSettings
 from axrl.train import TorchBackendConfig
 from axrl.train.critic import CriticConfig
-from axrl.train.lora import LoRAConfig
 from axrl.train.protocol import R3, R3Scope
 
 __all__ = ["advantage_settings", "backend_settings", "data_settings", "distill_settings", "engine_settings", "faults",
@@ -60,24 +59,18 @@ def backend_settings(cfg: Config, *, compute_dtype: str | None = None) -> Backen
     state keep the model's dtype."""
     t = cfg.train
     common = dict(
-        lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-        lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=cfg.steps * t.updates_per_step,
-        micro_batch_tokens=t.micro_batch_tokens, seed=cfg.seed, num_threads=cfg.runtime.threads,
-        deterministic=cfg.runtime.deterministic, prefix_merge=t.prefix_merge)
+        **t.train_settings(), total_steps=cfg.steps * t.updates_per_step, seed=cfg.seed,
+        num_threads=cfg.runtime.threads, deterministic=cfg.runtime.deterministic)
     if compute_dtype is not None:
         common["dtype"] = compute_dtype
+    critic, critic_model = critic_config(cfg, common), None if cfg.critic is None else cfg.critic.model
     if t.backend == "megatron":
         from axrl.train.megatron import MegatronBackendConfig  # imports no megatron-core
 
-        m = t.megatron
-        return BackendSettings("megatron", MegatronBackendConfig(
-            **common, tensor_parallel=m.tensor_parallel, expert_parallel=m.expert_parallel,
-            sequence_parallel=m.sequence_parallel, moe_dispatcher=m.moe_dispatcher, data_parallel=m.data_parallel),
-            critic=critic_config(cfg, common), critic_model=None if cfg.critic is None else cfg.critic.model)
-    lora = None if t.lora is None else LoRAConfig(rank=t.lora.rank, alpha=t.lora.alpha, dropout=t.lora.dropout,
-                                                  targets=tuple(t.lora.targets))
-    return BackendSettings("torch", TorchBackendConfig(**common, lora=lora), critic=critic_config(cfg, common),
-                           critic_model=None if cfg.critic is None else cfg.critic.model)
+        return BackendSettings("megatron", MegatronBackendConfig(**common, **t.megatron.layout()),
+                               critic=critic, critic_model=critic_model)
+    return BackendSettings("torch", TorchBackendConfig(**common, lora=t.lora), critic=critic,
+                           critic_model=critic_model)
 
 
 def critic_config(cfg: Config, common: dict) -> CriticConfig | None:

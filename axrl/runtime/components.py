@@ -269,7 +269,9 @@ def make_distill_teacher(s: DistillSettings | None, backend: TrainBackend) -> Te
     if isinstance(backend, TorchBackend):
         param = next(backend.model.parameters())
         return make_teacher(s, backend.config, backend.tokenizer, device=param.device, dtype=param.dtype)
-    return make_teacher(s, TorchBackendConfig(), backend.tokenizer, device=torch.device("cpu"), dtype=torch.float32)
+    # one micro-batch per batch (no token limit), as before BackendConfig took the YAML's 4096
+    return make_teacher(s, TorchBackendConfig(micro_batch_tokens=0), backend.tokenizer, device=torch.device("cpu"),
+                        dtype=torch.float32)
 
 
 def make_rollout_side(s: RolloutSideSettings, tokenizer: Tokenizer, task: Task, loader: PromptLoader,
