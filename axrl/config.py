@@ -12,6 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from axrl.algo.distill import DistillSettings
 from axrl.algo.loss_config import PolicyLossConfig
 from axrl.config_faults import FaultsSection
 from axrl.config_section import Section
@@ -22,8 +23,11 @@ from axrl.model.device import DEVICE_PATTERN
 from axrl.ray_executor.settings import RaySettings
 from axrl.recording.trackers import MlflowSettings, WandbSettings
 from axrl.rollout.blackbox import AgentSettings
+from axrl.runtime.evaluator import EvalSettings
+from axrl.runtime.warmup import WarmupSettings
 from axrl.train.lora import LoRAConfig
 from axrl.train.megatron.settings import MegatronLayout
+from axrl.train.protocol import R3Scope
 from axrl.train.settings import TrainSettings
 
 
@@ -168,43 +172,6 @@ class TrainSection(TrainSettings):
         return self
 
 
-class WarmupSection(Section):
-    """Supervised warm-up on the task's demonstrations before RL (skipped on --resume)."""
-
-    steps: int = Field(0, ge=0)
-    batch_size: int = Field(16, ge=1)
-    lr: float = Field(1e-3, gt=0)
-
-
-class EvalSection(Section):
-    """Held-out evaluation: the same prompts and sampling seeds every time, so evaluations of
-    successive policies differ only by the policy."""
-
-    every: int = Field(0, ge=0, description="evaluate before every K-th step and after the last (0 = off)")
-    prompts: int = Field(32, ge=1)
-    samples_per_prompt: int = Field(2, ge=1)
-
-
-class DistillSection(Section):
-    """On-policy distillation (docs/algorithms.md): a teacher scores the student's sampled tokens
-    and coef·(teacher − rollout logprob) is their advantage, alone or added to the task's."""
-
-    teacher: str | None = Field(None, description="teacher model: a Hugging Face directory (as `axrl model export` "
-                                "writes) or a run's checkpoints/step_N; same tokenizer as the student")
-    url: str | None = Field(None, description="a served teacher: the URL of an SGLang server or `axrl serve` "
-                        "(same tokenizer, its directory readable here); scored at the rollout temperature")
-    coef: float = Field(1.0, gt=0, description="weight of the reverse-KL advantage coef·(teacher − rollout logprob)")
-    mode: Literal["reverse_kl", "reverse_kl+reward"] = Field(
-        "reverse_kl", description="'reverse_kl': the distillation advantage alone; 'reverse_kl+reward': "
-        "added to the task's advantage")
-
-    @model_validator(mode="after")
-    def _one_teacher(self) -> "DistillSection":
-        if (self.teacher is None) == (self.url is None):
-            raise ValueError("distill: set exactly one of `teacher` (a model directory or checkpoint) or `url`")
-        return self
-
-
 class CriticSection(Section):
     """PPO's learned value function (`algo.advantage: gae`; docs/algorithms.md "PPO with a critic"):
     the policy's architecture with a scalar value head instead of the LM head, its own AdamW."""
@@ -281,15 +248,6 @@ class LoggingSection(Section):
     mlflow: MlflowSettings | None = Field(None, description="also log to an MLflow run (null: off)")
 
 
-class R3ScopeSection(Section):
-    """Partial R3 (needs `r3: true`): replay the recorded routing only in some MoE layers and/or
-    only at the loss tokens; elsewhere the trainer's routers choose."""
-
-    layers: list[int] | None = Field(None, description="decoder layers that replay (null: every MoE layer)")
-    exclude_layers: list[int] = Field(default_factory=list, description="decoder layers that do not replay")
-    loss_tokens_only: bool = Field(False, description="replay only at loss tokens (generated tokens as inputs)")
-
-
 class RuntimeSection(Section):
     executor: Literal["local", "ray"] = Field("local", description="local: every component in this process; "
                                               "ray: rollout, engine, learner and train ranks as Ray actors "
@@ -309,21 +267,21 @@ class Config(Section):
     steps: int = Field(20, ge=1)
     seed: int = 0
     r3: bool = Field(False, description="replay rollout routing in the trainer (MoE only)")
-    r3_scope: R3ScopeSection | None = Field(None, description="partial R3: layers / loss tokens only")
+    r3_scope: R3Scope | None = Field(None, description="partial R3: layers / loss tokens only")
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection = Field(default_factory=DataSection)
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     algo: AlgoSection = Field(default_factory=AlgoSection)
     train: TrainSection = Field(default_factory=TrainSection)
-    warmup: WarmupSection = Field(default_factory=WarmupSection)
-    eval: EvalSection = Field(default_factory=EvalSection)
+    warmup: WarmupSettings = Field(default_factory=WarmupSettings)
+    eval: EvalSettings = Field(default_factory=EvalSettings)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     trace: TraceSection = Field(default_factory=TraceSection)
     runtime: RuntimeSection = Field(default_factory=RuntimeSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
     faults: FaultsSection = Field(default_factory=FaultsSection)
     agent: AgentSettings | None = Field(None, description="a black-box agent plays the episodes (else the task's env)")
-    distill: DistillSection | None = Field(None, description="on-policy distillation from a teacher (off: None)")
+    distill: DistillSettings | None = Field(None, description="on-policy distillation from a teacher (off: None)")
     critic: CriticSection | None = Field(None, description="PPO's value model, for algo.advantage: gae (off: None)")
 
     @model_validator(mode="after")

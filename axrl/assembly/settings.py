@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from typing import TypeVar
 
-from axrl.algo.distill import DistillSettings
 from axrl.algo.loss_config import PolicyLossConfig
 from axrl.algo.processor import AdvantageSettings
 from axrl.config import Config, config_to_dict
@@ -21,19 +20,19 @@ from axrl.inference.vllm.settings import VLLMSettings
 from axrl.rollout.runner import Clock
 from axrl.rollout.schedule import Schedule
 from axrl.rollout.worker import RolloutPolicy
-from axrl.runtime.components import (BackendSettings, DataSettings, EngineSettings, EvalSettings,
+from axrl.runtime.components import (BackendSettings, DataSettings, EngineSettings,
                                      LearnerSettings, ModelSource, RolloutSideSettings, RunSettings)
 from axrl.runtime.faults import Faults
 from axrl.recording.tiers import TierSettings
 from axrl.runtime.learner import RecordSettings
-from axrl.runtime.loop import LoopSettings, WarmupSettings
+from axrl.runtime.loop import LoopSettings
 from axrl.runtime.spike_trigger import SpikeSettings
 from axrl.runtime.step_trainer import TrainStepSettings
 from axrl.train import TorchBackendConfig
 from axrl.train.critic import CriticConfig
-from axrl.train.protocol import R3, R3Scope
+from axrl.train.protocol import R3
 
-__all__ = ["advantage_settings", "backend_settings", "data_settings", "distill_settings", "engine_settings", "faults",
+__all__ = ["advantage_settings", "backend_settings", "data_settings", "engine_settings", "faults",
            "learner_settings", "loop_settings", "loss_config", "model_source", "prompts_to_roll_out",
            "rollout_clock", "rollout_settings", "routing_replay", "run_settings", "step_settings"]
 
@@ -94,11 +93,9 @@ def loss_config(cfg: Config) -> PolicyLossConfig:
 
 def routing_replay(cfg: Config) -> R3:
     """The backends' `r3` argument from `r3` and `r3_scope`: off, full or a partial `R3Scope`."""
-    s = cfg.r3_scope
-    if not cfg.r3 or s is None:
+    if not cfg.r3 or cfg.r3_scope is None:
         return cfg.r3
-    return R3Scope(layers=None if s.layers is None else tuple(s.layers), exclude_layers=tuple(s.exclude_layers),
-                   loss_tokens_only=s.loss_tokens_only)
+    return cfg.r3_scope
 
 
 def faults(cfg: Config) -> Faults:
@@ -142,7 +139,7 @@ def learner_settings(cfg: Config) -> LearnerSettings:
                               routing_encoding=t.routing_encoding, sharded=trace_sharded(cfg),
                               tiers=TierSettings(t.level, t.routing_every, t.keep_full),
                               spike=SpikeSettings(t.spike_ratio, t.spike_window, t.spike_min_history)),
-        distill=distill_settings(cfg))
+        distill=cfg.distill)
 
 
 def trace_sharded(cfg: Config) -> bool:
@@ -154,12 +151,6 @@ def trace_sharded(cfg: Config) -> bool:
         return bool(t.sharded)
     several = cfg.runtime.ray.train_ranks > 1 or cfg.train.backend == "megatron"
     return cfg.runtime.executor == "ray" and several and t.enabled and t.routing
-
-
-def distill_settings(cfg: Config) -> DistillSettings | None:
-    """`distill`: on-policy distillation's teacher, coefficient and mode (None: off)."""
-    d = cfg.distill
-    return None if d is None else DistillSettings(teacher=d.teacher, url=d.url, coef=d.coef, mode=d.mode)
 
 
 # -- rollout -------------------------------------------------------------------------------------------
@@ -238,17 +229,16 @@ def rollout_settings(cfg: Config) -> RolloutSideSettings:
                                 top_k=r.top_k),
         max_turns=r.max_turns, schedule=schedule, policy=policy, clock=rollout_clock(cfg), seed=cfg.seed,
         threads=cfg.runtime.threads, agent=cfg.agent,
-        eval=EvalSettings(every=cfg.eval.every, prompts=cfg.eval.prompts, samples_per_prompt=cfg.eval.samples_per_prompt))
+        eval=cfg.eval)
 
 
 # -- the loop ---------------------------------------------------------------------------------------------
 
 def loop_settings(cfg: Config) -> LoopSettings:
     """`steps`, `eval.every`, `checkpoint`, `warmup`, `logging` and what the run directory records."""
-    w = cfg.warmup
     return LoopSettings(
         steps=cfg.steps, seed=cfg.seed, eval_every=cfg.eval.every, checkpoint_every=cfg.checkpoint.every,
-        checkpoint_keep=cfg.checkpoint.keep, warmup=WarmupSettings(w.steps, w.batch_size, w.lr),
+        checkpoint_keep=cfg.checkpoint.keep, warmup=cfg.warmup,
         needs_reference=cfg.algo.kl_coef > 0, tensorboard=cfg.logging.tensorboard,
         wandb=cfg.logging.wandb, mlflow=cfg.logging.mlflow,
         config=config_to_dict(cfg),

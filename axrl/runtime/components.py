@@ -37,7 +37,7 @@ from axrl.rollout.pool import TrajectoryPool
 from axrl.rollout.runner import Clock, RolloutSettings
 from axrl.rollout.schedule import Schedule
 from axrl.rollout.worker import RolloutPolicy, RolloutWorker
-from axrl.runtime.evaluator import Evaluator
+from axrl.runtime.evaluator import EvalSettings, Evaluator
 from axrl.recording.events import EventLog
 from axrl.runtime.learner import Learner, RecordSettings, StepLearner
 from axrl.runtime.step_trainer import TrainStepSettings, StepTrainer
@@ -106,15 +106,6 @@ class DataSettings:
     seed: int = 0
     warmup: bool = False
     evaluate: bool = False
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    """Held-out evaluation every `every` steps (0 = off): `prompts` × `samples_per_prompt`."""
-
-    every: int = 0
-    prompts: int = 32
-    samples_per_prompt: int = 2
 
 
 @dataclass(frozen=True)
