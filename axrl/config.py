@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, SerializerFunctionWrapHandler, ValidationError, model_serializer, model_validator
 
 from axrl.algo.distill import DistillSettings
 from axrl.algo.loss_config import PolicyLossConfig
@@ -154,6 +154,10 @@ class AlgoSection(PolicyLossConfig):
         return self
 
 
+_TRAIN_KEY_ORDER = ("backend", "megatron", "lr", "weight_decay", "betas", "grad_clip", "lr_schedule", "warmup_steps",
+                    "updates_per_step", "micro_batch_tokens", "prefix_merge", "lora")
+
+
 class TrainSection(TrainSettings):
     """`train`: the optimizer, schedule and micro-batching keys are the backends' own
     `TrainSettings` (axrl/train/settings.py: one type, defaults and validation for the YAML and
@@ -163,6 +167,13 @@ class TrainSection(TrainSettings):
     megatron: MegatronLayout = Field(default_factory=MegatronLayout)
     updates_per_step: int = Field(1, ge=1, description="optimizer updates per step (mini-batches)")
     lora: LoRAConfig | None = Field(None, description="train LoRA adapters instead of all weights (null = off)")
+
+    @model_serializer(mode="wrap")
+    def _key_order(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # run_dir/config.yaml keeps the order docs/config.md lists (backend first), as before the
+        # optimizer keys moved into the base class
+        d = handler(self)
+        return {k: d[k] for k in _TRAIN_KEY_ORDER if k in d} | d
 
     @model_validator(mode="after")
     def _lora_needs_torch(self) -> "TrainSection":
