@@ -23,6 +23,7 @@ from axrl.model.device import DEVICE_PATTERN
 from axrl.ray_executor.settings import RaySettings
 from axrl.recording.trackers import MlflowSettings, WandbSettings
 from axrl.rollout.blackbox import AgentSettings
+from axrl.runtime.components import EngineSettings
 from axrl.runtime.evaluator import EvalSettings
 from axrl.runtime.warmup import WarmupSettings
 from axrl.train.lora import LoRAConfig
@@ -54,7 +55,15 @@ class DataSection(Section):
         return self
 
 
-class RolloutSection(Section):
+_ROLLOUT_KEY_ORDER = ("engine", "sglang", "vllm", "group_size", "temperature", "top_p", "top_k", "max_new_tokens",
+                      "max_turns", "max_context_len", "max_batch_size", "prefix_cache", "prefix_cache_tokens",
+                      "weight_dtype", "kv_dtype")
+
+
+class RolloutSection(EngineSettings):
+    """`rollout`: the embedded engine's keys are its `EngineSettings` (axrl/runtime/components.py),
+    plus the engine choice, the servers' sections, sampling, episode limits and the async policy."""
+
     engine: Literal["embedded", "sglang", "vllm"] = "embedded"
     sglang: SGLangSettings = Field(default_factory=SGLangSettings)
     vllm: VLLMSettings = Field(default_factory=VLLMSettings, description="rollout.engine: vllm (docs/vllm.md)")
@@ -64,19 +73,6 @@ class RolloutSection(Section):
     top_k: int = Field(-1, ge=-1)
     max_new_tokens: int = Field(48, ge=1, description="per assistant turn")
     max_turns: int = Field(4, ge=1)
-    max_context_len: int = Field(512, ge=8)
-    max_batch_size: int = Field(64, ge=1, description="engine slots (concurrent sequences)")
-    prefix_cache: bool = Field(True, description="embedded engine: reuse the K/V of cached prompt prefixes "
-                                                 "(earlier turns, a group's shared prompt); docs/prefix-merge.md")
-    prefix_cache_tokens: int = Field(0, ge=0, description="embedded engine: prefix-cache pool in tokens "
-                                                          "(0 = max_batch_size × max_context_len)")
-    weight_dtype: Literal["fp32", "bf16", "fp8"] = Field(
-        "fp32", description="precision of the rollout engine's linear weights, quantised from the trainer's at "
-                            "every sync (fp8: e4m3, 128×128 block scales; router, lm_head, embeddings and norms "
-                            "keep model.dtype); docs/debugging.md \"Low-precision rollout\"")
-    kv_dtype: Literal["auto", "fp8"] = Field(
-        "auto", description="embedded engine: K/V cache precision (auto = model.dtype; fp8: e4m3, one scale per "
-                            "token and head)")
     # -- asynchronous runs (runtime.mode: async; docs/train.md "Asynchronous runs")
     max_staleness: int = Field(1, ge=1, description="η: no trained token was generated more than η versions "
                                                      "before the weights it is trained with (async)")
@@ -93,6 +89,12 @@ class RolloutSection(Section):
     clock: Literal["auto", "iterations", "rounds"] = Field(
         "auto", description="deterministic runs: schedule rollout by engine iterations (embedded engine) or by "
                             "request rounds (any engine; auto picks iterations for embedded, rounds for a server)")
+
+    @model_serializer(mode="wrap")
+    def _key_order(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # run_dir/config.yaml keeps the documented order, as before the engine keys moved to the base class
+        d = handler(self)
+        return {k: d[k] for k in _ROLLOUT_KEY_ORDER if k in d} | d
 
     @model_validator(mode="after")
     def _top_k_not_zero(self) -> "RolloutSection":

@@ -11,13 +11,14 @@ from pydantic import BaseModel
 
 from axrl.algo.distill import DistillSettings
 from axrl.algo.loss_config import PolicyLossConfig
-from axrl.assembly.settings import backend_settings, loop_settings, run_settings
+from axrl.assembly.settings import backend_settings, engine_settings, loop_settings, run_settings
 from axrl.config import Config, load_config
 from axrl.errors import ConfigError
 from axrl.inference.sglang.settings import SGLangSettings
 from axrl.inference.vllm.settings import VLLMSettings
 from axrl.ray_executor.settings import RaySettings
 from axrl.rollout.blackbox import AgentSettings
+from axrl.runtime.components import EngineSettings
 from axrl.runtime.evaluator import EvalSettings
 from axrl.runtime.warmup import WarmupSettings
 from axrl.train import TorchBackendConfig
@@ -79,6 +80,15 @@ def test_train_defaults_equal_from_yaml_and_python() -> None:
     assert {k: v for k, v in MegatronBackendConfig().model_dump().items() if k in MegatronLayout.model_fields} \
         == MegatronLayout().model_dump()
     assert (yaml_defaults["lr"], yaml_defaults["weight_decay"], yaml_defaults["micro_batch_tokens"]) == (1e-4, 0.0, 4096)
+
+
+def test_engine_defaults_equal_from_yaml_and_python() -> None:
+    """`rollout`'s engine keys are the embedded engine's `EngineSettings` (prefix_cache on, as the
+    YAML always had it)."""
+    cfg = load_config(None)
+    assert isinstance(cfg.rollout, EngineSettings)
+    built = engine_settings(cfg)
+    assert type(built) is EngineSettings and built == EngineSettings() and built.prefix_cache is True
 
 
 def test_algo_defaults_equal_from_yaml_and_python() -> None:

@@ -182,10 +182,7 @@ def data_settings(cfg: Config) -> DataSettings:
 
 def engine_settings(cfg: Config) -> EngineSettings:
     """The embedded engine's slots, context and prefix cache (`rollout.*`)."""
-    r = cfg.rollout
-    return EngineSettings(max_batch_size=r.max_batch_size, max_context_len=r.max_context_len,
-                          prefix_cache=r.prefix_cache, prefix_cache_tokens=r.prefix_cache_tokens,
-                          weight_dtype=r.weight_dtype, kv_dtype=r.kv_dtype)
+    return cfg.rollout.engine_settings()
 
 
 ServerT = TypeVar("ServerT", bound=ServerFleetSettings)

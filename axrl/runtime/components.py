@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
+from pydantic import Field
 
 from axrl.agents.proxy import ProxyServer
 from axrl.agents.proxy.service import AgentService
@@ -21,6 +22,7 @@ from axrl.agents.tasks import Task
 from axrl.agents.tasks.resolve import resolve_task
 from axrl.algo.processor import AdvantageSettings, AlgorithmProcessor
 from axrl.algo.distill import DistillSettings
+from axrl.config_section import Section
 from axrl.data import PromptLoader
 from axrl.errors import ConfigError
 from axrl.inference.embedded import EmbeddedEngine
@@ -81,16 +83,28 @@ class BackendSettings:
     critic_model: str | None = None         # its initial weights (None: the policy's initial model)
 
 
-@dataclass(frozen=True)
-class EngineSettings:
-    """The embedded engine's constructor knobs (slots, context, prefix cache)."""
+class EngineSettings(Section):
+    """The embedded engine's constructor knobs (slots, context, prefix cache, precision): the
+    YAML section `rollout`'s engine keys (`RolloutSection` extends this type; one set of defaults
+    and validation for the YAML and Python)."""
 
-    max_batch_size: int = 64
-    max_context_len: int = 512
-    prefix_cache: bool = False
-    prefix_cache_tokens: int = 0
-    weight_dtype: WeightDtype = "fp32"    # axrl.inference.quant
-    kv_dtype: KVDtype = "auto"
+    max_context_len: int = Field(512, ge=8)
+    max_batch_size: int = Field(64, ge=1, description="engine slots (concurrent sequences)")
+    prefix_cache: bool = Field(True, description="embedded engine: reuse the K/V of cached prompt prefixes "
+                                                 "(earlier turns, a group's shared prompt); docs/prefix-merge.md")
+    prefix_cache_tokens: int = Field(0, ge=0, description="embedded engine: prefix-cache pool in tokens "
+                                                          "(0 = max_batch_size × max_context_len)")
+    weight_dtype: WeightDtype = Field(
+        "fp32", description="precision of the rollout engine's linear weights, quantised from the trainer's at "
+                            "every sync (fp8: e4m3, 128×128 block scales; router, lm_head, embeddings and norms "
+                            "keep model.dtype); docs/debugging.md \"Low-precision rollout\"")
+    kv_dtype: KVDtype = Field(
+        "auto", description="embedded engine: K/V cache precision (auto = model.dtype; fp8: e4m3, one scale per "
+                            "token and head)")
+
+    def engine_settings(self) -> "EngineSettings":
+        """This object's `EngineSettings` fields alone (a `RolloutSection`'s other keys left out)."""
+        return EngineSettings(**{name: getattr(self, name) for name in EngineSettings.model_fields})
 
 
 @dataclass(frozen=True)
