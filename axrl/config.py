@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, SerializerFunctionWrapHandler, ValidationError, model_serializer, model_validator
+from pydantic import ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, model_serializer, model_validator
 
 from axrl.algo.distill import DistillSettings
 from axrl.algo.loss_config import PolicyLossConfig
@@ -21,6 +21,7 @@ from axrl.inference.sglang.settings import SGLangSettings
 from axrl.inference.vllm.settings import VLLMSettings
 from axrl.model.device import DEVICE_PATTERN
 from axrl.ray_executor.settings import RaySettings
+from axrl.recording.tiers import TierSettings
 from axrl.recording.trackers import MlflowSettings, WandbSettings
 from axrl.rollout.blackbox import AgentSettings
 from axrl.runtime.components import EngineSettings
@@ -211,7 +212,16 @@ class CheckpointSection(Section):
                                               "restarts the groups in flight under the checkpoint's weights")
 
 
-class TraceSection(Section):
+_TRACE_KEY_ORDER = ("enabled", "routing", "write_queue", "routing_encoding", "sharded", "level", "routing_every",
+                    "keep_full")
+
+
+class TraceSection(TierSettings):
+    """`trace`: `level`, `routing_every` and `keep_full` are the recorder's `TierSettings`
+    (axrl/recording/tiers.py), plus what else is recorded and the spike trigger."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
     enabled: bool = True
     routing: bool = True
     write_queue: int = Field(2, ge=0, description="step files are written by a background thread, at most this "
@@ -223,14 +233,6 @@ class TraceSection(Section):
                            "top-8 of 128; decoded on read, slower to analyse): for large MoE steps")
     sharded: bool | Literal["auto"] = Field("auto", description="ray: train ranks write their rows' routing to shard "
                                             "files, the learner an index; auto: 2+ train ranks or megatron")
-    level: Literal["full", "standard", "summary"] = Field(
-        "full", description="full: every column every step; standard: token columns every step, routing only "
-                            "every routing_every steps; summary: per-sample and per-turn statistics only (no "
-                            "per-token columns; replay needs full steps)")
-    routing_every: int = Field(1, ge=1, description="level standard: routing written on steps divisible by this")
-    keep_full: int = Field(0, ge=0, description="level standard/summary: hold the last K steps at full resolution "
-                                                "in memory; when the spike trigger fires they and the spike step "
-                                                "are written in full (0 = off; the spike step is always full)")
     behaviour_logprob: bool = Field(False, description="also record each token's trainer logprob under the "
                                                        "weights that generated it (async: splits the mismatch "
                                                        "into engine and staleness parts)")
@@ -240,13 +242,14 @@ class TraceSection(Section):
     spike_window: int = Field(20, ge=1, description="steps in the spike trigger's rolling median")
     spike_min_history: int = Field(3, ge=1, description="steps needed before the trigger can fire")
 
+    @model_serializer(mode="wrap")
+    def _key_order(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # run_dir/config.yaml keeps the documented order, as before the tier keys moved to the base class
+        d = handler(self)
+        return {k: d[k] for k in _TRACE_KEY_ORDER if k in d} | d
+
     @model_validator(mode="after")
-    def _tiers(self) -> "TraceSection":
-        if self.routing_every != 1 and self.level != "standard":
-            raise ValueError(f"routing_every: applies to level standard only (level is {self.level})")
-        if self.keep_full and self.level == "full":
-            raise ValueError("keep_full: at level full every step is already written in full; set level "
-                             "standard or summary, or keep_full: 0")
+    def _recording(self) -> "TraceSection":
         if self.sharded is True and not (self.routing and self.enabled):
             raise ValueError("sharded: true needs enabled and routing")
         if self.keep_full and self.spike_ratio is None:

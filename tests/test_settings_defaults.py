@@ -11,12 +11,13 @@ from pydantic import BaseModel
 
 from axrl.algo.distill import DistillSettings
 from axrl.algo.loss_config import PolicyLossConfig
-from axrl.assembly.settings import backend_settings, engine_settings, loop_settings, run_settings
+from axrl.assembly.settings import backend_settings, engine_settings, learner_settings, loop_settings, run_settings
 from axrl.config import Config, load_config
 from axrl.errors import ConfigError
 from axrl.inference.sglang.settings import SGLangSettings
 from axrl.inference.vllm.settings import VLLMSettings
 from axrl.ray_executor.settings import RaySettings
+from axrl.recording.tiers import TierSettings
 from axrl.rollout.blackbox import AgentSettings
 from axrl.runtime.components import EngineSettings
 from axrl.runtime.evaluator import EvalSettings
@@ -91,6 +92,14 @@ def test_engine_defaults_equal_from_yaml_and_python() -> None:
     assert type(built) is EngineSettings and built == EngineSettings() and built.prefix_cache is True
 
 
+def test_trace_tier_defaults_equal_from_yaml_and_python() -> None:
+    """`trace`'s level keys are the recorder's `TierSettings`, with its rules."""
+    cfg = load_config(None)
+    assert isinstance(cfg.trace, TierSettings)
+    built = learner_settings(cfg).record.tiers
+    assert type(built) is TierSettings and built == TierSettings()
+
+
 def test_algo_defaults_equal_from_yaml_and_python() -> None:
     """`algo` is the loss's `PolicyLossConfig` plus the advantage keys: its loss fields equal the
     loss's own defaults."""
@@ -118,6 +127,7 @@ def test_the_run_is_handed_the_sections_themselves() -> None:
     ("eval.prompts=0", "eval.prompts: Input should be greater than or equal to 1"),
     ("warmup.batch_size=0", "warmup.batch_size: Input should be greater than or equal to 1"),
     ("distill.coef=2", "distill: Value error, distill: set exactly one of `teacher`"),
+    ("trace.routing_every=2", "trace: Value error, routing_every: applies to level standard only"),
 ])
 def test_bad_values_name_the_yaml_key(override: str, message: str) -> None:
     """A component's own validation still reports the YAML key path (`--set` and files alike)."""

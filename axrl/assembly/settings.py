@@ -23,7 +23,6 @@ from axrl.rollout.worker import RolloutPolicy
 from axrl.runtime.components import (BackendSettings, DataSettings, EngineSettings,
                                      LearnerSettings, ModelSource, RolloutSideSettings, RunSettings)
 from axrl.runtime.faults import Faults
-from axrl.recording.tiers import TierSettings
 from axrl.runtime.learner import RecordSettings
 from axrl.runtime.loop import LoopSettings
 from axrl.runtime.spike_trigger import SpikeSettings
@@ -137,7 +136,7 @@ def learner_settings(cfg: Config) -> LearnerSettings:
         temperature=cfg.rollout.temperature, step=step_settings(cfg),
         record=RecordSettings(trace=t.enabled, routing=t.routing, write_queue=t.write_queue,
                               routing_encoding=t.routing_encoding, sharded=trace_sharded(cfg),
-                              tiers=TierSettings(t.level, t.routing_every, t.keep_full),
+                              tiers=t.tier_settings(),
                               spike=SpikeSettings(t.spike_ratio, t.spike_window, t.spike_min_history)),
         distill=cfg.distill)
 
