@@ -6,13 +6,13 @@ values stop `axrl train` before any work starts, with the dotted key path in the
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, model_serializer, model_validator
 
+from axrl.algo.distill import DistillSettings
 from axrl.algo.loss_config import PolicyLossConfig
 from axrl.config_faults import FaultsSection
 from axrl.config_section import Section
@@ -21,8 +21,16 @@ from axrl.inference.sglang.settings import SGLangSettings
 from axrl.inference.vllm.settings import VLLMSettings
 from axrl.model.device import DEVICE_PATTERN
 from axrl.ray_executor.settings import RaySettings
+from axrl.runtime.recording.tiers import TierSettings
 from axrl.runtime.recording.trackers import MlflowSettings, WandbSettings
-from axrl.train.torch.lora import LORA_TARGETS
+from axrl.rollout.blackbox import AgentSettings
+from axrl.runtime.components import EngineSettings
+from axrl.runtime.evaluator import EvalSettings
+from axrl.runtime.warmup import WarmupSettings
+from axrl.train.torch.lora import LoRAConfig
+from axrl.train.megatron.settings import MegatronLayout
+from axrl.train.protocol import R3Scope
+from axrl.train.settings import TrainSettings
 
 
 class ModelSection(Section):
@@ -51,7 +59,15 @@ class DataSection(Section):
         return self
 
 
-class RolloutSection(Section):
+_ROLLOUT_KEY_ORDER = ("engine", "sglang", "vllm", "group_size", "temperature", "top_p", "top_k", "max_new_tokens",
+                      "max_turns", "max_context_len", "max_batch_size", "prefix_cache", "prefix_cache_tokens",
+                      "weight_dtype", "precision", "kv_dtype")
+
+
+class RolloutSection(EngineSettings):
+    """`rollout`: the embedded engine's keys are its `EngineSettings` (axrl/runtime/components.py),
+    plus the engine choice, the servers' sections, sampling, episode limits and the async policy."""
+
     engine: Literal["embedded", "sglang", "vllm"] = "embedded"
     sglang: SGLangSettings = Field(default_factory=SGLangSettings)
     vllm: VLLMSettings = Field(default_factory=VLLMSettings, description="rollout.engine: vllm (docs/vllm.md)")
@@ -61,23 +77,6 @@ class RolloutSection(Section):
     top_k: int = Field(-1, ge=-1)
     max_new_tokens: int = Field(48, ge=1, description="per assistant turn")
     max_turns: int = Field(4, ge=1)
-    max_context_len: int = Field(512, ge=8)
-    max_batch_size: int = Field(64, ge=1, description="engine slots (concurrent sequences)")
-    prefix_cache: bool = Field(True, description="embedded engine: reuse the K/V of cached prompt prefixes "
-                                                 "(earlier turns, a group's shared prompt); docs/prefix-merge.md")
-    prefix_cache_tokens: int = Field(0, ge=0, description="embedded engine: prefix-cache pool in tokens "
-                                                          "(0 = max_batch_size × max_context_len)")
-    weight_dtype: Literal["fp32", "bf16", "fp8"] = Field(
-        "fp32", description="precision of the rollout engine's linear weights, quantised from the trainer's at "
-                            "every sync (fp8: e4m3, 128×128 block scales; router, lm_head, embeddings and norms "
-                            "keep model.dtype); docs/debugging.md \"Low-precision rollout\"")
-    precision: Literal["auto", "fp8_w8a8"] = Field(
-        "auto", description="rollout numerics as a recipe: auto = weight_dtype alone; fp8_w8a8 = block-fp8 weights "
-                            "and fp8 activations (one dynamic scale per token and 128 channels) into every "
-                            "quantised linear, as SGLang/vLLM fp8 serving; docs/debugging.md \"Low-precision rollout\"")
-    kv_dtype: Literal["auto", "fp8"] = Field(
-        "auto", description="embedded engine: K/V cache precision (auto = model.dtype; fp8: e4m3, one scale per "
-                            "token and head)")
     # -- asynchronous runs (runtime.mode: async; docs/train.md "Asynchronous runs")
     max_staleness: int = Field(1, ge=1, description="η: no trained token was generated more than η versions "
                                                      "before the weights it is trained with (async)")
@@ -94,6 +93,12 @@ class RolloutSection(Section):
     clock: Literal["auto", "iterations", "rounds"] = Field(
         "auto", description="deterministic runs: schedule rollout by engine iterations (embedded engine) or by "
                             "request rounds (any engine; auto picks iterations for embedded, rounds for a server)")
+
+    @model_serializer(mode="wrap")
+    def _key_order(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # run_dir/config.yaml keeps the documented order, as before the engine keys moved to the base class
+        d = handler(self)
+        return {k: d[k] for k in _ROLLOUT_KEY_ORDER if k in d} | d
 
     @model_validator(mode="after")
     def _top_k_not_zero(self) -> "RolloutSection":
@@ -155,108 +160,32 @@ class AlgoSection(PolicyLossConfig):
         return self
 
 
-class MegatronSection(Section):
-    """`train.backend: megatron` layout (docs/megatron.md): world size = tensor_parallel ×
-    data_parallel worker processes on one machine (one in-process rank when 1)."""
-
-    tensor_parallel: int = Field(1, ge=1, description="TP size (sequence parallel within it)")
-    expert_parallel: int = Field(1, ge=1, description="EP size; must divide tensor_parallel × data_parallel")
-    data_parallel: int = Field(0, ge=0, description="DP size; 0 = the smallest that fits expert_parallel: "
-                                                    "EP / gcd(TP, EP)")
-    sequence_parallel: bool = Field(True, description="required when tensor_parallel > 1")
-    moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
-
-    @model_validator(mode="after")
-    def _layout(self) -> "MegatronSection":
-        tp, ep, dp = self.tensor_parallel, self.expert_parallel, self.data_parallel
-        if dp and (tp * dp) % ep:  # Megatron's rule (expert TP 1): EP divides the world size
-            raise ValueError(f"expert_parallel={ep} must divide tensor_parallel × data_parallel = {tp} × {dp} "
-                             f"(the world size); set data_parallel to a multiple of {ep // math.gcd(tp, ep)}, "
-                             "or 0 to derive it")
-        if self.tensor_parallel > 1 and not self.sequence_parallel:
-            raise ValueError("tensor_parallel > 1 needs sequence_parallel: true (Megatron MoE + TP training)")
-        return self
+_TRAIN_KEY_ORDER = ("backend", "megatron", "lr", "weight_decay", "betas", "grad_clip", "lr_schedule", "warmup_steps",
+                    "updates_per_step", "micro_batch_tokens", "prefix_merge", "lora")
 
 
-class LoRASection(Section):
-    """`train.lora`: LoRA adapters on a frozen base model (torch backend; docs/algorithms.md "LoRA")."""
+class TrainSection(TrainSettings):
+    """`train`: the optimizer, schedule and micro-batching keys are the backends' own
+    `TrainSettings` (axrl/train/settings.py: one type, defaults and validation for the YAML and
+    `BackendConfig`), plus which backend trains, Megatron's layout, LoRA and updates per step."""
 
-    rank: int = Field(8, ge=1, description="r: the adapters' inner dimension")
-    alpha: float = Field(16.0, gt=0, description="the adapter output is scaled by alpha / rank")
-    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input while training")
-    targets: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1,
-                               description="what gets adapters: attn (q/k/v/o_proj), mlp (dense layers' "
-                                           "gate/up/down_proj), experts (each MoE expert's gate/up/down_proj)")
-
-    @field_validator("targets")
-    @classmethod
-    def _known_targets(cls, targets: list[str]) -> list[str]:
-        unknown = [t for t in targets if t not in LORA_TARGETS]
-        if unknown:
-            raise ValueError(f"unknown target(s) {unknown}; choose from {list(LORA_TARGETS)}")
-        if len(set(targets)) != len(targets):
-            raise ValueError(f"targets repeat a name: {targets}")
-        return targets
-
-
-class TrainSection(Section):
     backend: Literal["torch", "megatron"] = "torch"
-    megatron: MegatronSection = Field(default_factory=MegatronSection)
-    lr: float = Field(1e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = Field(1.0, ge=0)
-    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
+    megatron: MegatronLayout = Field(default_factory=MegatronLayout)
     updates_per_step: int = Field(1, ge=1, description="optimizer updates per step (mini-batches)")
-    micro_batch_tokens: int = Field(4096, ge=1, description="tokens per micro-batch counting padding (samples × longest)")
-    prefix_merge: bool = Field(False, description="train each micro-batch as one prefix tree: shared prefixes "
-                                                  "computed once (docs/prefix-merge.md); the budget then counts "
-                                                  "tree slots")
-    lora: LoRASection | None = Field(None, description="train LoRA adapters instead of all weights (null = off)")
+    lora: LoRAConfig | None = Field(None, description="train LoRA adapters instead of all weights (null = off)")
+
+    @model_serializer(mode="wrap")
+    def _key_order(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # run_dir/config.yaml keeps the order docs/config.md lists (backend first), as before the
+        # optimizer keys moved into the base class
+        d = handler(self)
+        return {k: d[k] for k in _TRAIN_KEY_ORDER if k in d} | d
 
     @model_validator(mode="after")
     def _lora_needs_torch(self) -> "TrainSection":
         if self.lora is not None and self.backend != "torch":
             raise ValueError(f"train.lora is implemented by the torch backend only; set train.backend: torch "
                              f"(or remove train.lora), got train.backend: {self.backend}")
-        return self
-
-
-class WarmupSection(Section):
-    """Supervised warm-up on the task's demonstrations before RL (skipped on --resume)."""
-
-    steps: int = Field(0, ge=0)
-    batch_size: int = Field(16, ge=1)
-    lr: float = Field(1e-3, gt=0)
-
-
-class EvalSection(Section):
-    """Held-out evaluation: the same prompts and sampling seeds every time, so evaluations of
-    successive policies differ only by the policy."""
-
-    every: int = Field(0, ge=0, description="evaluate before every K-th step and after the last (0 = off)")
-    prompts: int = Field(32, ge=1)
-    samples_per_prompt: int = Field(2, ge=1)
-
-
-class DistillSection(Section):
-    """On-policy distillation (docs/algorithms.md): a teacher scores the student's sampled tokens
-    and coef·(teacher − rollout logprob) is their advantage, alone or added to the task's."""
-
-    teacher: str | None = Field(None, description="teacher model: a Hugging Face directory (as `axrl model export` "
-                                "writes) or a run's checkpoints/step_N; same tokenizer as the student")
-    url: str | None = Field(None, description="a served teacher: the URL of an SGLang server or `axrl serve` "
-                        "(same tokenizer, its directory readable here); scored at the rollout temperature")
-    coef: float = Field(1.0, gt=0, description="weight of the reverse-KL advantage coef·(teacher − rollout logprob)")
-    mode: Literal["reverse_kl", "reverse_kl+reward"] = Field(
-        "reverse_kl", description="'reverse_kl': the distillation advantage alone; 'reverse_kl+reward': "
-        "added to the task's advantage")
-
-    @model_validator(mode="after")
-    def _one_teacher(self) -> "DistillSection":
-        if (self.teacher is None) == (self.url is None):
-            raise ValueError("distill: set exactly one of `teacher` (a model directory or checkpoint) or `url`")
         return self
 
 
@@ -286,7 +215,16 @@ class CheckpointSection(Section):
                                               "restarts the groups in flight under the checkpoint's weights")
 
 
-class TraceSection(Section):
+_TRACE_KEY_ORDER = ("enabled", "routing", "write_queue", "routing_encoding", "sharded", "level", "routing_every",
+                    "keep_full")
+
+
+class TraceSection(TierSettings):
+    """`trace`: `level`, `routing_every` and `keep_full` are the recorder's `TierSettings`
+    (axrl/runtime/recording/tiers.py), plus what else is recorded and the spike trigger."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
     enabled: bool = True
     routing: bool = True
     write_queue: int = Field(2, ge=0, description="step files are written by a background thread, at most this "
@@ -298,14 +236,6 @@ class TraceSection(Section):
                            "top-8 of 128; decoded on read, slower to analyse): for large MoE steps")
     sharded: bool | Literal["auto"] = Field("auto", description="ray: train ranks write their rows' routing to shard "
                                             "files, the learner an index; auto: 2+ train ranks or megatron")
-    level: Literal["full", "standard", "summary"] = Field(
-        "full", description="full: every column every step; standard: token columns every step, routing only "
-                            "every routing_every steps; summary: per-sample and per-turn statistics only (no "
-                            "per-token columns; replay needs full steps)")
-    routing_every: int = Field(1, ge=1, description="level standard: routing written on steps divisible by this")
-    keep_full: int = Field(0, ge=0, description="level standard/summary: hold the last K steps at full resolution "
-                                                "in memory; when the spike trigger fires they and the spike step "
-                                                "are written in full (0 = off; the spike step is always full)")
     behaviour_logprob: bool = Field(False, description="also record each token's trainer logprob under the "
                                                        "weights that generated it (async: splits the mismatch "
                                                        "into engine and staleness parts)")
@@ -315,13 +245,14 @@ class TraceSection(Section):
     spike_window: int = Field(20, ge=1, description="steps in the spike trigger's rolling median")
     spike_min_history: int = Field(3, ge=1, description="steps needed before the trigger can fire")
 
+    @model_serializer(mode="wrap")
+    def _key_order(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # run_dir/config.yaml keeps the documented order, as before the tier keys moved to the base class
+        d = handler(self)
+        return {k: d[k] for k in _TRACE_KEY_ORDER if k in d} | d
+
     @model_validator(mode="after")
-    def _tiers(self) -> "TraceSection":
-        if self.routing_every != 1 and self.level != "standard":
-            raise ValueError(f"routing_every: applies to level standard only (level is {self.level})")
-        if self.keep_full and self.level == "full":
-            raise ValueError("keep_full: at level full every step is already written in full; set level "
-                             "standard or summary, or keep_full: 0")
+    def _recording(self) -> "TraceSection":
         if self.sharded is True and not (self.routing and self.enabled):
             raise ValueError("sharded: true needs enabled and routing")
         if self.keep_full and self.spike_ratio is None:
@@ -334,15 +265,6 @@ class LoggingSection(Section):
     tensorboard: bool = Field(False, description="also write metrics as TensorBoard event files (RUN/tensorboard)")
     wandb: WandbSettings | None = Field(None, description="also log to a Weights & Biases run (null: off)")
     mlflow: MlflowSettings | None = Field(None, description="also log to an MLflow run (null: off)")
-
-
-class R3ScopeSection(Section):
-    """Partial R3 (needs `r3: true`): replay the recorded routing only in some MoE layers and/or
-    only at the loss tokens; elsewhere the trainer's routers choose."""
-
-    layers: list[int] | None = Field(None, description="decoder layers that replay (null: every MoE layer)")
-    exclude_layers: list[int] = Field(default_factory=list, description="decoder layers that do not replay")
-    loss_tokens_only: bool = Field(False, description="replay only at loss tokens (generated tokens as inputs)")
 
 
 class RuntimeSection(Section):
@@ -360,60 +282,25 @@ class RuntimeSection(Section):
                         "trainer and the embedded engine hold the model")
 
 
-class AgentSection(Section):
-    """A black-box agent (docs/agents.md, "Bring your own agent"): the rollout workers run it once
-    per episode against a session of the recording OpenAI-compatible proxy; `data.task` still
-    provides the prompts (and the warm-up's demonstrations)."""
-
-    command: list[str] | None = Field(None, description="the agent's command, started once per episode with "
-                                      "OPENAI_BASE_URL / OPENAI_API_KEY set to its session")
-    function: str | None = Field(None, description="or 'module:fn' / 'file.py:fn' called as fn(base_url, "
-                                 "api_key, prompt) in a thread, once per episode")
-    prompt_via: Literal["stdin", "argument"] = "stdin"
-    timeout_s: float = Field(120.0, gt=0, description="per episode; past it the agent is killed, the episode failed")
-    max_concurrent: int = Field(16, ge=1, description="agent processes running at once")
-    verifier: str | None = Field(None, description="'module:fn' scoring a finished path: fn(prompt, messages) -> "
-                                 "float; default: the rewards the agent posts to /sessions/{id}/reward")
-    env: dict[str, str] = Field(default_factory=dict, description="extra environment of the agent process")
-    model_name: str = Field("axrl-policy", description="the model id the proxy serves (GET /v1/models)")
-    host: str = Field("127.0.0.1", description="the proxy's bind address")
-    port: int = Field(0, ge=0, le=65535, description="the proxy's port (0: a free one)")
-    allow_remote: bool = Field(False, description="allow a non-loopback `host` (the proxy serves the policy)")
-    render_tools: bool = Field(True, description="render the request's `tools` into the prompt (false: only "
-                               "parse tool calls, for a policy that learnt its tools without the schema)")
-    fork_server: bool = Field(True, description="fork `python script.py` agents from one interpreter that "
-                              "imported the script's modules once (false: a fresh process per episode)")
-    coalesce_ms: float = Field(0.0, ge=0, description="hold the proxy's model calls until none joined for this "
-                               "long, then submit them together (0: off; docs/agents.md, \"What the proxy costs\")")
-
-    @model_validator(mode="after")
-    def _one_agent(self) -> "AgentSection":
-        if (self.command is None) == (self.function is None):
-            raise ValueError("agent: set exactly one of `command` (a list: [program, args...]) and `function`")
-        if self.command is not None and not self.command:
-            raise ValueError("agent.command: an empty command; give [program, args...]")
-        return self
-
-
 class Config(Section):
     steps: int = Field(20, ge=1)
     seed: int = 0
     r3: bool = Field(False, description="replay rollout routing in the trainer (MoE only)")
-    r3_scope: R3ScopeSection | None = Field(None, description="partial R3: layers / loss tokens only")
+    r3_scope: R3Scope | None = Field(None, description="partial R3: layers / loss tokens only")
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection = Field(default_factory=DataSection)
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     algo: AlgoSection = Field(default_factory=AlgoSection)
     train: TrainSection = Field(default_factory=TrainSection)
-    warmup: WarmupSection = Field(default_factory=WarmupSection)
-    eval: EvalSection = Field(default_factory=EvalSection)
+    warmup: WarmupSettings = Field(default_factory=WarmupSettings)
+    eval: EvalSettings = Field(default_factory=EvalSettings)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     trace: TraceSection = Field(default_factory=TraceSection)
     runtime: RuntimeSection = Field(default_factory=RuntimeSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
     faults: FaultsSection = Field(default_factory=FaultsSection)
-    agent: AgentSection | None = Field(None, description="a black-box agent plays the episodes (else the task's env)")
-    distill: DistillSection | None = Field(None, description="on-policy distillation from a teacher (off: None)")
+    agent: AgentSettings | None = Field(None, description="a black-box agent plays the episodes (else the task's env)")
+    distill: DistillSettings | None = Field(None, description="on-policy distillation from a teacher (off: None)")
     critic: CriticSection | None = Field(None, description="PPO's value model, for algo.advantage: gae (off: None)")
 
     @model_validator(mode="after")

@@ -97,7 +97,7 @@ def main() -> None:
 
     def trainer(merged: bool) -> TrainBackend:
         return make_train_backend(source, dataclasses.replace(
-            settings, config=dataclasses.replace(settings.config, prefix_merge=merged)), tok)
+            settings, config=settings.config.model_copy(update={"prefix_merge": merged})), tok)
 
     # Each run as `axrl train` warms up: its own backend (merged for B), from the same init.
     runs = {"A": trainer(False), "B": trainer(True), "D": trainer(False)}

@@ -41,7 +41,7 @@ from axrl.algo.turn_credit import turn_credit_advantages
 from axrl.algo.processor import gae_advantages, gae_token_rewards, update_splits
 from axrl.config import Config, ConfigError, apply_overrides, load_config
 from axrl.assembly.build import make_train_backend, policy_loss
-from axrl.assembly.settings import advantage_settings, distill_settings, routing_replay, step_settings
+from axrl.assembly.settings import advantage_settings, routing_replay, step_settings
 from axrl.runtime.results import UpdateResult
 from axrl.runtime.reference import restore_reference, with_reference_logprobs
 from axrl.runtime.updates import run_updates
@@ -183,7 +183,7 @@ def recompute_advantages(rec: RecordedStep, cfg: Config) -> torch.Tensor:
         loss_tokens = segment_sum(rec.batch.loss_mask.double(), rec.batch.offsets).numpy()
         adv = settings.sample_advantages(rec.rewards, rec.group_ids, rec.ok, loss_tokens)
         tokens = token_advantages(adv, rec.batch.offsets, rec.batch.loss_mask)
-    d = distill_settings(cfg)
+    d = cfg.distill
     if d is None:
         return tokens
     if rec.teacher_logprobs is None or rec.batch.rollout_logprobs is None:
@@ -241,9 +241,9 @@ def _run_on(backend: TrainBackend, variant: Variant, base_cfg: Config, rec: Reco
         backend.load_state_dict(state)
     batch = dataclasses.replace(rec.batch, temperature=cfg.rollout.temperature)
     if (advantage_settings(cfg) != advantage_settings(base_cfg)
-            or distill_settings(cfg) != distill_settings(base_cfg)):
+            or cfg.distill != base_cfg.distill):
         batch = dataclasses.replace(batch, advantages=recompute_advantages(rec, cfg))
-        distill = distill_settings(cfg)
+        distill = cfg.distill
         how = advantage_settings(cfg).describe() + ("" if distill is None else f"; {distill.describe()}")
         notes.append(f"advantages recomputed from the recorded rewards ({how})")
     forward_changed = (knobs.dtype not in (None, "float32")

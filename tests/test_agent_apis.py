@@ -378,7 +378,7 @@ def test_the_example_agents_run_unmodified_and_are_scored(tok, api):
     import asyncio
 
     from axrl.agents.tasks import TASKS
-    from axrl.rollout.blackbox import AgentSpec, BlackBoxPlayer, load_callable
+    from axrl.rollout.blackbox import AgentSettings, BlackBoxPlayer, load_callable
 
     source = (ROOT / EXAMPLES[api]).read_text()
     assert "import axrl" not in source and "from axrl" not in source
@@ -386,7 +386,7 @@ def test_the_example_agents_run_unmodified_and_are_scored(tok, api):
     engine = ScriptedEngine(calculator_policy(tok))
     sampling = SamplingParams(max_new_tokens=48, stop_token_ids=tok.stop_token_ids, seed=11)
     with ProxyServer(tok) as proxy:
-        player = BlackBoxPlayer(AgentSpec(command=["python", str(ROOT / EXAMPLES[api])], verifier=verifier),
+        player = BlackBoxPlayer(AgentSettings(command=["python", str(ROOT / EXAMPLES[api])], verifier=verifier),
                                 proxy, max_context_len=512)
         traj = asyncio.run(player.play(engine, sample_id=3, group_id=1, prompt=TASKS["calculator"]().prompt(0, 4),
                                        sampling=sampling, return_routing=False))

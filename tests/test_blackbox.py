@@ -15,7 +15,7 @@ from agent_util import ScriptedEngine, calculator_policy
 from axrl.agents.proxy import ProxyServer
 from axrl.agents.tasks import TASKS
 from axrl.inference.protocol import SamplingParams
-from axrl.rollout.blackbox import AgentSpec, BlackBoxPlayer, load_callable
+from axrl.rollout.blackbox import AgentSettings, BlackBoxPlayer, load_callable
 from axrl.rollout.pool import TrajectoryPool
 
 pytestmark = pytest.mark.timeout(300)
@@ -24,7 +24,7 @@ AGENT = ["python", str(ROOT / "examples/agents/calculator_agent.py")]
 VERIFIER = f"{ROOT / 'examples/agents/calculator_reward.py'}:score"
 
 
-def play(tok, agent: AgentSpec, engine, prompt, sample_id=3):
+def play(tok, agent: AgentSettings, engine, prompt, sample_id=3):
     sampling = SamplingParams(max_new_tokens=48, stop_token_ids=tok.stop_token_ids, seed=11)
     with ProxyServer(tok) as proxy:
         player = BlackBoxPlayer(agent, proxy, max_context_len=512)
@@ -39,7 +39,7 @@ def test_the_example_agent_runs_unmodified_and_is_scored(tok):
     assert "axrl" not in source.replace("AxRL", "") .split('"""', 2)[2]  # no AxRL import, only the SDK
     prompt = TASKS["calculator"]().prompt(0, 4)
     engine = ScriptedEngine(calculator_policy(tok))
-    traj = play(tok, AgentSpec(command=AGENT, verifier=load_callable(VERIFIER, "agent.verifier")), engine, prompt)
+    traj = play(tok, AgentSettings(command=AGENT, verifier=load_callable(VERIFIER, "agent.verifier")), engine, prompt)
     assert traj.status == "ok", traj.error
     assert traj.reward == 1.0 and traj.num_turns == 2 and traj.finish_reason == "stop"
     assert traj.session_id and traj.fork_of == -1 and not traj.forks and traj.drift_tokens == 0
@@ -57,7 +57,7 @@ def test_an_agents_sdk_agent_runs_unchanged(tok):
     prompt = TASKS["calculator"]().prompt(0, 4)
     engine = ScriptedEngine(calculator_policy(tok))
     command = ["python", str(ROOT / "examples/agents/calculator_agents_sdk.py")]
-    traj = play(tok, AgentSpec(command=command, verifier=load_callable(VERIFIER, "agent.verifier")), engine, prompt)
+    traj = play(tok, AgentSettings(command=command, verifier=load_callable(VERIFIER, "agent.verifier")), engine, prompt)
     assert traj.status == "ok", traj.error
     assert traj.reward == 1.0 and traj.num_turns == 2 and not traj.forks and traj.drift_tokens == 0
     first, second = engine.requests
@@ -67,7 +67,7 @@ def test_an_agents_sdk_agent_runs_unchanged(tok):
 def test_a_crashing_agent_fails_its_trajectory(tok):
     prompt = TASKS["calculator"]().prompt(0, 1)
     crash = [sys.executable, "-c", "import sys; print('boom: bad tool', file=sys.stderr); sys.exit(3)"]
-    traj = play(tok, AgentSpec(command=crash), ScriptedEngine(calculator_policy(tok)), prompt)
+    traj = play(tok, AgentSettings(command=crash), ScriptedEngine(calculator_policy(tok)), prompt)
     assert traj.status == "failed" and traj.finish_reason == "failed" and traj.reward == 0.0
     assert "exited with code 3" in traj.error and "boom: bad tool" in traj.error
     assert traj.info["agent_exit_code"] == 3
@@ -80,7 +80,7 @@ def test_a_crashing_agent_fails_its_trajectory(tok):
 def test_a_hanging_agent_is_killed_at_the_timeout(tok):
     prompt = TASKS["calculator"]().prompt(0, 2)
     hang = [sys.executable, "-c", "import time; time.sleep(60)"]
-    traj = play(tok, AgentSpec(command=hang, timeout_s=1.0), ScriptedEngine(calculator_policy(tok)), prompt)
+    traj = play(tok, AgentSettings(command=hang, timeout_s=1.0), ScriptedEngine(calculator_policy(tok)), prompt)
     assert traj.status == "failed" and traj.error.startswith("timeout") and "agent.timeout_s=1" in traj.error
 
 
@@ -96,7 +96,7 @@ def test_a_function_agent_and_a_forked_session_pool_together(tok):
 
     prompt = TASKS["calculator"]().prompt(0, 3)
     engine = ScriptedEngine(lambda p: tok.encode("The answer is 5.") + [tok.eos_token_id])
-    traj = play(tok, AgentSpec(function=agent), engine, prompt, sample_id=8)
+    traj = play(tok, AgentSettings(function=agent), engine, prompt, sample_id=8)
     assert traj.status == "ok" and len(traj.forks) == 1 and traj.forks[0].fork_of == 8
     pool = TrajectoryPool(1)
     assert pool.add(traj)  # the group of size 1 is complete with its episode; the fork comes along
@@ -238,13 +238,12 @@ def test_agent_config_keys_reach_the_player_and_the_proxy(tok):
     """`agent.fork_server: false` starts each episode as a fresh process (no fork server is
     made); `agent.coalesce_ms` sets the proxy's coalescing window."""
     from axrl.config import Config
-    from axrl.assembly.settings import agent_settings
     from axrl.runtime.components import make_agent
 
     cfg = Config.model_validate({"runtime": {"deterministic": False},
                                  "agent": {"command": AGENT, "fork_server": False, "coalesce_ms": 4,
                                            "verifier": VERIFIER}})
-    proxy, player = make_agent(agent_settings(cfg), tok, cfg.rollout.max_context_len)
+    proxy, player = make_agent(cfg.agent, tok, cfg.rollout.max_context_len)  # the section is the settings
     try:
         assert proxy.coalescer.window_s == pytest.approx(0.004)
         assert player.agent.fork_server is False

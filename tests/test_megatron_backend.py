@@ -180,7 +180,7 @@ def test_bfloat16_trains(megatron):
     assert torch.isfinite(torch.tensor(last)) and last < first
     # fp32 master weights, bf16 compute: close to the fp32 forward, not equal
     lp16 = mb.forward(batch).logprobs
-    mb.config = dataclasses.replace(mb.config, dtype="float32")
+    mb.config = mb.config.model_copy(update={"dtype": "float32"})
     assert 0 < max_diff(lp16, mb.forward(batch).logprobs) < 0.1
 
 

@@ -49,8 +49,8 @@ def backends():
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 0.25)])
 def test_cuda_logprob_parity(backends, dtype, tol):
     tb, mb = backends
-    tb.config = dataclasses.replace(tb.config, dtype=dtype)
-    mb.config = dataclasses.replace(mb.config, dtype=dtype)
+    tb.config = tb.config.model_copy(update={"dtype": dtype})
+    mb.config = mb.config.model_copy(update={"dtype": dtype})
     batch = make_batch(lengths=[40, 64, 17, 90], temperature=0.7)
     a, b = tb.forward(batch), mb.forward(batch)
     diff = (a.logprobs - b.logprobs).abs()
@@ -66,7 +66,7 @@ def test_cuda_update_parity_fp32(backends):
     tb, mb = backends
     mb.load_state_dict(tb.state_dict())
     for b in (tb, mb):
-        b.config = dataclasses.replace(b.config, dtype="float32")
+        b.config = b.config.model_copy(update={"dtype": "float32"})
     batch = make_batch(lengths=[40, 64, 17, 90])
     m1, m2 = tb.forward_backward(batch, pg_loss), mb.forward_backward(batch, pg_loss)
     s1, s2 = tb.optimizer_step(), mb.optimizer_step()
@@ -113,7 +113,7 @@ def test_cuda_partial_r3_and_per_tensor_norms(backends):
     tb, mb = backends
     mb.load_state_dict(tb.state_dict())
     for b in (tb, mb):
-        b.config = dataclasses.replace(b.config, dtype="float32")
+        b.config = b.config.model_copy(update={"dtype": "float32"})
     batch = make_batch(lengths=[40, 64, 17, 90])
     cfg = tb.model.config
     forced = random_routing(batch.num_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok, cfg.num_experts)

@@ -23,32 +23,37 @@ it), so the PPO / TIS machinery of the run applies to it unchanged.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from pydantic import Field, model_validator
 
 from axrl.algo.processor import ProcessedBatch
+from axrl.config_section import Section
 
 DistillMode = Literal["reverse_kl", "reverse_kl+reward"]
 
 __all__ = ["DistillMode", "DistillSettings", "distill_token_advantages", "with_distillation"]
 
 
-@dataclass(frozen=True)
-class DistillSettings:
-    """The teacher and how its signal enters the advantage.
+class DistillSettings(Section):
+    """On-policy distillation (docs/algorithms.md; the YAML section `distill` is this type): a
+    teacher scores the student's sampled tokens and coef·(teacher − rollout logprob) is their
+    advantage, alone or added to the task's."""
 
-    teacher: a Hugging Face model directory or an AxRL checkpoint (`RUN/checkpoints/step_N`);
-    url: a served teacher (SGLang or `axrl serve`, axrl/runtime/served_teacher.py); coef: the
-    weight of the reverse-KL term; mode: "reverse_kl" (the term alone) or "reverse_kl+reward"
-    (added to the task's advantage).
-    """
+    teacher: str | None = Field(None, description="teacher model: a Hugging Face directory (as `axrl model export` "
+                                "writes) or a run's checkpoints/step_N; same tokenizer as the student")
+    url: str | None = Field(None, description="a served teacher: the URL of an SGLang server or `axrl serve` "
+                            "(same tokenizer, its directory readable here); scored at the rollout temperature")
+    coef: float = Field(1.0, gt=0, description="weight of the reverse-KL advantage coef·(teacher − rollout logprob)")
+    mode: DistillMode = Field("reverse_kl", description="'reverse_kl': the distillation advantage alone; "
+                              "'reverse_kl+reward': added to the task's advantage")
 
-    teacher: str | None = None
-    url: str | None = None
-    coef: float = 1.0
-    mode: DistillMode = "reverse_kl"
+    @model_validator(mode="after")
+    def _one_teacher(self) -> "DistillSettings":
+        if (self.teacher is None) == (self.url is None):
+            raise ValueError("distill: set exactly one of `teacher` (a model directory or checkpoint) or `url`")
+        return self
 
     def describe(self) -> str:
         """e.g. "on-policy distillation (reverse_kl, coef 1) from /models/teacher"."""

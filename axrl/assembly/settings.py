@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from typing import TypeVar
 
-from axrl.algo.distill import DistillSettings
 from axrl.algo.loss_config import PolicyLossConfig
 from axrl.algo.processor import AdvantageSettings
 from axrl.config import Config, config_to_dict
@@ -21,20 +20,18 @@ from axrl.inference.vllm.settings import VLLMSettings
 from axrl.rollout.runner import Clock
 from axrl.rollout.schedule import Schedule
 from axrl.rollout.worker import RolloutPolicy
-from axrl.runtime.components import (AgentSettings, BackendSettings, DataSettings, EngineSettings, EvalSettings,
+from axrl.runtime.components import (BackendSettings, DataSettings, EngineSettings,
                                      LearnerSettings, ModelSource, RolloutSideSettings, RunSettings)
 from axrl.runtime.faults import Faults
-from axrl.runtime.recording.tiers import TierSettings
 from axrl.runtime.learner import RecordSettings
-from axrl.runtime.loop import LoopSettings, WarmupSettings
+from axrl.runtime.loop import LoopSettings
 from axrl.runtime.spike_trigger import SpikeSettings
 from axrl.runtime.step_trainer import TrainStepSettings
 from axrl.train import TorchBackendConfig
 from axrl.train.critic import CriticConfig
-from axrl.train.torch.lora import LoRAConfig
-from axrl.train.protocol import R3, R3Scope
+from axrl.train.protocol import R3
 
-__all__ = ["advantage_settings", "backend_settings", "data_settings", "distill_settings", "engine_settings", "faults",
+__all__ = ["advantage_settings", "backend_settings", "data_settings", "engine_settings", "faults",
            "learner_settings", "loop_settings", "loss_config", "model_source", "prompts_to_roll_out",
            "rollout_clock", "rollout_settings", "routing_replay", "run_settings", "step_settings"]
 
@@ -60,24 +57,18 @@ def backend_settings(cfg: Config, *, compute_dtype: str | None = None) -> Backen
     state keep the model's dtype."""
     t = cfg.train
     common = dict(
-        lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-        lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=cfg.steps * t.updates_per_step,
-        micro_batch_tokens=t.micro_batch_tokens, seed=cfg.seed, num_threads=cfg.runtime.threads,
-        deterministic=cfg.runtime.deterministic, prefix_merge=t.prefix_merge)
+        **t.train_settings(), total_steps=cfg.steps * t.updates_per_step, seed=cfg.seed,
+        num_threads=cfg.runtime.threads, deterministic=cfg.runtime.deterministic)
     if compute_dtype is not None:
         common["dtype"] = compute_dtype
+    critic, critic_model = critic_config(cfg, common), None if cfg.critic is None else cfg.critic.model
     if t.backend == "megatron":
         from axrl.train.megatron import MegatronBackendConfig  # imports no megatron-core
 
-        m = t.megatron
-        return BackendSettings("megatron", MegatronBackendConfig(
-            **common, tensor_parallel=m.tensor_parallel, expert_parallel=m.expert_parallel,
-            sequence_parallel=m.sequence_parallel, moe_dispatcher=m.moe_dispatcher, data_parallel=m.data_parallel),
-            critic=critic_config(cfg, common), critic_model=None if cfg.critic is None else cfg.critic.model)
-    lora = None if t.lora is None else LoRAConfig(rank=t.lora.rank, alpha=t.lora.alpha, dropout=t.lora.dropout,
-                                                  targets=tuple(t.lora.targets))
-    return BackendSettings("torch", TorchBackendConfig(**common, lora=lora), critic=critic_config(cfg, common),
-                           critic_model=None if cfg.critic is None else cfg.critic.model)
+        return BackendSettings("megatron", MegatronBackendConfig(**common, **t.megatron.layout()),
+                               critic=critic, critic_model=critic_model)
+    return BackendSettings("torch", TorchBackendConfig(**common, lora=t.lora), critic=critic,
+                           critic_model=critic_model)
 
 
 def critic_config(cfg: Config, common: dict) -> CriticConfig | None:
@@ -101,11 +92,9 @@ def loss_config(cfg: Config) -> PolicyLossConfig:
 
 def routing_replay(cfg: Config) -> R3:
     """The backends' `r3` argument from `r3` and `r3_scope`: off, full or a partial `R3Scope`."""
-    s = cfg.r3_scope
-    if not cfg.r3 or s is None:
+    if not cfg.r3 or cfg.r3_scope is None:
         return cfg.r3
-    return R3Scope(layers=None if s.layers is None else tuple(s.layers), exclude_layers=tuple(s.exclude_layers),
-                   loss_tokens_only=s.loss_tokens_only)
+    return cfg.r3_scope
 
 
 def faults(cfg: Config) -> Faults:
@@ -147,9 +136,9 @@ def learner_settings(cfg: Config) -> LearnerSettings:
         temperature=cfg.rollout.temperature, step=step_settings(cfg),
         record=RecordSettings(trace=t.enabled, routing=t.routing, write_queue=t.write_queue,
                               routing_encoding=t.routing_encoding, sharded=trace_sharded(cfg),
-                              tiers=TierSettings(t.level, t.routing_every, t.keep_full),
+                              tiers=t.tier_settings(),
                               spike=SpikeSettings(t.spike_ratio, t.spike_window, t.spike_min_history)),
-        distill=distill_settings(cfg))
+        distill=cfg.distill)
 
 
 def trace_sharded(cfg: Config) -> bool:
@@ -161,12 +150,6 @@ def trace_sharded(cfg: Config) -> bool:
         return bool(t.sharded)
     several = cfg.runtime.ray.train_ranks > 1 or cfg.train.backend == "megatron"
     return cfg.runtime.executor == "ray" and several and t.enabled and t.routing
-
-
-def distill_settings(cfg: Config) -> DistillSettings | None:
-    """`distill`: on-policy distillation's teacher, coefficient and mode (None: off)."""
-    d = cfg.distill
-    return None if d is None else DistillSettings(teacher=d.teacher, url=d.url, coef=d.coef, mode=d.mode)
 
 
 # -- rollout -------------------------------------------------------------------------------------------
@@ -198,22 +181,7 @@ def data_settings(cfg: Config) -> DataSettings:
 
 def engine_settings(cfg: Config) -> EngineSettings:
     """The embedded engine's slots, context and prefix cache (`rollout.*`)."""
-    r = cfg.rollout
-    return EngineSettings(max_batch_size=r.max_batch_size, max_context_len=r.max_context_len,
-                          prefix_cache=r.prefix_cache, prefix_cache_tokens=r.prefix_cache_tokens,
-                          weight_dtype=r.weight_dtype, kv_dtype=r.kv_dtype, precision=r.precision)
-
-
-def agent_settings(cfg: Config) -> AgentSettings | None:
-    """The black-box agent of section `agent` (None: the task's env plays the episodes)."""
-    a = cfg.agent
-    if a is None:
-        return None
-    return AgentSettings(command=None if a.command is None else list(a.command), function=a.function,
-                         prompt_via=a.prompt_via, timeout_s=a.timeout_s, max_concurrent=a.max_concurrent,
-                         verifier=a.verifier, env=dict(a.env), model_name=a.model_name, host=a.host, port=a.port,
-                         allow_remote=a.allow_remote, render_tools=a.render_tools, fork_server=a.fork_server,
-                         coalesce_ms=a.coalesce_ms)
+    return cfg.rollout.engine_settings()
 
 
 ServerT = TypeVar("ServerT", bound=ServerFleetSettings)
@@ -260,18 +228,17 @@ def rollout_settings(cfg: Config) -> RolloutSideSettings:
         sampling=SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                 top_k=r.top_k),
         max_turns=r.max_turns, schedule=schedule, policy=policy, clock=rollout_clock(cfg), seed=cfg.seed,
-        threads=cfg.runtime.threads, agent=agent_settings(cfg),
-        eval=EvalSettings(every=cfg.eval.every, prompts=cfg.eval.prompts, samples_per_prompt=cfg.eval.samples_per_prompt))
+        threads=cfg.runtime.threads, agent=cfg.agent,
+        eval=cfg.eval)
 
 
 # -- the loop ---------------------------------------------------------------------------------------------
 
 def loop_settings(cfg: Config) -> LoopSettings:
     """`steps`, `eval.every`, `checkpoint`, `warmup`, `logging` and what the run directory records."""
-    w = cfg.warmup
     return LoopSettings(
         steps=cfg.steps, seed=cfg.seed, eval_every=cfg.eval.every, checkpoint_every=cfg.checkpoint.every,
-        checkpoint_keep=cfg.checkpoint.keep, warmup=WarmupSettings(w.steps, w.batch_size, w.lr),
+        checkpoint_keep=cfg.checkpoint.keep, warmup=cfg.warmup,
         needs_reference=cfg.algo.kl_coef > 0, tensorboard=cfg.logging.tensorboard,
         wandb=cfg.logging.wandb, mlflow=cfg.logging.mlflow,
         config=config_to_dict(cfg),

@@ -55,7 +55,7 @@ class Placement:
 def train_slots(backend: BackendSettings, train_ranks: int) -> int:
     """Train actors that need a slot: the torch ranks, or the Megatron world (tensor × data parallel)."""
     if backend.kind == "megatron":
-        from axrl.train.megatron.backend import auto_data_parallel  # no megatron-core import
+        from axrl.train.megatron.settings import auto_data_parallel  # no megatron-core import
 
         m = backend.config
         return m.tensor_parallel * (m.data_parallel or auto_data_parallel(m.tensor_parallel, m.expert_parallel))

@@ -34,13 +34,15 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
+
+from pydantic import Field, model_validator
 
 from axrl.agents.env import Prompt
 from axrl.agents.forkserver import ForkServer, forkable
 from axrl.agents.proxy import ProxyServer, SessionPolicy, Turn
 from axrl.agents.proxy.session import Session
+from axrl.config_section import Section
 from axrl.core.trajectory import Trajectory
 from axrl.inference.protocol import InferenceEngine, SamplingParams
 
@@ -51,26 +53,44 @@ Verifier = Callable[[Prompt, list[dict[str, Any]]], float]
 AgentFn = Callable[[str, str, str], Any]
 
 
-@dataclass
-class AgentSpec:
-    """How to run the user's agent (config section `agent`)."""
+class AgentSettings(Section):
+    """A black-box agent (docs/agents.md, "Bring your own agent"): the YAML section `agent` is this
+    type, and `BlackBoxPlayer` (the episodes) and the recording proxy (`host`, `port`, ...) are
+    built from it. The rollout workers run the agent once per episode against a session of the
+    recording OpenAI-compatible proxy; `data.task` still provides the prompts (and the warm-up's
+    demonstrations). From Python, `function` and `verifier` may be the functions themselves."""
 
-    command: list[str] | None = None       # started once per episode
-    function: AgentFn | None = None        # or called once per episode, in a thread
+    command: list[str] | None = Field(None, description="the agent's command, started once per episode with "
+                                      "OPENAI_BASE_URL / OPENAI_API_KEY set to its session")
+    function: str | AgentFn | None = Field(None, description="or 'module:fn' / 'file.py:fn' called as fn(base_url, "
+                                           "api_key, prompt) in a thread, once per episode")
     prompt_via: Literal["stdin", "argument"] = "stdin"
-    timeout_s: float = 120.0
-    max_concurrent: int = 16
-    verifier: Verifier | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    model_name: str = "axrl-policy"
-    render_tools: bool = True
+    timeout_s: float = Field(120.0, gt=0, description="per episode; past it the agent is killed, the episode failed")
+    max_concurrent: int = Field(16, ge=1, description="agent processes running at once")
+    verifier: str | Verifier | None = Field(None, description="'module:fn' scoring a finished path: fn(prompt, "
+                                            "messages) -> float; default: the rewards the agent posts to "
+                                            "/sessions/{id}/reward")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment of the agent process")
+    model_name: str = Field("axrl-policy", description="the model id the proxy serves (GET /v1/models)")
+    host: str = Field("127.0.0.1", description="the proxy's bind address")
+    port: int = Field(0, ge=0, le=65535, description="the proxy's port (0: a free one)")
+    allow_remote: bool = Field(False, description="allow a non-loopback `host` (the proxy serves the policy)")
+    render_tools: bool = Field(True, description="render the request's `tools` into the prompt (false: only "
+                               "parse tool calls, for a policy that learnt its tools without the schema)")
     # `python script.py` agents are forked from one interpreter that imported the script's
     # modules once (axrl.agents.forkserver): ~1 s of imports saved per episode.
-    fork_server: bool = True
+    fork_server: bool = Field(True, description="fork `python script.py` agents from one interpreter that "
+                              "imported the script's modules once (false: a fresh process per episode)")
+    coalesce_ms: float = Field(0.0, ge=0, description="hold the proxy's model calls until none joined for this "
+                               "long, then submit them together (0: off; docs/agents.md, \"What the proxy costs\")")
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _one_agent(self) -> "AgentSettings":
         if (self.command is None) == (self.function is None):
-            raise ValueError("agent: set exactly one of agent.command and agent.function")
+            raise ValueError("agent: set exactly one of `command` (a list: [program, args...]) and `function`")
+        if self.command is not None and not self.command:
+            raise ValueError("agent.command: an empty command; give [program, args...]")
+        return self
 
 
 def prompt_text(prompt: Prompt) -> str:
@@ -132,8 +152,11 @@ def _hand_over(waiter: asyncio.Future, slots: AgentSlots) -> None:
 class BlackBoxPlayer:
     """Plays episodes of `agent` through `proxy`; `play` is an `EpisodeRunner` player."""
 
-    def __init__(self, agent: AgentSpec, proxy: ProxyServer, *, max_context_len: int) -> None:
+    def __init__(self, agent: AgentSettings, proxy: ProxyServer, *, max_context_len: int) -> None:
         self.agent, self.proxy, self.max_context_len = agent, proxy, max_context_len
+        # 'module:fn' strings are imported here, where the episodes run (ValueError naming the key)
+        self.function: AgentFn | None = load_callable(agent.function, "agent.function")
+        self.verifier: Verifier | None = load_callable(agent.verifier, "agent.verifier")
         self.slots = AgentSlots(agent.max_concurrent)
         self._fork_servers: dict[str, ForkServer] = {}
         self._fork_lock = threading.Lock()
@@ -147,7 +170,7 @@ class BlackBoxPlayer:
 
     def _start(self, argv: list[str], env: dict[str, str]) -> Any:
         """The agent's process: forked from the script's fork server when it is a plain
-        `python script.py` (see AgentSpec.fork_server), else a fresh `subprocess.Popen`."""
+        `python script.py` (see AgentSettings.fork_server), else a fresh `subprocess.Popen`."""
         script = forkable(argv) if self.agent.fork_server else None
         if script is None:
             return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -191,9 +214,9 @@ class BlackBoxPlayer:
     async def _run(self, session: Session, text: str) -> dict[str, Any]:
         """Run the agent to its end; {"exit_code", "error" (None: success), "stderr"}."""
         base_url = self.proxy.base_url(session)
-        if self.agent.function is not None:
+        if self.function is not None:
             try:
-                await asyncio.wait_for(asyncio.to_thread(self.agent.function, base_url, session.api_key, text),
+                await asyncio.wait_for(asyncio.to_thread(self.function, base_url, session.api_key, text),
                                        self.agent.timeout_s)
             except asyncio.TimeoutError:
                 return {"exit_code": None, "error": f"timeout: the agent ran past agent.timeout_s="
@@ -229,7 +252,7 @@ class BlackBoxPlayer:
         return {"exit_code": 0, "error": None, "stderr": tail}
 
     def _trajectories(self, session: Session, sample_id: int, group_id: int, prompt: Prompt) -> list[Trajectory]:
-        verifier = self.agent.verifier
+        verifier = self.verifier
 
         def score(path: list[Turn]) -> float:
             assert verifier is not None
@@ -285,10 +308,13 @@ def _communicate(proc: subprocess.Popen, stdin: bytes, timeout: float) -> tuple[
         return err or b"", True
 
 
-def load_callable(spec: str | None, key: str) -> Callable[..., Any] | None:
-    """`agent.verifier` / `agent.function` ("module:fn" / "file.py:fn") → the function (None: unset)."""
+def load_callable(spec: str | Callable[..., Any] | None, key: str) -> Callable[..., Any] | None:
+    """`agent.verifier` / `agent.function` ("module:fn" / "file.py:fn") → the function (None: unset;
+    a function given from Python is returned as it is)."""
     if not spec:
         return None
+    if callable(spec):
+        return spec
     from axrl.agents.tasks.resolve import load_object
 
     fn = load_object(spec, key)

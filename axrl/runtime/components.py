@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
+from pydantic import Field
 
 from axrl.agents.proxy import ProxyServer
 from axrl.agents.proxy.trajectories import AgentService
@@ -21,6 +22,7 @@ from axrl.agents.tasks import Task
 from axrl.agents.tasks.resolve import resolve_task
 from axrl.algo.processor import AdvantageSettings, AlgorithmProcessor
 from axrl.algo.distill import DistillSettings
+from axrl.config_section import Section
 from axrl.data import PromptLoader
 from axrl.core.errors import ConfigError
 from axrl.inference.embedded import EmbeddedEngine
@@ -31,13 +33,13 @@ from axrl.inference.vllm.settings import VLLMSettings
 from axrl.model import (ModelConfig, Qwen3ForCausalLM, build_model, hf_state_dict, load_hf, load_weights_into,
                         preset_config)
 from axrl.model.device import resolve_device
-from axrl.rollout.blackbox import AgentSpec, BlackBoxPlayer, load_callable
+from axrl.rollout.blackbox import AgentSettings, BlackBoxPlayer
 from axrl.rollout.control import BatchSource, RolloutControl
 from axrl.rollout.pool import TrajectoryPool
 from axrl.rollout.runner import Clock, RolloutSettings
 from axrl.rollout.schedule import Schedule
 from axrl.rollout.worker import RolloutPolicy, RolloutWorker
-from axrl.runtime.evaluator import Evaluator
+from axrl.runtime.evaluator import EvalSettings, Evaluator
 from axrl.runtime.recording.events import EventLog
 from axrl.runtime.learner import Learner, RecordSettings, StepLearner
 from axrl.runtime.step_trainer import TrainStepSettings, StepTrainer
@@ -82,17 +84,32 @@ class BackendSettings:
     critic_model: str | None = None         # its initial weights (None: the policy's initial model)
 
 
-@dataclass(frozen=True)
-class EngineSettings:
-    """The embedded engine's constructor knobs (slots, context, prefix cache)."""
+class EngineSettings(Section):
+    """The embedded engine's constructor knobs (slots, context, prefix cache, precision): the
+    YAML section `rollout`'s engine keys (`RolloutSection` extends this type; one set of defaults
+    and validation for the YAML and Python)."""
 
-    max_batch_size: int = 64
-    max_context_len: int = 512
-    prefix_cache: bool = False
-    prefix_cache_tokens: int = 0
-    weight_dtype: WeightDtype = "fp32"    # axrl.inference.quant
-    kv_dtype: KVDtype = "auto"
-    precision: Precision = "auto"         # fp8_w8a8: fp8 activations too
+    max_context_len: int = Field(512, ge=8)
+    max_batch_size: int = Field(64, ge=1, description="engine slots (concurrent sequences)")
+    prefix_cache: bool = Field(True, description="embedded engine: reuse the K/V of cached prompt prefixes "
+                                                 "(earlier turns, a group's shared prompt); docs/prefix-merge.md")
+    prefix_cache_tokens: int = Field(0, ge=0, description="embedded engine: prefix-cache pool in tokens "
+                                                          "(0 = max_batch_size × max_context_len)")
+    weight_dtype: WeightDtype = Field(
+        "fp32", description="precision of the rollout engine's linear weights, quantised from the trainer's at "
+                            "every sync (fp8: e4m3, 128×128 block scales; router, lm_head, embeddings and norms "
+                            "keep model.dtype); docs/debugging.md \"Low-precision rollout\"")
+    precision: Precision = Field(
+        "auto", description="rollout numerics as a recipe: auto = weight_dtype alone; fp8_w8a8 = block-fp8 weights "
+                            "and fp8 activations (one dynamic scale per token and 128 channels) into every "
+                            "quantised linear, as SGLang/vLLM fp8 serving; docs/debugging.md \"Low-precision rollout\"")
+    kv_dtype: KVDtype = Field(
+        "auto", description="embedded engine: K/V cache precision (auto = model.dtype; fp8: e4m3, one scale per "
+                            "token and head)")
+
+    def engine_settings(self) -> "EngineSettings":
+        """This object's `EngineSettings` fields alone (a `RolloutSection`'s other keys left out)."""
+        return EngineSettings(**{name: getattr(self, name) for name in EngineSettings.model_fields})
 
 
 @dataclass(frozen=True)
@@ -108,36 +125,6 @@ class DataSettings:
     seed: int = 0
     warmup: bool = False
     evaluate: bool = False
-
-
-@dataclass(frozen=True)
-class AgentSettings:
-    """A black-box agent: how to run it (`AgentSpec`, with `function` / `verifier` as 'module:fn'
-    strings, loaded where the episodes run) and its recording proxy's address."""
-
-    command: list[str] | None = None
-    function: str | None = None
-    prompt_via: Literal["stdin", "argument"] = "stdin"
-    timeout_s: float = 120.0
-    max_concurrent: int = 16
-    verifier: str | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    model_name: str = "axrl-policy"
-    host: str = "127.0.0.1"
-    port: int = 0
-    allow_remote: bool = False
-    render_tools: bool = True
-    fork_server: bool = True
-    coalesce_ms: float = 0.0
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    """Held-out evaluation every `every` steps (0 = off): `prompts` × `samples_per_prompt`."""
-
-    every: int = 0
-    prompts: int = 32
-    samples_per_prompt: int = 2
 
 
 @dataclass(frozen=True)
@@ -292,7 +279,9 @@ def make_distill_teacher(s: DistillSettings | None, backend: TrainBackend) -> Te
     if isinstance(backend, TorchBackend):
         param = next(backend.model.parameters())
         return make_teacher(s, backend.config, backend.tokenizer, device=param.device, dtype=param.dtype)
-    return make_teacher(s, TorchBackendConfig(), backend.tokenizer, device=torch.device("cpu"), dtype=torch.float32)
+    # one micro-batch per batch (no token limit), as before BackendConfig took the YAML's 4096
+    return make_teacher(s, TorchBackendConfig(micro_batch_tokens=0), backend.tokenizer, device=torch.device("cpu"),
+                        dtype=torch.float32)
 
 
 def make_rollout_side(s: RolloutSideSettings, tokenizer: Tokenizer, task: Task, loader: PromptLoader,
@@ -348,15 +337,12 @@ def make_agent(a: AgentSettings | None, tokenizer: Tokenizer,
     if a is None:
         return None, None
     try:
-        spec = AgentSpec(command=a.command, function=load_callable(a.function, "agent.function"),
-                         prompt_via=a.prompt_via, timeout_s=a.timeout_s, max_concurrent=a.max_concurrent,
-                         verifier=load_callable(a.verifier, "agent.verifier"), env=dict(a.env),
-                         model_name=a.model_name, render_tools=a.render_tools, fork_server=a.fork_server)
         proxy = ProxyServer(tokenizer, model_name=a.model_name, host=a.host, port=a.port,
-                            allow_remote=a.allow_remote, coalesce_window_s=a.coalesce_ms / 1000).start()
+                            allow_remote=a.allow_remote, coalesce_window_s=a.coalesce_ms / 1000)
+        player = BlackBoxPlayer(a, proxy, max_context_len=max_context_len)  # imports `function` / `verifier`
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return proxy, BlackBoxPlayer(spec, proxy, max_context_len=max_context_len)
+    return proxy.start(), player
 
 
 def make_tokenizer(source: ModelSource) -> Tokenizer:

@@ -11,12 +11,23 @@ import asyncio
 from typing import Mapping
 
 import torch
+from pydantic import Field
 
 from axrl.agents.tasks import Task
+from axrl.config_section import Section
 from axrl.core.trajectory import Trajectory
 from axrl.inference.protocol import InferenceEngine
 from axrl.rollout.runner import Clock, EpisodeRunner, EpisodeSpec, Player, RolloutSettings, run_all, sample_seed
 from axrl.tokenizer import Tokenizer
+
+
+class EvalSettings(Section):
+    """Held-out evaluation (the YAML section `eval`): the same prompts and sampling seeds every
+    time, so evaluations of successive policies differ only by the policy."""
+
+    every: int = Field(0, ge=0, description="evaluate before every K-th step and after the last (0 = off)")
+    prompts: int = Field(32, ge=1)
+    samples_per_prompt: int = Field(2, ge=1)
 
 
 class Evaluator:

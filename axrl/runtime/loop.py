@@ -29,17 +29,8 @@ from axrl.runtime.recording.metrics_log import MetricsLog
 from axrl.runtime.recording.trackers import MlflowSettings, WandbSettings
 from axrl.console.progress import PhaseTimer, TrainProgress
 from axrl.runtime.reference import keep_reference, restore_reference
-from axrl.runtime.warmup import warm_up
+from axrl.runtime.warmup import WarmupSettings, warm_up
 from axrl.trace import RunDir
-
-
-@dataclass(frozen=True)
-class WarmupSettings:
-    """Supervised warm-up on the task's demonstrations before RL (`steps` 0 = none)."""
-
-    steps: int = 0
-    batch_size: int = 16
-    lr: float = 1e-3
 
 
 @dataclass(frozen=True)
@@ -53,7 +44,7 @@ class LoopSettings:
     eval_every: int = 0
     checkpoint_every: int = 5
     checkpoint_keep: int = 0
-    warmup: WarmupSettings = field(default_factory=WarmupSettings)
+    warmup: WarmupSettings = field(default_factory=WarmupSettings)   # the YAML section `warmup`
     needs_reference: bool = False                       # algo.kl_coef > 0
     tensorboard: bool = False
     wandb: WandbSettings | None = None                  # logging.wandb (None: off)

@@ -106,7 +106,7 @@ class LocalTeacher:
     def __init__(self, model: Qwen3ForCausalLM, config: TorchBackendConfig) -> None:
         # No LoRA, and no process-global seeding or thread setting at construction: the student's
         # backend owns those, and building the teacher must not move the run's RNG state.
-        own = dataclasses.replace(config, lora=None, deterministic=False, num_threads=0, prefix_merge=False)
+        own = config.model_copy(update=dict(lora=None, deterministic=False, num_threads=0, prefix_merge=False))
         # Its optimizer is never stepped (no state allocated); forward runs under no_grad.
         self.backend = TorchBackend(model, own)
 

@@ -6,12 +6,23 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from pydantic import Field
 
 from axrl.agents.env import Message
 from axrl.agents.tasks import Task
 from axrl.algo.sft import nll_loss
+from axrl.config_section import Section
 from axrl.tokenizer import Tokenizer
 from axrl.train.protocol import PackedBatch, TrainBackend
+
+
+class WarmupSettings(Section):
+    """Supervised warm-up on the task's demonstrations before RL (skipped on --resume; `steps` 0 =
+    none). The YAML section `warmup` is this type; `warm_up` takes its fields."""
+
+    steps: int = Field(0, ge=0)
+    batch_size: int = Field(16, ge=1)
+    lr: float = Field(1e-3, gt=0)
 
 
 def conversation_tokens(tokenizer: Tokenizer, conversation: list[Message],

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+from pydantic import Field
 from torch import nn
 
 from axrl.train.value_loss import explained_variance, value_loss
@@ -41,13 +42,12 @@ from axrl.train.settings import BackendConfig
 CRITIC_DIR = "critic"   # the critic's checkpoint files, inside the run checkpoint's directory
 
 
-@dataclass
 class CriticConfig(BackendConfig):
     """The critic's optimizer and micro-batching (`BackendConfig`) plus PPO's value clipping and
     its updates (mini-batches) per step."""
 
-    value_clip: float | None = 0.2
-    updates_per_step: int = 1
+    value_clip: float | None = Field(0.2, gt=0, description="PPO value clipping: V_old ± value_clip (None = off)")
+    updates_per_step: int = Field(1, ge=1)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Iterator, Protocol, runtime_checkable
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from axrl.model.config import ModelConfig
 
@@ -126,18 +127,20 @@ class LossFn(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class R3Scope:
-    """Which part of the recorded routing a forward replays (R3, rollout routing replay).
+class R3Scope(BaseModel):
+    """Which part of the recorded routing a forward replays (R3, rollout routing replay); the YAML
+    section `r3_scope` (partial R3, with `r3: true`) is this type.
 
     `layers`: decoder-layer indices whose MoE routers replay (None: every MoE layer), minus
     `exclude_layers`; the other layers route on their own. `loss_tokens_only`: replay only at the
     rows of loss tokens (the generated tokens as inputs); prompt and tool tokens route on their
     own. `R3Scope()` is full R3, the same as `r3=True`."""
 
-    layers: tuple[int, ...] | None = None
-    exclude_layers: tuple[int, ...] = ()
-    loss_tokens_only: bool = False
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    layers: tuple[int, ...] | None = Field(None, description="decoder layers that replay (null: every MoE layer)")
+    exclude_layers: tuple[int, ...] = Field((), description="decoder layers that do not replay")
+    loss_tokens_only: bool = Field(False, description="replay only at loss tokens (generated tokens as inputs)")
 
     @property
     def full(self) -> bool:

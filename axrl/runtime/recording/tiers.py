@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from axrl.trace import schema as S
 from axrl.trace.step_record import StepRecord
@@ -46,20 +46,37 @@ SUMMARY_SAMPLE_COLUMNS = {
 _ROUTING_FIELDS = ("routing_rollout", "routing_rollout_valid", "routing_train", "pool_routing_rollout")
 
 
-@dataclass(frozen=True)
-class TierSettings:
-    """`trace.level`, `trace.routing_every`, `trace.keep_full` (module docstring)."""
+class TierSettings(BaseModel):
+    """`trace.level`, `trace.routing_every`, `trace.keep_full` (module docstring); the config's
+    `trace` section extends this type, so these keys have one set of defaults and rules."""
 
-    level: str = "full"
-    routing_every: int = 1
-    keep_full: int = 0
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    def __post_init__(self) -> None:
-        if self.level not in LEVELS:
-            raise ValueError(f"trace.level must be one of {', '.join(LEVELS)}, got {self.level!r}")
-        if self.routing_every < 1 or self.keep_full < 0:
-            raise ValueError(f"trace.routing_every must be >= 1 and trace.keep_full >= 0, "
-                             f"got {self.routing_every} and {self.keep_full}")
+    level: Literal["full", "standard", "summary"] = Field(
+        "full", description="full: every column every step; standard: token columns every step, routing only "
+                            "every routing_every steps; summary: per-sample and per-turn statistics only (no "
+                            "per-token columns; replay needs full steps)")
+    routing_every: int = Field(1, ge=1, description="level standard: routing written on steps divisible by this")
+    keep_full: int = Field(0, ge=0, description="level standard/summary: hold the last K steps at full resolution "
+                                                "in memory; when the spike trigger fires they and the spike step "
+                                                "are written in full (0 = off; the spike step is always full)")
+
+    def __init__(self, level: str = "full", routing_every: int = 1, keep_full: int = 0, **more: Any) -> None:
+        # positional `level` as before (`TierSettings("standard", routing_every=2)`); `more`: a subclass' keys
+        super().__init__(level=level, routing_every=routing_every, keep_full=keep_full, **more)
+
+    @model_validator(mode="after")
+    def _tiers(self) -> "TierSettings":
+        if self.routing_every != 1 and self.level != "standard":
+            raise ValueError(f"routing_every: applies to level standard only (level is {self.level})")
+        if self.keep_full and self.level == "full":
+            raise ValueError("keep_full: at level full every step is already written in full; set level "
+                             "standard or summary, or keep_full: 0")
+        return self
+
+    def tier_settings(self) -> "TierSettings":
+        """This object's `TierSettings` fields alone (a `trace` section's other keys left out)."""
+        return TierSettings(self.level, self.routing_every, self.keep_full)
 
 
 def writes_routing(record: StepRecord, tiers: TierSettings) -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -29,6 +28,7 @@ from axrl.train.megatron.rank import MegatronRank
 from axrl.train.megatron.rank_state import gather_moments, gather_weights, load_moments
 from axrl.train.megatron.shares import by_micro_batch, split_for_ranks
 from axrl.train.r3 import use_r3
+from axrl.train.megatron.settings import MegatronLayout
 from axrl.train.settings import BackendConfig
 
 if TYPE_CHECKING:
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from axrl.train.megatron.parallel import RankGroup
 
 INSTALL_HINT = "train.backend=megatron needs megatron-core: pip install 'axrl[megatron]'"
-DISPATCHERS = ("alltoall", "allgather")
 _SLOT = "main"  # the ranks' optimizer slot (reset_optimizer drops it for a fresh AdamW)
 
 
@@ -49,57 +48,15 @@ def require_megatron() -> None:
         raise ImportError(f"{INSTALL_HINT} ({e})") from None
 
 
-def auto_data_parallel(tensor_parallel: int, expert_parallel: int) -> int:
-    """The smallest data-parallel size whose world (TP × DP) the experts can be spread over:
-    EP / gcd(TP, EP) — 1 when EP divides TP (experts fold into the TP ranks), 2 for TP 1 / EP 2."""
-    return expert_parallel // math.gcd(tensor_parallel, expert_parallel)
-
-
-def check_layout(tensor_parallel: int, expert_parallel: int, data_parallel: int, sequence_parallel: bool) -> None:
-    """Megatron's layout rules (`initialize_model_parallel` with expert TP 1): world = TP × DP and
-    EP divides it. `data_parallel` 0 = `auto_data_parallel`. Raises ValueError naming the field."""
-    tp, ep, dp = tensor_parallel, expert_parallel, data_parallel
-    for name, v, low in (("tensor_parallel", tp, 1), ("expert_parallel", ep, 1), ("data_parallel", dp, 0)):
-        if v < low:
-            raise ValueError(f"{name} must be >= {low}, got {v}")
-    if dp and (tp * dp) % ep:
-        raise ValueError(f"expert_parallel={ep} must divide tensor_parallel × data_parallel = {tp} × {dp} (the world "
-                         f"size: experts are spread over all ranks); set data_parallel to a multiple of "
-                         f"{auto_data_parallel(tp, ep)}, or 0 to derive it")
-    if tp > 1 and not sequence_parallel:
-        raise ValueError("tensor_parallel > 1 needs sequence_parallel=true (Megatron's MoE + TP training requires it)")
-
-
-@dataclass
-class MegatronBackendConfig(BackendConfig):
-    """`BackendConfig` (optimizer, schedule, micro-batching, determinism) + the parallel layout.
+class MegatronBackendConfig(BackendConfig, MegatronLayout):
+    """`BackendConfig` (optimizer, schedule, micro-batching, determinism) + the parallel layout
+    (`MegatronLayout`, the YAML's `train.megatron`).
 
     World size = tensor_parallel × data_parallel (Megatron's layout, one machine); expert_parallel
     divides it. data_parallel 0 (default) derives the smallest that fits: EP / gcd(TP, EP), i.e.
     1 when EP divides TP (experts fold into the TP ranks), 2 for TP 1 / EP 2. Sequence parallelism
     is required with TP > 1 (MoE + TP training needs it in Megatron).
     """
-
-    tensor_parallel: int = 1
-    expert_parallel: int = 1
-    sequence_parallel: bool = True      # used when tensor_parallel > 1
-    moe_dispatcher: str = "alltoall"    # alltoall | allgather
-    data_parallel: int = 0              # 0 = auto_data_parallel(tensor_parallel, expert_parallel)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_layout(self.tensor_parallel, self.expert_parallel, self.data_parallel, self.sequence_parallel)
-        if self.moe_dispatcher not in DISPATCHERS:
-            raise ValueError(f"moe_dispatcher must be one of {DISPATCHERS}, got {self.moe_dispatcher!r}")
-
-    @property
-    def data_parallel_size(self) -> int:
-        """The data-parallel size in use (`data_parallel`, or derived when 0)."""
-        return self.data_parallel or auto_data_parallel(self.tensor_parallel, self.expert_parallel)
-
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel * self.data_parallel_size
 
 
 def check_parallel_fit(cfg: ModelConfig, c: MegatronBackendConfig) -> None:

@@ -9,7 +9,6 @@ weights, as Megatron's bf16 mode does). Logprobs and entropy are always computed
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -33,17 +32,11 @@ from axrl.train.r3 import use_r3
 from axrl.train.settings import BackendConfig
 
 
-@dataclass
 class TorchBackendConfig(BackendConfig):
     """Optimizer, schedule, micro-batching and determinism settings of `TorchBackend` (the shared
     `BackendConfig`) plus `lora`: train LoRA adapters on a frozen base (None = full fine-tuning)."""
 
     lora: LoRAConfig | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if isinstance(self.lora, dict):  # from `to_dict` / a checkpoint's JSON
-            self.lora = LoRAConfig(**self.lora)
 
 
 class TorchBackend:

@@ -17,13 +17,13 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
 # `train.lora.targets` groups → the projections they adapt. The MoE router (`mlp.gate`), the
@@ -36,26 +36,28 @@ LORA_TARGETS: dict[str, tuple[str, ...]] = {
 ADAPTER_KEYS = (".lora_A.weight", ".lora_B.weight")
 
 
-@dataclass(frozen=True)
-class LoRAConfig:
-    """Rank, scale (`alpha / rank`), dropout on the adapter's input, and the target groups."""
+class LoRAConfig(BaseModel):
+    """`train.lora` (this type is the YAML section): rank, scale (`alpha / rank`), dropout on the
+    adapter's input, and the target groups."""
 
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    targets: tuple[str, ...] = ("attn", "mlp", "experts")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "targets", tuple(self.targets))  # JSON gives a list back
-        if self.rank < 1:
-            raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
-        if self.alpha <= 0:
-            raise ValueError(f"lora.alpha must be > 0, got {self.alpha}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
-        unknown = sorted(set(self.targets) - set(LORA_TARGETS))
-        if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
-            raise ValueError(f"lora.targets must be distinct names from {list(LORA_TARGETS)}, got {list(self.targets)}")
+    rank: int = Field(8, ge=1, description="r: the adapters' inner dimension")
+    alpha: float = Field(16.0, gt=0, description="the adapter output is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input while training")
+    targets: tuple[str, ...] = Field(tuple(LORA_TARGETS), min_length=1,
+                                     description="what gets adapters: attn (q/k/v/o_proj), mlp (dense layers' "
+                                                 "gate/up/down_proj), experts (each MoE expert's gate/up/down_proj)")
+
+    @field_validator("targets")
+    @classmethod
+    def _known_targets(cls, targets: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        if unknown:
+            raise ValueError(f"unknown target(s) {unknown}; choose from {list(LORA_TARGETS)}")
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"targets repeat a name: {list(targets)}")
+        return targets
 
     @property
     def scale(self) -> float:
