@@ -334,7 +334,7 @@ def test_the_calculator_env_reads_tool_calls_in_every_template_format(name, dirs
 
     tok = load_tokenizer(dirs[name])
     reply = tok.reply_text({"role": "assistant", "content": "",
-                            "tool_calls": [tok.call_message("calculator", {"expression": "37 + 58"}, 1)]})
+                            "tool_calls": [tok.tool_call_message("calculator", {"expression": "37 + 58"}, 1)]})
     env = CalculatorEnv()
     env.reset(Prompt("p", text="What is 37 + 58?", fields={"answer": 95}))
     outcome = env.step(env_action(tok, reply))

@@ -29,7 +29,7 @@ import torch
 from pydantic import Field, model_validator
 
 from axrl.algo.processor import ProcessedBatch
-from axrl.config_section import Section
+from axrl.core.settings import Section
 
 DistillMode = Literal["reverse_kl", "reverse_kl+reward"]
 

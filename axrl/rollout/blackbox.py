@@ -42,7 +42,7 @@ from axrl.agents.env import Prompt
 from axrl.agents.forkserver import ForkServer, forkable
 from axrl.agents.proxy import ProxyServer, SessionPolicy, Turn
 from axrl.agents.proxy.session import Session
-from axrl.config_section import Section
+from axrl.core.settings import Section
 from axrl.core.trajectory import Trajectory
 from axrl.inference.protocol import InferenceEngine, SamplingParams
 

@@ -22,7 +22,7 @@ from axrl.agents.tasks import Task
 from axrl.agents.tasks.resolve import resolve_task
 from axrl.algo.processor import AdvantageSettings, AlgorithmProcessor
 from axrl.algo.distill import DistillSettings
-from axrl.config_section import Section
+from axrl.core.settings import Section
 from axrl.data import PromptLoader
 from axrl.core.errors import ConfigError
 from axrl.inference.embedded import EmbeddedEngine

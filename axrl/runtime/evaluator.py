@@ -14,7 +14,7 @@ import torch
 from pydantic import Field
 
 from axrl.agents.tasks import Task
-from axrl.config_section import Section
+from axrl.core.settings import Section
 from axrl.core.trajectory import Trajectory
 from axrl.inference.protocol import InferenceEngine
 from axrl.rollout.runner import Clock, EpisodeRunner, EpisodeSpec, Player, RolloutSettings, run_all, sample_seed

@@ -11,7 +11,7 @@ from pydantic import Field
 from axrl.agents.env import Message
 from axrl.agents.tasks import Task
 from axrl.algo.sft import nll_loss
-from axrl.config_section import Section
+from axrl.core.settings import Section
 from axrl.tokenizer import Tokenizer
 from axrl.train.protocol import PackedBatch, TrainBackend
 

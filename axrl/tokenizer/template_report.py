@@ -36,7 +36,7 @@ def sample(tok: Tokenizer, calls: int = 2) -> list[Message]:
         return head + tail
     args = [{"x": 37}, {"x": 58}][:calls]
     return head + [{"role": "assistant", "content": "", "tool_calls": [
-        tok.call_message("probe", a, k + 1) for k, a in enumerate(args)]}] + \
+        tok.tool_call_message("probe", a, k + 1) for k, a in enumerate(args)]}] + \
         [hf_tool_result(str(a["x"]), k + 1) for k, a in enumerate(args)] + tail
 
 
@@ -133,7 +133,7 @@ def _system_placement(tok: Tokenizer) -> str:
 def _tool_result_placement(tok: Tokenizer) -> str:
     """The text the template writes between a tool-call reply's close and the result's text."""
     call = [{"role": "user", "content": "u"},
-            {"role": "assistant", "content": "", "tool_calls": [tok.call_message("probe", {"x": 1}, 1)]}]
+            {"role": "assistant", "content": "", "tool_calls": [tok.tool_call_message("probe", {"x": 1}, 1)]}]
     before = str(tok.apply_chat_template(call, tools=SAMPLE_TOOLS, tokenize=False))
     text = str(tok.apply_chat_template(call + [hf_tool_result(_RESULT, 1)], tools=SAMPLE_TOOLS, tokenize=False))
     if text.startswith(before):

@@ -385,7 +385,7 @@ class Tokenizer:
         start = self.tool_call_start
         prose = text.split(start, 1)[0].strip() if start else ""
         return {"role": "assistant", "content": prose,
-                "tool_calls": [self.call_message(c["name"], c["arguments"], k + 1) for k, c in enumerate(calls)]}
+                "tool_calls": [self.tool_call_message(c["name"], c["arguments"], k + 1) for k, c in enumerate(calls)]}
 
     def template_facts(self) -> dict[str, Any]:
         """What AxRL chose for this chat template, for the run's manifest: the tool-call and reasoning
@@ -403,7 +403,7 @@ class Tokenizer:
             return self.tool_parser.start
         return self.tool_call_format.start if self.tool_call_format else "<tool_call>"
 
-    def call_message(self, name: str, arguments: dict[str, Any], index: int) -> Message:
+    def tool_call_message(self, name: str, arguments: dict[str, Any], index: int) -> Message:
         """An assistant tool call as this template wants it: ``arguments`` as the wire's JSON string
         or as a mapping (:attr:`arguments_form`)."""
         call = hf_tool_call(name, json.dumps(arguments) if self.arguments_form == "string" else arguments, index)

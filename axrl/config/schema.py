@@ -14,8 +14,8 @@ from pydantic import ConfigDict, Field, SerializerFunctionWrapHandler, Validatio
 
 from axrl.algo.distill import DistillSettings
 from axrl.algo.loss_config import PolicyLossConfig
-from axrl.config_faults import FaultsSection
-from axrl.config_section import Section
+from axrl.config.faults import FaultsSection
+from axrl.core.settings import Section
 from axrl.core.errors import ConfigError
 from axrl.inference.sglang.settings import SGLangSettings
 from axrl.inference.vllm.settings import VLLMSettings

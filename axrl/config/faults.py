@@ -1,10 +1,10 @@
-"""The `faults` config section (axrl/config.py): deliberate faults that create real spikes."""
+"""The `faults` config section (axrl/config/schema.py): deliberate faults that create real spikes."""
 
 from __future__ import annotations
 
 from pydantic import Field
 
-from axrl.config_section import Section
+from axrl.core.settings import Section
 
 
 class LrScaleFault(Section):
