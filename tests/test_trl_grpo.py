@@ -226,7 +226,8 @@ def test_a_trainer_without_grpo_methods_is_named(tmp_path: Path) -> None:
 
     trainer = types.SimpleNamespace(training_step=lambda *a: 0.0, _get_grad_norm=lambda *a: 0.0,
                                     accelerator=types.SimpleNamespace(num_processes=1))
-    with pytest.raises(TypeError, match=r"SimpleNamespace \(trl .*\) has no _generate, _calculate_rewards, "
-                                        r"_generate_and_score_completions: it records a trl GRPOTrainer"):
+    with pytest.raises(TypeError, match=r"SimpleNamespace \(trl .*\) has no _generate, _generate_single_turn, "
+                                        r"_calculate_rewards, _generate_and_score_completions, _compute_loss, "
+                                        r"_get_per_token_logps_and_entropies: it records a trl GRPOTrainer"):
         record_grpo(trainer, tmp_path / "run")
     assert not (tmp_path / "run").exists()
