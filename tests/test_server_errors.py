@@ -39,6 +39,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.rfile.read(int(self.headers.get('Content-Length', 0)))
         print('  File "gpu_model_runner.py", line 3, in _bookkeeping_sync', flush=True)
         print('RuntimeError: CPU Generator does not use offset', file=sys.stderr, flush=True)
+        for k in range(60):   # each failed request's own traceback, as vLLM's API server prints them
+            print(f'(APIServer) ERROR [vllm_error.py:54] request {k} failed: EngineDeadError', flush=True)
         self._answer(500, {'message': 'EngineCore encountered an issue. See stack trace for the root cause.'})
         if die:
             os._exit(3)
@@ -67,10 +69,12 @@ def test_a_failed_request_quotes_the_servers_last_lines(tmp_path: Path, engine_c
         launcher.stop()
     message = str(info.value)
     assert "HTTP 500: EngineCore encountered an issue" in message          # the answer's body
-    assert "RuntimeError: CPU Generator does not use offset" in message     # and what the server printed
-    assert "_bookkeeping_sync" in message and "server 0 (http://127.0.0.1:" in message
+    # the root cause, although the 60 lines after it push it out of the last 30
+    assert "the first errors it printed:\nRuntimeError: CPU Generator does not use offset" in message
+    assert "request 59 failed" in message and "its last output:" in message
+    assert "server 0 (http://127.0.0.1:" in message
     if die:   # the first attempt killed it, the retry restarted it: both processes' ends are quoted
         assert "1 restart(s)" in message and "its previous process (exit code 3) ended with" in message
-        assert message.count("RuntimeError: CPU Generator does not use offset") == 2
+        assert message.count("request 59 failed") == 2
     if log:
         assert str(tmp_path / "logs" / "server_0.log") in message

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -209,11 +210,15 @@ class ServerLauncher:
         starts = [k for k, line in enumerate(out) if line.startswith(START_MARK)]
         current = out[starts[-1] + 1 if starts else 0:]
         state = "running" if self.alive(i) else f"exited with code {s.process.poll() if s.process else None}"
-        text = f"{where}, {state}; its last output:\n" + ("\n".join(current[-lines:]) or "(none)")
-        if len(starts) >= 2 or (starts and starts[-1] > 0):
-            before = out[(starts[-2] + 1 if len(starts) >= 2 else 0):starts[-1]]
+        previous = out[(starts[-2] + 1 if len(starts) >= 2 else 0):starts[-1]] if starts and starts[-1] > 0 else []
+        text = f"{where}, {state}"
+        errors = first_errors(previous + current)
+        if errors:   # a crash's root cause sits above the tracebacks of every request it failed
+            text += "; the first errors it printed:\n" + "\n".join(errors)
+        text += "\nits last output:\n" + ("\n".join(current[-lines:]) or "(none)")
+        if previous:
             text += (f"\nits previous process (exit code {s.exit_code}) ended with:\n"
-                     + ("\n".join(before[-lines:]) or "(none)"))
+                     + "\n".join(previous[-lines:]))
         return text
 
     def _wait_healthy(self, s: _Server, deadline: float) -> None:
@@ -346,6 +351,23 @@ class ServerLauncher:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+_ERROR_LINE = re.compile(r"\b[A-Z]\w*(Error|Exception): .+")
+
+
+def first_errors(lines: Sequence[str], limit: int = 3) -> list[str]:
+    """The first `limit` distinct exception lines (`SomeError: message`) of a server's output,
+    without the logger's prefix: the root cause of a crash, which the tracebacks of the requests it
+    then failed push out of the last lines."""
+    seen: list[str] = []
+    for line in lines:
+        m = _ERROR_LINE.search(line)
+        if m and m.group(0) not in seen:
+            seen.append(m.group(0))
+            if len(seen) == limit:
+                break
+    return seen
 
 
 def _claim_path(port: int) -> Path:
