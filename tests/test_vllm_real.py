@@ -303,18 +303,18 @@ def _axrl_debug(*args: str) -> dict:
 @real_vllm
 def test_train_the_quickstart_on_vllm_then_mismatch_and_bitwise_replay(tmp_path, engine):
     """`axrl train` of the default example in its own shape — multi-turn (max_turns 3), the default
-    group size (8), three steps — shortened only in prompts per step and warm-up (40, as in the
-    report of the crash), with vLLM as the rollout
-    engine (launched by the run, restarted on the new weights after the warm-up and each step).
-    A round's prefills (32 conversations of ~100 tokens and more) exceed the CPU server's default
-    budget, which crashed the server at step 0 before the launcher turned chunked prefill off.
-    The trainer agrees with what vLLM sampled to float32 rounding, a vLLM-rolled step replays bit
-    for bit on the trainer side, and no server is left running. (`engine` only orders this test
-    after the others: one server at a time on small machines.)"""
+    group size (8), three steps — shortened in prompts per step (8 instead of 16) and warm-up (40,
+    as in the report of the crash), with vLLM as the rollout engine (launched by the run,
+    restarted on the new weights after the warm-up and each step). A first turn's 64 prefills of
+    39 prompt tokens (2496) exceed the CPU server's default budget of 2048 a step: with chunked
+    prefill vLLM split one and its server died at step 0. The trainer agrees with what vLLM
+    sampled to float32 rounding, a vLLM-rolled step replays bit for bit on the trainer side, and
+    no server is left running. (`engine` only orders this test after the others: one server at
+    a time on small machines.)"""
     from axrl.inference.servers.launcher import free_port
 
     run, port = tmp_path / "run", free_port()
-    sets = {"steps": 3, "warmup.steps": 40, "eval.every": 0, "data.prompts_per_step": 4,
+    sets = {"steps": 3, "warmup.steps": 40, "eval.every": 0, "data.prompts_per_step": 8,
             "rollout.engine": "vllm", "rollout.vllm.python": VLLM_PYTHON, "rollout.vllm.base_port": port}
     argv = [sys.executable, "-m", "axrl.cli", "train", "examples/quickstart.yaml", "--run-dir", str(run)]
     for k, v in sets.items():
@@ -328,14 +328,14 @@ def test_train_the_quickstart_on_vllm_then_mismatch_and_bitwise_replay(tmp_path,
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "samples" in r]
     assert [r["step"] for r in steps] == [0, 1, 2]
-    assert all(r["samples"] == 32 and r.get("failed", 0) == 0 for r in steps), steps
+    assert all(r["samples"] == 64 and r.get("failed", 0) == 0 for r in steps), steps
     from axrl.trace import StepFile
     multi_turn = 0
     for step in range(3):   # conversations that went past their first turn (a tool call answered)
         with StepFile(run / "trace" / f"step_{step:06d}.h5") as sf:
             off, turn = sf["/samples/offsets"], sf["/tokens/turn"]
             multi_turn += sum(int(turn[off[i]:off[i + 1]].max()) >= 1 for i in range(sf.num_samples))
-    _report("e2e_multi_turn_samples", f"{multi_turn} of 96")
+    _report("e2e_multi_turn_samples", f"{multi_turn} of 192")
     report = _axrl_debug("mismatch", str(run), "--top", "5")
     m = report["metrics"]
     _report("e2e_mismatch", {"tokens": report["tokens"]["analysed"], "mean_abs": m["mean_abs"], "max_abs": m["max_abs"],
