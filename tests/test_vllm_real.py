@@ -336,6 +336,7 @@ def test_train_the_quickstart_on_vllm_then_mismatch_and_bitwise_replay(tmp_path,
             off, turn = sf["/samples/offsets"], sf["/tokens/turn"]
             multi_turn += sum(int(turn[off[i]:off[i + 1]].max()) >= 1 for i in range(sf.num_samples))
     _report("e2e_multi_turn_samples", f"{multi_turn} of 192")
+    assert multi_turn > 0                         # measured: 192 of 192 after the 40-step warm-up
     report = _axrl_debug("mismatch", str(run), "--top", "5")
     m = report["metrics"]
     _report("e2e_mismatch", {"tokens": report["tokens"]["analysed"], "mean_abs": m["mean_abs"], "max_abs": m["max_abs"],
