@@ -1,7 +1,9 @@
-"""`axrl.integrations.trl_grpo.record_grpo`: a real TRL GRPOTrainer run (tiny random Qwen2 on CPU,
-no download) is recorded as an AxRL trace whose tokens, groups, rewards, advantages and trainer
-logprobs are the trainer's; the engine-logprob path (vLLM's, not available on CPU) is checked
-through `step_arrays` with a batch shaped like TRL's, against an independent mismatch."""
+"""`axrl.integrations.trl_grpo.record_grpo`: real TRL GRPOTrainer runs (tiny random Qwen2 on CPU,
+no download) are recorded as AxRL traces whose tokens, groups, rewards, advantages, sampler
+logprobs (from `generate`) and trainer logprobs are the trainer's — on TRL's defaults (generation
+and optimizer steps aligned: TRL computes no old logprobs) and with misaligned steps (TRL
+recomputes them); the vLLM path (vllm is not importable beside TRL here) is checked through
+`step_arrays` with a batch shaped like TRL's, against an independent mismatch."""
 
 from __future__ import annotations
 
@@ -81,7 +83,11 @@ def test_records_a_real_grpo_run(tmp_path: Path, monkeypatch) -> None:
                 assert lm[off[i]:off[i] + plen[i]].sum() == 0
             trained = lm == 1
             assert np.isfinite(old[trained]).all() and np.isnan(old[~trained]).all()
-            assert np.isnan(sf["/tokens/rollout_logprob"]).all()   # no vLLM: the engine's logprobs are absent
+            rollout = sf["/tokens/rollout_logprob"]
+            # generate's own logprobs, taken from the distribution it sampled from (T = 1, no top-k/p):
+            # the weights that sampled are the ones TRL recomputed old with, so they agree closely
+            assert np.isfinite(rollout[trained]).all() and np.isnan(rollout[~trained]).all()
+            assert np.abs(rollout[trained] - old[trained]).max() < 1e-4
             assert (old[trained] < 0).all()
         assert row["reward"] == pytest.approx(np.mean(rewards))
         # the loss and grad norm of the two optimizer steps that trained on this batch, as TRL logged them
@@ -91,6 +97,65 @@ def test_records_a_real_grpo_run(tmp_path: Path, monkeypatch) -> None:
         assert row["loss"] == pytest.approx(np.mean([h["loss"] for h in logged]), abs=1e-4)  # TRL rounds its log
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["engine"] == "transformers" and manifest["source"]["framework"] == "trl"
+    # each batch's second micro-batch trains after the first optimizer step: new logprobs moved from old
+    assert all(r["new_old_max_abs_delta"] > 0 for r in metrics_rows(tmp_path / "run"))
+
+
+def metrics_rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def trainer_logprobs(model_dir: Path, ids: list[int], prompt_len: int) -> np.ndarray:
+    """log p(token | earlier tokens) of the completion tokens under the model saved at ``model_dir``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    logps = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return logps[prompt_len - 1:].numpy()
+
+
+def test_records_logprobs_on_trl_defaults(tmp_path: Path, monkeypatch) -> None:
+    """TRL's default set-up (no vLLM; generation and optimizer steps aligned, so TRL computes no old
+    logprobs): the sampler's logprobs come from `generate`, the old ones from the loss forward (what
+    TRL uses as old), and both equal an independent forward of the initial model on step 0."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = tiny_model(tmp_path / "model")
+    prompts = [" ".join(f"w{(i * 5 + j) % 64}" for j in range(3 + i % 4)) for i in range(4)]
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=GEN, num_generations=GEN,
+                      max_completion_length=6, max_steps=2, report_to=[], use_cpu=True, save_strategy="no",
+                      bf16=False, logging_steps=1)
+    trainer = GRPOTrainer(model=str(tmp_path / "model"), reward_funcs=lambda completions, **kw:
+                          [len(c) / 10 for c in completions], args=args,
+                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok)
+    assert trainer.args.steps_per_generation == trainer.args.gradient_accumulation_steps   # aligned: TRL's default
+    rec = record_grpo(trainer, tmp_path / "run")
+    trainer.train()
+    assert rec.steps == [0, 1]
+    for step in (0, 1):
+        with StepFile(tmp_path / "run" / "trace" / f"step_{step:06d}.h5") as sf:
+            trained = sf["/tokens/loss_mask"] == 1
+            rollout, old = sf["/tokens/rollout_logprob"], sf["/tokens/old_logprob"]
+            assert trained.sum() > 0
+            assert np.isfinite(rollout[trained]).all() and np.isfinite(old[trained]).all()
+            assert np.isfinite(sf["/tokens/entropy"][trained]).all()
+            assert np.abs(rollout[trained] - old[trained]).max() < 1e-4    # same weights, two code paths
+            if step == 0:   # the weights before any update are the ones saved on disk
+                off, plen, ids = sf["/samples/offsets"], sf["/samples/prompt_len"], sf["/tokens/ids"]
+                for i in range(sf.num_samples):
+                    sample = ids[off[i]:off[i + 1]].tolist()
+                    mask = trained[off[i]:off[i + 1]][plen[i]:]
+                    ref = trainer_logprobs(tmp_path / "model", sample, int(plen[i]))
+                    got = rollout[off[i]:off[i + 1]][plen[i]:]
+                    assert np.abs(got[mask] - ref[mask]).max() < 1e-4, (i, got, ref)
+    rows = summary(tmp_path / "run")["steps"]
+    assert all(np.isfinite(r["mismatch"]) for r in rows)
+    # every sample is trained on once, from the weights that sampled it: new == old
+    assert all(r["new_old_max_abs_delta"] == 0.0 for r in metrics_rows(tmp_path / "run"))
 
 
 def test_step_arrays_with_engine_logprobs(tmp_path: Path) -> None:
@@ -161,7 +226,8 @@ def test_a_trainer_without_grpo_methods_is_named(tmp_path: Path) -> None:
 
     trainer = types.SimpleNamespace(training_step=lambda *a: 0.0, _get_grad_norm=lambda *a: 0.0,
                                     accelerator=types.SimpleNamespace(num_processes=1))
-    with pytest.raises(TypeError, match=r"SimpleNamespace \(trl .*\) has no _generate, _calculate_rewards, "
-                                        r"_generate_and_score_completions: it records a trl GRPOTrainer"):
+    with pytest.raises(TypeError, match=r"SimpleNamespace \(trl .*\) has no _generate, _generate_single_turn, "
+                                        r"_calculate_rewards, _generate_and_score_completions, _compute_loss, "
+                                        r"_get_per_token_logps_and_entropies: it records a trl GRPOTrainer"):
         record_grpo(trainer, tmp_path / "run")
     assert not (tmp_path / "run").exists()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -38,6 +39,8 @@ import httpx
 from axrl.core.processes import is_running, kill_group, process_stat
 
 CLAIMS_DIR = Path(tempfile.gettempdir()) / f"axrl-servers-{os.getuid()}"
+TAIL_LINES = 400       # lines of output kept per server without a log_dir
+START_MARK = "==== start #"  # the line the launcher writes into a server's output before each start
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -70,7 +73,10 @@ class _Server:
         self.restarts = 0
         self.lock = threading.Lock()
         self.log_file = None
-        self.tail: deque[str] = deque(maxlen=40)  # used when there is no log file
+        self.exit_code: int | None = None  # of the process before the current one (a crash or a relaunch)
+        # used when there is no log file: enough to hold a crashed process's traceback and the
+        # start-up lines of the process that replaced it
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
 
 
 class ServerLauncher:
@@ -153,12 +159,16 @@ class ServerLauncher:
                 *self.server_args]
 
     def _spawn(self, s: _Server) -> None:
+        if s.process is not None:
+            s.exit_code = s.process.poll()
+        mark = f"{START_MARK}{s.restarts}: {' '.join(self.argv(s.index))}"
         if s.log_path is not None:
             s.log_file = open(s.log_path, "ab")  # noqa: SIM115 — lives as long as the process
-            s.log_file.write(f"\n==== start #{s.restarts}: {' '.join(self.argv(s.index))}\n".encode())
+            s.log_file.write(f"\n{mark}\n".encode())
             s.log_file.flush()
             out = s.log_file
         else:
+            s.tail.append(mark)
             out = subprocess.PIPE
         # A new session: stop() can signal the server and any workers it forked (SGLang does).
         s.process = subprocess.Popen(self.argv(s.index), env=self.env, stdout=out, stderr=subprocess.STDOUT,
@@ -173,12 +183,43 @@ class ServerLauncher:
         for line in process.stdout:
             s.tail.append(line.decode(errors="replace").rstrip())
 
-    def log_tail(self, i: int, lines: int = 20) -> str:
-        """The last lines server `i` printed."""
+    def _output(self, i: int) -> list[str]:
+        """The end of server `i`'s output (its log file's last 256 KiB, or the lines kept in memory),
+        start marks included."""
         s = self._servers[i]
         if s.log_path is not None and s.log_path.is_file():
-            return "\n".join(s.log_path.read_text(errors="replace").splitlines()[-lines:])
-        return "\n".join(list(s.tail)[-lines:])
+            with open(s.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - (256 << 10)))
+                return f.read().decode(errors="replace").splitlines()
+        return list(s.tail)
+
+    def log_tail(self, i: int, lines: int = 20) -> str:
+        """The last lines server `i`'s current process printed."""
+        out = self._output(i)
+        starts = [k for k, line in enumerate(out) if line.startswith(START_MARK)]
+        return "\n".join(out[starts[-1] + 1 if starts else 0:][-lines:])
+
+    def failure_report(self, i: int, lines: int = 30) -> str:
+        """What a request error should quote about server `i`: where it is, and the last lines of
+        its output — also those of the process before the current one when that one exited (the
+        crash a retry restarted it after, or the process a weight-sync restart replaced)."""
+        s = self._servers[i]
+        where = f"server {i} ({self.url(i)}, pid {self.pid(i)}, {s.restarts} restart(s)" + \
+            (f", log {s.log_path})" if s.log_path else ")")
+        out = self._output(i)
+        starts = [k for k, line in enumerate(out) if line.startswith(START_MARK)]
+        current = out[starts[-1] + 1 if starts else 0:]
+        state = "running" if self.alive(i) else f"exited with code {s.process.poll() if s.process else None}"
+        previous = out[(starts[-2] + 1 if len(starts) >= 2 else 0):starts[-1]] if starts and starts[-1] > 0 else []
+        text = f"{where}, {state}"
+        errors = first_errors(previous + current)
+        if errors:   # a crash's root cause sits above the tracebacks of every request it failed
+            text += "; the first errors it printed:\n" + "\n".join(errors)
+        text += "\nits last output:\n" + ("\n".join(current[-lines:]) or "(none)")
+        if previous:
+            text += (f"\nits previous process (exit code {s.exit_code}) ended with:\n"
+                     + "\n".join(previous[-lines:]))
+        return text
 
     def _wait_healthy(self, s: _Server, deadline: float) -> None:
         url = f"http://{self.host}:{s.port}/health"
@@ -310,6 +351,23 @@ class ServerLauncher:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+_ERROR_LINE = re.compile(r"\b[A-Z]\w*(Error|Exception): .+")
+
+
+def first_errors(lines: Sequence[str], limit: int = 3) -> list[str]:
+    """The first `limit` distinct exception lines (`SomeError: message`) of a server's output,
+    without the logger's prefix: the root cause of a crash, which the tracebacks of the requests it
+    then failed push out of the last lines."""
+    seen: list[str] = []
+    for line in lines:
+        m = _ERROR_LINE.search(line)
+        if m and m.group(0) not in seen:
+            seen.append(m.group(0))
+            if len(seen) == limit:
+                break
+    return seen
 
 
 def _claim_path(port: int) -> Path:

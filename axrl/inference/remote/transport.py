@@ -38,6 +38,17 @@ def error_message(resp: httpx.Response) -> str:
     return str(body)[:1000]
 
 
+def server_context(launcher: ServerLauncher | None, i: int) -> str:
+    """The end of a launched server's output for an error about it (empty without a launcher):
+    what the server said when it failed, which its HTTP answer rarely holds."""
+    if launcher is None:
+        return ""
+    try:
+        return "\n" + launcher.failure_report(i)
+    except (OSError, IndexError):
+        return ""
+
+
 def backoff_delay(backoff_s: float, attempt: int) -> float:
     """Seconds to wait before retry number `attempt` (>= 1): `backoff_s`, doubled each time."""
     return backoff_s * 2 ** (attempt - 1)
@@ -97,7 +108,8 @@ class BlockingTransport:
                                  f"{error_message(resp)}")
             return resp
         raise ServerUnavailable(f"{self.urls[i]}{path} failed after {self.retries + 1} attempts "
-                                f"(retries={self.retries}, backoff_s={self.backoff_s}): {type(error).__name__}: {error}")
+                                f"(retries={self.retries}, backoff_s={self.backoff_s}): {type(error).__name__}: {error}"
+                                f"{server_context(self.launcher, i)}")
 
     def _recover(self, i: int) -> None:
         """After a transport error: restart a dead server (launcher only)."""

