@@ -7,28 +7,35 @@ the trainer's within N(0, 0.03) of them, the trainer's routing equal to the engi
 side by side in one run, at each of ``--scales``; and, as ``packed_r3``, the same step with the
 trainer's routing the engine's (R3: only the rows never fed to the model differ, as stored), packed:
 
-* ``record_critical_path_fraction``: what recording costs the training step — the time to hand the
-  record to the background writer (``StepWriter.submit``, what `axrl train` does in the step) over
-  a modelled 30 s GPU step — and ``writer_keeps_up``: the background write (validate, encode,
-  write, fsync, rename) took less than those 30 s;
+* ``record_critical_path_fraction``: what recording costs the training step — everything the step
+  does for it (``in_step_s``: the real ``step_record`` building the record from the trainer's
+  tensors, ``build_s``, and the hand-over to the background ``StepWriter``, ``handover_s``: what
+  `axrl train`'s ``time_record`` covers) over a modelled 30 s GPU step; beside it, each
+  ``--routing-runs`` run's own ``time_record`` over its measured step time — and
+  ``writer_keeps_up``: the background write (validate, encode, compress, write, fsync, rename)
+  took less than those 30 s;
 * ``routing_bytes_per_token_layer``: bytes the routing datasets take on disk / (T · L), rollout
   and trainer together;
-* ``analysis_tokens_per_s``, ``analysis_peak_rss_gb``: ``axrl-debug mismatch RUN --json`` on the
-  step in a fresh process (its own wall time over tokens — numba's load included, the CLI's
-  imports not — and its peak resident memory); beside it, figures that do not depend on the
-  step's shape: ``analysis_routing_ids_per_s`` (expert ids compared, T · L · k for each of rollout
-  and trainer, per second) and ``analysis_file_bytes_per_s`` (the step file's bytes per second);
-  and ``analysis_startup_s``, the process's one-time start of the compiled path (importing numba
-  and its first kernel load, timed apart in the child before the call and counted in the wall
-  time), with ``analysis_tokens_per_s_after_startup``, the rate once it is paid;
+* ``routing_bytes_over_entropy`` (``bench/routing_size.py``): for the routing each
+  ``--routing-runs`` run recorded from a trained MoE, the engine's routing as ``packed`` stores it
+  (bytes per (token, layer)) over its ordered entropy (per layer, the plug-in entropy of the
+  ordered top-k tuples, averaged over layers), the worst run's; under ``routing_size`` every run's
+  figures (the trainer's routing, bit-packed before compression, a rank + lzma prototype) and the
+  synthetic uniform routing beside its own entropy (k · log₂ E, by construction);
+* ``analysis_bytes_per_s``, ``analysis_tokens_per_s``: ``axrl-debug mismatch RUN --step N --json``
+  step after step in one fresh process (``--steps`` copies of the step), the steady state — the
+  median step after the first — in stored bytes and tokens per second; ``analysis_startup_s``,
+  the process's one-time start (numba's import and first kernel load, and what the first step
+  took beyond the steady ones) apart; ``analysis_over_step``: a steady step's analysis time over
+  the modelled 30 s GPU step; ``analysis_peak_rss_gb`` its peak resident memory;
 * ``tui_open_s``: the TUI's model of the run showing the step list and opening the step's samples
   screen (``RunModel`` + ``step``), in a fresh process; beside it what follows the first screen:
-  ``tui_routing_s`` (the per-sample routing column of a large MoE step, ``fill_routing``: the
-  routing streamed as stored and compared as ``mismatch`` does),
+  ``tui_routing_s`` (the routing column of the 50 rows of a screen, ``fill_routing(rows=…)``),
+  ``tui_routing_all_s`` (every other row: the user scrolled through them all),
   ``tui_scan_s`` (the background scan of the step-file metrics, a helper process in the app) and
   the process's peak RSS ``tui_peak_rss_gb``.
 
-    OMP_NUM_THREADS=1 python bench/trace_scale.py --scales 0.25,1
+    OMP_NUM_THREADS=1 python bench/trace_scale.py --scales 0.25,1 --routing-runs RUN[,RUN…]
 
 Last stdout line: one JSON object with those keys for the largest scale and the packed encoding
 (the production preset), plus ``analysis_tokens_per_s_r3`` (``packed_r3``'s), ``side_by_side``
@@ -270,6 +277,7 @@ def routing_sizes(runs: list[str], uniform: StepRecord) -> dict[str, dict]:
                    prototype_bytes=routing_size.rank_coded_bytes(got["rollout"]))
         row["prototype_lzma_over_entropy"] = (row["prototype_bytes"]["lzma"] + row["prototype_bytes"]["dictionary"]) \
             / cells / row["entropy_bytes_per_token_layer"]
+        row["record_critical_path_fraction"] = recorded_fraction(run)
         out[Path(run).name] = row
         print(f"routing {Path(run).name}: T={row['tokens']} L={row['layers']} top-{row['k']} of {row['num_experts']}  "
               f"entropy {row['ordered_entropy_bits']:.3f} bit ({row['distinct_tuples']} distinct tuples, "
@@ -289,6 +297,14 @@ def routing_sizes(runs: list[str], uniform: StepRecord) -> dict[str, dict]:
     print(f"routing uniform (synthetic, T={row['tokens']}): entropy {bits:.1f} bit by construction  stored packed "
           f"{row['rollout_bytes_per_token_layer']:.3f} B → {row['routing_bytes_over_entropy']:.3f}× entropy", flush=True)
     return out
+
+
+def recorded_fraction(run: str) -> dict[str, float]:
+    """What recording cost a real run's steps, as the learner measured it (metrics.jsonl's
+    ``time_record``: building the record + the hand-over) over the step's wall time, per step."""
+    rows = [json.loads(line) for line in Path(run, "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "time_record" in r and r.get("step_time")]
+    return {f"step_{r['step']}": r["time_record"] / r["step_time"] for r in rows}
 
 
 def main() -> None:
