@@ -320,7 +320,8 @@ def main() -> None:
     scales = sorted(float(s) for s in args.scales.split(","))
     encodings = args.encodings.split(",")
     root = Path(args.dir or tempfile.mkdtemp(prefix="trace_scale_"))
-    sizes = routing_sizes([r for r in args.routing_runs.split(",") if r], synthetic_step(min(scales)))
+    # the uniform routing's size per (token, layer) does not depend on the step's length: a 1/16 step
+    sizes = routing_sizes([r for r in args.routing_runs.split(",") if r], synthetic_step(min(min(scales), 1 / 16)))
     rows = []
     for scale in scales:
         rec = synthetic_step(scale)
