@@ -245,7 +245,9 @@ def _routing_layers(sf: StepFile) -> int:
 def _sample_routing_agree(sf: StepFile, a: int, b: int) -> float:
     """The routing agreement of the sample of tokens ``a:b``, from its rows of the routing alone."""
     cols = {name: sf.read_slice(name, a, b) for name in M.SAMPLE_ROUTING_COLUMNS if name in sf}
-    return float(M._routing_agree(np.array([0, b - a], np.int64), cols)[0])   # the tui package's own helper
+    # compiled (numba's kernels: the column is filled after the first screen, where loading them
+    # delays nothing) — the same count as the whole-step pass, ~10× faster than numpy's
+    return float(M._routing_agree(np.array([0, b - a], np.int64), cols, compiled=True)[0])
 
 
 _SAMPLE_COLS = ("sample_id", "group_id", "reward", "status", "finish_reason", "num_turns", "prompt_len",
