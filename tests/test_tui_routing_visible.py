@@ -54,3 +54,19 @@ def test_fill_routing_decodes_only_the_rows_on_screen(tmp_path, monkeypatch, enc
     step.fill_routing()                              # the rest (e.g. the user scrolled through)
     assert not step.routing_pending
     assert np.array_equal(step.stats.routing_agree, whole, equal_nan=True)
+
+
+def test_fill_routing_streams_when_the_screen_holds_most_of_the_step(tmp_path, monkeypatch):
+    """A few long samples all on screen: one streamed pass (cheaper than sample by sample), the
+    same values, nothing left pending."""
+    rec = make_record(step=0, num_experts=64, num_layers=6, topk=4, n_groups=2, group_size=2, mean_len=300)
+    write_run(tmp_path / "run", [rec], routing_encoding="packed")
+    monkeypatch.setattr(data, "LAZY_ROUTING_TOKENS", 0)
+    step = data.RunModel(tmp_path / "run").step(0)
+    streamed = []
+    real = metrics.chunked_routing_agree
+    monkeypatch.setattr(metrics, "chunked_routing_agree", lambda sf, *a: streamed.append(1) or real(sf, *a))
+    assert step.fill_routing(rows=range(3)) == step.num_samples
+    assert streamed and not step.routing_pending
+    with StepFile(tmp_path / "run" / "trace" / "step_000000.h5") as sf:
+        assert np.array_equal(step.stats.routing_agree, real(sf), equal_nan=True)

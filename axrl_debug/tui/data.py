@@ -235,6 +235,12 @@ def detect_spikes(steps: list[int], series: dict[str, list[float]],
 LAZY_ROUTING_TOKENS = 1 << 16
 
 
+# ``fill_routing(rows)`` reads the rows on screen sample by sample, unless they hold more than this
+# share of the step's tokens: then the whole step streamed in one compiled pass costs less (a
+# 1 M-token step of 64 samples × 16 k tokens shows most of itself on one screen).
+STREAM_ROUTING_SHARE = 0.25
+
+
 def _routing_layers(sf: StepFile) -> int:
     """MoE layers of the step's routing (0 without both routing arrays), from one row."""
     if "/routing/rollout" not in sf or "/routing/train" not in sf or sf.num_tokens == 0:
@@ -324,24 +330,27 @@ class StepModel:
         """Compute the per-sample routing agreement left pending by ``load``.
 
         ``rows``: the sample rows on screen. Only their token ranges of the routing are read and
-        decoded (``read_slice``; a 1 M-token step's whole routing took ~1.6 s to stream), each row
-        once; the others stay NaN until they are asked for. The values are the whole step's
-        (``chunked_routing_agree``: the same share of valid (row, layer) pairs). ``None``: every
-        row still pending, the routing pair streamed as stored. Returns the rows computed."""
+        decoded (``read_slice``), each row once; the others stay NaN until they are asked for —
+        unless those rows hold more than ``STREAM_ROUTING_SHARE`` of the step's tokens, when the
+        whole step is streamed instead. The values are the whole step's (``chunked_routing_agree``:
+        the same share of valid (row, layer) pairs). ``None``: every row still pending, the
+        routing pair streamed as stored. Returns the rows computed."""
         if not self.routing_pending:
             return 0
         n = self.num_samples
+        if rows is not None:
+            todo = sorted({int(i) for i in rows if 0 <= int(i) < n} - self.routing_filled)
+            if sum(self.length(i) for i in todo) > STREAM_ROUTING_SHARE * self.num_tokens:
+                rows = None     # most of the step on screen (few long samples): one streamed pass is cheaper
         if rows is None:
             with StepFile(self.path) as sf:
                 agree = M.chunked_routing_agree(sf)
             todo = [i for i in range(n) if i not in self.routing_filled]
             self.stats.routing_agree[todo] = agree[todo]
-        else:
-            todo = sorted({int(i) for i in rows if 0 <= int(i) < n} - self.routing_filled)
-            if todo:
-                with StepFile(self.path) as sf:
-                    for i in todo:
-                        self.stats.routing_agree[i] = _sample_routing_agree(sf, int(self.offsets[i]), int(self.offsets[i + 1]))
+        elif todo:
+            with StepFile(self.path) as sf:
+                for i in todo:
+                    self.stats.routing_agree[i] = _sample_routing_agree(sf, int(self.offsets[i]), int(self.offsets[i + 1]))
         self.routing_filled.update(todo)
         self.routing_pending = len(self.routing_filled) < n
         return len(todo)
