@@ -62,7 +62,10 @@ in it over the round's), `_engine_steps` (scheduler iterations in the round), `_
 `_vs_direct_ratio` (the burner runs; the same breakdown keys). The same keys with a `lockstep_`
 prefix for the lockstep workload (no burner runs), and the single-turn ones with `single_turn_` (`_last_at_engine_ms`,
 `_engine_done_ms`, `_replies_parsed_ms`: ms from the calls' start; `direct_concurrent`: the
-one-thread-per-call direct path); `ttft_ms`, `completion_ms`: the streamed call (medians).
+one-thread-per-call direct path); `ttft_ms`, `completion_ms`: the streamed call (medians);
+`proxy_cpu_ms_per_call`: the proxy's CPU per call of the steady multi-turn HTTP rounds
+(`http_turns_proxy_cpu_per_call_ms`), with `load_average_1m` and `cpu_count` beside it — the
+figure depends on how busy the cores are, so say under which load it was measured.
 perf_counter is CLOCK_MONOTONIC, one clock for both processes.
 """
 
@@ -71,6 +74,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -506,7 +510,11 @@ def report(args: argparse.Namespace, lengths: dict[str, list[list[int]]], runs: 
         **{f"{prefix}{key}": v for w, prefix in WORKLOADS.items() for key, v in multi[w].items()},
         **{f"single_turn_{key}": v for key, v in single.items()},
         "ttft_ms": round(statistics.median(x["ttft_s"] for x in streamed) * 1e3, 1),
-        "completion_ms": round(statistics.median(x["completion_s"] for x in streamed) * 1e3, 1)}))
+        "completion_ms": round(statistics.median(x["completion_s"] for x in streamed) * 1e3, 1),
+        # the proxy's CPU time per call (ProxyServer.cpu_seconds() over the calls of the steady
+        # multi-turn HTTP rounds, median round) and the machine's load while it was measured
+        "proxy_cpu_ms_per_call": multi["steady"]["http_turns_proxy_cpu_per_call_ms"],
+        "load_average_1m": round(os.getloadavg()[0], 2), "cpu_count": os.cpu_count()}))
 
 
 if __name__ == "__main__":

@@ -85,6 +85,41 @@ def test_packed_step_file_reads_as_raw(tmp_path) -> None:
         write_step(tmp_path / "x", rec, routing_encoding="zip")
 
 
+def test_packed_routing_is_compressed_and_earlier_files_still_read(tmp_path) -> None:
+    """The packed datasets are gzip-compressed: routing that repeats (a group's samples share their
+    prompt) stores far below its bit-packed size, uniform routing at it; and a packed file of the
+    earlier layout (the same datasets stored raw) reads back as the same arrays."""
+    from axrl.trace.writer import RAW_DATASETS
+
+    rec = make_record(step=1, num_experts=64, num_layers=6, topk=4, n_groups=4, group_size=8, mean_len=200)
+    off = np.asarray(rec.sample_offsets)
+    repeated = np.asarray(rec.routing_rollout).copy()
+    for g in range(4):                      # every sample of a group routed like its first one
+        first = off[g * 8]
+        for i in range(g * 8 + 1, g * 8 + 8):
+            n = min(off[i + 1] - off[i], off[g * 8 + 1] - first)
+            repeated[off[i]:off[i] + n] = repeated[first:first + n]
+    rec.routing_rollout, rec.routing_train = repeated, repeated.copy()
+    packed = {"/routing/rollout_packed", "/routing/train_differs", "/routing/train_rows"}
+    now = write_step(tmp_path / "now", rec, routing_encoding="packed")
+    before = write_step(tmp_path / "before", rec, routing_encoding="packed", raw=RAW_DATASETS | packed)
+    raw = write_step(tmp_path / "raw", rec)
+    with StepFile(now) as a, StepFile(before) as b, StepFile(raw) as r:
+        stored = a._f["/routing/rollout_packed"]
+        assert stored.compression == "gzip" and stored.fletcher32
+        assert b._f["/routing/rollout_packed"].compression is None
+        assert stored.id.get_storage_size() < 0.5 * b._f["/routing/rollout_packed"].id.get_storage_size()
+        for name in ("/routing/rollout", "/routing/train"):
+            assert np.array_equal(a[name], b[name]) and np.array_equal(a[name], r[name])
+            assert np.array_equal(a.read_slice(name, 40, 300), b.read_slice(name, 40, 300))
+    write_run(tmp_path / "r_now", [rec], routing_encoding="packed")
+    write_run(tmp_path / "r_raw", [rec])
+    out = [json.loads(CliRunner().invoke(app, ["mismatch", str(tmp_path / d), "--json"]).stdout) for d in ("r_now", "r_raw")]
+    for o in out:
+        o.pop("run", None)
+    assert out[0] == out[1]
+
+
 def test_analyses_agree_on_packed_and_raw_runs(tmp_path) -> None:
     records = [make_record(step=s, num_experts=64, num_layers=6, topk=4) for s in range(3)]
     write_run(tmp_path / "raw", records)
@@ -128,8 +163,9 @@ def test_trace_scale_bench_runs_small() -> None:
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     for key in ("record_critical_path_fraction", "writer_keeps_up", "routing_bytes_per_token_layer",
                 "analysis_tokens_per_s", "analysis_peak_rss_gb", "tui_open_s", "scaling",
-                "analysis_routing_ids_per_s", "analysis_file_bytes_per_s", "analysis_startup_s",
-                "analysis_tokens_per_s_after_startup", "analysis_tokens_per_s_r3"):
+                "analysis_routing_ids_per_s", "analysis_startup_s", "analysis_first_step_s",
+                "analysis_tokens_per_s_r3", "routing_bytes_over_entropy", "analysis_bytes_per_s",
+                "analysis_over_step", "in_step_s", "tui_routing_s", "tui_routing_all_s"):
         assert key in summary, key
     by = {r["encoding"]: r for r in summary["by_scale"]}
     assert by["raw"]["routing_bytes_per_token_layer"] == pytest.approx(16, rel=0.01)

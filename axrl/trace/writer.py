@@ -30,12 +30,15 @@ __all__ = ["DEFAULT_COMPRESSION", "RAW_DATASETS", "StepRecord", "atomic_h5", "fs
 # generated token for what `mismatch` reads; docs/trace-format.md "Cost"). The other token datasets
 # (ids, advantage, ref_logprob, is_weight, loss_rule, extra columns) are byte-shuffled and compressed with
 # DEFAULT_COMPRESSION (gzip level 1, built into every HDF5 library: h5dump, HDFView, Julia, C).
+# So are the packed routing datasets (trace.routing_encoding: packed, routing_codec.py): chosen to
+# make the trace small, and a trained model's routing repeats (a group's samples share their
+# prompt, often their answer): gzip stores the quickstart's at ~0.1× its per-layer entropy
+# (bench/trace_scale.py), uniform routing at ~1×.
 DEFAULT_COMPRESSION: str | None = "gzip"
 RAW_DATASETS = frozenset({
     "/tokens/loss_mask", "/tokens/rollout_logprob", "/tokens/old_logprob", "/tokens/turn",
     "/tokens/policy_version", "/tokens/entropy", "/tokens/behaviour_train_logprob",
     "/routing/rollout", "/routing/train", "/routing/rollout_valid",
-    "/routing/rollout_packed", "/routing/train_differs", "/routing/train_rows",
 })
 _CHUNK_BYTES = 1 << 20  # maximum chunk size of raw token datasets (read whole, in few calls)
 # Compressed ones use smaller chunks: a chunk is decompressed whole even to read one row, and those

@@ -224,11 +224,25 @@ class SamplesScreen(_TableView):
         for p in model.problems:
             self.notify(p, severity="warning", timeout=6)
         if model.routing_pending:       # a large MoE step: its routing column after the first screen
-            self.run_worker(lambda: self._fill_routing(model), thread=True, exclusive=True, group="routing")
+            self._fill_visible_routing()
 
-    def _fill_routing(self, model: StepModel) -> None:
+    def _fill_visible_routing(self) -> None:
+        """The routing column of the rows on screen, in a worker: only their routing is read (a
+        1 M-token step's whole routing takes seconds); rows come in as the cursor brings them."""
+        model, table = self.model, self.table
+        if not model.routing_pending:
+            return
+        top = int(table.scroll_offset.y)
+        rows = [int(k) for k in table.order[top:top + max(1, self.app.size.height)]]
+        self.run_worker(lambda: self._fill_routing(model, rows), thread=True, exclusive=True, group="routing")
+
+    def on_sortable_table_row_highlighted(self, event: SortableTable.RowHighlighted) -> None:
+        self._fill_visible_routing()
+
+    def _fill_routing(self, model: StepModel, rows: list[int]) -> None:
         try:
-            model.fill_routing()
+            if not model.fill_routing(rows=rows):
+                return                  # nothing new on screen: the table stays as it is
         except READ_ERRORS as e:
             self.app.call_from_thread(self.notify, f"routing of step {model.step}: {e}", severity="warning", timeout=6)
             return
