@@ -200,7 +200,8 @@ class CriticSection(Section):
     grad_clip: float = Field(1.0, ge=0, description="max total grad norm of the critic (0 = off)")
     updates_per_step: int = Field(1, ge=1, description="critic optimizer updates (mini-batches) per step")
     warmup_steps: int = Field(0, ge=0, description="first RL steps in which only the critic learns (the policy's "
-                                                   "updates run at learning rate 0)")
+                                                   "updates run and are recorded, then the policy's weights, optimizer "
+                                                   "state and schedule are restored)")
     value_clip: float | None = Field(0.2, gt=0, description="PPO value clipping: V_old ± value_clip (null = off)")
     micro_batch_tokens: int = Field(0, ge=0, description="tokens per critic micro-batch counting padding "
                                                          "(0 = train.micro_batch_tokens)")
