@@ -19,7 +19,7 @@ from axrl.inference.vllm.settings import VLLMSettings
 from axrl.ray_executor.settings import RaySettings
 from axrl.runtime.recording.tiers import TierSettings
 from axrl.rollout.blackbox import AgentSettings
-from axrl.runtime.components import EngineSettings
+from axrl.inference.embedded.settings import EngineSettings
 from axrl.runtime.evaluator import EvalSettings
 from axrl.runtime.warmup import WarmupSettings
 from axrl.train import TorchBackendConfig

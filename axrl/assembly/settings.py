@@ -20,8 +20,9 @@ from axrl.inference.vllm.settings import VLLMSettings
 from axrl.rollout.runner import Clock
 from axrl.rollout.schedule import Schedule
 from axrl.rollout.worker import RolloutPolicy
-from axrl.runtime.components import (BackendSettings, DataSettings, EngineSettings,
-                                     LearnerSettings, ModelSource, RolloutSideSettings, RunSettings)
+from axrl.inference.embedded.settings import EngineSettings
+from axrl.runtime.components import (BackendSettings, DataSettings, LearnerSettings, ModelSource,
+                                     RolloutSideSettings, RunSettings)
 from axrl.runtime.faults import Faults
 from axrl.runtime.learner import RecordSettings
 from axrl.runtime.loop import LoopSettings

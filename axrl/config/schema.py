@@ -24,7 +24,7 @@ from axrl.ray_executor.settings import RaySettings
 from axrl.runtime.recording.tiers import TierSettings
 from axrl.runtime.recording.trackers import MlflowSettings, WandbSettings
 from axrl.rollout.blackbox import AgentSettings
-from axrl.runtime.components import EngineSettings
+from axrl.inference.embedded.settings import EngineSettings
 from axrl.runtime.evaluator import EvalSettings
 from axrl.runtime.warmup import WarmupSettings
 from axrl.train.torch.lora import LoRAConfig
@@ -65,7 +65,7 @@ _ROLLOUT_KEY_ORDER = ("engine", "sglang", "vllm", "group_size", "temperature", "
 
 
 class RolloutSection(EngineSettings):
-    """`rollout`: the embedded engine's keys are its `EngineSettings` (axrl/runtime/components.py),
+    """`rollout`: the embedded engine's keys are its `EngineSettings` (axrl/inference/embedded/settings.py),
     plus the engine choice, the servers' sections, sampling, episode limits and the async policy."""
 
     engine: Literal["embedded", "sglang", "vllm"] = "embedded"

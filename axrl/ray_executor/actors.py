@@ -21,8 +21,9 @@ import torch
 
 from axrl.inference.protocol import GenerateRequest, GenerateResult
 from axrl.model.device import resolve_device
-from axrl.runtime.components import (BackendSettings, EngineSettings, ModelSource, embedded_engine_for,
-                                     initial_model, make_tokenizer, make_train_backend)
+from axrl.inference.embedded.settings import EngineSettings
+from axrl.runtime.components import (BackendSettings, ModelSource, embedded_engine_for, initial_model,
+                                     make_tokenizer, make_train_backend)
 from axrl.ray_executor.activity import Activity, ActorBase, free_address, reported
 from axrl.train.critic import CriticConfig, CriticUpdate
 from axrl.ray_executor.handles import DataPlane, WeightsHandle, payload_bytes, rank_label

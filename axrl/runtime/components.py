@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
-from pydantic import Field
 
 from axrl.agents.proxy import ProxyServer
 from axrl.agents.proxy.trajectories import AgentService
@@ -22,12 +21,11 @@ from axrl.agents.tasks import Task
 from axrl.agents.tasks.resolve import resolve_task
 from axrl.algo.processor import AdvantageSettings, AlgorithmProcessor
 from axrl.algo.distill import DistillSettings
-from axrl.core.settings import Section
 from axrl.data import PromptLoader
 from axrl.core.errors import ConfigError
 from axrl.inference.embedded import EmbeddedEngine
 from axrl.inference.protocol import InferenceEngine, SamplingParams
-from axrl.inference.quant import KVDtype, Precision, WeightDtype
+from axrl.inference.embedded.settings import EngineSettings
 from axrl.inference.sglang.settings import ServedModel, SGLangSettings
 from axrl.inference.vllm.settings import VLLMSettings
 from axrl.model import (ModelConfig, Qwen3ForCausalLM, build_model, hf_state_dict, load_hf, load_weights_into,
@@ -82,34 +80,6 @@ class BackendSettings:
     config: TorchBackendConfig
     critic: CriticConfig | None = None      # PPO's value model (algo.advantage: gae), on either backend
     critic_model: str | None = None         # its initial weights (None: the policy's initial model)
-
-
-class EngineSettings(Section):
-    """The embedded engine's constructor knobs (slots, context, prefix cache, precision): the
-    YAML section `rollout`'s engine keys (`RolloutSection` extends this type; one set of defaults
-    and validation for the YAML and Python)."""
-
-    max_context_len: int = Field(512, ge=8)
-    max_batch_size: int = Field(64, ge=1, description="engine slots (concurrent sequences)")
-    prefix_cache: bool = Field(True, description="embedded engine: reuse the K/V of cached prompt prefixes "
-                                                 "(earlier turns, a group's shared prompt); docs/prefix-merge.md")
-    prefix_cache_tokens: int = Field(0, ge=0, description="embedded engine: prefix-cache pool in tokens "
-                                                          "(0 = max_batch_size × max_context_len)")
-    weight_dtype: WeightDtype = Field(
-        "fp32", description="precision of the rollout engine's linear weights, quantised from the trainer's at "
-                            "every sync (fp8: e4m3, 128×128 block scales; router, lm_head, embeddings and norms "
-                            "keep model.dtype); docs/debugging.md \"Low-precision rollout\"")
-    precision: Precision = Field(
-        "auto", description="rollout numerics as a recipe: auto = weight_dtype alone; fp8_w8a8 = block-fp8 weights "
-                            "and fp8 activations (one dynamic scale per token and 128 channels) into every "
-                            "quantised linear, as SGLang/vLLM fp8 serving; docs/debugging.md \"Low-precision rollout\"")
-    kv_dtype: KVDtype = Field(
-        "auto", description="embedded engine: K/V cache precision (auto = model.dtype; fp8: e4m3, one scale per "
-                            "token and head)")
-
-    def engine_settings(self) -> "EngineSettings":
-        """This object's `EngineSettings` fields alone (a `RolloutSection`'s other keys left out)."""
-        return EngineSettings(**{name: getattr(self, name) for name in EngineSettings.model_fields})
 
 
 @dataclass(frozen=True)
