@@ -112,12 +112,7 @@ async def run_episode(
         if result.finish_type == "abort":
             return _finish(traj, "abort", reward, routing)  # the partial reply is in no message
 
-        out = result.output_ids
-        closed = bool(out) and out[-1] == close_ids[0]  # the model ended its own turn
-        text = tokenizer.decode(out[:-1] if closed else out)  # keep <tool_call> tags
-        conversation.append(tokenizer.reply_message(text))  # calls structured, as the template writes them
-        # The family's reasoning parser (<think>, harmony's analysis channel): kept per turn.
-        traj.info.setdefault("reasoning", []).append(tokenizer.split_reasoning(text)[0])
+        text, closed = _reply(traj, tokenizer, conversation, result.output_ids, close_ids)
         truncated = result.finish_type == "length"
         try:
             outcome = env.step(env_action(tokenizer, text))
@@ -138,6 +133,18 @@ async def run_episode(
         traj.append(segment, generated=False, turn=turn)
         conversation.extend(outcome.observation)
     raise AssertionError("unreachable: the last turn returns max_turns")
+
+
+def _reply(traj: Trajectory, tokenizer: Tokenizer, conversation: list[Message], out: list[int],
+           close_ids: list[int]) -> tuple[str, bool]:
+    """The turn's reply as text (and whether the model closed its own turn), appended to the
+    conversation with its calls structured as the template writes them; its reasoning (the
+    family's parser: `<think>`, harmony's analysis channel) kept per turn in `traj.info`."""
+    closed = bool(out) and out[-1] == close_ids[0]
+    text = tokenizer.decode(out[:-1] if closed else out)  # keep <tool_call> tags
+    conversation.append(tokenizer.reply_message(text))
+    traj.info.setdefault("reasoning", []).append(tokenizer.split_reasoning(text)[0])
+    return text, closed
 
 
 def opening(tokenizer: Tokenizer, env: Env, prompt: Prompt) -> tuple[list[Message], list[int]]:
