@@ -40,7 +40,9 @@ def warm_model(tmp_path_factory) -> Path:
     tok = Tokenizer.default()
     model = build_model(preset_config("micro-moe", vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id,
                                       pad_token_id=tok.pad_token_id), seed=0)
-    backend = TorchBackend(model, TorchBackendConfig(num_threads=1))
+    # weight_decay and micro_batch_tokens as before the Python defaults took the YAML's (0.0, 4096):
+    # the staleness tests need this warm model's episode lengths to reach the bound.
+    backend = TorchBackend(model, TorchBackendConfig(num_threads=1, weight_decay=0.01, micro_batch_tokens=0))
     warm_up(backend, tok, get_task("echo", turns=1, long_turns=4, long_share=0.25), steps=150, batch_size=16,
             lr=2e-3, seed=0)
     return save_hf(model, tmp_path_factory.mktemp("warm") / "model", tok)
