@@ -24,7 +24,7 @@ from axrl.trace import StepFile  # noqa: E402
 from train_util import debug, train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-ARITH = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"],
+ARITH = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"],
          "allow_parentheses": False, "allow_negation": False}
 MIX = [{"name": "letter_counting", "weight": 1, "config": {"min_words": 1, "max_words": 2}},
        {"name": "basic_arithmetic", "weight": 1, "config": ARITH}]
@@ -121,7 +121,7 @@ def test_two_steps_train_and_the_trace_rewards_are_the_librarys_scores(run):
         with StepFile(run / "trace" / f"step_{step:06d}.h5") as sf:
             ids, off = sf["/tokens/ids"][:], sf["/samples/offsets"][:]
             plen, rewards = sf["/samples/prompt_len"][:], sf["/samples/reward"][:]
-            pids = sf["/samples/prompt_id"].asstr()[:]
+            pids = [x.decode() if isinstance(x, bytes) else str(x) for x in sf["/samples/prompt_id"][:]]
         for i, pid in enumerate(pids):
             seed, index = (int(x) for x in pid.rsplit("-", 2)[1:])
             prompt = task.prompt(seed, index)
