@@ -2,7 +2,7 @@
 
 ``data.task: reasoning_gym`` with ``data.task_args``::
 
-    name: basic_arithmetic          # a dataset registered in reasoning_gym (or `datasets:` below)
+    name: basic_arithmetic          # a dataset registered in reasoning_gym (the default), or `datasets:`
     config: {min_terms: 2, ...}     # that dataset's config fields (its *Config dataclass)
     system_prompt: default          # a key of reasoning_gym.utils.SYSTEM_PROMPTS, or null for none
 
@@ -38,6 +38,7 @@ SPLITS = 3  # train (seed), warm-up (seed + 1), eval (seed + 2): three disjoint 
 MAX_DRAWS = 256  # candidates tried per prompt before the config is declared too small
 _INDEX_SPACE = 2**31  # dataset items are generated from Random(seed + idx): any int works
 _OPTIONS = ("name", "config", "datasets", "system_prompt")
+DEFAULT_DATASET = "basic_arithmetic"
 
 
 def _library() -> Any:
@@ -126,8 +127,10 @@ def make_task(**options: Any) -> Task:
     if unknown:
         raise ValueError(f"task {NAME!r}: unknown option(s) {unknown}; valid options: {list(_OPTIONS)}")
     rg = _library()
-    dataset, label = _build_dataset(rg, options.get("name"), dict(options.get("config") or {}),
-                                    options.get("datasets"))
+    # Without either, the library's basic_arithmetic with its defaults: every built-in task
+    # works with no task_args (the registry's contract, tests/test_agents.py).
+    name = options.get("name", None if "datasets" in options else DEFAULT_DATASET)
+    dataset, label = _build_dataset(rg, name, dict(options.get("config") or {}), options.get("datasets"))
     key = options.get("system_prompt", "default")
     prompts = rg.utils.SYSTEM_PROMPTS
     if key is not None and key not in prompts:
