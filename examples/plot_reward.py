@@ -19,9 +19,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", type=Path, nargs="+")
     ap.add_argument("--out", type=Path, default=Path("reward.png"))
+    ap.add_argument("--task", default="calculator tool use", help="what the runs train (the title's end)")
     args = ap.parse_args()
     runs = [(run.name, read_metrics_file(run / "metrics.jsonl")[0]) for run in args.runs]
-    save_reward_plot(runs, args.out, title=" vs ".join(run.name for run in args.runs) + ": calculator tool use")
+    save_reward_plot(runs, args.out, title=" vs ".join(run.name for run in args.runs) + f": {args.task}")
     print(f"wrote {args.out}")
 
 
