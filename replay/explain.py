@@ -21,7 +21,9 @@ both top-k sets, whether they flip, and the margin between the k-th and (k+1)-th
 probability).
 
 Causation: activation patching. The engine's residual stream at one hook point (every position of
-the token's request up to t − 1) replaces the trainer's, the trainer computes the rest, and the gap
+the token's request up to t − 1; positions the engine took from its prefix cache keep the trainer's
+states, so a cause that acted only in an earlier turn shows up where those positions are read) replaces
+the trainer's, the trainer computes the rest, and the gap
 gap(P) = trainer logprob − engine logprob that remains is measured. Points run in depth order —
 layer 0's input, then after each layer's attention ("mid") and after the layer ("out"), the final
 norm, the logits — so each component's **share** of the gap is (gap(before it) − gap(after it)) /

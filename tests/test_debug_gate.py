@@ -147,7 +147,7 @@ def test_repo_ci_gate(tmp_path):
 
 
 def test_the_golden_machine_keeps_the_tight_tolerance_and_others_get_the_stated_one(tmp_path):
-    run = make_run(tmp_path / "run")
+    run = gate_run(tmp_path / "run")
     path = tmp_path / "golden.json"
     assert invoke("golden", run, "-o", path, "--cross-machine-tol", "loss=1e-2,1e-9").exit_code == 0
     doc = json.loads(path.read_text())

@@ -12,7 +12,7 @@ import typer.main
 from axrl_debug.analysis.spikes import SpikeConfig
 from axrl_debug.cli import app
 from axrl_debug.synthetic import TinySample, TinyToken, gen, tiny_record, write_run
-from tests.test_debug_cli import invoke, make_run, one_json
+from tests.test_debug_cli import cli_run, invoke, one_json
 
 
 def test_spikes_options_default_to_the_spike_config() -> None:
@@ -24,7 +24,7 @@ def test_spikes_options_default_to_the_spike_config() -> None:
 
 
 def test_spikes_names_the_steps_it_cannot_flag(tmp_path) -> None:
-    run = make_run(tmp_path / "run", steps=range(8))
+    run = cli_run(tmp_path / "run", steps=range(8))
     text = " ".join(invoke("spikes", run).stdout.split())
     assert "steps 0–4: no baseline yet (--min-history 5), never flagged" in text
     assert "axrl-debug check RUN --golden" in text

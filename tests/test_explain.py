@@ -16,7 +16,11 @@ from train_util import debug, train
 
 SMALL = ["steps=2", "model.preset=micro-moe", "warmup.steps=30", "data.task=echo", "data.task_args={}",
          "data.prompts_per_step=2", "rollout.group_size=4", "eval.every=0", "runtime.threads=1",
-         "checkpoint.every=1", "rollout.max_new_tokens=12", "train.micro_batch_tokens=200"]
+         "checkpoint.every=1", "rollout.max_new_tokens=12", "train.micro_batch_tokens=200",
+         # Patching replaces the states the token's own request computed; positions an earlier turn
+         # left in the prefix cache keep the trainer's (replay/explain.py). With the cache off every
+         # request computes its whole history, so a layer-0 flip in an earlier turn is patched too.
+         "rollout.prefix_cache=false"]
 
 
 @pytest.fixture(scope="module")
