@@ -71,6 +71,10 @@ class RolloutSection(Section):
     kv_dtype: Literal["auto", "fp8"] = Field(
         "auto", description="embedded engine: K/V cache precision (auto = model.dtype; fp8: e4m3, one scale per "
                             "token and head)")
+    exact: bool = Field(False, description="true on-policy: the embedded engine and the torch trainer run one "
+                                            "batch- and position-invariant op set (axrl/model/exact.py), so rollout "
+                                            "logprobs and MoE routing equal the trainer's bitwise; docs/train.md "
+                                            "\"True on-policy\"")
     # -- asynchronous runs (runtime.mode: async; docs/train.md "Asynchronous runs")
     max_staleness: int = Field(1, ge=1, description="η: no trained token was generated more than η versions "
                                                      "before the weights it is trained with (async)")
@@ -429,6 +433,27 @@ class Config(Section):
         if self.r3_scope is not None and not self.r3:
             raise ValueError("r3_scope: set only with r3: true (it narrows which routing R3 replays); "
                              "remove r3_scope or set r3: true")
+        return self
+
+    @model_validator(mode="after")
+    def _exact_mode(self) -> "Config":
+        r = self.rollout
+        if not r.exact:
+            return self
+        why = None
+        if r.engine != "embedded":
+            why = (f"rollout.engine: {r.engine} runs the server's own kernels, which this trainer cannot reproduce "
+                   "bitwise; use rollout.engine: embedded")
+        elif self.train.backend != "torch":
+            why = (f"train.backend: {self.train.backend} computes with its own (tensor-parallel) kernels, not the "
+                   "embedded model's exact op set; use train.backend: torch")
+        elif r.weight_dtype != "fp32" or r.kv_dtype != "auto":
+            why = ("rollout.weight_dtype / rollout.kv_dtype quantise the engine's weights or K/V, so it computes "
+                   "with other numbers than the trainer; leave them fp32 / auto (model.dtype sets the precision)")
+        elif self.train.lora is not None:
+            why = "train.lora: the LoRA adapters' forward is not in the exact op set; set train.lora: null"
+        if why is not None:
+            raise ValueError(f"rollout.exact: true cannot be exact here: {why}")
         return self
 
     @model_validator(mode="after")

@@ -76,7 +76,7 @@ def backend_settings(cfg: Config, *, compute_dtype: str | None = None) -> Backen
             critic=critic_config(cfg, common), critic_model=None if cfg.critic is None else cfg.critic.model)
     lora = None if t.lora is None else LoRAConfig(rank=t.lora.rank, alpha=t.lora.alpha, dropout=t.lora.dropout,
                                                   targets=tuple(t.lora.targets))
-    return BackendSettings("torch", TorchBackendConfig(**common, lora=lora), critic=critic_config(cfg, common),
+    return BackendSettings("torch", TorchBackendConfig(**common, lora=lora, exact=cfg.rollout.exact), critic=critic_config(cfg, common),
                            critic_model=None if cfg.critic is None else cfg.critic.model)
 
 
@@ -201,7 +201,7 @@ def engine_settings(cfg: Config) -> EngineSettings:
     r = cfg.rollout
     return EngineSettings(max_batch_size=r.max_batch_size, max_context_len=r.max_context_len,
                           prefix_cache=r.prefix_cache, prefix_cache_tokens=r.prefix_cache_tokens,
-                          weight_dtype=r.weight_dtype, kv_dtype=r.kv_dtype)
+                          weight_dtype=r.weight_dtype, kv_dtype=r.kv_dtype, exact=r.exact)
 
 
 def agent_settings(cfg: Config) -> AgentSettings | None:
@@ -273,4 +273,5 @@ def loop_settings(cfg: Config) -> LoopSettings:
         config=config_to_dict(cfg),
         manifest={"backend": cfg.train.backend, "engine": cfg.rollout.engine, "mode": cfg.runtime.mode,
                   "rollout_clock": rollout_clock(cfg), "rollout_weight_dtype": cfg.rollout.weight_dtype,
-                  "rollout_kv_dtype": cfg.rollout.kv_dtype, "corrections": loss_config(cfg).effective_corrections()})
+                  "rollout_kv_dtype": cfg.rollout.kv_dtype, "rollout_exact": cfg.rollout.exact,
+                  "corrections": loss_config(cfg).effective_corrections()})

@@ -109,7 +109,7 @@ def start(s: LoopSettings, c: Components, run: RunDir, resume: bool,
     m = s.manifest
     run.write_manifest(seed=s.seed, backend=m["backend"], engine=m["engine"], threads=torch.get_num_threads(),
                        extra={"task": c.task.name, "mode": m["mode"], "rollout_clock": m["rollout_clock"],
-                              **{k: m[k] for k in ("rollout_weight_dtype", "rollout_kv_dtype", "corrections")
+                              **{k: m[k] for k in ("rollout_weight_dtype", "rollout_kv_dtype", "rollout_exact", "corrections")
                                  if k in m}})
     if "corrections" in m:      # the corrections in effect, defaults resolved (algo.tis, decoupled)
         progress.log("corrections: " + (", ".join(f"{k} {v}" for k, v in m["corrections"].items()) or "none"))
