@@ -8,10 +8,11 @@ the torch trainer then compute bitwise-equal logits and MoE routings for the sam
 
 Why each op is what it is (measured on torch 2.13 CPU, one thread, fp32 and bf16):
 
-* Linear layers: a GEMM's row results change with the number of rows (M = 1 takes a GEMV kernel,
-  other M other blockings), but a GEMM of a *fixed* shape gives each row the same result whatever
-  the other rows are and wherever the row sits. So rows are fed in chunks of `ROW_CHUNK`, the last
-  chunk zero-padded: every call the kernel sees is [ROW_CHUNK, in] × [in, out].
+* Linear layers: a GEMM's row results change with the number of rows at small M (fp32: M = 1-3
+  take GEMV / small-M kernels; from 4 rows on every row's result was the same for any M and any
+  place in the call, for all of tiny-moe's shapes), so a call with fewer rows is zero-padded up
+  to the measured `gemm_min_rows`. Where no such M exists the fallback feeds rows in fixed
+  [ROW_CHUNK, in] GEMMs (a fixed-shape GEMM gives each row the same result wherever it sits).
 * SiLU: fp32 `F.silu` computes the tail of a tensor (numel mod the SIMD width) with a scalar
   formula that rounds differently; `x / (1 + exp(-x))` is invariant (exp's scalar and vector paths
   agree, division is exactly rounded).
@@ -28,6 +29,8 @@ Why each op is what it is (measured on torch 2.13 CPU, one thread, fp32 and bf16
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,15 +44,43 @@ QUERY_BLOCK = 32
 
 
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) with every row computed by a [ROW_CHUNK, in] GEMM."""
+    """F.linear(x, weight, bias) with every row's result independent of the other rows.
+
+    When this machine's GEMM gives row-invariant results from `min_rows` rows on (`gemm_min_rows`,
+    measured once per shape), a call with fewer rows is zero-padded to `min_rows`; otherwise every
+    row goes through [ROW_CHUNK, in] GEMMs."""
     lead, d = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, d)
     n = rows.shape[0]
+    min_rows = gemm_min_rows(d, weight.shape[0], weight.dtype, torch.get_num_threads())
+    if min_rows:
+        if n >= min_rows:
+            return F.linear(x, weight, bias)
+        out = F.linear(torch.cat([rows, rows.new_zeros(min_rows - n, d)]), weight, bias)[:n]
+        return out.reshape(*lead, weight.shape[0])
     pad = (-n) % ROW_CHUNK
     if pad:
         rows = torch.cat([rows, rows.new_zeros(pad, d)])
     out = torch.cat([F.linear(chunk, weight, bias) for chunk in rows.split(ROW_CHUNK)])
     return out[:n].reshape(*lead, weight.shape[0])
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_min_rows(d_in: int, d_out: int, dtype: torch.dtype, threads: int) -> int:
+    """The smallest row count m ≤ 8 from which `F.linear`'s row results no longer depend on the
+    number of rows or a row's place, measured here on random data for this shape, dtype and
+    thread count (CPU BLAS takes GEMV or small-M kernels below it: rows 1-3 differ in fp32 on the
+    machine this was written on); 0 when none is (then `exact_linear` uses fixed-size chunks)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(d_out, d_in, generator=g).to(dtype)
+    x = torch.randn(160, d_in, generator=g).to(dtype)
+    with torch.no_grad():
+        ref = F.linear(x, w)
+        for m in range(1, 9):
+            counts = [*range(m, 20), 31, 32, 33, 64, 97, 160]
+            if all(torch.equal(F.linear(x[s:s + n], w), ref[s:s + n]) for n in counts for s in (0, 160 - n)):
+                return m
+    return 0
 
 
 def exact_silu(x: torch.Tensor) -> torch.Tensor:
