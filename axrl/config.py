@@ -452,6 +452,10 @@ class Config(Section):
                    "with other numbers than the trainer; leave them fp32 / auto (model.dtype sets the precision)")
         elif self.train.lora is not None:
             why = "train.lora: the LoRA adapters' forward is not in the exact op set; set train.lora: null"
+        elif self.runtime.mode == "async" and r.partial_rollout == "continue":
+            why = ("rollout.partial_rollout: continue keeps decoding across a weight update over K/V computed "
+                   "under the old weights, which no single version's forward reproduces; set "
+                   "rollout.partial_rollout: recompute (or drop)")
         if why is not None:
             raise ValueError(f"rollout.exact: true cannot be exact here: {why}")
         return self

@@ -128,8 +128,10 @@ def test_engine_multi_turn_with_prefix_cache_matches_the_teacher_forced_forward(
 
 @pytest.mark.parametrize("override,names", [
     ("rollout.engine=sglang", "rollout.engine"), ("train.backend=megatron", "train.backend"),
-    ("rollout.weight_dtype=fp8", "rollout.weight_dtype"), ("train.lora={rank: 4}", "train.lora")])
+    ("rollout.weight_dtype=fp8", "rollout.weight_dtype"), ("train.lora={rank: 4}", "train.lora"),
+    ("runtime.mode=async", "rollout.partial_rollout")])
 def test_config_refuses_what_cannot_be_exact(override, names):
+    load_config(QUICKSTART, overrides=["rollout.exact=true"])  # the default run can be exact
     with pytest.raises(Exception) as err:
         load_config(QUICKSTART, overrides=["rollout.exact=true", override])
     assert "rollout.exact" in str(err.value) and names in str(err.value)
