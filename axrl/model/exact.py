@@ -19,8 +19,9 @@ Why each op is what it is (measured on torch 2.13 CPU, one thread, fp32 and bf16
 * Attention: the key reduction must not depend on how many keys follow a query's own position
   (decode sees `kv_len` keys, a teacher-forced pass the whole sequence). Scores are per-key dot
   products (multiply, then a sum over head_dim: a fixed-length reduction); the max is exact in any
-  order; the softmax denominator and the value sum are sequential `cumsum`s over the keys, read at
-  the query's own column. Masked keys weigh exactly 0 and adding 0 is exact, so left padding,
+  order; the softmax denominator and the value sum are fixed-length sums over blocks of
+  `KEY_BLOCK` keys aligned at column 0, then a sequential `cumsum` over the blocks read at the
+  query's own block. Masked keys weigh exactly 0 inside a block on both sides, so left padding,
   later keys and other prefix-tree branches change nothing.
 * RMSNorm, softmax / top-k over experts, log-softmax, embedding and RoPE are row-local in torch's
   CPU kernels already (checked the same way); the MoE combine adds a token's experts in ascending
@@ -41,6 +42,8 @@ ROW_CHUNK = 16
 # Queries per attention block in a teacher-forced pass: bounds the [queries, keys, head_dim]
 # temporaries (they are freed after each block, also under autograd).
 QUERY_BLOCK = 32
+# Keys per block of the attention sums (fixed, aligned at column 0: see `_attention_block`).
+KEY_BLOCK = 32
 
 
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,16 +104,25 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                      scale: float) -> torch.Tensor:
     qf, kf, vf = q.float(), k.float(), v.float()
-    scores = (qf.unsqueeze(3) * kf.unsqueeze(2)).sum(-1) * scale            # [B, H, s, K]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    top = scores.amax(-1, keepdim=True)                                      # exact in any order
-    e = torch.exp(scores - top)                                              # masked keys: exactly 0
     K = mask.shape[-1]
-    # The query's own column: its last visible key.
-    own = (K - 1 - mask.flip(-1).to(torch.int8).argmax(-1)).expand(*e.shape[:-1])   # [B, H, s]
-    den = e.cumsum(-1).gather(-1, own[..., None])                            # [B, H, s, 1]
-    num = (e.unsqueeze(-1) * vf.unsqueeze(2)).cumsum(3)                      # [B, H, s, K, D]
-    num = num.gather(3, own[..., None, None].expand(*own.shape, 1, vf.shape[-1]))[:, :, :, 0]
+    # The query's own column: its last visible key (computed before padding the keys).
+    own = (K - 1 - mask.flip(-1).to(torch.int8).argmax(-1)).expand(*q.shape[:3])       # [B, H, s]
+    pad = (-K) % KEY_BLOCK
+    if pad:  # whole key blocks from column 0: padded keys are masked, so they weigh exactly 0
+        kf = F.pad(kf, (0, 0, 0, pad))
+        vf = F.pad(vf, (0, 0, 0, pad))
+        mask = F.pad(mask, (0, pad))
+    scores = (qf.unsqueeze(3) * kf.unsqueeze(2)).sum(-1) * scale                      # [B, H, s, Kp]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    e = torch.exp(scores - scores.amax(-1, keepdim=True))   # max: exact in any order; masked keys: 0
+    B, H, s, Kp = e.shape
+    blocks = e.view(B, H, s, Kp // KEY_BLOCK, KEY_BLOCK)
+    # Fixed-length sums inside each key block, then a sequential cumsum over the blocks, read at
+    # the query's own block: the same additions for the query whatever follows its column.
+    own_block = own // KEY_BLOCK
+    den = blocks.sum(-1).cumsum(-1).gather(-1, own_block[..., None])                  # [B, H, s, 1]
+    num = (blocks.unsqueeze(-1) * vf.view(B, H, 1, Kp // KEY_BLOCK, KEY_BLOCK, -1)).sum(-2).cumsum(3)
+    num = num.gather(3, own_block[..., None, None].expand(B, H, s, 1, vf.shape[-1]))[:, :, :, 0]
     return num / den
 
 
