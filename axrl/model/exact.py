@@ -17,8 +17,9 @@ Why each op is what it is (measured on torch 2.13 CPU, one thread, fp32 and bf16
   formula that rounds differently; `x / (1 + exp(-x))` is invariant (exp's scalar and vector paths
   agree, division is exactly rounded).
 * Attention: the key reduction must not depend on how many keys follow a query's own position
-  (decode sees `kv_len` keys, a teacher-forced pass the whole sequence). Scores are per-key dot
-  products (multiply, then a sum over head_dim: a fixed-length reduction); the max is exact in any
+  (decode sees `kv_len` keys, a teacher-forced pass the whole sequence). Scores are one GEMM per
+  (sequence, head) over whole key blocks, with at least `SCORE_MIN_ROWS` query rows (the
+  reduction is over head_dim, fixed; entries measured invariant to the row and key counts); the max is exact in any
   order; the softmax denominator and the value sum are fixed-length sums over blocks of
   `KEY_BLOCK` keys aligned at column 0, then a sequential `cumsum` over the blocks read at the
   query's own block. Masked keys weigh exactly 0 inside a block on both sides, so left padding,
@@ -44,6 +45,8 @@ ROW_CHUNK = 16
 QUERY_BLOCK = 32
 # Keys per block of the attention sums (fixed, aligned at column 0: see `_attention_block`).
 KEY_BLOCK = 32
+# Query rows from which the score GEMM's entries are row-count invariant (1-3 rows take other kernels).
+SCORE_MIN_ROWS = 4
 
 
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,7 +115,13 @@ def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         kf = F.pad(kf, (0, 0, 0, pad))
         vf = F.pad(vf, (0, 0, 0, pad))
         mask = F.pad(mask, (0, pad))
-    scores = (qf.unsqueeze(3) * kf.unsqueeze(2)).sum(-1) * scale                      # [B, H, s, Kp]
+    s = qf.shape[2]
+    # Scores as one GEMM per (sequence, head): entry (i, j) depended neither on the number of query
+    # rows from SCORE_MIN_ROWS on nor on the key count in whole blocks (measured, fp32 and bf16);
+    # fewer query rows (a decode step) are zero-padded up to it.
+    if s < SCORE_MIN_ROWS:
+        qf = F.pad(qf, (0, 0, 0, SCORE_MIN_ROWS - s))
+    scores = (qf @ kf.transpose(-1, -2))[:, :, :s] * scale                              # [B, H, s, Kp]
     scores = scores.masked_fill(~mask, float("-inf"))
     e = torch.exp(scores - scores.amax(-1, keepdim=True))   # max: exact in any order; masked keys: 0
     B, H, s, Kp = e.shape
@@ -121,7 +130,13 @@ def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     # the query's own block: the same additions for the query whatever follows its column.
     own_block = own // KEY_BLOCK
     den = blocks.sum(-1).cumsum(-1).gather(-1, own_block[..., None])                  # [B, H, s, 1]
-    num = (blocks.unsqueeze(-1) * vf.view(B, H, 1, Kp // KEY_BLOCK, KEY_BLOCK, -1)).sum(-2).cumsum(3)
+    # Per key block, probs [s, KEY_BLOCK] @ values [KEY_BLOCK, D]: a GEMM with fixed reduction and
+    # output widths, batched over (sequence, head, block); query rows padded as for the scores.
+    nb = Kp // KEY_BLOCK
+    e_rows = blocks.permute(0, 1, 3, 2, 4).contiguous()  # [B, H, nb, s, KB]; one layout on every path
+    if s < SCORE_MIN_ROWS:
+        e_rows = F.pad(e_rows, (0, 0, 0, SCORE_MIN_ROWS - s))
+    num = (e_rows @ vf.view(B, H, nb, KEY_BLOCK, -1))[:, :, :, :s].permute(0, 1, 3, 2, 4).cumsum(3)
     num = num.gather(3, own_block[..., None, None].expand(B, H, s, 1, vf.shape[-1]))[:, :, :, 0]
     return num / den
 
