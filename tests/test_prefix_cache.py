@@ -204,11 +204,22 @@ def test_request_spanning_a_weight_update_is_not_cached(model):
         assert eng._scheduler.prefix_cache.num_cached_tokens == 0  # its mixed-version K/V stay out
 
 
-def test_model_decode_path_refuses_the_cache(model):
-    with pytest.raises(ValueError, match="prefix_cache"):
-        EmbeddedEngine(model, decode_impl="model", prefix_cache=True)
+def test_model_decode_path_reuses_the_cache_with_a_suffix_prefill(model):
+    """The model's own forward prefills only the uncached suffix (rollout.exact runs this path):
+    a second turn hits the cache and greedy decoding gives the same tokens as without a cache."""
     with EmbeddedEngine(model, decode_impl="model", max_seq_len=64) as eng:  # default: off there
         assert eng.health()["prefix_cache"] is None
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    first = list(range(10, 40))
+    outs = {}
+    for cached in (True, False):
+        with EmbeddedEngine(model, decode_impl="model", prefix_cache=cached, prefix_cache_block=4,
+                            max_seq_len=64) as eng:
+            a = eng.generate_batch([req(first, greedy)], timeout=60)[0]
+            b = eng.generate_batch([req(first + a.output_ids + [5, 6], greedy)], timeout=60)[0]
+            outs[cached] = (a.output_ids, b.output_ids, b.meta["cached_tokens"])
+    assert outs[True][2] > 0 and outs[False][2] == 0
+    assert outs[True][:2] == outs[False][:2]
 
 
 def test_free_slot_between_running_ones_is_not_reused_stale(model):

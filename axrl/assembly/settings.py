@@ -68,7 +68,7 @@ def backend_settings(cfg: Config, *, compute_dtype: str | None = None) -> Backen
 
         return BackendSettings("megatron", MegatronBackendConfig(**common, **t.megatron.layout()),
                                critic=critic, critic_model=critic_model)
-    return BackendSettings("torch", TorchBackendConfig(**common, lora=t.lora), critic=critic,
+    return BackendSettings("torch", TorchBackendConfig(**common, lora=t.lora, exact=cfg.rollout.exact), critic=critic,
                            critic_model=critic_model)
 
 
@@ -246,4 +246,5 @@ def loop_settings(cfg: Config) -> LoopSettings:
         manifest={"backend": cfg.train.backend, "engine": cfg.rollout.engine, "mode": cfg.runtime.mode,
                   "rollout_clock": rollout_clock(cfg), "rollout_weight_dtype": cfg.rollout.weight_dtype,
                   "rollout_kv_dtype": cfg.rollout.kv_dtype, "rollout_precision": cfg.rollout.precision,
+                  "rollout_exact": cfg.rollout.exact,
                   "corrections": loss_config(cfg).effective_corrections()})

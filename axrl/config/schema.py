@@ -61,7 +61,7 @@ class DataSection(Section):
 
 _ROLLOUT_KEY_ORDER = ("engine", "sglang", "vllm", "group_size", "temperature", "top_p", "top_k", "max_new_tokens",
                       "max_turns", "max_context_len", "max_batch_size", "prefix_cache", "prefix_cache_tokens",
-                      "weight_dtype", "precision", "kv_dtype")
+                      "weight_dtype", "precision", "kv_dtype", "exact")
 
 
 class RolloutSection(EngineSettings):
@@ -324,6 +324,31 @@ class Config(Section):
         if self.r3_scope is not None and not self.r3:
             raise ValueError("r3_scope: set only with r3: true (it narrows which routing R3 replays); "
                              "remove r3_scope or set r3: true")
+        return self
+
+    @model_validator(mode="after")
+    def _exact_mode(self) -> "Config":
+        r = self.rollout
+        if not r.exact:
+            return self
+        why = None
+        if r.engine != "embedded":
+            why = (f"rollout.engine: {r.engine} runs the server's own kernels, which this trainer cannot reproduce "
+                   "bitwise; use rollout.engine: embedded")
+        elif self.train.backend != "torch":
+            why = (f"train.backend: {self.train.backend} computes with its own (tensor-parallel) kernels, not the "
+                   "embedded model's exact op set; use train.backend: torch")
+        elif r.weight_dtype != "fp32" or r.kv_dtype != "auto":
+            why = ("rollout.weight_dtype / rollout.kv_dtype quantise the engine's weights or K/V, so it computes "
+                   "with other numbers than the trainer; leave them fp32 / auto (model.dtype sets the precision)")
+        elif self.train.lora is not None:
+            why = "train.lora: the LoRA adapters' forward is not in the exact op set; set train.lora: null"
+        elif self.runtime.mode == "async" and r.partial_rollout == "continue":
+            why = ("rollout.partial_rollout: continue keeps decoding across a weight update over K/V computed "
+                   "under the old weights, which no single version's forward reproduces; set "
+                   "rollout.partial_rollout: recompute (or drop)")
+        if why is not None:
+            raise ValueError(f"rollout.exact: true cannot be exact here: {why}")
         return self
 
     @model_validator(mode="after")

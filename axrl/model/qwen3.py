@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from axrl.model.config import ModelConfig
+from axrl.model.exact import exact_attention, exact_linear, exact_silu
 
 
 class KVCache(Protocol):
@@ -39,6 +40,18 @@ class ActivationProbe(Protocol):
 
     def at(self, point: str, layer: int, x: torch.Tensor) -> torch.Tensor:
         ...
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state-dict keys) with the exact variant of `axrl.model.exact`
+    behind the `exact` switch (`set_exact`)."""
+
+    exact = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exact:
+            return exact_linear(x, self.weight, self.bias)
+        return super().forward(x)
 
 
 class RMSNorm(nn.Module):
@@ -81,14 +94,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
+    exact = False  # `set_exact`: attention with `exact_attention`
+
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
@@ -105,6 +120,11 @@ class Attention(nn.Module):
         if self.n_kv != self.n_heads:
             rep = self.n_heads // self.n_kv
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if self.exact:
+            if mask is None:  # the S new tokens over themselves, causally
+                mask = causal_mask(None, B, S, x.device)
+            out = exact_attention(q, k, v, mask, self.head_dim ** -0.5)
+            return self.o_proj(out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
         # is_causal instead of an explicit mask lets SDPA pick its fused kernel (~2.5x faster on CPU).
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and S > 1,
                                              scale=self.head_dim ** -0.5)
@@ -114,14 +134,17 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward; also one expert of the MoE block."""
 
+    exact = False  # `set_exact`: a SiLU whose rounding does not depend on the element's place
+
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        act = exact_silu if self.exact else F.silu
+        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class SparseMoeBlock(nn.Module):
@@ -136,7 +159,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
 
     def forward(self, x: torch.Tensor, forced_experts: torch.Tensor | None = None, probe: ActivationProbe | None = None,
@@ -229,13 +252,18 @@ class Qwen3Model(nn.Module):
 
 
 class Qwen3ForCausalLM(nn.Module):
-    """The policy. `forward` serves training (full sequences) and inference (with a KV cache)."""
+    """The policy. `forward` serves training (full sequences) and inference (with a KV cache).
+
+    `exact` (set with `axrl.model.exact.set_exact`): the batch- and position-invariant op set, so
+    that a token's logits and routing are bitwise the same in any batch, in decode and teacher-forced."""
+
+    exact = False
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         self.model = Qwen3Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

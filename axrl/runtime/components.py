@@ -31,6 +31,7 @@ from axrl.inference.vllm.settings import VLLMSettings
 from axrl.model import (ModelConfig, Qwen3ForCausalLM, build_model, hf_state_dict, load_hf, load_weights_into,
                         preset_config)
 from axrl.model.device import resolve_device
+from axrl.model.exact import set_exact
 from axrl.rollout.blackbox import AgentSettings, BlackBoxPlayer
 from axrl.rollout.control import BatchSource, RolloutControl
 from axrl.rollout.pool import TrajectoryPool
@@ -420,7 +421,10 @@ def make_embedded_engine(source: ModelSource, s: EngineSettings, backend: TrainB
 def embedded_engine_for(s: EngineSettings, model: Qwen3ForCausalLM, tokenizer: Tokenizer, *,
                         clocked: bool) -> EmbeddedEngine:
     """The embedded engine of a run around `model` (also what a Ray engine actor builds)."""
+    if s.exact:  # true on-policy: the trainer's own forward and ops (axrl/model/exact.py)
+        set_exact(model, True)
     return EmbeddedEngine(model.eval(), max_batch_size=s.max_batch_size, max_seq_len=s.max_context_len,
+                          decode_impl="model" if s.exact else "fused",
                           eos_token_id=tokenizer.eos_token_id, clocked=clocked, prefix_cache=s.prefix_cache,
                           prefix_cache_tokens=s.prefix_cache_tokens, weight_dtype=s.weight_dtype,
                           kv_dtype=s.kv_dtype, precision=s.precision)

@@ -102,7 +102,7 @@ def start(s: LoopSettings, c: Components, run: RunDir, resume: bool,
                        extra={"task": c.task.name, "mode": m["mode"], "rollout_clock": m["rollout_clock"],
                               "chat_template": c.tokenizer.template_facts(),
                               **{k: m[k] for k in ("rollout_weight_dtype", "rollout_kv_dtype", "rollout_precision",
-                                                   "corrections")
+                                                   "rollout_exact", "corrections")
                                  if k in m}})
     if "corrections" in m:      # the corrections in effect, defaults resolved (algo.tis, decoupled)
         progress.log("corrections: " + (", ".join(f"{k} {v}" for k, v in m["corrections"].items()) or "none"))

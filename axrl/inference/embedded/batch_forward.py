@@ -129,7 +129,16 @@ class SlotBatch:
             self.advance([seqs[i] for i in go], self.model.lm_head(hidden))
 
     def prefill_chunk_model(self, seqs: list[SequenceState]) -> None:
-        """The model's full forward over right-padded prompts, writing K/V into the slots."""
+        """The model's full forward over right-padded prompts, writing K/V into the slots; a prompt
+        with a cached prefix (`cached_tokens` > 0) is prefilled alone, from there on."""
+        if any(s.cached_tokens for s in seqs):
+            fresh = [s for s in seqs if not s.cached_tokens]
+            if fresh:
+                self.prefill_chunk_model(fresh)
+            for seq in seqs:
+                if seq.cached_tokens:
+                    self.prefill_suffix_model(seq)
+            return
         lens = [len(s.prompt) for s in seqs]
         width = max(lens)
         ids = torch.tensor([s.prompt + [0] * (width - len(s.prompt)) for s in seqs], device=self.device)
@@ -146,6 +155,24 @@ class SlotBatch:
                 if seq.wants_routing:
                     seq.routing.append(routing[i, :lens[i]].copy())
         self.start_decoding(seqs, out.hidden[torch.arange(len(seqs)), torch.tensor(lens) - 1])  # last prompt token
+        for seq in seqs:  # as in the fused prefill: the other samples of a group reuse this prompt
+            cache_sequence(self.prefix_cache, seq, seq.prompt, self.is_moe)
+
+    def prefill_suffix_model(self, seq: SequenceState) -> None:
+        """The model's forward over prompt[cached_tokens:] of one request, attending over the K/V
+        its slot holds for the cached prefix (positions continue from there)."""
+        start, length = seq.cached_tokens, len(seq.prompt)
+        ids = torch.tensor([seq.prompt[start:]], device=self.device)
+        positions = torch.arange(start, length, device=self.device)
+        mask = (torch.arange(length, device=self.device)[None] <= positions[:, None])[None, None]
+        want_routing = self.is_moe and seq.wants_routing
+        out = self.model(ids, position_ids=positions[None], mask=mask,
+                         kv_cache=self.cache.suffix_writer(seq.slot, start), return_routing=want_routing,
+                         compute_logits=False)
+        if want_routing:
+            seq.routing.append(out.routed_experts[0].to(torch.int32).cpu().numpy().copy())
+        cache_sequence(self.prefix_cache, seq, seq.prompt, self.is_moe)
+        self.start_decoding([seq], out.hidden[:, -1])
 
     def decode_step(self) -> None:
         """Feed every running request its last token; one forward over slots [0, n)."""

@@ -96,8 +96,6 @@ class EmbeddedEngine:
             raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
         if decode_impl not in ("fused", "model"):
             raise ValueError(f"decode_impl must be 'fused' or 'model', got {decode_impl!r}")
-        if prefix_cache and decode_impl != "fused":
-            raise ValueError("prefix_cache needs decode_impl='fused' (the model's own forward has no suffix prefill)")
         if prefix_cache_tokens < 0 or prefix_cache_block < 1:
             raise ValueError(f"prefix_cache_tokens must be >= 0 and prefix_cache_block >= 1, "
                              f"got {prefix_cache_tokens}, {prefix_cache_block}")

@@ -102,6 +102,11 @@ class StaticKVCache(LayerKV):
         """Keys/values of slots [0, n) over columns [0, kv_len): views, no copy."""
         return self.k[layer][:n, :, :kv_len], self.v[layer][:n, :, :kv_len]
 
+    def suffix_writer(self, slot: int, start: int) -> "SuffixWriter":
+        """Adapter for prefilling one slot's prompt from column `start` on, over the K/V its first
+        `start` columns already hold (a prefix-cache hit), through the model's own forward."""
+        return SuffixWriter(self, slot, start)
+
     def decode_writer(self, n: int, positions: torch.Tensor, kv_len: int) -> "DecodeWriter":
         """Adapter for a one-token-per-slot decode step through the model's own forward."""
         return DecodeWriter(self, n, positions, kv_len)
@@ -132,3 +137,18 @@ class DecodeWriter:
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.cache.write_decode(layer_idx, self.rows, self.positions, k[:, :, 0], v[:, :, 0])
         return self.cache.view(layer_idx, self.n, self.kv_len)
+
+
+class SuffixWriter:
+    """`kv_cache=` for one slot's new prompt tokens k, v [1, n_kv, new, head_dim] at columns
+    [start, start + new): returns all of the slot's keys/values [0, start + new) to attend over."""
+
+    def __init__(self, cache: StaticKVCache, slot: int, start: int) -> None:
+        self.cache, self.slot, self.start = cache, slot, start
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.start + k.shape[2]
+        s = self.slot
+        self.cache.k[layer_idx][s:s + 1, :, self.start:end] = self.cache.stored(k)
+        self.cache.v[layer_idx][s:s + 1, :, self.start:end] = self.cache.stored(v)
+        return self.cache.k[layer_idx][s:s + 1, :, :end], self.cache.v[layer_idx][s:s + 1, :, :end]

@@ -34,6 +34,10 @@ class EngineSettings(Section):
     kv_dtype: KVDtype = Field(
         "auto", description="embedded engine: K/V cache precision (auto = model.dtype; fp8: e4m3, one scale per "
                             "token and head)")
+    exact: bool = Field(False, description="true on-policy: the embedded engine and the torch trainer run one "
+                                            "batch- and position-invariant op set (axrl/model/exact.py), so rollout "
+                                            "logprobs and MoE routing equal the trainer's bitwise; docs/train.md "
+                                            "\"True on-policy\"")
 
     def engine_settings(self) -> "EngineSettings":
         """This object's `EngineSettings` fields alone (a `RolloutSection`'s other keys left out)."""

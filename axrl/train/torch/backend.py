@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import torch
 
 from axrl.model import ModelConfig, Qwen3ForCausalLM, hf_state_dict, load_weights_into, save_hf
+from axrl.model.exact import set_exact
 from axrl.train.critic import Critic
 from axrl.train.checkpoint_files import check_optimizer_state, read_checkpoint, warn_config_diff, write_checkpoint
 from axrl.train.determinism import capture_rng_state, restore_rng_state, set_determinism
@@ -37,6 +38,7 @@ class TorchBackendConfig(BackendConfig):
     `BackendConfig`) plus `lora`: train LoRA adapters on a frozen base (None = full fine-tuning)."""
 
     lora: LoRAConfig | None = None
+    exact: bool = False  # rollout.exact: the forwards run the exact op set (axrl/model/exact.py)
 
 
 class TorchBackend:
@@ -52,7 +54,7 @@ class TorchBackend:
             set_determinism(config.seed, config.num_threads, deterministic=True)
         elif config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.model = model
+        self.model = set_exact(model, True) if config.exact else model
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         # With LoRA the base is frozen and only the adapters (PEFT names) train.

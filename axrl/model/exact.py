@@ -1,0 +1,155 @@
+"""Batch- and position-invariant ops: the op set of `rollout.exact: true` (true on-policy).
+
+A token's result here depends only on the token's own inputs (its row, its keys and values), not on
+how many other tokens share the call, where the token sits in it, or whether it runs in a decode
+step against the KV cache or in a teacher-forced pass. The model (`axrl.model.qwen3`) switches to
+these ops with `set_exact(model, True)`; the embedded engine (through the model's own forward) and
+the torch trainer then compute bitwise-equal logits and MoE routings for the same tokens.
+
+Why each op is what it is (measured on torch 2.13 CPU, one thread, fp32 and bf16):
+
+* Linear layers: a GEMM's row results change with the number of rows at small M (fp32: M = 1-3
+  take GEMV / small-M kernels; from 4 rows on every row's result was the same for any M and any
+  place in the call, for all of tiny-moe's shapes), so a call with fewer rows is zero-padded up
+  to the measured `gemm_min_rows`. Where no such M exists the fallback feeds rows in fixed
+  [ROW_CHUNK, in] GEMMs (a fixed-shape GEMM gives each row the same result wherever it sits).
+* SiLU: fp32 `F.silu` computes the tail of a tensor (numel mod the SIMD width) with a scalar
+  formula that rounds differently; `x / (1 + exp(-x))` is invariant (exp's scalar and vector paths
+  agree, division is exactly rounded).
+* Attention: the key reduction must not depend on how many keys follow a query's own position
+  (decode sees `kv_len` keys, a teacher-forced pass the whole sequence). Scores are one GEMM per
+  (sequence, head) over whole key blocks, with at least `SCORE_MIN_ROWS` query rows (the
+  reduction is over head_dim, fixed; entries measured invariant to the row and key counts); the max is exact in any
+  order; the softmax denominator and the value sum are fixed-length sums over blocks of
+  `KEY_BLOCK` keys aligned at column 0, then a sequential `cumsum` over the blocks read at the
+  query's own block. Masked keys weigh exactly 0 inside a block on both sides, so left padding,
+  later keys and other prefix-tree branches change nothing.
+* RMSNorm, softmax / top-k over experts, log-softmax, embedding and RoPE are row-local in torch's
+  CPU kernels already (checked the same way); the MoE combine adds a token's experts in ascending
+  expert order (`index_add_` per expert) in both users.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Rows per GEMM call. Any fixed size works for invariance; 16 keeps the zero-padding waste of a
+# decode step small while the teacher-forced pass still gets real GEMMs.
+ROW_CHUNK = 16
+# Queries per attention block in a teacher-forced pass: bounds the [queries, keys, head_dim]
+# temporaries (they are freed after each block, also under autograd).
+QUERY_BLOCK = 32
+# Keys per block of the attention sums (fixed, aligned at column 0: see `_attention_block`).
+KEY_BLOCK = 32
+# Query rows from which the score GEMM's entries are row-count invariant (1-3 rows take other kernels).
+SCORE_MIN_ROWS = 4
+
+
+def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) with every row's result independent of the other rows.
+
+    When this machine's GEMM gives row-invariant results from `min_rows` rows on (`gemm_min_rows`,
+    measured once per shape), a call with fewer rows is zero-padded to `min_rows`; otherwise every
+    row goes through [ROW_CHUNK, in] GEMMs."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, d)
+    n = rows.shape[0]
+    min_rows = gemm_min_rows(d, weight.shape[0], weight.dtype, torch.get_num_threads())
+    if min_rows:
+        if n >= min_rows:
+            return F.linear(x, weight, bias)
+        out = F.linear(torch.cat([rows, rows.new_zeros(min_rows - n, d)]), weight, bias)[:n]
+        return out.reshape(*lead, weight.shape[0])
+    pad = (-n) % ROW_CHUNK
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, d)])
+    out = torch.cat([F.linear(chunk, weight, bias) for chunk in rows.split(ROW_CHUNK)])
+    return out[:n].reshape(*lead, weight.shape[0])
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_min_rows(d_in: int, d_out: int, dtype: torch.dtype, threads: int) -> int:
+    """The smallest row count m ≤ 8 from which `F.linear`'s row results no longer depend on the
+    number of rows or a row's place, measured here on random data for this shape, dtype and
+    thread count (CPU BLAS takes GEMV or small-M kernels below it: rows 1-3 differ in fp32 on the
+    machine this was written on); 0 when none is (then `exact_linear` uses fixed-size chunks)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(d_out, d_in, generator=g).to(dtype)
+    x = torch.randn(160, d_in, generator=g).to(dtype)
+    with torch.no_grad():
+        ref = F.linear(x, w)
+        for m in range(1, 9):
+            counts = [*range(m, 20), 31, 32, 33, 64, 97, 160]
+            if all(torch.equal(F.linear(x[s:s + n], w), ref[s:s + n]) for n in counts for s in (0, 160 - n)):
+                return m
+    return 0
+
+
+def exact_silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU whose value for an element does not depend on where it sits in the tensor."""
+    return x / (1 + torch.exp(-x))
+
+
+def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Attention of q [B, H, S, D] over k, v [B, H, K, D] (heads already matched) under the bool
+    mask [B, 1|H, S, K]; each query's last visible key must be its own position (causal, as in
+    every caller). Computed in fp32, returned in q's dtype. See the module docstring."""
+    out = [_attention_block(q[:, :, s:s + QUERY_BLOCK], k, v, mask[:, :, s:s + QUERY_BLOCK], scale)
+           for s in range(0, q.shape[2], QUERY_BLOCK)]
+    return (out[0] if len(out) == 1 else torch.cat(out, dim=2)).to(q.dtype)
+
+
+def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    qf, kf, vf = q.float(), k.float(), v.float()
+    K = mask.shape[-1]
+    # The query's own column: its last visible key (computed before padding the keys).
+    own = (K - 1 - mask.flip(-1).to(torch.int8).argmax(-1)).expand(*q.shape[:3])       # [B, H, s]
+    pad = (-K) % KEY_BLOCK
+    if pad:  # whole key blocks from column 0: padded keys are masked, so they weigh exactly 0
+        kf = F.pad(kf, (0, 0, 0, pad))
+        vf = F.pad(vf, (0, 0, 0, pad))
+        mask = F.pad(mask, (0, pad))
+    s = qf.shape[2]
+    # Scores as one GEMM per (sequence, head): entry (i, j) depended neither on the number of query
+    # rows from SCORE_MIN_ROWS on nor on the key count in whole blocks (measured, fp32 and bf16);
+    # fewer query rows (a decode step) are zero-padded up to it.
+    if s < SCORE_MIN_ROWS:
+        qf = F.pad(qf, (0, 0, 0, SCORE_MIN_ROWS - s))
+    scores = (qf @ kf.transpose(-1, -2))[:, :, :s] * scale                              # [B, H, s, Kp]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    e = torch.exp(scores - scores.amax(-1, keepdim=True))   # max: exact in any order; masked keys: 0
+    B, H, s, Kp = e.shape
+    blocks = e.view(B, H, s, Kp // KEY_BLOCK, KEY_BLOCK)
+    # Fixed-length sums inside each key block, then a sequential cumsum over the blocks, read at
+    # the query's own block: the same additions for the query whatever follows its column.
+    own_block = own // KEY_BLOCK
+    den = blocks.sum(-1).cumsum(-1).gather(-1, own_block[..., None])                  # [B, H, s, 1]
+    # Per key block, probs [s, KEY_BLOCK] @ values [KEY_BLOCK, D]: a GEMM with fixed reduction and
+    # output widths, batched over (sequence, head, block); query rows padded as for the scores.
+    nb = Kp // KEY_BLOCK
+    e_rows = blocks.permute(0, 1, 3, 2, 4).contiguous()  # [B, H, nb, s, KB]; one layout on every path
+    if s < SCORE_MIN_ROWS:
+        e_rows = F.pad(e_rows, (0, 0, 0, SCORE_MIN_ROWS - s))
+    num = (e_rows @ vf.view(B, H, nb, KEY_BLOCK, -1))[:, :, :, :s].permute(0, 1, 3, 2, 4).cumsum(3)
+    num = num.gather(3, own_block[..., None, None].expand(B, H, s, 1, vf.shape[-1]))[:, :, :, 0]
+    return num / den
+
+
+def set_exact(model: nn.Module, on: bool) -> nn.Module:
+    """Switch every submodule of `model` that has an exact variant (`exact` attribute) to it, or
+    back; returns the model."""
+    for module in model.modules():
+        if hasattr(module, "exact"):
+            module.exact = on
+    return model
+
+
+def is_exact(model: nn.Module) -> bool:
+    """Whether `model` runs the exact op set."""
+    return bool(getattr(model, "exact", False))
