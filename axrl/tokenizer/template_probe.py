@@ -118,20 +118,33 @@ def check_shapes(render: Render, source: str, template: str = "") -> Shapes:
     return Shapes(form, fold)
 
 
-def call_body(render: Render, form: str, eos_token: str) -> str | None:
+def turn_end_at(text: str, start: int, ends: str | tuple[str, ...]) -> tuple[int, str]:
+    """Where the turn that starts at ``start`` ends: the last occurrence of the first of
+    ``ends`` (the turn end first, then the other stop tokens) found after ``start``; (-1, "")
+    when none is."""
+    for end in (ends,) if isinstance(ends, str) else ends:
+        if end and (at := text.rfind(end)) >= start:
+            return at, end
+    return -1, ""
+
+
+def call_body(render: Render, form: str, eos_token: str | tuple[str, ...]) -> str | None:
     """The text a template writes for one probe call after the reply's opening, an empty
-    ``<think></think>`` block it puts in front (Qwen3 does, in the last turn) left out."""
+    ``<think></think>`` block it puts in front (Qwen3 does, in the last turn) left out.
+    ``eos_token``: the turn end, or every token that may end a turn — gpt-oss ends a call's turn
+    with ``<|call|>``, not with the ``<|return|>`` of a final answer."""
     messages = [_USER, {"role": "assistant", "content": "", "tool_calls": [probe_call(form)]}]
     tools = [PROBE_TOOL]  # calls come with tools (and Hermes-3's `tool_use` template renders them)
     text, before = render(messages, tools=tools), render(messages[:1], tools=tools, add_generation_prompt=True)
     opening = os.path.commonprefix([text, before])
-    if not before.startswith(opening) or eos_token not in text[len(opening):]:
+    stop, _ = turn_end_at(text, len(opening), eos_token)
+    if not before.startswith(opening) or stop < 0:
         return None
-    body = text[len(opening):text.rindex(eos_token)]
+    body = text[len(opening):stop]
     return re.sub(r"^\s*<think>\s*</think>\s*", "", body)
 
 
-def tool_call_format(render: Render, form: str, eos_token: str) -> ToolCallFormat | None:
+def tool_call_format(render: Render, form: str, eos_token: str | tuple[str, ...]) -> ToolCallFormat | None:
     """How the template writes a tool call (see :class:`ToolCallFormat`), from its rendering of
     one probe call; None when it writes none that AxRL can read (e.g. it drops ``tool_calls``)."""
     body = call_body(render, form, eos_token)
@@ -159,7 +172,7 @@ def tool_call_format(render: Render, form: str, eos_token: str) -> ToolCallForma
     return None
 
 
-def _per_call(render: Render, messages: list[Message], before: str, eos_token: str, opening: str,
+def _per_call(render: Render, messages: list[Message], before: str, eos_token: str | tuple[str, ...], opening: str,
               closing: str) -> tuple[str, str]:
     """The text around *each* call when the template also wraps the whole list (DeepSeek's
     <｜tool▁calls▁begin｜> … <｜tool▁calls▁end｜>): a two-call rendering shows what sits between

@@ -148,6 +148,9 @@ def _tool_result_placement(tok: Tokenizer) -> str:
 def _reasoning(tok: Tokenizer, conversation: list[Message]) -> str:
     """Whether an earlier turn's <think> block survives a new question."""
     parser = f" ({tok.reasoning_parser} reasoning parser)" if tok.reasoning_parser else ""
+    if tok.reasoning_parser == "openai":  # harmony: reasoning is the analysis channel, not <think>
+        return ("the analysis channel (<|channel|>analysis), separated from the answer by the openai reasoning "
+                "parser; what the template re-renders of it in later turns is counted as drift")
     whole = str(tok.apply_chat_template(conversation, tools=SAMPLE_TOOLS, tokenize=False))
     if "add them" in whole:
         return f"<think>…</think> kept in every turn{parser}"

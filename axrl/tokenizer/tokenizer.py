@@ -82,6 +82,10 @@ class Tokenizer:
                              f"({sorted(declared)}: tokenizer_config.json eos_token, generation_config.json / "
                              "config.json eos_token_id); generation would not stop at the end of a turn")
         self.stop_token_ids: list[int] = sorted(declared | {self.eos_token_id})
+        # What may close a turn: the turn end first, then the other stop tokens (gpt-oss closes a
+        # call's turn with <|call|> and a final answer with <|return|>).
+        self.turn_ends: tuple[str, ...] = (self.eos_token, *(
+            t for i in self.stop_token_ids if (t := self._tok.id_to_token(i)) and t != self.eos_token))
         pad = self.template_tokens.get("pad_token")
         self.pad_token_id: int = self._require_id(pad) if pad else pad_token_id if pad_token_id is not None \
             else self.eos_token_id
@@ -96,9 +100,11 @@ class Tokenizer:
         whose format the template writes), and the learned :class:`ToolCallFormat` for templates
         of no known family."""
         render = lambda m, **kw: self._render(m, **kw)  # noqa: E731
+        # A call's turn may end with another stop token than a final answer's (gpt-oss: <|call|>).
+        ends = self.turn_ends
         self.tool_call_format: ToolCallFormat | None = (
-            _probe.tool_call_format(render, form, self.eos_token) if form else None)
-        body = _probe.call_body(render, form, self.eos_token) if form else None
+            _probe.tool_call_format(render, form, ends) if form else None)
+        body = _probe.call_body(render, form, ends) if form else None
         name = tool_parser or (detect_tool_parser(body) if body else None)
         self.tool_parser: ToolParser | None = get_tool_parser(name) if name else None
         gen = self._generation_prompt
@@ -198,8 +204,24 @@ class Tokenizer:
         the template would render differently *before* the reply is drift (``axrl.core.token_stream.drift_tokens``).
         """
         marked = [*history[:-1], {"role": "assistant", "content": _MARK}, *new_messages]
-        text = self._render(marked, tools=tools, add_generation_prompt=add_generation_prompt)
+        try:
+            text = self._render(marked, tools=tools, add_generation_prompt=add_generation_prompt)
+        except ValueError:
+            # The template needs the reply's calls to render what follows (gpt-oss names a tool
+            # result after the call it answers): render the reply itself and cut after its close.
+            return self._continuation_after_reply(history, new_messages, tools, add_generation_prompt)
         return self.encode(text[text.rindex(_MARK) + 1:])
+
+    def _continuation_after_reply(self, history: list[Message], new_messages: list[Message],
+                                  tools: list[dict[str, Any]] | None, add_generation_prompt: bool) -> list[int]:
+        """:meth:`continuation_ids` with the reply rendered as it is: the reply's close, then what
+        the whole conversation renders after the part it shares with the history alone."""
+        head = self._render(history, tools=tools)
+        full = self._render([*history, *new_messages], tools=tools, add_generation_prompt=add_generation_prompt)
+        at, end = _probe.turn_end_at(head, 0, self.turn_ends)
+        shared = len(os.path.commonprefix([head, full]))
+        rest = full[max(shared, at + len(end)) if at >= 0 else shared:]
+        return [self._require_id(end) if end else self.eos_token_id] + self.encode(rest)
 
     def episode_ids(self, conversation: list[Message],
                     tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[int]]:
@@ -215,7 +237,7 @@ class Tokenizer:
         ids = list(self.apply_chat_template(conversation[:turns[0]], tools=tools, add_generation_prompt=True))
         mask = [0] * len(ids)
         for i, nxt in zip(turns, turns[1:] + [len(conversation)]):
-            reply = self.encode(self.reply_text(conversation[i])) + [self.eos_token_id]
+            reply = self.encode(self.reply_text(conversation[i])) + [self.reply_end_id(conversation[i])]
             after = self.continuation_ids(conversation[:i + 1], conversation[i + 1:nxt], tools,
                                           add_generation_prompt=nxt > i + 1 or i != turns[-1])[1:]
             ids += reply + after
@@ -260,12 +282,23 @@ class Tokenizer:
         # A generation prompt that opens a block (R1's `<think>\n`, which history never shows) is
         # left out: the reply is what follows the part both renderings share.
         opening = len(os.path.commonprefix([before, text]))
-        if opening < len(before) - len(self.generation_prompt_text()) or self.eos_token not in text[opening:]:
+        stop, _ = _probe.turn_end_at(text, opening, self.turn_ends)
+        if opening < len(before) - len(self.generation_prompt_text()) or stop < 0:
             raise ValueError(f"{self.source}: cannot isolate the text of assistant message {message!r}: the template "
                              f"renders the conversation before it differently once the reply is added (with the "
                              f"generation prompt: {before[-60:]!r}; with the reply: {text[:len(before)][-60:]!r}); "
                              "such a template re-renders history on every turn, which AxRL cannot stream")
-        return text[opening:text.rindex(self.eos_token)]
+        return text[opening:stop]
+
+    def reply_end_id(self, message: Message) -> int:
+        """The token that closes assistant ``message`` as the template writes it: the turn end,
+        or the stop token the template puts there instead (gpt-oss closes a call with <|call|>)."""
+        user = {"role": "user", "content": _MARK}
+        tools = [_probe.PROBE_TOOL] if message.get("tool_calls") else None
+        before = self._render([user], tools=tools, add_generation_prompt=True)
+        text = self._render([user, message], tools=tools)
+        _, end = _probe.turn_end_at(text, len(os.path.commonprefix([before, text])), self.turn_ends)
+        return self._require_id(end) if end else self.eos_token_id
 
     # -- vocabulary ---------------------------------------------------------------------
 
