@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from axrl.tokenizer.tool_calls import ToolCallFormat, _json_at, call_id, hf_tool_call, hf_tool_result
+from axrl.tokenizer.tool_parsers import detect_tool_parser, get_tool_parser
 
 Message = dict[str, Any]
 Render = Callable[..., str]  # render(messages, tools=..., add_generation_prompt=...) -> text
@@ -55,8 +56,25 @@ def arguments_form(render: Render) -> tuple[str | None, str]:
             continue
         if form == "string" and '\\"x\\"' in text:
             continue  # the template serialised the string again: it wants a mapping
+        if form == "string" and _reads_back(render, "mapping") and not _reads_back(render, "string"):
+            continue  # a known family's format that only a mapping fills (GLM-4.5: <arg_key>x</arg_key>)
         return form, ""
     return None, error
+
+
+def _reads_back(render: Render, form: str) -> bool:
+    """Whether the call rendered with ``form`` arguments parses back, by the family parser its
+    text matches, to the probe's name and arguments."""
+    try:
+        text = render([_USER, {"role": "assistant", "content": "", "tool_calls": [probe_call(form)]}],
+                      tools=[PROBE_TOOL])
+        body = text[len(os.path.commonprefix([text, render([_USER], tools=[PROBE_TOOL],
+                                                           add_generation_prompt=True)])):]
+    except Exception:  # the template refuses this form
+        return False
+    name = detect_tool_parser(body)
+    calls = get_tool_parser(name).parse(body) if name else []
+    return any(c.get("name") == "probe" and c.get("arguments") == PROBE_ARGS for c in calls)
 
 
 def _try(render: Render, messages: list[Message], with_tools: bool) -> str | None:
@@ -128,7 +146,7 @@ def turn_end_at(text: str, start: int, ends: str | tuple[str, ...]) -> tuple[int
     return -1, ""
 
 
-def call_body(render: Render, form: str, eos_token: str | tuple[str, ...]) -> str | None:
+def call_body(render: Render, form: str, eos_token: str | tuple[str, ...], implicit: bool = False) -> str | None:
     """The text a template writes for one probe call after the reply's opening, an empty
     ``<think></think>`` block it puts in front (Qwen3 does, in the last turn) left out.
     ``eos_token``: the turn end, or every token that may end a turn — gpt-oss ends a call's turn
@@ -138,16 +156,18 @@ def call_body(render: Render, form: str, eos_token: str | tuple[str, ...]) -> st
     text, before = render(messages, tools=tools), render(messages[:1], tools=tools, add_generation_prompt=True)
     opening = os.path.commonprefix([text, before])
     stop, _ = turn_end_at(text, len(opening), eos_token)
+    stop = len(text) if stop < 0 and implicit else stop  # nothing closes the turn (GLM-4.5)
     if not before.startswith(opening) or stop < 0:
         return None
     body = text[len(opening):stop]
     return re.sub(r"^\s*<think>\s*</think>\s*", "", body)
 
 
-def tool_call_format(render: Render, form: str, eos_token: str | tuple[str, ...]) -> ToolCallFormat | None:
+def tool_call_format(render: Render, form: str, eos_token: str | tuple[str, ...],
+                     implicit: bool = False) -> ToolCallFormat | None:
     """How the template writes a tool call (see :class:`ToolCallFormat`), from its rendering of
     one probe call; None when it writes none that AxRL can read (e.g. it drops ``tool_calls``)."""
-    body = call_body(render, form, eos_token)
+    body = call_body(render, form, eos_token, implicit)
     if body is None:
         return None
     messages = [_USER, {"role": "assistant", "content": "", "tool_calls": [probe_call(form)]}]

@@ -65,6 +65,8 @@ class Tokenizer:
         self.chat_templates: dict[str, str] = _pick_templates(self.config.get("chat_template"), source)
         self.chat_template: str = self.chat_templates.get("default") or next(iter(self.chat_templates.values()))
         self.fold_system = False  # set by the probes: AxRL folds the system prompt for templates without one
+        # True when the template writes no token after a reply: the next turn's opening ends it (GLM-4.5).
+        self.turn_end_implicit = False
         # transformers renders templates with the special-token strings of the config.
         self.template_tokens = {k: v for k in TEMPLATE_TOKENS if (v := _token_str(self.config.get(k)))}
         shapes = _probe.check_shapes(lambda m, **kw: self.apply_chat_template(m, tokenize=False, **kw), source,
@@ -103,8 +105,8 @@ class Tokenizer:
         # A call's turn may end with another stop token than a final answer's (gpt-oss: <|call|>).
         ends = self.turn_ends
         self.tool_call_format: ToolCallFormat | None = (
-            _probe.tool_call_format(render, form, ends) if form else None)
-        body = _probe.call_body(render, form, ends) if form else None
+            _probe.tool_call_format(render, form, ends, self.turn_end_implicit) if form else None)
+        body = _probe.call_body(render, form, ends, self.turn_end_implicit) if form else None
         name = tool_parser or (detect_tool_parser(body) if body else None)
         self.tool_parser: ToolParser | None = get_tool_parser(name) if name else None
         gen = self._generation_prompt
@@ -184,8 +186,15 @@ class Tokenizer:
 
     def _turn_end_id(self) -> int:
         # After a user turn: templates that check role alternation (Mistral) refuse a lone reply.
-        text = self._render([{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}])
+        user = {"role": "user", "content": "u"}
+        text = self._render([user, {"role": "assistant", "content": _MARK}])
         after = self.encode(text[text.rindex(_MARK) + 1:])
+        if not after:
+            # GLM-4.5 writes nothing after a reply: the model ends its turn by generating the next
+            # turn's opening (<|user|>, <|observation|>), which generation_config lists as eos.
+            text = self._render([user, {"role": "assistant", "content": _MARK}, user])
+            after = self.encode(text[text.rindex(_MARK) + 1:])
+            self.turn_end_implicit = bool(after) and after[0] in self.special_token_ids
         if not after or after[0] not in self.special_token_ids:
             raise ValueError(f"{self.source}: the chat template does not close an assistant message with a special "
                              f"token (it writes {text[text.rindex(_MARK) + 1:]!r} after the text); the agent loop "
@@ -237,9 +246,11 @@ class Tokenizer:
         ids = list(self.apply_chat_template(conversation[:turns[0]], tools=tools, add_generation_prompt=True))
         mask = [0] * len(ids)
         for i, nxt in zip(turns, turns[1:] + [len(conversation)]):
-            reply = self.encode(self.reply_text(conversation[i])) + [self.reply_end_id(conversation[i])]
-            after = self.continuation_ids(conversation[:i + 1], conversation[i + 1:nxt], tools,
-                                          add_generation_prompt=nxt > i + 1 or i != turns[-1])[1:]
+            glue = self.continuation_ids(conversation[:i + 1], conversation[i + 1:nxt], tools,
+                                         add_generation_prompt=nxt > i + 1 or i != turns[-1])
+            # Where the next turn's opening ends a reply (GLM-4.5), the close is that opening.
+            end = glue[0] if self.turn_end_implicit and glue else self.reply_end_id(conversation[i])
+            reply, after = self.encode(self.reply_text(conversation[i])) + [end], glue[1:]
             ids += reply + after
             mask += [1] * len(reply) + [0] * len(after)
         return ids, mask
@@ -283,6 +294,7 @@ class Tokenizer:
         # left out: the reply is what follows the part both renderings share.
         opening = len(os.path.commonprefix([before, text]))
         stop, _ = _probe.turn_end_at(text, opening, self.turn_ends)
+        stop = len(text) if stop < 0 and self.turn_end_implicit else stop  # the reply is all that follows
         if opening < len(before) - len(self.generation_prompt_text()) or stop < 0:
             raise ValueError(f"{self.source}: cannot isolate the text of assistant message {message!r}: the template "
                              f"renders the conversation before it differently once the reply is added (with the "
