@@ -257,7 +257,8 @@ _HARMONY_CALL = re.compile(r"to=functions\.([^\s<]+)[^<]*(?:<\|channel\|>[^<]*)?
 def _openai(text: str) -> list[Call]:
     calls: list[Call] = []
     for m in _HARMONY_CALL.finditer(text):
-        if not m.group(3):
+        # A reply's text ends where its stop token (<|call|>) was cut off: complete JSON there is a call.
+        if not m.group(3) and _json_at(m.group(2).strip(), 0) is None:
             calls.append(_entry(m.group(2).strip(), name=m.group(1), error="unterminated call (no <|call|>)"))
             continue
         calls.append(_named(m.group(0), m.group(1), m.group(2).strip()))
