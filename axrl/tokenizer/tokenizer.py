@@ -408,14 +408,15 @@ class Tokenizer:
         ``<think>`` blocks, harmony's analysis channel); ("", text) for templates without reasoning."""
         return split_reasoning(text, self.reasoning_parser, opened=self.reasoning_opened)
 
-    def parse_tool_calls(self, text: str) -> list[dict[str, Any]]:
+    def parse_tool_calls(self, text: str, tools: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """The tool calls in assistant ``text``, after its reasoning, by the family's parser
         (:attr:`tool_parser`), else in the format read off the template (:attr:`tool_call_format`;
-        ``<tool_call>`` blocks when it has none). Never raises: a malformed call is an entry with
-        ``error`` set."""
+        ``<tool_call>`` blocks when it has none). ``tools`` (the request's schemas) type the values
+        of XML formats (Qwen3-Coder, GLM-4.5): a ``string`` parameter "95" stays a string. Never
+        raises: a malformed call is an entry with ``error`` set."""
         _, rest = self.split_reasoning(text)
         if self.tool_parser is not None:
-            return self.tool_parser.parse(rest)
+            return self.tool_parser.parse_calls(rest, tools)
         return parse_with_format(rest, self.tool_call_format)
 
     def reply_message(self, text: str) -> Message:
