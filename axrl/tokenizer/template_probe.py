@@ -146,6 +146,13 @@ def turn_end_at(text: str, start: int, ends: str | tuple[str, ...]) -> tuple[int
     return -1, ""
 
 
+def _whole_markers(prefix: str) -> str:
+    """``prefix`` without a marker it cuts in two: where the generation prompt opens a block that
+    a call's turn does not (R1's ``<think>\n``), the shared text may end inside ``<｜…｜>``."""
+    cut = prefix.rfind("<")
+    return prefix[:cut] if cut > prefix.rfind(">") else prefix
+
+
 def call_body(render: Render, form: str, eos_token: str | tuple[str, ...], implicit: bool = False) -> str | None:
     """The text a template writes for one probe call after the reply's opening, an empty
     ``<think></think>`` block it puts in front (Qwen3 does, in the last turn) left out.
@@ -154,7 +161,7 @@ def call_body(render: Render, form: str, eos_token: str | tuple[str, ...], impli
     messages = [_USER, {"role": "assistant", "content": "", "tool_calls": [probe_call(form)]}]
     tools = [PROBE_TOOL]  # calls come with tools (and Hermes-3's `tool_use` template renders them)
     text, before = render(messages, tools=tools), render(messages[:1], tools=tools, add_generation_prompt=True)
-    opening = os.path.commonprefix([text, before])
+    opening = _whole_markers(os.path.commonprefix([text, before]))
     stop, _ = turn_end_at(text, len(opening), eos_token)
     stop = len(text) if stop < 0 and implicit else stop  # nothing closes the turn (GLM-4.5)
     if not before.startswith(opening) or stop < 0:
