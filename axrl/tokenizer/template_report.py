@@ -148,6 +148,8 @@ def _tool_result_placement(tok: Tokenizer) -> str:
 def _reasoning(tok: Tokenizer, conversation: list[Message]) -> str:
     """Whether an earlier turn's <think> block survives a new question."""
     parser = f" ({tok.reasoning_parser} reasoning parser)" if tok.reasoning_parser else ""
+    if not tok.reasoning_parser:
+        return "no reasoning block in this template (replies are kept as the model wrote them)"
     if tok.reasoning_parser == "openai":  # harmony: reasoning is the analysis channel, not <think>
         return ("the analysis channel (<|channel|>analysis), separated from the answer by the openai reasoning "
                 "parser; what the template re-renders of it in later turns is counted as drift")
