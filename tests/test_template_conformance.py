@@ -404,3 +404,20 @@ def test_check_template_follows_templates_whose_turns_close_otherwise(name, dirs
     assert result.exit_code == 0 and "Traceback" not in result.output, result.output
     assert "AxRL can follow it" in result.output and "identically" in result.output
     assert f"tool parser    {EXPECTED[name][4]}" in result.output
+
+
+def test_a_gpt_oss_reply_becomes_the_message_its_template_reads(dirs, hf):
+    """gpt-oss's published template refuses `<|channel|>` inside `content`: a reply is kept as the
+    analysis channel in `thinking`, the final channel in `content`, a call as `tool_calls`, and the
+    kept conversation renders as transformers renders it."""
+    tok = load_tokenizer(dirs["gpt_oss"])
+    final = tok.reply_message("<|channel|>analysis<|message|>Add them.<|end|><|start|>assistant<|channel|>final"
+                              "<|message|>95")
+    assert final == {"role": "assistant", "content": "95", "thinking": "Add them."}
+    call = tok.reply_message('<|channel|>analysis<|message|>Use it.<|end|><|start|>assistant to=functions.calculator'
+                             '<|channel|>commentary <|constrain|>json<|message|>{"expression": "37 + 58"}')
+    assert call["content"] == "" and call["thinking"] == "Use it."
+    assert [c["function"]["name"] for c in call["tool_calls"]] == ["calculator"]
+    chat = [{"role": "user", "content": "What is 37 + 58?"}, call, hf_tool_result("95", 1), final]
+    assert "<|channel|>analysis<|message|><|channel|>" not in tok.apply_chat_template(chat, tokenize=False)
+    assert tok.apply_chat_template(chat, tokenize=False) == hf["gpt_oss"].apply_chat_template(chat, tokenize=False)

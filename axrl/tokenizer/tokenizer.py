@@ -426,12 +426,27 @@ class Tokenizer:
         text); otherwise the text as it is. Where the template writes the calls differently from
         the model, the difference is drift."""
         calls = self.parse_tool_calls(text) if self.tool_parser is not None else []
+        if self.reasoning_parser == "openai":
+            return self._harmony_message(text, calls)
         if not calls or any(c["error"] for c in calls):
             return {"role": "assistant", "content": text}
         start = self.tool_call_start
         prose = text.split(start, 1)[0].strip() if start else ""
         return {"role": "assistant", "content": prose,
                 "tool_calls": [self.call_message(c["name"], c["arguments"], k + 1) for k, c in enumerate(calls)]}
+
+    def _harmony_message(self, text: str, calls: list[dict[str, Any]]) -> Message:
+        """A gpt-oss reply as its template reads it: the analysis channel as ``thinking``, the
+        final channel as ``content`` (the published template refuses ``<|channel|>`` in either)."""
+        thinking, final = self.split_reasoning(text)
+        message: Message = {"role": "assistant", "content": "" if calls else final}
+        if thinking:
+            message["thinking"] = thinking
+        if calls and not any(c["error"] for c in calls):
+            message["tool_calls"] = [self.call_message(c["name"], c["arguments"], k + 1) for k, c in enumerate(calls)]
+        elif calls:  # malformed: kept as text the template can render
+            message["content"] = final
+        return message
 
     def template_facts(self) -> dict[str, Any]:
         """What AxRL chose for this chat template, for the run's manifest: the tool-call and reasoning
