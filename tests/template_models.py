@@ -76,6 +76,15 @@ CONVENTIONS = {c.name: c for c in (
                            "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
                            "<|tool_call_argument_begin|>", "<|tool_call_end|>", "[PAD]"),
                eos="<|im_end|>", pad="[PAD]", stop=("[EOS]",)),
+    # gpt-oss (harmony): <|return|> ends a final answer, <|call|> a call's turn; both are eos in generation_config.
+    Convention("gpt_oss", ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>",
+                           "<|start|>", "<|end|>", "<|message|>", "<|call|>"),
+               eos="<|return|>", pad="<|endoftext|>", bos="<|startoftext|>", stop=("<|endoftext|>", "<|call|>")),
+    # GLM-4.5: nothing closes a reply; the model generates the next turn's <|user|> / <|observation|>.
+    Convention("glm45", ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
+                         "<|observation|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>",
+                         "</arg_key>", "<arg_value>", "</arg_value>", "<tool_response>", "</tool_response>"),
+               eos="<|endoftext|>", pad="<|endoftext|>", stop=("<|user|>", "<|observation|>")),
     # Hermes-3 ships named templates: `default` (no tools) and `tool_use`.
     Convention("hermes3", CHATML_SPECIALS, eos="<|im_end|>", pad="<|endoftext|>", named=("tool_use",)),
 )}

@@ -64,7 +64,17 @@ EXPECTED = {
                      2, "string"),
     "r1_distill": ("<｜end▁of▁sentence｜>", "<｜Assistant｜><think>\n", None, True, None, 0, "mapping"),
     "gemma": ("<end_of_turn>", "<start_of_turn>model\n", None, False, None, 0, "mapping"),
+    # harmony writes one call per turn; a final answer ends with <|return|> but with <|end|> in history: drift
+    "gpt_oss": ("<|return|>", "<|start|>assistant", "to=functions.", True, "openai", 1, "mapping"),
+    # no token closes a reply: the next turn's <|user|> does (or <|observation|> before tool results)
+    "glm45": ("<|user|>", "<|assistant|>", "<tool_call>", True, "glm45", 2, "mapping"),
 }
+# The agent loop still takes a turn's close to be the turn-end token; these families close a call's
+# turn with another stop token (<|call|>, <|observation|>), so their exact-ids episode is not run yet.
+OTHER_CLOSE = {"gpt_oss", "glm45"}
+# The agent loop needs a token after a reply's text (core.token_stream.assistant_close_ids): GLM-4.5
+# writes none, so `axrl train` on it waits for the loop to take the next turn's opening as the close.
+NO_CLOSE = {"glm45"}
 TOOL_FREE = sorted(n for n in NAMES if EXPECTED[n][2] is None)
 WITH_TOOLS = sorted(n for n in NAMES if EXPECTED[n][2] is not None)
 
@@ -115,7 +125,7 @@ def test_rendering_equals_transformers(name, dirs, hf):
                     theirs.encode(text, add_special_tokens=False)
     # the tools, both calls and both results reach the rendering (not silently dropped)
     whole = ours.apply_chat_template(conversation(name), tools=TOOLS, tokenize=False)
-    shown = {"kimi_k2": 5, "qwen3_coder": 5, "qwen3": 5, "chatml": 5, "hermes3": 5, "mistral": 5, "deepseek_v3": 5, "deepseek_v31": 5, "llama3": 3}
+    shown = {"gpt_oss": 3, "glm45": 5, "kimi_k2": 5, "qwen3_coder": 5, "qwen3": 5, "chatml": 5, "hermes3": 5, "mistral": 5, "deepseek_v3": 5, "deepseek_v31": 5, "llama3": 3}
     assert all(s in whole for s in ("Evaluate <x> & 'y'.", "37 + 58", "95", "2 * 3", "6")[:shown.get(name, 0)])
 
 
@@ -176,7 +186,7 @@ def _episode(tok, replies: list[list[int]]):
     return traj, env, engine
 
 
-@pytest.mark.parametrize("name", WITH_TOOLS)
+@pytest.mark.parametrize("name", sorted(set(WITH_TOOLS) - OTHER_CLOSE))
 def test_agent_loop_trains_exactly_the_generated_ids(name, dirs, hf):
     tok, theirs = load_tokenizer(dirs[name]), hf[name]
     texts = [tok.reply_text(calls(name)), "<think>\nadd\n</think>\n\nThe answer is 95.", "2"]
@@ -226,7 +236,7 @@ TRAIN = ["steps=2", "warmup.steps=0", "data.prompts_per_step=2", "rollout.group_
          "runtime.threads=1"]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", sorted(set(NAMES) - NO_CLOSE))
 def test_train_two_steps_and_decode_the_trace(name, dirs, hf, tmp_path):
     run = tmp_path / "run"
     train(run, [f"model.path={dirs[name]}", *TRAIN])
@@ -383,3 +393,31 @@ def test_reasoning_field_aliases_render_as_transformers_does(field, dirs, hf):
     text = tok.apply_chat_template(chat, tokenize=False)
     assert "<think>\nadd two and two\n</think>" in text
     assert text == theirs.apply_chat_template(chat, tokenize=False)
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "glm45"])
+def test_check_template_follows_templates_whose_turns_close_otherwise(name, dirs):
+    """gpt-oss closes a call's turn with <|call|> and a final answer with <|return|> (<|end|> in
+    history); GLM-4.5 writes nothing after a reply. check-template follows both: the family's
+    parser is chosen from the call the template writes, the rendering equals transformers."""
+    result = axrl("model", "check-template", dirs[name])
+    assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+    assert "AxRL can follow it" in result.output and "identically" in result.output
+    assert f"tool parser    {EXPECTED[name][4]}" in result.output
+
+
+def test_a_gpt_oss_reply_becomes_the_message_its_template_reads(dirs, hf):
+    """gpt-oss's published template refuses `<|channel|>` inside `content`: a reply is kept as the
+    analysis channel in `thinking`, the final channel in `content`, a call as `tool_calls`, and the
+    kept conversation renders as transformers renders it."""
+    tok = load_tokenizer(dirs["gpt_oss"])
+    final = tok.reply_message("<|channel|>analysis<|message|>Add them.<|end|><|start|>assistant<|channel|>final"
+                              "<|message|>95")
+    assert final == {"role": "assistant", "content": "95", "thinking": "Add them."}
+    call = tok.reply_message('<|channel|>analysis<|message|>Use it.<|end|><|start|>assistant to=functions.calculator'
+                             '<|channel|>commentary <|constrain|>json<|message|>{"expression": "37 + 58"}')
+    assert call["content"] == "" and call["thinking"] == "Use it."
+    assert [c["function"]["name"] for c in call["tool_calls"]] == ["calculator"]
+    chat = [{"role": "user", "content": "What is 37 + 58?"}, call, hf_tool_result("95", 1), final]
+    assert "<|channel|>analysis<|message|><|channel|>" not in tok.apply_chat_template(chat, tokenize=False)
+    assert tok.apply_chat_template(chat, tokenize=False) == hf["gpt_oss"].apply_chat_template(chat, tokenize=False)

@@ -149,3 +149,21 @@ def test_every_parser_pickles(family):
     parser = pickle.loads(pickle.dumps(get_tool_parser(family)))
     assert parsed(family, write(family, CALLS[:1])) == [(c["name"], c["arguments"], c["error"])
                                                         for c in parser.parse(write(family, CALLS[:1]))]
+
+
+@pytest.mark.parametrize("family", ["qwen3_coder", "glm45"])
+def test_xml_values_are_typed_by_the_tools_json_schema(family):
+    """XML formats carry every value as text: with the request's tools, a `string` parameter keeps
+    its text ("95" stays "95", "true" stays "true") while an `integer` one reads as a number;
+    without tools the value is guessed from the text."""
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {
+        "code": {"type": "string"}, "flag": {"type": "string"}, "count": {"type": "integer"}}}}}]
+    if family == "qwen3_coder":
+        text = ("<tool_call>\n<function=lookup>\n<parameter=code>\n95\n</parameter>\n<parameter=flag>\ntrue\n"
+                "</parameter>\n<parameter=count>\n3\n</parameter>\n</function>\n</tool_call>")
+    else:
+        text = ("<tool_call>lookup\n<arg_key>code</arg_key>\n<arg_value>95</arg_value>\n<arg_key>flag</arg_key>\n"
+                "<arg_value>true</arg_value>\n<arg_key>count</arg_key>\n<arg_value>3</arg_value>\n</tool_call>")
+    parser = get_tool_parser(family)
+    assert parser.parse_calls(text, tools)[0]["arguments"] == {"code": "95", "flag": "true", "count": 3}
+    assert parser.parse_calls(text)[0]["arguments"] == {"code": 95, "flag": True, "count": 3}

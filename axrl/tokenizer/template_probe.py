@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from axrl.tokenizer.tool_calls import ToolCallFormat, _json_at, call_id, hf_tool_call, hf_tool_result
+from axrl.tokenizer.tool_parsers import detect_tool_parser, get_tool_parser
 
 Message = dict[str, Any]
 Render = Callable[..., str]  # render(messages, tools=..., add_generation_prompt=...) -> text
@@ -55,8 +56,25 @@ def arguments_form(render: Render) -> tuple[str | None, str]:
             continue
         if form == "string" and '\\"x\\"' in text:
             continue  # the template serialised the string again: it wants a mapping
+        if form == "string" and _reads_back(render, "mapping") and not _reads_back(render, "string"):
+            continue  # a known family's format that only a mapping fills (GLM-4.5: <arg_key>x</arg_key>)
         return form, ""
     return None, error
+
+
+def _reads_back(render: Render, form: str) -> bool:
+    """Whether the call rendered with ``form`` arguments parses back, by the family parser its
+    text matches, to the probe's name and arguments."""
+    try:
+        text = render([_USER, {"role": "assistant", "content": "", "tool_calls": [probe_call(form)]}],
+                      tools=[PROBE_TOOL])
+        body = text[len(os.path.commonprefix([text, render([_USER], tools=[PROBE_TOOL],
+                                                           add_generation_prompt=True)])):]
+    except Exception:  # the template refuses this form
+        return False
+    name = detect_tool_parser(body)
+    calls = get_tool_parser(name).parse(body) if name else []
+    return any(c.get("name") == "probe" and c.get("arguments") == PROBE_ARGS for c in calls)
 
 
 def _try(render: Render, messages: list[Message], with_tools: bool) -> str | None:
@@ -118,23 +136,45 @@ def check_shapes(render: Render, source: str, template: str = "") -> Shapes:
     return Shapes(form, fold)
 
 
-def call_body(render: Render, form: str, eos_token: str) -> str | None:
+def turn_end_at(text: str, start: int, ends: str | tuple[str, ...]) -> tuple[int, str]:
+    """Where the turn that starts at ``start`` ends: the last occurrence of the first of
+    ``ends`` (the turn end first, then the other stop tokens) found after ``start``; (-1, "")
+    when none is."""
+    for end in (ends,) if isinstance(ends, str) else ends:
+        if end and (at := text.rfind(end)) >= start:
+            return at, end
+    return -1, ""
+
+
+def _whole_markers(prefix: str) -> str:
+    """``prefix`` without a marker it cuts in two: where the generation prompt opens a block that
+    a call's turn does not (R1's ``<think>\n``), the shared text may end inside ``<｜…｜>``."""
+    cut = prefix.rfind("<")
+    return prefix[:cut] if cut > prefix.rfind(">") else prefix
+
+
+def call_body(render: Render, form: str, eos_token: str | tuple[str, ...], implicit: bool = False) -> str | None:
     """The text a template writes for one probe call after the reply's opening, an empty
-    ``<think></think>`` block it puts in front (Qwen3 does, in the last turn) left out."""
+    ``<think></think>`` block it puts in front (Qwen3 does, in the last turn) left out.
+    ``eos_token``: the turn end, or every token that may end a turn — gpt-oss ends a call's turn
+    with ``<|call|>``, not with the ``<|return|>`` of a final answer."""
     messages = [_USER, {"role": "assistant", "content": "", "tool_calls": [probe_call(form)]}]
     tools = [PROBE_TOOL]  # calls come with tools (and Hermes-3's `tool_use` template renders them)
     text, before = render(messages, tools=tools), render(messages[:1], tools=tools, add_generation_prompt=True)
-    opening = os.path.commonprefix([text, before])
-    if not before.startswith(opening) or eos_token not in text[len(opening):]:
+    opening = _whole_markers(os.path.commonprefix([text, before]))
+    stop, _ = turn_end_at(text, len(opening), eos_token)
+    stop = len(text) if stop < 0 and implicit else stop  # nothing closes the turn (GLM-4.5)
+    if not before.startswith(opening) or stop < 0:
         return None
-    body = text[len(opening):text.rindex(eos_token)]
+    body = text[len(opening):stop]
     return re.sub(r"^\s*<think>\s*</think>\s*", "", body)
 
 
-def tool_call_format(render: Render, form: str, eos_token: str) -> ToolCallFormat | None:
+def tool_call_format(render: Render, form: str, eos_token: str | tuple[str, ...],
+                     implicit: bool = False) -> ToolCallFormat | None:
     """How the template writes a tool call (see :class:`ToolCallFormat`), from its rendering of
     one probe call; None when it writes none that AxRL can read (e.g. it drops ``tool_calls``)."""
-    body = call_body(render, form, eos_token)
+    body = call_body(render, form, eos_token, implicit)
     if body is None:
         return None
     messages = [_USER, {"role": "assistant", "content": "", "tool_calls": [probe_call(form)]}]
@@ -159,7 +199,7 @@ def tool_call_format(render: Render, form: str, eos_token: str) -> ToolCallForma
     return None
 
 
-def _per_call(render: Render, messages: list[Message], before: str, eos_token: str, opening: str,
+def _per_call(render: Render, messages: list[Message], before: str, eos_token: str | tuple[str, ...], opening: str,
               closing: str) -> tuple[str, str]:
     """The text around *each* call when the template also wraps the whole list (DeepSeek's
     <｜tool▁calls▁begin｜> … <｜tool▁calls▁end｜>): a two-call rendering shows what sits between

@@ -18,6 +18,8 @@ from typing import Any
 
 from axrl.tokenizer.loader import load_tokenizer
 from axrl.tokenizer.template_probe import PROBE_TOOL
+
+_PROBE_NAME: str = PROBE_TOOL["function"]["name"]  # the sample's calls name the probe tool
 from axrl.tokenizer.tokenizer import Message, Tokenizer, fold_system
 from axrl.tokenizer.tool_calls import hf_tool_result
 
@@ -36,7 +38,7 @@ def sample(tok: Tokenizer, calls: int = 2) -> list[Message]:
         return head + tail
     args = [{"x": 37}, {"x": 58}][:calls]
     return head + [{"role": "assistant", "content": "", "tool_calls": [
-        tok.tool_call_message("probe", a, k + 1) for k, a in enumerate(args)]}] + \
+        tok.tool_call_message(_PROBE_NAME, a, k + 1) for k, a in enumerate(args)]}] + \
         [hf_tool_result(str(a["x"]), k + 1) for k, a in enumerate(args)] + tail
 
 
@@ -133,7 +135,7 @@ def _system_placement(tok: Tokenizer) -> str:
 def _tool_result_placement(tok: Tokenizer) -> str:
     """The text the template writes between a tool-call reply's close and the result's text."""
     call = [{"role": "user", "content": "u"},
-            {"role": "assistant", "content": "", "tool_calls": [tok.tool_call_message("probe", {"x": 1}, 1)]}]
+            {"role": "assistant", "content": "", "tool_calls": [tok.tool_call_message(_PROBE_NAME, {"x": 1}, 1)]}]
     before = str(tok.apply_chat_template(call, tools=SAMPLE_TOOLS, tokenize=False))
     text = str(tok.apply_chat_template(call + [hf_tool_result(_RESULT, 1)], tools=SAMPLE_TOOLS, tokenize=False))
     if text.startswith(before):
@@ -148,6 +150,11 @@ def _tool_result_placement(tok: Tokenizer) -> str:
 def _reasoning(tok: Tokenizer, conversation: list[Message]) -> str:
     """Whether an earlier turn's <think> block survives a new question."""
     parser = f" ({tok.reasoning_parser} reasoning parser)" if tok.reasoning_parser else ""
+    if not tok.reasoning_parser:
+        return "no reasoning block in this template (replies are kept as the model wrote them)"
+    if tok.reasoning_parser == "openai":  # harmony: reasoning is the analysis channel, not <think>
+        return ("the analysis channel (<|channel|>analysis), separated from the answer by the openai reasoning "
+                "parser; what the template re-renders of it in later turns is counted as drift")
     whole = str(tok.apply_chat_template(conversation, tools=SAMPLE_TOOLS, tokenize=False))
     if "add them" in whole:
         return f"<think>…</think> kept in every turn{parser}"

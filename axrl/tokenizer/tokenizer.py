@@ -65,6 +65,8 @@ class Tokenizer:
         self.chat_templates: dict[str, str] = _pick_templates(self.config.get("chat_template"), source)
         self.chat_template: str = self.chat_templates.get("default") or next(iter(self.chat_templates.values()))
         self.fold_system = False  # set by the probes: AxRL folds the system prompt for templates without one
+        # True when the template writes no token after a reply: the next turn's opening ends it (GLM-4.5).
+        self.turn_end_implicit = False
         # transformers renders templates with the special-token strings of the config.
         self.template_tokens = {k: v for k in TEMPLATE_TOKENS if (v := _token_str(self.config.get(k)))}
         shapes = _probe.check_shapes(lambda m, **kw: self.apply_chat_template(m, tokenize=False, **kw), source,
@@ -82,6 +84,10 @@ class Tokenizer:
                              f"({sorted(declared)}: tokenizer_config.json eos_token, generation_config.json / "
                              "config.json eos_token_id); generation would not stop at the end of a turn")
         self.stop_token_ids: list[int] = sorted(declared | {self.eos_token_id})
+        # What may close a turn: the turn end first, then the other stop tokens (gpt-oss closes a
+        # call's turn with <|call|> and a final answer with <|return|>).
+        self.turn_ends: tuple[str, ...] = (self.eos_token, *(
+            t for i in self.stop_token_ids if (t := self._tok.id_to_token(i)) and t != self.eos_token))
         pad = self.template_tokens.get("pad_token")
         self.pad_token_id: int = self._require_id(pad) if pad else pad_token_id if pad_token_id is not None \
             else self.eos_token_id
@@ -96,9 +102,11 @@ class Tokenizer:
         whose format the template writes), and the learned :class:`ToolCallFormat` for templates
         of no known family."""
         render = lambda m, **kw: self._render(m, **kw)  # noqa: E731
+        # A call's turn may end with another stop token than a final answer's (gpt-oss: <|call|>).
+        ends = self.turn_ends
         self.tool_call_format: ToolCallFormat | None = (
-            _probe.tool_call_format(render, form, self.eos_token) if form else None)
-        body = _probe.call_body(render, form, self.eos_token) if form else None
+            _probe.tool_call_format(render, form, ends, self.turn_end_implicit) if form else None)
+        body = _probe.call_body(render, form, ends, self.turn_end_implicit) if form else None
         name = tool_parser or (detect_tool_parser(body) if body else None)
         self.tool_parser: ToolParser | None = get_tool_parser(name) if name else None
         gen = self._generation_prompt
@@ -178,8 +186,15 @@ class Tokenizer:
 
     def _turn_end_id(self) -> int:
         # After a user turn: templates that check role alternation (Mistral) refuse a lone reply.
-        text = self._render([{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}])
+        user = {"role": "user", "content": "u"}
+        text = self._render([user, {"role": "assistant", "content": _MARK}])
         after = self.encode(text[text.rindex(_MARK) + 1:])
+        if not after:
+            # GLM-4.5 writes nothing after a reply: the model ends its turn by generating the next
+            # turn's opening (<|user|>, <|observation|>), which generation_config lists as eos.
+            text = self._render([user, {"role": "assistant", "content": _MARK}, user])
+            after = self.encode(text[text.rindex(_MARK) + 1:])
+            self.turn_end_implicit = bool(after) and after[0] in self.special_token_ids
         if not after or after[0] not in self.special_token_ids:
             raise ValueError(f"{self.source}: the chat template does not close an assistant message with a special "
                              f"token (it writes {text[text.rindex(_MARK) + 1:]!r} after the text); the agent loop "
@@ -198,8 +213,24 @@ class Tokenizer:
         the template would render differently *before* the reply is drift (``axrl.core.token_stream.drift_tokens``).
         """
         marked = [*history[:-1], {"role": "assistant", "content": _MARK}, *new_messages]
-        text = self._render(marked, tools=tools, add_generation_prompt=add_generation_prompt)
+        try:
+            text = self._render(marked, tools=tools, add_generation_prompt=add_generation_prompt)
+        except ValueError:
+            # The template needs the reply's calls to render what follows (gpt-oss names a tool
+            # result after the call it answers): render the reply itself and cut after its close.
+            return self._continuation_after_reply(history, new_messages, tools, add_generation_prompt)
         return self.encode(text[text.rindex(_MARK) + 1:])
+
+    def _continuation_after_reply(self, history: list[Message], new_messages: list[Message],
+                                  tools: list[dict[str, Any]] | None, add_generation_prompt: bool) -> list[int]:
+        """:meth:`continuation_ids` with the reply rendered as it is: the reply's close, then what
+        the whole conversation renders after the part it shares with the history alone."""
+        head = self._render(history, tools=tools)
+        full = self._render([*history, *new_messages], tools=tools, add_generation_prompt=add_generation_prompt)
+        at, end = _probe.turn_end_at(head, 0, self.turn_ends)
+        shared = len(os.path.commonprefix([head, full]))
+        rest = full[max(shared, at + len(end)) if at >= 0 else shared:]
+        return [self._require_id(end) if end else self.eos_token_id] + self.encode(rest)
 
     def episode_ids(self, conversation: list[Message],
                     tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[int]]:
@@ -215,9 +246,11 @@ class Tokenizer:
         ids = list(self.apply_chat_template(conversation[:turns[0]], tools=tools, add_generation_prompt=True))
         mask = [0] * len(ids)
         for i, nxt in zip(turns, turns[1:] + [len(conversation)]):
-            reply = self.encode(self.reply_text(conversation[i])) + [self.eos_token_id]
-            after = self.continuation_ids(conversation[:i + 1], conversation[i + 1:nxt], tools,
-                                          add_generation_prompt=nxt > i + 1 or i != turns[-1])[1:]
+            glue = self.continuation_ids(conversation[:i + 1], conversation[i + 1:nxt], tools,
+                                         add_generation_prompt=nxt > i + 1 or i != turns[-1])
+            # Where the next turn's opening ends a reply (GLM-4.5), the close is that opening.
+            end = glue[0] if self.turn_end_implicit and glue else self.reply_end_id(conversation[i])
+            reply, after = self.encode(self.reply_text(conversation[i])) + [end], glue[1:]
             ids += reply + after
             mask += [1] * len(reply) + [0] * len(after)
         return ids, mask
@@ -260,12 +293,24 @@ class Tokenizer:
         # A generation prompt that opens a block (R1's `<think>\n`, which history never shows) is
         # left out: the reply is what follows the part both renderings share.
         opening = len(os.path.commonprefix([before, text]))
-        if opening < len(before) - len(self.generation_prompt_text()) or self.eos_token not in text[opening:]:
+        stop, _ = _probe.turn_end_at(text, opening, self.turn_ends)
+        stop = len(text) if stop < 0 and self.turn_end_implicit else stop  # the reply is all that follows
+        if opening < len(before) - len(self.generation_prompt_text()) or stop < 0:
             raise ValueError(f"{self.source}: cannot isolate the text of assistant message {message!r}: the template "
                              f"renders the conversation before it differently once the reply is added (with the "
                              f"generation prompt: {before[-60:]!r}; with the reply: {text[:len(before)][-60:]!r}); "
                              "such a template re-renders history on every turn, which AxRL cannot stream")
-        return text[opening:text.rindex(self.eos_token)]
+        return text[opening:stop]
+
+    def reply_end_id(self, message: Message) -> int:
+        """The token that closes assistant ``message`` as the template writes it: the turn end,
+        or the stop token the template puts there instead (gpt-oss closes a call with <|call|>)."""
+        user = {"role": "user", "content": _MARK}
+        tools = [_probe.PROBE_TOOL] if message.get("tool_calls") else None
+        before = self._render([user], tools=tools, add_generation_prompt=True)
+        text = self._render([user, message], tools=tools)
+        _, end = _probe.turn_end_at(text, len(os.path.commonprefix([before, text])), self.turn_ends)
+        return self._require_id(end) if end else self.eos_token_id
 
     # -- vocabulary ---------------------------------------------------------------------
 
@@ -363,14 +408,15 @@ class Tokenizer:
         ``<think>`` blocks, harmony's analysis channel); ("", text) for templates without reasoning."""
         return split_reasoning(text, self.reasoning_parser, opened=self.reasoning_opened)
 
-    def parse_tool_calls(self, text: str) -> list[dict[str, Any]]:
+    def parse_tool_calls(self, text: str, tools: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """The tool calls in assistant ``text``, after its reasoning, by the family's parser
         (:attr:`tool_parser`), else in the format read off the template (:attr:`tool_call_format`;
-        ``<tool_call>`` blocks when it has none). Never raises: a malformed call is an entry with
-        ``error`` set."""
+        ``<tool_call>`` blocks when it has none). ``tools`` (the request's schemas) type the values
+        of XML formats (Qwen3-Coder, GLM-4.5): a ``string`` parameter "95" stays a string. Never
+        raises: a malformed call is an entry with ``error`` set."""
         _, rest = self.split_reasoning(text)
         if self.tool_parser is not None:
-            return self.tool_parser.parse(rest)
+            return self.tool_parser.parse_calls(rest, tools)
         return parse_with_format(rest, self.tool_call_format)
 
     def reply_message(self, text: str) -> Message:
@@ -380,12 +426,27 @@ class Tokenizer:
         text); otherwise the text as it is. Where the template writes the calls differently from
         the model, the difference is drift."""
         calls = self.parse_tool_calls(text) if self.tool_parser is not None else []
+        if self.reasoning_parser == "openai":
+            return self._harmony_message(text, calls)
         if not calls or any(c["error"] for c in calls):
             return {"role": "assistant", "content": text}
         start = self.tool_call_start
         prose = text.split(start, 1)[0].strip() if start else ""
         return {"role": "assistant", "content": prose,
                 "tool_calls": [self.tool_call_message(c["name"], c["arguments"], k + 1) for k, c in enumerate(calls)]}
+
+    def _harmony_message(self, text: str, calls: list[dict[str, Any]]) -> Message:
+        """A gpt-oss reply as its template reads it: the analysis channel as ``thinking``, the
+        final channel as ``content`` (the published template refuses ``<|channel|>`` in either)."""
+        thinking, final = self.split_reasoning(text)
+        message: Message = {"role": "assistant", "content": "" if calls else final}
+        if thinking:
+            message["thinking"] = thinking
+        if calls and not any(c["error"] for c in calls):
+            message["tool_calls"] = [self.tool_call_message(c["name"], c["arguments"], k + 1) for k, c in enumerate(calls)]
+        elif calls:  # malformed: kept as text the template can render
+            message["content"] = final
+        return message
 
     def template_facts(self) -> dict[str, Any]:
         """What AxRL chose for this chat template, for the run's manifest: the tool-call and reasoning

@@ -43,7 +43,13 @@ class ToolParser:
 
     name: str
     start: str
-    parse: Callable[[str], list[Call]]
+    parse: Callable[..., list[Call]]  # parse(text), and parse(text, tools) where typed_by_schema
+
+    typed_by_schema: bool = False  # XML formats: a value's type comes from the tool's JSON schema
+
+    def parse_calls(self, text: str, tools: list[dict[str, Any]] | None = None) -> list[Call]:
+        """The calls in ``text``; with ``tools``, XML values typed by each tool's parameter schema."""
+        return self.parse(text, tools) if self.typed_by_schema and tools else self.parse(text)
 
 
 def _named(raw: str, name: str, args: Any) -> Call:
@@ -196,7 +202,26 @@ def _xml_value(text: str) -> Any:
         return text
 
 
-def _qwen3_coder(text: str) -> list[Call]:
+def _typed_value(text: str, schema: dict[str, Any] | None) -> Any:
+    """A parameter's value typed by its JSON schema where the tool gives one: a ``string``
+    parameter keeps its text ("95" stays "95"), other types read as JSON; without a schema,
+    :func:`_xml_value`'s guess."""
+    if schema and schema.get("type") == "string":
+        return text
+    return _xml_value(text)
+
+
+def _param_schemas(tools: list[dict[str, Any]] | None, name: str | None) -> dict[str, Any]:
+    """The JSON-schema ``properties`` of tool ``name`` among ``tools`` (OpenAI function form); {} if absent."""
+    for tool in tools or []:
+        fn = tool.get("function", tool) if isinstance(tool, dict) else {}
+        if isinstance(fn, dict) and fn.get("name") == (name or "").strip():
+            props = (fn.get("parameters") or {}).get("properties")
+            return props if isinstance(props, dict) else {}
+    return {}
+
+
+def _qwen3_coder(text: str, tools: list[dict[str, Any]] | None = None) -> list[Call]:
     calls: list[Call] = []
     for inner, closed in _blocks(text, "<tool_call>", "</tool_call>"):
         fn = _FUNCTION.search(inner)
@@ -205,7 +230,9 @@ def _qwen3_coder(text: str) -> list[Call]:
                                 error="unterminated <tool_call> / <function=…> block" if fn or not closed
                                 else "no <function=NAME> in the tool call"))
             continue
-        params = {m.group(1): _xml_value(m.group(2)) for m in _PARAMETER.finditer(fn.group(2))}
+        schemas = _param_schemas(tools, fn.group(1))
+        params = {m.group(1): _typed_value(m.group(2), schemas.get(m.group(1).strip()))
+                  for m in _PARAMETER.finditer(fn.group(2))}
         calls.append(_named(inner.strip(), fn.group(1), params))
     return calls
 
@@ -213,14 +240,16 @@ def _qwen3_coder(text: str) -> list[Call]:
 _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
 
-def _glm45(text: str) -> list[Call]:
+def _glm45(text: str, tools: list[dict[str, Any]] | None = None) -> list[Call]:
     calls: list[Call] = []
     for inner, closed in _blocks(text, "<tool_call>", "</tool_call>"):
         name = inner.split("<arg_key>", 1)[0]
         if not closed:
             calls.append(_entry(inner.strip(), name=name.strip() or None, error="unterminated <tool_call> block"))
             continue
-        args = {m.group(1).strip(): _xml_value(m.group(2)) for m in _GLM_ARG.finditer(inner)}
+        schemas = _param_schemas(tools, name)
+        args = {m.group(1).strip(): _typed_value(m.group(2), schemas.get(m.group(1).strip()))
+                for m in _GLM_ARG.finditer(inner)}
         calls.append(_named(inner.strip(), name, args))
     return calls
 
@@ -257,7 +286,8 @@ _HARMONY_CALL = re.compile(r"to=functions\.([^\s<]+)[^<]*(?:<\|channel\|>[^<]*)?
 def _openai(text: str) -> list[Call]:
     calls: list[Call] = []
     for m in _HARMONY_CALL.finditer(text):
-        if not m.group(3):
+        # A reply's text ends where its stop token (<|call|>) was cut off: complete JSON there is a call.
+        if not m.group(3) and _json_at(m.group(2).strip(), 0) is None:
             calls.append(_entry(m.group(2).strip(), name=m.group(1), error="unterminated call (no <|call|>)"))
             continue
         calls.append(_named(m.group(0), m.group(1), m.group(2).strip()))
@@ -287,11 +317,11 @@ PARSERS: dict[str, ToolParser] = {p.name: p for p in (
     ToolParser("mistral", "[TOOL_CALLS]", _mistral),
     ToolParser("deepseek_v3", "<｜tool▁calls▁begin｜>", _deepseek_v3),
     ToolParser("deepseek_v31", "<｜tool▁calls▁begin｜>", _deepseek_v31),
-    ToolParser("qwen3_coder", "<tool_call>", _qwen3_coder),
+    ToolParser("qwen3_coder", "<tool_call>", _qwen3_coder, typed_by_schema=True),
     ToolParser("pythonic", "", _pythonic),
     ToolParser("openai", "<|start|>assistant", _openai),
     ToolParser("kimi_k2", "<|tool_calls_section_begin|>", _kimi_k2),
-    ToolParser("glm45", "<tool_call>", _glm45),
+    ToolParser("glm45", "<tool_call>", _glm45, typed_by_schema=True),
 )}
 
 

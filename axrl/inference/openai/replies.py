@@ -47,7 +47,7 @@ def tool_calls_of(tokenizer: Tokenizer | None, tools: Any, text: str) -> tuple[s
     """(content before the calls, OpenAI tool_calls) of a chat reply; no calls without `tools`."""
     if not tools or tokenizer is None:
         return text, []
-    good = [c for c in tokenizer.parse_tool_calls(text) if c["error"] is None]
+    good = [c for c in tokenizer.parse_tool_calls(text, tools) if c["error"] is None]
     if not good:
         return text, []
     calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
