@@ -149,3 +149,28 @@ def test_the_same_validation_from_python() -> None:
         AgentSettings()
     with pytest.raises(ValueError, match="exactly one of"):
         DistillSettings()
+
+
+def test_trace_spike_defaults_equal_from_yaml_and_python() -> None:
+    """`trace.spike_*` are the spike trigger's `SpikeSettings`, with its validation."""
+    from axrl.runtime.spike_trigger import SpikeSettings
+
+    cfg = load_config(None)
+    assert isinstance(cfg.trace, SpikeSettings)
+    built = learner_settings(cfg).record.spike
+    assert type(built) is SpikeSettings and built == SpikeSettings()
+    with pytest.raises(ValueError, match="spike_ratio"):
+        SpikeSettings(spike_ratio=0.5)
+
+
+def test_faults_are_the_runtime_faults_type() -> None:
+    """`faults` is `axrl.runtime.faults.Faults` itself: what the step trainer applies is what the
+    YAML validated, with no copy in between."""
+    from axrl.assembly.settings import step_settings
+    from axrl.runtime.faults import Faults
+
+    cfg = load_config(None, ["faults.lr_scale={step: 2, factor: 10}", "seed=7"])
+    assert type(cfg.faults) is Faults and load_config(None).faults == Faults()
+    s = step_settings(cfg)
+    assert s.faults is cfg.faults and s.seed == 7
+    assert (s.lr_scale_at(2), s.lr_scale_at(1)) == (10.0, 1.0)

@@ -23,16 +23,14 @@ from axrl.rollout.worker import RolloutPolicy
 from axrl.inference.embedded.settings import EngineSettings
 from axrl.runtime.components import (BackendSettings, DataSettings, LearnerSettings, ModelSource,
                                      RolloutSideSettings, RunSettings)
-from axrl.runtime.faults import Faults
 from axrl.runtime.learner import RecordSettings
 from axrl.runtime.loop import LoopSettings
-from axrl.runtime.spike_trigger import SpikeSettings
 from axrl.runtime.step_trainer import TrainStepSettings
 from axrl.train import TorchBackendConfig
 from axrl.train.critic import CriticConfig
 from axrl.train.protocol import R3
 
-__all__ = ["advantage_settings", "backend_settings", "data_settings", "engine_settings", "faults",
+__all__ = ["advantage_settings", "backend_settings", "data_settings", "engine_settings",
            "learner_settings", "loop_settings", "loss_config", "model_source", "prompts_to_roll_out",
            "rollout_clock", "rollout_settings", "routing_replay", "run_settings", "step_settings"]
 
@@ -98,15 +96,6 @@ def routing_replay(cfg: Config) -> R3:
     return cfg.r3_scope
 
 
-def faults(cfg: Config) -> Faults:
-    """`faults` (+ the run's seed, which seeds the logprob noise)."""
-    f = cfg.faults
-    return Faults(seed=cfg.seed,
-                  lr_scale=None if f.lr_scale is None else (f.lr_scale.step, f.lr_scale.factor),
-                  rollout_logprob_noise=(None if f.rollout_logprob_noise is None
-                                         else (f.rollout_logprob_noise.step, f.rollout_logprob_noise.std)))
-
-
 def step_settings(cfg: Config) -> TrainStepSettings:
     """What the trainer does with each sealed batch."""
     behaviour = cfg.trace.behaviour_logprob
@@ -115,7 +104,7 @@ def step_settings(cfg: Config) -> TrainStepSettings:
         behaviour_logprob=behaviour,
         # Behaviour logprobs of tokens up to η versions old need those versions' weights.
         keep_versions=cfg.rollout.max_staleness if behaviour and cfg.runtime.mode == "async" else 0,
-        faults=faults(cfg), critic_warmup_steps=0 if cfg.critic is None else cfg.critic.warmup_steps)
+        faults=cfg.faults, seed=cfg.seed, critic_warmup_steps=0 if cfg.critic is None else cfg.critic.warmup_steps)
 
 
 def advantage_settings(cfg: Config) -> AdvantageSettings:
@@ -138,7 +127,7 @@ def learner_settings(cfg: Config) -> LearnerSettings:
         record=RecordSettings(trace=t.enabled, routing=t.routing, write_queue=t.write_queue,
                               routing_encoding=t.routing_encoding, sharded=trace_sharded(cfg),
                               tiers=t.tier_settings(),
-                              spike=SpikeSettings(t.spike_ratio, t.spike_window, t.spike_min_history)),
+                              spike=t.spike_settings()),
         distill=cfg.distill)
 
 

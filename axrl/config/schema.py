@@ -14,7 +14,6 @@ from pydantic import ConfigDict, Field, SerializerFunctionWrapHandler, Validatio
 
 from axrl.algo.distill import DistillSettings
 from axrl.algo.loss_config import PolicyLossConfig
-from axrl.config.faults import FaultsSection
 from axrl.core.settings import Section
 from axrl.core.errors import ConfigError
 from axrl.inference.sglang.settings import SGLangSettings
@@ -26,6 +25,8 @@ from axrl.runtime.recording.trackers import MlflowSettings, WandbSettings
 from axrl.rollout.blackbox import AgentSettings
 from axrl.inference.embedded.settings import EngineSettings
 from axrl.runtime.evaluator import EvalSettings
+from axrl.runtime.faults import Faults
+from axrl.runtime.spike_trigger import SpikeSettings
 from axrl.runtime.warmup import WarmupSettings
 from axrl.train.torch.lora import LoRAConfig
 from axrl.train.megatron.settings import MegatronLayout
@@ -217,12 +218,13 @@ class CheckpointSection(Section):
 
 
 _TRACE_KEY_ORDER = ("enabled", "routing", "write_queue", "routing_encoding", "sharded", "level", "routing_every",
-                    "keep_full")
+                    "keep_full", "behaviour_logprob", "spike_ratio", "spike_window", "spike_min_history")
 
 
-class TraceSection(TierSettings):
+class TraceSection(TierSettings, SpikeSettings):
     """`trace`: `level`, `routing_every` and `keep_full` are the recorder's `TierSettings`
-    (axrl/runtime/recording/tiers.py), plus what else is recorded and the spike trigger."""
+    (axrl/runtime/recording/tiers.py), `spike_*` the spike trigger's `SpikeSettings`
+    (axrl/runtime/spike_trigger.py), plus what else is recorded."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
@@ -240,11 +242,6 @@ class TraceSection(TierSettings):
     behaviour_logprob: bool = Field(False, description="also record each token's trainer logprob under the "
                                                        "weights that generated it (async: splits the mismatch "
                                                        "into engine and staleness parts)")
-    spike_ratio: float | None = Field(None, gt=1, description="online spike trigger: a step whose largest update "
-                                      "grad norm exceeds this × the rolling median gets its deep dump written "
-                                      "(RUN/replay/step_N.h5) at the time; null = off")
-    spike_window: int = Field(20, ge=1, description="steps in the spike trigger's rolling median")
-    spike_min_history: int = Field(3, ge=1, description="steps needed before the trigger can fire")
 
     @model_serializer(mode="wrap")
     def _key_order(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -299,7 +296,7 @@ class Config(Section):
     trace: TraceSection = Field(default_factory=TraceSection)
     runtime: RuntimeSection = Field(default_factory=RuntimeSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
-    faults: FaultsSection = Field(default_factory=FaultsSection)
+    faults: Faults = Field(default_factory=Faults)
     agent: AgentSettings | None = Field(None, description="a black-box agent plays the episodes (else the task's env)")
     distill: DistillSettings | None = Field(None, description="on-policy distillation from a teacher (off: None)")
     critic: CriticSection | None = Field(None, description="PPO's value model, for algo.advantage: gae (off: None)")

@@ -16,33 +16,48 @@ Each fault acts at one step and goes through the same code path in training and 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
+from pydantic import Field
 
+from axrl.core.settings import Section
 from axrl.train.protocol import PackedBatch
 
 
-@dataclass(frozen=True)
-class Faults:
-    """The run's deliberate faults (config section `faults`): at most one of each kind, each at
-    one step. `seed` is the run's: the noise of a step is a function of (seed, step)."""
+class LrScaleFault(Section):
+    """Multiply the learning rate of every update of one step (a learning-rate jump)."""
 
-    seed: int = 0
-    lr_scale: tuple[int, float] | None = None           # (step, factor)
-    rollout_logprob_noise: tuple[int, float] | None = None   # (step, std)
+    step: int = Field(..., ge=0)
+    factor: float = Field(..., gt=0)
+
+
+class RolloutLogprobNoiseFault(Section):
+    """Add Gaussian noise to the rollout logprobs of the generated tokens of one step (an inference
+    engine that disagrees with the trainer, e.g. stale weights or a bad kernel)."""
+
+    step: int = Field(..., ge=0)
+    std: float = Field(..., gt=0)
+
+
+class Faults(Section):
+    """The YAML section `faults`: the run's deliberate faults, off by default, at most one of each
+    kind, each at one step. They live in config.yaml, so a replay honours them."""
+
+    lr_scale: LrScaleFault | None = None
+    rollout_logprob_noise: RolloutLogprobNoiseFault | None = None
 
     def lr_scale_at(self, step: int) -> float:
         """The learning-rate factor of `step` (1.0 unless `faults.lr_scale` targets it)."""
         f = self.lr_scale
-        return f[1] if f is not None and f[0] == step else 1.0
+        return f.factor if f is not None and f.step == step else 1.0
 
-    def perturb(self, step: int, batch: PackedBatch) -> PackedBatch:
-        """The batch with `faults.rollout_logprob_noise` applied when it targets `step` (else unchanged)."""
+    def perturb(self, step: int, batch: PackedBatch, seed: int) -> PackedBatch:
+        """The batch with `faults.rollout_logprob_noise` applied when it targets `step` (else
+        unchanged); the noise of a step is a function of (the run's `seed`, step)."""
         f = self.rollout_logprob_noise
-        if f is None or f[0] != step or batch.rollout_logprobs is None:
+        if f is None or f.step != step or batch.rollout_logprobs is None:
             return batch
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        noise = torch.randn(batch.rollout_logprobs.shape, generator=gen, dtype=torch.float32) * f[1]
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        noise = torch.randn(batch.rollout_logprobs.shape, generator=gen, dtype=torch.float32) * f.std
         # NaN (prompt / env tokens) stays NaN: only what the engine generated is "corrupted".
         return dataclasses.replace(batch, rollout_logprobs=batch.rollout_logprobs + noise)

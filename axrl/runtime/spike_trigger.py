@@ -21,10 +21,12 @@ import json
 import math
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
+
+from axrl.core.settings import Section
 from axrl.runtime.recording.dump import DumpProbe, dump_path
 from axrl.runtime.results import TrainedStep
 from axrl.runtime.step_trainer import TrainStepSettings
@@ -43,14 +45,20 @@ def _dumps(backend: TrainBackend) -> bool:
     return bool(getattr(backend, "loss_in_process", True))
 
 
-@dataclass(frozen=True)
-class SpikeSettings:
-    """`trace.spike_*`: fire when a step's largest update grad norm exceeds `ratio` × the rolling
-    median of the last `window` steps' (after `min_history` of them); ratio None = off."""
+class SpikeSettings(Section):
+    """`trace.spike_*` (the YAML section `trace` extends this type): fire when a step's largest
+    update grad norm exceeds `spike_ratio` × the rolling median of the last `spike_window` steps'
+    (after `spike_min_history` of them); `spike_ratio` None = off."""
 
-    ratio: float | None = None
-    window: int = 20
-    min_history: int = 3
+    spike_ratio: float | None = Field(None, gt=1, description="online spike trigger: a step whose largest update "
+                                      "grad norm exceeds this × the rolling median gets its deep dump written "
+                                      "(RUN/replay/step_N.h5) at the time; null = off")
+    spike_window: int = Field(20, ge=1, description="steps in the spike trigger's rolling median")
+    spike_min_history: int = Field(3, ge=1, description="steps needed before the trigger can fire")
+
+    def spike_settings(self) -> "SpikeSettings":
+        """This object's `SpikeSettings` fields alone (a `TraceSection`'s other keys left out)."""
+        return SpikeSettings(**{name: getattr(self, name) for name in SpikeSettings.model_fields})
 
 
 class SpikeTrigger:
@@ -67,7 +75,7 @@ class SpikeTrigger:
     def for_run(cls, t: SpikeSettings, run_dir: Path) -> "SpikeTrigger":
         """The run's trigger; on resume its history is the grad norms in metrics.jsonl."""
         history: list[float] = []
-        if t.ratio is not None:
+        if t.spike_ratio is not None:
             path = Path(run_dir) / "metrics.jsonl"
             if path.is_file():
                 for line in path.read_text().splitlines():
@@ -78,7 +86,7 @@ class SpikeTrigger:
                     value = row.get("grad_norm_max", row.get("grad_norm"))
                     if isinstance(value, (int, float)):
                         history.append(float(value))
-        return cls(t.ratio, t.window, t.min_history, run_dir, history)
+        return cls(t.spike_ratio, t.spike_window, t.spike_min_history, run_dir, history)
 
     @property
     def enabled(self) -> bool:

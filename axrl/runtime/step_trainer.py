@@ -57,6 +57,7 @@ class TrainStepSettings:
     behaviour_logprob: bool = False
     keep_versions: int = 0
     faults: Faults = field(default_factory=Faults)
+    seed: int = 0                    # the run's: seeds faults.rollout_logprob_noise
     critic_warmup_steps: int = 0     # first steps in which only the critic learns (policy frozen)
 
     def lr_scale_at(self, step: int) -> float:
@@ -102,7 +103,7 @@ class StepTrainer:
         s, backend = self.settings, self.backend
         with timer("prepare"):
             processed = self.processor(batch.trajectories)
-            processed.batch = s.faults.perturb(step, processed.batch)  # faults.rollout_logprob_noise; no-op by default
+            processed.batch = s.faults.perturb(step, processed.batch, s.seed)  # faults.rollout_logprob_noise; no-op by default
             if self.critic is not None:  # the old values, before this step's critic updates
                 processed = with_gae(processed, self.critic.values(processed.batch), self.processor.settings)
             old = backend.forward(processed.batch, r3=s.r3)
