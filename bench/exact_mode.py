@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from typing import Callable
+import sys
+from pathlib import Path
 
 import torch
 
@@ -33,6 +33,9 @@ from axrl.inference import EmbeddedEngine, GenerateRequest, GenerateResult, Samp
 from axrl.model import build_model, preset_config
 from axrl.model.exact import set_exact
 from axrl.train import PackedBatch, TorchBackend, TorchBackendConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_throughput import best_times  # noqa: E402  (bench/engine_throughput.py: runs interleaved)
 
 TEMPERATURE = 0.7
 
@@ -48,19 +51,6 @@ def requests(prompts: int, group: int, new_tokens: int, vocab: int) -> list[Gene
             out.append(GenerateRequest(input_ids=ids, sampling_params=sp, return_logprob=True,
                                        return_routed_experts=True, rid=f"p{p}s{s}"))
     return out
-
-
-def best_times(fns: list[Callable[[], object]], repeats: int) -> list[float]:
-    """Best wall time of each function after one warm-up call each, runs interleaved (a, b, a, b...)."""
-    for fn in fns:
-        fn()
-    best = [float("inf")] * len(fns)
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return best
 
 
 def packed(reqs: list[GenerateRequest], outs: list[GenerateResult]) -> PackedBatch:
