@@ -498,7 +498,7 @@ def test_task_prompts_are_deterministic_and_configurable():
 
 
 def test_registry_errors():
-    with pytest.raises(ValueError, match=r"unknown task 'nope'; known tasks: \['arithmetic', 'calculator', 'echo'\]"):
+    with pytest.raises(ValueError, match=r"unknown task 'nope'; known tasks: \['arithmetic', 'calculator', 'echo', 'reasoning_gym'\]"):
         get_task("nope")
     with pytest.raises(ValueError, match="unknown option.*max_operandd.*valid options"):
         get_task("calculator", max_operandd=5)
