@@ -342,7 +342,7 @@ def test_config_names_the_bad_key():
         assert needle in str(e.value), (override, str(e.value))
     cfg = load_config(None, ["algo.loss=grpo2", "algo.loss_args={dual_soft_clip: 4}", "algo.correction.icepop={}",
                              "r3=true", "r3_scope.exclude_layers=[0]"])
-    assert cfg.algo.loss == "grpo2" and cfg.r3_scope.exclude_layers == [0]
+    assert cfg.algo.loss == "grpo2" and list(cfg.r3_scope.exclude_layers) == [0]
 
 
 def test_a_new_objective_is_one_function_and_one_registration():
