@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-rg = pytest.importorskip("reasoning_gym")
+import reasoning_gym as rg  # noqa: E402  (the test extra installs it: a broken install must fail, not skip)
 
 from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer  # noqa: E402
 

@@ -17,7 +17,7 @@ from axrl.inference.serve.serve_app import create_app
 from axrl.inference.serve.state import ServeConfig, build_server
 from template_models import CONVENTIONS, write_convention_dir
 
-openai = pytest.importorskip("openai")
+import openai  # noqa: E402  (the test extra installs it: a broken install must fail, not skip)
 from fastapi.testclient import TestClient  # noqa: E402
 
 torch.set_num_threads(1)
