@@ -303,8 +303,8 @@ def _axrl_debug(*args: str) -> dict:
 @real_vllm
 def test_train_the_quickstart_on_vllm_then_mismatch_and_bitwise_replay(tmp_path, engine):
     """`axrl train` of the default example in its own shape — multi-turn (max_turns 3), the default
-    group size (8), three steps — shortened in prompts per step (8 instead of 16) and warm-up (40,
-    as in the report of the crash), with vLLM as the rollout engine (launched by the run,
+    group size (8), two steps (the crash came in the second, after a restart) — shortened in
+    prompts per step (8 instead of 16) and warm-up (40, as in the report of the crash), with vLLM as the rollout engine (launched by the run,
     restarted on the new weights after the warm-up and each step). A first turn's 64 prefills of
     39 prompt tokens (2496) exceed the CPU server's default budget of 2048 a step: with chunked
     prefill vLLM split one and its server died at step 0. The trainer agrees with what vLLM
@@ -314,7 +314,7 @@ def test_train_the_quickstart_on_vllm_then_mismatch_and_bitwise_replay(tmp_path,
     from axrl.inference.remote.launcher import free_port
 
     run, port = tmp_path / "run", free_port()
-    sets = {"steps": 3, "warmup.steps": 40, "eval.every": 0, "data.prompts_per_step": 8,
+    sets = {"steps": 2, "warmup.steps": 40, "eval.every": 0, "data.prompts_per_step": 8,
             "rollout.engine": "vllm", "rollout.vllm.python": VLLM_PYTHON, "rollout.vllm.base_port": port}
     argv = [sys.executable, "-m", "axrl.cli", "train", "examples/quickstart.yaml", "--run-dir", str(run)]
     for k, v in sets.items():
@@ -327,16 +327,16 @@ def test_train_the_quickstart_on_vllm_then_mismatch_and_bitwise_replay(tmp_path,
         assert sock.connect_ex(("127.0.0.1", port)) != 0, "the run left its vLLM server running"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "samples" in r]
-    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert [r["step"] for r in steps] == [0, 1]
     assert all(r["samples"] == 64 and r.get("failed", 0) == 0 for r in steps), steps
     from axrl.trace import StepFile
     multi_turn = 0
-    for step in range(3):   # conversations that went past their first turn (a tool call answered)
+    for step in range(2):   # conversations that went past their first turn (a tool call answered)
         with StepFile(run / "trace" / f"step_{step:06d}.h5") as sf:
             off, turn = sf["/samples/offsets"], sf["/tokens/turn"]
             multi_turn += sum(int(turn[off[i]:off[i + 1]].max()) >= 1 for i in range(sf.num_samples))
-    _report("e2e_multi_turn_samples", f"{multi_turn} of 192")
-    assert multi_turn > 0                         # measured: 192 of 192 after the 40-step warm-up
+    _report("e2e_multi_turn_samples", f"{multi_turn} of 128")
+    assert multi_turn > 0                         # measured (3 steps): 192 of 192 after the 40-step warm-up
     report = _axrl_debug("mismatch", str(run), "--top", "5")
     m = report["metrics"]
     _report("e2e_mismatch", {"tokens": report["tokens"]["analysed"], "mean_abs": m["mean_abs"], "max_abs": m["max_abs"],

@@ -42,7 +42,7 @@ def train(
 
             plan = resume_config(run_dir, config, set_)
             for note in plan.notes:
-                console.print(note)
+                console.print(note, soft_wrap=True)  # a folded path cannot be copied back
             cfg = plan.cfg
         else:
             cfg = load_config(config, set_)
