@@ -304,8 +304,9 @@ def _axrl_debug(*args: str) -> dict:
 def test_train_the_quickstart_on_vllm_then_mismatch_and_bitwise_replay(tmp_path, engine):
     """`axrl train` of the default example in its own shape — multi-turn (max_turns 3), the default
     group size (8), two steps (the crash came in the second, after a restart) — shortened in
-    prompts per step (8 instead of 16) and warm-up (40, as in the report of the crash), with vLLM as the rollout engine (launched by the run,
-    restarted on the new weights after the warm-up and each step). A first turn's 64 prefills of
+    prompts per step (8 instead of 16) and warm-up (40, as in the report of the crash), with vLLM
+    as the rollout engine (launched by the run, restarted on the new weights after the warm-up and
+    each step). A first turn's 64 prefills of
     39 prompt tokens (2496) exceed the CPU server's default budget of 2048 a step: with chunked
     prefill vLLM split one and its server died at step 0. The trainer agrees with what vLLM
     sampled to float32 rounding, a vLLM-rolled step replays bit for bit on the trainer side, and
