@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from axrl.core.settings import Section
 
@@ -27,3 +27,9 @@ class SyncSettings(Section):
                                   "verify again (then as warn)")
     probe: int = Field(2, ge=1, le=64, description="sequences of the run's own first samples re-scored at each "
                        "verification (verify: probe | both)")
+
+    @field_validator("verify", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare `off` as false: `verify: off` means what it says
+        return "off" if v is False else v

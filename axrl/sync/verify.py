@@ -58,6 +58,7 @@ class SyncSentinel:
         self.floor: ProbeFloor | None = None
         self.seconds = 0.0          # time spent verifying, in all (bench/sentinel_cost.py)
         self.verifications = 0
+        self.probe_seconds: list[float] = []   # each probe re-score (both sides, compare)
         self._lock = threading.Lock()
 
     @property
@@ -104,7 +105,9 @@ class SyncSentinel:
         with self._lock:
             probes = list(self.probes)
         if do_probe and len(probes) == self.settings.probe:
+            start = time.perf_counter()
             finding = self._probe(dict(weights), probes, version, calibrate=not findings)
+            self.probe_seconds.append(time.perf_counter() - start)
             if finding is not None:
                 findings.append(finding)
         return findings
