@@ -15,13 +15,15 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+from torch.func import functional_call
 
-from axrl.model import ModelConfig, Qwen3ForCausalLM, load_weights_into
+from axrl.model import ModelConfig, Qwen3ForCausalLM
 
 FLOOR_FACTOR = 4.0      # a clean engine's Δ moves with the weights; 4× its calibrated value is still clean
 ABS_MARGIN = 1e-4       # logprob: above a floor of 0 (bitwise engines), what a stale tensor shows at least
 ROUTING_MARGIN = 0.02   # share of (token, layer) rows whose expert set may differ beyond the floor's
 WORST_TOKENS = 5        # probe tokens named in a failure
+PROBE_TOKENS = 128      # a probe sample is cut to its first tokens: the cost is one short forward a side
 
 
 @dataclass
@@ -49,39 +51,44 @@ class ProbeFloor:
                 "limit_routing": FLOOR_FACTOR * self.routing_disagree + ROUTING_MARGIN}
 
 
-@torch.no_grad()
-def score_with_model(model: Qwen3ForCausalLM, sequences: Sequence[np.ndarray]) -> list[ProbeScore]:
+def score_with_model(model: torch.nn.Module, sequences: Sequence[np.ndarray],
+                     weights: dict[str, torch.Tensor] | None = None) -> list[ProbeScore]:
     """Teacher-forced logprobs (temperature 1) and routing of each sequence by `model`'s own
-    forward, one sequence per forward (a sequence's values never depend on its neighbours)."""
+    forward — with `weights` in place of its parameters when given (`functional_call`: no copy) —
+    in one right-padded batch (the same batch on both sides, so padding cannot tell them apart)."""
     device = next(model.parameters()).device
-    out = []
+    n = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), n, dtype=torch.int64, device=device)
+    mask = torch.zeros(len(sequences), n, dtype=torch.int64, device=device)
+    for i, seq in enumerate(sequences):
+        ids[i, :len(seq)] = torch.as_tensor(np.asarray(seq, dtype=np.int64))
+        mask[i, :len(seq)] = 1
+    kwargs = {"attention_mask": mask, "return_routing": model.config.is_moe}
     with torch.inference_mode():
-        for seq in sequences:
-            ids = torch.as_tensor(np.asarray(seq, dtype=np.int64), device=device)[None]
-            o = model(ids, return_routing=model.config.is_moe)
-            lp = torch.log_softmax(o.logits[0, :-1].float(), dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
-            logprobs = np.concatenate([[np.nan], lp.double().cpu().numpy()])
-            routing = None if o.routed_experts is None else o.routed_experts[0].cpu().numpy()
-            out.append(ProbeScore(logprobs, routing))
-    return out
+        o = model(ids, **kwargs) if weights is None else functional_call(model, weights, (ids,), kwargs)
+        lp = torch.log_softmax(o.logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+        lp, routing = lp.double().cpu().numpy(), None if o.routed_experts is None else o.routed_experts.cpu().numpy()
+    return [ProbeScore(np.concatenate([[np.nan], lp[i, :len(seq) - 1]]),
+                       None if routing is None else routing[i, :len(seq)]) for i, seq in enumerate(sequences)]
 
 
 class TrainerScorer:
-    """The trainer's side of the probe: the trainer's forward (`Qwen3ForCausalLM`, the trainer's
-    dtype) on the weights as posted to the sync — a private copy, so the rollout thread scores
-    while the trainer trains."""
+    """The trainer's side of the probe: the trainer's forward (`Qwen3ForCausalLM`) run on the
+    weights as posted to the sync (their dtype and device) — a private module, so the rollout
+    thread scores while the trainer trains, and no copy of the weights."""
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
         self.model: Qwen3ForCausalLM | None = None
 
     def score(self, weights: dict[str, torch.Tensor], sequences: Sequence[np.ndarray]) -> list[ProbeScore]:
-        """Load `weights` into the private model and score `sequences`."""
+        """Score `sequences` with `weights` (HF names, as posted)."""
+        first = next(iter(weights.values()))
         if self.model is None:
-            first = next(iter(weights.values()))
             self.model = Qwen3ForCausalLM(self.config).to(first.device, first.dtype).eval()
-        load_weights_into(self.model, weights, source="the posted weights")
-        return score_with_model(self.model, sequences)
+        if self.config.tie_word_embeddings:
+            weights = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
+        return score_with_model(self.model, sequences, weights)
 
 
 @dataclass

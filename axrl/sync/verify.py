@@ -32,7 +32,7 @@ from axrl.inference.quant import rollout_state_dict
 from axrl.model import ModelConfig
 from axrl.sync.checksums import compare_checksums, state_checksums
 from axrl.sync.engine_side import EngineSide
-from axrl.sync.probe import ProbeFloor, TrainerScorer, compare_scores, exceeds
+from axrl.sync.probe import PROBE_TOKENS, ProbeFloor, TrainerScorer, compare_scores, exceeds
 from axrl.sync.settings import SyncSettings
 from axrl.trace.run_dir import atomic_write_text
 
@@ -73,7 +73,7 @@ class SyncSentinel:
             return
         with self._lock:
             if len(self.probes) < self.settings.probe:
-                self.probes.append(np.asarray(token_ids, dtype=np.int64).copy())
+                self.probes.append(np.asarray(token_ids[:PROBE_TOKENS], dtype=np.int64).copy())
 
     def verify(self, weights: Any, version: int, *, reason: str, resend: Callable[[], None]) -> list[dict[str, Any]]:
         """Verify the engine against `weights` (version `version`); returns the findings (empty
