@@ -90,16 +90,18 @@ def test_a_clean_run_has_no_event_and_stores_its_floor(clean_run) -> None:
     assert events == []
     stored = json.loads((out / "manifest.json").read_text())["sync_sentinel"]
     assert stored["verify"] == "both" and stored["engine"] == "embedded" and stored["probe"] == 2
-    assert stored["floor"]["logprob_max_abs"] == 0.0 and stored["floor"]["calibrated_at_version"] == 1
+    assert stored["floor"]["logprob_max_abs"] == 0.0 and stored["floor"]["calibrated_at_version"] == 0
     assert stored["floor"]["limit_logprob"] > 0
 
 
 def test_a_stale_expert_is_named_with_its_layer_expert_and_step(data, tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(scheduler, "load_weights_into", faulty_load(lambda k, i: STALE in k and i >= 1))
     events = run(data, tmp_path / "run", "steps=2")   # warn: the run goes on
-    assert [(e["event"], e["check"], e["step"], e["action"]) for e in events][:2] == \
-        [("sync_mismatch", "checksum", 1, "warn"), ("sync_mismatch", "checksum", 2, "warn")]
-    first = events[0]
+    checksum = [e for e in events if e["check"] == "checksum"]
+    assert [(e["event"], e["step"], e["action"]) for e in checksum][:2] == \
+        [("sync_mismatch", 1, "warn"), ("sync_mismatch", 2, "warn")]
+    assert {e["check"] for e in events if e["step"] == 1} == {"checksum", "probe"}   # the re-score sees it too
+    first = checksum[0]
     assert first["reason"] == "sync" and first["layers"] == [1] and first["experts"] == [[1, 3]]
     assert {t["tensor"] for t in first["tensors"]} == {f"model.layers.1.mlp.experts.3.{p}_proj.weight"
                                                        for p in ("gate", "up", "down")}
@@ -113,7 +115,7 @@ def test_a_skipped_sync_names_every_tensor_and_stop_stops(data, tmp_path, monkey
     assert isinstance(e.value.__cause__, SyncVerificationError)
     message = str(e.value)
     assert "weights version 1 (step 1)" in message and "tensor(s) differ" in message
-    (event,) = [e for e in read_events(tmp_path / "run") if e["event"] == "sync_mismatch"]
+    (event,) = [e for e in read_events(tmp_path / "run") if e["event"] == "sync_mismatch" and e["check"] == "checksum"]
     assert event["step"] == 1 and event["action"] == "stop" and event["count"] >= 20   # every trained tensor
     assert not (tmp_path / "run" / "trace" / "step_000001.h5").exists()   # no step trained on the stale engine
 
@@ -121,8 +123,9 @@ def test_a_skipped_sync_names_every_tensor_and_stop_stops(data, tmp_path, monkey
 def test_resync_repairs_a_transient_fault(data, tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(scheduler, "load_weights_into", faulty_load(lambda k, i: STALE in k and i == 1))
     events = run(data, tmp_path / "run", "steps=2", "sync.on_failure=resync")
-    assert [(e["event"], e["step"]) for e in events] == [("sync_mismatch", 1), ("sync_resync", 1)]
-    assert events[1]["repaired"] is True and events[1]["remaining"] == []
+    assert [(e["event"], e["step"], e.get("check")) for e in events] == \
+        [("sync_mismatch", 1, "checksum"), ("sync_mismatch", 1, "probe"), ("sync_resync", 1, None)]
+    assert events[-1]["repaired"] is True and events[-1]["remaining"] == []   # and no event after it
 
 
 def test_probe_rescore_names_the_tokens_when_checksums_are_off(data, tmp_path, monkeypatch) -> None:

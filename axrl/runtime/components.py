@@ -238,7 +238,7 @@ def make_sentinel(s: SyncSettings, engine: InferenceEngine, model_config: ModelC
     said once in the events), recording its findings in `events`."""
     if s.verify == "off":
         return None
-    side = engine_side(engine)
+    side = engine_side(engine, model_config.vocab_size)
     if side is None:
         events.record("sync_unverified", engine=type(engine).__name__, verify=s.verify,
                       why="the sync sentinel cannot read this engine's weights (docs/engines.md)")

@@ -60,6 +60,9 @@ class SyncSentinel:
         self.verifications = 0
         self.probe_seconds: list[float] = []   # each probe re-score (both sides, compare)
         self._lock = threading.Lock()
+        # The weights the engine was last found to hold (version, HF state dict) while no floor
+        # exists yet: the probe set completes during the first rollout, and is calibrated on them.
+        self._held: tuple[int, dict[str, torch.Tensor]] | None = None
 
     @property
     def checks(self) -> tuple[bool, bool]:
@@ -72,8 +75,19 @@ class SyncSentinel:
         if not self.checks[1] or not ok or len(token_ids) < 2:
             return
         with self._lock:
-            if len(self.probes) < self.settings.probe:
-                self.probes.append(np.asarray(token_ids[:PROBE_TOKENS], dtype=np.int64).copy())
+            if len(self.probes) >= self.settings.probe:
+                return
+            self.probes.append(np.asarray(token_ids[:PROBE_TOKENS], dtype=np.int64).copy())
+            complete = len(self.probes) == self.settings.probe
+        if complete and self.floor is None and self._held is not None:
+            # Calibrate now, on the weights the engine holds (verified at the start or the last
+            # sync), so the first sync after it is already compared with a floor.
+            version, weights = self._held
+            start = time.perf_counter()
+            self._probe(weights, list(self.probes), version, calibrate=True)
+            self.probe_seconds.append(time.perf_counter() - start)
+            self.seconds += time.perf_counter() - start
+            self._held = None
 
     def verify(self, weights: Any, version: int, *, reason: str, resend: Callable[[], None]) -> list[dict[str, Any]]:
         """Verify the engine against `weights` (version `version`); returns the findings (empty
@@ -85,6 +99,10 @@ class SyncSentinel:
             findings = self._check(weights, version)
             if findings:
                 self._act(findings, weights, version, reason, resend)
+            elif self.floor is None and self.checks[1]:
+                # Start and resume hand the trainer's live weights: keep a copy to calibrate on.
+                self._held = (version, dict(weights) if reason == "sync"
+                              else {k: v.detach().clone() for k, v in weights.items()})
             return findings
         finally:
             self.seconds += time.perf_counter() - start
@@ -95,8 +113,9 @@ class SyncSentinel:
         findings = []
         do_checksum, do_probe = self.checks
         if do_checksum:
-            expected = state_checksums(rollout_state_dict(weights, self.side.weight_dtype))
-            bad = compare_checksums(expected, self.side.checksums())
+            held = self.side.checksums()   # None: this engine cannot say (docs/engines.md)
+            bad = [] if held is None else compare_checksums(
+                state_checksums(rollout_state_dict(weights, self.side.weight_dtype)), held)
             if bad:
                 findings.append({"check": "checksum", "count": len(bad),
                                  "layers": sorted({m.layer for m in bad if m.layer is not None}),
