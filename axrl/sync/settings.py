@@ -21,7 +21,8 @@ class SyncSettings(Section):
 
     verify: VerifyMode = Field("both", description="checksum: per-tensor checksums of the trainer's posted weights "
                                "vs the engine's; probe: `probe` earlier samples re-scored by engine and trainer "
-                               "against the calibrated floor; both; off")
+                               "against the calibrated floor; both: checksums, and the probe where they cannot settle it (to calibrate, "
+                               "after a failure, on engines without checksums); off")
     on_failure: OnFailure = Field("warn", description="warn: record a `sync_mismatch` event and go on; stop: fail "
                                   "the run naming the tensors / probe tokens; resync: send the weights again and "
                                   "verify again (then as warn)")

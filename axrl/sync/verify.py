@@ -9,6 +9,9 @@ sent (`sync.verify`) and act on a failure (`sync.on_failure`).
   on the posted weights (`axrl.sync.probe`); the first verification with probes and clean checksums
   calibrates the floor (stored in manifest.json under `sync_sentinel`), later ones must stay under
   its limit; a failure names the worst probe tokens and the layers whose routing differs.
+* both — checksums, and the probe where they cannot settle it: to calibrate, when they fail (to
+  name the tokens it affects), and on an engine with no checksums (SGLang, vLLM). After clean
+  exact checksums the embedded engine's probe would re-read the parameters just checksummed.
 
 A failure is a `sync_mismatch` event in RUN/events.jsonl: `step` (the first step whose batch is
 rolled out under these weights, = `version`), `version`, `reason` (start | resume | sync), `check`
@@ -112,8 +115,8 @@ class SyncSentinel:
     def _check(self, weights: Mapping[str, torch.Tensor], version: int) -> list[dict[str, Any]]:
         findings = []
         do_checksum, do_probe = self.checks
+        held = self.side.checksums() if do_checksum else None   # None: this engine cannot say
         if do_checksum:
-            held = self.side.checksums()   # None: this engine cannot say (docs/engines.md)
             bad = [] if held is None else compare_checksums(
                 state_checksums(rollout_state_dict(weights, self.side.weight_dtype)), held)
             if bad:
@@ -123,7 +126,11 @@ class SyncSentinel:
                                  "tensors": [m.to_json() for m in bad[:MAX_NAMED]]})
         with self._lock:
             probes = list(self.probes)
-        if do_probe and len(probes) == self.settings.probe:
+        # Under `both`, clean exact checksums leave the probe nothing to find (the engine's forward
+        # reads the very parameters checksummed): it runs to calibrate, on a failure (to name the
+        # tokens it affects) and where the engine has no checksums (servers).
+        needed = held is None or bool(findings) or self.floor is None
+        if do_probe and needed and len(probes) == self.settings.probe:
             start = time.perf_counter()
             finding = self._probe(dict(weights), probes, version, calibrate=not findings)
             self.probe_seconds.append(time.perf_counter() - start)
