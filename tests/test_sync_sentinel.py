@@ -157,3 +157,51 @@ def test_sync_section_defaults_equal_from_yaml_and_python() -> None:
     assert load_config(None, ["sync.verify=off"]).sync.verify == "off"
     with pytest.raises(Exception, match="sync.on_failure"):
         load_config(None, ["sync.on_failure=ignore"])
+
+
+class _CountingSide:
+    """An embedded-like engine side over `model` that counts its probe re-scores."""
+
+    name, weight_dtype = "fake", "fp32"
+
+    def __init__(self, model: torch.nn.Module, has_checksums: bool = True) -> None:
+        self.model, self.has_checksums, self.scores = model, has_checksums, 0
+
+    def checksums(self):
+        from axrl.model import hf_state_dict
+        return state_checksums(hf_state_dict(self.model)) if self.has_checksums else None
+
+    def score(self, sequences):
+        from axrl.sync.probe import score_with_model
+        self.scores += 1
+        return score_with_model(self.model, sequences)
+
+
+@pytest.mark.parametrize("has_checksums", [True, False])
+def test_both_pays_the_probe_only_where_checksums_cannot_settle_it(has_checksums) -> None:
+    """`sync.verify: both` (the default, within its 2 % budget because of this): after clean exact
+    checksums no probe re-score; it calibrates once, runs after a checksum failure (naming tokens),
+    and at every verification of an engine without checksums (servers)."""
+    import numpy as np
+
+    from axrl.model import build_model, hf_state_dict, preset_config
+    from axrl.sync.settings import SyncSettings
+    from axrl.sync.verify import SyncSentinel
+
+    cfg = preset_config("micro-moe")
+    engine = build_model(cfg, seed=0)
+    side = _CountingSide(engine, has_checksums)
+    sentinel = SyncSentinel(SyncSettings(verify="both"), side, cfg)
+    weights = {k: v.detach().clone() for k, v in hf_state_dict(engine).items()}
+    assert sentinel.verify(weights, 0, reason="start", resend=lambda: None) == []
+    for seed in range(2):
+        sentinel.observe(np.random.default_rng(seed).integers(3, cfg.vocab_size, size=12))
+    assert sentinel.floor is not None and side.scores == 1          # calibrated once
+    assert sentinel.verify(weights, 1, reason="sync", resend=lambda: None) == []
+    assert side.scores == (1 if has_checksums else 2)
+    stale = dict(weights)
+    key = "model.layers.1.mlp.experts.3.up_proj.weight"
+    stale[key] = weights[key] + 0.5                                  # the trainer moved, the engine did not
+    findings = sentinel.verify(stale, 2, reason="sync", resend=lambda: None)
+    assert side.scores == (2 if has_checksums else 3)
+    assert [f["check"] for f in findings] == (["checksum", "probe"] if has_checksums else ["probe"])
