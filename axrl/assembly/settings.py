@@ -38,7 +38,8 @@ __all__ = ["advantage_settings", "backend_settings", "data_settings", "engine_se
 def run_settings(cfg: Config) -> RunSettings:
     """Everything a run is built from."""
     return RunSettings(model=model_source(cfg), data=data_settings(cfg), backend=backend_settings(cfg),
-                       rollout=rollout_settings(cfg), learner=learner_settings(cfg), threads=cfg.runtime.threads)
+                       rollout=rollout_settings(cfg), learner=learner_settings(cfg), threads=cfg.runtime.threads,
+                       sync=cfg.sync)
 
 
 # -- model and trainer ----------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from axrl.train.torch.lora import LoRAConfig
 from axrl.train.megatron.settings import MegatronLayout
 from axrl.train.protocol import R3Scope
 from axrl.train.settings import TrainSettings
+from axrl.sync.settings import SyncSettings
 
 
 class ModelSection(Section):
@@ -297,6 +298,8 @@ class Config(Section):
     runtime: RuntimeSection = Field(default_factory=RuntimeSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
     faults: Faults = Field(default_factory=Faults)
+    sync: SyncSettings = Field(default_factory=SyncSettings, description="the sync sentinel: verify the engine "
+                               "after every weight sync and resume (docs/debugging.md \"Sync sentinel\")")
     agent: AgentSettings | None = Field(None, description="a black-box agent plays the episodes (else the task's env)")
     distill: DistillSettings | None = Field(None, description="on-policy distillation from a teacher (off: None)")
     critic: CriticSection | None = Field(None, description="PPO's value model, for algo.advantage: gae (off: None)")

@@ -35,6 +35,7 @@ from axrl.rollout.pool import Group, GroupFate, TrajectoryPool
 from axrl.rollout.runner import Clock, EpisodeRunner, EpisodeSpec, Player, RolloutSettings, sample_seed
 from axrl.rollout.schedule import Schedule
 from axrl.sync import WeightSync
+from axrl.sync.verify import SyncSentinel
 from axrl.tokenizer import Tokenizer
 
 PartialRollout = Literal["continue", "recompute", "drop"]
@@ -95,6 +96,9 @@ class RolloutWorker:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: EpisodeRunner | None = None
+        # Verifies the engine after every load, before it serves a token under the new version
+        # (`sync.verify`; set by the run's builder, None: not verified).
+        self.sentinel: SyncSentinel | None = None
 
     # -- lifecycle (trainer thread) --------------------------------------------------------------
     def start(self, first_step: int, state: dict[str, Any] | None = None) -> None:
@@ -116,8 +120,17 @@ class RolloutWorker:
         self._thread.start()
 
     def load_weights(self, source: Any, version: int) -> None:
-        """Load weights `version` into the engine before `start` (the run's first, or a resumed, policy)."""
+        """Load weights `version` into the engine before `start` (the run's first, or a resumed,
+        policy), then verify them (`sentinel`): a resume is checked like any sync."""
         self.engine.update_weights(source, version=version)
+        self._verify(source, version, "resume" if version > 0 else "start")
+
+    def _verify(self, weights: Any, version: int, reason: str) -> None:
+        """The sentinel's check of the load just made; it blocks this thread, so no request is
+        admitted under `version` before it is done (`sync.on_failure: stop` raises from here)."""
+        if self.sentinel is not None:
+            self.sentinel.verify(weights, version, reason=reason,
+                                 resend=lambda: self.engine.update_weights(weights, version=version))
 
     def stop(self) -> None:
         """Stop producing; episodes in flight are cancelled (the caller shuts the engine down)."""
@@ -198,6 +211,8 @@ class RolloutWorker:
         return started
 
     def _on_done(self, spec: EpisodeSpec, traj: Trajectory) -> None:
+        if self.sentinel is not None:  # the run's first samples become the sentinel's probe set
+            self.sentinel.observe(traj.token_ids, ok=traj.status == "ok")
         left = self._dropping.get(spec.group_id)
         if left is not None:  # its group was dropped while it ran
             if left == 1:
@@ -288,6 +303,7 @@ class RolloutWorker:
             self.engine.resume_memory()
             self._memory_released = False
         self.engine.update_weights(weights, version=version)
+        self._verify(weights, version, "sync")
         self._engine_version = version
         self.counters.weight_updates += 1
         return True

@@ -43,6 +43,9 @@ from axrl.runtime.recording.events import EventLog
 from axrl.runtime.learner import Learner, RecordSettings, StepLearner
 from axrl.runtime.step_trainer import TrainStepSettings, StepTrainer
 from axrl.sync import WeightSync
+from axrl.sync.engine_side import engine_side
+from axrl.sync.settings import SyncSettings
+from axrl.sync.verify import SyncSentinel
 from axrl.tokenizer import Tokenizer, load_tokenizer
 from axrl.trace import RunDir
 from axrl.train import TorchBackend, TorchBackendConfig
@@ -142,6 +145,7 @@ class RunSettings:
     rollout: RolloutSideSettings
     learner: LearnerSettings
     threads: int = 1
+    sync: SyncSettings = field(default_factory=SyncSettings)   # the sync sentinel (YAML section `sync`)
 
 
 # -- the components --------------------------------------------------------------------------------
@@ -222,8 +226,24 @@ def build_local(s: RunSettings, tokenizer: Tokenizer, task: Task, loader: Prompt
                              lambda clocked: make_embedded_engine(s.model, s.rollout.embedded, backend, tokenizer,
                                                                   clocked=clocked))
     trainer = make_step_trainer(s.learner, backend, side.sync)
-    return Components(tokenizer, task, loader, backend, engine, side.sync, side.pool, side.rollout, trainer,
-                      side.evaluator, proxy=side.proxy, record=s.learner.record)
+    c = Components(tokenizer, task, loader, backend, engine, side.sync, side.pool, side.rollout, trainer,
+                   side.evaluator, proxy=side.proxy, record=s.learner.record)
+    side.rollout.sentinel = make_sentinel(s.sync, engine, backend.model_config, c.events)
+    return c
+
+
+def make_sentinel(s: SyncSettings, engine: InferenceEngine, model_config: ModelConfig,
+                  events: EventLog) -> SyncSentinel | None:
+    """The sync sentinel of `engine` (None when `sync.verify: off`, or for an engine it cannot read:
+    said once in the events), recording its findings in `events`."""
+    if s.verify == "off":
+        return None
+    side = engine_side(engine, model_config.vocab_size)
+    if side is None:
+        events.record("sync_unverified", engine=type(engine).__name__, verify=s.verify,
+                      why="the sync sentinel cannot read this engine's weights (docs/engines.md)")
+        return None
+    return SyncSentinel(s, side, model_config, record=events.record, run_path=lambda: events.run_path)
 
 
 def make_processor(s: LearnerSettings) -> AlgorithmProcessor:
