@@ -1,0 +1,218 @@
+"""Bisect: the first layer and operation where the engine's and the trainer's computations part.
+
+    result = bisect_step("runs/walk", 4, sample=12)
+    print(result.first)          # PointDiff(layer=1, op="expert_out", over=[7, 9], ...) or None
+
+For one recorded sample of a step, both computations of its tokens are captured at every probe
+point of `axrl.model.probe_points` (replay/bisect_capture.py: the embedded engine's teacher-forced
+prefill and KV-cache decode in the batches it ran, the trainer's forward of the micro-batch as
+trained, routing replayed as recorded), and again in float64. The points are walked in forward
+order; the first (layer, op) with a position whose difference exceeds that op's numerics floor
+(replay/bisect_compare.py: each side's own rounding there, measured against its float64 run) is
+the first divergence. Reported with it: the positions (token indices of the sample) where it
+appears, its size and floor, how the difference grows at every later point, whether routing
+diverged in that layer (ids, slot order and weights separately) and, at the sample's predicting
+positions, a full-vocabulary comparison of the two distributions.
+
+Imports `axrl` only, never `axrl_debug`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from axrl.assembly.build import make_engine_model
+from axrl.assembly.settings import routing_replay
+from axrl.model.probe_points import forward_order
+from axrl.trace import StepFile
+from replay.bisect_capture import (ENGINE_HOW, TRAINER_HOW, CacheFactory, Side, engine_cache, engine_side,
+                                   sample_contexts, trainer64_side, trainer_side)
+from replay.bisect_compare import PointDiff, agreeing_slots, compare_float, compare_ids, expert_ids_at, vocab_compare
+from replay.engine_path import contexts_of, run_engine_path
+from replay.plan import ReplayInputError
+from replay.policy import PolicyState, policy_before
+from replay.recorded import require_full
+from replay.rollout import clock_schedule, engine_prefix_cache, rolled_out
+
+Progress = Callable[[str], None]
+WeightsHook = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+@dataclass
+class BisectResult:
+    """What `bisect_step` found (see the module doc); `to_json` is `axrl-debug bisect --json`."""
+
+    run: str
+    step: int
+    sample_id: int
+    engine: str
+    r3: bool
+    points: list[PointDiff]                  # every point compared, in forward order
+    first: PointDiff | None                  # the first one over its floor
+    routing: dict[str, Any] | None           # routing at the first divergence's layer (MoE layers)
+    vocab: list[dict[str, Any]]              # full-vocabulary comparison per predicting position
+    how: dict[str, str]                      # how each side's value of each point was obtained
+    turns: dict[int, int] = field(default_factory=dict)      # position → turn
+    generated: list[int] = field(default_factory=list)       # the sample's generated positions
+    fidelity: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def first_divergence(self) -> dict[str, Any] | None:
+        """`{layer, op, tokens, size, floor}` of the first divergence, or None."""
+        f = self.first
+        if f is None:
+            return None
+        out = {"layer": f.layer, "op": f.op, "tokens": f.over, "size": f.size, "floor": f.floor}
+        if f.experts:
+            out["experts"] = f.experts
+        return out
+
+    def growth(self) -> list[PointDiff]:
+        """The points after the first divergence (how the difference grows)."""
+        if self.first is None:
+            return []
+        return self.points[self.points.index(self.first) + 1:]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run": self.run, "step": self.step, "sample": self.sample_id, "engine": self.engine, "r3": self.r3,
+                "first_divergence": self.first_divergence(), "routing": self.routing,
+                "points": [p.to_json() for p in self.points], "vocab": self.vocab, "how": self.how,
+                "generated": self.generated, "fidelity": self.fidelity, "notes": self.notes, "timings": self.timings}
+
+
+def bisect_step(run_dir: str | Path, step: int, *, sample: int | None = None, engine: str = "embedded",
+                engine_weights: WeightsHook | None = None, engine_kv: CacheFactory | None = None,
+                progress: Progress | None = None) -> BisectResult:
+    """Bisect sample `sample` (a sample id; default: the one with the largest |old − rollout|
+    logprob gap) of recorded step `step`. `engine_weights` transforms the engine's copy of the
+    weights and `engine_kv` builds its KV caches (what-ifs; tests plant causes with them).
+    Raises ReplayInputError on bad input."""
+    if engine != "embedded":
+        raise ReplayInputError(f"--engine {engine}: only the embedded engine can be captured so far (SGLang and "
+                               "vLLM capture is not implemented: their servers expose no per-op tensors to AxRL yet)")
+    say = progress or (lambda msg: None)
+    t0 = time.perf_counter()
+    threads = torch.get_num_threads()
+    state = policy_before(run_dir, step, progress=say)
+    try:
+        return _bisect(state, step, sample, engine_weights, engine_kv, say, t0)
+    finally:
+        state.close()
+        torch.set_num_threads(threads)
+
+
+def _pick_sample(path: Path, sample: int | None) -> tuple[int, int]:
+    """(row, sample id): the given sample id's row, or the row of the largest analysed gap."""
+    with StepFile(path) as sf:
+        require_full(sf, path)
+        sids = sf["/samples/sample_id"].astype(np.int64)
+        off = sf["/samples/offsets"].astype(np.int64)
+        rollout, old, mask = sf["/tokens/rollout_logprob"], sf["/tokens/old_logprob"], sf["/tokens/loss_mask"]
+    if sample is not None:
+        rows = np.flatnonzero(sids == sample)
+        if rows.size == 0:
+            raise ReplayInputError(f"--sample {sample}: not a sample of this step (sample ids "
+                                   f"{int(sids.min())}..{int(sids.max())})")
+        return int(rows[0]), int(sample)
+    ok = (mask > 0) & np.isfinite(rollout) & np.isfinite(old)
+    gap = np.where(ok, np.abs(old.astype(np.float64) - rollout.astype(np.float64)), -1.0)
+    row = int(np.searchsorted(off, int(np.argmax(gap)), side="right") - 1)
+    return row, int(sids[row])
+
+
+def _bisect(state: PolicyState, step: int, sample: int | None, hook: WeightsHook | None,
+            kv: CacheFactory | None, say: Progress, t0: float) -> BisectResult:
+    cfg, backend = state.cfg, state.backend
+    mcfg = backend.model_config
+    path = state.inventory.files[step]
+    row, sid = _pick_sample(path, sample)
+    rec = state.recorded(step)
+    timings = {"rebuild_seconds": time.perf_counter() - t0}
+    with StepFile(path) as sf:
+        ro = rolled_out(sf)
+    contexts = contexts_of(ro.off, ro.ids, ro.turn, np.isfinite(ro.rollout_logprob))
+    mine = sample_contexts(contexts, row)
+    if not mine:
+        raise ReplayInputError(f"--sample {sid}: the engine generated no token of it at step {step}")
+    length = int(rec.batch.lengths[row])
+    temperature = float(cfg.rollout.temperature)
+    weights = {k: v.detach().clone() for k, v in backend.named_weights()}
+    weights = hook(weights) if hook else weights
+    t1 = time.perf_counter()
+    say(f"engine path: {len(contexts)} request(s) of step {step} as batched, capturing sample {sid}")
+    with engine_cache(kv):
+        model = make_engine_model(cfg, mcfg, weights)
+        ep = run_engine_path(model, contexts, temperature=temperature, max_seq_len=cfg.rollout.max_context_len,
+                             max_batch_size=cfg.rollout.max_batch_size, capture=set(mine),
+                             schedule=clock_schedule(cfg, ro.sids, ro.gids), prefix_cache=engine_prefix_cache(cfg),
+                             kv_dtype=cfg.rollout.kv_dtype)
+        model64 = make_engine_model(cfg, mcfg, weights).double()
+        ep64 = run_engine_path(model64, [contexts[i] for i in mine], temperature=temperature,
+                               max_seq_len=cfg.rollout.max_context_len, max_batch_size=cfg.rollout.max_batch_size,
+                               capture=True, kv_dtype=cfg.rollout.kv_dtype)
+    e32 = engine_side("engine", model, ep, mine, length, temperature)
+    e64 = engine_side("engine64", model64, ep64, list(range(len(mine))), length, temperature)
+    t2 = time.perf_counter()
+    say("trainer path: the micro-batch as trained, then the sample alone in float64")
+    r3 = routing_replay(cfg)
+    t32 = trainer_side(backend, rec.batch, row, cfg.train.micro_batch_tokens, r3)
+    t64 = trainer64_side(backend, rec.batch, row, r3)
+    t3 = time.perf_counter()
+    sides = (e32, t32, e64, t64)
+    moe = {i for i in range(mcfg.num_hidden_layers) if mcfg.is_moe_layer(i)}
+    points = walk(sides, mcfg.num_hidden_layers, moe)
+    first = next((p for p in points if p.diverged), None)
+    if first is not None and first.op == "expert_out":
+        first.experts = expert_ids_at(e32, first.layer, first.detail.get("slots_over", []))
+    ids = rec.batch.input_ids.numpy()[int(rec.batch.offsets[row]):int(rec.batch.offsets[row + 1])]
+    generated = sorted({p for c in mine for p in contexts[c].generated})
+    vocab = vocab_compare(e32, t32, ids, [p - 1 for p in generated])
+    timings.update({"engine_seconds": t2 - t1, "trainer_seconds": t3 - t2,
+                    "compare_seconds": time.perf_counter() - t3, "total_seconds": time.perf_counter() - t0})
+    result = BisectResult(
+        run=str(state.inventory.run), step=step, sample_id=sid, engine="embedded", r3=bool(r3), points=points,
+        first=first, routing=routing_at(points, first.layer) if first is not None and first.layer in moe else None,
+        vocab=vocab, how={"engine": ENGINE_HOW, "trainer": {"*": TRAINER_HOW}},
+        turns={p: contexts[c].turn for c in mine for p in range(contexts[c].start, contexts[c].end)},
+        generated=generated, notes=list(state.notes), timings=timings)
+    result.fidelity = _fidelity(ep, ro)
+    return result
+
+
+def walk(sides: tuple[Side, Side, Side, Side], num_layers: int, moe: set[int]) -> list[PointDiff]:
+    """Every probe point's comparison, in forward order (points neither side has are left out)."""
+    out = []
+    for layer, op in forward_order(num_layers, moe):
+        if op == "topk_ids":
+            diff = compare_ids(layer, sides)
+        elif op in ("topk_weights", "expert_out"):
+            diff = compare_float(layer, op, sides, mask=agreeing_slots(layer, sides), per_slot=op == "expert_out")
+        else:
+            diff = compare_float(layer, op, sides)
+        if diff is not None:
+            out.append(diff)
+    return out
+
+
+def routing_at(points: list[PointDiff], layer: int) -> dict[str, Any]:
+    """Whether routing diverged in `layer`: expert sets, slot order and weights, separately."""
+    ids = next((p for p in points if p.layer == layer and p.op == "topk_ids"), None)
+    w = next((p for p in points if p.layer == layer and p.op == "topk_weights"), None)
+    return {"layer": layer,
+            "ids_differ": ids.detail.get("set_differs", []) if ids else None,
+            "slot_order_differs": ids.detail.get("slot_order_differs", []) if ids else None,
+            "rounding_flips": ids.detail.get("rounding_flips", []) if ids else None,
+            "weights_over_floor": w.over if w else None}
+
+
+def _fidelity(ep, ro) -> dict[str, Any]:
+    """Whether the engine path reproduces the recorded rollout logprobs (bit for bit on synchronous
+    deterministic runs): the engine side is then the computation the run really made."""
+    return {"engine_path_vs_rollout_logprob": ep.fidelity(ro.rollout_logprob, ro.off)}
