@@ -31,9 +31,9 @@ from axrl.assembly.build import make_engine_model
 from axrl.assembly.settings import routing_replay
 from axrl.model.probe_points import forward_order
 from axrl.trace import StepFile
-from replay.bisect_capture import (ENGINE_HOW, TRAINER_HOW, CacheFactory, Side, engine_cache, engine_side,
-                                   sample_contexts, trainer64_side, trainer_side)
-from replay.bisect_compare import PointDiff, agreeing_slots, compare_float, compare_ids, expert_ids_at, vocab_compare
+from replay.bisect_capture import (ENGINE_HOW, TRAINER_HOW, CacheFactory, engine_cache, engine_side, sample_contexts,
+                                   trainer64_side, trainer_side, unquantised)
+from replay.bisect_compare import PointDiff, Sides, agreeing_slots, compare_float, compare_ids, vocab_compare
 from replay.engine_path import contexts_of, run_engine_path
 from replay.plan import ReplayInputError
 from replay.policy import PolicyState, policy_before
@@ -141,39 +141,43 @@ def _bisect(state: PolicyState, step: int, sample: int | None, hook: WeightsHook
     mine = sample_contexts(contexts, row)
     if not mine:
         raise ReplayInputError(f"--sample {sid}: the engine generated no token of it at step {step}")
-    length = int(rec.batch.lengths[row])
     temperature = float(cfg.rollout.temperature)
     weights = {k: v.detach().clone() for k, v in backend.named_weights()}
     weights = hook(weights) if hook else weights
     t1 = time.perf_counter()
     say(f"engine path: {len(contexts)} request(s) of step {step} as batched, capturing sample {sid}")
+    schedule, cache = clock_schedule(cfg, ro.sids, ro.gids), engine_prefix_cache(cfg)
     with engine_cache(kv):
         model = make_engine_model(cfg, mcfg, weights)
         ep = run_engine_path(model, contexts, temperature=temperature, max_seq_len=cfg.rollout.max_context_len,
-                             max_batch_size=cfg.rollout.max_batch_size, capture=set(mine),
-                             schedule=clock_schedule(cfg, ro.sids, ro.gids), prefix_cache=engine_prefix_cache(cfg),
-                             kv_dtype=cfg.rollout.kv_dtype)
-        model64 = make_engine_model(cfg, mcfg, weights).double()
-        ep64 = run_engine_path(model64, [contexts[i] for i in mine], temperature=temperature,
-                               max_seq_len=cfg.rollout.max_context_len, max_batch_size=cfg.rollout.max_batch_size,
-                               capture=True, kv_dtype=cfg.rollout.kv_dtype)
-    e32 = engine_side("engine", model, ep, mine, length, temperature)
-    e64 = engine_side("engine64", model64, ep64, list(range(len(mine))), length, temperature)
+                             max_batch_size=cfg.rollout.max_batch_size, capture=set(mine), schedule=schedule,
+                             prefix_cache=cache, kv_dtype=cfg.rollout.kv_dtype)
+    e32 = engine_side("engine", model, ep, mine, temperature)
+    # The references: this sample alone, K/V and activations unquantised (storage precision is
+    # then a divergence, not a floor), in float64 and, when the run rounds them, in fp32 too.
+    rounded = kv is not None or cfg.rollout.kv_dtype != "auto" or cfg.rollout.precision == "fp8_w8a8"
+    refs = [(torch.float64, "engine64")] + ([(torch.float32, "engine_ref")] if rounded else [])
+    by_name = {}
+    for dtype, name in refs:
+        ref_model = unquantised(make_engine_model(cfg, mcfg, weights)).to(dtype)
+        ref_ep = run_engine_path(ref_model, [contexts[i] for i in mine], temperature=temperature,
+                                 max_seq_len=cfg.rollout.max_context_len, max_batch_size=cfg.rollout.max_batch_size,
+                                 capture=True)
+        by_name[name] = engine_side(name, ref_model, ref_ep, list(range(len(mine))), temperature)
+    e64, e_ref = by_name["engine64"], by_name.get("engine_ref", e32)
     t2 = time.perf_counter()
     say("trainer path: the micro-batch as trained, then the sample alone in float64")
     r3 = routing_replay(cfg)
     t32 = trainer_side(backend, rec.batch, row, cfg.train.micro_batch_tokens, r3)
     t64 = trainer64_side(backend, rec.batch, row, r3)
     t3 = time.perf_counter()
-    sides = (e32, t32, e64, t64)
+    sides = Sides(e32, t32, e_ref, e64, t64)
     moe = {i for i in range(mcfg.num_hidden_layers) if mcfg.is_moe_layer(i)}
     points = walk(sides, mcfg.num_hidden_layers, moe)
     first = next((p for p in points if p.diverged), None)
-    if first is not None and first.op == "expert_out":
-        first.experts = expert_ids_at(e32, first.layer, first.detail.get("slots_over", []))
     ids = rec.batch.input_ids.numpy()[int(rec.batch.offsets[row]):int(rec.batch.offsets[row + 1])]
     generated = sorted({p for c in mine for p in contexts[c].generated})
-    vocab = vocab_compare(e32, t32, ids, [p - 1 for p in generated])
+    vocab = vocab_compare(sides, ids)
     timings.update({"engine_seconds": t2 - t1, "trainer_seconds": t3 - t2,
                     "compare_seconds": time.perf_counter() - t3, "total_seconds": time.perf_counter() - t0})
     result = BisectResult(
@@ -186,7 +190,7 @@ def _bisect(state: PolicyState, step: int, sample: int | None, hook: WeightsHook
     return result
 
 
-def walk(sides: tuple[Side, Side, Side, Side], num_layers: int, moe: set[int]) -> list[PointDiff]:
+def walk(sides: Sides, num_layers: int, moe: set[int]) -> list[PointDiff]:
     """Every probe point's comparison, in forward order (points neither side has are left out)."""
     out = []
     for layer, op in forward_order(num_layers, moe):

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 import replay.engine_path as engine_path
 from axrl.inference.embedded.kv_cache import StaticKVCache
+from axrl.inference.quant import ACT_ATTR
 from axrl.model import ModelConfig, Qwen3ForCausalLM
 from axrl.model.probe_points import MOE_POINTS
 from axrl.train.micro_batch import pad_micro_batch, split_micro_batches
@@ -61,11 +62,27 @@ TRAINER_HOW = "captured (axrl.model.ActivationProbe in the trainer's forward)"
 
 @dataclass
 class Side:
-    """One computation of the sample: per (layer, point) a tensor [positions, ...] (float points
-    NaN where not computed, `topk_ids` −1) and, for the engine, which request computed each row."""
+    """One computation of the sample: per (layer, point) a tensor [rows, ...] (float points NaN
+    where not computed, `topk_ids` −1); the trainer's rows are the sample's positions, the
+    engine's its requests' positions one request after another (`positions`)."""
 
     name: str
     states: States = field(default_factory=dict)
+    positions: torch.Tensor | None = None    # row → token position (None: row i is position i)
+    requests: list[int] = field(default_factory=list)     # the engine requests, in row order
+    turn_of_row: list[int] = field(default_factory=list)  # row → the turn of the request it belongs to
+
+    def rows_of(self, positions: torch.Tensor) -> dict[Key, torch.Tensor]:
+        """The states at the given positions (a trainer side aligned to an engine side's rows)."""
+        n = min(x.shape[0] for x in self.states.values())
+        pos = positions.clamp(max=n - 1)
+        out = {}
+        for key, x in self.states.items():
+            rows = x[pos]
+            if x.dtype.is_floating_point:
+                rows[positions >= x.shape[0]] = float("nan")
+            out[key] = rows
+        return out
 
 
 # ------------------------------------------------------------------------------------- trainer
@@ -130,6 +147,13 @@ def float64_model(mcfg: ModelConfig, weights: dict[str, torch.Tensor]) -> Qwen3F
 
 
 # -------------------------------------------------------------------------------------- engine
+def unquantised(model: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
+    """`model` with fp8 activation rounding off (its weights stay as stored): the engine's math
+    without activation-dependent rounding, for the references."""
+    setattr(model, ACT_ATTR, False)
+    return model
+
+
 @contextlib.contextmanager
 def engine_cache(factory: CacheFactory | None) -> Iterator[None]:
     """Run the engine path with KV caches built by `factory` (a what-if, e.g. a lower-precision
@@ -145,23 +169,22 @@ def engine_cache(factory: CacheFactory | None) -> Iterator[None]:
         engine_path.StaticKVCache = saved  # type: ignore[misc]
 
 
-def engine_side(name: str, model: Qwen3ForCausalLM, ep: engine_path.EnginePath, indices: list[int], length: int,
+def engine_side(name: str, model: Qwen3ForCausalLM, ep: engine_path.EnginePath, indices: list[int],
                 temperature: float) -> Side:
-    """The sample's rows from its requests `indices` of the engine path `ep` (each position from the
-    last request that computed it, as the token's own request reads it), plus the points the fused
-    decoder does not expose, obtained as `ENGINE_HOW` says."""
+    """The rows of the sample's requests `indices` of the engine path `ep`, request after request
+    (a position each request computed is its own row: a decode step and a later turn's prefill of
+    the same token are compared separately), plus the points the fused decoder does not expose,
+    obtained as `ENGINE_HOW` says."""
     side = Side(name)
-    merged: States = {}
+    parts: dict[Key, list[torch.Tensor]] = {}
     for c in indices:
-        for key, buf in ep.states[c].items():
-            layer, point = key[1], key[0]
-            have = torch.isfinite(buf.float()).all(-1)
-            dst = merged.get((layer, point))
-            if dst is None:
-                dst = merged[(layer, point)] = torch.full((length, buf.shape[-1]), float("nan"), dtype=buf.dtype)
-            idx = have.nonzero()[:, 0]
-            dst[idx] = buf[idx]
-    side.states = merged
+        end = ep.contexts[c].end
+        for (point, layer), buf in ep.states[c].items():
+            parts.setdefault((layer, point), []).append(buf)  # every request reaches every point
+        side.requests.append(c)
+        side.turn_of_row += [ep.contexts[c].turn] * end
+    side.positions = torch.cat([torch.arange(ep.contexts[c].end) for c in indices])
+    side.states = {key: torch.cat(bufs) for key, bufs in parts.items()}
     _derive_engine_points(side, model)
     _add_logprobs(side, temperature)
     return side
