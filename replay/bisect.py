@@ -58,7 +58,6 @@ class BisectResult:
     routing: dict[str, Any] | None           # routing at the first divergence's layer (MoE layers)
     vocab: list[dict[str, Any]]              # full-vocabulary comparison per predicting position
     how: dict[str, str]                      # how each side's value of each point was obtained
-    turns: dict[int, int] = field(default_factory=dict)      # position → turn
     generated: list[int] = field(default_factory=list)       # the sample's generated positions
     fidelity: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -141,30 +140,11 @@ def _bisect(state: PolicyState, step: int, sample: int | None, hook: WeightsHook
     mine = sample_contexts(contexts, row)
     if not mine:
         raise ReplayInputError(f"--sample {sid}: the engine generated no token of it at step {step}")
-    temperature = float(cfg.rollout.temperature)
     weights = {k: v.detach().clone() for k, v in backend.named_weights()}
     weights = hook(weights) if hook else weights
     t1 = time.perf_counter()
     say(f"engine path: {len(contexts)} request(s) of step {step} as batched, capturing sample {sid}")
-    schedule, cache = clock_schedule(cfg, ro.sids, ro.gids), engine_prefix_cache(cfg)
-    with engine_cache(kv):
-        model = make_engine_model(cfg, mcfg, weights)
-        ep = run_engine_path(model, contexts, temperature=temperature, max_seq_len=cfg.rollout.max_context_len,
-                             max_batch_size=cfg.rollout.max_batch_size, capture=set(mine), schedule=schedule,
-                             prefix_cache=cache, kv_dtype=cfg.rollout.kv_dtype)
-    e32 = engine_side("engine", model, ep, mine, temperature)
-    # The references: this sample alone, K/V and activations unquantised (storage precision is
-    # then a divergence, not a floor), in float64 and, when the run rounds them, in fp32 too.
-    rounded = kv is not None or cfg.rollout.kv_dtype != "auto" or cfg.rollout.precision == "fp8_w8a8"
-    refs = [(torch.float64, "engine64")] + ([(torch.float32, "engine_ref")] if rounded else [])
-    by_name = {}
-    for dtype, name in refs:
-        ref_model = unquantised(make_engine_model(cfg, mcfg, weights)).to(dtype)
-        ref_ep = run_engine_path(ref_model, [contexts[i] for i in mine], temperature=temperature,
-                                 max_seq_len=cfg.rollout.max_context_len, max_batch_size=cfg.rollout.max_batch_size,
-                                 capture=True)
-        by_name[name] = engine_side(name, ref_model, ref_ep, list(range(len(mine))), temperature)
-    e64, e_ref = by_name["engine64"], by_name.get("engine_ref", e32)
+    e32, e_ref, e64, ep = _engine_sides(cfg, mcfg, weights, contexts, mine, ro, kv)
     t2 = time.perf_counter()
     say("trainer path: the micro-batch as trained, then the sample alone in float64")
     r3 = routing_replay(cfg)
@@ -184,10 +164,39 @@ def _bisect(state: PolicyState, step: int, sample: int | None, hook: WeightsHook
         run=str(state.inventory.run), step=step, sample_id=sid, engine="embedded", r3=bool(r3), points=points,
         first=first, routing=routing_at(points, first.layer) if first is not None and first.layer in moe else None,
         vocab=vocab, how={"engine": ENGINE_HOW, "trainer": {"*": TRAINER_HOW}},
-        turns={p: contexts[c].turn for c in mine for p in range(contexts[c].start, contexts[c].end)},
         generated=generated, notes=list(state.notes), timings=timings)
     result.fidelity = _fidelity(ep, ro)
+    f = result.fidelity["engine_path_vs_rollout_logprob"]
+    if f["bitwise_equal"] < f["tokens"]:
+        result.notes.append(f"the engine path reproduces {f['bitwise_equal']} of {f['tokens']} rollout logprobs bit "
+                            f"for bit (max |diff| {f['max_abs_diff']:.3g}): the engine side is a re-computation, not "
+                            "exactly the rollout (an asynchronous run, or a schedule replay cannot mirror)")
     return result
+
+
+def _engine_sides(cfg, mcfg, weights: dict[str, torch.Tensor], contexts: list, mine: list[int], ro,
+                  kv: CacheFactory | None) -> tuple:
+    """The engine as it ran (every request of the step, the sample's captured), and its references:
+    the sample alone with K/V and activations unquantised (storage precision is then a divergence,
+    not a floor) in float64 and, when the run rounds them, in fp32 too (else the run itself)."""
+    temperature = float(cfg.rollout.temperature)
+    r = cfg.rollout
+    with engine_cache(kv):
+        model = make_engine_model(cfg, mcfg, weights)
+        ep = run_engine_path(model, contexts, temperature=temperature, max_seq_len=r.max_context_len,
+                             max_batch_size=r.max_batch_size, capture=set(mine),
+                             schedule=clock_schedule(cfg, ro.sids, ro.gids), prefix_cache=engine_prefix_cache(cfg),
+                             kv_dtype=r.kv_dtype)
+    e32 = engine_side("engine", model, ep, mine, temperature)
+    rounded = kv is not None or r.kv_dtype != "auto" or r.precision == "fp8_w8a8"
+    refs = {"engine64": torch.float64, **({"engine_ref": torch.float32} if rounded else {})}
+    sides = {}
+    for name, dtype in refs.items():
+        ref_model = unquantised(make_engine_model(cfg, mcfg, weights)).to(dtype)
+        ref_ep = run_engine_path(ref_model, [contexts[i] for i in mine], temperature=temperature,
+                                 max_seq_len=r.max_context_len, max_batch_size=r.max_batch_size, capture=True)
+        sides[name] = engine_side(name, ref_model, ref_ep, list(range(len(mine))), temperature)
+    return e32, sides.get("engine_ref", e32), sides["engine64"], ep
 
 
 def walk(sides: Sides, num_layers: int, moe: set[int]) -> list[PointDiff]:
