@@ -115,3 +115,10 @@ def test_bf16_kv_cache_reads_are_named_as_attention_at_decode_positions(run):
     generated = set(result.generated)
     decoded = {p for p in generated if p + 1 in generated}
     assert first["tokens"] and set(first["tokens"]) <= decoded, (first["tokens"], sorted(decoded))
+
+
+def test_bad_input_is_refused_with_what_to_do(run):
+    servers = debug("bisect", run, "--step", 0, "--engine", "sglang")
+    assert servers.exit_code == 2 and "not implemented" in servers.output, servers.output
+    unknown = debug("bisect", run, "--step", 0, "--sample", 9999)
+    assert unknown.exit_code == 2 and "--sample 9999" in unknown.output, unknown.output
