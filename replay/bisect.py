@@ -34,11 +34,13 @@ from axrl.trace import StepFile
 from replay.bisect_capture import (ENGINE_HOW, TRAINER_HOW, CacheFactory, engine_cache, engine_side, sample_contexts,
                                    trainer64_side, trainer_side, unquantised)
 from replay.bisect_compare import PointDiff, Sides, agreeing_slots, compare_float, compare_ids, vocab_compare
+from replay.bisect_sglang import FLOOR_HOW, SGLANG_HOW, dump_server_args, new_dump_dir, sglang_side
 from replay.engine_path import contexts_of, run_engine_path
 from replay.plan import ReplayInputError
 from replay.policy import PolicyState, policy_before
 from replay.recorded import require_full
 from replay.rollout import clock_schedule, engine_prefix_cache, rolled_out
+from replay.server_rescore import ServerOptions, model_dir_for, scoring_server
 
 Progress = Callable[[str], None]
 WeightsHook = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
@@ -88,19 +90,28 @@ class BisectResult:
 
 def bisect_step(run_dir: str | Path, step: int, *, sample: int | None = None, engine: str = "embedded",
                 engine_weights: WeightsHook | None = None, engine_kv: CacheFactory | None = None,
-                progress: Progress | None = None) -> BisectResult:
+                server: ServerOptions | None = None, progress: Progress | None = None) -> BisectResult:
     """Bisect sample `sample` (a sample id; default: the one with the largest |old − rollout|
     logprob gap) of recorded step `step`. `engine_weights` transforms the engine's copy of the
     weights and `engine_kv` builds its KV caches (what-ifs; tests plant causes with them).
-    Raises ReplayInputError on bad input."""
-    if engine != "embedded":
-        raise ReplayInputError(f"--engine {engine}: only the embedded engine can be captured so far (SGLang and "
-                               "vLLM capture is not implemented: their servers expose no per-op tensors to AxRL yet)")
+    `engine="sglang"` launches an SGLang server (`server.python`) with its tensor dump on
+    (replay/bisect_sglang.py). Raises ReplayInputError on bad input."""
+    if engine == "vllm":
+        raise ReplayInputError("--engine vllm: vLLM capture is not implemented (a worker extension reached through "
+                               "collective_rpc could hook its modules; not done): use --engine embedded or sglang")
+    if engine not in ("embedded", "sglang"):
+        raise ReplayInputError(f"--engine {engine}: one of embedded, sglang")
+    if engine == "sglang" and (server is None or not server.python or server.url):
+        raise ReplayInputError("--engine sglang: bisect launches its own SGLang server (its tensor dump is a launch "
+                               "flag): give the SGLang environment's interpreter (--engine-python or "
+                               "AXRL_SGLANG_PYTHON); --url is not accepted")
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     threads = torch.get_num_threads()
     state = policy_before(run_dir, step, progress=say)
     try:
+        if engine == "sglang":
+            return _bisect_sglang(state, step, sample, server, say, t0)
         return _bisect(state, step, sample, engine_weights, engine_kv, say, t0)
     finally:
         state.close()
@@ -197,6 +208,55 @@ def _engine_sides(cfg, mcfg, weights: dict[str, torch.Tensor], contexts: list, m
                                  max_seq_len=r.max_context_len, max_batch_size=r.max_batch_size, capture=True)
         sides[name] = engine_side(name, ref_model, ref_ep, list(range(len(mine))), temperature)
     return e32, sides.get("engine_ref", e32), sides["engine64"], ep
+
+
+def _bisect_sglang(state: PolicyState, step: int, sample: int | None, opts: ServerOptions, say: Progress,
+                   t0: float) -> BisectResult:
+    """The sample's tokens on a dedicated SGLang server with its tensor dump on (one teacher-forced
+    prefill) vs the trainer's micro-batch as trained; floors from the trainer's own rounding."""
+    cfg, backend = state.cfg, state.backend
+    mcfg = backend.model_config
+    row, sid = _pick_sample(state.inventory.files[step], sample)
+    rec = state.recorded(step)
+    timings = {"rebuild_seconds": time.perf_counter() - t0}
+    a, b = int(rec.batch.offsets[row]), int(rec.batch.offsets[row + 1])
+    ids = rec.batch.input_ids.numpy()[a:b]
+    weights = {k: v.detach().clone() for k, v in backend.named_weights()}
+    model_dir = model_dir_for(state.inventory.run, step)
+    say(f"exporting the policy of step {step} to {model_dir}")
+    backend.export_hf(model_dir)
+    dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
+    temperature = float(cfg.rollout.temperature)
+    t1 = time.perf_counter()
+    with new_dump_dir(state.inventory.run, step) as dump:
+        launch = ServerOptions(python=opts.python, cpu_compat=opts.cpu_compat, log_dir=opts.log_dir,
+                               startup_timeout_s=opts.startup_timeout_s,
+                               server_args=[*opts.server_args, *dump_server_args(Path(dump))])
+        with scoring_server("sglang", launch, model_dir, cfg, dtype, say) as (url, _):
+            t_up = time.perf_counter()
+            sg = sglang_side(url, Path(dump), [int(t) for t in ids], weights, mcfg, temperature, say)
+            t_cap = time.perf_counter()
+    t2 = time.perf_counter()
+    say("trainer path: the micro-batch as trained, then the sample alone in float64")
+    r3 = routing_replay(cfg)
+    t32 = trainer_side(backend, rec.batch, row, cfg.train.micro_batch_tokens, r3)
+    t64 = trainer64_side(backend, rec.batch, row, r3)
+    t3 = time.perf_counter()
+    sides = Sides(sg, t32, t32, t64, t64)   # the server's rounding is not measurable: the trainer's twice
+    moe = {i for i in range(mcfg.num_hidden_layers) if mcfg.is_moe_layer(i)}
+    points = walk(sides, mcfg.num_hidden_layers, moe)
+    first = next((p for p in points if p.diverged), None)
+    timings.update({"server_start_seconds": t_up - t1, "capture_seconds": t_cap - t_up, "engine_seconds": t2 - t1,
+                    "trainer_seconds": t3 - t2, "compare_seconds": time.perf_counter() - t3,
+                    "total_seconds": time.perf_counter() - t0})
+    generated = np.flatnonzero(rec.batch.loss_mask.numpy()[a:b] > 0).tolist()
+    notes = [*state.notes, FLOOR_HOW, "the SGLang side is one teacher-forced prefill of the whole stream, not the "
+             "engine's decode path (KV cache, one token at a time): a decode-only cause does not show here"]
+    return BisectResult(
+        run=str(state.inventory.run), step=step, sample_id=sid, engine="sglang", r3=bool(r3), points=points,
+        first=first, routing=routing_at(points, first.layer) if first is not None and first.layer in moe else None,
+        vocab=vocab_compare(sides, ids), how={"engine": SGLANG_HOW, "trainer": {"*": TRAINER_HOW}},
+        generated=generated, notes=notes, timings=timings)
 
 
 def walk(sides: Sides, num_layers: int, moe: set[int]) -> list[PointDiff]:

@@ -86,8 +86,13 @@ def bisect_command(
     step: int = typer.Option(..., "--step", help="Recorded step to bisect."),
     sample: int | None = typer.Option(None, "--sample", help="Sample id (default: the sample with the largest "
                                       "|old − rollout| logprob gap)."),
-    engine: str = typer.Option("embedded", "--engine", help="Engine side to capture: embedded (sglang and vllm: "
-                               "not implemented yet)."),
+    engine: str = typer.Option("embedded", "--engine", help="Engine side to capture: embedded (the engine path as "
+                               "it ran) or sglang (a server launched with its tensor dump on, one teacher-forced "
+                               "prefill); vllm: not implemented."),
+    engine_python: str = typer.Option(None, "--engine-python", help="With --engine sglang: the SGLang "
+                                      "environment's interpreter (default: $AXRL_SGLANG_PYTHON)."),
+    cpu_compat: bool = typer.Option(None, "--cpu-compat/--no-cpu-compat", help="With --engine sglang: launch it "
+                                    "through cpu_compat.py (default: on a CPU-only machine)."),
     json_: bool = JSON_OPTION,
 ) -> None:
     """Capture the engine's and the trainer's forward of one sample at every probe point (per layer: input
@@ -100,9 +105,12 @@ def bisect_command(
 
         if engine not in ENGINES:
             raise BadInput(f"--engine {engine}: one of {', '.join(ENGINES)}")
+        if engine != "sglang" and (engine_python or cpu_compat is not None):
+            raise BadInput("--engine-python and --cpu-compat: only with --engine sglang")
         say = None if json_ else (lambda msg: err.print(f"[dim]{msg}[/]", highlight=False))
         try:
-            result = bisect_step(run, step, sample=sample, engine=engine, progress=say)
+            result = bisect_step(run, step, sample=sample, engine=engine, server=_server(run, step, engine_python,
+                                                                                         cpu_compat), progress=say)
         except ReplayInputError as e:
             raise BadInput(str(e)) from None
         doc = result.to_json()
@@ -115,11 +123,27 @@ def bisect_command(
     run_command(body)
 
 
+def _server(run: Path, step: int, python: str | None, cpu_compat: bool | None):
+    """The launch options of bisect's SGLang server (the interpreter from the flag or the environment)."""
+    import os
+
+    from axrl_debug.commands.rescore import _cpu_only
+    from replay.server_rescore import PYTHON_ENV, ServerOptions
+
+    python = python or os.environ.get(PYTHON_ENV["sglang"], "") or None
+    return ServerOptions(python=python, cpu_compat=_cpu_only() if cpu_compat is None else cpu_compat,
+                         log_dir=run / "replay" / f"step_{step:06d}_bisect_sglang_logs")
+
+
 def _print(doc: dict[str, Any]) -> None:
-    f = doc["fidelity"]["engine_path_vs_rollout_logprob"]
+    f = doc["fidelity"].get("engine_path_vs_rollout_logprob")
+    if f is not None:
+        how = (f"teacher-forced prefill + KV-cache decode in the recorded batches; reproduces {f['bitwise_equal']} "
+               f"of {f['tokens']} rollout logprobs bit for bit")
+    else:
+        how = "a dedicated server with its tensor dump on, the sample's tokens in one teacher-forced prefill"
     out.print(f"[bold]bisect[/] {doc['run']}  step {doc['step']}, sample {doc['sample']}: engine {doc['engine']} "
-              f"(teacher-forced prefill + KV-cache decode in the recorded batches; reproduces {f['bitwise_equal']} "
-              f"of {f['tokens']} rollout logprobs bit for bit) vs the trainer's micro-batch as trained"
+              f"({how}) vs the trainer's micro-batch as trained"
               f"{' (R3: routing replayed)' if doc['r3'] else ''}", highlight=False)
     for note in doc["notes"]:
         out.print(f"note: {note}", highlight=False)
@@ -127,9 +151,10 @@ def _print(doc: dict[str, Any]) -> None:
     for line in lines:
         out.print(line, highlight=False)
     out.print(walk_table(doc))
-    derived = {op: how for op, how in doc["how"]["engine"].items() if how != "captured"}
+    derived = {op: how for op, how in doc["how"]["engine"].items() if not how.startswith("captured")}
     out.print("engine-side points not captured as such: " + "; ".join(f"{op}: {how}" for op, how in derived.items()),
               highlight=False)
     out.print("size: the largest relative L2 difference ‖engine − trainer‖ / ‖trainer‖ over the positions; floor: "
-              "the largest rounding noise of the two sides there, measured against float64 runs "
+              "the largest rounding noise of the two sides there, measured against float64 runs (SGLang: see the "
+              "note) "
               "(docs/debugging.md, \"Bisect\")", highlight=False)
