@@ -34,7 +34,8 @@ from axrl.trace import StepFile
 from replay.bisect_capture import (ENGINE_HOW, TRAINER_HOW, CacheFactory, engine_cache, engine_side, sample_contexts,
                                    trainer64_side, trainer_side, unquantised)
 from replay.bisect_compare import PointDiff, Sides, agreeing_slots, compare_float, compare_ids, vocab_compare
-from replay.bisect_sglang import FLOOR_HOW, SGLANG_HOW, dump_server_args, new_dump_dir, sglang_side
+from replay.bisect_sglang import (FLOOR_HOW, SGLANG_HOW, dump_server_args, new_dump_dir, rewrite_weights,
+                                   sglang_side)
 from replay.engine_path import contexts_of, run_engine_path
 from replay.plan import ReplayInputError
 from replay.policy import PolicyState, policy_before
@@ -105,13 +106,16 @@ def bisect_step(run_dir: str | Path, step: int, *, sample: int | None = None, en
         raise ReplayInputError("--engine sglang: bisect launches its own SGLang server (its tensor dump is a launch "
                                "flag): give the SGLang environment's interpreter (--engine-python or "
                                "AXRL_SGLANG_PYTHON); --url is not accepted")
+    if engine == "sglang" and not Path(server.python).is_file():
+        raise ReplayInputError(f"--engine-python {server.python}: no such interpreter (build the SGLang environment "
+                               "with scripts/sglang-cpu-env.sh DIR)")
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     threads = torch.get_num_threads()
     state = policy_before(run_dir, step, progress=say)
     try:
         if engine == "sglang":
-            return _bisect_sglang(state, step, sample, server, say, t0)
+            return _bisect_sglang(state, step, sample, server, engine_weights, say, t0)
         return _bisect(state, step, sample, engine_weights, engine_kv, say, t0)
     finally:
         state.close()
@@ -210,8 +214,8 @@ def _engine_sides(cfg, mcfg, weights: dict[str, torch.Tensor], contexts: list, m
     return e32, sides.get("engine_ref", e32), sides["engine64"], ep
 
 
-def _bisect_sglang(state: PolicyState, step: int, sample: int | None, opts: ServerOptions, say: Progress,
-                   t0: float) -> BisectResult:
+def _bisect_sglang(state: PolicyState, step: int, sample: int | None, opts: ServerOptions,
+                   hook: WeightsHook | None, say: Progress, t0: float) -> BisectResult:
     """The sample's tokens on a dedicated SGLang server with its tensor dump on (one teacher-forced
     prefill) vs the trainer's micro-batch as trained; floors from the trainer's own rounding."""
     cfg, backend = state.cfg, state.backend
@@ -225,6 +229,8 @@ def _bisect_sglang(state: PolicyState, step: int, sample: int | None, opts: Serv
     model_dir = model_dir_for(state.inventory.run, step)
     say(f"exporting the policy of step {step} to {model_dir}")
     backend.export_hf(model_dir)
+    if hook is not None:
+        rewrite_weights(model_dir, hook)
     dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
     temperature = float(cfg.rollout.temperature)
     t1 = time.perf_counter()
@@ -234,7 +240,8 @@ def _bisect_sglang(state: PolicyState, step: int, sample: int | None, opts: Serv
                                server_args=[*opts.server_args, *dump_server_args(Path(dump))])
         with scoring_server("sglang", launch, model_dir, cfg, dtype, say) as (url, _):
             t_up = time.perf_counter()
-            sg = sglang_side(url, Path(dump), [int(t) for t in ids], weights, mcfg, temperature, say)
+            sg = sglang_side(url, Path(dump), [int(t) for t in ids], hook(weights) if hook else weights, mcfg,
+                             temperature, say)
             t_cap = time.perf_counter()
     t2 = time.perf_counter()
     say("trainer path: the micro-batch as trained, then the sample alone in float64")

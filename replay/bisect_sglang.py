@@ -46,7 +46,7 @@ SGLANG_HOW: dict[str, str] = {
     "router": "captured: mlp.gate",
     "topk_ids": "captured: mlp.topk (TopKOutput.topk_ids)",
     "topk_weights": "captured: mlp.topk (TopKOutput.topk_weights)",
-    "expert_out": "recomputed: the exported policy's experts on SGLang's mlp_norm (the fused MoE kernel "
+    "expert_out": "recomputed: the served policy's experts (as exported) on SGLang's mlp_norm (the fused MoE kernel "
                   "exposes no per-expert output)",
     "moe": "derived: out − mid (the fused-MoE module is no leaf the dump hooks)",
     "out": "captured: the residual the next input_layernorm (last layer: model.norm) returns",
@@ -174,4 +174,14 @@ def new_dump_dir(run: Path, step: int) -> tempfile.TemporaryDirectory:
     root = run / "replay"
     root.mkdir(parents=True, exist_ok=True)
     return tempfile.TemporaryDirectory(prefix=f"bisect_step_{step:06d}_sglang_dump_", dir=root)
+
+
+def rewrite_weights(model_dir: Path, hook: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> None:
+    """Apply `hook` to the exported policy's weights in place (a what-if on the served copy only;
+    the names are the model's parameter names, as `engine_weights` of the embedded engine)."""
+    from safetensors.torch import load_file, save_file
+
+    for path in sorted(model_dir.glob("*.safetensors")):
+        weights = load_file(str(path))
+        save_file({k: v.contiguous() for k, v in hook(weights).items()}, str(path), metadata={"format": "pt"})
 

@@ -118,7 +118,9 @@ def test_bf16_kv_cache_reads_are_named_as_attention_at_decode_positions(run):
 
 
 def test_bad_input_is_refused_with_what_to_do(run):
-    servers = debug("bisect", run, "--step", 0, "--engine", "sglang")
-    assert servers.exit_code == 2 and "not implemented" in servers.output, servers.output
+    vllm = debug("bisect", run, "--step", 0, "--engine", "vllm")
+    assert vllm.exit_code == 2 and "not implemented" in vllm.output, vllm.output
+    sglang = debug("bisect", run, "--step", 0, "--engine", "sglang", "--engine-python", "/nonexistent/python")
+    assert sglang.exit_code == 2 and "no such interpreter" in sglang.output, sglang.output
     unknown = debug("bisect", run, "--step", 0, "--sample", 9999)
     assert unknown.exit_code == 2 and "--sample 9999" in unknown.output, unknown.output
