@@ -108,12 +108,23 @@ def _find_pass(dump_dir: Path, ids: list[int]) -> tuple[dict[str, Any], dict[str
                            f"sample's {len(ids)} tokens as one prefill (was it split into chunks?)")
 
 
+def _topk(logits: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, ids) from router logits: softmax, top-k, renormalised as the model config says."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
 def _first(x: Any) -> torch.Tensor:
     return x[0] if isinstance(x, (list, tuple)) else x
 
 
-def _states(d: dict[str, Any], nxt: dict[str, Any] | None, model: Qwen3ForCausalLM, n: int) -> dict:
-    """The probe points from one dumped pass (`SGLANG_HOW`)."""
+def states_from_dump(d: dict[str, Any], nxt: dict[str, Any] | None, model: Qwen3ForCausalLM, n: int) -> dict:
+    """The probe points from one dumped pass (`SGLANG_HOW`; a vLLM capture of
+    axrl/inference/vllm/probe_extension.py uses the same names, with `mlp` the MoE output, no
+    top-k: it is recomputed from the router logits as the engine's model computes it)."""
     s: dict[tuple[int, str], torch.Tensor] = {}
     layers = model.model.layers
     for li, layer in enumerate(layers):
@@ -126,11 +137,15 @@ def _states(d: dict[str, Any], nxt: dict[str, Any] | None, model: Qwen3ForCausal
         s[(li, "mlp_norm")], s[(li, "mid")] = mlp_norm.float(), mid.float()
         nxt_norm = d[f"model.layers.{li + 1}.input_layernorm"] if li + 1 < len(layers) else d["model.norm"]
         s[(li, "out")] = nxt_norm[1].float()
-        s[(li, "moe")] = s[(li, "out")] - s[(li, "mid")]
+        moe = d.get(p + "mlp")
+        s[(li, "moe")] = _first(moe).float() if moe is not None else s[(li, "out")] - s[(li, "mid")]
         if not layer.is_moe:
             continue
         s[(li, "router")] = _first(d[p + "mlp.gate"]).float()
-        weights, ids = d[p + "mlp.topk"][0], d[p + "mlp.topk"][1]
+        if p + "mlp.topk" in d:
+            weights, ids = d[p + "mlp.topk"][0], d[p + "mlp.topk"][1]
+        else:
+            weights, ids = _topk(s[(li, "router")], model.config)
         s[(li, "topk_ids")], s[(li, "topk_weights")] = ids.long(), weights.float()
         with torch.no_grad():
             s[(li, "expert_out")] = _expert_outputs(layer.mlp.experts, s[(li, "mlp_norm")], ids.long())
@@ -157,7 +172,7 @@ def sglang_side(url: str, dump_dir: Path, ids: list[int], weights: dict[str, tor
     _post(url, {"input_ids": ids[:1], "sampling_params": {"max_new_tokens": 1}})  # the next pass holds its logits
     d, nxt = _find_pass(dump_dir, ids)
     model = float64_model(mcfg, weights).float()
-    side = Side("sglang", _states(d, nxt, model, n))
+    side = Side("sglang", states_from_dump(d, nxt, model, n))
     side.positions = torch.arange(n)
     side.turn_of_row = []
     if full:
