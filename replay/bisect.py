@@ -19,6 +19,7 @@ Imports `axrl` only, never `axrl_debug`.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,12 +37,15 @@ from replay.bisect_capture import (ENGINE_HOW, TRAINER_HOW, CacheFactory, engine
 from replay.bisect_compare import PointDiff, Sides, agreeing_slots, compare_float, compare_ids, vocab_compare
 from replay.bisect_sglang import (FLOOR_HOW, SGLANG_HOW, dump_server_args, new_dump_dir, rewrite_weights,
                                    sglang_side)
+from replay.bisect_vllm import VLLM_HOW, vllm_side
+from replay.bisect_vllm import server_args as vllm_args
+from replay.bisect_vllm import server_environment as vllm_environment
 from replay.engine_path import contexts_of, run_engine_path
 from replay.plan import ReplayInputError
 from replay.policy import PolicyState, policy_before
 from replay.recorded import require_full
 from replay.rollout import clock_schedule, engine_prefix_cache, rolled_out
-from replay.server_rescore import ServerOptions, model_dir_for, scoring_server
+from replay.server_rescore import PYTHON_ENV, ServerOptions, model_dir_for, scoring_server
 
 Progress = Callable[[str], None]
 WeightsHook = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
@@ -97,25 +101,22 @@ def bisect_step(run_dir: str | Path, step: int, *, sample: int | None = None, en
     weights and `engine_kv` builds its KV caches (what-ifs; tests plant causes with them).
     `engine="sglang"` launches an SGLang server (`server.python`) with its tensor dump on
     (replay/bisect_sglang.py). Raises ReplayInputError on bad input."""
-    if engine == "vllm":
-        raise ReplayInputError("--engine vllm: vLLM capture is not implemented (a worker extension reached through "
-                               "collective_rpc could hook its modules; not done): use --engine embedded or sglang")
-    if engine not in ("embedded", "sglang"):
-        raise ReplayInputError(f"--engine {engine}: one of embedded, sglang")
-    if engine == "sglang" and (server is None or not server.python or server.url):
-        raise ReplayInputError("--engine sglang: bisect launches its own SGLang server (its tensor dump is a launch "
-                               "flag): give the SGLang environment's interpreter (--engine-python or "
-                               "AXRL_SGLANG_PYTHON); --url is not accepted")
-    if engine == "sglang" and not Path(server.python).is_file():
-        raise ReplayInputError(f"--engine-python {server.python}: no such interpreter (build the SGLang environment "
-                               "with scripts/sglang-cpu-env.sh DIR)")
+    if engine not in ("embedded", "sglang", "vllm"):
+        raise ReplayInputError(f"--engine {engine}: one of embedded, sglang, vllm")
+    if engine != "embedded" and (server is None or not server.python or server.url):
+        raise ReplayInputError(f"--engine {engine}: bisect launches its own {engine} server (its capture is set up at "
+                               f"launch): give the {engine} environment's interpreter (--engine-python or "
+                               f"{PYTHON_ENV[engine]}); --url is not accepted")
+    if engine != "embedded" and not Path(server.python).is_file():
+        raise ReplayInputError(f"--engine-python {server.python}: no such interpreter (build the {engine} environment "
+                               f"with scripts/{engine}-cpu-env.sh DIR)")
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     threads = torch.get_num_threads()
     state = policy_before(run_dir, step, progress=say)
     try:
-        if engine == "sglang":
-            return _bisect_sglang(state, step, sample, server, engine_weights, say, t0)
+        if engine != "embedded":
+            return _bisect_server(engine, state, step, sample, server, engine_weights, say, t0)
         return _bisect(state, step, sample, engine_weights, engine_kv, say, t0)
     finally:
         state.close()
@@ -214,10 +215,11 @@ def _engine_sides(cfg, mcfg, weights: dict[str, torch.Tensor], contexts: list, m
     return e32, sides.get("engine_ref", e32), sides["engine64"], ep
 
 
-def _bisect_sglang(state: PolicyState, step: int, sample: int | None, opts: ServerOptions,
+def _bisect_server(engine: str, state: PolicyState, step: int, sample: int | None, opts: ServerOptions,
                    hook: WeightsHook | None, say: Progress, t0: float) -> BisectResult:
-    """The sample's tokens on a dedicated SGLang server with its tensor dump on (one teacher-forced
-    prefill) vs the trainer's micro-batch as trained; floors from the trainer's own rounding."""
+    """The sample's tokens on a dedicated SGLang / vLLM server with its capture on (one
+    teacher-forced prefill) vs the trainer's micro-batch as trained; floors from the trainer's own
+    rounding (a server cannot run float64)."""
     cfg, backend = state.cfg, state.backend
     mcfg = backend.model_config
     row, sid = _pick_sample(state.inventory.files[step], sample)
@@ -231,17 +233,19 @@ def _bisect_sglang(state: PolicyState, step: int, sample: int | None, opts: Serv
     backend.export_hf(model_dir)
     if hook is not None:
         rewrite_weights(model_dir, hook)
+    served = hook(weights) if hook else weights
     dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
     temperature = float(cfg.rollout.temperature)
     t1 = time.perf_counter()
-    with new_dump_dir(state.inventory.run, step) as dump:
+    with new_dump_dir(state.inventory.run, step, engine) as work:
+        extra = dump_server_args(Path(work)) if engine == "sglang" else vllm_args()
         launch = ServerOptions(python=opts.python, cpu_compat=opts.cpu_compat, log_dir=opts.log_dir,
-                               startup_timeout_s=opts.startup_timeout_s,
-                               server_args=[*opts.server_args, *dump_server_args(Path(dump))])
-        with scoring_server("sglang", launch, model_dir, cfg, dtype, say) as (url, _):
+                               startup_timeout_s=opts.startup_timeout_s, server_args=[*opts.server_args, *extra])
+        env = vllm_environment() if engine == "vllm" else contextlib.nullcontext()
+        with env, scoring_server(engine, launch, model_dir, cfg, dtype, say) as (url, _):
             t_up = time.perf_counter()
-            sg = sglang_side(url, Path(dump), [int(t) for t in ids], hook(weights) if hook else weights, mcfg,
-                             temperature, say)
+            capture = sglang_side if engine == "sglang" else vllm_side
+            side = capture(url, Path(work), [int(t) for t in ids], served, mcfg, temperature, say)
             t_cap = time.perf_counter()
     t2 = time.perf_counter()
     say("trainer path: the micro-batch as trained, then the sample alone in float64")
@@ -249,7 +253,7 @@ def _bisect_sglang(state: PolicyState, step: int, sample: int | None, opts: Serv
     t32 = trainer_side(backend, rec.batch, row, cfg.train.micro_batch_tokens, r3)
     t64 = trainer64_side(backend, rec.batch, row, r3)
     t3 = time.perf_counter()
-    sides = Sides(sg, t32, t32, t64, t64)   # the server's rounding is not measurable: the trainer's twice
+    sides = Sides(side, t32, t32, t64, t64)   # the server's rounding is not measurable: the trainer's twice
     moe = {i for i in range(mcfg.num_hidden_layers) if mcfg.is_moe_layer(i)}
     points = walk(sides, mcfg.num_hidden_layers, moe)
     first = next((p for p in points if p.diverged), None)
@@ -257,14 +261,15 @@ def _bisect_sglang(state: PolicyState, step: int, sample: int | None, opts: Serv
                     "trainer_seconds": t3 - t2, "compare_seconds": time.perf_counter() - t3,
                     "total_seconds": time.perf_counter() - t0})
     generated = np.flatnonzero(rec.batch.loss_mask.numpy()[a:b] > 0).tolist()
-    notes = [*state.notes, FLOOR_HOW, "the SGLang side is one teacher-forced prefill of the whole stream, not the "
-             "engine's decode path (KV cache, one token at a time): a decode-only cause does not show here"]
+    notes = [*state.notes, FLOOR_HOW.replace("SGLang", engine), f"the {engine} side is one teacher-forced prefill "
+             "of the whole stream, not the engine's decode path (KV cache, one token at a time): a decode-only "
+             "cause does not show here"]
     return BisectResult(
-        run=str(state.inventory.run), step=step, sample_id=sid, engine="sglang", r3=bool(r3), points=points,
+        run=str(state.inventory.run), step=step, sample_id=sid, engine=engine, r3=bool(r3), points=points,
         first=first, routing=routing_at(points, first.layer) if first is not None and first.layer in moe else None,
-        vocab=vocab_compare(sides, ids), how={"engine": SGLANG_HOW, "trainer": {"*": TRAINER_HOW}},
+        vocab=vocab_compare(sides, ids), how={"engine": SGLANG_HOW if engine == "sglang" else VLLM_HOW,
+                                              "trainer": {"*": TRAINER_HOW}},
         generated=generated, notes=notes, timings=timings)
-
 
 def walk(sides: Sides, num_layers: int, moe: set[int]) -> list[PointDiff]:
     """Every probe point's comparison, in forward order (points neither side has are left out)."""

@@ -184,11 +184,11 @@ def sglang_side(url: str, dump_dir: Path, ids: list[int], weights: dict[str, tor
     return side
 
 
-def new_dump_dir(run: Path, step: int) -> tempfile.TemporaryDirectory:
+def new_dump_dir(run: Path, step: int, engine: str = "sglang") -> tempfile.TemporaryDirectory:
     """A fresh folder for the server's dump under RUN/replay (removed afterwards)."""
     root = run / "replay"
     root.mkdir(parents=True, exist_ok=True)
-    return tempfile.TemporaryDirectory(prefix=f"bisect_step_{step:06d}_sglang_dump_", dir=root)
+    return tempfile.TemporaryDirectory(prefix=f"bisect_step_{step:06d}_{engine}_dump_", dir=root)
 
 
 def rewrite_weights(model_dir: Path, hook: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> None:

@@ -88,9 +88,10 @@ def bisect_command(
                                       "|old − rollout| logprob gap)."),
     engine: str = typer.Option("embedded", "--engine", help="Engine side to capture: embedded (the engine path as "
                                "it ran) or sglang (a server launched with its tensor dump on, one teacher-forced "
-                               "prefill); vllm: not implemented."),
-    engine_python: str = typer.Option(None, "--engine-python", help="With --engine sglang: the SGLang "
-                                      "environment's interpreter (default: $AXRL_SGLANG_PYTHON)."),
+                               "prefill) or vllm (a server launched with AxRL's worker extension, one teacher-forced prefill)."),
+    engine_python: str = typer.Option(None, "--engine-python", help="With --engine sglang|vllm: the "
+                                      "engine environment's interpreter (default: $AXRL_SGLANG_PYTHON / "
+                                      "$AXRL_VLLM_PYTHON)."),
     cpu_compat: bool = typer.Option(None, "--cpu-compat/--no-cpu-compat", help="With --engine sglang: launch it "
                                     "through cpu_compat.py (default: on a CPU-only machine)."),
     json_: bool = JSON_OPTION,
@@ -105,11 +106,13 @@ def bisect_command(
 
         if engine not in ENGINES:
             raise BadInput(f"--engine {engine}: one of {', '.join(ENGINES)}")
-        if engine != "sglang" and (engine_python or cpu_compat is not None):
-            raise BadInput("--engine-python and --cpu-compat: only with --engine sglang")
+        if engine == "embedded" and engine_python:
+            raise BadInput("--engine-python: only with --engine sglang|vllm")
+        if engine != "sglang" and cpu_compat is not None:
+            raise BadInput("--cpu-compat: only with --engine sglang")
         say = None if json_ else (lambda msg: err.print(f"[dim]{msg}[/]", highlight=False))
         try:
-            result = bisect_step(run, step, sample=sample, engine=engine, server=_server(run, step, engine_python,
+            result = bisect_step(run, step, sample=sample, engine=engine, server=_server(run, step, engine, engine_python,
                                                                                          cpu_compat), progress=say)
         except ReplayInputError as e:
             raise BadInput(str(e)) from None
@@ -123,16 +126,19 @@ def bisect_command(
     run_command(body)
 
 
-def _server(run: Path, step: int, python: str | None, cpu_compat: bool | None):
-    """The launch options of bisect's SGLang server (the interpreter from the flag or the environment)."""
+def _server(run: Path, step: int, engine: str, python: str | None, cpu_compat: bool | None):
+    """The launch options of bisect's SGLang / vLLM server (the interpreter from the flag or the
+    environment); None for the embedded engine."""
     import os
 
     from axrl_debug.commands.rescore import _cpu_only
     from replay.server_rescore import PYTHON_ENV, ServerOptions
 
-    python = python or os.environ.get(PYTHON_ENV["sglang"], "") or None
-    return ServerOptions(python=python, cpu_compat=_cpu_only() if cpu_compat is None else cpu_compat,
-                         log_dir=run / "replay" / f"step_{step:06d}_bisect_sglang_logs")
+    if engine not in PYTHON_ENV:
+        return None
+    python = python or os.environ.get(PYTHON_ENV[engine], "") or None
+    compat = engine == "sglang" and (_cpu_only() if cpu_compat is None else cpu_compat)
+    return ServerOptions(python=python, cpu_compat=compat, log_dir=run / "replay" / f"step_{step:06d}_bisect_{engine}_logs")
 
 
 def _print(doc: dict[str, Any]) -> None:

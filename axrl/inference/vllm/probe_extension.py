@@ -6,7 +6,7 @@ repository) and driven through `collective_rpc` (`POST /collective_rpc`, served 
 `VLLM_SERVER_DEV_MODE=1`):
 
     axrl_probe_arm(n_tokens, path)   forward hooks on the model's modules; the next forward pass of
-                                     exactly n_tokens tokens is kept, written to `path` (torch.save),
+                                     at least n_tokens tokens is kept, written to `path` (torch.save),
                                      and the hooks removed
     axrl_probe_disarm()              remove the hooks without capturing
 
@@ -50,17 +50,24 @@ class ProbeExtension:
         inner = self._axrl_model()
         want, state = int(n_tokens), {"pass": {}, "on": False}
         handles = []
+        self._axrl_seen = []
 
-        def pre_model(module, args, kwargs):
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            state["on"] = isinstance(ids, torch.Tensor) and ids.shape[0] == want
+        # The pass starts at embed_tokens (its input: the ids) and ends at the final norm; the inner
+        # model's own hooks do not run (vLLM's compile decorator calls its forward directly).
+        def start(module, args):
+            ids = args[0] if args else None
+            size = int(ids.shape[0]) if isinstance(ids, torch.Tensor) else -1
+            self._axrl_seen.append(size)
+            # a prefill of the sample's length; the runner may pad the batch past it (AxRL cuts the rows)
+            state["on"] = size >= want and not state.get("done")
             if state["on"]:
                 state["pass"] = {"model.forward_batch_info.input_ids": ids.detach().cpu().clone()}
 
-        def post_model(module, args, kwargs, output):
+        def end(module, args, output):
             if state["on"]:
+                state["pass"]["model.norm"] = _tensors(output)
                 torch.save(state["pass"], path)
-                self.axrl_probe_disarm()
+                state["on"], state["done"] = False, True   # kept once; AxRL disarms through the RPC
 
         def keep(name: str):
             def hook(module, args, output):
@@ -70,14 +77,18 @@ class ProbeExtension:
                         state["pass"][name] = value
             return hook
 
-        handles.append(inner.register_forward_pre_hook(pre_model, with_kwargs=True))
-        handles.append(inner.register_forward_hook(post_model, with_kwargs=True))
+        handles.append(inner.embed_tokens.register_forward_pre_hook(start))
         for name, module in inner.named_modules():
             key = _key(name)
-            if key is not None:
+            if key is not None and key != "model.norm":
                 handles.append(module.register_forward_hook(keep(key)))
+        handles.append(inner.norm.register_forward_hook(end))
         self._axrl_handles = handles
         return f"armed for {want} tokens, {len(handles) - 2} module hooks"
+
+    def axrl_probe_seen(self) -> list:
+        """The token counts of the forward passes seen since arming (-1: no input ids)."""
+        return list(getattr(self, "_axrl_seen", []))
 
     def axrl_probe_disarm(self) -> str:
         """Remove every hook this extension installed."""
