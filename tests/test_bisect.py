@@ -118,8 +118,10 @@ def test_bf16_kv_cache_reads_are_named_as_attention_at_decode_positions(run):
 
 
 def test_bad_input_is_refused_with_what_to_do(run):
-    vllm = debug("bisect", run, "--step", 0, "--engine", "vllm")
-    assert vllm.exit_code == 2 and "not implemented" in vllm.output, vllm.output
+    vllm = debug("bisect", run, "--step", 0, "--engine", "vllm", "--engine-python", "/nonexistent/python")
+    assert vllm.exit_code == 2 and "no such interpreter" in vllm.output, vllm.output
+    embedded = debug("bisect", run, "--step", 0, "--engine-python", "/nonexistent/python")
+    assert embedded.exit_code == 2 and "only with --engine sglang|vllm" in embedded.output, embedded.output
     sglang = debug("bisect", run, "--step", 0, "--engine", "sglang", "--engine-python", "/nonexistent/python")
     assert sglang.exit_code == 2 and "no such interpreter" in sglang.output, sglang.output
     unknown = debug("bisect", run, "--step", 0, "--sample", 9999)
