@@ -147,7 +147,8 @@ def _print(doc: dict[str, Any]) -> None:
         how = (f"teacher-forced prefill + KV-cache decode in the recorded batches; reproduces {f['bitwise_equal']} "
                f"of {f['tokens']} rollout logprobs bit for bit")
     else:
-        how = "a dedicated server with its tensor dump on, the sample's tokens in one teacher-forced prefill"
+        capture = "its tensor dump" if doc["engine"] == "sglang" else "AxRL's worker extension"
+        how = f"a dedicated server with {capture} on, the sample's tokens in one teacher-forced prefill"
     out.print(f"[bold]bisect[/] {doc['run']}  step {doc['step']}, sample {doc['sample']}: engine {doc['engine']} "
               f"({how}) vs the trainer's micro-batch as trained"
               f"{' (R3: routing replayed)' if doc['r3'] else ''}", highlight=False)
