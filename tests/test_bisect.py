@@ -126,3 +126,34 @@ def test_bad_input_is_refused_with_what_to_do(run):
     assert sglang.exit_code == 2 and "no such interpreter" in sglang.output, sglang.output
     unknown = debug("bisect", run, "--step", 0, "--sample", 9999)
     assert unknown.exit_code == 2 and "--sample 9999" in unknown.output, unknown.output
+
+
+def test_tui_token_view_bisects_its_sample(run):
+    """`b` in a sample's token view bisects that sample and shows the verdict and the walk."""
+    import asyncio
+
+    from axrl_debug.tui.app import DebugApp
+    from axrl_debug.tui.screens import BisectScreen, TokensScreen
+
+    app = DebugApp(run)
+
+    async def main() -> None:
+        async with app.run_test(size=(120, 40)) as pilot:
+            for _ in range(600):
+                if app.background_done:
+                    break
+                await pilot.pause(0.05)
+            await pilot.press("enter", "enter")
+            assert isinstance(app.screen, TokensScreen)
+            await pilot.press("b")
+            for _ in range(1200):                   # ≤ 60 s: the policy is rebuilt, both sides run
+                if isinstance(app.screen, BisectScreen):
+                    break
+                await pilot.pause(0.05)
+            assert isinstance(app.screen, BisectScreen)
+            doc = app.screen.doc
+            assert doc["engine"] == "embedded" and doc["points"] and doc["first_divergence"] is None
+            await pilot.press("escape")
+            assert isinstance(app.screen, TokensScreen)
+
+    asyncio.run(main())
