@@ -19,6 +19,7 @@ COMMANDS = {
     "check": "check",
     "replay": "replay",
     "explain": "explain",
+    "bisect": "bisect",
     "tui": "tui",
     "import": "import_cmd",
 }

@@ -31,11 +31,15 @@ class ActivationProbe(Protocol):
 
     `at(point, layer, x)` is called with the activation at each point and returns the tensor the
     forward continues with: `x` itself to observe, another tensor of the same shape and dtype to
-    patch. Points: "in" (the residual stream entering decoder layer `layer`), "mid" (after its
-    attention's residual add), "router" (its MoE router logits, rows flattened [B*S, E]), "out"
-    (the layer's output), then "final" (after the final norm) and "logits", both with layer −1.
+    patch. Points (`axrl.model.probe_points`, in forward order): per decoder layer `layer` "in"
+    (the residual stream entering it), "attn_norm", "attn" (after o_proj), "mid" (after the
+    attention's residual add), "mlp_norm", then in MoE layers "router" (logits, rows flattened
+    [B*S, E]), "topk_ids", "topk_weights" (slot order, [B*S, top_k]), "expert_out" ([B*S, top_k, H],
+    before the routing weight), then "moe" (the MLP/MoE output before the add) and "out" (the
+    layer's output); then "final" (after the final norm) and "logits", both with layer −1.
     The forward may modify `x` in place afterwards: copy what you keep. Without a probe the
-    forward runs exactly as before (no extra ops).
+    forward runs exactly as before (no extra ops); with one that returns `x` it computes the
+    same bits.
     """
 
     def at(self, point: str, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -184,12 +188,38 @@ class SparseMoeBlock(nn.Module):
         weights = weights.to(x.dtype)
 
         out = torch.zeros_like(x)
+        if probe is not None:
+            experts = probe.at("topk_ids", layer, experts)
+            weights = probe.at("topk_weights", layer, weights)
+            return self._probed_experts(x, out, experts, weights, probe, layer), experts
         # Loop over experts that received tokens; index_add_ on CPU is deterministic.
         for e in torch.unique(experts).tolist():
             token_idx, slot = torch.where(experts == e)
             y = self.experts[e](x[token_idx]) * weights[token_idx, slot, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         return out, experts
+
+    def _probed_experts(self, x: torch.Tensor, out: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                        probe: ActivationProbe, layer: int) -> torch.Tensor:
+        """The expert loop of `forward` with the "expert_out" point: each routed expert's output
+        per (token, slot) is gathered into one tensor [N, top_k, H] the probe sees, then weighted
+        and combined exactly as the unprobed loop does (same values, same index_add_ order)."""
+        order = torch.unique(experts).tolist()
+        ys: torch.Tensor | None = None
+        for e in order:
+            token_idx, slot = torch.where(experts == e)
+            y = self.experts[e](x[token_idx])
+            if ys is None:
+                ys = y.new_zeros(*experts.shape, x.shape[-1])
+            ys[token_idx, slot] = y
+        if ys is None:
+            return out
+        ys = probe.at("expert_out", layer, ys)
+        for e in order:
+            token_idx, slot = torch.where(experts == e)
+            y = ys[token_idx, slot] * weights[token_idx, slot, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -204,16 +234,31 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 kv_cache: KVCache | None, forced_experts: torch.Tensor | None,
                 probe: ActivationProbe | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache)
         if probe is not None:
-            x = probe.at("mid", self.self_attn.layer_idx, x)
+            return self._probed(x, cos, sin, mask, kv_cache, forced_experts, probe)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache)
         h = self.post_attention_layernorm(x)
         if not self.is_moe:
             return x + self.mlp(h), None
         B, S, H = h.shape
         forced = None if forced_experts is None else forced_experts.reshape(B * S, -1)
-        out, experts = self.mlp(h.reshape(B * S, H), forced, probe, self.self_attn.layer_idx)
+        out, experts = self.mlp(h.reshape(B * S, H), forced)
         return x + out.view(B, S, H), experts.view(B, S, -1)
+
+    def _probed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                kv_cache: KVCache | None, forced_experts: torch.Tensor | None,
+                probe: ActivationProbe) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward` with every layer point of `axrl.model.probe_points` (the same ops, in order)."""
+        li = self.self_attn.layer_idx
+        h = probe.at("attn_norm", li, self.input_layernorm(x))
+        x = probe.at("mid", li, x + probe.at("attn", li, self.self_attn(h, cos, sin, mask, kv_cache)))
+        h = probe.at("mlp_norm", li, self.post_attention_layernorm(x))
+        if not self.is_moe:
+            return x + probe.at("moe", li, self.mlp(h)), None
+        B, S, H = h.shape
+        forced = None if forced_experts is None else forced_experts.reshape(B * S, -1)
+        out, experts = self.mlp(h.reshape(B * S, H), forced, probe, li)
+        return x + probe.at("moe", li, out.view(B, S, H)), experts.view(B, S, -1)
 
 
 @dataclass

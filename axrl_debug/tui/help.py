@@ -41,6 +41,8 @@ KEYS: list[tuple[str, list[tuple[str, str]]]] = [
         ("] / [", "next / previous sample (in the samples table's order)"),
         ("e", "explain the token: where engine and trainer part ways, per layer and component "
               "(`axrl-debug explain`; takes seconds)"),
+        ("b", "bisect the sample: the first layer and op where engine and trainer part "
+              "(`axrl-debug bisect --sample`; tens of seconds)"),
     ]),
 ]
 

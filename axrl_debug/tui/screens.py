@@ -333,6 +333,7 @@ class TokensScreen(_View):
         Binding("right_square_bracket", "sample(1)", "next sample"),
         Binding("left_square_bracket", "sample(-1)", "prev sample", show=False),
         Binding("e", "explain", "explain"),
+        Binding("b", "bisect", "bisect", show=False),
         Binding("escape,backspace", "back", "back"),
     ]
 
@@ -441,6 +442,29 @@ class TokensScreen(_View):
 
         self.run_worker(work, thread=True, exclusive=True, group="explain")
 
+    def action_bisect(self) -> None:
+        """Bisect this sample (`axrl-debug bisect --sample`): the first layer and op where the embedded
+        engine's and the trainer's computations of its tokens part, in a worker thread (tens of seconds)."""
+        if self.tokens is None:
+            return
+        rec = self.model.samples
+        sample_id = int(rec["sample_id"][self.row]) if "sample_id" in rec else self.row
+        step, run_path = self.model.step, self.run.path
+        self.notify(f"bisecting sample {sample_id} of step {step} (tens of seconds)…", timeout=6)
+
+        def work() -> None:
+            from replay import ReplayInputError
+            from replay.bisect import bisect_step
+
+            try:
+                doc = bisect_step(run_path, step, sample=sample_id).to_json()
+            except (ReplayInputError, OSError, ValueError) as e:
+                self.app.call_from_thread(self.notify, f"bisect: {e}", severity="error", timeout=10)
+                return
+            self.app.call_from_thread(self.app.push_screen, BisectScreen(doc))
+
+        self.run_worker(work, thread=True, exclusive=True, group="bisect")
+
     def action_sample(self, direction: int) -> None:
         order = self.row_order
         if self.row not in order:
@@ -474,3 +498,27 @@ class ExplainScreen(ModalScreen[None]):
 
     def action_close(self) -> None:
         self.dismiss(None)
+
+
+class BisectScreen(ModalScreen[None]):
+    """The sample's bisect (`axrl-debug bisect`'s verdict and walk); esc closes it."""
+
+    BINDINGS = [Binding("escape,b", "close", "close")]
+
+    def __init__(self, doc: dict) -> None:
+        super().__init__()
+        self.doc = doc
+
+    def compose(self) -> ComposeResult:
+        from rich.console import Group
+
+        from axrl_debug.commands.bisect import summary_lines, walk_table
+
+        head = f"bisect step {self.doc['step']}, sample {self.doc['sample']} (engine {self.doc['engine']})"
+        body = Group(Text(head), *[Text(line) for line in summary_lines(self.doc)], walk_table(self.doc))
+        with VerticalScroll(id="explain-box"):
+            yield Static(body, id="explain-body")
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
