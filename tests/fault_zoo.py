@@ -79,7 +79,7 @@ def stale_expert(layer: int, expert: int, *, scale: float = 1.0):
             memory["first"] = {k: v.clone() for k, v in w.items() if k.startswith(prefix)}
             return w
         for k, v0 in memory["first"].items():
-            w[k] = w[k] + scale * (v0 - w[k])
+            w[k] = torch.lerp(w[k], v0, scale)  # exactly v0 at scale 1
         return w
     return _engine_loads(transform)
 
@@ -90,7 +90,7 @@ def stale_tensor(name: str, *, scale: float = 1.0):
         if n == 0:
             memory["first"] = w[name].clone()
         else:
-            w[name] = w[name] + scale * (memory["first"] - w[name])
+            w[name] = torch.lerp(w[name], memory["first"], scale)
         return w
     return _engine_loads(transform)
 
@@ -102,7 +102,7 @@ def skipped_sync(version_load: int, *, scale: float = 1.0):
         prev = memory.get("prev")
         memory["prev"] = {k: v.clone() for k, v in w.items()}
         if n == version_load and prev is not None:
-            return {k: w[k] + scale * (prev[k] - w[k]) for k in w}
+            return {k: torch.lerp(w[k], prev[k], scale) for k in w}  # exactly prev at scale 1
         return w
     return _engine_loads(transform)
 

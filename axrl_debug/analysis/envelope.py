@@ -146,14 +146,17 @@ def load_or_calibrate(run: Path, config: dict[str, Any] | None, manifest: dict[s
     """The cached envelope of `run` (RUN/doctor/envelope.json) or a fresh calibration, cached when
     the directory is writable."""
     path = run / CACHE
+    run_id = f"{manifest.get('start_unix')}:{manifest.get('git_sha')}"   # a re-made run is recalibrated
     if path.is_file() and not refresh:
         try:
             doc = json.loads(path.read_text())
-            if doc.get("version") == VERSION and (doc.get("source") != "dtype" or not rescore):
+            if (doc.get("version") == VERSION and doc.get("calibration", {}).get("run_id") == run_id
+                    and (doc.get("source") != "dtype" or not rescore)):
                 return Envelope(**doc)
         except (ValueError, TypeError):
             pass  # a damaged cache is recomputed
     env = calibrate(run, config, manifest, steps, rescore=rescore)
+    env.calibration["run_id"] = run_id
     try:
         path.parent.mkdir(exist_ok=True)
         path.write_text(json.dumps(_finite(env.to_dict()), indent=1))

@@ -58,12 +58,14 @@ def build(ctx: Context, steps: list[int]) -> Profile:
         p.sign_consistency = abs(float(r.mean())) / max(float(np.abs(r).mean()), 1e-30)
         if np.std(r) > 0 and np.std(lp[ok]) > 0:
             p.prob_corr = float(np.corrcoef(r, lp[ok])[0, 1])
-    _routing(ctx, steps, d, ok, p, floor)
+    _routing(ctx, steps, d, ok, rp > 0, p, floor)
     return p
 
 
-def _routing(ctx: Context, steps: list[int], d: np.ndarray, ok: np.ndarray, p: Profile, floor: float) -> None:
-    """Routing agreement per layer and the (layer, expert) concentration of |Δ| on agreeing tokens."""
+def _routing(ctx: Context, steps: list[int], d: np.ndarray, ok: np.ndarray, decode: np.ndarray, p: Profile,
+             floor: float) -> None:
+    """Routing agreement per layer and the (layer, expert) concentration of |Δ| on agreeing decode
+    tokens (a turn's first token is left out: a prefill fault concentrates on the experts it routes to)."""
     views = [ctx.views[s] for s in steps]
     if not views or not all(v.has_routing for v in views):
         return
@@ -77,7 +79,7 @@ def _routing(ctx: Context, steps: list[int], d: np.ndarray, ok: np.ndarray, p: P
     p.layer_flip_rate = [float(flips[ok, l].mean()) for l in range(flips.shape[1])]
     p.first_flip_layer = next((l for l, r in enumerate(p.layer_flip_rate) if r > 0), None)
     rows = []
-    base = ok & ~anyf
+    base = ok & ~anyf & decode
     for layer in range(experts.shape[1]):
         for e in np.unique(experts[base, layer]):
             if e < 0:

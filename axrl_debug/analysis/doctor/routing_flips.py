@@ -7,7 +7,7 @@ from __future__ import annotations
 from axrl_debug.analysis.doctor.context import Context, ratio
 from axrl_debug.analysis.doctor.finding import Finding
 
-MIN_RATIO = 10.0    # |Δ| of flipped tokens over agreeing ones
+MIN_RATIO = 3.0     # |Δ| of flipped tokens over agreeing ones (attention carries some of it to agreeing ones)
 MIN_SHARE = 0.4     # share of Σ|Δ| on flipped tokens
 
 
@@ -19,7 +19,8 @@ def detect(ctx: Context) -> list[Finding]:
     if not (r >= MIN_RATIO and p.flip_share >= MIN_SHARE):
         return []
     layers = [l for l, x in enumerate(p.layer_flip_rate) if x > 0]
-    conf = 0.6 + 0.1 * (p.first_flip_layer == 0) + 0.1 * (len(layers) > 1) + 0.1 * (p.agree <= ctx.floor())
+    conf = (0.55 + 0.1 * (p.first_flip_layer == 0) + 0.1 * (len(layers) > 1) + 0.1 * (p.flip_share > 0.6)
+            + 0.1 * (p.agree <= ctx.floor()))
     return [Finding(
         "routing_flips", conf,
         {"flip_tokens": p.flip_tokens, "mean_abs_flipped": p.flip, "mean_abs_agreeing": p.agree, "ratio": r,
