@@ -169,19 +169,21 @@ def router_noise(sigma: float = 0.05, seed: int = 0) -> Iterator[None]:
 
 
 def unmasked_observations():
-    """The trajectory builder puts observation tokens (every non-generated segment after the
-    prompt) into the loss mask: the trainer trains tokens the engine never sampled."""
-    from axrl.core.trajectory import Trajectory
+    """The trainer's loss mask includes observation tokens (every token after a trajectory's first
+    generated one that the engine did not generate): the trainer trains tokens the engine never sampled."""
+    from axrl.runtime.step_trainer import StepTrainer
 
     def make(original):
-        def append(self, ids, *, generated, turn, version=-1, logprobs=None):
-            before = len(self.token_ids)
-            original(self, ids, generated=generated, turn=turn, version=version, logprobs=logprobs)
-            if not generated and before > 0:
-                self.loss_mask = self.loss_mask.copy()
-                self.loss_mask[before:] = 1
-        return append
-    return patched(Trajectory, "append", make)
+        def step(self, batch, step, timer):
+            for traj in batch.trajectories:
+                gen = traj.policy_version >= 0
+                if gen.any():
+                    mask = traj.loss_mask.copy()
+                    mask[int(np.argmax(gen)):] = 1
+                    traj.loss_mask = mask
+            return original(self, batch, step, timer)
+        return step
+    return patched(StepTrainer, "step", make)
 
 
 #: name → (injector factory of magnitude, the cause `doctor` must name, the default magnitude)

@@ -19,10 +19,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 from axrl.trace import TraceReader
 from axrl_debug.analysis.doctor import (context_mismatch, kv_cache_precision, logprob_semantics, masking, precision,
                                         prefill_decode, routing_flips, stale_tensor, staleness, weights_out_of_sync)
-from axrl_debug.analysis.doctor.context import Context
+from axrl_debug.analysis.doctor.context import Context, engine_abs_delta
 from axrl_debug.analysis.doctor.data import load_step, step_stats
 from axrl_debug.analysis.doctor.finding import CAUSES, Finding, rank
 from axrl_debug.analysis.doctor.profile import build as build_profile
@@ -43,14 +44,14 @@ def judge_steps(reader: TraceReader, steps: list[int], envelope: Envelope) -> tu
         v = load_step(reader.step_path(s), s)
         views[s] = v
         row = {"step": s, "policy_version": v.policy_version, **step_stats(v)}
-        ctx = Context(reader.path, {s: v}, {}, envelope)
-        sp = staleness.split(ctx, s)
+        sp = staleness.split(Context(reader.path, {s: v}, {}, envelope), s)
         if sp:
             row["split"] = sp
-            judged = {"mean_abs": sp["engine_mean_abs"], "max_abs": float("nan")}
-        else:
-            judged = row
-        row.update(envelope.judge(judged))
+        eng = engine_abs_delta(v)
+        eng = eng[np.isfinite(eng)]
+        row["engine_mean_abs"] = float(eng.mean()) if len(eng) else float("nan")
+        row["engine_max_abs"] = float(eng.max()) if len(eng) else float("nan")
+        row.update(envelope.judge({"mean_abs": row["engine_mean_abs"], "max_abs": row["engine_max_abs"]}))
         rows[s] = row
     return views, rows
 
