@@ -31,10 +31,14 @@ def print_report(report: dict[str, Any]) -> None:
         for h in (f.get("proof") or {}).get("hypotheses", []):
             out.print(f"   re-executed: {h['hypothesis']} → {h['verdict']}")
         for m in f.get("validation") or []:
+            if not m.get("measured"):
+                out.print(f"   mitigation {m['mitigation']}: not measured ({m['why']})")
+                continue
             mark = "[green]recommended[/]" if m.get("recommended") else "not recommended"
-            out.print(f"   mitigation {m['mitigation']}: loss error {fmt(m.get('loss_error'), 3)} "
-                      f"(was {fmt(m.get('baseline_loss_error'), 3)}), gradient cosine {fmt(m.get('grad_cosine'), 4)} "
-                      f"(was {fmt(m.get('baseline_grad_cosine'), 4)}): {mark}")
+            out.print(f"   mitigation {m['mitigation']}: gradient error {fmt(m['grad_rel_error'], 3)} (baseline "
+                      f"{fmt(m['baseline_grad_rel_error'], 3)}), cosine {fmt(m['grad_cosine'], 5)} (baseline "
+                      f"{fmt(m['baseline_grad_cosine'], 5)}), loss error {fmt(m['loss_error'], 3)} (baseline "
+                      f"{fmt(m['baseline_loss_error'], 3)}) vs the on-policy reference: {mark}")
         out.print(f"   next: [cyan]{f['next_command']}[/]")
 
 

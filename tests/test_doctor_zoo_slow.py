@@ -1,0 +1,40 @@
+"""The larger fault zoo (`-m slow`): asynchronous staleness, a stale expert in another model
+(tiny-moe: 4 layers, 8 experts), small-magnitude faults, and clean controls over a second seed,
+the other preset and an asynchronous run — the top finding is the injected cause with the right
+layer/expert, and `within_envelope` on every clean control."""
+
+from __future__ import annotations
+
+import pytest
+
+import fault_zoo as fz
+from axrl_debug.analysis.doctor import diagnose
+
+pytestmark = pytest.mark.slow
+
+ASYNC = ["runtime.mode=async", "checkpoint.quiescent=false"]
+
+#: name → (injector, extra settings, steps, expected top cause)
+CASES = {
+    "clean_seed1": (fz.no_fault, ["seed=1"], 2, "within_envelope"),
+    "clean_tiny_moe": (fz.no_fault, ["model.preset=tiny-moe"], 2, "within_envelope"),
+    "clean_async": (fz.no_fault, [*ASYNC, "rollout.max_staleness=1", "train.lr=1e-5"], 3, "within_envelope"),
+    "async_staleness": (fz.no_fault, [*ASYNC, "rollout.max_staleness=3", "train.lr=3e-2"], 3, "staleness"),
+    "stale_expert_tiny_moe": (lambda: fz.stale_expert(2, 5), ["model.preset=tiny-moe"], 2, "stale_tensor"),
+    "stale_expert_10pct": (lambda: fz.stale_expert(1, 2, scale=0.1), [], 2, "stale_tensor"),
+    "skipped_sync_10pct": (lambda: fz.skipped_sync(1, scale=0.1), [], 2, "weights_out_of_sync"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_slow_zoo(tmp_path, case):
+    inject, settings, steps, expected = CASES[case]
+    with inject():
+        run = fz.train_run(tmp_path / case, *settings, steps=steps)
+    report = diagnose(run, rescore=False, reexec=False)
+    top = report["findings"][0]
+    assert top["cause"] == expected, [(f["cause"], f["confidence"]) for f in report["findings"]]
+    if case == "stale_expert_tiny_moe":
+        assert (top["evidence"]["layer"], top["evidence"]["expert"]) == (2, 5)
+    if expected == "within_envelope":
+        assert not report["flagged_steps"]
