@@ -204,3 +204,19 @@ def no_fault(_: float = 0.0):
 
 def finite(a: np.ndarray) -> np.ndarray:
     return a[np.isfinite(a)]
+
+
+def graded_reward():
+    """Not a fault: the echo task's final reward becomes graded ((len(reply) mod 4) / 3) so a tiny
+    model's groups have non-zero advantages and a policy gradient (`doctor --validate` measures it)."""
+    from axrl.agents.env import StepOutcome
+    from axrl.agents.tasks.echo import EchoEnv
+
+    def make(original):
+        def step(self, action):
+            outcome = original(self, action)
+            if outcome.done:
+                return StepOutcome(outcome.observation, (len(action) % 4) / 3, True, outcome.info)
+            return outcome
+        return step
+    return patched(EchoEnv, "step", make)
