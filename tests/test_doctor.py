@@ -15,13 +15,12 @@ import fault_zoo as fz
 from axrl_debug.analysis.doctor import CAUSES, diagnose
 from axrl_debug.cli import app as debug_app
 
-#: the fast zoo: (injector, expected top cause) — two steps each, so a sync has happened
+#: the fast zoo: (injector, expected top cause) — two steps each, so a sync has happened; the
+#: prefill/decode perturbation, router noise, async staleness and more controls are in the slow zoo
 FAST = {
     "stale_expert": (lambda: fz.stale_expert(1, 2), "stale_tensor"),
     "skipped_sync": (lambda: fz.skipped_sync(1), "weights_out_of_sync"),
     "bf16_kv_cache": (lambda: fz.kv_cache_dtype(), "kv_cache_precision"),
-    "prefill_decode": (lambda: fz.prefill_perturbation(1e-3), "prefill_decode"),
-    "router_noise": (lambda: fz.router_noise(0.05), "routing_flips"),
     "unmasked_observations": (fz.unmasked_observations, "masking"),
 }
 
@@ -78,8 +77,8 @@ def test_cli_exit_codes_and_json(zoo):
     assert clean.exit_code == 0, clean.output
     doc = json.loads(clean.stdout)
     assert doc["top"] == "within_envelope" and set(f["cause"] for f in doc["findings"]) <= set(CAUSES)
-    bad = CliRunner().invoke(debug_app, ["doctor", str(zoo("prefill_decode")), "--no-reexec"])
-    assert bad.exit_code == 1 and "prefill_decode" in bad.stdout
+    bad = CliRunner().invoke(debug_app, ["doctor", str(zoo("skipped_sync")), "--no-reexec"])
+    assert bad.exit_code == 1 and "weights_out_of_sync" in bad.stdout
     missing = CliRunner().invoke(debug_app, ["doctor", str(zoo("clean")), "--step", "99"])
     assert missing.exit_code == 2 and "step 99" in missing.output
 

@@ -1,4 +1,5 @@
-"""The larger fault zoo (`-m slow`): asynchronous staleness, a stale expert in another model
+"""The larger fault zoo (`-m slow`): a prefill/decode perturbation, router noise with R3 off,
+asynchronous staleness, a stale expert in another model
 (tiny-moe: 4 layers, 8 experts), small-magnitude faults, and clean controls over a second seed,
 the other preset and an asynchronous run — the top finding is the injected cause with the right
 layer/expert, and `within_envelope` on every clean control."""
@@ -21,6 +22,8 @@ CASES = {
     "clean_async": (fz.no_fault, [*ASYNC, "rollout.max_staleness=1", "train.lr=1e-5"], 3, "within_envelope"),
     "async_staleness": (fz.no_fault, [*ASYNC, "rollout.max_staleness=3", "train.lr=3e-2"], 3, "staleness"),
     "stale_expert_tiny_moe": (lambda: fz.stale_expert(2, 5), ["model.preset=tiny-moe"], 2, "stale_tensor"),
+    "prefill_decode": (lambda: fz.prefill_perturbation(1e-3), [], 2, "prefill_decode"),
+    "router_noise": (lambda: fz.router_noise(0.05), [], 2, "routing_flips"),
     "stale_expert_10pct": (lambda: fz.stale_expert(1, 2, scale=0.1), [], 2, "stale_tensor"),
     "skipped_sync_10pct": (lambda: fz.skipped_sync(1, scale=0.1), [], 2, "weights_out_of_sync"),
 }
