@@ -122,4 +122,8 @@ def test_hypotheses(ctx: Context, findings: list[Finding], say: Say) -> list[Fin
             f.summary += ". Disproved as an engine fault: the clean re-run reproduces the recorded rollout"
         elif tried:
             f.confidence *= 0.8  # the engine ran something else, but not what this hypothesis says
+    if any(f.proven for f in findings):  # a proof explains the recording: the other readings are weaker
+        for f in findings:
+            if not f.proven and f.cause in REEXECUTED:
+                f.confidence *= 0.5
     return findings
