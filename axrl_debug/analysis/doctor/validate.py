@@ -1,7 +1,7 @@
 """`doctor --validate`: replay a flagged step's training under each mitigation that fits a finding and
 measure its effect against an exactly on-policy reference.
 
-The reference is the step's own tokens re-scored by the trainer: the rollout logprobs replaced by
+The reference is the step's own generated tokens re-scored by the trainer: the rollout logprobs replaced by
 the trainer's old logprobs (ratio 1 on every token, no mismatch at all). The baseline is the step as
 trained (the recorded rollout logprobs). Each variant runs the step's updates from the same
 starting state (weights and optimizer); its effect is measured on
@@ -77,9 +77,12 @@ def validate_findings(ctx: Context, findings: list[Finding], say: Callable[[str]
 
 
 def on_policy(batch):
-    """The batch with rollout logprobs := the trainer's old logprobs where the engine generated."""
+    """The exactly on-policy batch: the tokens the engine generated (loss only on them), their rollout
+    logprobs := the trainer's old logprobs (ratio 1 everywhere)."""
     ro = batch.rollout_logprobs
-    return dataclasses.replace(batch, rollout_logprobs=torch.where(torch.isfinite(ro), batch.old_logprobs, ro))
+    gen = torch.isfinite(ro)
+    return dataclasses.replace(batch, rollout_logprobs=torch.where(gen, batch.old_logprobs, ro),
+                               loss_mask=batch.loss_mask * gen.to(batch.loss_mask.dtype))
 
 
 class _Bench:
