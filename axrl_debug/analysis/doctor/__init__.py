@@ -84,7 +84,7 @@ def diagnose(run: Path, *, step: int | None = None, rescore: bool = True, reexec
         from axrl_debug.analysis.doctor.hypotheses import test_hypotheses
         say("testing the suspected causes by re-execution")
         findings = rank(test_hypotheses(ctx, findings, say))
-    if validate and ctx.flagged:
+    if validate:
         from axrl_debug.analysis.doctor.validate import validate_findings
         say("measuring mitigations")
         validate_findings(ctx, findings, say)

@@ -1,8 +1,8 @@
 """`doctor --validate`: replay a flagged step's training under each mitigation that fits a finding and
 measure its effect against an exactly on-policy reference.
 
-The reference is the step's own generated tokens re-scored by the trainer: the rollout logprobs replaced by
-the trainer's old logprobs (ratio 1 on every token, no mismatch at all). The baseline is the step as
+The reference is the step's own generated tokens re-scored by the trainer: the rollout logprobs
+replaced by the trainer's old logprobs (ratio 1 on every token, no mismatch at all). The baseline is the step as
 trained (the recorded rollout logprobs). Each variant runs the step's updates from the same
 starting state (weights and optimizer); its effect is measured on
 * the loss: |loss − reference loss|, and
