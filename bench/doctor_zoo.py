@@ -32,13 +32,14 @@ from axrl_debug.analysis.doctor import diagnose  # noqa: E402
 
 #: fault → (cause, [(magnitude label, injector factory)], largest first)
 SWEEPS = {
-    "stale_expert": ("stale_tensor", [(m, lambda m=m: fz.stale_expert(1, 2, scale=m)) for m in (1.0, 1e-1, 1e-2, 1e-3)]),
-    "skipped_sync": ("weights_out_of_sync", [(m, lambda m=m: fz.skipped_sync(1, scale=m)) for m in (1.0, 1e-1, 1e-2, 1e-3)]),
-    "prefill_decode": ("prefill_decode", [(m, lambda m=m: fz.prefill_perturbation(m)) for m in (1e-3, 1e-4, 1e-5, 1e-6)]),
-    "router_noise": ("routing_flips", [(m, lambda m=m: fz.router_noise(m)) for m in (5e-2, 1e-2, 1e-3, 1e-4)]),
+    "stale_expert": ("stale_tensor", [(m, lambda m=m: fz.stale_expert(1, 2, scale=m)) for m in (1.0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6)]),
+    "skipped_sync": ("weights_out_of_sync", [(m, lambda m=m: fz.skipped_sync(1, scale=m)) for m in (1.0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6)]),
+    "prefill_decode": ("prefill_decode", [(m, lambda m=m: fz.prefill_perturbation(m)) for m in (1e-3, 1e-4, 1e-5, 3e-6, 1e-6)]),
+    "router_noise": ("routing_flips", [(m, lambda m=m: fz.router_noise(m)) for m in (5e-2, 1e-2, 1e-3, 3e-4, 1e-4)]),
     "kv_cache": ("kv_cache_precision", [("bf16", lambda: fz.kv_cache_dtype(torch.bfloat16)),
                                         ("fp16", lambda: fz.kv_cache_dtype(torch.float16))]),
-    "unmasked_observations": ("masking", [("all observations", fz.unmasked_observations)]),
+    "unmasked_observations": ("masking", [("all observations", fz.unmasked_observations),
+                                          ("1 token a trajectory", lambda: fz.unmasked_observations(1))]),
 }
 
 

@@ -168,9 +168,10 @@ def router_noise(sigma: float = 0.05, seed: int = 0) -> Iterator[None]:
         yield
 
 
-def unmasked_observations():
-    """The trainer's loss mask includes observation tokens (every token after a trajectory's first
-    generated one that the engine did not generate): the trainer trains tokens the engine never sampled."""
+def unmasked_observations(tokens: int | None = None):
+    """The trainer's loss mask includes observation tokens (tokens after a trajectory's first
+    generated one that the engine did not generate): the trainer trains tokens the engine never
+    sampled. `tokens`: only the first that many observation tokens of each trajectory (None: all)."""
     from axrl.runtime.step_trainer import StepTrainer
 
     def make(original):
@@ -179,7 +180,8 @@ def unmasked_observations():
                 gen = traj.policy_version >= 0
                 if gen.any():
                     mask = traj.loss_mask.copy()
-                    mask[int(np.argmax(gen)):] = 1
+                    obs = np.flatnonzero(mask[int(np.argmax(gen)):] == 0) + int(np.argmax(gen))
+                    mask[obs if tokens is None else obs[:tokens]] = 1
                     traj.loss_mask = mask
             return original(self, batch, step, timer)
         return step

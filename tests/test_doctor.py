@@ -91,3 +91,19 @@ def test_check_envelope_gate(zoo):
     assert bad.exit_code == 1 and "OUTSIDE" in bad.stdout
     neither = CliRunner().invoke(debug_app, ["check", str(zoo("clean"))])
     assert neither.exit_code == 2
+
+
+def test_validate_recommends_the_masking_fix_with_numbers(zoo):
+    """`--validate` on a run that trains observation tokens: the masking fix (loss only on generated
+    tokens) brings the step's first gradient to the on-policy reference and is recommended, with
+    the measured errors; a mitigation is never recommended without beating the baseline."""
+    report = diagnose(zoo("unmasked_observations"), rescore=False, reexec=False, validate=True)
+    top = report["findings"][0]
+    assert top["cause"] == "masking"
+    rows = {r["mitigation"]: r for r in top["validation"]}
+    fix = rows["mask_untrained"]
+    assert fix["measured"] and fix["recommended"]
+    assert fix["grad_rel_error"] < 1e-6 < fix["baseline_grad_rel_error"]   # the baseline also trains observations
+    assert fix["grad_cosine"] > fix["baseline_grad_cosine"]
+    for r in rows.values():
+        assert not r.get("recommended") or r["grad_rel_error"] < r["baseline_grad_rel_error"]
