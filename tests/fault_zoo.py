@@ -131,6 +131,13 @@ def prefill_perturbation(eps: float = 1e-3):
     return patched(SlotBatch, "start_decoding", make)
 
 
+def logprob_temperature(temperature: float = 1.0):
+    """The engine samples at the request's temperature but reports the sampled tokens' logprobs at
+    `temperature` (1.0: of the raw logits), another distribution than the one it sampled from."""
+    from axrl_debug.analysis.doctor.hypotheses import logprobs_at
+    return logprobs_at(temperature)
+
+
 class _RouterNoise:
     """An activation probe that adds Gaussian noise to router logits (every other point untouched)."""
 
@@ -196,6 +203,7 @@ FAULTS: dict[str, tuple[Callable[[float], Any], str, float]] = {
     "prefill_decode": (lambda m: prefill_perturbation(m), "prefill_decode", 1e-3),
     "router_noise": (lambda m: router_noise(m), "routing_flips", 0.05),
     "unmasked_observations": (lambda m: unmasked_observations(), "masking", 1.0),
+    "logprob_temperature": (lambda m: logprob_temperature(m), "logprob_semantics", 1.0),
 }
 
 

@@ -12,6 +12,7 @@ engine that recorded the step ran something else, and each hypothesis says what:
 | weights_out_of_sync | the engine holds the previous version's weights (N − 1), or the first ones |
 | stale_tensor | the named expert (or the layer) held at the first version, or at N − 1 |
 | kv_cache_precision | keys/values rounded through bf16 (then fp16) as they are stored |
+| logprob_semantics | the same tokens sampled, their logprobs reported at temperature 1 (the raw logits) |
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ from axrl_debug.analysis.doctor.context import Context
 from axrl_debug.analysis.doctor.finding import Finding
 
 Say = Callable[[str], None]
-REEXECUTED = ("weights_out_of_sync", "stale_tensor", "kv_cache_precision")
+REEXECUTED = ("weights_out_of_sync", "stale_tensor", "kv_cache_precision", "logprob_semantics")
+#: the logprob temperatures tried for `logprob_semantics` (1.0: logprobs of the unscaled logits, the
+#: common bug of an engine that applies the temperature only when it samples)
+LOGPROB_TEMPERATURES = (1.0,)
 
 
 def weights_at(run, step: int) -> dict[str, torch.Tensor]:
@@ -50,6 +54,27 @@ def kv_rounded(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         StaticKVCache.stored = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def logprobs_at(temperature: float) -> Iterator[None]:
+    """The embedded engine samples as it should but reports each sampled token's logprob at
+    `temperature` while the block runs (the same formula as axrl.inference.sampling.sample)."""
+    from axrl.inference.embedded import batch_forward
+
+    original = batch_forward.sample
+
+    def sample(logits, rows):
+        tokens_t, tokens, logprobs = original(logits, rows)
+        if logprobs is None:
+            return tokens_t, tokens, logprobs
+        lp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(1, tokens_t[:, None])[:, 0]
+        return tokens_t, tokens, lp.tolist()
+    batch_forward.sample = sample
+    try:
+        yield
+    finally:
+        batch_forward.sample = original
 
 
 def _replay(ctx: Context, step: int, hook=None, patch=None) -> dict[str, Any]:
@@ -82,6 +107,10 @@ def _hypotheses(ctx: Context, f: Finding, step: int) -> list[tuple[str, Callable
     elif f.cause == "kv_cache_precision":
         for name, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
             out.append((f"the KV cache held keys/values in {name}", lambda dt=dt: _replay(ctx, step, patch=kv_rounded(dt))))
+    elif f.cause == "logprob_semantics":
+        for t in LOGPROB_TEMPERATURES:
+            out.append((f"the engine reported logprobs at temperature {t:g} (sampling unchanged)",
+                        lambda t=t: _replay(ctx, step, patch=logprobs_at(t))))
     return out
 
 
@@ -122,6 +151,8 @@ def test_hypotheses(ctx: Context, findings: list[Finding], say: Say) -> list[Fin
             f.summary += ". Disproved as an engine fault: the clean re-run reproduces the recorded rollout"
         elif tried:
             f.confidence *= 0.8  # the engine ran something else, but not what this hypothesis says
+    from axrl_debug.analysis.doctor.expert_search import search
+    findings = search(ctx, findings, step, clean, _replay, weights_at, say)
     if any(f.proven for f in findings):  # a proof explains the recording: the other readings are weaker
         for f in findings:
             if not f.proven and f.cause in REEXECUTED:
