@@ -19,7 +19,7 @@ ASYNC = ["runtime.mode=async", "checkpoint.quiescent=false"]
 #: name → (injector, extra settings, steps, expected top cause)
 CASES = {
     "clean_seed1": (fz.no_fault, ["seed=1"], 2, "within_envelope"),
-    "clean_tiny_moe": (fz.no_fault, ["model.preset=tiny-moe"], 2, "within_envelope"),
+    "clean_tiny_moe": (fz.no_fault, ["model.preset=tiny-moe", "warmup.steps=10"], 2, "within_envelope"),
     "clean_async": (fz.no_fault, [*ASYNC, "rollout.max_staleness=1", "train.lr=1e-5"], 3, "within_envelope"),
     "async_staleness": (fz.no_fault, [*ASYNC, "rollout.max_staleness=3", "train.lr=3e-2"], 3, "staleness"),
     "stale_expert_tiny_moe": (lambda: fz.stale_expert(2, 5), ["model.preset=tiny-moe"], 2, "stale_tensor"),
