@@ -38,6 +38,9 @@ SWEEPS = {
     "router_noise": ("routing_flips", [(m, lambda m=m: fz.router_noise(m)) for m in (5e-2, 1e-2, 1e-3, 3e-4, 1e-4)]),
     "kv_cache": ("kv_cache_precision", [("bf16", lambda: fz.kv_cache_dtype(torch.bfloat16)),
                                         ("fp16", lambda: fz.kv_cache_dtype(torch.float16))]),
+    # the run samples at temperature 0.7; the engine reports its logprobs at T (the magnitude)
+    "logprob_temperature": ("logprob_semantics", [(t, lambda t=t: fz.logprob_temperature(t))
+                                                  for t in (1.0, 0.8, 0.72, 0.705, 0.701)]),
     "unmasked_observations": ("masking", [("all observations", fz.unmasked_observations),
                                           ("1 token a trajectory", lambda: fz.unmasked_observations(1))]),
 }
