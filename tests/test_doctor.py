@@ -107,3 +107,26 @@ def test_validate_recommends_the_masking_fix_with_numbers(zoo):
     assert fix["grad_cosine"] > fix["baseline_grad_cosine"]
     for r in rows.values():
         assert not r.get("recommended") or r["grad_rel_error"] < r["baseline_grad_rel_error"]
+
+
+def test_reads_the_sync_sentinels_events_and_floor_when_present(zoo, tmp_path):
+    """A run with the live sync sentinel's findings (RUN/events.jsonl `sync_mismatch`, the probe floor
+    in the manifest, as axrl/sync writes them): the checksum's named expert is the top finding, and
+    the envelope falls back to the sentinel's floor when re-scoring is off."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(zoo("clean"), run, ignore=shutil.ignore_patterns("doctor"))
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["sync_sentinel"] = {"verify": "both", "engine": "embedded", "floor": {"logprob_max_abs": 2e-6}}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    event = {"event": "sync_mismatch", "engine": "embedded", "step": 1, "version": 1, "reason": "sync",
+             "action": "warn", "check": "checksum", "count": 3, "layers": [1], "experts": [[1, 3]],
+             "tensors": [{"tensor": "model.layers.1.mlp.experts.3.gate_proj.weight", "layer": 1, "expert": 3}]}
+    (run / "events.jsonl").write_text(json.dumps({"event": "step_done"}) + "\n" + json.dumps(event) + "\n")
+    report = diagnose(run, rescore=False, reexec=False)
+    assert report["envelope"]["source"] == "sentinel" and report["envelope"]["floor_max_abs"] == 2e-6
+    top = report["findings"][0]
+    assert top["cause"] == "stale_tensor" and top["steps"] == [1]
+    assert (top["evidence"]["layer"], top["evidence"]["expert"]) == (1, 3)
+    assert top["next_command"] == f"axrl-debug bisect {run} --step 1"

@@ -98,10 +98,12 @@ def from_measurement(precision: str, mean_abs: float, max_abs: float, source: st
 
 def sentinel_floor(manifest: dict[str, Any]) -> dict[str, float] | None:
     """The live sync sentinel's calibrated probe floor, if the run's manifest has one."""
-    for key in ("sync_sentinel", "sentinel"):
-        floor = (manifest.get(key) or {}).get("probe_floor") if isinstance(manifest.get(key), dict) else None
-        if isinstance(floor, dict) and "mean_abs" in floor:
-            return {"mean_abs": float(floor["mean_abs"]), "max_abs": float(floor.get("max_abs", floor["mean_abs"]))}
+    entry = manifest.get("sync_sentinel")
+    floor = entry.get("floor") if isinstance(entry, dict) else None
+    if isinstance(floor, dict) and isinstance(floor.get("logprob_max_abs"), (int, float)):
+        # axrl/sync writes the probe's max |Δ| only: it bounds the mean too (a loose, never-false-alarm mean)
+        mx = float(floor["logprob_max_abs"])
+        return {"mean_abs": mx, "max_abs": mx}
     return None
 
 

@@ -22,7 +22,8 @@ from typing import Any, Callable
 import numpy as np
 from axrl.trace import TraceReader
 from axrl_debug.analysis.doctor import (context_mismatch, kv_cache_precision, logprob_semantics, masking, precision,
-                                        prefill_decode, routing_flips, stale_tensor, staleness, weights_out_of_sync)
+                                        prefill_decode, routing_flips, sentinel_events, stale_tensor, staleness,
+                                        weights_out_of_sync)
 from axrl_debug.analysis.doctor.context import Context, engine_abs_delta
 from axrl_debug.analysis.doctor.data import load_step, step_stats
 from axrl_debug.analysis.doctor.finding import CAUSES, Finding, rank
@@ -32,8 +33,8 @@ from axrl_debug.analysis.envelope import Envelope, load_or_calibrate
 __all__ = ["CAUSES", "Finding", "diagnose", "judge_steps"]
 
 #: the signature families, in the order they are asked (ranking is by confidence afterwards)
-FAMILIES = (masking, context_mismatch, staleness, prefill_decode, routing_flips, stale_tensor, weights_out_of_sync,
-            kv_cache_precision, logprob_semantics)
+FAMILIES = (sentinel_events, masking, context_mismatch, staleness, prefill_decode, routing_flips, stale_tensor,
+            weights_out_of_sync, kv_cache_precision, logprob_semantics)
 
 
 def judge_steps(reader: TraceReader, steps: list[int], envelope: Envelope) -> tuple[dict, dict[int, dict[str, Any]]]:
