@@ -75,7 +75,7 @@ def detect(ctx: Context) -> list[Finding]:
                         f"axrl-debug bisect {ctx.run} --step {steps[0]}", steps)]
     routing = sorted({int(x) for e in bad for x in e.get("routing_layers") or []})
     worst = max(float(e.get("logprob_max_abs") or 0.0) for e in bad)
-    return [Finding("weights_out_of_sync", 0.8 * scale,
+    return [Finding("weights_out_of_sync", 0.6 * scale,
                     {"source": "sync sentinel probe", "logprob_max_abs": worst, "routing_layers": routing,
                      "events": len(bad)},
                     f"the sync sentinel's probe re-score differed from the trainer's by up to {worst:.3g} beyond the "
