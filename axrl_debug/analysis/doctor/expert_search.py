@@ -10,19 +10,22 @@ nearly every token cannot be compared with the tokens that avoid it at all.
 So when the step's clean re-run diverges and neither the named expert nor the whole previous
 version reproduces the recording, each (layer, expert) is held at an earlier version in turn —
 the trace's ranked experts first, then the rest from the last layer down — until one reproduces
-the recorded rollout bit for bit (at most MAX_REPLAYS re-runs). A hit is a proof and names the
-expert; the trace's reading is kept in the evidence (`trace_localisation`).
+the recorded rollout bit for bit (at most MAX_REPLAYS re-runs and MAX_SECONDS: a large run's step
+is bisected instead). A hit is a proof and names the expert; the trace's reading is kept in the
+evidence (`trace_localisation`).
 """
 
 from __future__ import annotations
 
 import re
+import time
 from typing import Any, Callable
 
 from axrl_debug.analysis.doctor.context import Context
 from axrl_debug.analysis.doctor.finding import Finding
 
 MAX_REPLAYS = 48
+MAX_SECONDS = 180.0   # the search's time budget (measured: 19 re-runs of a tiny-moe step, ~17 s of CPU)
 EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 
 
@@ -47,22 +50,29 @@ def search(ctx: Context, findings: list[Finding], step: int, clean: dict[str, An
     if not earlier:
         return findings
     olds = {v: weights_at(ctx.run, v) for v in earlier}
-    tried, hit = 0, None
-    for layer, expert in candidates(ctx, list(olds[earlier[0]])):
+    from replay import ReplayInputError
+
+    tried, hit, t0 = 0, None, time.perf_counter()
+    pairs = [(le, v) for le in candidates(ctx, list(olds[earlier[0]])) for v in olds]
+    for (layer, expert), v in pairs:
+        if tried >= MAX_REPLAYS or time.perf_counter() - t0 > MAX_SECONDS:
+            break
         prefix = f"model.layers.{layer}.mlp.experts.{expert}."
-        for v, old in olds.items():
-            if tried >= MAX_REPLAYS:
-                break
-            tried += 1
-            say(f"search: {prefix}* held at version {v}")
-            out = replay(ctx, step, hook=lambda w, old=old, p=prefix: {k: (old[k] if k.startswith(p) else t)
-                                                                       for k, t in w.items()})
-            if out["reproduced"]:
-                hit = (layer, expert, v, out)
-                break
-        if hit or tried >= MAX_REPLAYS:
+        tried += 1
+        say(f"search: {prefix}* held at version {v}")
+        try:
+            out = replay(ctx, step, hook=lambda w, old=olds[v], p=prefix: {k: (old[k] if k.startswith(p) else t)
+                                                                           for k, t in w.items()})
+        except (ReplayInputError, FileNotFoundError, ValueError) as e:
+            say(f"search stopped: {e}")
+            break
+        if out["reproduced"]:
+            hit = (layer, expert, v, out)
             break
     if hit is None:
+        for f in suspects:   # said in the proof: no single expert held at an earlier version explains it
+            if f.proof is not None:
+                f.proof["expert_search"] = {"replays": tried, "found": False}
         return findings
     return _proven(ctx, findings, step, clean, tried, hit)
 
