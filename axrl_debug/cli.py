@@ -17,6 +17,7 @@ COMMANDS = {
     "export": "export",
     "golden": "golden",
     "check": "check",
+    "doctor": "doctor",
     "replay": "replay",
     "explain": "explain",
     "bisect": "bisect",

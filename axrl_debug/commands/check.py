@@ -49,10 +49,50 @@ def print_check(report: dict[str, Any], golden_path: Path, notes: list[str]) -> 
         out.print(f"[bold red]FAIL[/]: {report['failed']} of {report['checked']} values moved")
 
 
+def envelope_report(reader: Any) -> dict[str, Any]:
+    """Every step's engine mismatch against the run's calibrated envelope (RUN/doctor/envelope.json)."""
+    from axrl_debug.analysis.doctor import judge_steps
+    from axrl_debug.analysis.envelope import load_or_calibrate
+
+    env = load_or_calibrate(reader.path, reader.config, reader.manifest, reader.steps)
+    _, rows = judge_steps(reader, reader.steps, env)
+    outside = [r for r in rows.values() if not r["inside"]]
+    return {"envelope": env.to_dict(), "steps": list(rows.values()), "outside": [r["step"] for r in outside],
+            "passed": not outside}
+
+
+def print_envelope(gate: dict[str, Any]) -> None:
+    env = gate["envelope"]
+    rows = [[str(r["step"]), fmt(r["mean_abs"], 3), fmt(r["max_abs"], 3), fmt(r["envelope_ratio"], 3),
+             "[green]inside[/]" if r["inside"] else "[bold red]OUTSIDE[/]"] for r in gate["steps"]]
+    show(simple_table(f"mismatch against the envelope ({env['source']}, {env['precision']}: mean |Δ| ≤ "
+                      f"{fmt(env['mean_abs'], 3)}, max |Δ| ≤ {fmt(env['max_abs'], 3)})",
+                      ["step", "mean |Δ|", "max |Δ|", "× bound", "verdict"], rows))
+    if gate["passed"]:
+        out.print("[bold green]PASS[/]: every step inside the envelope")
+    else:
+        out.print(f"[bold red]FAIL[/]: steps {gate['outside']} outside the envelope (run `axrl-debug doctor`)")
+
+
+def envelope_gate(run: Path, json_out: bool) -> int:
+    """`check RUN --envelope` without a golden file."""
+    reader = open_run(run)
+    gate = envelope_report(reader)
+    gate.update({"run": str(reader.path), "problems": report_problems(reader)})
+    if json_out:
+        print_json(gate)
+    else:
+        print_envelope(gate)
+    return 0 if gate["passed"] else EXIT_FAILED
+
+
 @app.command()
 def check(
     run: Path = typer.Argument(..., help="Fresh run directory to check."),
-    golden: Path = typer.Option(..., "--golden", "-g", help="Golden JSON file (from `axrl-debug golden`)."),
+    golden: Path = typer.Option(None, "--golden", "-g", help="Golden JSON file (from `axrl-debug golden`)."),
+    envelope: bool = typer.Option(False, "--envelope", help="Gate every step's engine mismatch on the run's "
+                                  "calibrated envelope (`axrl-debug doctor`) instead of a single threshold; "
+                                  "with --golden both gates apply."),
     rtol: float = typer.Option(None, "--rtol", min=0.0, help="Relative tolerance for every metric "
                                "(overrides the golden file's)."),
     atol: float = typer.Option(None, "--atol", min=0.0, help="Absolute tolerance for every metric."),
@@ -62,9 +102,14 @@ def check(
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Compare RUN's per-step metrics with a golden file: exit 0 when every value is within
-    |actual − golden| ≤ atol + rtol·|golden|, 1 with a table of what moved otherwise, 2 on bad input."""
+    |actual − golden| ≤ atol + rtol·|golden|, 1 with a table of what moved otherwise, 2 on bad input.
+    With --envelope, also 1 when a step's mismatch is outside the run's calibrated envelope."""
 
     def body() -> int:
+        if golden is None and not envelope:
+            raise BadInput("give --golden FILE, --envelope, or both")
+        if golden is None:
+            return envelope_gate(run, json_out)
         try:
             doc = read_golden(golden)
             overrides = parse_tol(tol or [])
@@ -88,11 +133,18 @@ def check(
                        "problems": report_problems(reader)})
         if junit is not None:
             report["junit"] = str(junit_xml(report, junit))
+        passed = report["passed"]
+        if envelope:
+            gate = envelope_report(reader)
+            report["envelope_gate"] = gate
+            passed = passed and gate["passed"]
         if json_out:
             report.pop("results")  # failures + per_metric say it all; keeps the document small
             print_json(report)
         else:
             print_check(report, golden, notes)
-        return 0 if report["passed"] else EXIT_FAILED
+            if envelope:
+                print_envelope(report["envelope_gate"])
+        return 0 if passed else EXIT_FAILED
 
     run_command(body)

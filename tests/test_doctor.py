@@ -1,0 +1,132 @@
+"""`axrl-debug doctor` on the fast fault zoo: faults injected through code hooks (tests/fault_zoo.py)
+into small runs; the top finding names the injected cause (with its layer/expert/step where one
+applies), a clean control's top finding is `within_envelope`, a re-executed hypothesis proves a
+stale expert bitwise, and `check --envelope` gates on the calibrated envelope."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import fault_zoo as fz
+from axrl_debug.analysis.doctor import CAUSES, diagnose
+from axrl_debug.cli import app as debug_app
+
+#: the fast zoo: (injector, expected top cause) — two steps each, so a sync has happened; the
+#: prefill/decode perturbation, router noise, async staleness and more controls are in the slow zoo
+FAST = {
+    "stale_expert": (lambda: fz.stale_expert(1, 2), "stale_tensor"),
+    "skipped_sync": (lambda: fz.skipped_sync(1), "weights_out_of_sync"),
+    "bf16_kv_cache": (lambda: fz.kv_cache_dtype(), "kv_cache_precision"),
+    "unmasked_observations": (fz.unmasked_observations, "masking"),
+}
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory):
+    """name → run directory, each trained once per session (the clean control is "clean")."""
+    root = tmp_path_factory.mktemp("zoo")
+    runs: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in runs:
+            inject = fz.no_fault() if name == "clean" else FAST[name][0]()
+            with inject:
+                runs[name] = fz.train_run(root / name, steps=2)
+        return runs[name]
+    return get
+
+
+@pytest.mark.parametrize("fault", sorted(FAST))
+def test_top_finding_is_the_injected_cause(zoo, fault):
+    report = diagnose(zoo(fault), rescore=False, reexec=False)   # trace-only signatures
+    top = report["findings"][0]
+    assert top["cause"] == FAST[fault][1], [(f["cause"], f["confidence"]) for f in report["findings"]]
+    if fault == "stale_expert":
+        assert (top["evidence"]["layer"], top["evidence"]["expert"]) == (1, 2)
+        assert top["next_command"].startswith("axrl-debug bisect ")
+    if fault == "skipped_sync":
+        assert top["steps"] == [1] and report["flagged_steps"] == [1]
+    if fault == "unmasked_observations":
+        assert top["evidence"]["trained_not_generated_tokens"] > 0
+
+
+def test_clean_control_is_within_envelope(zoo):
+    report = diagnose(zoo("clean"), rescore=False, reexec=False)
+    assert report["top"] == "within_envelope" and not report["flagged_steps"]
+    assert all(r["inside"] for r in report["per_step"])
+
+
+def test_reexecution_proves_the_stale_expert_and_the_envelope_is_calibrated(zoo):
+    run = zoo("stale_expert")
+    report = diagnose(run, step=1)
+    env = report["envelope"]
+    assert env["source"] == "rescore" and 0 < env["floor_mean_abs"] < 1e-5   # fp32 numerics, measured
+    assert (run / "doctor" / "envelope.json").is_file()
+    top = report["findings"][0]
+    assert top["cause"] == "stale_tensor" and top["proven"], top["proof"]
+    assert "model.layers.1.mlp.experts.2." in top["proof"]["hypothesis"]
+    assert not top["proof"]["clean_replay"]["reproduced"]   # the engine ran something else than clean code
+
+
+def test_cli_exit_codes_and_json(zoo):
+    clean = CliRunner().invoke(debug_app, ["doctor", str(zoo("clean")), "--no-reexec", "--json"])
+    assert clean.exit_code == 0, clean.output
+    doc = json.loads(clean.stdout)
+    assert doc["top"] == "within_envelope" and set(f["cause"] for f in doc["findings"]) <= set(CAUSES)
+    bad = CliRunner().invoke(debug_app, ["doctor", str(zoo("skipped_sync")), "--no-reexec"])
+    assert bad.exit_code == 1 and "weights_out_of_sync" in bad.stdout
+    missing = CliRunner().invoke(debug_app, ["doctor", str(zoo("clean")), "--step", "99"])
+    assert missing.exit_code == 2 and "step 99" in missing.output
+
+
+def test_check_envelope_gate(zoo):
+    ok = CliRunner().invoke(debug_app, ["check", str(zoo("clean")), "--envelope", "--json"])
+    assert ok.exit_code == 0, ok.output
+    assert json.loads(ok.stdout)["passed"]
+    bad = CliRunner().invoke(debug_app, ["check", str(zoo("bf16_kv_cache")), "--envelope"])
+    assert bad.exit_code == 1 and "OUTSIDE" in bad.stdout
+    neither = CliRunner().invoke(debug_app, ["check", str(zoo("clean"))])
+    assert neither.exit_code == 2
+
+
+def test_validate_recommends_the_masking_fix_with_numbers(zoo):
+    """`--validate` on a run that trains observation tokens: the masking fix (loss only on generated
+    tokens) brings the step's first gradient to the on-policy reference and is recommended, with
+    the measured errors; a mitigation is never recommended without beating the baseline."""
+    report = diagnose(zoo("unmasked_observations"), rescore=False, reexec=False, validate=True)
+    top = report["findings"][0]
+    assert top["cause"] == "masking"
+    rows = {r["mitigation"]: r for r in top["validation"]}
+    fix = rows["mask_untrained"]
+    assert fix["measured"] and fix["recommended"]
+    assert fix["grad_rel_error"] < 1e-6 < fix["baseline_grad_rel_error"]   # the baseline also trains observations
+    assert fix["grad_cosine"] > fix["baseline_grad_cosine"]
+    for r in rows.values():
+        assert not r.get("recommended") or r["grad_rel_error"] < r["baseline_grad_rel_error"]
+
+
+def test_reads_the_sync_sentinels_events_and_floor_when_present(zoo, tmp_path):
+    """A run with the live sync sentinel's findings (RUN/events.jsonl `sync_mismatch`, the probe floor
+    in the manifest, as axrl/sync writes them): the checksum's named expert is the top finding, and
+    the envelope falls back to the sentinel's floor when re-scoring is off."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(zoo("clean"), run, ignore=shutil.ignore_patterns("doctor"))
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["sync_sentinel"] = {"verify": "both", "engine": "embedded", "floor": {"logprob_max_abs": 2e-6}}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    event = {"event": "sync_mismatch", "engine": "embedded", "step": 1, "version": 1, "reason": "sync",
+             "action": "warn", "check": "checksum", "count": 3, "layers": [1], "experts": [[1, 3]],
+             "tensors": [{"tensor": "model.layers.1.mlp.experts.3.gate_proj.weight", "layer": 1, "expert": 3}]}
+    (run / "events.jsonl").write_text(json.dumps({"event": "step_done"}) + "\n" + json.dumps(event) + "\n")
+    report = diagnose(run, rescore=False, reexec=False)
+    assert report["envelope"]["source"] == "sentinel" and report["envelope"]["floor_max_abs"] == 2e-6
+    top = report["findings"][0]
+    assert top["cause"] == "stale_tensor" and top["steps"] == [1]
+    assert (top["evidence"]["layer"], top["evidence"]["expert"]) == (1, 3)
+    assert top["next_command"] == f"axrl-debug bisect {run} --step 1"
