@@ -96,6 +96,9 @@ def from_measurement(precision: str, mean_abs: float, max_abs: float, source: st
                     source, mean_abs, max_abs, calibration=calibration)
 
 
+NOT_ASKED = "re-scoring not asked for"
+
+
 def sentinel_floor(manifest: dict[str, Any]) -> dict[str, float] | None:
     """The live sync sentinel's calibrated probe floor, if the run's manifest has one."""
     entry = manifest.get("sync_sentinel")
@@ -134,7 +137,7 @@ def calibrate(run: Path, config: dict[str, Any] | None, manifest: dict[str, Any]
         else:
             why = "no tokens to re-score"
     else:
-        why = "re-scoring not asked for"
+        why = NOT_ASKED
     floor = sentinel_floor(manifest)
     if floor is not None:
         return from_measurement(precision, floor["mean_abs"], floor["max_abs"], "sentinel", {"why_not_rescore": why})
@@ -153,7 +156,7 @@ def load_or_calibrate(run: Path, config: dict[str, Any] | None, manifest: dict[s
         try:
             doc = json.loads(path.read_text())
             if (doc.get("version") == VERSION and doc.get("calibration", {}).get("run_id") == run_id
-                    and (doc.get("source") != "dtype" or not rescore)):
+                    and (not rescore or _rescore_was_tried(doc))):
                 return Envelope(**doc)
         except (ValueError, TypeError):
             pass  # a damaged cache is recomputed
@@ -165,6 +168,13 @@ def load_or_calibrate(run: Path, config: dict[str, Any] | None, manifest: dict[s
     except OSError:
         pass  # read-only run directory: recomputed next time
     return env
+
+
+def _rescore_was_tried(doc: dict[str, Any]) -> bool:
+    """Whether a cached envelope answers a request that asks for re-scoring: it was re-scored, or
+    re-scoring was tried and failed (a cache made with re-scoring off does not answer it)."""
+    why = doc.get("calibration", {}).get("why_not_rescore")
+    return doc.get("source") == "rescore" or (why is not None and why != NOT_ASKED)
 
 
 def _finite(o: Any) -> Any:
