@@ -90,7 +90,7 @@ def test_the_check_fails_when_one_op_is_batch_dependent_again(monkeypatch, swap)
         monkeypatch.setattr(qwen3, "exact_linear", lambda x, w, b=None: F.linear(x, w, b))
     else:
         monkeypatch.setattr(qwen3, "exact_attention", lambda q, k, v, mask, scale: F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scale))
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=True))
     bad, worst, _ = _decode_vs_teacher_forced(_exact_model())
     assert bad > 0 and worst > 0.0
 

@@ -95,49 +95,68 @@ def exact_silu(x: torch.Tensor) -> torch.Tensor:
 
 
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                    scale: float) -> torch.Tensor:
-    """Attention of q [B, H, S, D] over k, v [B, H, K, D] (heads already matched) under the bool
-    mask [B, 1|H, S, K]; each query's last visible key must be its own position (causal, as in
-    every caller). Computed in fp32, returned in q's dtype. See the module docstring."""
-    out = [_attention_block(q[:, :, s:s + QUERY_BLOCK], k, v, mask[:, :, s:s + QUERY_BLOCK], scale)
-           for s in range(0, q.shape[2], QUERY_BLOCK)]
-    return (out[0] if len(out) == 1 else torch.cat(out, dim=2)).to(q.dtype)
+                    scale: float, own: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of q [B, H, S, D] over k, v [B, KV, K, D] (KV divides H: grouped-query attention,
+    the H // KV query heads of a KV head are query rows of one attention, no K/V copies) under the
+    bool mask [B, 1|H, S, K]; each query's last visible key must be its own position (causal, as in
+    every caller). `own` [B, 1|H, S]: that column, when the caller knows it (else read off the mask).
+    Computed in fp32, returned in q's dtype [B, H, S, D]. See the module docstring."""
+    B, H, S, D = q.shape
+    KV, K = k.shape[1], mask.shape[-1]
+    if own is None:
+        own = K - 1 - mask.flip(-1).to(torch.int8).argmax(-1)                          # [B, 1|H, S]
+    if KV != H:  # rows r*S + i of group g: query head g*rep + r at position i
+        rep = H // KV
+        q = q.reshape(B, KV, rep * S, D)
+        mask, own = _group_rows(mask, B, KV, rep), _group_rows(own, B, KV, rep)
+    rows = q.shape[2]
+    out = [_attention_block(q[:, :, s:s + QUERY_BLOCK], k, v, mask[:, :, s:s + QUERY_BLOCK],
+                            own[:, :, s:s + QUERY_BLOCK], scale) for s in range(0, rows, QUERY_BLOCK)]
+    out = out[0] if len(out) == 1 else torch.cat(out, dim=2)
+    return out.reshape(B, H, S, D).to(q.dtype)
 
 
-def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def _group_rows(t: torch.Tensor, B: int, KV: int, rep: int) -> torch.Tensor:
+    """A per-head [B, 1|H, S, ...] tensor in the grouped layout [B, 1|KV, rep * S, ...]."""
+    if t.shape[1] == 1:
+        return t.unsqueeze(2).expand(B, 1, rep, *t.shape[2:]).reshape(B, 1, rep * t.shape[2], *t.shape[3:])
+    return t.reshape(B, KV, rep * t.shape[2], *t.shape[3:])
+
+
+def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, own: torch.Tensor,
                      scale: float) -> torch.Tensor:
     qf, kf, vf = q.float(), k.float(), v.float()
-    K = mask.shape[-1]
-    # The query's own column: its last visible key (computed before padding the keys).
-    own = (K - 1 - mask.flip(-1).to(torch.int8).argmax(-1)).expand(*q.shape[:3])       # [B, H, s]
-    pad = (-K) % KEY_BLOCK
+    B, G, s = qf.shape[:3]
+    own = own.expand(B, G, s)
+    pad = (-mask.shape[-1]) % KEY_BLOCK
     if pad:  # whole key blocks from column 0: padded keys are masked, so they weigh exactly 0
-        kf = F.pad(kf, (0, 0, 0, pad))
-        vf = F.pad(vf, (0, 0, 0, pad))
         mask = F.pad(mask, (0, pad))
-    s = qf.shape[2]
-    # Scores as one GEMM per (sequence, head): entry (i, j) depended neither on the number of query
-    # rows from SCORE_MIN_ROWS on nor on the key count in whole blocks (measured, fp32 and bf16);
-    # fewer query rows (a decode step) are zero-padded up to it.
+    if kf.shape[2] != mask.shape[-1]:  # keys shorter (to pad) or longer (masked, cut) than the blocks
+        extra = mask.shape[-1] - kf.shape[2]
+        kf = F.pad(kf, (0, 0, 0, extra)) if extra > 0 else kf[:, :, :mask.shape[-1]]
+        vf = F.pad(vf, (0, 0, 0, extra)) if extra > 0 else vf[:, :, :mask.shape[-1]]
+    # Scores as one GEMM per (sequence, head group): entry (i, j) depended neither on the number of
+    # query rows from SCORE_MIN_ROWS on nor on the key count in whole blocks (measured, fp32 and
+    # bf16); fewer query rows (a decode step) are zero-padded up to it.
     if s < SCORE_MIN_ROWS:
         qf = F.pad(qf, (0, 0, 0, SCORE_MIN_ROWS - s))
-    scores = (qf @ kf.transpose(-1, -2))[:, :, :s] * scale                              # [B, H, s, Kp]
+    scores = (qf @ kf.transpose(-1, -2))[:, :, :s] * scale                              # [B, G, s, Kp]
     scores = scores.masked_fill(~mask, float("-inf"))
     e = torch.exp(scores - scores.amax(-1, keepdim=True))   # max: exact in any order; masked keys: 0
-    B, H, s, Kp = e.shape
-    blocks = e.view(B, H, s, Kp // KEY_BLOCK, KEY_BLOCK)
+    Kp = e.shape[-1]
+    nb = Kp // KEY_BLOCK
+    blocks = e.view(B, G, s, nb, KEY_BLOCK)
     # Fixed-length sums inside each key block, then a sequential cumsum over the blocks, read at
     # the query's own block: the same additions for the query whatever follows its column.
     own_block = own // KEY_BLOCK
-    den = blocks.sum(-1).cumsum(-1).gather(-1, own_block[..., None])                  # [B, H, s, 1]
+    den = blocks.sum(-1).cumsum(-1).gather(-1, own_block[..., None])                  # [B, G, s, 1]
     # Per key block, probs [s, KEY_BLOCK] @ values [KEY_BLOCK, D]: a GEMM with fixed reduction and
-    # output widths, batched over (sequence, head, block); query rows padded as for the scores.
-    nb = Kp // KEY_BLOCK
-    e_rows = blocks.permute(0, 1, 3, 2, 4).contiguous()  # [B, H, nb, s, KB]; one layout on every path
+    # output widths, batched over (sequence, group, block); query rows padded as for the scores.
+    e_rows = blocks.permute(0, 1, 3, 2, 4).contiguous()  # [B, G, nb, s, KB]; one layout on every path
     if s < SCORE_MIN_ROWS:
         e_rows = F.pad(e_rows, (0, 0, 0, SCORE_MIN_ROWS - s))
-    num = (e_rows @ vf.view(B, H, nb, KEY_BLOCK, -1))[:, :, :, :s].permute(0, 1, 3, 2, 4).cumsum(3)
-    num = num.gather(3, own_block[..., None, None].expand(B, H, s, 1, vf.shape[-1]))[:, :, :, 0]
+    num = (e_rows @ vf.reshape(B, G, nb, KEY_BLOCK, -1))[:, :, :, :s].permute(0, 1, 3, 2, 4).cumsum(3)
+    num = num.gather(3, own_block[..., None, None].expand(B, G, s, 1, vf.shape[-1]))[:, :, :, 0]
     return num / den
 
 
