@@ -7,7 +7,7 @@ the quickstart's temperature 0.7, EOS ignored so both engines generate the same 
 one torch thread, best of `--repeats` interleaved timings after a warm-up.
 
 * rollout: generated tokens/s of the normal engine (fused decode, prefix cache) and the exact one
-  (the model's own forward with the exact ops, prefix cache);
+  (the same fused decoder running the exact op set, prefix cache);
 * train step: old-logprob forward + forward_backward + optimizer step of the torch backend on the
   exact engine's samples, normal vs exact;
 * delta: max |trainer logprob − rollout logprob| over the generated tokens, exact engine vs exact
@@ -100,7 +100,7 @@ def main() -> None:
     engines = {
         "normal": EmbeddedEngine(build_model(cfg, seed=0).eval(), max_batch_size=batch_size, max_seq_len=256, seed=3),
         "exact": EmbeddedEngine(set_exact(build_model(cfg, seed=0).eval(), True), max_batch_size=batch_size,
-                                max_seq_len=256, seed=3, decode_impl="model", prefix_cache=True),
+                                max_seq_len=256, seed=3),
     }
     try:
         outs = {name: e.generate_batch(reqs, timeout=3600) for name, e in engines.items()}

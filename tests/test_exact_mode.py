@@ -95,15 +95,17 @@ def test_the_check_fails_when_one_op_is_batch_dependent_again(monkeypatch, swap)
     assert bad > 0 and worst > 0.0
 
 
-def test_engine_multi_turn_with_prefix_cache_matches_the_teacher_forced_forward():
+@pytest.mark.parametrize("impl,dtype", [("fused", "float32"), ("fused", "bfloat16"), ("model", "float32")])
+def test_engine_multi_turn_with_prefix_cache_matches_the_teacher_forced_forward(impl, dtype):
     """A second turn extends the first turn's sequence: the engine reuses the cached prefix (suffix
     prefill over the slot's K/V), and every sampled token's logprob and the routing of every input
-    token equal the exact teacher-forced forward of the whole sequence, bitwise."""
-    model = _exact_model()
-    ref = _exact_model()
+    token equal the exact teacher-forced forward of the whole sequence, bitwise — through the
+    engine's fused decoder (what runs) and through the model's own forward."""
+    model = _exact_model(DTYPES[dtype])
+    ref = _exact_model(DTYPES[dtype])
     temperature = 0.7
     sp = dict(max_new_tokens=12, temperature=temperature, ignore_eos=True)
-    with EmbeddedEngine(model, max_batch_size=4, max_seq_len=128, decode_impl="model", prefix_cache=True,
+    with EmbeddedEngine(model, max_batch_size=4, max_seq_len=128, decode_impl=impl, prefix_cache=True,
                         prefix_cache_block=4, seed=3) as engine:
         first = [GenerateRequest(input_ids=list(range(7 + i, 60 + i, 3)), return_logprob=True,
                                  return_routed_experts=True, rid=f"a{i}",
@@ -122,7 +124,7 @@ def test_engine_multi_turn_with_prefix_cache_matches_the_teacher_forced_forward(
         labels = torch.tensor(seq[1:])
         lp, _ = label_logprobs(full.logits[0, :-1], labels, temperature)
         n = len(out.output_ids)
-        assert np.array_equal(lp[-n:].numpy(), np.array(out.output_logprobs, dtype=np.float32))
+        assert np.array_equal(lp[-n:].float().numpy(), np.array(out.output_logprobs, dtype=np.float32))
         assert np.array_equal(full.routed_experts[0, :-1].numpy(), out.routed_experts.astype(np.int64))
 
 
