@@ -89,6 +89,38 @@ def gemm_min_rows(d_in: int, d_out: int, dtype: torch.dtype, threads: int) -> in
     return 0
 
 
+@functools.lru_cache(maxsize=None)
+def fused_gemm_matches(d_in: int, d_outs: tuple[int, ...], experts: int, dtype: torch.dtype, threads: int) -> bool:
+    """Whether a fused form of `exact_linear` gives every row bitwise the per-weight result, for
+    every row count from `gemm_min_rows` on (measured here on random data, like `gemm_min_rows`):
+
+    * experts == 0: one F.linear over the weights of widths `d_outs` concatenated (q/k/v, gate/up);
+    * experts > 0: torch.bmm of [experts, rows, d_in] by stacked [experts, d_in, d_outs[0]]
+      (contiguous), i.e. every expert's rows zero-padded to one count, in one call.
+
+    The embedded engine's exact decoder uses the fused form only where this holds (it does for
+    tiny-moe's fp32 shapes on the machine this was written on; not for bf16's batched GEMM)."""
+    min_rows = gemm_min_rows(d_in, sum(d_outs), dtype, threads)
+    if not min_rows or any(gemm_min_rows(d_in, d, dtype, threads) != min_rows for d in d_outs):
+        return False
+    g = torch.Generator().manual_seed(1)
+    ws = [torch.randn(d, d_in, generator=g).to(dtype) for d in d_outs]
+    stacked = torch.stack([ws[0]] * max(experts, 1)).transpose(1, 2).contiguous()
+    with torch.no_grad():
+        for n in (min_rows, min_rows + 1, 7, 13, 16, 31, 32, 33, 64, 100):
+            n = max(n, min_rows)
+            x = torch.randn(max(experts, 1), n, d_in, generator=g).to(dtype)
+            if experts:
+                out = torch.bmm(x, stacked)
+                if not all(torch.equal(out[e], F.linear(x[e], ws[0])) for e in range(experts)):
+                    return False
+            else:
+                out = F.linear(x[0], torch.cat(ws)).split(list(d_outs), dim=1)
+                if not all(torch.equal(o, F.linear(x[0], w)) for o, w in zip(out, ws)):
+                    return False
+    return True
+
+
 def exact_silu(x: torch.Tensor) -> torch.Tensor:
     """SiLU whose value for an element does not depend on where it sits in the tensor."""
     return x / (1 + torch.exp(-x))

@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from axrl.inference.embedded.exact_layers import (ExactLayer, decode_attention, exact_experts, exact_mlp,
+from axrl.inference.embedded.exact_layers import (ExactLayer, decode_attention, exact_experts, exact_mlp, exact_qkv,
                                                   prefill_attention)
 from axrl.inference.embedded.kv_cache import StaticKVCache
 from axrl.inference.quant import activation_rounding
@@ -78,7 +78,7 @@ def _grouped_mm_works(dtype: torch.dtype) -> bool:
 class _LayerWeights:
     """One decoder layer's weights, packed for the fast path."""
 
-    def __init__(self, layer: torch.nn.Module, n_heads: int, n_kv: int) -> None:
+    def __init__(self, layer: torch.nn.Module, n_heads: int, n_kv: int, exact: bool) -> None:
         attn = layer.self_attn
         self.input_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
@@ -90,7 +90,7 @@ class _LayerWeights:
         # Right-hand operands of addmm(x, a, W.T): the residual add rides in the GEMM.
         self.w_o_t = attn.o_proj.weight.t()
         self.is_moe = layer.is_moe
-        self.exact = ExactLayer(layer)  # the model's own weights (views), for the exact op set
+        self.exact = ExactLayer(layer) if exact else None  # the weights as the exact op set reads them
         mlp = layer.mlp
         if self.is_moe:
             self.w_router = mlp.gate.weight
@@ -147,7 +147,7 @@ class FusedDecoder:
         self.exact = is_exact(m)
         if self.exact and self.act is not None:
             raise ValueError("rollout.exact: the exact op set has no W8A8 form; set rollout.precision: auto")
-        self.layers = [_LayerWeights(layer, self.n_heads, self.n_kv) for layer in m.model.layers]
+        self.layers = [_LayerWeights(layer, self.n_heads, self.n_kv, self.exact) for layer in m.model.layers]
         self.embed = m.model.embed_tokens.weight
         dev = self.embed.device
         self.final_norm, self.final_eps = m.model.norm.weight, m.model.norm.eps
@@ -367,8 +367,8 @@ class FusedDecoder:
         N = x.shape[0]
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         h = self._act(_norm(x, w.input_norm, w.eps))
-        if self.exact:  # the model's three GEMMs (a concatenated one may round a column differently)
-            qkv = torch.cat([exact_linear(h, w.exact.w_q), exact_linear(h, w.exact.w_k), exact_linear(h, w.exact.w_v)], 1)
+        if self.exact:  # bitwise the model's three GEMMs
+            qkv = exact_qkv(h, w.exact)
         else:
             qkv = F.linear(h, w.w_qkv)
         qk = _norm(qkv[:, :(H + KV) * D].view(N, H + KV, D), w.qk_norm, w.qk_eps)
