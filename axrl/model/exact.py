@@ -160,13 +160,12 @@ def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     qf, kf, vf = q.float(), k.float(), v.float()
     B, G, s = qf.shape[:3]
     own = own.expand(B, G, s)
-    pad = (-mask.shape[-1]) % KEY_BLOCK
-    if pad:  # whole key blocks from column 0: padded keys are masked, so they weigh exactly 0
-        mask = F.pad(mask, (0, pad))
-    if kf.shape[2] != mask.shape[-1]:  # keys shorter (to pad) or longer (masked, cut) than the blocks
-        extra = mask.shape[-1] - kf.shape[2]
-        kf = F.pad(kf, (0, 0, 0, extra)) if extra > 0 else kf[:, :, :mask.shape[-1]]
-        vf = F.pad(vf, (0, 0, 0, extra)) if extra > 0 else vf[:, :, :mask.shape[-1]]
+    # Whole key blocks from column 0 up to the block of the last own column among these queries:
+    # later keys are masked for all of them and would add exact zeros (see `_sum_to_own`); padded
+    # keys are masked too, so they weigh exactly 0.
+    width = (int(own.max()) // KEY_BLOCK + 1) * KEY_BLOCK
+    mask = _to_width(mask, width, dim=-1)
+    kf, vf = _to_width(kf, width, dim=2), _to_width(vf, width, dim=2)
     # Scores as one GEMM per (sequence, head group): entry (i, j) depended neither on the number of
     # query rows from SCORE_MIN_ROWS on nor on the key count in whole blocks (measured, fp32 and
     # bf16); fewer query rows (a decode step) are zero-padded up to it.
@@ -175,21 +174,41 @@ def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     scores = (qf @ kf.transpose(-1, -2))[:, :, :s] * scale                              # [B, G, s, Kp]
     scores = scores.masked_fill(~mask, float("-inf"))
     e = torch.exp(scores - scores.amax(-1, keepdim=True))   # max: exact in any order; masked keys: 0
-    Kp = e.shape[-1]
-    nb = Kp // KEY_BLOCK
+    nb = width // KEY_BLOCK
     blocks = e.view(B, G, s, nb, KEY_BLOCK)
-    # Fixed-length sums inside each key block, then a sequential cumsum over the blocks, read at
-    # the query's own block: the same additions for the query whatever follows its column.
     own_block = own // KEY_BLOCK
-    den = blocks.sum(-1).cumsum(-1).gather(-1, own_block[..., None])                  # [B, G, s, 1]
+    # Fixed-length sums inside each key block, then the blocks added in order up to the query's own
+    # block: the same additions for the query whatever follows its column.
+    sums = blocks.sum(-1)                                                                # [B, G, s, nb]
+    den = _sum_to_own([sums[..., b] for b in range(nb)], own_block)
     # Per key block, probs [s, KEY_BLOCK] @ values [KEY_BLOCK, D]: a GEMM with fixed reduction and
     # output widths, batched over (sequence, group, block); query rows padded as for the scores.
     e_rows = blocks.permute(0, 1, 3, 2, 4).contiguous()  # [B, G, nb, s, KB]; one layout on every path
     if s < SCORE_MIN_ROWS:
         e_rows = F.pad(e_rows, (0, 0, 0, SCORE_MIN_ROWS - s))
-    num = (e_rows @ vf.reshape(B, G, nb, KEY_BLOCK, -1))[:, :, :, :s].permute(0, 1, 3, 2, 4).cumsum(3)
-    num = num.gather(3, own_block[..., None, None].expand(B, G, s, 1, vf.shape[-1]))[:, :, :, 0]
-    return num / den
+    pv = (e_rows @ vf.reshape(B, G, nb, KEY_BLOCK, -1))[:, :, :, :s]                  # [B, G, nb, s, D]
+    num = _sum_to_own([pv[:, :, b] for b in range(nb)], own_block[..., None])
+    return num / den[..., None]
+
+
+def _to_width(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """`t` cut or zero/False-padded to `width` entries along `dim` (-1 or 2)."""
+    size = t.shape[dim]
+    if size >= width:
+        return t.narrow(dim, 0, width)
+    return F.pad(t, (0, width - size) if dim == -1 else (0, 0, 0, width - size))
+
+
+def _sum_to_own(parts: list[torch.Tensor], own_block: torch.Tensor) -> torch.Tensor:
+    """Σ parts[0..own_block] per entry, added in block order in float64 and rounded to float32 once:
+    bitwise torch.cumsum's float32 CPU result read at the own block (a sequential double
+    accumulator), without its per-line cost (a Python loop over the few blocks instead)."""
+    acc = parts[0].double()
+    out = acc
+    for b in range(1, len(parts)):
+        acc = acc + parts[b]
+        out = torch.where(own_block == b, acc, out)
+    return out.float()
 
 
 def set_exact(model: nn.Module, on: bool) -> nn.Module:
