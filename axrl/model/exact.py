@@ -122,8 +122,27 @@ def fused_gemm_matches(d_in: int, d_outs: tuple[int, ...], experts: int, dtype: 
 
 
 def exact_silu(x: torch.Tensor) -> torch.Tensor:
-    """SiLU whose value for an element does not depend on where it sits in the tensor."""
+    """SiLU whose value for an element does not depend on where it sits in the tensor. Under
+    autograd its gradient is torch's fused SiLU backward (see `_ExactSiLU`)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _ExactSiLU.apply(x)
     return x / (1 + torch.exp(-x))
+
+
+class _ExactSiLU(torch.autograd.Function):
+    """`exact_silu`'s value; its gradient from `aten.silu_backward` (one op, not the four of
+    autograd through x / (1 + exp(-x))). Only the forward values must be invariant: nothing
+    compares gradients with the engine, and this one is as deterministic."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x / (1 + torch.exp(-x))
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad, x)
 
 
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -133,6 +152,38 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     bool mask [B, 1|H, S, K]; each query's last visible key must be its own position (causal, as in
     every caller). `own` [B, 1|H, S]: that column, when the caller knows it (else read off the mask).
     Computed in fp32, returned in q's dtype [B, H, S, D]. See the module docstring."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _ExactAttention.apply(q, k, v, mask, own, scale)
+    return _exact_attention(q, k, v, mask, scale, own)
+
+
+class _ExactAttention(torch.autograd.Function):
+    """`exact_attention`'s value (computed without a graph); its gradient is that of the same
+    attention through torch's SDPA, recomputed in the backward. Autograd through the blocked form
+    would record every block's small ops (the exact train step cost ~1.6x the normal one that way);
+    the gradient needs no invariance, only to be the attention's and deterministic."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor, own: torch.Tensor | None, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(q, k, v, mask)
+        ctx.scale = scale
+        return _exact_attention(q, k, v, mask, scale, own)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
+        q, k, v, mask = ctx.saved_tensors
+        with torch.enable_grad():
+            qf, kf, vf = (t.detach().float().requires_grad_(True) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=ctx.scale,
+                                                 enable_gqa=kf.shape[1] != qf.shape[1])
+            gq, gk, gv = torch.autograd.grad(out, (qf, kf, vf), grad.float())
+        return gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype), None, None, None
+
+
+def _exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                     own: torch.Tensor | None) -> torch.Tensor:
+    """`exact_attention` itself (the forward's values; no graph needed)."""
     B, H, S, D = q.shape
     KV, K = k.shape[1], mask.shape[-1]
     if own is None:
