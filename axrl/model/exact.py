@@ -192,6 +192,11 @@ def _exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         rep = H // KV
         q = q.reshape(B, KV, rep * S, D)
         mask, own = _group_rows(mask, B, KV, rep), _group_rows(own, B, KV, rep)
+    # whole key blocks from column 0, padded (and in fp32) once for all query blocks; padded keys
+    # are masked
+    width = -(-K // KEY_BLOCK) * KEY_BLOCK
+    k, v = _to_width(k.float(), width, dim=2), _to_width(v.float(), width, dim=2)
+    mask = _to_width(mask, width, dim=-1)
     rows = q.shape[2]
     out = [_attention_block(q[:, :, s:s + QUERY_BLOCK], k, v, mask[:, :, s:s + QUERY_BLOCK],
                             own[:, :, s:s + QUERY_BLOCK], scale) for s in range(0, rows, QUERY_BLOCK)]
