@@ -181,3 +181,52 @@ def test_default_run_has_zero_mismatch_and_identical_routing(exact_run):
     behaviour, rollout, trained = cols[names[0]], cols[names[1]], cols[names[2]] > 0
     ok = trained & np.isfinite(behaviour)
     assert ok.sum() > 0 and np.array_equal(behaviour[ok], rollout[ok])
+
+
+def test_service_sample_then_forward_backward_on_the_same_tokens_is_bitwise(tmp_path):
+    """The Tinker-compatible service under rollout.exact (axrl serve --training): a sequence its
+    sampler returns, sent back to `forward_backward`, gets bitwise the sampler's logprobs on the
+    sampled tokens — the importance ratio is exactly 1 before any update."""
+    from tinker import types
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+    from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
+
+    from axrl.assembly.tinker_api import build_service
+    from axrl.inference.serve import ServeConfig
+    from axrl.model import save_hf
+    from axrl.tinker_api.sampling import BASE, SampleSpec
+    from axrl.tinker_api.wire import decode_forward_backward
+    from axrl.tokenizer import Tokenizer
+
+    tok = Tokenizer.default()
+    cfg = preset_config("tiny-moe", vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id)
+    model_dir = save_hf(build_model(cfg, seed=0), tmp_path / "moe", tokenizer=tok)
+    _app, server, state = build_service(ServeConfig(model_path=str(model_dir)),
+                                        load_config(None, ["rollout.exact=true"]), tmp_path / "run")
+    try:
+        assert server.engine.model.exact
+        prompt = tok.encode("what is two plus three")
+        spec = SampleSpec(prompt=prompt, num_samples=3, max_tokens=10, temperature=1.0, top_k=-1, top_p=1.0,
+                          seed=1, stop_ids=[], stop_strings=[], prompt_logprobs=False)
+        seqs = deserialize_sample_response(state.sampler.sample(BASE, spec)).sequences
+        model = state.make_model(0, "m", None)
+        state.models["m"] = model  # closed by state.close()
+        data = []
+        for s in seqs:
+            full = prompt + list(s.tokens)
+            pad = [0.0] * (len(prompt) - 1)
+            data.append(types.Datum(model_input=types.ModelInput.from_ints(full[:-1]), loss_fn_inputs={
+                "target_tokens": np.asarray(full[1:]), "logprobs": np.asarray(pad + list(s.logprobs), np.float32),
+                "advantages": np.asarray(pad + [1.0] * len(s.tokens), np.float32)}))
+        req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(
+            data=data, loss_fn="importance_sampling"), model_id="m", seq_id=0)
+        out = deserialize_forward_backward_output(model.forward_backward(
+            decode_forward_backward(forward_backward_request_to_proto(req).SerializeToString())))
+    finally:
+        state.close()
+        server.engine.shutdown()
+    assert len(out.loss_fn_outputs) == len(seqs) == 3
+    for s, o in zip(seqs, out.loss_fn_outputs):
+        trained = np.asarray(o["logprobs"].tolist(), np.float32)[-len(s.tokens):]
+        assert np.array_equal(trained, np.asarray(s.logprobs, np.float32))
