@@ -192,13 +192,13 @@ def _exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         rep = H // KV
         q = q.reshape(B, KV, rep * S, D)
         mask, own = _group_rows(mask, B, KV, rep), _group_rows(own, B, KV, rep)
-    # whole key blocks from column 0, padded (and in fp32) once for all query blocks; padded keys
-    # are masked
+    # whole key blocks from column 0 (padded keys are masked), K in fp32 once for all query blocks;
+    # V as rows of an embedding table (the KV cache's own storage when it is one: no copy)
     width = -(-K // KEY_BLOCK) * KEY_BLOCK
-    k, v = _to_width(k.float(), width, dim=2), _to_width(v.float(), width, dim=2)
-    mask = _to_width(mask, width, dim=-1)
+    k, mask = _to_width(k.float(), width, dim=2), _to_width(mask, width, dim=-1)
+    table, strides = _row_table(v, width)
     rows = q.shape[2]
-    out = [_attention_block(q[:, :, s:s + QUERY_BLOCK], k, v, mask[:, :, s:s + QUERY_BLOCK],
+    out = [_attention_block(q[:, :, s:s + QUERY_BLOCK], k, table, strides, mask[:, :, s:s + QUERY_BLOCK],
                             own[:, :, s:s + QUERY_BLOCK], scale) for s in range(0, rows, QUERY_BLOCK)]
     out = out[0] if len(out) == 1 else torch.cat(out, dim=2)
     return out.reshape(B, H, S, D).to(q.dtype)
@@ -211,40 +211,66 @@ def _group_rows(t: torch.Tensor, B: int, KV: int, rep: int) -> torch.Tensor:
     return t.reshape(B, KV, rep * t.shape[2], *t.shape[3:])
 
 
-def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, own: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    qf, kf, vf = q.float(), k.float(), v.float()
+def _row_table(v: torch.Tensor, width: int) -> tuple[torch.Tensor, tuple[int, int]]:
+    """V [B, KV, K, D] as an fp32 table [rows, D] and (b_stride, g_stride): key j of (b, g) is row
+    b * b_stride + g * g_stride + j, for j < width. A view of v's own storage when v is fp32 with
+    rows of D contiguous values (a KV cache slice), else a padded fp32 copy."""
+    B, KV, K, D = v.shape
+    strides = [v.stride(i) for i, n in enumerate(v.shape[:2]) if n > 1]
+    if (v.dtype != torch.float32 or K < width or v.stride(-1) != 1 or (K > 1 and v.stride(2) != D)
+            or any(st % D for st in strides)):
+        v = _to_width(v.float(), width, dim=2).contiguous()
+    s0 = v.stride(0) // D if B > 1 else 0
+    s1 = v.stride(1) // D if KV > 1 else 0
+    return v.as_strided(((B - 1) * s0 + (KV - 1) * s1 + width, D), (D, 1)), (s0, s1)
+
+
+def _attention_block(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor, strides: tuple[int, int],
+                     mask: torch.Tensor, own: torch.Tensor, scale: float) -> torch.Tensor:
+    qf = q.float()
     B, G, s = qf.shape[:3]
-    own = own.expand(B, G, s)
     # Whole key blocks from column 0 up to the block of the last own column among these queries:
-    # later keys are masked for all of them and would add exact zeros (see `_sum_to_own`); padded
-    # keys are masked too, so they weigh exactly 0.
+    # later keys are masked for all of them and would add exact zeros (see `_weighted_rows`).
     width = (int(own.max()) // KEY_BLOCK + 1) * KEY_BLOCK
-    mask = _to_width(mask, width, dim=-1)
-    kf, vf = _to_width(kf, width, dim=2), _to_width(vf, width, dim=2)
+    mask, kf = mask.narrow(-1, 0, width), k.narrow(2, 0, width)
     # Scores as one GEMM per (sequence, head group): entry (i, j) depended neither on the number of
     # query rows from SCORE_MIN_ROWS on nor on the key count in whole blocks (measured, fp32 and
     # bf16); fewer query rows (a decode step) are zero-padded up to it.
     if s < SCORE_MIN_ROWS:
         qf = F.pad(qf, (0, 0, 0, SCORE_MIN_ROWS - s))
-    scores = (qf @ kf.transpose(-1, -2))[:, :, :s] * scale                              # [B, G, s, Kp]
+    scores = (qf @ kf.transpose(-1, -2))[:, :, :s] * scale                              # [B, G, s, W]
     scores = scores.masked_fill(~mask, float("-inf"))
     e = torch.exp(scores - scores.amax(-1, keepdim=True))   # max: exact in any order; masked keys: 0
-    nb = width // KEY_BLOCK
-    blocks = e.view(B, G, s, nb, KEY_BLOCK)
-    own_block = own // KEY_BLOCK
-    # Fixed-length sums inside each key block, then the blocks added in order up to the query's own
-    # block: the same additions for the query whatever follows its column.
-    sums = blocks.sum(-1)                                                                # [B, G, s, nb]
-    den = _sum_to_own([sums[..., b] for b in range(nb)], own_block)
-    # Per key block, probs [s, KEY_BLOCK] @ values [KEY_BLOCK, D]: a GEMM with fixed reduction and
-    # output widths, batched over (sequence, group, block); query rows padded as for the scores.
-    e_rows = blocks.permute(0, 1, 3, 2, 4).contiguous()  # [B, G, nb, s, KB]; one layout on every path
-    if s < SCORE_MIN_ROWS:
-        e_rows = F.pad(e_rows, (0, 0, 0, SCORE_MIN_ROWS - s))
-    pv = (e_rows @ vf.reshape(B, G, nb, KEY_BLOCK, -1))[:, :, :, :s]                  # [B, G, nb, s, D]
-    num = _sum_to_own([pv[:, :, b] for b in range(nb)], own_block[..., None])
-    return num / den[..., None]
+    return _weighted_rows(e, table, strides)
+
+
+def _weighted_rows(e: torch.Tensor, table: torch.Tensor, strides: tuple[int, int]) -> torch.Tensor:
+    """Σ_j e[..., j] · V[j] / Σ_j e[..., j] per query row of e [B, G, s, W], each sum in key order
+    0..W-1 whatever W and the call's other queries (the keys past a query's own column weigh
+    exactly 0, so W changes nothing): the numerator as `embedding_bag` sums, one bag per query
+    (the bag kernel adds a bag's rows in index order into one accumulator per column: measured
+    invariant to trailing zero weights and to the number of bags, fp32 and bf16 tables), the
+    denominator as `cumsum`'s last entry (a sequential float64 accumulator on CPU)."""
+    B, G, s, W = e.shape
+    num = F.embedding_bag(_bag_rows(B, G, *strides, s, W, e.device), table, mode="sum",
+                          per_sample_weights=e.reshape(-1, W))
+    return num.view(B, G, s, -1) / e.cumsum(-1)[..., -1:]
+
+
+def _bag_rows(B: int, G: int, b_stride: int, g_stride: int, s: int, W: int, device: torch.device) -> torch.Tensor:
+    """The bags' table rows [B * G * s, W] of `_weighted_rows` (see `_row_table`). Small ones are
+    cached: a decode step's layers, and the next steps until a key block fills, read the same rows."""
+    if B * G * s * W <= 1 << 18:
+        return _bag_rows_cached(B, G, b_stride, g_stride, s, W, device)
+    return _make_bag_rows(B, G, b_stride, g_stride, s, W, device)
+
+
+def _make_bag_rows(B: int, G: int, b_stride: int, g_stride: int, s: int, W: int, device: torch.device) -> torch.Tensor:
+    base = torch.arange(B, device=device)[:, None] * b_stride + torch.arange(G, device=device) * g_stride
+    return (base[:, :, None, None] + torch.arange(W, device=device)).expand(B, G, s, W).reshape(-1, W)
+
+
+_bag_rows_cached = functools.lru_cache(maxsize=16)(_make_bag_rows)
 
 
 def _to_width(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
@@ -253,18 +279,6 @@ def _to_width(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     if size >= width:
         return t.narrow(dim, 0, width)
     return F.pad(t, (0, width - size) if dim == -1 else (0, 0, 0, width - size))
-
-
-def _sum_to_own(parts: list[torch.Tensor], own_block: torch.Tensor) -> torch.Tensor:
-    """Σ parts[0..own_block] per entry, added in block order in float64 and rounded to float32 once:
-    bitwise torch.cumsum's float32 CPU result read at the own block (a sequential double
-    accumulator), without its per-line cost (a Python loop over the few blocks instead)."""
-    acc = parts[0].double()
-    out = acc
-    for b in range(1, len(parts)):
-        acc = acc + parts[b]
-        out = torch.where(own_block == b, acc, out)
-    return out.float()
 
 
 def set_exact(model: nn.Module, on: bool) -> nn.Module:
