@@ -149,8 +149,8 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
                     scale: float, own: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [B, H, S, D] over k, v [B, KV, K, D] (KV divides H: grouped-query attention,
     the H // KV query heads of a KV head are query rows of one attention, no K/V copies) under the
-    bool mask [B, 1|H, S, K]; each query's last visible key must be its own position (causal, as in
-    every caller). `own` [B, 1|H, S]: that column, when the caller knows it (else read off the mask).
+    mask [B, 1|H, S, K] (bool, or float: 0 visible, -inf hidden); each query's last visible key must
+    be its own position (causal, as in every caller). `own` [B, 1|H, S]: that column, when the caller knows it (else read off the mask).
     Computed in fp32, returned in q's dtype [B, H, S, D]. See the module docstring."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _ExactAttention.apply(q, k, v, mask, own, scale)
@@ -187,15 +187,19 @@ def _exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     B, H, S, D = q.shape
     KV, K = k.shape[1], mask.shape[-1]
     if own is None:
-        own = K - 1 - mask.flip(-1).to(torch.int8).argmax(-1)                          # [B, 1|H, S]
+        visible = mask == 0 if mask.is_floating_point() else mask
+        own = K - 1 - visible.flip(-1).to(torch.int8).argmax(-1)                       # [B, 1|H, S]
     if KV != H:  # rows r*S + i of group g: query head g*rep + r at position i
         rep = H // KV
         q = q.reshape(B, KV, rep * S, D)
-        mask, own = _group_rows(mask, B, KV, rep), _group_rows(own, B, KV, rep)
+        # one query per head (a decode step): its mask row and own column broadcast over the rows
+        if S > 1 or mask.shape[1] > 1 or own.shape[1] > 1:
+            mask, own = _group_rows(mask, B, KV, rep), _group_rows(own, B, KV, rep)
     # whole key blocks from column 0 (padded keys are masked), K in fp32 once for all query blocks;
     # V as rows of an embedding table (the KV cache's own storage when it is one: no copy)
     width = -(-K // KEY_BLOCK) * KEY_BLOCK
-    k, mask = _to_width(k.float(), width, dim=2), _to_width(mask, width, dim=-1)
+    hidden = float("-inf") if mask.is_floating_point() else 0.0
+    k, mask = _to_width(k.float(), width, dim=2), _to_width(mask, width, dim=-1, fill=hidden)
     table, strides = _row_table(v, width)
     rows = q.shape[2]
     out = [_attention_block(q[:, :, s:s + QUERY_BLOCK], k, table, strides, mask[:, :, s:s + QUERY_BLOCK],
@@ -239,7 +243,8 @@ def _attention_block(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor, stri
     if s < SCORE_MIN_ROWS:
         qf = F.pad(qf, (0, 0, 0, SCORE_MIN_ROWS - s))
     scores = (qf @ kf.transpose(-1, -2))[:, :, :s] * scale                              # [B, G, s, W]
-    scores = scores.masked_fill(~mask, float("-inf"))
+    # an additive mask (0 / -inf) adds exact zeros to the visible keys: the same values
+    scores = scores + mask if mask.is_floating_point() else scores.masked_fill(~mask, float("-inf"))
     e = torch.exp(scores - scores.amax(-1, keepdim=True))   # max: exact in any order; masked keys: 0
     return _weighted_rows(e, table, strides)
 
@@ -273,12 +278,12 @@ def _make_bag_rows(B: int, G: int, b_stride: int, g_stride: int, s: int, W: int,
 _bag_rows_cached = functools.lru_cache(maxsize=16)(_make_bag_rows)
 
 
-def _to_width(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    """`t` cut or zero/False-padded to `width` entries along `dim` (-1 or 2)."""
+def _to_width(t: torch.Tensor, width: int, dim: int, fill: float = 0.0) -> torch.Tensor:
+    """`t` cut or padded with `fill` (zero / False by default) to `width` entries along `dim` (-1 or 2)."""
     size = t.shape[dim]
     if size >= width:
         return t.narrow(dim, 0, width)
-    return F.pad(t, (0, width - size) if dim == -1 else (0, 0, 0, width - size))
+    return F.pad(t, (0, width - size) if dim == -1 else (0, 0, 0, width - size), value=fill)
 
 
 def set_exact(model: nn.Module, on: bool) -> nn.Module:

@@ -131,8 +131,10 @@ def decode_attention(cache: StaticKVCache, positions: torch.Tensor, kv_len: int,
     attention of each slot's query over its cache columns [0, position]."""
     n = positions.shape[0]
     width = key_blocks(cache, kv_len)
-    mask = (torch.arange(width, device=positions.device) <= positions[:, None])[:, None, None]   # [n, 1, 1, K]
-    own = positions[:, None, None]
+    visible = torch.arange(width, device=positions.device) <= positions[:, None]
+    # additive (0 / -inf), built once for the step's layers: cheaper per layer than a bool mask
+    mask = torch.zeros(visible.shape, device=positions.device).masked_fill_(~visible, float("-inf"))
+    mask, own = mask[:, None, None], positions[:, None, None]                                 # [n, 1, 1, K]
 
     def attend(li: int, q: torch.Tensor) -> torch.Tensor:
         k, v = cache.view(li, n, width)
