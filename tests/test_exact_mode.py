@@ -230,3 +230,46 @@ def test_service_sample_then_forward_backward_on_the_same_tokens_is_bitwise(tmp_
     for s, o in zip(seqs, out.loss_fn_outputs):
         trained = np.asarray(o["logprobs"].tolist(), np.float32)[-len(s.tokens):]
         assert np.array_equal(trained, np.asarray(s.logprobs, np.float32))
+
+
+def test_black_box_session_through_the_proxy_is_bitwise(tok):
+    """An unmodified agent (the OpenAI SDK, two chat calls: the second resends the first reply)
+    through the recording proxy to an exact engine with the prefix cache on: every path of the
+    stitched session gets, on its generated tokens, bitwise the exact trainer's logprobs, and every
+    input token's routing is the trainer's."""
+    import asyncio
+
+    import openai
+
+    from axrl.agents.proxy import ProxyServer
+    from axrl.agents.tasks import TASKS
+    from axrl.rollout.blackbox import AgentSettings, BlackBoxPlayer
+
+    def agent(base_url: str, api_key: str, prompt: str) -> None:
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        msgs = [{"role": "user", "content": prompt}]
+        reply = client.chat.completions.create(model="m", messages=msgs).choices[0].message.content or ""
+        msgs += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Check it once more."}]
+        client.chat.completions.create(model="m", messages=msgs)
+
+    cfg = preset_config("tiny-moe", vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id)
+    model, ref = (set_exact(build_model(cfg, seed=0).eval(), True) for _ in range(2))
+    temperature = 0.7
+    sampling = SamplingParams(max_new_tokens=12, temperature=temperature, stop_token_ids=tok.stop_token_ids, seed=11)
+    with EmbeddedEngine(model, max_batch_size=2, max_seq_len=512, prefix_cache=True, prefix_cache_block=4,
+                        seed=3) as engine, ProxyServer(tok) as proxy:
+        player = BlackBoxPlayer(AgentSettings(function=agent), proxy, max_context_len=512)
+        traj = asyncio.run(player.play(engine, sample_id=1, group_id=1, prompt=TASKS["calculator"]().prompt(0, 4),
+                                       sampling=sampling, return_routing=True))
+    assert traj.status == "ok", traj.error
+    paths = [traj, *traj.forks]
+    assert sum(p.num_turns for p in paths) >= 2 and all(p.num_generated > 0 for p in paths)
+    for path in paths:
+        seq = path.token_ids.astype(np.int64)
+        with torch.no_grad():
+            full = ref(torch.from_numpy(seq)[None], return_routing=True)
+        lp, _ = label_logprobs(full.logits[0, :-1], torch.from_numpy(seq[1:]), temperature)
+        gen = path.loss_mask[1:] > 0
+        assert np.array_equal(lp.float().numpy()[gen], path.rollout_logprob[1:][gen])
+        assert np.array_equal(full.routed_experts[0, :-1].numpy(), path.routed_experts[:-1].astype(np.int64))
