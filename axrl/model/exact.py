@@ -242,10 +242,12 @@ def _attention_block(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor, stri
     # bf16); fewer query rows (a decode step) are zero-padded up to it.
     if s < SCORE_MIN_ROWS:
         qf = F.pad(qf, (0, 0, 0, SCORE_MIN_ROWS - s))
-    scores = (qf @ kf.transpose(-1, -2))[:, :, :s] * scale                              # [B, G, s, W]
+    raw = qf @ kf.transpose(-1, -2)
+    scores = raw.mul_(scale) if raw.shape[2] == s else raw[:, :, :s] * scale            # [B, G, s, W]
     # an additive mask (0 / -inf) adds exact zeros to the visible keys: the same values
-    scores = scores + mask if mask.is_floating_point() else scores.masked_fill(~mask, float("-inf"))
-    e = torch.exp(scores - scores.amax(-1, keepdim=True))   # max: exact in any order; masked keys: 0
+    # (in place: `scores` is this block's own tensor; fresh big temporaries cost page faults)
+    scores = scores.add_(mask) if mask.is_floating_point() else scores.masked_fill_(~mask, float("-inf"))
+    e = scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # max: exact in any order; masked keys: 0
     return _weighted_rows(e, table, strides)
 
 
@@ -259,7 +261,7 @@ def _weighted_rows(e: torch.Tensor, table: torch.Tensor, strides: tuple[int, int
     B, G, s, W = e.shape
     num = F.embedding_bag(_bag_rows(B, G, *strides, s, W, e.device), table, mode="sum",
                           per_sample_weights=e.reshape(-1, W))
-    return num.view(B, G, s, -1) / e.cumsum(-1)[..., -1:]
+    return num.view(B, G, s, -1).div_(e.cumsum(-1)[..., -1:])
 
 
 def _bag_rows(B: int, G: int, b_stride: int, g_stride: int, s: int, W: int, device: torch.device) -> torch.Tensor:
