@@ -3,8 +3,8 @@
 A token's result here depends only on the token's own inputs (its row, its keys and values), not on
 how many other tokens share the call, where the token sits in it, or whether it runs in a decode
 step against the KV cache or in a teacher-forced pass. The model (`axrl.model.qwen3`) switches to
-these ops with `set_exact(model, True)`; the embedded engine (through the model's own forward) and
-the torch trainer then compute bitwise-equal logits and MoE routings for the same tokens.
+these ops with `set_exact(model, True)`; the embedded engine (its fused decoder runs them:
+`axrl/inference/embedded/exact_layers.py`) and the torch trainer then compute bitwise-equal logits and MoE routings for the same tokens.
 
 Why each op is what it is (measured on torch 2.13 CPU, one thread, fp32 and bf16):
 
@@ -16,14 +16,15 @@ Why each op is what it is (measured on torch 2.13 CPU, one thread, fp32 and bf16
 * SiLU: fp32 `F.silu` computes the tail of a tensor (numel mod the SIMD width) with a scalar
   formula that rounds differently; `x / (1 + exp(-x))` is invariant (exp's scalar and vector paths
   agree, division is exactly rounded).
-* Attention: the key reduction must not depend on how many keys follow a query's own position
+* Attention: the key reductions must not depend on how many keys follow a query's own position
   (decode sees `kv_len` keys, a teacher-forced pass the whole sequence). Scores are one GEMM per
-  (sequence, head) over whole key blocks, with at least `SCORE_MIN_ROWS` query rows (the
-  reduction is over head_dim, fixed; entries measured invariant to the row and key counts); the max is exact in any
-  order; the softmax denominator and the value sum are fixed-length sums over blocks of
-  `KEY_BLOCK` keys aligned at column 0, then a sequential `cumsum` over the blocks read at the
-  query's own block. Masked keys weigh exactly 0 inside a block on both sides, so left padding,
-  later keys and other prefix-tree branches change nothing.
+  (sequence, head group) over whole blocks of `KEY_BLOCK` keys from column 0, with at least
+  `SCORE_MIN_ROWS` query rows (the reduction is over head_dim, fixed; entries measured invariant
+  to the row and key counts); the max is exact in any order; probs @ V is one `embedding_bag` sum
+  per query over its keys in order (V read in place from the KV cache) and the denominator is
+  `cumsum`'s last entry: both add the keys one by one from column 0, so the trailing masked keys
+  add exact zeros. Masked keys weigh exactly 0 on both sides, so left padding, later keys and
+  other prefix-tree branches change nothing.
 * RMSNorm, softmax / top-k over experts, log-softmax, embedding and RoPE are row-local in torch's
   CPU kernels already (checked the same way); the MoE combine adds a token's experts in ascending
   expert order (`index_add_` per expert) in both users.
@@ -43,7 +44,7 @@ ROW_CHUNK = 16
 # Queries per attention block in a teacher-forced pass: bounds the [queries, keys, head_dim]
 # temporaries (they are freed after each block, also under autograd).
 QUERY_BLOCK = 32
-# Keys per block of the attention sums (fixed, aligned at column 0: see `_attention_block`).
+# The score GEMM reads keys in whole blocks of this many from column 0 (see `_attention_block`).
 KEY_BLOCK = 32
 # Query rows from which the score GEMM's entries are row-count invariant (1-3 rows take other kernels).
 SCORE_MIN_ROWS = 4

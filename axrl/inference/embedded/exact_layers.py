@@ -5,7 +5,7 @@ ops (one q/k/v GEMM, residual adds inside addmm, experts as embedding bags, SDPA
 op set (`axrl.model.exact`) a token's result must instead be the bitwise result of the model's own
 exact forward, as the torch trainer runs it: so here every GEMM is `exact_linear` on the model's
 own weight (q, k and v separately, the residual added after), SiLU is `exact_silu`, attention is
-`exact_attention` (grouped-query, over the KV cache's view in whole key blocks: no copies), and the
+`exact_attention` (grouped-query, over the KV cache's view in whole key blocks, V read in place), and the
 experts run as the model's MoE block does — each expert's rows in token order, combined into a zero
 tensor with `index_add_` in ascending expert order. What stays fused is everything that is
 row-local and bitwise the model's: packed prompt rows, RMSNorm, the RoPE table, the K/V writes.
