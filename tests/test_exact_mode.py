@@ -90,20 +90,22 @@ def test_the_check_fails_when_one_op_is_batch_dependent_again(monkeypatch, swap)
         monkeypatch.setattr(qwen3, "exact_linear", lambda x, w, b=None: F.linear(x, w, b))
     else:
         monkeypatch.setattr(qwen3, "exact_attention", lambda q, k, v, mask, scale: F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scale))
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=True))
     bad, worst, _ = _decode_vs_teacher_forced(_exact_model())
     assert bad > 0 and worst > 0.0
 
 
-def test_engine_multi_turn_with_prefix_cache_matches_the_teacher_forced_forward():
+@pytest.mark.parametrize("impl,dtype", [("fused", "float32"), ("fused", "bfloat16"), ("model", "float32")])
+def test_engine_multi_turn_with_prefix_cache_matches_the_teacher_forced_forward(impl, dtype):
     """A second turn extends the first turn's sequence: the engine reuses the cached prefix (suffix
     prefill over the slot's K/V), and every sampled token's logprob and the routing of every input
-    token equal the exact teacher-forced forward of the whole sequence, bitwise."""
-    model = _exact_model()
-    ref = _exact_model()
+    token equal the exact teacher-forced forward of the whole sequence, bitwise — through the
+    engine's fused decoder (what runs) and through the model's own forward."""
+    model = _exact_model(DTYPES[dtype])
+    ref = _exact_model(DTYPES[dtype])
     temperature = 0.7
     sp = dict(max_new_tokens=12, temperature=temperature, ignore_eos=True)
-    with EmbeddedEngine(model, max_batch_size=4, max_seq_len=128, decode_impl="model", prefix_cache=True,
+    with EmbeddedEngine(model, max_batch_size=4, max_seq_len=128, decode_impl=impl, prefix_cache=True,
                         prefix_cache_block=4, seed=3) as engine:
         first = [GenerateRequest(input_ids=list(range(7 + i, 60 + i, 3)), return_logprob=True,
                                  return_routed_experts=True, rid=f"a{i}",
@@ -122,7 +124,7 @@ def test_engine_multi_turn_with_prefix_cache_matches_the_teacher_forced_forward(
         labels = torch.tensor(seq[1:])
         lp, _ = label_logprobs(full.logits[0, :-1], labels, temperature)
         n = len(out.output_ids)
-        assert np.array_equal(lp[-n:].numpy(), np.array(out.output_logprobs, dtype=np.float32))
+        assert np.array_equal(lp[-n:].float().numpy(), np.array(out.output_logprobs, dtype=np.float32))
         assert np.array_equal(full.routed_experts[0, :-1].numpy(), out.routed_experts.astype(np.int64))
 
 
@@ -179,3 +181,95 @@ def test_default_run_has_zero_mismatch_and_identical_routing(exact_run):
     behaviour, rollout, trained = cols[names[0]], cols[names[1]], cols[names[2]] > 0
     ok = trained & np.isfinite(behaviour)
     assert ok.sum() > 0 and np.array_equal(behaviour[ok], rollout[ok])
+
+
+def test_service_sample_then_forward_backward_on_the_same_tokens_is_bitwise(tmp_path):
+    """The Tinker-compatible service under rollout.exact (axrl serve --training): a sequence its
+    sampler returns, sent back to `forward_backward`, gets bitwise the sampler's logprobs on the
+    sampled tokens — the importance ratio is exactly 1 before any update."""
+    from tinker import types
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+    from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
+
+    from axrl.assembly.tinker_api import build_service
+    from axrl.inference.serve import ServeConfig
+    from axrl.model import save_hf
+    from axrl.tinker_api.sampling import BASE, SampleSpec
+    from axrl.tinker_api.wire import decode_forward_backward
+    from axrl.tokenizer import Tokenizer
+
+    tok = Tokenizer.default()
+    cfg = preset_config("tiny-moe", vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id)
+    model_dir = save_hf(build_model(cfg, seed=0), tmp_path / "moe", tokenizer=tok)
+    _app, server, state = build_service(ServeConfig(model_path=str(model_dir)),
+                                        load_config(None, ["rollout.exact=true"]), tmp_path / "run")
+    try:
+        assert server.engine.model.exact
+        prompt = tok.encode("what is two plus three")
+        spec = SampleSpec(prompt=prompt, num_samples=3, max_tokens=10, temperature=1.0, top_k=-1, top_p=1.0,
+                          seed=1, stop_ids=[], stop_strings=[], prompt_logprobs=False)
+        seqs = deserialize_sample_response(state.sampler.sample(BASE, spec)).sequences
+        model = state.make_model(0, "m", None)
+        state.models["m"] = model  # closed by state.close()
+        data = []
+        for s in seqs:
+            full = prompt + list(s.tokens)
+            pad = [0.0] * (len(prompt) - 1)
+            data.append(types.Datum(model_input=types.ModelInput.from_ints(full[:-1]), loss_fn_inputs={
+                "target_tokens": np.asarray(full[1:]), "logprobs": np.asarray(pad + list(s.logprobs), np.float32),
+                "advantages": np.asarray(pad + [1.0] * len(s.tokens), np.float32)}))
+        req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(
+            data=data, loss_fn="importance_sampling"), model_id="m", seq_id=0)
+        out = deserialize_forward_backward_output(model.forward_backward(
+            decode_forward_backward(forward_backward_request_to_proto(req).SerializeToString())))
+    finally:
+        state.close()
+        server.engine.shutdown()
+    assert len(out.loss_fn_outputs) == len(seqs) == 3
+    for s, o in zip(seqs, out.loss_fn_outputs):
+        trained = np.asarray(o["logprobs"].tolist(), np.float32)[-len(s.tokens):]
+        assert np.array_equal(trained, np.asarray(s.logprobs, np.float32))
+
+
+def test_black_box_session_through_the_proxy_is_bitwise(tok):
+    """An unmodified agent (the OpenAI SDK, two chat calls: the second resends the first reply)
+    through the recording proxy to an exact engine with the prefix cache on: every path of the
+    stitched session gets, on its generated tokens, bitwise the exact trainer's logprobs, and every
+    input token's routing is the trainer's."""
+    import asyncio
+
+    import openai
+
+    from axrl.agents.proxy import ProxyServer
+    from axrl.agents.tasks import TASKS
+    from axrl.rollout.blackbox import AgentSettings, BlackBoxPlayer
+
+    def agent(base_url: str, api_key: str, prompt: str) -> None:
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        msgs = [{"role": "user", "content": prompt}]
+        reply = client.chat.completions.create(model="m", messages=msgs).choices[0].message.content or ""
+        msgs += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Check it once more."}]
+        client.chat.completions.create(model="m", messages=msgs)
+
+    cfg = preset_config("tiny-moe", vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id)
+    model, ref = (set_exact(build_model(cfg, seed=0).eval(), True) for _ in range(2))
+    temperature = 0.7
+    sampling = SamplingParams(max_new_tokens=12, temperature=temperature, stop_token_ids=tok.stop_token_ids, seed=11)
+    with EmbeddedEngine(model, max_batch_size=2, max_seq_len=512, prefix_cache=True, prefix_cache_block=4,
+                        seed=3) as engine, ProxyServer(tok) as proxy:
+        player = BlackBoxPlayer(AgentSettings(function=agent), proxy, max_context_len=512)
+        traj = asyncio.run(player.play(engine, sample_id=1, group_id=1, prompt=TASKS["calculator"]().prompt(0, 4),
+                                       sampling=sampling, return_routing=True))
+    assert traj.status == "ok", traj.error
+    paths = [traj, *traj.forks]
+    assert sum(p.num_turns for p in paths) >= 2 and all(p.num_generated > 0 for p in paths)
+    for path in paths:
+        seq = path.token_ids.astype(np.int64)
+        with torch.no_grad():
+            full = ref(torch.from_numpy(seq)[None], return_routing=True)
+        lp, _ = label_logprobs(full.logits[0, :-1], torch.from_numpy(seq[1:]), temperature)
+        gen = path.loss_mask[1:] > 0
+        assert np.array_equal(lp.float().numpy()[gen], path.rollout_logprob[1:][gen])
+        assert np.array_equal(full.routed_experts[0, :-1].numpy(), path.routed_experts[:-1].astype(np.int64))

@@ -10,6 +10,7 @@ replay use.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -147,7 +148,9 @@ def build_service(serve_cfg: ServeConfig, cfg: Config, run_dir: Path, poll_s: fl
     if run_dir.exists() and any(run_dir.iterdir()):
         raise FileExistsError(f"--run-dir {run_dir} is not empty: axrl serve --training records a new run "
                               "(each created model from checkpoint 0); choose another --run-dir")
-    server = build_server(serve_cfg)
+    # rollout.exact: the served engine samples with the trainer's op set, so a sampled sequence's
+    # logprobs are bitwise what forward_backward computes for it (docs/train.md "True on-policy")
+    server = build_server(dataclasses.replace(serve_cfg, exact=serve_cfg.exact or cfg.rollout.exact))
     model_dir = Path(serve_cfg.model_path)
     base = {k: v.detach().clone() for k, v in hf_state_dict(server.engine.model).items()}
     routing = RoutingMemory() if records_routing(cfg, server.engine.config.num_experts) else None

@@ -121,14 +121,14 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)
-        if self.n_kv != self.n_heads:
-            rep = self.n_heads // self.n_kv
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if self.exact:
+        if self.exact:  # grouped-query attention inside, without repeating K/V
             if mask is None:  # the S new tokens over themselves, causally
                 mask = causal_mask(None, B, S, x.device)
             out = exact_attention(q, k, v, mask, self.head_dim ** -0.5)
             return self.o_proj(out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
+        if self.n_kv != self.n_heads:
+            rep = self.n_heads // self.n_kv
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         # is_causal instead of an explicit mask lets SDPA pick its fused kernel (~2.5x faster on CPU).
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and S > 1,
                                              scale=self.head_dim ** -0.5)

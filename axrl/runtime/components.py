@@ -441,10 +441,10 @@ def make_embedded_engine(source: ModelSource, s: EngineSettings, backend: TrainB
 def embedded_engine_for(s: EngineSettings, model: Qwen3ForCausalLM, tokenizer: Tokenizer, *,
                         clocked: bool) -> EmbeddedEngine:
     """The embedded engine of a run around `model` (also what a Ray engine actor builds)."""
-    if s.exact:  # true on-policy: the trainer's own forward and ops (axrl/model/exact.py)
+    if s.exact:  # true on-policy: the fused decoder runs the trainer's op set (axrl/model/exact.py)
         set_exact(model, True)
     return EmbeddedEngine(model.eval(), max_batch_size=s.max_batch_size, max_seq_len=s.max_context_len,
-                          decode_impl="model" if s.exact else "fused",
+                          decode_impl="fused",
                           eos_token_id=tokenizer.eos_token_id, clocked=clocked, prefix_cache=s.prefix_cache,
                           prefix_cache_tokens=s.prefix_cache_tokens, weight_dtype=s.weight_dtype,
                           kv_dtype=s.kv_dtype, precision=s.precision)

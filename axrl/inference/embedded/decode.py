@@ -43,9 +43,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from axrl.inference.embedded.exact_layers import (ExactLayer, decode_attention, exact_experts, exact_mlp, exact_qkv,
+                                                  prefill_attention)
 from axrl.inference.embedded.kv_cache import StaticKVCache
 from axrl.inference.quant import activation_rounding
 from axrl.model import ActivationProbe, Qwen3ForCausalLM
+from axrl.model.exact import exact_linear, is_exact
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,7 +78,7 @@ def _grouped_mm_works(dtype: torch.dtype) -> bool:
 class _LayerWeights:
     """One decoder layer's weights, packed for the fast path."""
 
-    def __init__(self, layer: torch.nn.Module, n_heads: int, n_kv: int) -> None:
+    def __init__(self, layer: torch.nn.Module, n_heads: int, n_kv: int, exact: bool) -> None:
         attn = layer.self_attn
         self.input_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
@@ -87,6 +90,7 @@ class _LayerWeights:
         # Right-hand operands of addmm(x, a, W.T): the residual add rides in the GEMM.
         self.w_o_t = attn.o_proj.weight.t()
         self.is_moe = layer.is_moe
+        self.exact = ExactLayer(layer) if exact else None  # the weights as the exact op set reads them
         mlp = layer.mlp
         if self.is_moe:
             self.w_router = mlp.gate.weight
@@ -138,7 +142,12 @@ class FusedDecoder:
         dtype = m.lm_head.weight.dtype
         self.dtype = dtype
         self.act = activation_rounding(m)
-        self.layers = [_LayerWeights(layer, self.n_heads, self.n_kv) for layer in m.model.layers]
+        # rollout.exact: every layer half through the exact op set (exact_layers.py), bitwise the
+        # model's exact forward; refused with a quantised rollout, which has no exact form.
+        self.exact = is_exact(m)
+        if self.exact and self.act is not None:
+            raise ValueError("rollout.exact: the exact op set has no W8A8 form; set rollout.precision: auto")
+        self.layers = [_LayerWeights(layer, self.n_heads, self.n_kv, self.exact) for layer in m.model.layers]
         self.embed = m.model.embed_tokens.weight
         dev = self.embed.device
         self.final_norm, self.final_eps = m.model.norm.weight, m.model.norm.eps
@@ -175,48 +184,52 @@ class FusedDecoder:
              need_routing: bool, probe: ActivationProbe | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed tokens [n] at positions [n] for slots [0, n); returns the final-norm hidden states
         [n, hidden] and, if asked on an MoE model, routing [n, layers, top_k] (int64)."""
-        n = tokens.shape[0]
-        H, KV, D, rep = self.n_heads, self.n_kv, self.head_dim, self.rep
-        x = F.embedding(tokens, self.embed)
-        # Per-step tables shared by all layers.
-        cache_rows = (cache.row_base[:n] + positions[:, None]).view(-1)  # where this step's K/V go
-        cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # [n, 1, D]
-        # Key j of slot i is hidden iff j > positions[i]: only the slot's own history, nothing stale.
-        if self.manual_attention:
-            # Additive bias, one row per (slot, kv head), broadcast over the rep query heads.
-            masked = self.key_range[:, :kv_len] > positions[:, None, None]  # [n, KV, K]
-            bias = torch.where(masked, self.bias_values[0], self.bias_values[1]).view(n * KV, 1, kv_len)
-            # probs @ V as one embedding bag per query head: the (slot, kv head)'s cache rows 0..K-1
-            # of V, weighted by the head's probabilities (masked keys weigh exactly 0). Measured in
-            # the engine: ~8% of a batch-64 decode step and ~2% at batch 16 cheaper than the bmm
-            # (a loop of n*KV GEMMs with 2 rows each).
-            pv_rows = (cache.row_base[:n, :, None, None] + self.key_range[0, :kv_len]).expand(
-                n, KV, rep, kv_len).reshape(-1)
-            pv_offsets = torch.arange(0, n * H * kv_len, kv_len, device=x.device)
+        cache_rows = (cache.row_base[:tokens.shape[0]] + positions[:, None]).view(-1)  # where this step's K/V go
+        if self.exact:
+            attend = decode_attention(cache, positions, kv_len, self.head_dim ** -0.5)
         else:
-            mask = (self.key_range[0, :kv_len] <= positions[:, None])[:, None, None, :]
-        routing: list[torch.Tensor] = []
-        for li, w in enumerate(self.layers):
-            if probe is not None:
-                x = probe.at("in", li, x)
-            q, k, v = self._qkv(x, w, cos, sin)
-            cache.write_rows(li, cache_rows, k.reshape(n * KV, D), v.reshape(n * KV, D))
-            k_all, v_all = cache.view(li, n, kv_len)  # [n, KV, K, D] views
-            # GQA without repeat_interleave: the `rep` query heads of a KV head act as its query rows.
-            q = q.reshape(n, KV, rep, D)
-            if self.manual_attention:
-                scores = torch.baddbmm(bias, q.reshape(n * KV, rep, D),
-                                       k_all.reshape(n * KV, kv_len, D).transpose(1, 2), alpha=D ** -0.5)
-                attn = F.embedding_bag(pv_rows, cache.v[li].view(-1, D), pv_offsets, mode="sum",
-                                       per_sample_weights=torch.softmax(scores, dim=-1).view(-1))
-            else:
-                attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=D ** -0.5)
-            x = torch.addmm(x, self._act(attn.reshape(n, H * D)), w.w_o_t)
-            x = self._layer_rest(x, w, li, routing if need_routing else None, probe)
+            attend = self._decode_attention(cache, positions, kv_len)
+        x, routing = self._layers(tokens, positions, cache, cache_rows, attend, need_routing, probe)
         hidden = _norm(x, self.final_norm, self.final_eps)
         if probe is not None:
             hidden = probe.at("final", -1, hidden)
-        return hidden, (torch.stack(routing, dim=1) if routing else None)
+        return hidden, routing
+
+    def _decode_attention(self, cache: StaticKVCache, positions: torch.Tensor,
+                          kv_len: int) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """`attend(layer, q [n, H, D])` → [n, H, D] of one decode step (the fast, inexact form)."""
+        n = positions.shape[0]
+        H, KV, D, rep = self.n_heads, self.n_kv, self.head_dim, self.rep
+        # Key j of slot i is hidden iff j > positions[i]: only the slot's own history, nothing stale.
+        if not self.manual_attention:
+            mask = (self.key_range[0, :kv_len] <= positions[:, None])[:, None, None, :]
+
+            def attend_sdpa(li: int, q: torch.Tensor) -> torch.Tensor:
+                k_all, v_all = cache.view(li, n, kv_len)  # [n, KV, K, D] views
+                # GQA without repeat_interleave: the `rep` query heads of a KV head act as its query rows.
+                return F.scaled_dot_product_attention(q.reshape(n, KV, rep, D), k_all, v_all, attn_mask=mask,
+                                                      scale=D ** -0.5)
+
+            return attend_sdpa
+        # Additive bias, one row per (slot, kv head), broadcast over the rep query heads.
+        masked = self.key_range[:, :kv_len] > positions[:, None, None]  # [n, KV, K]
+        bias = torch.where(masked, self.bias_values[0], self.bias_values[1]).view(n * KV, 1, kv_len)
+        # probs @ V as one embedding bag per query head: the (slot, kv head)'s cache rows 0..K-1
+        # of V, weighted by the head's probabilities (masked keys weigh exactly 0). Measured in
+        # the engine: ~8% of a batch-64 decode step and ~2% at batch 16 cheaper than the bmm
+        # (a loop of n*KV GEMMs with 2 rows each).
+        pv_rows = (cache.row_base[:n, :, None, None] + self.key_range[0, :kv_len]).expand(
+            n, KV, rep, kv_len).reshape(-1)
+        pv_offsets = torch.arange(0, n * H * kv_len, kv_len, device=positions.device)
+
+        def attend(li: int, q: torch.Tensor) -> torch.Tensor:
+            k_all = cache.view(li, n, kv_len)[0]
+            scores = torch.baddbmm(bias, q.reshape(n * KV, rep, D),
+                                   k_all.reshape(n * KV, kv_len, D).transpose(1, 2), alpha=D ** -0.5)
+            return F.embedding_bag(pv_rows, cache.v[li].view(-1, D), pv_offsets, mode="sum",
+                                   per_sample_weights=torch.softmax(scores, dim=-1).view(-1))
+
+        return attend
 
     # -- prefill -----------------------------------------------------------------------------------
     def prefill(self, prompts: list[list[int]], slots: list[int], cache: StaticKVCache,
@@ -248,6 +261,12 @@ class FusedDecoder:
         cache_rows = cache.rows(slot_t[seq_of], positions)  # where each token's K/V go
         padded_rows = seq_of * S + positions  # the token's row in the padded [B*S] layout
         contiguous_slots = slots == list(range(slots[0], slots[0] + B))
+
+        if self.exact:
+            attend = prefill_attention(
+                cache, lambda li, width: _slot_kv(cache, li, slots, slot_t, contiguous_slots, width),
+                torch.arange(S, device=dev).expand(B, S), seq_of, positions, D ** -0.5)
+            return self._prefill_layers(tokens, positions, cache, cache_rows, lens, attend, need_routing, probe)
 
         def attend(li: int, q: torch.Tensor) -> torch.Tensor:
             k_pad, v_pad = _slot_kv(cache, li, slots, slot_t, contiguous_slots, S)
@@ -282,6 +301,11 @@ class FusedDecoder:
         q_pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(Q, device=dev)[None]  # [B, Q]
         # key j visible to the query at position p iff j <= p (SDPA with a bool mask: measured faster
         # here than baddbmm/softmax/bmm, unlike decode's one-query case)
+        if self.exact:
+            attend = prefill_attention(
+                cache, lambda li, width: _slot_kv(cache, li, slots, slot_t, contiguous_slots, width),
+                q_pos, seq_of, local, D ** -0.5)
+            return self._prefill_layers(tokens, positions, cache, cache_rows, new, attend, need_routing, probe)
         mask = (torch.arange(K, device=dev)[None, None] <= q_pos[:, :, None])[:, None]         # [B, 1, Q, K]
 
         def attend(li: int, q: torch.Tensor) -> torch.Tensor:
@@ -298,9 +322,23 @@ class FusedDecoder:
                         cache_rows: torch.Tensor, lens: list[int],
                         attend: Callable[[int, torch.Tensor], torch.Tensor], need_routing: bool,
                         probe: ActivationProbe | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The layers of a prefill over packed tokens [N] (`lens` per prompt): row-wise work, K/V
-        written at `cache_rows`, `attend(layer, q)` → the real queries' attention [N, H, D] (the
-        full and the suffix prefill differ only there); the last token's hidden state per prompt."""
+        """The layers of a prefill over packed tokens [N] (`lens` per prompt); the last token's
+        hidden state per prompt (the full and the suffix prefill differ only in `attend`)."""
+        x, routing = self._layers(tokens, positions, cache, cache_rows, attend, need_routing, probe)
+        last = torch.tensor(lens, device=x.device).cumsum(0) - 1
+        hidden = _norm(x[last], self.final_norm, self.final_eps)
+        if probe is not None:
+            hidden = probe.at("final", -1, hidden)
+        return hidden, routing
+
+    # -- the layer loop, shared by decode and prefill ----------------------------------------------
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache, cache_rows: torch.Tensor,
+                attend: Callable[[int, torch.Tensor], torch.Tensor], need_routing: bool,
+                probe: ActivationProbe | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every decoder layer over packed rows: tokens [N] at positions [N], their K/V written at
+        `cache_rows`, `attend(layer, q [N, H, D])` → the rows' attention [N, H, D] (decode: over
+        each slot's history; prefill: over the prompt). Returns the residual stream [N, hidden]
+        and, if asked on an MoE model, the routing [N, layers, top_k]."""
         N, KV, D = tokens.shape[0], self.n_kv, self.head_dim
         cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # [N, 1, D]
         x = F.embedding(tokens, self.embed)
@@ -310,14 +348,13 @@ class FusedDecoder:
                 x = probe.at("in", li, x)
             q, k, v = self._qkv(x, w, cos, sin)
             cache.write_rows(li, cache_rows, k.reshape(N * KV, D), v.reshape(N * KV, D))
-            attn = attend(li, q)
-            x = torch.addmm(x, self._act(attn.reshape(N, self.n_heads * D)), w.w_o_t)
+            attn = attend(li, q).reshape(N, self.n_heads * D)
+            if self.exact:  # the model's order: o_proj, then the residual add
+                x = x + exact_linear(attn, w.exact.w_o)
+            else:
+                x = torch.addmm(x, self._act(attn), w.w_o_t)
             x = self._layer_rest(x, w, li, routing if need_routing else None, probe)
-        last = torch.tensor(lens, device=x.device).cumsum(0) - 1
-        hidden = _norm(x[last], self.final_norm, self.final_eps)
-        if probe is not None:
-            hidden = probe.at("final", -1, hidden)
-        return hidden, (torch.stack(routing, dim=1) if routing else None)
+        return x, (torch.stack(routing, dim=1) if routing else None)
 
     # -- shared layer halves -----------------------------------------------------------------------
     def _act(self, x: torch.Tensor) -> torch.Tensor:
@@ -329,7 +366,11 @@ class FusedDecoder:
         """Rows x [N, hidden] → q [N, H, D], k [N, KV, D] (normed, rotated) and v [N, KV, D] (views)."""
         N = x.shape[0]
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
-        qkv = F.linear(self._act(_norm(x, w.input_norm, w.eps)), w.w_qkv)
+        h = self._act(_norm(x, w.input_norm, w.eps))
+        if self.exact:  # bitwise the model's three GEMMs
+            qkv = exact_qkv(h, w.exact)
+        else:
+            qkv = F.linear(h, w.w_qkv)
         qk = _norm(qkv[:, :(H + KV) * D].view(N, H + KV, D), w.qk_norm, w.qk_eps)
         qk = qk * cos + qk.roll(D // 2, dims=-1) * sin  # RoPE on q and k at once
         return qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D:].view(N, KV, D)
@@ -347,6 +388,8 @@ class FusedDecoder:
         """x + MLP(post_norm(x)) for rows x [N, hidden] (x is owned here and may be updated in place);
         appends the layer's expert choices [N, top_k] to `routing` when given."""
         h = _norm(x, w.post_norm, w.eps)
+        if self.exact:
+            return self._ffn_exact(x, h, w, routing, probe, li)
         if not w.is_moe:
             gu = F.linear(self._act(h), w.w_gate_up)
             if routing is not None and self.is_moe:  # dense layer inside an MoE model: zeros, as the model does
@@ -355,10 +398,7 @@ class FusedDecoder:
         logits = F.linear(h, w.w_router)
         if probe is not None:
             logits = probe.at("router", li, logits)
-        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, w.top_k, dim=-1)
-        if w.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, experts = self._route(logits, w)
         if weights.dtype != h.dtype:
             weights = weights.to(h.dtype)
         if routing is not None:
@@ -367,6 +407,29 @@ class FusedDecoder:
         if h.shape[0] * w.top_k <= self.bag_max_rows:
             return x.add_(self._experts_bags(h, w, weights, experts))
         return self._experts_sorted(x, h, w, weights, experts)
+
+    def _ffn_exact(self, x: torch.Tensor, h: torch.Tensor, w: _LayerWeights, routing: list[torch.Tensor] | None,
+                   probe: ActivationProbe | None, li: int) -> torch.Tensor:
+        """`_ffn` in the exact op set: the model's MLP / MoE block on rows h = post_norm(x)."""
+        if not w.is_moe:
+            if routing is not None and self.is_moe:
+                routing.append(torch.zeros(x.shape[0], self.top_k, dtype=torch.long, device=x.device))
+            return x + exact_mlp(h, w.exact.mlp)
+        logits = exact_linear(h, w.w_router)
+        if probe is not None:
+            logits = probe.at("router", li, logits)
+        weights, experts = self._route(logits, w)
+        if routing is not None:
+            routing.append(experts)
+        return x + exact_experts(h, w.exact, weights.to(h.dtype), experts)
+
+    def _route(self, logits: torch.Tensor, w: _LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's top-k: (weights [N, k] fp32, renormalised when the model does, experts [N, k])."""
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, w.top_k, dim=-1)
+        if w.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
 
     def _experts_bags(self, h: torch.Tensor, w: _LayerWeights, weights: torch.Tensor,
                       experts: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from axrl.inference.protocol import GenerateRequest, GenerateResult
 from axrl.inference.sglang.wire import parse_weight_version, result_to_wire, sampling_from_wire
 from axrl.inference.token_stream import follow
 from axrl.model import hf_state_dict, load_hf
+from axrl.model.exact import set_exact
 from axrl.tokenizer import Tokenizer
 
 # /generate fields accepted and ignored (scheduling hints and features that do not change ids).
@@ -52,6 +53,7 @@ class ServeConfig:
     weight_version: str = "0"
     decode_impl: str = "fused"
     disable_radix_cache: bool = False  # the engine's prefix cache (SGLang: --disable-radix-cache)
+    exact: bool = False                # rollout.exact's op set (axrl/model/exact.py), set by `serve --training`
     threads: int = 1
     log_level: str = "warning"
 
@@ -296,7 +298,7 @@ class AxrlServer:
 def build_server(cfg: ServeConfig) -> AxrlServer:
     """Load the model directory and start the engine behind the server."""
     torch.set_num_threads(cfg.threads)
-    model = load_hf(cfg.model_path, dtype=getattr(torch, cfg.dtype))
+    model = set_exact(load_hf(cfg.model_path, dtype=getattr(torch, cfg.dtype)), cfg.exact)
     tokenizer = Tokenizer.from_dir(cfg.model_path) if (Path(cfg.model_path) / "tokenizer.json").is_file() else None
     version = parse_weight_version(cfg.weight_version)
     engine = EmbeddedEngine(model, max_batch_size=cfg.max_running_requests, max_seq_len=cfg.context_length,
