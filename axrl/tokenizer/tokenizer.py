@@ -115,6 +115,24 @@ class Tokenizer:
         self.reasoning_opened = gen.rstrip().endswith(THINK_START)
         # The tagged formats (Qwen, ChatML): what streaming replies watch for.
         self.tool_call_tags: tuple[str, str] | None = self.tool_call_format.tags if self.tool_call_format else None
+        self.reply_close_ids: frozenset[int] = self._reply_close_ids()
+
+    def _reply_close_ids(self) -> frozenset[int]:
+        """Stop tokens that end a reply where the template itself ends one: the turn end and the close
+        of a call's turn (gpt-oss: ``<|call|>``); every stop token where no token closes a reply
+        (GLM-4.5: the next turn's ``<|user|>`` / ``<|observation|>``). Other stop tokens (Qwen's
+        ``<|endoftext|>``) stop generation but leave the turn unclosed: the agent loop then appends
+        the template's close, masked."""
+        if self.turn_end_implicit:
+            return frozenset(self.stop_token_ids)
+        ids = {self.eos_token_id}
+        if self.tool_call_format is not None or self.tool_parser is not None:
+            try:
+                ids.add(self.reply_end_id({"role": "assistant", "content": "", "tool_calls": [
+                    self.tool_call_message(_probe.PROBE_TOOL["function"]["name"], _probe.PROBE_ARGS, 1)]}))
+            except ValueError:  # the template cannot render a call alone: the turn end is its close
+                pass
+        return frozenset(i for i in ids if i in self.stop_token_ids)
 
     # -- loading / saving ---------------------------------------------------------------
 
