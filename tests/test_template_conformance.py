@@ -1,5 +1,6 @@
-"""Template conformance: model directories in the chat conventions of Qwen3, ChatML / Qwen2.5,
-Llama 3.1 / 3.2, Mistral, DeepSeek-V3 and Gemma (tests/templates/, built by
+"""Template conformance: model directories in the chat conventions of Qwen3, Qwen3-Coder, ChatML /
+Qwen2.5, Hermes-3, Llama 3.1 / 3.2, Mistral, DeepSeek-V3 / V3.1 / R1 distills, Kimi-K2, gpt-oss,
+GLM-4.5, Gemma 3 and Gemma 4 (tests/templates/, built by
 tests/template_models.py the way users make them), with transformers' own
 ``AutoTokenizer.from_pretrained(dir).apply_chat_template`` as the oracle:
 
@@ -66,6 +67,8 @@ EXPECTED = {
     "gemma": ("<end_of_turn>", "<start_of_turn>model\n", None, False, None, 0, "mapping"),
     # harmony writes one call per turn; a final answer ends with <|return|> but with <|end|> in history: drift
     "gpt_oss": ("<|return|>", "<|start|>assistant", "to=functions.", True, "openai", 1, "mapping"),
+    # the generation prompt closes an empty thought channel that history never shows: drift
+    "gemma4": ("<turn|>", "<|turn>model\n<|channel>thought\n<channel|>", "<|tool_call>", True, "gemma4", 2, "mapping"),
     # no token closes a reply: the next turn's <|user|> does (or <|observation|> before tool results)
     "glm45": ("<|user|>", "<|assistant|>", "<tool_call>", True, "glm45", 2, "mapping"),
 }
@@ -122,7 +125,7 @@ def test_rendering_equals_transformers(name, dirs, hf):
                     theirs.encode(text, add_special_tokens=False)
     # the tools, both calls and both results reach the rendering (not silently dropped)
     whole = ours.apply_chat_template(conversation(name), tools=TOOLS, tokenize=False)
-    shown = {"gpt_oss": 3, "glm45": 5, "kimi_k2": 5, "qwen3_coder": 5, "qwen3": 5, "chatml": 5, "hermes3": 5, "mistral": 5, "deepseek_v3": 5, "deepseek_v31": 5, "llama3": 3}
+    shown = {"gemma4": 5, "gpt_oss": 3, "glm45": 5, "kimi_k2": 5, "qwen3_coder": 5, "qwen3": 5, "chatml": 5, "hermes3": 5, "mistral": 5, "deepseek_v3": 5, "deepseek_v31": 5, "llama3": 3}
     assert all(s in whole for s in ("Evaluate <x> & 'y'.", "37 + 58", "95", "2 * 3", "6")[:shown.get(name, 0)])
 
 

@@ -155,6 +155,9 @@ def _reasoning(tok: Tokenizer, conversation: list[Message]) -> str:
     if tok.reasoning_parser == "openai":  # harmony: reasoning is the analysis channel, not <think>
         return ("the analysis channel (<|channel|>analysis), separated from the answer by the openai reasoning "
                 "parser; what the template re-renders of it in later turns is counted as drift")
+    if tok.reasoning_parser == "gemma4":  # the thought channel, stripped from every model turn by the template
+        return ("the thought channel (<|channel>thought … <channel|>), separated from the answer by the gemma4 "
+                "reasoning parser; the template strips it from every earlier model turn: counted as drift")
     whole = str(tok.apply_chat_template(conversation, tools=SAMPLE_TOOLS, tokenize=False))
     if "add them" in whole:
         return f"<think>…</think> kept in every turn{parser}"

@@ -310,7 +310,7 @@ class Tokenizer:
         text = self._render([user, message], tools=tools)
         # A generation prompt that opens a block (R1's `<think>\n`, which history never shows) is
         # left out: the reply is what follows the part both renderings share.
-        opening = len(os.path.commonprefix([before, text]))
+        opening = len(_probe.whole_markers(os.path.commonprefix([before, text])))
         stop, _ = _probe.turn_end_at(text, opening, self.turn_ends)
         stop = len(text) if stop < 0 and self.turn_end_implicit else stop  # the reply is all that follows
         if opening < len(before) - len(self.generation_prompt_text()) or stop < 0:
@@ -327,7 +327,8 @@ class Tokenizer:
         tools = [_probe.PROBE_TOOL] if message.get("tool_calls") else None
         before = self._render([user], tools=tools, add_generation_prompt=True)
         text = self._render([user, message], tools=tools)
-        _, end = _probe.turn_end_at(text, len(os.path.commonprefix([before, text])), self.turn_ends)
+        _, end = _probe.turn_end_at(text, len(_probe.whole_markers(os.path.commonprefix([before, text]))),
+                                    self.turn_ends)
         return self._require_id(end) if end else self.eos_token_id
 
     # -- vocabulary ---------------------------------------------------------------------

@@ -20,7 +20,8 @@ The formats (what the model writes after its generation prompt):
 * ``pythonic`` — a Python list of calls, ``[f(a=1), g(b="x")]`` (Llama 3.2 / 4 pythonic templates);
 * ``openai`` — gpt-oss harmony: ``<|channel|>commentary to=functions.NAME … <|message|>{…}<|call|>``;
 * ``kimi_k2`` — ``<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{…}<|tool_call_end|>``;
-* ``glm45`` — ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>``.
+* ``glm45`` — ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>``;
+* ``gemma4`` — ``<|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}<tool_call|>`` (:mod:`axrl.tokenizer.gemma4_calls`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from axrl.tokenizer.gemma4_calls import CALL_START as _GEMMA4_START, parse_gemma4_calls
 from axrl.tokenizer.tool_calls import _entry, _json_at, _parse_one, parse_tool_calls
 
 Call = dict[str, Any]
@@ -322,6 +324,7 @@ PARSERS: dict[str, ToolParser] = {p.name: p for p in (
     ToolParser("openai", "<|start|>assistant", _openai),
     ToolParser("kimi_k2", "<|tool_calls_section_begin|>", _kimi_k2),
     ToolParser("glm45", "<tool_call>", _glm45, typed_by_schema=True),
+    ToolParser("gemma4", _GEMMA4_START, parse_gemma4_calls),
 )}
 
 
@@ -337,6 +340,8 @@ def detect_tool_parser(call_text: str) -> str | None:
     """The parser for a template from its rendering of one probe call named ``probe`` with
     arguments ``{"x": 1}`` (``call_text``: the assistant turn's text); None when no family matches."""
     t = call_text
+    if _GEMMA4_START + "call:probe" in t:
+        return "gemma4"
     if "to=functions.probe" in t:
         return "openai"
     if "<|tool_call_begin|>" in t:
