@@ -109,3 +109,20 @@ def test_streamed_reasoning_comes_as_reasoning_content_deltas(served, tools):
     assert "".join(thought) == "I add 37 and 58." and "".join(content) == "The answer is 95."
     assert sum(1 for t in thought if t) > 1  # streamed as it came, not in one piece at the end
     assert not any("think>" in c or "<" in c for c in content)
+
+
+def test_every_streamed_prefix_of_the_reasoning_split_is_a_prefix_of_the_final_one(tmp_path):
+    """Character by character (a tag arriving in pieces, as with a tokenizer that splits it), the
+    streamed reasoning and content only ever grow into the finished reply's split: what was sent
+    never has to be taken back."""
+    from axrl.inference.openai.replies import reasoning_of, streamed_reasoning
+    from axrl.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(write_convention_dir(tmp_path / "qwen3", CONVENTIONS["qwen3"]))
+    reply = "<think>\nI add 37 and 58.\n</think>\n\nThe answer is 95."
+    reasoning, content = reasoning_of(tok, reply)
+    assert (reasoning, content) == ("I add 37 and 58.", "The answer is 95.")
+    for i in range(len(reply) + 1):
+        thought, text = streamed_reasoning(tok, reply[:i])
+        assert reasoning.startswith(thought) and content.startswith(text), (i, thought, text)
+        assert "<" not in text
