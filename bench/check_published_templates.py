@@ -13,7 +13,12 @@ published template, and checks, with `transformers`' `apply_chat_template` as th
 - render: the same text and ids for conversations with and without tools, calls, results,
   reasoning and a new question, with and without the generation prompt;
 - parse: a reply with N calls, as the template writes it, parses back to the same N calls (two,
-  or one where the template allows one); a call after a reasoning block parses as one call;
+  or one where the template allows one); a call after a reasoning block parses as one call; a
+  call with boolean, object, integer, array and numeric-looking string values parses back to the
+  same values, typed by the tool's schema;
+- stream: whether the agent loop's token stream (each reply, then the template's continuation for
+  the observation) is the template's rendering of the whole conversation ("exact"), or where the
+  template re-renders history (recorded as drift in a run);
 - check-template: `axrl model check-template` exits 0 or 2, never with a traceback.
 
 It prints one line per template and ends with one JSON line
@@ -28,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +48,12 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
 ARGS = [{"expression": "37 + 58"}, {"expression": "2 * 3"}]
 RESULTS = ["95", "6"]
+# Values of every JSON kind: a template that writes them its own way (Qwen3-Coder's Python `str`)
+# must still parse back to the same arguments, typed by this schema.
+TYPED = {"expression": "95", "exact": True, "options": {"digits": 2, "mode": "x"}, "n": 3, "xs": [1, "x"]}
+TYPED_TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate.", "parameters": {
+    "type": "object", "properties": {"expression": {"type": "string"}, "exact": {"type": "boolean"},
+                                     "options": {"type": "object"}, "n": {"type": "integer"}, "xs": {"type": "array"}}}}}]
 
 
 def build(template: Path, family: str, out: Path) -> Path:
@@ -111,6 +123,10 @@ def parse_ok(tok: Any, n: int) -> str | None:
         got = [(c["name"], c["arguments"]) for c in tok.parse_tool_calls(after)]
         if got != [("calculator", ARGS[0])]:
             return f"a call after reasoning {after!r} parses as {got}"
+    typed = tok.reply_text({**message, "tool_calls": [tok.tool_call_message("calculator", TYPED, 1)]})
+    got = [(c["name"], c["arguments"]) for c in tok.parse_tool_calls(typed, tools=TYPED_TOOLS)]
+    if got != [("calculator", TYPED)]:
+        return f"typed values written as {typed!r} parse as {got}"
     return None
 
 
@@ -137,13 +153,19 @@ def check(template: Path, work: Path) -> dict[str, Any]:
     row: dict[str, Any] = {"template": template.name, "family": family}
     d = build(template, family, work / template.stem)
     try:
-        tok = load_tokenizer(d)
+        with warnings.catch_warnings(record=True) as caught:  # the loader's incremental-rendering check
+            warnings.simplefilter("always")
+            tok = load_tokenizer(d)
     except ValueError as e:
         row["load"] = f"refused: {e}"
         return row
+    # "exact": the agent loop's stream (reply, then each observation's continuation) is the template's
+    # own rendering of the whole conversation; otherwise the loader's warning says where it re-renders.
+    drift = [str(w.message).split(": ", 1)[-1] for w in caught if "re-renders history" in str(w.message)]
     n = calls_per_turn(tok)
     row.update(load="ok", turn_end=tok.eos_token, tool_parser=tok.tool_parser.name if tok.tool_parser else None,
-               reasoning_parser=tok.reasoning_parser, arguments=tok.arguments_form, calls_per_turn=n)
+               reasoning_parser=tok.reasoning_parser, arguments=tok.arguments_form, calls_per_turn=n,
+               stream="exact" if not drift else f"drift ({drift[0][:160]})")
     hf = transformers.AutoTokenizer.from_pretrained(str(d))
     row["render"] = render_equal(tok, hf, conversations(tok, n)) or "equal"
     try:

@@ -176,6 +176,28 @@ def test_xml_values_are_typed_by_the_tools_json_schema(family):
     assert parser.parse_calls(text)[0]["arguments"] == {"code": 95, "flag": True, "count": 3}
 
 
+def test_qwen3_coder_values_written_as_python_literals_round_trip(tmp_path):
+    """Qwen3-Coder's published template writes a non-string value with Jinja's `string` filter
+    (Python's `str`: `True`, `{'a': 1}`, `[1, 'x']`): what a model trained on it writes parses back
+    to the call's own arguments, typed by the schema where the request has tools and guessed where
+    not; a `string` parameter keeps its text, and Python-only spellings (`0x10`, sets) stay text."""
+    from template_models import CONVENTIONS, write_convention_dir
+
+    from axrl.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(write_convention_dir(tmp_path / "coder", CONVENTIONS["qwen3_coder"]))
+    args = {"flag": True, "off": False, "opts": {"a": 1, "b": "x"}, "n": 3, "xs": [1, "x"], "code": "95"}
+    kinds = {"flag": "boolean", "off": "boolean", "opts": "object", "n": "integer", "xs": "array", "code": "string"}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        k: {"type": v} for k, v in kinds.items()}}}}]
+    text = tok.reply_text({"role": "assistant", "content": "", "tool_calls": [tok.tool_call_message("f", args, 1)]})
+    assert "<parameter=flag>\nTrue\n" in text and "{'a': 1, 'b': 'x'}" in text  # the template's quirk
+    assert tok.parse_tool_calls(text, tools=tools)[0]["arguments"] == args
+    assert tok.parse_tool_calls(text)[0]["arguments"] == {**args, "code": 95}
+    odd = "<tool_call>\n<function=f>\n<parameter=n>\n0x10\n</parameter>\n<parameter=s>\n{1, 2}\n</parameter>\n</function>\n</tool_call>"
+    assert parsed("qwen3_coder", odd) == [("f", {"n": "0x10", "s": "{1, 2}"}, None)]
+
+
 def test_gemma4_values_nest_and_keep_their_types():
     """Gemma 4 writes mappings and lists in its own syntax: they come back as JSON values; a reply
     whose thought channel was cut off by a call ends the reasoning there, as vLLM reads it."""

@@ -197,19 +197,48 @@ _PARAMETER = re.compile(r"<parameter=([^>\n]*)>\n?(.*?)\n?(</parameter>|$)", re.
 
 
 def _xml_value(text: str) -> Any:
-    """A parameter's value: JSON when it reads as JSON (numbers, lists, objects), else the text."""
+    """A parameter's value: JSON when it reads as JSON (numbers, lists, objects), else a Python
+    literal of a non-string kind (``True``, ``None``, ``{'a': 1}``: Qwen3-Coder's published template
+    writes non-string values with Jinja's ``string`` filter, i.e. Python's ``str``), else the text."""
     try:
         return json.loads(text)
     except json.JSONDecodeError:
-        return text
+        pass
+    literal = _python_literal(text)
+    # Only what a template's ``string`` filter writes for a JSON value (True, None, a dict, a list)
+    # and JSON can carry: not Python-only spellings of numbers (0x10, 1_000) nor sets or bytes.
+    if isinstance(literal, (bool, dict, list)) or (literal is None and text.strip() == "None"):
+        try:
+            json.dumps(literal)
+            return literal
+        except (TypeError, ValueError):
+            pass
+    return text
+
+
+_NOT_LITERAL = object()
+_WORDS = {"true": True, "false": False, "null": None, "none": None}
+
+
+def _python_literal(text: str) -> Any:
+    """``text`` read as a Python literal (``ast.literal_eval``: no code runs), else ``_NOT_LITERAL``."""
+    try:
+        return ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return _NOT_LITERAL
 
 
 def _typed_value(text: str, schema: dict[str, Any] | None) -> Any:
     """A parameter's value typed by its JSON schema where the tool gives one: a ``string``
-    parameter keeps its text ("95" stays "95"), other types read as JSON; without a schema,
-    :func:`_xml_value`'s guess."""
-    if schema and schema.get("type") == "string":
+    parameter keeps its text ("95" stays "95"); a ``boolean`` or null reads ``true``/``True``,
+    ``null``/``None`` (JSON's or Python's spelling: the published Qwen3-Coder template writes
+    Python's); an ``object``/``array`` reads as JSON, else as a Python literal; other types as
+    JSON. Without a schema, :func:`_xml_value`'s guess."""
+    kind = schema.get("type") if schema else None
+    if kind == "string":
         return text
+    if kind in ("boolean", "null") and text.strip().lower() in _WORDS:
+        return _WORDS[text.strip().lower()]
     return _xml_value(text)
 
 
