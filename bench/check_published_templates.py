@@ -16,6 +16,7 @@ published template, and checks, with `transformers`' `apply_chat_template` as th
   or one where the template allows one); a call after a reasoning block parses as one call; a
   call with boolean, object, integer, array and numeric-looking string values parses back to the
   same values, typed by the tool's schema;
+- tools_shown: whether the tools' schemas reach the prompt at all;
 - stream: whether the agent loop's token stream (each reply, then the template's continuation for
   the observation) is the template's rendering of the whole conversation ("exact"), or where the
   template re-renders history (recorded as drift in a run);
@@ -166,6 +167,9 @@ def check(template: Path, work: Path) -> dict[str, Any]:
     row.update(load="ok", turn_end=tok.eos_token, tool_parser=tok.tool_parser.name if tok.tool_parser else None,
                reasoning_parser=tok.reasoning_parser, arguments=tok.arguments_form, calls_per_turn=n,
                stream="exact" if not drift else f"drift ({drift[0][:160]})")
+    chat = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+    row["tools_shown"] = tok.apply_chat_template(chat, tools=TOOLS, tokenize=False) != \
+        tok.apply_chat_template(chat, tokenize=False)  # DeepSeek-V3's templates never render `tools`
     hf = transformers.AutoTokenizer.from_pretrained(str(d))
     row["render"] = render_equal(tok, hf, conversations(tok, n)) or "equal"
     try:

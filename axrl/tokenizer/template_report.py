@@ -94,6 +94,7 @@ def _describe(tok: Tokenizer, path: Path, lines: list[str]) -> bool:
         "the format read off the template (no known family)"
     lines.append(f"  tool parser    {parser} (override with model.tool_parser)")
     if not tok.tool_free:
+        lines.append(f"  tool list      {_tool_list(tok)}")
         lines.append(f"  tool results   {_tool_result_placement(tok)}")
     conversation, note = _sample_for(tok)
     if note:
@@ -130,6 +131,17 @@ def _system_placement(tok: Tokenizer) -> str:
     if set(tok.encode(between)) & set(tok.special_token_ids):
         return "its own turn"
     return f"folded into a user turn (joined by {between!r})"
+
+
+def _tool_list(tok: Tokenizer) -> str:
+    """Whether the tools' schemas reach the prompt: DeepSeek-V3's published templates never render
+    ``tools``, so a model trained with them sees calls and results but no schema."""
+    chat = [{"role": "system", "content": _SYS}, {"role": "user", "content": _USR}]
+    with_tools = str(tok.apply_chat_template(chat, tools=SAMPLE_TOOLS, tokenize=False))
+    if with_tools != str(tok.apply_chat_template(chat, tokenize=False)):
+        return "rendered into the prompt"
+    return ("NOT rendered: the template never shows the tools' schemas to the model; describe them in the "
+            "system prompt, or use a template that lists them")
 
 
 def _tool_result_placement(tok: Tokenizer) -> str:
