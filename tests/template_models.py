@@ -85,6 +85,11 @@ CONVENTIONS = {c.name: c for c in (
                          "<|observation|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>",
                          "</arg_key>", "<arg_value>", "</arg_value>", "<tool_response>", "</tool_response>"),
                eos="<|endoftext|>", pad="<|endoftext|>", stop=("<|user|>", "<|observation|>")),
+    # Gemma 4: <turn|> ends a turn (generation_config lists it beside <eos>); <|"|> delimits strings in calls.
+    Convention("gemma4", ("<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>",
+                          "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>', "<|channel>", "<channel|>",
+                          "<|think|>"),
+               eos="<eos>", pad="<pad>", bos="<bos>", stop=("<turn|>",), turn_end="<turn|>"),
     # Hermes-3 ships named templates: `default` (no tools) and `tool_use`.
     Convention("hermes3", CHATML_SPECIALS, eos="<|im_end|>", pad="<|endoftext|>", named=("tool_use",)),
 )}

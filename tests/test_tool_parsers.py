@@ -23,6 +23,7 @@ NASTY = {
     "openai": "a <|message|> b",
     "kimi_k2": "a <|tool_call_argument_begin|> b",
     "glm45": "a <arg_key> b",
+    "gemma4": "a }<tool_call|>, b:{c} <|tool_call>call:x{",
 }
 
 
@@ -59,10 +60,15 @@ def write(family: str, calls: list[tuple[str, dict]]) -> str:
         return "".join(f"<tool_call>{n}\n" + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else j(v)}"
                                                      "</arg_value>\n" for k, v in a.items()) + "</tool_call>"
                        for n, a in calls)
+    if family == "gemma4":  # strings between <|"|> tokens, other values bare
+        value = lambda v: f'<|"|>{v}<|"|>' if isinstance(v, str) else j(v)  # noqa: E731
+        return "".join(f"<|tool_call>call:{n}{{" + ",".join(f"{k}:{value(v)}" for k, v in a.items()) + "}<tool_call|>"
+                       for n, a in calls)
     raise KeyError(family)
 
 
 REASONING = {"openai": ("<|channel|>analysis<|message|>I should add.<|end|>", "openai"),
+             "gemma4": ("<|channel>thought\nI should add.<channel|>", "gemma4"),
              "default": ("<think>\nI should add.\n</think>\n\n", "think")}
 CALLS = [("calculator", {"expression": "37 + 58"}), ("search", {"query": "x", "n": 3}),
          ("calculator", {"expression": "2 * 3"})]
@@ -104,6 +110,7 @@ MALFORMED = {
     "openai": "<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>{\"expression\": <|call|>",
     "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.calculator:0<|tool_call_argument_begin|>{",
     "glm45": "<tool_call>calculator\n<arg_key>expression</arg_key>\n<arg_value>1",
+    "gemma4": '<|tool_call>call:calculator{expression:<|"|>1 + 1',
 }
 
 
@@ -167,3 +174,35 @@ def test_xml_values_are_typed_by_the_tools_json_schema(family):
     parser = get_tool_parser(family)
     assert parser.parse_calls(text, tools)[0]["arguments"] == {"code": "95", "flag": "true", "count": 3}
     assert parser.parse_calls(text)[0]["arguments"] == {"code": 95, "flag": True, "count": 3}
+
+
+def test_qwen3_coder_values_written_as_python_literals_round_trip(tmp_path):
+    """Qwen3-Coder's published template writes a non-string value with Jinja's `string` filter
+    (Python's `str`: `True`, `{'a': 1}`, `[1, 'x']`): what a model trained on it writes parses back
+    to the call's own arguments, typed by the schema where the request has tools and guessed where
+    not; a `string` parameter keeps its text, and Python-only spellings (`0x10`, sets) stay text."""
+    from template_models import CONVENTIONS, write_convention_dir
+
+    from axrl.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(write_convention_dir(tmp_path / "coder", CONVENTIONS["qwen3_coder"]))
+    args = {"flag": True, "off": False, "opts": {"a": 1, "b": "x"}, "n": 3, "xs": [1, "x"], "code": "95"}
+    kinds = {"flag": "boolean", "off": "boolean", "opts": "object", "n": "integer", "xs": "array", "code": "string"}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        k: {"type": v} for k, v in kinds.items()}}}}]
+    text = tok.reply_text({"role": "assistant", "content": "", "tool_calls": [tok.tool_call_message("f", args, 1)]})
+    assert "<parameter=flag>\nTrue\n" in text and "{'a': 1, 'b': 'x'}" in text  # the template's quirk
+    assert tok.parse_tool_calls(text, tools=tools)[0]["arguments"] == args
+    assert tok.parse_tool_calls(text)[0]["arguments"] == {**args, "code": 95}
+    odd = "<tool_call>\n<function=f>\n<parameter=n>\n0x10\n</parameter>\n<parameter=s>\n{1, 2}\n</parameter>\n</function>\n</tool_call>"
+    assert parsed("qwen3_coder", odd) == [("f", {"n": "0x10", "s": "{1, 2}"}, None)]
+
+
+def test_gemma4_values_nest_and_keep_their_types():
+    """Gemma 4 writes mappings and lists in its own syntax: they come back as JSON values; a reply
+    whose thought channel was cut off by a call ends the reasoning there, as vLLM reads it."""
+    text = ('<|tool_call>call:lookup{codes:[1,<|"|>a, b<|"|>],flag:true,opts:{<|"|>k<|"|>:2.5,deep:{x:null}}}'
+            "<tool_call|>")
+    assert parsed("gemma4", text) == [("lookup", {"codes": [1, "a, b"], "flag": True,
+                                                  "opts": {"k": 2.5, "deep": {"x": None}}}, None)]
+    assert split_reasoning("<|channel>thought\nhmm" + text, "gemma4") == ("hmm", text)

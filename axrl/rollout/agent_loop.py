@@ -93,7 +93,7 @@ async def run_episode(
     traj.info["messages"] = conversation
     if not _append_prompt(traj, prompt_ids, max_context_len):
         return _finish(traj, "context", 0.0, routing)  # no reply: nothing can drift
-    close_ids = _close_ids(tokenizer)  # e.g. ids of "<|im_end|>\n"
+    _check_close(tokenizer)
     tools = env.tools or None
 
     def drift() -> int:  # what the template would render for the finished chat, against the stream
@@ -112,7 +112,7 @@ async def run_episode(
         if result.finish_type == "abort":
             return _finish(traj, "abort", reward, routing)  # the partial reply is in no message
 
-        text, closed = _reply(traj, tokenizer, conversation, result.output_ids, close_ids)
+        text, closed = _reply(traj, tokenizer, conversation, result.output_ids)
         truncated = result.finish_type == "length"
         try:
             outcome = env.step(env_action(tokenizer, text))
@@ -135,12 +135,16 @@ async def run_episode(
     raise AssertionError("unreachable: the last turn returns max_turns")
 
 
-def _reply(traj: Trajectory, tokenizer: Tokenizer, conversation: list[Message], out: list[int],
-           close_ids: list[int]) -> tuple[str, bool]:
+def _reply(traj: Trajectory, tokenizer: Tokenizer, conversation: list[Message], out: list[int]) -> tuple[str, bool]:
     """The turn's reply as text (and whether the model closed its own turn), appended to the
     conversation with its calls structured as the template writes them; its reasoning (the
-    family's parser: `<think>`, harmony's analysis channel) kept per turn in `traj.info`."""
-    closed = bool(out) and out[-1] == close_ids[0]
+    family's parser: `<think>`, harmony's analysis channel) kept per turn in `traj.info`.
+
+    The model closed its turn when its last id is a stop token the template ends replies with
+    (`Tokenizer.reply_close_ids`: `<|im_end|>`; gpt-oss's `<|call|>`; GLM-4.5's next-turn
+    `<|user|>` / `<|observation|>`); a stop token the template never writes there (Qwen's
+    `<|endoftext|>`) leaves the turn open, and the template's close is appended masked."""
+    closed = bool(out) and out[-1] in tokenizer.reply_close_ids
     text = tokenizer.decode(out[:-1] if closed else out)  # keep <tool_call> tags
     conversation.append(tokenizer.reply_message(text))
     traj.info.setdefault("reasoning", []).append(tokenizer.split_reasoning(text)[0])
@@ -178,13 +182,14 @@ def _append_prompt(traj: Trajectory, prompt_ids: list[int], max_context_len: int
     return True
 
 
-def _close_ids(tokenizer: Tokenizer) -> list[int]:
-    """The template's assistant close ids; the first must be the eos token, since the loop tells a
-    turn the model ended itself by its last id (and closes a cut one with that id, masked)."""
-    ids = assistant_close_ids(tokenizer)
-    if not ids or ids[0] != tokenizer.eos_token_id:
-        raise ValueError("chat template must close an assistant message with the eos token")
-    return ids
+def _check_close(tokenizer: Tokenizer) -> None:
+    """The template must end an assistant message with a stop token, or write nothing after it and
+    let the next turn's opening (a stop token: GLM-4.5's `<|user|>`) end it: the loop tells a turn
+    the model ended itself by its last id, and closes a cut one with that id, masked."""
+    ids = assistant_close_ids(tokenizer) or [tokenizer.eos_token_id]
+    if ids[0] not in tokenizer.stop_token_ids:
+        raise ValueError("chat template must close an assistant message with a stop token (it writes "
+                         f"{tokenizer.decode(ids[:8])!r})")
 
 
 def _observation_segment(tokenizer: Tokenizer, conversation: list[Message], observation: list[Message],
@@ -193,9 +198,11 @@ def _observation_segment(tokenizer: Tokenizer, conversation: list[Message], obse
     not write it, ``closed``), the observation and the next generation prompt, as the template
     renders them after the reply's text in the whole conversation."""
     continuation = tokenizer.continuation_ids(conversation, list(observation), tools)
-    if continuation[:1] != [tokenizer.eos_token_id]:
-        raise ValueError("the chat template does not close a reply followed by this observation with the "
-                         f"end-of-turn token (it writes {tokenizer.decode(continuation[:8])!r})")
+    # The close is a special token (the turn end; gpt-oss's <|end|> in history; GLM's <|observation|>):
+    # a model's close stands in for it, so only a special token may be dropped.
+    if not continuation or continuation[0] not in tokenizer.special_token_ids:
+        raise ValueError("the chat template does not close a reply followed by this observation with a "
+                         f"special token (it writes {tokenizer.decode(continuation[:8])!r})")
     return reply_glue(continuation, closed)
 
 

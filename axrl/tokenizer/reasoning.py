@@ -7,6 +7,8 @@
 * ``openai`` (gpt-oss harmony): the ``analysis`` channel's messages are reasoning; the ``final``
   channel is the content; ``commentary`` messages addressed to a function are tool calls and stay
   in the text for the tool parser.
+* ``gemma4`` (Gemma 4): a ``<|channel>thought\n…<channel|>`` block opening the reply
+  (:func:`axrl.tokenizer.gemma4_calls.split_gemma4`).
 
 The split never raises: an unclosed block is reasoning up to the end of the reply (the model was
 cut off while thinking), and a reply without reasoning is returned whole.
@@ -16,8 +18,10 @@ from __future__ import annotations
 
 import re
 
+from axrl.tokenizer.gemma4_calls import CHANNEL_START, split_gemma4
+
 THINK_START, THINK_END = "<think>", "</think>"
-REASONING_PARSERS = ("think", "openai")
+REASONING_PARSERS = ("think", "openai", "gemma4")
 _HARMONY_MESSAGE = re.compile(r"(?:<\|start\|>assistant)?((?:(?!<\|message\|>).)*?)<\|message\|>(.*?)"
                               r"(<\|end\|>|<\|call\|>|<\|return\|>|$)", re.S)
 
@@ -62,6 +66,8 @@ def split_reasoning(text: str, parser: str | None, opened: bool = False) -> tupl
         return split_think(text, opened)
     if parser == "openai":
         return split_harmony(text)
+    if parser == "gemma4":
+        return split_gemma4(text)
     return "", text
 
 
@@ -69,6 +75,8 @@ def detect_reasoning_parser(template: str, generation_prompt: str) -> str | None
     """The reasoning parser a template implies: harmony channels, or ``<think>`` blocks."""
     if "<|channel|>" in template and "analysis" in template:
         return "openai"
+    if CHANNEL_START in template:
+        return "gemma4"
     if THINK_START in template or THINK_START in generation_prompt:
         return "think"
     return None

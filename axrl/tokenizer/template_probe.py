@@ -68,8 +68,8 @@ def _reads_back(render: Render, form: str) -> bool:
     try:
         text = render([_USER, {"role": "assistant", "content": "", "tool_calls": [probe_call(form)]}],
                       tools=[PROBE_TOOL])
-        body = text[len(os.path.commonprefix([text, render([_USER], tools=[PROBE_TOOL],
-                                                           add_generation_prompt=True)])):]
+        body = text[len(whole_markers(os.path.commonprefix([text, render([_USER], tools=[PROBE_TOOL],
+                                                                        add_generation_prompt=True)]))):]
     except Exception:  # the template refuses this form
         return False
     name = detect_tool_parser(body)
@@ -146,7 +146,7 @@ def turn_end_at(text: str, start: int, ends: str | tuple[str, ...]) -> tuple[int
     return -1, ""
 
 
-def _whole_markers(prefix: str) -> str:
+def whole_markers(prefix: str) -> str:
     """``prefix`` without a marker it cuts in two: where the generation prompt opens a block that
     a call's turn does not (R1's ``<think>\n``), the shared text may end inside ``<｜…｜>``."""
     cut = prefix.rfind("<")
@@ -161,7 +161,7 @@ def call_body(render: Render, form: str, eos_token: str | tuple[str, ...], impli
     messages = [_USER, {"role": "assistant", "content": "", "tool_calls": [probe_call(form)]}]
     tools = [PROBE_TOOL]  # calls come with tools (and Hermes-3's `tool_use` template renders them)
     text, before = render(messages, tools=tools), render(messages[:1], tools=tools, add_generation_prompt=True)
-    opening = _whole_markers(os.path.commonprefix([text, before]))
+    opening = whole_markers(os.path.commonprefix([text, before]))
     stop, _ = turn_end_at(text, len(opening), eos_token)
     stop = len(text) if stop < 0 and implicit else stop  # nothing closes the turn (GLM-4.5)
     if not before.startswith(opening) or stop < 0:

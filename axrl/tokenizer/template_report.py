@@ -94,6 +94,7 @@ def _describe(tok: Tokenizer, path: Path, lines: list[str]) -> bool:
         "the format read off the template (no known family)"
     lines.append(f"  tool parser    {parser} (override with model.tool_parser)")
     if not tok.tool_free:
+        lines.append(f"  tool list      {_tool_list(tok)}")
         lines.append(f"  tool results   {_tool_result_placement(tok)}")
     conversation, note = _sample_for(tok)
     if note:
@@ -132,6 +133,17 @@ def _system_placement(tok: Tokenizer) -> str:
     return f"folded into a user turn (joined by {between!r})"
 
 
+def _tool_list(tok: Tokenizer) -> str:
+    """Whether the tools' schemas reach the prompt: DeepSeek-V3's published templates never render
+    ``tools``, so a model trained with them sees calls and results but no schema."""
+    chat = [{"role": "system", "content": _SYS}, {"role": "user", "content": _USR}]
+    with_tools = str(tok.apply_chat_template(chat, tools=SAMPLE_TOOLS, tokenize=False))
+    if with_tools != str(tok.apply_chat_template(chat, tokenize=False)):
+        return "rendered into the prompt"
+    return ("NOT rendered: the template never shows the tools' schemas to the model; describe them in the "
+            "system prompt, or use a template that lists them")
+
+
 def _tool_result_placement(tok: Tokenizer) -> str:
     """The text the template writes between a tool-call reply's close and the result's text."""
     call = [{"role": "user", "content": "u"},
@@ -155,6 +167,9 @@ def _reasoning(tok: Tokenizer, conversation: list[Message]) -> str:
     if tok.reasoning_parser == "openai":  # harmony: reasoning is the analysis channel, not <think>
         return ("the analysis channel (<|channel|>analysis), separated from the answer by the openai reasoning "
                 "parser; what the template re-renders of it in later turns is counted as drift")
+    if tok.reasoning_parser == "gemma4":  # the thought channel, stripped from every model turn by the template
+        return ("the thought channel (<|channel>thought … <channel|>), separated from the answer by the gemma4 "
+                "reasoning parser; the template strips it from every earlier model turn: counted as drift")
     whole = str(tok.apply_chat_template(conversation, tools=SAMPLE_TOOLS, tokenize=False))
     if "add them" in whole:
         return f"<think>…</think> kept in every turn{parser}"

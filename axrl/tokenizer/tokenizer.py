@@ -115,6 +115,24 @@ class Tokenizer:
         self.reasoning_opened = gen.rstrip().endswith(THINK_START)
         # The tagged formats (Qwen, ChatML): what streaming replies watch for.
         self.tool_call_tags: tuple[str, str] | None = self.tool_call_format.tags if self.tool_call_format else None
+        self.reply_close_ids: frozenset[int] = self._reply_close_ids()
+
+    def _reply_close_ids(self) -> frozenset[int]:
+        """Stop tokens that end a reply where the template itself ends one: the turn end and the close
+        of a call's turn (gpt-oss: ``<|call|>``); every stop token where no token closes a reply
+        (GLM-4.5: the next turn's ``<|user|>`` / ``<|observation|>``). Other stop tokens (Qwen's
+        ``<|endoftext|>``) stop generation but leave the turn unclosed: the agent loop then appends
+        the template's close, masked."""
+        if self.turn_end_implicit:
+            return frozenset(self.stop_token_ids)
+        ids = {self.eos_token_id}
+        if self.tool_call_format is not None or self.tool_parser is not None:
+            try:
+                ids.add(self.reply_end_id({"role": "assistant", "content": "", "tool_calls": [
+                    self.tool_call_message(_probe.PROBE_TOOL["function"]["name"], _probe.PROBE_ARGS, 1)]}))
+            except ValueError:  # the template cannot render a call alone: the turn end is its close
+                pass
+        return frozenset(i for i in ids if i in self.stop_token_ids)
 
     # -- loading / saving ---------------------------------------------------------------
 
@@ -292,7 +310,7 @@ class Tokenizer:
         text = self._render([user, message], tools=tools)
         # A generation prompt that opens a block (R1's `<think>\n`, which history never shows) is
         # left out: the reply is what follows the part both renderings share.
-        opening = len(os.path.commonprefix([before, text]))
+        opening = len(_probe.whole_markers(os.path.commonprefix([before, text])))
         stop, _ = _probe.turn_end_at(text, opening, self.turn_ends)
         stop = len(text) if stop < 0 and self.turn_end_implicit else stop  # the reply is all that follows
         if opening < len(before) - len(self.generation_prompt_text()) or stop < 0:
@@ -309,7 +327,8 @@ class Tokenizer:
         tools = [_probe.PROBE_TOOL] if message.get("tool_calls") else None
         before = self._render([user], tools=tools, add_generation_prompt=True)
         text = self._render([user, message], tools=tools)
-        _, end = _probe.turn_end_at(text, len(os.path.commonprefix([before, text])), self.turn_ends)
+        _, end = _probe.turn_end_at(text, len(_probe.whole_markers(os.path.commonprefix([before, text]))),
+                                    self.turn_ends)
         return self._require_id(end) if end else self.eos_token_id
 
     # -- vocabulary ---------------------------------------------------------------------

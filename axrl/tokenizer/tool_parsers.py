@@ -20,7 +20,8 @@ The formats (what the model writes after its generation prompt):
 * ``pythonic`` — a Python list of calls, ``[f(a=1), g(b="x")]`` (Llama 3.2 / 4 pythonic templates);
 * ``openai`` — gpt-oss harmony: ``<|channel|>commentary to=functions.NAME … <|message|>{…}<|call|>``;
 * ``kimi_k2`` — ``<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{…}<|tool_call_end|>``;
-* ``glm45`` — ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>``.
+* ``glm45`` — ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>``;
+* ``gemma4`` — ``<|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}<tool_call|>`` (:mod:`axrl.tokenizer.gemma4_calls`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from axrl.tokenizer.gemma4_calls import CALL_START as _GEMMA4_START, parse_gemma4_calls
 from axrl.tokenizer.tool_calls import _entry, _json_at, _parse_one, parse_tool_calls
 
 Call = dict[str, Any]
@@ -195,19 +197,48 @@ _PARAMETER = re.compile(r"<parameter=([^>\n]*)>\n?(.*?)\n?(</parameter>|$)", re.
 
 
 def _xml_value(text: str) -> Any:
-    """A parameter's value: JSON when it reads as JSON (numbers, lists, objects), else the text."""
+    """A parameter's value: JSON when it reads as JSON (numbers, lists, objects), else a Python
+    literal of a non-string kind (``True``, ``None``, ``{'a': 1}``: Qwen3-Coder's published template
+    writes non-string values with Jinja's ``string`` filter, i.e. Python's ``str``), else the text."""
     try:
         return json.loads(text)
     except json.JSONDecodeError:
-        return text
+        pass
+    literal = _python_literal(text)
+    # Only what a template's ``string`` filter writes for a JSON value (True, None, a dict, a list)
+    # and JSON can carry: not Python-only spellings of numbers (0x10, 1_000) nor sets or bytes.
+    if isinstance(literal, (bool, dict, list)) or (literal is None and text.strip() == "None"):
+        try:
+            json.dumps(literal)
+            return literal
+        except (TypeError, ValueError):
+            pass
+    return text
+
+
+_NOT_LITERAL = object()
+_WORDS = {"true": True, "false": False, "null": None, "none": None}
+
+
+def _python_literal(text: str) -> Any:
+    """``text`` read as a Python literal (``ast.literal_eval``: no code runs), else ``_NOT_LITERAL``."""
+    try:
+        return ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return _NOT_LITERAL
 
 
 def _typed_value(text: str, schema: dict[str, Any] | None) -> Any:
     """A parameter's value typed by its JSON schema where the tool gives one: a ``string``
-    parameter keeps its text ("95" stays "95"), other types read as JSON; without a schema,
-    :func:`_xml_value`'s guess."""
-    if schema and schema.get("type") == "string":
+    parameter keeps its text ("95" stays "95"); a ``boolean`` or null reads ``true``/``True``,
+    ``null``/``None`` (JSON's or Python's spelling: the published Qwen3-Coder template writes
+    Python's); an ``object``/``array`` reads as JSON, else as a Python literal; other types as
+    JSON. Without a schema, :func:`_xml_value`'s guess."""
+    kind = schema.get("type") if schema else None
+    if kind == "string":
         return text
+    if kind in ("boolean", "null") and text.strip().lower() in _WORDS:
+        return _WORDS[text.strip().lower()]
     return _xml_value(text)
 
 
@@ -322,6 +353,7 @@ PARSERS: dict[str, ToolParser] = {p.name: p for p in (
     ToolParser("openai", "<|start|>assistant", _openai),
     ToolParser("kimi_k2", "<|tool_calls_section_begin|>", _kimi_k2),
     ToolParser("glm45", "<tool_call>", _glm45, typed_by_schema=True),
+    ToolParser("gemma4", _GEMMA4_START, parse_gemma4_calls),
 )}
 
 
@@ -337,6 +369,8 @@ def detect_tool_parser(call_text: str) -> str | None:
     """The parser for a template from its rendering of one probe call named ``probe`` with
     arguments ``{"x": 1}`` (``call_text``: the assistant turn's text); None when no family matches."""
     t = call_text
+    if _GEMMA4_START + "call:probe" in t:
+        return "gemma4"
     if "to=functions.probe" in t:
         return "openai"
     if "<|tool_call_begin|>" in t:

@@ -10,6 +10,7 @@ import uuid
 from typing import Any
 
 from axrl.tokenizer import Tokenizer
+from axrl.tokenizer.reasoning import THINK_END, THINK_START
 
 
 @dataclasses.dataclass
@@ -56,6 +57,36 @@ def tool_calls_of(tokenizer: Tokenizer | None, tools: Any, text: str) -> tuple[s
     return (text.split(start)[0].strip() if start else "") or None, calls
 
 
+def reasoning_of(tokenizer: Tokenizer | None, text: str) -> tuple[str | None, str]:
+    """(reasoning, the rest) of a chat reply by the family's reasoning parser (`<think>` blocks,
+    harmony's analysis channel): what vLLM and SGLang return as `message.reasoning_content`. The
+    reasoning is None for a family without a reasoning parser and for a reply without reasoning."""
+    if tokenizer is None or tokenizer.reasoning_parser is None:
+        return None, text
+    reasoning, rest = tokenizer.split_reasoning(text)
+    return reasoning or None, rest
+
+
+def streamed_reasoning(tokenizer: Tokenizer, text: str) -> tuple[str, str] | None:
+    """(reasoning, content) of a running reply that may be streamed now, each a prefix of what the
+    finished reply splits into; None where the family has no reasoning parser. A `<think>` tag
+    still being written is held back (the part sent never changes); a harmony reply is held back
+    whole until it ends (its channels are only known at their end)."""
+    parser = tokenizer.reasoning_parser
+    if parser is None:
+        return None
+    if parser != "think":
+        return "", ""
+    head = text.lstrip()
+    if not tokenizer.reasoning_opened and head and len(head) < len(THINK_START) and THINK_START.startswith(head):
+        return "", ""  # "<thi": the block may be opening
+    if THINK_END not in text:  # inside the block (or none): hold back a half-written "</think>"
+        text = text[:len(text) - next((n for n in range(len(THINK_END) - 1, 0, -1)
+                                       if text.endswith(THINK_END[:n])), 0)]
+    reasoning, rest = tokenizer.split_reasoning(text)
+    return reasoning, rest
+
+
 def tool_call_start(tokenizer: Tokenizer) -> str | None:
     """The text that opens a tool call in the template's replies (what a stream holds back from);
     None where calls have no opening marker (bare JSON)."""
@@ -70,9 +101,13 @@ def finish_reason(finish_type: str, *, tool_calls: bool, abort: str = "abort") -
     return "length" if finish_type == "length" else abort
 
 
-def assistant_message(content: str | None, calls: list[dict[str, Any]]) -> dict[str, Any]:
-    """A chat reply's message (`tool_calls` only when there are some)."""
+def assistant_message(content: str | None, calls: list[dict[str, Any]], *, reasoning: str | None = None,
+                      with_reasoning: bool = False) -> dict[str, Any]:
+    """A chat reply's message (`tool_calls` only when there are some; `reasoning_content`, as vLLM
+    and SGLang name it, when `with_reasoning`: the family has a reasoning parser)."""
     message: dict[str, Any] = {"role": "assistant", "content": content}
+    if with_reasoning:
+        message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = calls
     return message

@@ -3,7 +3,8 @@
 A backend reports, per poll, each choice's progress: the text that may be sent so far
 (cumulative; held back where it could still become a stop string or a tool call), its `Final`
 state once it ended, or None when nothing changed. `sse_stream` turns that into chunks —
-chat: a role chunk per choice, content deltas, one `tool_calls` delta, a finish chunk;
+chat: a role chunk per choice, `reasoning_content` and content deltas, one `tool_calls` delta, a
+finish chunk;
 completions: text chunks, a finish chunk — then the usage chunk if asked, then `data: [DONE]`.
 `axrl serve` and the agent proxy report progress as tokens arrive (`merge` follows a call's n
 requests together).
@@ -36,10 +37,20 @@ class Final:
     finish_reason: str
     tool_calls: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+    reasoning: str | None = None  # the family's reasoning, sent as `delta.reasoning_content`
 
 
-# One choice's news of a poll: the text sendable so far, its end, or nothing new.
-Progress = Union[str, Final, None]
+@dataclasses.dataclass
+class Reasoned:
+    """A running chat reply split by the family's reasoning parser: the reasoning and the content
+    sendable so far (both cumulative), streamed as `reasoning_content` and `content` deltas."""
+
+    reasoning: str
+    content: str
+
+
+# One choice's news of a poll: the text sendable so far (split or not), its end, or nothing new.
+Progress = Union[str, Reasoned, Final, None]
 
 
 class _Chunks:
@@ -52,15 +63,19 @@ class _Chunks:
         """One choice's chunk: chat puts the text (and tool calls, role) in a delta."""
         if self.chat:
             delta = {**({"content": text} if text is not None else {}),
-                     **{key: extra.pop(key) for key in ("role", "tool_calls") if key in extra}}
+                     **{key: extra.pop(key) for key in ("role", "reasoning_content", "tool_calls") if key in extra}}
             choice: dict[str, Any] = {"index": k, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": k, "text": text or "", "logprobs": None, "finish_reason": finish}
         return sse({**self.head, "choices": [{**choice, **extra}]})
 
-    def final(self, k: int, state: Final, sent: int) -> list[bytes]:
-        """The chunks that end choice k: the content not sent yet, its tool calls, its finish."""
+    def final(self, k: int, state: Final, sent: int, sent_reasoning: int = 0) -> list[bytes]:
+        """The chunks that end choice k: the reasoning and the content not sent yet, its tool calls,
+        its finish."""
         out = []
+        thought = (state.reasoning or "")[sent_reasoning:]
+        if thought:
+            out.append(self.choice(k, None, reasoning_content=thought))
         rest = (state.content or "")[sent:]
         if rest:
             out.append(self.choice(k, rest))
@@ -80,6 +95,7 @@ async def sse_stream(envelope: Envelope, n: int, progress: AsyncIterator[list[Pr
     went out is reported in-band, then `[DONE]`."""
     chunks = _Chunks(envelope)
     sent, finished = [0] * n, [False] * n   # characters of each reply already sent; its end sent
+    thought = [0] * n                       # characters of each reply's reasoning already sent
     try:
         if envelope.chat:
             for k in range(n):
@@ -90,9 +106,15 @@ async def sse_stream(envelope: Envelope, n: int, progress: AsyncIterator[list[Pr
                     continue
                 if isinstance(state, Final):
                     finished[k] = True
-                    for chunk in chunks.final(k, state, sent[k]):
+                    for chunk in chunks.final(k, state, sent[k], thought[k]):
                         yield chunk
-                elif len(state) > sent[k]:
+                    continue
+                if isinstance(state, Reasoned):
+                    if len(state.reasoning) > thought[k]:
+                        yield chunks.choice(k, None, reasoning_content=state.reasoning[thought[k]:])
+                        thought[k] = len(state.reasoning)
+                    state = state.content
+                if len(state) > sent[k]:
                     yield chunks.choice(k, state[sent[k]:])
                     sent[k] = len(state)
         if usage is not None and all(finished):

@@ -4,7 +4,9 @@ Prompts may be text, chat messages or token ids (`prompt` as ids; chat `input_id
 accepts). Token-level data comes back the SGLang way: `return_token_ids` adds
 `prompt_token_ids` / `response_token_ids` to each choice, `return_meta_info` adds the engine's
 `meta_info` (logprobs with token ids, routed experts, weight_version). Chat replies are parsed
-for the template's tool-call blocks into OpenAI `tool_calls` when the request declares `tools`.
+for the template's tool-call blocks into OpenAI `tool_calls` when the request declares `tools`, and
+the family's reasoning (`<think>…</think>`, harmony's analysis channel) goes to
+`message.reasoning_content` (streamed as `delta.reasoning_content`), as vLLM and SGLang return it.
 
 - `model` must be the served name (`GET /v1/models`); another one is a 404, as OpenAI answers.
 - `n` choices are `n` requests admitted together (choice j samples with seed `derive_seed(seed, j)`
@@ -31,7 +33,7 @@ from axrl.inference.openai import replies, schema
 from axrl.inference.openai.errors import ApiError, bad
 from axrl.inference.openai.http import json_body, json_or_sse
 from axrl.inference.openai.stops import cut_at_stop, first_stop, parse_stops, sendable
-from axrl.inference.openai.streaming import Final, Progress, sse_stream
+from axrl.inference.openai.streaming import Final, Progress, Reasoned, sse_stream
 from axrl.inference.protocol import GenerateRequest, GenerateResult
 from axrl.inference.sampling import derive_seed
 from axrl.inference.serve.state import AxrlServer
@@ -261,10 +263,20 @@ def _completion_choice(call: _Call, k: int, req: GenerateRequest, res: GenerateR
     return {**choice, **_extras(call, req, res)}
 
 
+def _chat_message(call: _Call, text: str) -> tuple[str | None, list[dict[str, Any]], str | None]:
+    """(content, tool_calls, reasoning) of a chat reply: the family's reasoning split off first (a
+    call the model only thought about is no call), the calls read from the rest."""
+    reasoning, rest = replies.reasoning_of(call.server.tokenizer, text)
+    content, calls = replies.tool_calls_of(call.server.tokenizer, call.body.get("tools"), rest)
+    return content, calls, reasoning
+
+
 def _chat_choice(call: _Call, k: int, req: GenerateRequest, res: GenerateResult, text: str) -> dict[str, Any]:
-    content, calls = replies.tool_calls_of(call.server.tokenizer, call.body.get("tools"), text)
-    choice = replies.chat_choice(k, replies.assistant_message(content, calls),
-                                 replies.finish_reason(res.finish_type, tool_calls=bool(calls)))
+    content, calls, reasoning = _chat_message(call, text)
+    tok = call.server.tokenizer
+    message = replies.assistant_message(content, calls, reasoning=reasoning,
+                                        with_reasoning=tok is not None and tok.reasoning_parser is not None)
+    choice = replies.chat_choice(k, message, replies.finish_reason(res.finish_type, tool_calls=bool(calls)))
     choice["matched_stop"] = res.finish_reason.get("matched")
     if call.body.get("logprobs"):
         decode = call.server.decode
@@ -276,10 +288,19 @@ def _chat_choice(call: _Call, k: int, req: GenerateRequest, res: GenerateResult,
 
 def _final(call: _Call, k: int, res: GenerateResult, text: str) -> Final:
     """The end of choice k's stream."""
-    content, calls = replies.tool_calls_of(call.server.tokenizer, call.body.get("tools"), text) \
-        if call.chat else (text, [])
+    content, calls, reasoning = _chat_message(call, text) if call.chat else (text, [], None)
     return Final(content, replies.finish_reason(res.finish_type, tool_calls=bool(calls)), calls,
-                 {"matched_stop": res.finish_reason.get("matched"), **_extras(call, call.requests[k], res)})
+                 {"matched_stop": res.finish_reason.get("matched"), **_extras(call, call.requests[k], res)},
+                 reasoning=reasoning)
+
+
+def _sendable(call: _Call, text: str) -> Progress:
+    """What of a running reply may be streamed: the text before stops and a tool call's opening,
+    split into reasoning and content where the family has a reasoning parser (chat)."""
+    text = sendable(text, call.stops, call.tool_start)
+    split = replies.streamed_reasoning(call.server.tokenizer, text) \
+        if call.chat and call.server.tokenizer is not None else None
+    return text if split is None else Reasoned(*split)
 
 
 def _stream(call: _Call, is_disconnected: Any) -> AsyncIterator[bytes]:
@@ -294,7 +315,7 @@ def _stream(call: _Call, is_disconnected: Any) -> AsyncIterator[bytes]:
                     done[k] = True
                     out.append(_final(call, k, *final[k]))  # type: ignore[misc]
                 elif text is not None:
-                    out.append(sendable(text, call.stops, call.tool_start))
+                    out.append(_sendable(call, text))
                 else:
                     out.append(None)
             yield out
