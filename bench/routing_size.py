@@ -68,12 +68,12 @@ def train_given_rollout_bits(rollout: np.ndarray, train: np.ndarray, valid: np.n
 
 def packed_bytes(rollout: np.ndarray, train: np.ndarray | None, num_experts: int) -> dict[str, int]:
     """Bytes the ``packed`` encoding stores for the routing pair (the arrays ``write_step`` writes
-    raw: ``rollout_packed``, ``train_differs``, ``train_rows``; chunk checksums aside)."""
+    raw: ``rollout_packed``, ``train_differs``, ``train_rows``, ``train_hits``; chunk checksums aside)."""
     bits = routing_codec.bits_for(num_experts)
     out = {"rollout": int(routing_codec.pack_ids(rollout, bits).nbytes)}
     if train is not None:
-        differs, rows = routing_codec.encode_train(train, rollout, bits)
-        out["train"] = int(differs.nbytes + rows.nbytes)
+        differs, rows, hits = routing_codec.encode_train(train, rollout, bits)
+        out["train"] = int(differs.nbytes + rows.nbytes + hits.nbytes)
     return out
 
 
@@ -144,7 +144,7 @@ def rank_coded_bytes(routing: np.ndarray) -> dict[str, int]:
 def stored_bytes(run: str | Path, encoding: str = "packed") -> dict[str, int]:
     """Bytes the routing datasets of a run's steps take on disk when written (``write_step``, the
     writer's real layout, compression included) with ``encoding``: the engine's (``rollout``) and
-    the trainer's (``train``: for ``packed`` its marks and rows), ``rollout_valid`` left out."""
+    the trainer's (``train``: for ``packed`` its marks, rows and their |A ∩ B| counts), ``rollout_valid`` left out."""
     import tempfile
 
     import h5py

@@ -306,3 +306,43 @@ def test_tui_routing_column_of_a_damaged_packed_step_is_an_error(tmp_path):
     with StepFile(bad) as sf:
         with pytest.raises(CorruptStepError, match=str(bad)):
             metrics.chunked_routing_agree(sf)
+
+
+def _recorded_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the stored routing datasets the stream reads rows of, as it reads them."""
+    from axrl.trace import routing_stream
+
+    read: list[str] = []
+    real = routing_stream._Rows.rows
+    monkeypatch.setattr(routing_stream._Rows, "rows", lambda self, a, b: (read.append(self.name), real(self, a, b))[1])
+    return read
+
+
+def test_packed_agreement_is_read_from_train_hits_and_old_files_still_analyse(tmp_path, monkeypatch):
+    """Packed steps store each marked row's |A ∩ B| (``/routing/train_hits``): the analysis counts
+    the agreement from the marks and those bytes, reading no rollout or trainer routing row, and
+    reports what decoding everything does. A packed file written before ``train_hits`` existed
+    (the dataset deleted) is still analysed — by decoding the marked rows — to the same report."""
+    records = [moe_record(s, 128, 10, 8) for s in range(2)]
+    write_run(tmp_path / "raw", records)
+    write_run(tmp_path / "packed", records, routing_encoding="packed")
+    write_run(tmp_path / "old", records, routing_encoding="packed")
+    for step in (0, 1):
+        with h5py.File(tmp_path / "old" / "trace" / f"step_{step:06d}.h5", "r+") as f:
+            assert f["/routing/train_hits"].shape == f["/routing/train_rows"].shape[:1]
+            del f["/routing/train_hits"]
+    cfg = MismatchConfig(compiled=True, top_k=20, chunk_tokens=100)
+    raw = TraceReader(tmp_path / "raw")
+    required, optional = cfg.columns()
+    whole = analyse(raw.iter_columns(required, optional=optional), cfg).result()
+    assert 0.5 < whole["routing"]["agreement"] < 0.95
+    read = _recorded_reads(monkeypatch)
+    for name in ("packed", "old"):
+        read.clear()
+        got = _read_steps(TraceReader(tmp_path / name), [0, 1], cfg).result()
+        got.pop("run", None)
+        assert json.dumps(got) == json.dumps(whole), name
+        decoded = {"/routing/rollout_packed", "/routing/train_rows"} & set(read)
+        assert decoded == (set() if name == "packed" else {"/routing/rollout_packed", "/routing/train_rows"}), name
+    with StepFile(tmp_path / "old" / "trace" / "step_000001.h5") as sf:   # the reader: as before
+        assert np.array_equal(sf["/routing/train"], records[1].routing_train)

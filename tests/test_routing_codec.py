@@ -46,23 +46,26 @@ def test_codec_round_trips(experts: int, layers: int, k: int, agree: float) -> N
     packed = routing_codec.pack_ids(rollout, bits)
     assert np.array_equal(packed[:40], reference_pack(rollout[:40], bits))
     assert np.array_equal(routing_codec.unpack_ids(packed, bits, (layers, k), dtype), rollout)
-    mask, rows = routing_codec.encode_train(train, rollout, bits)
-    assert rows.shape[0] == int((train != rollout).any(axis=2).sum())
+    mask, rows, hits = routing_codec.encode_train(train, rollout, bits)
+    marked = (train != rollout).any(axis=2)
+    assert rows.shape[0] == hits.shape[0] == int(marked.sum())
+    a, b = rollout[marked], train[marked]   # |A ∩ B| of each marked row: Σ_i [a_i ∈ B]
+    assert hits.tolist() == [sum(int(x in set(y.tolist())) for x in r.tolist()) for r, y in zip(a, b)]
     assert np.array_equal(routing_codec.decode_train(rollout, mask, rows, bits), train)
 
 
 def test_packed_bytes_per_token_layer() -> None:
-    """At top-8 of 128 experts: 7 bytes for the engine's ids (vs 8), the trainer's ≈ 0.1 × 7 + 1/8
-    when 90 % of (token, layer) rows agree (vs 8)."""
+    """At top-8 of 128 experts: 7 bytes for the engine's ids (vs 8), the trainer's ≈ 0.1 × (7 + 1)
+    + 1/8 when 90 % of (token, layer) rows agree (vs 8): rows, their |A ∩ B| counts, the marks."""
     rng = np.random.default_rng(0)
     rollout = rng.integers(0, 128, (2000, 48, 8)).astype(np.uint8)
     train = rollout.copy()
     differs = rng.random((2000, 48)) < 0.1
     train[differs] = rng.integers(0, 128, (int(differs.sum()), 8))
     packed = routing_codec.pack_ids(rollout, 7)
-    mask, rows = routing_codec.encode_train(train, rollout, 7)
+    mask, rows, hits = routing_codec.encode_train(train, rollout, 7)
     assert packed.nbytes / (2000 * 48) == 7
-    assert (mask.nbytes + rows.nbytes) / (2000 * 48) == pytest.approx(0.1 * 7 + 1 / 8, abs=0.05)
+    assert (mask.nbytes + rows.nbytes + hits.nbytes) / (2000 * 48) == pytest.approx(0.1 * 8 + 1 / 8, abs=0.05)
 
 
 def test_packed_step_file_reads_as_raw(tmp_path) -> None:

@@ -10,6 +10,10 @@ experts) each: 16 bytes per token and layer at k = 8, most of a MoE step's trace
   (t, l) to another expert list than the engine (R3 makes them all equal);
 * ``/routing/train_rows`` uint8 [D, ⌈k / 8⌉·b]: the trainer's ids of those D (token, layer) rows,
   packed the same way, in (token, layer) order;
+* ``/routing/train_hits`` uint8 [D]: for each of those rows |A ∩ B|, how many of the rollout's k
+  ids the trainer's row holds (k: the same set in another order) — the routing agreement,
+  computed once at write time so that the analysis counts it from the marks and these bytes
+  without decoding any routing row (files written before it lack it: the rows are decoded then);
 
 and marks ``/routing`` with ``encoding = "packed-v1"`` and ``bits``, ``layers``, ``k``. The
 reader (`StepFile`) decodes them back to the very arrays a raw file holds, so nothing above it
@@ -27,7 +31,7 @@ import numpy as np
 from . import schema as S
 
 __all__ = ["ENCODING", "bits_for", "pack_ids", "unpack_ids", "encode_train", "decode_train", "popcount_rows",
-           "count_marks", "packed_name", "raw_names", "read_range"]
+           "count_marks", "packed_name", "raw_names", "read_range", "set_hits"]
 
 ENCODING = "packed-v1"
 _ROWS_PER_CHUNK = 1 << 15          # tokens packed at a time: bounds the bit-expanded temporary
@@ -108,11 +112,28 @@ def _unpack_bitwise(packed: np.ndarray, bits: int, n: int, dtype: np.dtype) -> n
     return out
 
 
-def encode_train(train: np.ndarray, rollout: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """Trainer routing [T, L, k] as (differs uint8 [T, ⌈L/8⌉], packed rows of the differing (t, l))."""
+def encode_train(train: np.ndarray, rollout: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Trainer routing [T, L, k] as (differs uint8 [T, ⌈L/8⌉], packed rows of the differing (t, l),
+    each of those rows' |A ∩ B| with the rollout's, uint8 [D])."""
     differs = (train != rollout).any(axis=2)
     rows = train[differs]                                   # [D, k], in (token, layer) order
-    return np.packbits(differs, axis=1, bitorder="little"), pack_ids(rows, bits)
+    hits = set_hits(rollout[differs], rows)
+    return np.packbits(differs, axis=1, bitorder="little"), pack_ids(rows, bits), hits
+
+
+def set_hits(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per row of ``a`` and ``b`` ([D, k] expert ids each): Σ_i [a_i ∈ b], as uint8 — |A ∩ B| for
+    top-k rows (distinct ids), the count the mismatch analysis's routing agreement is made of."""
+    if not a.shape[0]:
+        return np.zeros(0, np.uint8)
+    out = np.empty(a.shape[0], np.uint8)
+    for s in range(0, a.shape[0], _ROWS_PER_CHUNK):        # bounds the [n, k] boolean temporary
+        x, y = a[s:s + _ROWS_PER_CHUNK], b[s:s + _ROWS_PER_CHUNK]
+        found = x == y[:, :1]
+        for j in range(1, y.shape[1]):
+            found |= x == y[:, j:j + 1]
+        out[s:s + x.shape[0]] = np.count_nonzero(found, axis=1)
+    return out
 
 
 def popcount_rows(differs: np.ndarray) -> np.ndarray:
@@ -169,4 +190,4 @@ def raw_names(names: list[str], attrs: Mapping[str, Any]) -> list[str]:
     if attrs.get(S.ROUTING_ATTR_ENCODING) != ENCODING:
         return names
     stored = {S.ROUTING_PACKED["/routing/rollout"]: "/routing/rollout", S.ROUTING_TRAIN_DIFFERS: "/routing/train"}
-    return [stored.get(n, n) for n in names if n != S.ROUTING_TRAIN_ROWS]
+    return [stored.get(n, n) for n in names if n not in (S.ROUTING_TRAIN_ROWS, S.ROUTING_TRAIN_HITS)]

@@ -11,7 +11,8 @@ verified, once, into a buffer reused for the whole run) and hands them over piec
 * packed routing (``routing_codec``): the packed rollout rows, the ``train_differs`` marks and the
   trainer's stored rows of the piece — found by a running count of the marks before it — undecoded,
   so that a consumer decodes only the (token, layer) rows the marks name (~10 % without R3, none
-  with it). ``RoutingPiece.arrays`` decodes a piece whole (``routing_codec``, the reference).
+  with it); with their ``train_hits`` the agreement is counted without decoding any.
+  ``RoutingPiece.arrays`` decodes a piece whole (``routing_codec``, the reference).
 
 A piece's arrays are views of the reused windows: valid until the next piece is read.
 """
@@ -98,18 +99,28 @@ class RoutingPiece:
     Raw: ``rollout`` and ``train`` [n, L, k] ids, ``differs`` None. Packed: ``rollout`` uint8 [n, B]
     (``routing_codec.pack_ids``), ``differs`` uint8 [n, ⌈L/8⌉] (bit l of row t: the trainer's
     (t, l) differs), ``train`` uint8 [D, B_k] the trainer's packed rows of the D marked (t, l), in
-    (token, layer) order. ``rollout`` is read on first use: a consumer that finds no mark it needs
-    (every trainer row the rollout's, as under R3) never reads it."""
+    (token, layer) order, and ``hits`` uint8 [D] their |A ∩ B| with the rollout's rows (None in
+    files written before ``/routing/train_hits``). ``rollout``, ``train`` and ``hits`` are read on
+    first use: a consumer that finds no mark it needs (every trainer row the rollout's, as under
+    R3), or counts agreement from ``hits``, never reads the routing rows themselves."""
 
-    def __init__(self, start: int, stop: int, train: np.ndarray, differs: np.ndarray | None, stream: "RoutingStream",
-                 rows: tuple[int, int]) -> None:
-        self.start, self.stop, self.train, self.differs = start, stop, train, differs
+    def __init__(self, start: int, stop: int, differs: np.ndarray | None, stream: "RoutingStream",
+                 rows: tuple[int, int], train_rows: tuple[int, int]) -> None:
+        self.start, self.stop, self.differs = start, stop, differs
         self.bits, self.layers, self.k, self.dtype = stream.bits, stream.layers, stream.k, stream.dtype
-        self._stream, self._rows = stream, rows
+        self._stream, self._rows, self._train_rows = stream, rows, train_rows
 
     @functools.cached_property
     def rollout(self) -> np.ndarray:
         return self._stream.rollout.rows(*self._rows)
+
+    @functools.cached_property
+    def train(self) -> np.ndarray:
+        return self._stream.train.rows(*self._train_rows)
+
+    @functools.cached_property
+    def hits(self) -> np.ndarray | None:
+        return None if self._stream.hits is None else self._stream.hits.rows(*self._train_rows)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """The piece's rollout and trainer [n, L, k] ids, decoded (``routing_codec``)."""
@@ -132,6 +143,7 @@ class RoutingStream:
     layers: int
     k: int
     dtype: np.dtype
+    hits: _Rows | None = None    # packed: /routing/train_hits, where the file has it
     next_token: int = 0          # packed: the token the running count is at …
     next_row: int = 0            # … and the trainer's stored rows before it
 
@@ -159,6 +171,7 @@ class RoutingStream:
             dtype = S.routing_dtype(int(attrs[S.ROUTING_ATTR_NUM_EXPERTS]))
             names = (S.ROUTING_PACKED["/routing/rollout"], S.ROUTING_TRAIN_ROWS, S.ROUTING_TRAIN_DIFFERS)
             rp, rows, differs = (_Rows(sf, n, buffers, fast) for n in names)
+            hits = _Rows(sf, S.ROUTING_TRAIN_HITS, buffers, fast) if S.ROUTING_TRAIN_HITS in sf._f else None
         except _READ_ERRORS as e:
             raise CorruptStepError(f"{sf.path}: unreadable routing layout ({e})") from None
         expect = {rp.name: (t, _packed_width(layers * k, bits)), differs.name: (t, -(-layers // 8)),
@@ -167,7 +180,10 @@ class RoutingStream:
             if part.shape != expect[part.name] or part.dtype != np.uint8:
                 raise CorruptStepError(f"{sf.path}: {part.name} is {part.dtype} {part.shape}, expected uint8 "
                                        f"{expect[part.name]} for {t} tokens × {layers} layers × top-{k} at {bits} bits")
-        return cls(sf, rp, rows, differs, bits, layers, k, dtype)
+        if hits is not None and (hits.shape != (rows.shape[0],) or hits.dtype != np.uint8):
+            raise CorruptStepError(f"{sf.path}: {hits.name} is {hits.dtype} {hits.shape}, expected uint8 "
+                                   f"({rows.shape[0]},): one count per stored trainer routing row (/routing/train_rows)")
+        return cls(sf, rp, rows, differs, bits, layers, k, dtype, hits)
 
     def pieces(self, a: int, b: int) -> Iterator[RoutingPiece]:
         """Tokens ``a:b`` in pieces along the stored rollout's chunks (``PIECE_BYTES`` or one chunk)."""
@@ -180,14 +196,14 @@ class RoutingStream:
 
     def _piece(self, a: int, p: int, q: int) -> RoutingPiece:
         if self.differs is None:
-            return RoutingPiece(p - a, q - a, self.train.rows(p, q), None, self, (p, q))
+            return RoutingPiece(p - a, q - a, None, self, (p, q), (p, q))
         if p != self.next_token:        # not the next range in order: count the marks from the start
             self.next_row = _count_marks(self.differs, 0, p)
         differs = self.differs.rows(p, q)
         count = routing_codec.count_marks(differs)
-        train = self.train.rows(self.next_row, self.next_row + count)
+        first = self.next_row
         self.next_token, self.next_row = q, self.next_row + count
-        return RoutingPiece(p - a, q - a, train, differs, self, (p, q))
+        return RoutingPiece(p - a, q - a, differs, self, (p, q), (first, first + count))
 
 
 @dataclass(frozen=True)

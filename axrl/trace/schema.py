@@ -108,6 +108,9 @@ ROUTING_ATTR_LAYERS = "layers"            # int64 L
 ROUTING_ATTR_K = "k"                      # int64 k
 ROUTING_PACKED = {"/routing/rollout": "/routing/rollout_packed"}
 ROUTING_TRAIN_DIFFERS, ROUTING_TRAIN_ROWS = "/routing/train_differs", "/routing/train_rows"
+# |A ∩ B| of each stored trainer row and the rollout's row it replaces (written since packed-v1 traces
+# of 2026-12; older packed files lack it and the analysis decodes the rows instead)
+ROUTING_TRAIN_HITS = "/routing/train_hits"
 
 # ----------------------------------------------------------------------------- groups
 G_SAMPLES = "/samples"

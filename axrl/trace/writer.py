@@ -39,6 +39,7 @@ RAW_DATASETS = frozenset({
     "/tokens/loss_mask", "/tokens/rollout_logprob", "/tokens/old_logprob", "/tokens/turn",
     "/tokens/policy_version", "/tokens/entropy", "/tokens/behaviour_train_logprob",
     "/routing/rollout", "/routing/train", "/routing/rollout_valid",
+    S.ROUTING_TRAIN_HITS,   # what the mismatch analysis reads of packed routing (~1 byte per 10 rows)
 })
 _CHUNK_BYTES = 1 << 20  # maximum chunk size of raw token datasets (read whole, in few calls)
 # Compressed ones use smaller chunks: a chunk is decompressed whole even to read one row, and those
@@ -120,7 +121,7 @@ def _pack_routing(p: _Prepared) -> None:
     p.datasets[S.ROUTING_PACKED["/routing/rollout"]] = routing_codec.pack_ids(rollout, bits)
     train = p.datasets.pop("/routing/train", None)
     if train is not None:
-        p.datasets[S.ROUTING_TRAIN_DIFFERS], p.datasets[S.ROUTING_TRAIN_ROWS] = \
+        p.datasets[S.ROUTING_TRAIN_DIFFERS], p.datasets[S.ROUTING_TRAIN_ROWS], p.datasets[S.ROUTING_TRAIN_HITS] = \
             routing_codec.encode_train(train, rollout, bits)
 
 

@@ -188,16 +188,17 @@ def _requests(session: Session, policy: SessionPolicy, body: dict[str, Any], pre
         raise ApiError(400, f"messages: the conversation renders to {len(prep.prompt_ids)} tokens; this "
                        f"session's context is {session.max_context_len} tokens", param="messages",
                        code="context_length_exceeded")
-    sp = dataclasses.replace(policy.sampling, max_new_tokens=min(requested or policy.max_tokens,
-                                                                 policy.max_tokens, room))
+    # One `replace` per request (each costs ~10 µs on the proxy's thread, per call).
+    fields: dict[str, Any] = {"max_new_tokens": min(requested or policy.max_tokens, policy.max_tokens, room)}
     if policy.honour_sampling:
-        sp = dataclasses.replace(sp, temperature=sp.temperature if temperature is None else temperature,
-                                 top_p=sp.top_p if top_p is None else top_p)
+        fields.update(temperature=policy.sampling.temperature if temperature is None else temperature,
+                      top_p=policy.sampling.top_p if top_p is None else top_p)
     base = policy.seed if policy.seed is not None else seed
     out = []
     for j in range(n):
         s = None if base is None else derive_seed(int(base), session.calls * MAX_N + j + 1)
-        out.append(GenerateRequest(input_ids=list(prep.prompt_ids), sampling_params=dataclasses.replace(sp, seed=s),
+        sp = dataclasses.replace(policy.sampling, **fields, seed=s)
+        out.append(GenerateRequest(input_ids=list(prep.prompt_ids), sampling_params=sp,
                                    return_logprob=True, return_routed_experts=bool(session.meta.get("routing")),
                                    routed_experts_start_len=prep.start_len,
                                    rid=f"{session.id}-{session.calls}-{j}-{uuid.uuid4().hex[:8]}",
@@ -208,6 +209,8 @@ def _requests(session: Session, policy: SessionPolicy, body: dict[str, Any], pre
 async def _generate(session: Session, requests: list[GenerateRequest]) -> list[GenerateResult]:
     futures = [asyncio.wrap_future(session.submit(r)) for r in requests]
     try:
+        if len(futures) == 1:  # the usual call (n = 1): no gathering future to build and wake
+            return [await futures[0]]
         return list(await asyncio.gather(*futures))
     except asyncio.CancelledError:
         raise _cancelled() from None

@@ -202,6 +202,43 @@ def packed_routing_rows(packed, bits, differs, rows, k, valid, has_valid, row_ag
     return r
 
 
+@njit(cache=True, nogil=True)
+def hits_routing_rows(differs, hits, k, valid, has_valid, row_agree, disagree, lost,
+                      row_layers):  # pragma: no cover - compiled
+    """``packed_routing_rows`` from the stored ``train_hits`` (|A ∩ B| of each marked row, written
+    with the trace): the same counts, no routing row read or decoded. Returns the stored counts
+    used, or −1 when a mark names a layer past L or a row past ``hits`` (a damaged file)."""
+    nt = differs.shape[0]
+    nl = disagree.shape[0]
+    nbytes = differs.shape[1]
+    r = 0
+    for t in range(nt):
+        counted = not has_valid or valid[t] != 0
+        every = True
+        agreeing = nl
+        for first in range(0, nbytes, 8):
+            m = _word_at(differs[t], first, min(8, nbytes - first), ~np.uint64(0))
+            while m != np.uint64(0):
+                layer = first * 8 + _lowest_bit(m)
+                m &= m - np.uint64(1)
+                if layer >= nl or r >= hits.shape[0]:
+                    return -1
+                h = np.int64(hits[r])
+                r += 1
+                if not counted:
+                    every = False
+                    agreeing -= 1
+                elif h != k:
+                    every = False
+                    agreeing -= 1
+                    disagree[layer] += 1
+                    lost[layer] += k - h
+        row_agree[t] = every
+        if row_layers.size:
+            row_layers[t] = agreeing
+    return r
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _unpack_ids(row, first, count, bits, mask, out, at):  # pragma: no cover - compiled
     """Ids ``first … first + count − 1`` of a packed row (groups of eight ids in ``bits`` bytes,

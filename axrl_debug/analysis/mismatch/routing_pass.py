@@ -37,7 +37,8 @@ def compare_rows(rr: np.ndarray, rt: np.ndarray, valid: np.ndarray, has_valid: b
 def compare_stream(rng: RoutingRange, valid: np.ndarray, has_valid: bool, row_agree: np.ndarray,
                    layer_agree: np.ndarray, layer_hits: np.ndarray, row_layers: np.ndarray = NO_COUNTS) -> None:
     """``compare_rows`` on a chunk's routing read piece by piece as stored (``rng``): packed pieces
-    of ids ≤ 8 bits through ``routing_kernels.packed_routing_rows`` (only the marked valid rows
+    with their stored agreement counts (``/routing/train_hits``) through
+    ``routing_kernels.hits_routing_rows`` (no routing row read); older packed pieces of ids ≤ 8 bits through ``routing_kernels.packed_routing_rows`` (only the marked valid rows
     decoded; a piece without such marks, as under R3, does not even read its rollout rows), others decoded
     (``RoutingPiece.arrays``) through ``routing_kernels.routing_rows``. ``row_layers`` (int32 [T],
     when not empty): the agreeing layers of each valid row (an invalid row's is not compared). A
@@ -50,7 +51,15 @@ def compare_stream(rng: RoutingRange, valid: np.ndarray, has_valid: bool, row_ag
         v = valid[p.start:p.stop] if has_valid else valid
         agree = row_agree[p.start:p.stop]
         counts = row_layers[p.start:p.stop] if row_layers.size else NO_COUNTS
-        if p.differs is not None and p.bits <= 8:
+        hits = p.hits if p.differs is not None else None
+        if hits is not None:
+            # the agreement stored at write time (/routing/train_hits): no routing row is read
+            used = kern.hits_routing_rows(p.differs, hits, k, v, has_valid, agree, disagree, lost, counts)
+            if used != hits.shape[0]:
+                raise CorruptStepError(f"{rng.stream.sf.path}: {hits.shape[0]} stored routing agreement counts for "
+                                       f"tokens {rng.token0 + p.start}:{rng.token0 + p.stop}, whose marks name "
+                                       f"{'others' if used < 0 else used}")
+        elif p.differs is not None and p.bits <= 8:
             # the rollout rows are read only when a valid row is marked (the comparison skips the
             # others): under R3 only the marks of the rows never fed to the model, if any
             marked = routing_codec.count_marks(p.differs[v != 0] if has_valid else p.differs)

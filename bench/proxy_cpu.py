@@ -1,0 +1,172 @@
+"""The recording proxy's own CPU per call, without an engine in the way: quiet and loaded.
+
+The proxy (`ProxyServer`) serves sessions whose engine answers at once (a stub returning a fixed
+32-token reply: no model, so the only CPU on the proxy's thread is the proxy's own — parsing the
+HTTP request and JSON, stitching the prompt onto the session's tokens, rendering the appended
+messages, recording the turn, building and sending the reply). `--sessions` agents, one after the
+other, each `--turns` chat calls (the conversation grows by the reply and a tool answer per turn),
+over keep-alive `http.client` connections from a process of their own. The figure is
+`ProxyServer.cpu_seconds()` (the server thread's CPU clock) over the calls.
+
+Two servers side by side, alternating per round: AxRL's (`axrl.agents.proxy.http_server`) and
+the same app under uvicorn's h11 protocol (what the proxy ran on before), so their ratio is
+measured under the same load. Two conditions: *quiet* (nothing of this bench runs besides the
+agents' process) and *loaded* (`--burners` processes spinning, default: one per core). The
+machine's 1-minute load average before each condition is reported beside it: on a shared box
+"quiet" is only as quiet as the others' jobs leave it.
+
+    OMP_NUM_THREADS=1 python bench/proxy_cpu.py [--rounds 5] [--sessions 32] [--turns 4]
+
+Last stdout line: one JSON object — `proxy_cpu_ms_per_call` (quiet, AxRL's server, median over
+rounds), `proxy_cpu_ms_per_call_loaded`, `uvicorn_cpu_ms_per_call` / `_loaded`,
+`cpu_ratio_vs_uvicorn` (quiet, paired per round), `load_average_1m_quiet` / `_loaded`,
+`cpu_count`, and whether every session recorded one chain of `--turns` turns (`recorded_ok`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+from axrl.agents.proxy import ProxyServer, SessionPolicy
+from axrl.inference.protocol import GenerateRequest, GenerateResult, SamplingParams
+from axrl.tokenizer import Tokenizer
+
+AGENT = r"""
+import http.client, json, sys
+port, specs, turns = int(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+for sid, key in specs:
+    conn = http.client.HTTPConnection("127.0.0.1", port)
+    msgs = [{"role": "system", "content": "You are a helpful assistant. Use the calculator."},
+            {"role": "user", "content": "What is 37 + 58? Think step by step."}]
+    for _ in range(turns):
+        conn.request("POST", f"/sessions/{sid}/v1/chat/completions",
+                     json.dumps({"model": "policy", "messages": msgs, "max_tokens": 48}),
+                     {"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        reply = json.loads(conn.getresponse().read())
+        msgs += [reply["choices"][0]["message"], {"role": "user", "content": "calculator: 46. Go on."}]
+    conn.close()
+"""
+
+
+class InstantEngine:
+    """Answers every request at once with the same reply (ids ending in the turn's end)."""
+
+    def __init__(self, reply: list[int]) -> None:
+        self.reply = reply
+
+    def __call__(self, request: GenerateRequest) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_result(GenerateResult(rid=request.rid, output_ids=list(self.reply),
+                                      output_logprobs=[-0.5] * len(self.reply), routed_experts=None,
+                                      finish_reason={"type": "stop", "matched": self.reply[-1]},
+                                      weight_version=0, output_weight_versions=[0] * len(self.reply),
+                                      prompt_tokens=len(request.input_ids)))
+        return fut
+
+
+def uvicorn_proxy(tok: Tokenizer) -> ProxyServer:
+    """A ProxyServer whose HTTP is served by uvicorn's h11 protocol (the server before)."""
+    import socket
+
+    import uvicorn
+
+    from axrl.agents.proxy.call_routes import CallRoutes
+    from axrl.agents.proxy.proxy_app import create_app
+    from axrl.inference.openai.http import OneSendH11Protocol
+
+    proxy = ProxyServer(tok, model_name="policy")
+    sock = socket.socket()
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind(("127.0.0.1", 0))
+    proxy.port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(CallRoutes(create_app(proxy.registry), proxy.registry),
+                                           log_level="warning", access_log=False, lifespan="off",
+                                           http=OneSendH11Protocol))
+    proxy._thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    proxy._thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    proxy._server = server  # type: ignore[assignment]
+    return proxy
+
+
+def one_round(proxy: ProxyServer, engine: InstantEngine, sessions: int, turns: int) -> tuple[float, bool]:
+    """(proxy CPU ms per call, every session recorded one chain of `turns` turns)."""
+    policy = SessionPolicy(sampling=SamplingParams(max_new_tokens=48), max_tokens=48)
+    opened = [proxy.open_session(engine, policy, max_context_len=4096) for _ in range(sessions)]
+    c0 = proxy.cpu_seconds()
+    subprocess.run([sys.executable, "-c", AGENT, str(proxy.port),
+                    json.dumps([[s.id, s.api_key] for s in opened]), str(turns)], check=True)
+    cpu = proxy.cpu_seconds() - c0
+    ok = all([t.parent for t in s.turns.values()] == [None, *range(1, turns)] for s in opened)
+    for s in opened:
+        proxy.close_session(s)
+    return 1e3 * cpu / (sessions * turns), ok
+
+
+def _spin(stop: multiprocessing.Event) -> None:
+    while not stop.is_set():
+        sum(range(10_000))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--sessions", type=int, default=32)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--burners", type=int, default=os.cpu_count() or 1, help="spinning processes when loaded")
+    args = ap.parse_args()
+    tok = Tokenizer.default()
+    engine = InstantEngine(tok.encode("Sure: 37 plus 58 is 95, so the answer is 95.")[:31] + tok.stop_token_ids[:1])
+    servers = {"axrl": ProxyServer(tok, model_name="policy").start(), "uvicorn": uvicorn_proxy(tok)}
+    out: dict[str, object] = {}
+    ok = True
+    for name, proxy in servers.items():  # warm both (imports, template compilation)
+        one_round(proxy, engine, 4, args.turns)
+    for condition in ("quiet", "loaded"):
+        stop = multiprocessing.Event()
+        burners = [multiprocessing.Process(target=_spin, args=(stop,), daemon=True)
+                   for _ in range(args.burners if condition == "loaded" else 0)]
+        for p in burners:
+            p.start()
+        time.sleep(1.0 if burners else 0.0)
+        load = os.getloadavg()[0]
+        per: dict[str, list[float]] = {n: [] for n in servers}
+        for _ in range(args.rounds):
+            for name, proxy in servers.items():
+                ms, good = one_round(proxy, engine, args.sessions, args.turns)
+                per[name].append(ms)
+                ok &= good
+        stop.set()
+        for p in burners:
+            p.join()
+        suffix = "" if condition == "quiet" else "_loaded"
+        out[f"proxy_cpu_ms_per_call{suffix}"] = statistics.median(per["axrl"])
+        out[f"uvicorn_cpu_ms_per_call{suffix}"] = statistics.median(per["uvicorn"])
+        out[f"cpu_ratio_vs_uvicorn{suffix}"] = statistics.median(a / b for a, b in zip(per["axrl"], per["uvicorn"]))
+        out[f"load_average_1m_{condition}"] = load
+        print(f"{condition} (load {load:.2f}): proxy CPU per call, ms — axrl {[round(x, 3) for x in per['axrl']]}, "
+              f"uvicorn {[round(x, 3) for x in per['uvicorn']]}", flush=True)
+    for proxy in servers.values():
+        if proxy is servers["uvicorn"]:
+            proxy._server.should_exit = True  # type: ignore[union-attr]
+        else:
+            proxy.stop()
+    out.update(cpu_count=os.cpu_count(), recorded_ok=ok, sessions=args.sessions, turns=args.turns)
+    print(json.dumps(out))
+    if not ok:
+        sys.exit("a session did not record one chain of its turns")
+
+
+if __name__ == "__main__":
+    main()
