@@ -16,8 +16,9 @@ pytest.importorskip("megatron.core")
 from replay.bisect import bisect_step  # noqa: E402
 from train_util import debug, train  # noqa: E402
 
-# One recorded step of the two-layer micro-moe model trained by Megatron (checkpoint before it).
-RUN = ["train.backend=megatron", "steps=1", "model.preset=micro-moe", "warmup.steps=30", "data.task=echo",
+# One recorded step of the two-layer micro-moe model trained by Megatron with R3 (the trainer replays
+# the rollout routing: bisect replays it as recorded), the checkpoint before it.
+RUN = ["train.backend=megatron", "r3=true", "steps=1", "model.preset=micro-moe", "warmup.steps=30", "data.task=echo",
        "data.task_args={}", "data.prompts_per_step=1", "rollout.group_size=2", "eval.every=0", "runtime.threads=1",
        "checkpoint.every=1", "rollout.max_new_tokens=8", "train.micro_batch_tokens=200"]
 EXPERT = (1, 2)  # (layer, expert) perturbed in the engine only
@@ -35,6 +36,7 @@ def test_megatron_trainer_side_bisects_clean_and_names_a_perturbed_expert(run):
     assert clean.exit_code == 0, clean.output
     doc = json.loads(clean.output)
     assert doc["first_divergence"] is None, doc["first_divergence"]
+    assert doc["r3"] is True
     assert doc["how"]["trainer"]["expert_out"].startswith("recomputed")  # said, as the engines say theirs
     ops = {(p["layer"], p["op"]) for p in doc["points"]}
     assert {(0, "attn"), (1, "expert_out"), (1, "topk_ids"), (-1, "logits"), (-1, "logprobs")} <= ops

@@ -85,6 +85,7 @@ class MegatronBackend:
     """
 
     probe_how = MEGATRON_HOW  # how `probe_forward` obtains each probe point (bisect prints it)
+    probe_observes_only = True  # `probe_forward`'s probes may not patch activations (explain does)
 
     def __init__(self, model: Qwen3ForCausalLM, config: MegatronBackendConfig | None = None, tokenizer: Any = None,
                  group: Callable[..., RankGroup] | None = None) -> None:

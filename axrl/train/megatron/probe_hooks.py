@@ -35,8 +35,9 @@ MEGATRON_HOW: dict[str, str] = {
     "router": "captured (the router's gating output)",
     "topk_ids": "captured (the router's RouterReplay indices: replayed under R3, else recorded)",
     "topk_weights": "captured (the router's probs gathered at topk_ids)",
-    "expert_out": "recomputed: each chosen expert (Megatron's own local_experts[e]) on the captured router input, "
-                  "unweighted (Megatron multiplies the routing weight inside the expert's activation)",
+    "expert_out": "recomputed: each chosen expert (Megatron's own module, SequentialMLP.local_experts) on the "
+                  "captured router input, unweighted (Megatron multiplies the routing weight inside the expert's "
+                  "activation)",
     "logprobs": "derived: log_softmax(logits / T), the sampler's formula",
 }
 
@@ -59,12 +60,18 @@ class _Emitter:
     def seq(self, point: str, layer: int, x: torch.Tensor) -> None:
         """[S, B, …] → [B, S, …]."""
         self.S, self.B = x.shape[0], x.shape[1]
-        self.probe.at(point, layer, x.detach().transpose(0, 1))
+        self._at(point, layer, x.detach().transpose(0, 1))
 
     def rows(self, point: str, layer: int, x: torch.Tensor) -> None:
         """Sequence-major rows [S·B, …] → batch-major rows [B·S, …]."""
         y = x.detach().reshape(self.S, self.B, *x.shape[1:]).transpose(0, 1).reshape(self.S * self.B, *x.shape[1:])
-        self.probe.at(point, layer, y)
+        self._at(point, layer, y)
+
+    def _at(self, point: str, layer: int, x: torch.Tensor) -> None:
+        # The hooks observe; a probe that patches (explain's substitutions) would be silently ignored.
+        if self.probe.at(point, layer, x) is not x:
+            raise ValueError(f"probe point {point!r} (layer {layer}): the Megatron backend's probe points only "
+                             "observe; patching activations needs train.backend: torch")
 
 
 def _layer_hooks(layer: torch.nn.Module, li: int, emit: _Emitter) -> list[Any]:
