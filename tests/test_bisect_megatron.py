@@ -2,7 +2,7 @@
 trainer side's probe points come from forward hooks on megatron-core's GPTModel
 (axrl/train/megatron/probe_hooks.py). A clean run bisects to no divergence with every op's size
 and floor reported; one expert perturbed in the engine's copy only is named with its layer,
-`expert_out` and that expert."""
+`expert_out` and that expert; the hooks leave the forward's bits alone."""
 
 from __future__ import annotations
 
@@ -13,7 +13,11 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
+import torch  # noqa: E402
+
 from replay.bisect import bisect_step  # noqa: E402
+from replay.bisect_capture import SampleProbe  # noqa: E402
+from replay.policy import policy_before  # noqa: E402
 from train_util import debug, train  # noqa: E402
 
 # One recorded step of the two-layer micro-moe model trained by Megatron with R3 (the trainer replays
@@ -55,3 +59,15 @@ def test_megatron_trainer_side_bisects_clean_and_names_a_perturbed_expert(run):
     first = bisect_step(run, 0, engine_weights=perturb).first_divergence()
     assert (first["layer"], first["op"], first.get("experts")) == (layer, "expert_out", [expert]), first
     assert first["size"] > 1e3 * first["floor"]
+
+    # the hooks only observe: logprobs and routing as `forward`'s, bit for bit
+    state = policy_before(run, 0)
+    try:
+        batch = state.recorded(0).batch
+        plain = state.backend.forward(batch, r3=True)
+        probe = SampleProbe(0, int(batch.lengths[0]))
+        probed = state.backend.probe_forward(batch, probe, r3=True)
+    finally:
+        state.close()
+    assert torch.equal(plain.logprobs, probed.logprobs) and torch.equal(plain.routed_experts, probed.routed_experts)
+    assert {(1, "expert_out"), (0, "topk_ids"), (-1, "logits")} <= set(probe.states)
