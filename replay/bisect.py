@@ -32,8 +32,8 @@ from axrl.assembly.build import make_engine_model
 from axrl.assembly.settings import routing_replay
 from axrl.model.probe_points import forward_order
 from axrl.trace import StepFile
-from replay.bisect_capture import (ENGINE_HOW, TRAINER_HOW, CacheFactory, engine_cache, engine_side, sample_contexts,
-                                   trainer64_side, trainer_side, unquantised)
+from replay.bisect_capture import (ENGINE_HOW, CacheFactory, engine_cache, engine_side, sample_contexts,
+                                   trainer64_side, trainer_how, trainer_side, unquantised)
 from replay.bisect_compare import PointDiff, Sides, agreeing_slots, compare_float, compare_ids, vocab_compare
 from replay.bisect_sglang import (FLOOR_HOW, SGLANG_HOW, dump_server_args, new_dump_dir, rewrite_weights,
                                    sglang_side)
@@ -179,7 +179,7 @@ def _bisect(state: PolicyState, step: int, sample: int | None, hook: WeightsHook
     result = BisectResult(
         run=str(state.inventory.run), step=step, sample_id=sid, engine="embedded", r3=bool(r3), points=points,
         first=first, routing=routing_at(points, first.layer) if first is not None and first.layer in moe else None,
-        vocab=vocab, how={"engine": ENGINE_HOW, "trainer": {"*": TRAINER_HOW}},
+        vocab=vocab, how={"engine": ENGINE_HOW, "trainer": trainer_how(backend)},
         generated=generated, notes=list(state.notes), timings=timings)
     result.fidelity = _fidelity(ep, ro)
     f = result.fidelity["engine_path_vs_rollout_logprob"]
@@ -268,7 +268,7 @@ def _bisect_server(engine: str, state: PolicyState, step: int, sample: int | Non
         run=str(state.inventory.run), step=step, sample_id=sid, engine=engine, r3=bool(r3), points=points,
         first=first, routing=routing_at(points, first.layer) if first is not None and first.layer in moe else None,
         vocab=vocab_compare(sides, ids), how={"engine": SGLANG_HOW if engine == "sglang" else VLLM_HOW,
-                                              "trainer": {"*": TRAINER_HOW}},
+                                              "trainer": trainer_how(backend)},
         generated=generated, notes=notes, timings=timings)
 
 def walk(sides: Sides, num_layers: int, moe: set[int]) -> list[PointDiff]:

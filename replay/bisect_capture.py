@@ -60,6 +60,12 @@ ENGINE_HOW: dict[str, str] = {
 TRAINER_HOW = "captured (axrl.model.ActivationProbe in the trainer's forward)"
 
 
+def trainer_how(backend: TrainBackend) -> dict[str, str]:
+    """How the trainer side's points are obtained: per point ("*" for the rest)."""
+    how = getattr(backend, "probe_how", None)  # a backend whose points are not all captured as such
+    return dict(how) if how else {"*": TRAINER_HOW}
+
+
 @dataclass
 class Side:
     """One computation of the sample: per (layer, point) a tensor [rows, ...] (float points NaN
@@ -115,7 +121,8 @@ def trainer_side(backend: TrainBackend, batch: PackedBatch, row: int, micro_batc
     n = int(batch.lengths[row])
     probe = SampleProbe(row - rng.start, n)
     if backend.probe_forward(sub, probe, r3=r3) is None:
-        raise ValueError("the run's train backend cannot hook its model (bisect needs train.backend: torch)")
+        raise ValueError("the run's train backend cannot hook its model (bisect needs train.backend: torch, or "
+                         "megatron at world size 1: tensor_parallel × data_parallel = 1)")
     side = Side("trainer", probe.states)
     _add_logprobs(side, batch.temperature)
     return side

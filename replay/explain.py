@@ -332,7 +332,7 @@ def _trainer_side(state: PolicyState, ch: _Chosen, say: Progress,
     say(f"trainer path: {ch.sub.num_samples} sample(s) in {len(ch.sub_row)} row(s), baseline + patches")
     base_probe = _TrainerProbe(capture={ch.sub_row[r] for r, _ in ch.keys})
     r3 = routing_replay(state.cfg)  # the trainer's forward as the loop ran it (R3 runs replay routing)
-    base = backend.probe_forward(ch.sub, base_probe, r3=r3)
+    base = None if getattr(backend, "probe_observes_only", False) else backend.probe_forward(ch.sub, base_probe, r3=r3)
     if base is None:
         raise ReplayInputError("the run's train backend cannot hook its model (explain needs train.backend: torch)")
     run = _TrainerRun(base, base_probe.states, _gap_at(base.logprobs, ch.sub, ch.in_sub(ch.keys), ch.engine_lp))

@@ -161,6 +161,10 @@ def _print(doc: dict[str, Any]) -> None:
     derived = {op: how for op, how in doc["how"]["engine"].items() if not how.startswith("captured")}
     out.print("engine-side points not captured as such: " + "; ".join(f"{op}: {how}" for op, how in derived.items()),
               highlight=False)
+    trainer = {op: how for op, how in doc["how"]["trainer"].items() if op != "*" and not how.startswith("captured")}
+    if trainer:  # Megatron's trainer side (axrl/train/megatron/probe_hooks.py)
+        out.print("trainer-side points not captured as such: " + "; ".join(f"{op}: {how}" for op, how in trainer.items()),
+                  highlight=False)
     out.print("size: the largest relative L2 difference ‖engine − trainer‖ / ‖trainer‖ over the positions; floor: "
               "the largest rounding noise of the two sides there, measured against float64 runs (SGLang: see the "
               "note) "

@@ -24,6 +24,7 @@ from axrl.train.fingerprint import weights_fingerprint
 from axrl.train.metrics import TOKEN_COLUMN_PREFIX, join_token_columns, reduce_microbatch_metrics
 from axrl.train.optim import lr_at
 from axrl.train.protocol import R3, AdamHyper, ForwardResult, Inspection, LossFn, PackedBatch, R3Scope, StepStats, TrainMetrics
+from axrl.train.megatron.probe_hooks import MEGATRON_HOW
 from axrl.train.megatron.rank import MegatronRank
 from axrl.train.megatron.rank_state import gather_moments, gather_weights, load_moments
 from axrl.train.megatron.shares import by_micro_batch, split_for_ranks
@@ -82,6 +83,9 @@ class MegatronBackend:
     trace, mismatch analysis and replay use either unchanged. Call `close()` (or let the process
     exit) to stop worker processes.
     """
+
+    probe_how = MEGATRON_HOW  # how `probe_forward` obtains each probe point (bisect prints it)
+    probe_observes_only = True  # `probe_forward`'s probes may not patch activations (explain does)
 
     def __init__(self, model: Qwen3ForCausalLM, config: MegatronBackendConfig | None = None, tokenizer: Any = None,
                  group: Callable[..., RankGroup] | None = None) -> None:
@@ -229,8 +233,25 @@ class MegatronBackend:
         return None
 
     def probe_forward(self, batch: PackedBatch, probe: Any, *, r3: R3 = False) -> ForwardResult | None:
-        """None: the ranks' GPTModel has no hook points (mismatch attribution needs the torch backend)."""
-        return None
+        """`forward` (current weights, the same micro-batches, unmerged: the points sit on the padded
+        layout) with `probe` at the probe points, by forward hooks on the GPTModel's modules
+        (`probe_hooks.py`). None when the ranks are worker processes (world size > 1): the hooks
+        cannot reach them."""
+        rank = getattr(self._group, "rank", None)
+        if rank is None:
+            return None
+        from axrl.train.megatron.probe_hooks import probe_shares
+        from axrl.train.megatron.shares import StepKnobs
+
+        k = self._knobs()
+        knobs = StepKnobs(dtype=k.dtype, micro_batch_tokens=k.micro_batch_tokens, micro_batch_size=k.micro_batch_size)
+        work = split_for_ranks(batch.to("cpu"), 1, knobs)[0]
+        parts = probe_shares(rank, work, self._use_r3(batch, r3), probe)
+        cat = lambda i: None if parts[0][i] is None else torch.cat([p[i] for p in parts])  # noqa: E731
+        dev = batch.input_ids.device
+        routing = cat(2)
+        return ForwardResult(logprobs=cat(0).to(dev), entropy=cat(1).to(dev),
+                             routed_experts=None if routing is None else routing.to(dev))
 
     # ------------------------------------------------------------------ weights
     def _hf_weights(self) -> dict[str, torch.Tensor]:
