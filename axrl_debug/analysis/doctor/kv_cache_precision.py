@@ -27,4 +27,4 @@ def detect(ctx: Context) -> list[Finding]:
         f"token (decode tokens: mean |Δ| {p.later_tokens:.3g}, each turn's first token: {p.first_token:.3g}; last vs "
         f"first quarter of positions {growth:.2f}×) with no routing, expert or first-token concentration: the "
         "engine computes attention from keys/values held at a lower precision",
-        f"axrl-debug replay {ctx.run} --step {p.steps[0]} --rollout", p.steps)]
+        f"axrl-debug bisect {ctx.run} --step {p.steps[0]}", p.steps)]   # names `attn` at the decode positions

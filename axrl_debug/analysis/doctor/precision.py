@@ -22,7 +22,8 @@ def detect(ctx: Context) -> list[Finding]:
         return [Finding("precision", 0.7, evidence,
                         f"every step is inside the {env.precision} rollout's envelope (mean |Δ| ≤ {env.mean_abs:.3g}): "
                         "the mismatch is that precision's rounding, uniform over tokens",
-                        ctx.cmd("mismatch"), ctx.steps)]
+                        # bisect shows which op's rounding carries it, against each op's own floor
+                        f"axrl-debug bisect {ctx.run} --step {worst}", ctx.steps)]
     return [Finding("within_envelope", 0.9, evidence,
                     f"every step's mismatch is inside the run's envelope (mean |Δ| ≤ {env.mean_abs:.3g}, "
                     f"max |Δ| ≤ {env.max_abs:.3g}, from {env.source})", ctx.cmd("summary"), ctx.steps)]
