@@ -230,7 +230,10 @@ class AxrlServer:
                 yield states
                 if all(done):
                     return
-                await asyncio.wait([f for f in futures if not f.done()], timeout=_STREAM_POLL_S)
+                pending = [f for f in futures if not f.done()]
+                if not pending:   # all finished while the consumer held the last states: send them
+                    continue
+                await asyncio.wait(pending, timeout=_STREAM_POLL_S)
                 if time.monotonic() - last_check > _DISCONNECT_POLL_S:
                     last_check = time.monotonic()
                     if await is_disconnected():
