@@ -26,6 +26,7 @@ import asyncio
 import atexit
 import hashlib
 import os
+import shutil
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -43,6 +44,15 @@ def library() -> Any:
     except ImportError:
         raise ValueError(f"a verifiers environment needs the verifiers package: pip install {PIN}") from None
     return vf
+
+
+def _uv_on_path() -> None:
+    """verifiers' chat harness runs under ``uv``: a ``uv`` installed beside this interpreter (the
+    ``test`` extra installs it into the environment) is found even when the environment's bin
+    folder is not on ``PATH`` (a venv's python run without activating it)."""
+    here = Path(sys.executable).parent
+    if shutil.which("uv") is None and (here / "uv").is_file():
+        os.environ["PATH"] = os.pathsep.join([str(here), os.environ.get("PATH", "")])
 
 
 def _import_spec(spec: str) -> Any:
@@ -83,7 +93,8 @@ class VerifiersEnvironment:
     def __init__(self, spec: str, env: Any) -> None:
         vf = library()
         if not isinstance(env, vf.Env):
-            raise ValueError(f"data.task_args.environment {spec!r}: got {type(env).__name__}, not a verifiers.v1 "
+            what = env.__name__ if isinstance(env, type) else type(env).__name__
+            raise ValueError(f"data.task_args.environment {spec!r}: got {what}, not a verifiers.v1 "
                              "Env (build one, e.g. vf.SingleAgentEnv(vf.SingleAgentEnvConfig(taskset={'id': ...})), "
                              "or name a function returning one)")
         self.spec, self.env, self.name = spec, env, env.config.env_id or spec
@@ -135,7 +146,7 @@ class VerifiersEnvironment:
                 atexit.register(self.close)
             return self._loop
 
-    def close(self, timeout: float = 30.0) -> None:
+    def close(self, timeout: float = 10.0) -> None:
         """Leave ``env.serving()`` (its interception server, its tool-server processes) and stop the loop."""
         loop, task = self._loop, self._serving
         if loop is None or task is None or loop.is_closed():
@@ -225,10 +236,10 @@ def load_environment(spec: str) -> VerifiersEnvironment:
     """The environment ``spec`` names (loaded once per process)."""
     with _LOADED_LOCK:
         if spec not in _LOADED:
-            library()
-            obj = _import_spec(spec)
             vf = library()
-            if callable(obj) and not isinstance(obj, vf.Env):
+            _uv_on_path()
+            obj = _import_spec(spec)
+            if callable(obj) and not isinstance(obj, (vf.Env, type)):  # a class is not a builder
                 try:
                     obj = obj()
                 except Exception as e:  # noqa: BLE001 — the user's builder: name it
