@@ -26,7 +26,7 @@ from axrl.agents.proxy import ProxyServer
 from axrl.agents.tasks.verifiers import make_task
 from axrl.agents.verifiers_env import load_environment, play as vf_play
 from axrl.inference.protocol import SamplingParams
-from axrl.rollout.blackbox import AgentSettings, BlackBoxPlayer
+from axrl.rollout.blackbox import AgentSettings, BlackBoxPlayer, returned_columns
 from train_util import debug, train
 
 pytestmark = pytest.mark.timeout(600)
@@ -58,12 +58,19 @@ def replies(run: Path, step: int, tok) -> tuple[list[str], np.ndarray, list[str]
     return texts, rewards, prompt_ids
 
 
-def library_reward(task, reply: str) -> float:
-    """The library's own scoring (`Task.score`, as its eval runs it) of a trace whose reply is `reply`."""
+def library_score(task, reply: str) -> tuple[float, dict[str, float]]:
+    """The library's own scoring (`Task.score`, as its eval runs it) of a trace whose reply is
+    `reply`: its reward and its weighted components."""
     trace = vf.Trace(task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
                      agent=vf.AgentInfo(config=vf.AgentConfig()), root_reply=reply)
     asyncio.run(task.score(trace))
-    return trace.reward
+    return trace.reward, {k: r.value for k, r in trace.rewards.items()}
+
+
+def components(run: Path, step: int) -> dict[str, np.ndarray]:
+    """The step's per-sample reward-component columns (`/samples/reward.NAME`)."""
+    with h5py.File(run / f"trace/step_{step:06d}.h5") as f:
+        return {k.removeprefix("reward."): f["samples"][k][:] for k in f["samples"] if k.startswith("reward.")}
 
 
 def test_single_turn_env_trains_and_the_trace_rewards_are_the_librarys(tmp_path, tok):
@@ -75,8 +82,17 @@ def test_single_turn_env_trains_and_the_trace_rewards_are_the_librarys(tmp_path,
     by_key = {t.key[:12]: t for t in env.tasks}
     for step in (0, 1):
         texts, rewards, prompt_ids = replies(run, step, tok)
-        expected = [library_reward(by_key[p.rsplit("-", 1)[1]], text) for p, text in zip(prompt_ids, texts)]
-        assert rewards.tolist() == pytest.approx(expected), (texts, rewards, expected)
+        expected = [library_score(by_key[p.rsplit("-", 1)[1]], text) for p, text in zip(prompt_ids, texts)]
+        assert rewards.tolist() == pytest.approx([r for r, _ in expected]), (texts, rewards, expected)
+        # the rubric's components, recorded per sample, are the library's too (and add up to the reward)
+        columns = components(run, step)
+        assert sorted(columns) == ["brief", "correct"]
+        for name, values in columns.items():
+            assert values.tolist() == pytest.approx([c[name] for _, c in expected]), (name, values, expected)
+        assert sum(columns.values()).tolist() == pytest.approx(rewards.tolist())
+        with h5py.File(run / f"trace/step_{step:06d}.h5") as f:   # the @vf.metric too
+            # (the harness's reply text may differ from the token decode by surrounding whitespace)
+            assert f["/samples/metric.reply_chars"][:] == pytest.approx([len(t) for t in texts], abs=1.0)
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["extra"]["task"] == "verifiers:verifiers_single (non-deterministic)"
     result = debug("mismatch", run, "--step", 1)
@@ -116,6 +132,7 @@ def test_a_tool_episode_is_multi_turn_through_the_session_and_scored_by_its_rubr
     # two model calls, stitched into one sample: the tool call, then the answer after the tool's result
     assert traj.num_turns == 2 and not traj.forks and len(engine.requests) == 2
     assert traj.reward == pytest.approx(1.2)  # correct (weight 1) + used_tool (weight 0.2)
+    assert traj.info["columns"] == pytest.approx({"reward.correct": 1.0, "reward.used_tool": 0.2}), traj.info
 
 
 BROKEN = '''
@@ -169,3 +186,12 @@ def test_a_raising_rubric_and_a_timeout_give_failed_samples(tmp_path, tok):
     assert "verifiers environment 'vf_raising_rubric'" in traj.error and "no such answer column" in traj.error
     traj = play(tok, task.prompt(0, 1), engine, timeout_s=0.05)
     assert traj.status == "failed" and traj.error.startswith("timeout"), traj.error
+
+
+def test_an_agent_function_returns_namespaced_numeric_columns_or_fails_the_episode():
+    assert returned_columns("42") == {} and returned_columns(None) == {} and returned_columns({"x": 1}) == {}
+    assert returned_columns({"columns": {"reward.ok": 1, "metric.n-2": 0.5}}) == {"reward.ok": 1.0, "metric.n-2": 0.5}
+    with pytest.raises(ValueError, match="column name 'reward'.*namespaced"):
+        returned_columns({"columns": {"reward": 1.0}})   # would be the trace's own /samples/reward
+    with pytest.raises(ValueError, match="column 'reward.ok' = 'yes': expected a number"):
+        returned_columns({"columns": {"reward.ok": "yes"}})

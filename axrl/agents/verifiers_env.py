@@ -86,6 +86,12 @@ class EpisodeResult:
     metrics: dict[str, float] = field(default_factory=dict)
     replies: list[str] = field(default_factory=list)
 
+    def columns(self) -> dict[str, float]:
+        """The trace's per-sample columns: ``reward.NAME`` (weighted: they add up to the reward)
+        and ``metric.NAME``."""
+        return {**{f"reward.{k}": v for k, v in self.rewards.items()},
+                **{f"metric.{k}": v for k, v in self.metrics.items()}}
+
 
 class VerifiersEnvironment:
     """A loaded environment: its tasks, and episodes run on its own serving event loop."""
@@ -203,15 +209,19 @@ class VerifiersEnvironment:
             what = "; ".join(f"{e.type}: {e.message}" for e in errors) or "no trace"
             raise RuntimeError(f"verifiers environment {self.name!r}: episode failed "
                                f"({', '.join(stops) or 'error'}): {what}"[:4000])
+        # Several agents' traces (a multi-agent Env): their mean, so the scale is one trace's (the
+        # weighted components then still add up to the reward).
+        n = len(episode.traces)
         rewards: dict[str, float] = {}
         metrics: dict[str, float] = {}
         for t in episode.traces:
             for name, r in t.rewards.items():
                 if r is not None:
-                    rewards[name] = rewards.get(name, 0.0) + r.value
-            metrics.update({k: float(v) for k, v in t.metrics.items() if v is not None})
-        # Several agents' traces (a multi-agent Env): their mean, so the scale is one trace's.
-        reward = sum(t.reward for t in episode.traces) / len(episode.traces)
+                    rewards[name] = rewards.get(name, 0.0) + r.value / n
+            for name, v in t.metrics.items():
+                if v is not None:
+                    metrics[name] = metrics.get(name, 0.0) + float(v) / n
+        reward = sum(t.reward for t in episode.traces) / n
         return EpisodeResult(reward=float(reward), rewards=rewards, metrics=metrics,
                              replies=[t.last_reply for t in episode.traces])
 
@@ -262,9 +272,11 @@ def active() -> VerifiersEnvironment:
     return load_environment(spec)
 
 
-def play(base_url: str, api_key: str, prompt: str) -> EpisodeResult:
+def play(base_url: str, api_key: str, prompt: str) -> dict[str, Any]:
     """``agent.function`` for verifiers environments: run the prompt's task through the session
-    at ``base_url`` and post the library's reward to the session."""
+    at ``base_url``, post the library's reward to the session; returns ``{"columns": ...}``, the
+    rubric's weighted components and the metrics, which AxRL records per sample
+    (``/samples/reward.NAME``, ``/samples/metric.NAME``), and ``"result"``, the ``EpisodeResult``."""
     import httpx
 
     env = active()
@@ -276,4 +288,4 @@ def play(base_url: str, api_key: str, prompt: str) -> EpisodeResult:
     reply = httpx.post(f"{root}/reward", json={"reward": result.reward},
                        headers={"Authorization": f"Bearer {api_key}"}, timeout=30)
     reply.raise_for_status()
-    return result
+    return {"columns": result.columns(), "result": result}
