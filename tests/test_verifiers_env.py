@@ -19,14 +19,17 @@ import h5py
 import numpy as np
 import pytest
 
-import verifiers.v1 as vf  # the test extra installs it: a broken install must fail, not skip
+# The test extra installs it. Without it the module is skipped, not a collection error that stops
+# the whole session; under CI=true / AXRL_STRICT_SKIPS=1 that skip (not in conftest's allow-list)
+# fails the run, so CI never passes without these tests.
+vf = pytest.importorskip("verifiers.v1", reason="verifiers==0.4.0 is not installed: pip install -e '.[test]'")
 
 from agent_util import ScriptedEngine
 from axrl.agents.proxy import ProxyServer
 from axrl.agents.tasks.verifiers import make_task
 from axrl.agents.verifiers_env import load_environment, play as vf_play
 from axrl.inference.protocol import SamplingParams
-from axrl.rollout.blackbox import AgentSettings, BlackBoxPlayer, returned_columns
+from axrl.rollout.blackbox import AgentSettings, BlackBoxPlayer
 from train_util import debug, train
 
 pytestmark = pytest.mark.timeout(600)
@@ -187,11 +190,3 @@ def test_a_raising_rubric_and_a_timeout_give_failed_samples(tmp_path, tok):
     traj = play(tok, task.prompt(0, 1), engine, timeout_s=0.05)
     assert traj.status == "failed" and traj.error.startswith("timeout"), traj.error
 
-
-def test_an_agent_function_returns_namespaced_numeric_columns_or_fails_the_episode():
-    assert returned_columns("42") == {} and returned_columns(None) == {} and returned_columns({"x": 1}) == {}
-    assert returned_columns({"columns": {"reward.ok": 1, "metric.n-2": 0.5}}) == {"reward.ok": 1.0, "metric.n-2": 0.5}
-    with pytest.raises(ValueError, match="column name 'reward'.*namespaced"):
-        returned_columns({"columns": {"reward": 1.0}})   # would be the trace's own /samples/reward
-    with pytest.raises(ValueError, match="column 'reward.ok' = 'yes': expected a number"):
-        returned_columns({"columns": {"reward.ok": "yes"}})
