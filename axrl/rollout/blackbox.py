@@ -2,7 +2,9 @@
 
 An episode is one run of the agent on one prompt: a command started once per episode (with
 `OPENAI_BASE_URL` / `OPENAI_API_KEY` — and `ANTHROPIC_BASE_URL` / `ANTHROPIC_API_KEY` — set to
-its own session, the prompt on stdin or as the last argument) or a Python callable `agent(base_url, api_key, prompt)` run in a thread. The agent
+its own session, the prompt on stdin or as the last argument) or a Python callable `agent(base_url, api_key, prompt)` run in a thread (which may return
+`{"columns": {name: number}}`: per-sample numbers, e.g. reward components, recorded as
+`/samples/<name>`). The agent
 knows nothing of AxRL; everything it asks the model goes through its session, whose calls go
 through this episode's engine handle — so the rollout worker's admission (the staleness bound),
 weight updates and partial-rollout policy treat it exactly like a white-box episode.
@@ -29,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -51,6 +54,7 @@ STDERR_TAIL_CHARS = 2000
 # (role, content, tool_calls [{name, arguments}], name), ending with the last model reply.
 Verifier = Callable[[Prompt, list[dict[str, Any]]], float]
 AgentFn = Callable[[str, str, str], Any]
+_COLUMN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
 
 class AgentSettings(Section):
@@ -207,6 +211,8 @@ class BlackBoxPlayer:
         for t in trajectories:
             t.info.update(agent_exit_code=outcome["exit_code"], agent_seconds=round(time.monotonic() - started, 3),
                           session_events=[dataclasses.asdict(e) for e in session.events])
+            if outcome.get("columns") and t.status != "failed":
+                t.info["columns"] = dict(outcome["columns"])   # recorded as /samples/<name>
         primary, *forks = trajectories
         primary.forks = forks
         return primary
@@ -216,14 +222,17 @@ class BlackBoxPlayer:
         base_url = self.proxy.base_url(session)
         if self.function is not None:
             try:
-                await asyncio.wait_for(asyncio.to_thread(self.function, base_url, session.api_key, text),
-                                       self.agent.timeout_s)
+                value = await asyncio.wait_for(asyncio.to_thread(self.function, base_url, session.api_key, text),
+                                               self.agent.timeout_s)
             except asyncio.TimeoutError:
                 return {"exit_code": None, "error": f"timeout: the agent ran past agent.timeout_s="
                                                     f"{self.agent.timeout_s:g} s", "stderr": ""}
             except Exception as e:  # noqa: BLE001 — the agent's failure is the episode's outcome
                 return {"exit_code": None, "error": f"agent raised {type(e).__name__}: {e}", "stderr": ""}
-            return {"exit_code": 0, "error": None, "stderr": ""}
+            try:
+                return {"exit_code": 0, "error": None, "stderr": "", "columns": returned_columns(value)}
+            except ValueError as e:
+                return {"exit_code": None, "error": str(e), "stderr": ""}
         env = {**os.environ, **self.agent.env, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": session.api_key,
                "OPENAI_MODEL": self.proxy.registry.model_name, "AXRL_SESSION_ID": session.id,
                # Anthropic's SDK appends /v1/messages itself: its base URL is the session's root
@@ -286,6 +295,26 @@ class BlackBoxPlayer:
                 t.status, t.finish_reason, t.error, t.reward = "failed", "failed", error, 0.0
                 t.turn_rewards = []   # a failed episode is scored 0, per turn too
         return trajectories
+
+
+def returned_columns(value: Any) -> dict[str, float]:
+    """The per-sample numbers an `agent.function` returned as `{"columns": {name: number}}` (any
+    other return value: none). Names are namespaced (`reward.correct`, `metric.turns`: a dot, and
+    letters, digits, `_`, `.`, `-`), so they never collide with the trace's own sample columns."""
+    if not isinstance(value, dict) or "columns" not in value:
+        return {}
+    columns = value["columns"]
+    if not isinstance(columns, dict):
+        raise ValueError(f"agent.function returned columns={columns!r}: expected a dict of name -> number")
+    out: dict[str, float] = {}
+    for name, v in columns.items():
+        if not isinstance(name, str) or "." not in name or not _COLUMN_NAME.match(name):
+            raise ValueError(f"agent.function returned the column name {name!r}: names are namespaced "
+                             "('reward.correct'; letters, digits, '_', '.', '-', with a dot)")
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"agent.function returned column {name!r} = {v!r}: expected a number")
+        out[name] = float(v)
+    return out
 
 
 def agent_argv(command: list[str]) -> list[str]:

@@ -173,6 +173,14 @@ def param_grad_norms(updates: list[UpdateResult]) -> tuple[list[str] | None, np.
     return names, np.asarray([list(u.stats.param_grad_norm.values()) for u in updates], np.float64)
 
 
+def agent_columns(trajs: list[Trajectory]) -> dict[str, np.ndarray]:
+    """Per-sample numbers an agent function returned (``t.info["columns"]``, e.g. a verifiers
+    environment's reward components ``reward.correct``): one column per name, NaN for samples
+    without it (failed episodes, forks of other sessions)."""
+    names = sorted({k for t in trajs for k in t.info.get("columns", {})})
+    return {k: np.asarray([t.info.get("columns", {}).get(k, np.nan) for t in trajs], np.float64) for k in names}
+
+
 def step_record(o: TrainedStep, rng_digest: str = "", routing: bool = True) -> StepRecord:
     """The step's trace record (schema: docs/trace-format.md); `routing=False` leaves out /routing."""
     trajs = o.processed.trajectories
@@ -190,6 +198,7 @@ def step_record(o: TrainedStep, rng_digest: str = "", routing: bool = True) -> S
                      "continuations": np.asarray([t.continuations for t in trajs], np.int32)}
     if o.processed.penalties is not None:
         extra_samples["overlong_penalty"] = o.processed.penalties
+    extra_samples.update(agent_columns(trajs))
     return StepRecord(
         step=o.step,
         policy_version=o.policy_version,
