@@ -13,6 +13,7 @@ engine that recorded the step ran something else, and each hypothesis says what:
 | stale_tensor | the named expert (or the layer) held at the first version, or at N − 1 |
 | kv_cache_precision | keys/values rounded through bf16 (then fp16) as they are stored |
 | logprob_semantics | the same tokens sampled, their logprobs reported at temperature 1 (the raw logits) |
+| context_mismatch | the recorded context (the trainer's own tokens: the clean re-run) vs each context variant (context_variants.py) given to the engine at every later turn |
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from axrl_debug.analysis.doctor.context import Context
 from axrl_debug.analysis.doctor.finding import Finding
 
 Say = Callable[[str], None]
-REEXECUTED = ("weights_out_of_sync", "stale_tensor", "kv_cache_precision", "logprob_semantics")
+REEXECUTED = ("weights_out_of_sync", "stale_tensor", "kv_cache_precision", "logprob_semantics", "context_mismatch")
 #: the logprob temperatures tried for `logprob_semantics` (1.0: logprobs of the unscaled logits, the
 #: common bug of an engine that applies the temperature only when it samples)
 LOGPROB_TEMPERATURES = (1.0,)
@@ -111,6 +112,12 @@ def _hypotheses(ctx: Context, f: Finding, step: int) -> list[tuple[str, Callable
         for t in LOGPROB_TEMPERATURES:
             out.append((f"the engine reported logprobs at temperature {t:g} (sampling unchanged)",
                         lambda t=t: _replay(ctx, step, patch=logprobs_at(t))))
+    elif f.cause == "context_mismatch":
+        from axrl_debug.analysis.doctor.context_variants import VARIANTS, engine_given
+        for name in VARIANTS:
+            out.append((f"the engine was given the context variant {name} at every later turn "
+                        "(the trainer's recorded context did not reproduce)",
+                        lambda name=name: _replay(ctx, step, patch=engine_given(name))))
     return out
 
 
