@@ -31,6 +31,9 @@ REEXECUTED = ("weights_out_of_sync", "stale_tensor", "kv_cache_precision", "logp
 #: the logprob temperatures tried for `logprob_semantics` (1.0: logprobs of the unscaled logits, the
 #: common bug of an engine that applies the temperature only when it samples)
 LOGPROB_TEMPERATURES = (1.0,)
+#: the share of its trace-only confidence a reading keeps when its re-execution was tried and failed
+#: (below UNEXPLAINED_CONFIDENCE for a weak reading: e.g. kv_cache_precision 0.65 → 0.39)
+FAILED_KEEP = 0.6
 
 
 def weights_at(run, step: int) -> dict[str, torch.Tensor]:
@@ -156,12 +159,33 @@ def test_hypotheses(ctx: Context, findings: list[Finding], say: Say) -> list[Fin
         elif clean["reproduced"]:  # the clean code reproduced the recording: the engine did its job
             f.confidence *= 0.3
             f.summary += ". Disproved as an engine fault: the clean re-run reproduces the recorded rollout"
-        elif tried:
-            f.confidence *= 0.8  # the engine ran something else, but not what this hypothesis says
     from axrl_debug.analysis.doctor.expert_search import search
     findings = search(ctx, findings, step, clean, _replay, weights_at, say)
     if any(f.proven for f in findings):  # a proof explains the recording: the other readings are weaker
         for f in findings:
             if not f.proven and f.cause in REEXECUTED:
                 f.confidence *= 0.5
+    else:
+        _demote_failed(findings)
     return findings
+
+
+def failed(f: Finding) -> bool:
+    """Re-executed and refuted: the engine ran something else than clean code (the clean re-run
+    diverged), but not what this reading says (none of its hypotheses reproduced the recording)."""
+    p = f.proof or {}
+    return bool(p.get("tested") and p.get("hypotheses") and not p.get("reproduced")
+                and not p.get("clean_replay", {}).get("reproduced"))
+
+
+def _demote_failed(findings: list[Finding]) -> None:
+    """A reading whose re-execution was tried and failed keeps FAILED_KEEP of its trace-only
+    confidence and ranks below every trace-only reading (one with no re-executable hypothesis): the
+    trace said "looks like X", the re-execution said "not X as far as tested" (router noise too small
+    to flip a route reads as a low-precision KV cache until both KV re-runs diverge)."""
+    others = [f.confidence for f in findings if not failed(f)]
+    for f in findings:
+        if failed(f):
+            f.confidence = min([f.confidence * FAILED_KEEP, *(c - 0.01 for c in others)])
+            f.summary += (". NOT reproduced by re-execution: " + "; ".join(
+                f"{t['hypothesis']} → {t['verdict']}" for t in f.proof["hypotheses"]))
