@@ -5,7 +5,9 @@ with the fault at decreasing magnitudes; each is diagnosed trace-only (`diagnose
 reexec=False)`, the dtype envelope: the strictest reading without re-execution) and the top cause is
 compared with the injected one. A clean control with the same settings is diagnosed first.
 
-    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python bench/doctor_zoo.py [--faults a,b] [--out DIR]
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python bench/doctor_zoo.py [--faults a,b] [--reexec] [--out DIR]
+
+With --reexec each run is also diagnosed with re-execution (the `doctor` default), column top_reexec.
 
 Prints one row per (fault, magnitude) and ends with one JSON line:
 {"doctor_zoo_smallest": {fault: smallest magnitude found or null}, "doctor_zoo_rows": [...],
@@ -36,6 +38,8 @@ SWEEPS = {
     "skipped_sync": ("weights_out_of_sync", [(m, lambda m=m: fz.skipped_sync(1, scale=m)) for m in (1.0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6)]),
     "prefill_decode": ("prefill_decode", [(m, lambda m=m: fz.prefill_perturbation(m)) for m in (1e-3, 1e-4, 1e-5, 3e-6, 1e-6)]),
     "router_noise": ("routing_flips", [(m, lambda m=m: fz.router_noise(m)) for m in (5e-2, 1e-2, 1e-3, 3e-4, 1e-4)]),
+    "context_drift": ("context_mismatch", [(v, lambda v=v: fz.context_drift(v)) for v in
+                                           ("generation_prompt_rerendered", "previous_reply_close_rerendered")]),
     "kv_cache": ("kv_cache_precision", [("bf16", lambda: fz.kv_cache_dtype(torch.bfloat16)),
                                         ("fp16", lambda: fz.kv_cache_dtype(torch.float16))]),
     # the run samples at temperature 0.7; the engine reports its logprobs at T (the magnitude)
@@ -46,14 +50,16 @@ SWEEPS = {
 }
 
 
-def top_of(run: Path) -> tuple[str, list[int]]:
-    report = diagnose(run, rescore=False, reexec=False)
+def top_of(run: Path, reexec: bool = False) -> tuple[str, list[int]]:
+    report = diagnose(run, rescore=False, reexec=reexec)
     return report["top"], report["flagged_steps"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--faults", default=",".join(SWEEPS), help="comma-separated subset of " + ", ".join(SWEEPS))
+    ap.add_argument("--reexec", action="store_true",
+                    help="also diagnose every run with re-execution (the `doctor` default): column top_reexec")
     ap.add_argument("--out", type=Path, default=None, help="where the runs go (default: a temporary directory)")
     args = ap.parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="doctor_zoo_"))
@@ -74,7 +80,11 @@ def main() -> None:
             found = top == cause
             rows.append({"fault": fault, "magnitude": label, "expected": cause, "top": top, "found": found,
                          "flagged_steps": flagged})
-            print(f"{fault:24s} {str(label):>18s}  top={top:20s} {'FOUND' if found else 'missed'}", flush=True)
+            extra = ""
+            if args.reexec:
+                rows[-1]["top_reexec"] = top_of(run, reexec=True)[0]
+                extra = f"  re-executed: top={rows[-1]['top_reexec']}"
+            print(f"{fault:24s} {str(label):>18s}  top={top:20s} {'FOUND' if found else 'missed'}{extra}", flush=True)
             if not found:
                 break   # magnitudes decrease: smaller ones are not tried
             smallest[fault] = label

@@ -138,6 +138,15 @@ def logprob_temperature(temperature: float = 1.0):
     return logprobs_at(temperature)
 
 
+def context_drift(variant: str = "generation_prompt_rerendered"):
+    """The engine is given another context than the trainer trains on: at every turn after the
+    first, the request's tokens are rewritten by `variant` (axrl_debug/analysis/doctor/
+    context_variants.py, e.g. the generation prompt re-rendered) while the trajectory, hence the
+    trace, keeps the original stream."""
+    from axrl_debug.analysis.doctor.context_variants import engine_given
+    return engine_given(variant)
+
+
 class _RouterNoise:
     """An activation probe that adds Gaussian noise to router logits (every other point untouched)."""
 
@@ -204,6 +213,7 @@ FAULTS: dict[str, tuple[Callable[[float], Any], str, float]] = {
     "router_noise": (lambda m: router_noise(m), "routing_flips", 0.05),
     "unmasked_observations": (lambda m: unmasked_observations(), "masking", 1.0),
     "logprob_temperature": (lambda m: logprob_temperature(m), "logprob_semantics", 1.0),
+    "context_drift": (lambda m: context_drift(), "context_mismatch", 1.0),
 }
 
 

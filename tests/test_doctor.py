@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 import fault_zoo as fz
-from axrl_debug.analysis.doctor import CAUSES, diagnose
+from axrl_debug.analysis.doctor import CAUSES, Finding, diagnose
 from axrl_debug.cli import app as debug_app
 
 #: the fast zoo: (injector, expected top cause) — two steps each, so a sync has happened; the
@@ -126,7 +126,44 @@ def test_reads_the_sync_sentinels_events_and_floor_when_present(zoo, tmp_path):
     (run / "events.jsonl").write_text(json.dumps({"event": "step_done"}) + "\n" + json.dumps(event) + "\n")
     report = diagnose(run, rescore=False, reexec=False)
     assert report["envelope"]["source"] == "sentinel" and report["envelope"]["floor_max_abs"] == 2e-6
+    # the probe measures a max: the mean bound stays the dtype's (4 fp32 ulps), not 4 × the probe max
+    assert report["envelope"]["mean_abs"] == 4 * 2.0 ** -23
     top = report["findings"][0]
     assert top["cause"] == "stale_tensor" and top["steps"] == [1]
     assert (top["evidence"]["layer"], top["evidence"]["expert"]) == (1, 3)
     assert top["next_command"] == f"axrl-debug bisect {run} --step 1"
+
+
+def test_a_reading_refuted_by_reexecution_ranks_below_trace_only_ones():
+    """A reading whose re-execution diverged (clean re-run and every hypothesis) keeps 60 % of its
+    confidence and drops below a reading that has no re-executable hypothesis."""
+    from axrl_debug.analysis.doctor.hypotheses import _demote_failed
+
+    diverged = {"reproduced": False, "verdict": "diverged", "first_divergence": "token 3"}
+    kv = Finding("kv_cache_precision", 0.65, {}, "kv", "cmd", [0],
+                 proof={"tested": True, "reproduced": False, "clean_replay": diverged,
+                        "hypotheses": [{"hypothesis": "bf16 KV", **diverged}]})
+    prefill = Finding("prefill_decode", 0.35, {}, "prefill", "cmd", [0])
+    _demote_failed([kv, prefill])
+    assert kv.confidence < prefill.confidence and "NOT reproduced" in kv.summary
+    alone = Finding("kv_cache_precision", 0.65, {}, "kv", "cmd", [0], proof=dict(kv.proof))
+    _demote_failed([alone])
+    assert alone.confidence == pytest.approx(0.39)   # below `unexplained` (0.4): diagnose names no guess
+
+
+def test_context_variant_rewrites_later_turns_only(monkeypatch):
+    """The context_drift injector / context_mismatch hypothesis: the engine is given a same-length
+    rewrite of every later turn's request; the first turn's request is untouched."""
+    from axrl.inference.embedded.engine import EmbeddedEngine
+    from axrl.inference.protocol import GenerateRequest
+    from axrl_debug.analysis.doctor.context_variants import engine_given
+
+    seen = []
+    monkeypatch.setattr(EmbeddedEngine, "_enqueue", lambda self, reqs: seen.extend(reqs) or [])
+    with engine_given("generation_prompt_rerendered"):
+        EmbeddedEngine._enqueue(None, [GenerateRequest([5, 6, 7], sticky_key="a")])
+        EmbeddedEngine._enqueue(None, [GenerateRequest([5, 6, 7, 8, 9], sticky_key="a")])
+    assert [r.input_ids for r in seen] == [[5, 6, 7], [5, 6, 7, 8, 5]]
+    with pytest.raises(ValueError, match="context variant 'nope'"):
+        with engine_given("nope"):
+            pass

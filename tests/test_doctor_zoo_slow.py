@@ -1,5 +1,6 @@
 """The larger fault zoo (`-m slow`): a prefill/decode perturbation, router noise with R3 off,
-logprobs reported at another temperature (proven by re-execution),
+logprobs reported at another temperature and a context rewritten at later turns (both proven by
+re-execution),
 asynchronous staleness, a stale expert in another model
 (tiny-moe: 4 layers, 8 experts; localised by re-execution), small-magnitude faults, and clean controls over a second seed,
 the other preset and an asynchronous run — the top finding is the injected cause with the right
@@ -28,6 +29,7 @@ CASES = {
     "stale_expert_10pct": (lambda: fz.stale_expert(1, 2, scale=0.1), [], 2, "stale_tensor"),
     "skipped_sync_10pct": (lambda: fz.skipped_sync(1, scale=0.1), [], 2, "weights_out_of_sync"),
     "logprob_temperature": (lambda: fz.logprob_temperature(1.0), [], 2, "logprob_semantics"),
+    "context_drift": (fz.context_drift, [], 1, "context_mismatch"),
 }
 
 
@@ -51,3 +53,8 @@ def test_slow_zoo(tmp_path, case):
     if case == "logprob_temperature":   # re-executed: logprobs at temperature 1 reproduce the recording bitwise
         proven = diagnose(run, step=0, rescore=False)["findings"][0]
         assert proven["cause"] == "logprob_semantics" and proven["proven"], proven["proof"]
+    if case == "context_drift":   # re-executed: the recorded context diverges, the rewritten one reproduces
+        proven = diagnose(run, step=0, rescore=False)["findings"][0]
+        assert proven["cause"] == "context_mismatch" and proven["proven"], proven["proof"]
+        assert not proven["proof"]["clean_replay"]["reproduced"]
+        assert "generation_prompt_rerendered" in proven["proof"]["hypothesis"]

@@ -9,7 +9,8 @@ The envelope is derived per run, from the trace, by the best available source:
   dtype (``replay.rollout.teacher_forced_check``), and set beside the trainer's logprobs. That
   difference is the floor *by construction* — whatever an injected or real fault did to the
   recorded rollout, the re-execution runs clean code on the right weights.
-* ``sentinel``: the calibrated probe floor the live sync sentinel wrote into the manifest, if any.
+* ``sentinel``: the calibrated probe floor the live sync sentinel wrote into the manifest, if any:
+  its max |Δ| bounds a step's max; the mean bound stays the dtype's.
 * ``dtype`` (imported runs, runs that cannot be replayed): 4 ulps of the rollout precision for the
   mean |Δ| (the spike detector's rounding bound: healthy fp32 runs measure 0.2–1.3 ulps).
 
@@ -38,7 +39,7 @@ MARGIN = 4.0
 MAX_MARGIN = 8.0
 DTYPE_ULPS = 4.0
 CACHE = Path("doctor") / "envelope.json"
-VERSION = 1
+VERSION = 2   # 2: the sentinel source bounds the max only
 
 
 @dataclass
@@ -104,9 +105,10 @@ def sentinel_floor(manifest: dict[str, Any]) -> dict[str, float] | None:
     entry = manifest.get("sync_sentinel")
     floor = entry.get("floor") if isinstance(entry, dict) else None
     if isinstance(floor, dict) and isinstance(floor.get("logprob_max_abs"), (int, float)):
-        # axrl/sync writes the probe's max |Δ| only: it bounds the mean too (a loose, never-false-alarm mean)
-        mx = float(floor["logprob_max_abs"])
-        return {"mean_abs": mx, "max_abs": mx}
+        # axrl/sync writes the probe's max |Δ| only. It bounds the step's max, not its mean: taken as
+        # the mean floor too it made the mean bound 10–100× the dtype's and hid router noise and other
+        # faults the engine has from its first weights on (the probe calibrates on that engine)
+        return {"max_abs": float(floor["logprob_max_abs"])}
     return None
 
 
@@ -139,8 +141,11 @@ def calibrate(run: Path, config: dict[str, Any] | None, manifest: dict[str, Any]
     else:
         why = NOT_ASKED
     floor = sentinel_floor(manifest)
-    if floor is not None:
-        return from_measurement(precision, floor["mean_abs"], floor["max_abs"], "sentinel", {"why_not_rescore": why})
+    if floor is not None:   # the mean bound stays the dtype's (see sentinel_floor)
+        base = dtype_envelope(precision)
+        return Envelope(precision, base.mean_abs, max(MAX_MARGIN * floor["max_abs"], base.max_abs), "sentinel",
+                        base.floor_mean_abs, floor["max_abs"],
+                        calibration={"why_not_rescore": why, "mean_bound": "dtype (the probe measures a max only)"})
     env = dtype_envelope(precision)
     env.calibration["why_not_rescore"] = why
     return env

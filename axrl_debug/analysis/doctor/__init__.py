@@ -32,6 +32,9 @@ from axrl_debug.analysis.envelope import Envelope, load_or_calibrate
 
 __all__ = ["CAUSES", "Finding", "diagnose", "judge_steps"]
 
+#: the confidence of `unexplained`: a reading below it (e.g. one refuted by re-execution) is not named
+UNEXPLAINED_CONFIDENCE = 0.4
+
 #: the signature families, in the order they are asked (ranking is by confidence afterwards)
 FAMILIES = (sentinel_events, masking, context_mismatch, staleness, prefill_decode, routing_flips, stale_tensor,
             weights_out_of_sync, kv_cache_precision, logprob_semantics)
@@ -85,6 +88,8 @@ def diagnose(run: Path, *, step: int | None = None, rescore: bool = True, reexec
         from axrl_debug.analysis.doctor.hypotheses import test_hypotheses
         say("testing the suspected causes by re-execution")
         findings = rank(test_hypotheses(ctx, findings, say))
+        if ctx.flagged and not findings[0].proven and findings[0].confidence < UNEXPLAINED_CONFIDENCE:
+            findings = [_unexplained(ctx, findings), *findings]   # every reading refuted or weak: say so
     if validate:
         from axrl_debug.analysis.doctor.validate import validate_findings
         say("measuring mitigations")
@@ -95,10 +100,15 @@ def diagnose(run: Path, *, step: int | None = None, rescore: bool = True, reexec
             "findings": [f.to_dict() for f in findings], "top": findings[0].cause}
 
 
-def _unexplained(ctx: Context) -> Finding:
-    """Flagged steps no family explains: the weakest reading, pointing at the localising tools."""
+def _unexplained(ctx: Context, refuted: list[Finding] | None = None) -> Finding:
+    """Flagged steps no family explains (or whose readings re-execution refuted): say so and point at
+    the localising tool rather than name a guess."""
     s = ctx.flagged[0]
-    return Finding("weights_out_of_sync" if not ctx.profile.before_first_sync else "precision", 0.2,
-                   {"flagged_steps": ctx.flagged, "profile": "no family's signature matched"},
-                   f"steps {ctx.flagged} are outside the envelope but no signature matches; localise with bisect",
+    if refuted:
+        why = ("the best readings were re-executed and not reproduced: "
+               + ", ".join(f"{f.cause} ({f.confidence:.2f})" for f in refuted[:3]))
+    else:
+        why = "no family's signature matched"
+    return Finding("unexplained", UNEXPLAINED_CONFIDENCE, {"flagged_steps": ctx.flagged, "profile": why},
+                   f"steps {ctx.flagged} are outside the envelope and {why}; localise with bisect",
                    f"axrl-debug bisect {ctx.run} --step {s}", ctx.flagged)

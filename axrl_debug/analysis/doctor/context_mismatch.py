@@ -1,6 +1,9 @@
 """`context_mismatch`: the engine conditioned on other tokens than the trainer trains on —
-re-tokenisation or template re-rendering (the trace's `/tokens/drift` flags), black-box drift spans —
-and the mismatch sits on the drifted samples."""
+re-tokenisation or template re-rendering (the trace's `/tokens/drift` flags), black-box drift spans,
+or, with no drift recorded, Δ that starts after the first turn boundary: every sample's first turn
+is inside the envelope (the engine computed right on the context it built itself) and the turns it
+was given a context assembled by the agent are not. Re-executed in hypotheses.py: the recorded
+context (the trainer's tokens) vs the context variants of context_variants.py."""
 
 from __future__ import annotations
 
@@ -11,6 +14,11 @@ from axrl_debug.analysis.doctor.finding import Finding
 
 
 def detect(ctx: Context) -> list[Finding]:
+    return _drift(ctx) + _turn_boundary(ctx)
+
+
+def _drift(ctx: Context) -> list[Finding]:
+    """The trace flags drift spans: compare Δ on the drifted samples with the others."""
     drifted, in_drift, clean, steps = 0, [], [], []
     for s in ctx.steps:
         v = ctx.views[s]
@@ -35,3 +43,19 @@ def detect(ctx: Context) -> list[Finding]:
         f"{drifted} tokens of the trained streams differ from what the engine was given (drift); "
         f"mean |Δ| on those samples {a:.3g} vs {b:.3g} elsewhere",
         ctx.cmd("summary"), steps)]
+
+
+def _turn_boundary(ctx: Context) -> list[Finding]:
+    """No drift recorded: Δ inside the envelope on every first turn, outside after the boundary."""
+    p = ctx.profile
+    if p is None or not p.after_turn_boundary(ctx.floor()):
+        return []
+    return [Finding(
+        "context_mismatch", 0.8,
+        {"first_turn_mean_abs": p.first_turn, "later_turns_mean_abs": p.later_turns,
+         "later_turns_first_token_mean_abs": p.later_first_token, "floor_mean_abs": ctx.floor()},
+        f"every sample's first turn is inside the envelope (mean |Δ| {p.first_turn:.3g}) and the turns after a "
+        f"turn boundary are not ({p.later_turns:.3g}; their first tokens {p.later_first_token:.3g}): the engine "
+        "conditioned on another context than the stream the trainer trains on (template re-rendering, "
+        "re-tokenisation, truncation)",
+        f"axrl-debug replay {ctx.run} --step {p.steps[0]} --rollout", p.steps)]

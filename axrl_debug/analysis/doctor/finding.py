@@ -18,6 +18,8 @@ CAUSES = {
     "logprob_semantics": "the engine's logprobs are of another distribution (temperature, top-p/top-k, penalties)",
     "precision": "low-precision rollout: a uniform error inside that precision's envelope",
     "within_envelope": "nothing wrong: every step's mismatch is inside the run's calibrated envelope",
+    "unexplained": "outside the envelope, but no signature matches or every re-executed reading failed to "
+                   "reproduce the recording: localise it with bisect",
 }
 
 

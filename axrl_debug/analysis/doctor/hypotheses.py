@@ -13,6 +13,7 @@ engine that recorded the step ran something else, and each hypothesis says what:
 | stale_tensor | the named expert (or the layer) held at the first version, or at N − 1 |
 | kv_cache_precision | keys/values rounded through bf16 (then fp16) as they are stored |
 | logprob_semantics | the same tokens sampled, their logprobs reported at temperature 1 (the raw logits) |
+| context_mismatch | the recorded context (the trainer's own tokens: the clean re-run) vs each context variant (context_variants.py) given to the engine at every later turn |
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ from axrl_debug.analysis.doctor.context import Context
 from axrl_debug.analysis.doctor.finding import Finding
 
 Say = Callable[[str], None]
-REEXECUTED = ("weights_out_of_sync", "stale_tensor", "kv_cache_precision", "logprob_semantics")
+REEXECUTED = ("weights_out_of_sync", "stale_tensor", "kv_cache_precision", "logprob_semantics", "context_mismatch")
 #: the logprob temperatures tried for `logprob_semantics` (1.0: logprobs of the unscaled logits, the
 #: common bug of an engine that applies the temperature only when it samples)
 LOGPROB_TEMPERATURES = (1.0,)
+#: the share of its trace-only confidence a reading keeps when its re-execution was tried and failed
+#: (below UNEXPLAINED_CONFIDENCE for a weak reading: e.g. kv_cache_precision 0.65 → 0.39)
+FAILED_KEEP = 0.6
 
 
 def weights_at(run, step: int) -> dict[str, torch.Tensor]:
@@ -111,6 +115,12 @@ def _hypotheses(ctx: Context, f: Finding, step: int) -> list[tuple[str, Callable
         for t in LOGPROB_TEMPERATURES:
             out.append((f"the engine reported logprobs at temperature {t:g} (sampling unchanged)",
                         lambda t=t: _replay(ctx, step, patch=logprobs_at(t))))
+    elif f.cause == "context_mismatch":
+        from axrl_debug.analysis.doctor.context_variants import VARIANTS, engine_given
+        for name in VARIANTS:
+            out.append((f"the engine was given the context variant {name} at every later turn "
+                        "(the trainer's recorded context did not reproduce)",
+                        lambda name=name: _replay(ctx, step, patch=engine_given(name))))
     return out
 
 
@@ -149,12 +159,33 @@ def test_hypotheses(ctx: Context, findings: list[Finding], say: Say) -> list[Fin
         elif clean["reproduced"]:  # the clean code reproduced the recording: the engine did its job
             f.confidence *= 0.3
             f.summary += ". Disproved as an engine fault: the clean re-run reproduces the recorded rollout"
-        elif tried:
-            f.confidence *= 0.8  # the engine ran something else, but not what this hypothesis says
     from axrl_debug.analysis.doctor.expert_search import search
     findings = search(ctx, findings, step, clean, _replay, weights_at, say)
     if any(f.proven for f in findings):  # a proof explains the recording: the other readings are weaker
         for f in findings:
             if not f.proven and f.cause in REEXECUTED:
                 f.confidence *= 0.5
+    else:
+        _demote_failed(findings)
     return findings
+
+
+def failed(f: Finding) -> bool:
+    """Re-executed and refuted: the engine ran something else than clean code (the clean re-run
+    diverged), but not what this reading says (none of its hypotheses reproduced the recording)."""
+    p = f.proof or {}
+    return bool(p.get("tested") and p.get("hypotheses") and not p.get("reproduced")
+                and not p.get("clean_replay", {}).get("reproduced"))
+
+
+def _demote_failed(findings: list[Finding]) -> None:
+    """A reading whose re-execution was tried and failed keeps FAILED_KEEP of its trace-only
+    confidence and ranks below every trace-only reading (one with no re-executable hypothesis): the
+    trace said "looks like X", the re-execution said "not X as far as tested" (router noise too small
+    to flip a route reads as a low-precision KV cache until both KV re-runs diverge)."""
+    others = [f.confidence for f in findings if not failed(f)]
+    for f in findings:
+        if failed(f):
+            f.confidence = min([f.confidence * FAILED_KEEP, *(c - 0.01 for c in others)])
+            f.summary += (". NOT reproduced by re-execution: " + "; ".join(
+                f"{t['hypothesis']} → {t['verdict']}" for t in f.proof["hypotheses"]))

@@ -18,6 +18,8 @@ def detect(ctx: Context) -> list[Finding]:
     conf = 0.5 + 0.1 * decode_heavier + 0.15 * (growth >= 1.5) + 0.05 * (p.agree is None or p.agree > ctx.floor())
     if p.flip_share is not None and p.flip_share > 0.4:  # the error sits where routing flipped: routing_flips
         conf -= 0.2
+    if p.after_turn_boundary(ctx.floor()):  # a low-precision cache errs in the first turn too
+        conf -= 0.3
     return [Finding(
         "kv_cache_precision", conf,
         {"mean_abs_first_quarter_positions": p.early, "mean_abs_last_quarter_positions": p.late,

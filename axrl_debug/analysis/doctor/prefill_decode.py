@@ -19,6 +19,8 @@ def detect(ctx: Context) -> list[Finding]:
         return []
     later_inside = p.later_tokens <= ctx.floor()
     conf = min(0.95, 0.6 + 0.05 * min(r, 6.0) + (0.05 if later_inside else 0.0))
+    if p.after_turn_boundary(ctx.floor()):  # a prefill fault hits the first turn's first token too
+        conf -= 0.3
     return [Finding(
         "prefill_decode", conf,
         {"first_token_mean_abs": p.first_token, "decode_tokens_mean_abs": p.later_tokens, "ratio": r,

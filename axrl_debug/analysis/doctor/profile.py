@@ -31,6 +31,16 @@ class Profile:
     sign_consistency: float = math.nan   # |mean Δ| / mean |Δ|
     prob_corr: float = math.nan          # Pearson r of Δ with the rollout logprob
     before_first_sync: bool = False      # a flagged step ran the initial weights (policy version 0)
+    first_turn: float = math.nan         # mean |Δ| of the tokens generated in each sample's first turn
+    later_turns: float = math.nan        # … in the turns after it (the engine was given a context built
+    later_first_token: float = math.nan  # by the agent: earlier replies + observations); their first tokens
+
+    def after_turn_boundary(self, floor: float) -> bool:
+        """The first turn is inside the envelope and the later turns are not: the engine computed right
+        on the context it built itself and went wrong where it was given one assembled for it (an
+        engine-side fault — weights, KV cache, prefill, router — hits the first turn as well)."""
+        return (math.isfinite(self.first_turn) and math.isfinite(self.later_turns)
+                and self.first_turn <= floor < self.later_turns)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -53,6 +63,10 @@ def build(ctx: Context, steps: list[int]) -> Profile:
                 float(d[first].sum() / total) if total > 0 else 0.0,
                 mean(d[ok & (ap <= q[0])]), mean(d[ok & (ap >= q[1])]))
     p.before_first_sync = any(ctx.views[s].policy_version == 0 for s in steps)
+    turn = ctx.pooled(steps, lambda v: v.turn.astype(np.int64))
+    first_turn = ctx.pooled(steps, _first_generated_turn)
+    p.first_turn, p.later_turns = mean(d[ok & (turn == first_turn)]), mean(d[ok & (turn > first_turn)])
+    p.later_first_token = mean(d[first & (turn > first_turn)])
     if ok.sum() > 2:
         r = raw[ok]
         p.sign_consistency = abs(float(r.mean())) / max(float(np.abs(r).mean()), 1e-30)
@@ -60,6 +74,18 @@ def build(ctx: Context, steps: list[int]) -> Profile:
             p.prob_corr = float(np.corrcoef(r, lp[ok])[0, 1])
     _routing(ctx, steps, d, ok, rp > 0, p, floor)
     return p
+
+
+def _first_generated_turn(v) -> np.ndarray:
+    """Per token: the turn of its sample's first generated token (−1 where the sample has none)."""
+    gen = v.generated
+    out = np.full(len(v.ids), -1, np.int64)
+    for r in range(len(v.offsets) - 1):
+        a, b = int(v.offsets[r]), int(v.offsets[r + 1])
+        g = np.flatnonzero(gen[a:b])
+        if len(g):
+            out[a:b] = int(v.turn[a + g[0]])
+    return out
 
 
 def _routing(ctx: Context, steps: list[int], d: np.ndarray, ok: np.ndarray, decode: np.ndarray, p: Profile,

@@ -21,6 +21,8 @@ def detect(ctx: Context) -> list[Finding]:
     layers = [l for l, x in enumerate(p.layer_flip_rate) if x > 0]
     conf = (0.55 + 0.1 * (p.first_flip_layer == 0) + 0.1 * (len(layers) > 1) + 0.1 * (p.flip_share > 0.6)
             + 0.1 * (p.agree <= ctx.floor()))
+    if p.after_turn_boundary(ctx.floor()):  # a noisy router flips in the first turn too
+        conf -= 0.3
     return [Finding(
         "routing_flips", conf,
         {"flip_tokens": p.flip_tokens, "mean_abs_flipped": p.flip, "mean_abs_agreeing": p.agree, "ratio": r,
