@@ -94,6 +94,22 @@ def test_a_clean_run_has_no_event_and_stores_its_floor(clean_run) -> None:
     assert stored["floor"]["limit_logprob"] > 0
 
 
+def test_the_sentinel_changes_no_recorded_bit(clean_run, data, tmp_path) -> None:
+    """Verifying is read-only: the same run with `sync.verify: off` records the same steps, down to
+    the digest of the process' RNG state (the trainer-side probe model's initial draw moved it)."""
+    from axrl.trace import StepFile
+
+    out, _ = clean_run
+    off = tmp_path / "off"
+    run(data, off, "steps=2", "sync.verify=off")
+    for step in range(2):
+        name = f"step_{step:06d}.h5"
+        with StepFile(out / "trace" / name) as a, StepFile(off / "trace" / name) as b:
+            assert a.attrs["rng_digest"] == b.attrs["rng_digest"]
+            for key in ("/tokens/ids", "/tokens/rollout_logprob", "/tokens/old_logprob", "/tokens/advantage"):
+                assert a[key].tobytes() == b[key].tobytes(), key
+
+
 def test_a_stale_expert_is_named_with_its_layer_expert_and_step(data, tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(scheduler, "load_weights_into", faulty_load(lambda k, i: STALE in k and i >= 1))
     events = run(data, tmp_path / "run", "steps=2")   # warn: the run goes on

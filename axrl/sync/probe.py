@@ -85,7 +85,10 @@ class TrainerScorer:
         """Score `sequences` with `weights` (HF names, as posted)."""
         first = next(iter(weights.values()))
         if self.model is None:
-            self.model = Qwen3ForCausalLM(self.config).to(first.device, first.dtype).eval()
+            # its initial values are never used (the posted weights replace them), but drawing
+            # them must not move the process' RNG: a run with the sentinel on or off is the same
+            with torch.random.fork_rng(devices=[]):
+                self.model = Qwen3ForCausalLM(self.config).to(first.device, first.dtype).eval()
         if self.config.tie_word_embeddings:
             weights = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
         return score_with_model(self.model, sequences, weights)
