@@ -2,10 +2,12 @@
 chunked reads of the analyses (``chunks.py``): one pass per row instead of numpy's eight
 whole-array shift passes and a copy, ~10× faster on a 48-layer top-8 step.
 
-Also the compiled packing of the writer (`pack_rows`, `diff_rows`: ~100× numpy's on a 1 M-token step).
+Also the writer's packing of large steps (``pack_rows``, ``diff_rows``; writer.py): the same bytes
+as ``routing_codec.pack_ids`` / ``encode_train``, at 65 536 tokens × 48 layers × top-8 of 128
+0.09 s against 3.3 s for the pack and 0.20 s against 0.50 s for the trainer's marks, rows and hits.
 
-Imports numba: used lazily, by the chunked reader and the writer's packing of large steps only; ``routing_codec`` stays the reference
-(and the path for ids wider than a byte).
+Imports numba: used lazily, by the chunked reader and the writer's packing of large steps only;
+``routing_codec`` stays the reference (and the path for ids wider than a byte).
 """
 
 from __future__ import annotations

@@ -128,8 +128,10 @@ def _pack_routing(p: _Prepared) -> None:
 
 # Routing rows (token × layer) above which the compiled packing (routing_kernels) pays for loading
 # numba (~0.45 s): numpy's `pack_ids` costs ~1 µs per (token, layer) row (eight whole-array shift
-# passes over a uint64 copy), the compiled pass a few ns — 122 s → ~10 s of a 1 M-token step's write
-# (bench/trace_scale.py). The bytes are the same (tests/test_routing_codec.py).
+# passes over a uint64 copy), the compiled pass ~30 ns. On the 1 M-token step of
+# bench/trace_scale.py numpy's pack + encode_train were 97 s of a 138 s write; the write is now
+# 53 s, most of it the gzip of `rollout_packed` (docs/trace-format.md). The bytes are the same
+# (tests/test_routing_codec.py).
 _COMPILED_MIN_ROWS = 1 << 20
 
 
