@@ -54,6 +54,24 @@ def test_codec_round_trips(experts: int, layers: int, k: int, agree: float) -> N
     assert np.array_equal(routing_codec.decode_train(rollout, mask, rows, bits), train)
 
 
+@pytest.mark.parametrize("experts,layers,k", [(2, 3, 1), (128, 4, 8), (256, 5, 8), (100, 9, 3), (60, 48, 8)])
+def test_compiled_packing_writes_the_same_bytes(experts: int, layers: int, k: int) -> None:
+    """The writer's compiled packing of large steps (routing_kernels) stores byte for byte what
+    the reference codec does, so files written either way read the same (old ones included)."""
+    from axrl.trace.writer import _encode_train, _pack
+
+    rng = np.random.default_rng(experts * layers)
+    rollout = rng.integers(0, experts, (257, layers, k)).astype(np.uint8)
+    train = rollout.copy()
+    differs = rng.random((257, layers)) < 0.3
+    train[differs] = rng.integers(0, experts, (int(differs.sum()), k))
+    train[0, 0] = rollout[0, 0, ::-1]                          # same set, another order: differs, k hits
+    bits = routing_codec.bits_for(experts)
+    assert np.array_equal(_pack(rollout, bits, True), routing_codec.pack_ids(rollout, bits))
+    for got, want in zip(_encode_train(train, rollout, bits, True), routing_codec.encode_train(train, rollout, bits)):
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
 def test_packed_bytes_per_token_layer() -> None:
     """At top-8 of 128 experts: 7 bytes for the engine's ids (vs 8), the trainer's ≈ 0.1 × (7 + 1)
     + 1/8 when 90 % of (token, layer) rows agree (vs 8): rows, their |A ∩ B| counts, the marks."""

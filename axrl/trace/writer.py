@@ -118,11 +118,59 @@ def _pack_routing(p: _Prepared) -> None:
     _, layers, k = rollout.shape
     attrs.update({S.ROUTING_ATTR_ENCODING: routing_codec.ENCODING, S.ROUTING_ATTR_BITS: bits,
                   S.ROUTING_ATTR_LAYERS: layers, S.ROUTING_ATTR_K: k})
-    p.datasets[S.ROUTING_PACKED["/routing/rollout"]] = routing_codec.pack_ids(rollout, bits)
+    compiled = _compiled_packing(rollout, bits)
+    p.datasets[S.ROUTING_PACKED["/routing/rollout"]] = _pack(rollout, bits, compiled)
     train = p.datasets.pop("/routing/train", None)
     if train is not None:
         p.datasets[S.ROUTING_TRAIN_DIFFERS], p.datasets[S.ROUTING_TRAIN_ROWS], p.datasets[S.ROUTING_TRAIN_HITS] = \
-            routing_codec.encode_train(train, rollout, bits)
+            _encode_train(train, rollout, bits, compiled)
+
+
+# Routing rows (token × layer) above which the compiled packing (routing_kernels) pays for loading
+# numba (~0.45 s): numpy's `pack_ids` costs ~1 µs per (token, layer) row (eight whole-array shift
+# passes over a uint64 copy), the compiled pass ~30 ns. On the 1 M-token step of
+# bench/trace_scale.py numpy's pack + encode_train were 97 s of a 138 s write; the write is now
+# 53 s, most of it the gzip of `rollout_packed` (docs/trace-format.md). The bytes are the same
+# (tests/test_routing_codec.py).
+_COMPILED_MIN_ROWS = 1 << 20
+
+
+def _compiled_packing(rollout: np.ndarray, bits: int) -> bool:
+    """Whether to pack ``rollout`` [T, L, k] with the compiled kernels: ids of at most 8 bits in
+    an unsigned integer array, and numba already loaded or enough rows to pay for loading it."""
+    import sys
+
+    rows = rollout.shape[0] * rollout.shape[1]
+    return bits <= 8 and rollout.ndim == 3 and rollout.dtype.kind == "u" and \
+        (rows >= _COMPILED_MIN_ROWS or "numba" in sys.modules)
+
+
+def _pack(ids: np.ndarray, bits: int, compiled: bool) -> np.ndarray:
+    """``routing_codec.pack_ids`` of ``ids`` [T, ...], compiled when ``compiled``."""
+    if not compiled:
+        return routing_codec.pack_ids(ids, bits)
+    from . import routing_kernels
+
+    rows = np.ascontiguousarray(ids.reshape(ids.shape[0], int(np.prod(ids.shape[1:], dtype=np.int64))))
+    out = np.empty((rows.shape[0], -(-rows.shape[1] // 8) * bits), np.uint8)
+    routing_kernels.pack_rows(rows, bits, out)
+    return out
+
+
+def _encode_train(train: np.ndarray, rollout: np.ndarray, bits: int,
+                  compiled: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``routing_codec.encode_train``, compiled when ``compiled`` (and the two arrays match)."""
+    if not compiled or train.shape != rollout.shape or train.dtype != rollout.dtype:
+        return routing_codec.encode_train(train, rollout, bits)
+    from . import routing_kernels
+
+    t, layers, _ = train.shape
+    train, rollout = np.ascontiguousarray(train), np.ascontiguousarray(rollout)
+    differs = np.zeros((t, -(-layers // 8)), np.uint8)
+    hits = np.empty(t * layers, np.uint8)
+    d = routing_kernels.diff_rows(train, rollout, differs, hits)
+    mask = np.unpackbits(differs, axis=1, count=layers, bitorder="little").view(bool)
+    return differs, _pack(train[mask], bits, True), hits[:d].copy()
 
 
 def write_step(trace_dir: str | os.PathLike, record: StepRecord, *, overwrite: bool = False,
