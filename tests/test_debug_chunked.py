@@ -213,7 +213,8 @@ def test_tui_routing_column_memory_does_not_grow_with_the_step(tmp_path, monkeyp
     size: the same peak of traced allocations within 20 % (the routing streamed a stored chunk at a
     time), and the figure the decoded columns give. Stored chunks of 16 KiB, so that every routing
     dataset's reach the writer's cap in both steps (at its 1 MiB the smaller step's marks and
-    trainer rows would fit one smaller chunk)."""
+    trainer rows would fit one smaller chunk), and steps of 32 and 128 samples: at 16 the agreement
+    counts (``/routing/train_hits``, a byte per differing row) still fit chunks under the cap."""
     import sys
 
     from axrl.trace import writer
@@ -227,7 +228,7 @@ def test_tui_routing_column_memory_does_not_grow_with_the_step(tmp_path, monkeyp
     monkeypatch.setattr(trace_scale, "LAYERS", 8)
     monkeypatch.setattr(writer, "_CHUNK_BYTES", 1 << 14)
     peaks = []
-    for samples in (16, 64):
+    for samples in (32, 128):
         rec = trace_scale.synthetic_step(samples / trace_scale.SAMPLES)
         path = tmp_path / f"run{samples}"
         write_run(path, [rec], routing_encoding=encoding)
