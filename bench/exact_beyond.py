@@ -130,6 +130,61 @@ def bisect_case(run: Path, engine: str, work: Path) -> dict:
             if nonzero is not None else "all"}
 
 
+# (Megatron module, its input or output, the torch model's module) at each probe point, in forward order
+MEGATRON_POINTS = [("input_layernorm", "out", "input_layernorm"),
+                   ("self_attention.linear_proj", "in", "self_attn.o_proj"),  # the attention context
+                   ("self_attention", "out", "self_attn"),
+                   ("pre_mlp_layernorm", "out", "post_attention_layernorm"),
+                   ("mlp", "out", "mlp")]
+
+
+def _capture(modules: dict[str, torch.nn.Module], store: dict[str, torch.Tensor]) -> list:
+    """Hooks storing each module's first input ("in") or first output ("out"), as [tokens, width]."""
+    def first(t):
+        return (t[0] if isinstance(t, (tuple, list)) else t).detach().reshape(-1, (t[0] if isinstance(
+            t, (tuple, list)) else t).shape[-1]).clone()
+
+    handles = []
+    for key, (mod, side) in modules.items():
+        if side == "in":
+            handles.append(mod.register_forward_pre_hook(lambda m, a, key=key: store.__setitem__(key, first(a))))
+        else:
+            handles.append(mod.register_forward_hook(lambda m, a, o, key=key: store.__setitem__(key, first(o))))
+    return handles
+
+
+def megatron_first_op(meg, exact, batch) -> dict:
+    """The first (layer, op) where Megatron's values differ at all from the exact trainer's, on one
+    sample (world size 1: Megatron's model is in this process)."""
+    mm, tm = meg._group.rank.model, exact.model.model
+    layers = len(tm.layers)
+    mods, got_m, got_t = {}, {}, {}
+    for i in range(layers):
+        for m_name, side, t_name in MEGATRON_POINTS:
+            mods[f"m{i}:{m_name}"] = (mm.decoder.layers[i].get_submodule(m_name), side)
+            mods[f"t{i}:{m_name}"] = (tm.layers[i].get_submodule(t_name), side)
+    mods["mF:final_norm"], mods["tF:final_norm"] = (mm.decoder.final_layernorm, "out"), (tm.norm, "out")
+    hm = _capture({k: v for k, v in mods.items() if k[0] == "m"}, got_m)
+    ht = _capture({k: v for k, v in mods.items() if k[0] == "t"}, got_t)
+    try:
+        meg.forward(batch)
+        exact.forward(batch)
+    finally:
+        for h in hm + ht:
+            h.remove()
+    points = []
+    for key in [k[1:] for k in mods if k[0] == "m"]:
+        a, b = got_m.get("m" + key), got_t.get("t" + key)
+        if a is None or b is None:
+            continue
+        n = min(len(a), len(b))
+        points.append((key, float((a[:n] - b[:n]).abs().max())))
+    first = next(((k, d) for k, d in points if d > 0), None)
+    return {"first_nonzero_op": None if first is None else first[0],
+            "first_nonzero_max_abs": None if first is None else first[1],
+            "points": {k: d for k, d in points}}
+
+
 def megatron_case() -> dict:
     """The exact engine's samples scored by the exact torch trainer and by Megatron (CPU, gloo)."""
     from exact_mode import packed, requests
@@ -168,6 +223,8 @@ def megatron_case() -> dict:
             # is Megatron's residual the normal torch trainer's (torch's standard ops), or its own?
             d["vs_normal_torch_trainer"] = deltas(fwd.logprobs[gen].numpy(), normal.logprobs[gen].numpy())
             out[name] = d
+        one = packed(reqs[:1], outs[:1])  # one sample: its tokens as both sides see them
+        out["bisect"] = megatron_first_op(meg, exact, one)
     finally:
         meg.close()
     return out
