@@ -126,6 +126,7 @@ def bisect_case(run: Path, engine: str, work: Path) -> dict:
             "first_nonzero_size": None if nonzero is None else nonzero.size,
             "first_nonzero_floor": None if nonzero is None else nonzero.floor,
             "first_diverged_op": res.first_divergence(),
+            "topk_ids_agree": all(not p.diverged for p in res.points if p.op == "topk_ids"),
             "ops_bitwise_before": [f"{p.layer}:{p.op}" for p in res.points[:res.points.index(nonzero)]]
             if nonzero is not None else "all"}
 
@@ -266,8 +267,8 @@ def main() -> None:
     print(f"{'against the exact trainer':26} {'accepted':>8} {'tokens':>6} {'max |Δ|':>10} {'mean |Δ|':>10} "
           f"{'bitwise':>7}")
     for label, v in result.items():
-        rows = [(label, v)] if isinstance(v, dict) and "tokens" in v else \
-            [(f"{label}_{k}", w) for k, w in v.items() if isinstance(w, dict) and "tokens" in w] \
+        rows = [(label, v)] if isinstance(v, dict) and "max_abs_delta" in v else \
+            [(f"{label}_{k}", w) for k, w in v.items() if isinstance(w, dict) and "max_abs_delta" in w] \
             if isinstance(v, dict) else []
         for name, w in rows:
             if "accepted" in w and not w["accepted"]:
