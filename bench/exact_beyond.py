@@ -139,11 +139,11 @@ MEGATRON_POINTS = [("input_layernorm", "out", "input_layernorm"),
                    ("mlp", "out", "mlp")]
 
 
-def _capture(modules: dict[str, torch.nn.Module], store: dict[str, torch.Tensor]) -> list:
+def _capture(modules: dict[str, tuple[torch.nn.Module, str]], store: dict[str, torch.Tensor]) -> list:
     """Hooks storing each module's first input ("in") or first output ("out"), as [tokens, width]."""
     def first(t):
-        return (t[0] if isinstance(t, (tuple, list)) else t).detach().reshape(-1, (t[0] if isinstance(
-            t, (tuple, list)) else t).shape[-1]).clone()
+        t = t[0] if isinstance(t, (tuple, list)) else t
+        return t.detach().reshape(-1, t.shape[-1]).clone()
 
     handles = []
     for key, (mod, side) in modules.items():
