@@ -70,13 +70,16 @@ SAME_TOKENS: dict[str, tuple[dict, str]] = {
 }
 
 
-def launch(out: Path, steps: int, names: list[str], extra: list[str]) -> list[tuple[str, subprocess.Popen]]:
-    """Start `axrl train` of the quickstart for each variant (logs beside the run directories)."""
+def launch(out: Path, steps: int, names: list[str], extra: list[str],
+           variants: dict[str, list[str]] | None = None) -> list[tuple[str, subprocess.Popen]]:
+    """Start `axrl train` of the quickstart for each variant (`variants`: name → its overrides,
+    default this bench's VARIANTS; logs beside the run directories)."""
+    variants = VARIANTS if variants is None else variants
     procs = []
     for name in names:
         args = [sys.executable, "-m", "axrl.cli", "train", str(ROOT / "examples" / "quickstart.yaml"),
                 "--run-dir", str(out / name)]
-        for s in [f"steps={steps}", *SMALL, *extra, *VARIANTS[name]]:
+        for s in [f"steps={steps}", *SMALL, *extra, *variants[name]]:
             args += ["--set", s]
         log = open(out / f"{name}.log", "w")
         procs.append((name, subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
@@ -85,7 +88,7 @@ def launch(out: Path, steps: int, names: list[str], extra: list[str]) -> list[tu
 
 
 def train_all(out: Path, steps: int, parallel: int, reuse: bool, names: list[str],
-              extra: list[str]) -> dict[str, float]:
+              extra: list[str], variants: dict[str, list[str]] | None = None) -> dict[str, float]:
     """The variants' runs (`parallel` at a time); wall seconds per run."""
     todo = [n for n in names if not (reuse and (out / n / "manifest.json").is_file())]
     for n in todo:
@@ -93,7 +96,7 @@ def train_all(out: Path, steps: int, parallel: int, reuse: bool, names: list[str
     wall: dict[str, float] = {}
     for i in range(0, len(todo), parallel):
         t0 = time.perf_counter()
-        for name, p in launch(out, steps, todo[i:i + parallel], extra):
+        for name, p in launch(out, steps, todo[i:i + parallel], extra, variants):
             if p.wait() != 0:
                 raise SystemExit(f"run {name} failed: see {out / f'{name}.log'}")
             wall[name] = time.perf_counter() - t0

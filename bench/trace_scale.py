@@ -117,7 +117,7 @@ def trained_step(rec: StepRecord, updates: int = 2) -> SimpleNamespace:
     trajs = [SimpleNamespace(sample_id=i, group_id=i // 8, prompt_id=rec.prompt_id[i], prompt_len=int(rec.prompt_len[i]),
                              num_turns=1, reward=float(rec.reward[i]), finish_reason="stop", status="ok", error="",
                              turn=turn[s], policy_version=version[s], continuations=0, num_tokens=s.stop - s.start,
-                             session_id="", drift_tokens=0) for i, s in enumerate(per)]
+                             session_id="", drift_tokens=0, info={}) for i, s in enumerate(per)]
     t = torch.from_numpy
     batch = SimpleNamespace(offsets=t(off.astype(np.int64)), input_ids=t(np.asarray(rec.token_ids, np.int64)),
                             loss_mask=t(np.asarray(rec.loss_mask, np.float32)), num_tokens=int(off[-1]),

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -18,22 +17,15 @@ from axrl.model import Qwen3ForCausalLM
 from axrl.model.config import preset_config
 from axrl.model.probe_points import POINTS, forward_order
 from axrl.model.qwen3 import init_weights
-from axrl.trace import StepFile
+from bisect_util import EXPERT, perturbed_expert, routed_positions, small_run
 from replay.bisect import bisect_step
 from train_util import debug, train
-
-# One recorded step (step 0, with the checkpoint before it) of a two-layer MoE model, multi-turn
-# samples, the engine's prefix cache on (as the default run).
-SMALL = ["steps=1", "model.preset=micro-moe", "warmup.steps=30", "data.task=echo", "data.task_args={}",
-         "data.prompts_per_step=2", "rollout.group_size=4", "eval.every=0", "runtime.threads=1",
-         "checkpoint.every=1", "rollout.max_new_tokens=12", "train.micro_batch_tokens=200"]
-EXPERT = (1, 2)  # (layer, expert) perturbed in the engine only
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("bisect") / "run"
-    train(path, SMALL)
+    train(path, small_run())
     return path
 
 
@@ -79,23 +71,12 @@ def test_unmodified_run_is_within_every_floor_and_stable(run):
 
 def test_expert_perturbed_in_the_engine_only_is_named_with_its_tokens(run):
     layer, expert = EXPERT
-
-    def perturb(weights):
-        w = dict(weights)
-        key = f"model.layers.{layer}.mlp.experts.{expert}.down_proj.weight"
-        w[key] = w[key] * 1.05
-        return w
-
-    result = bisect_step(run, 0, engine_weights=perturb)
+    result = bisect_step(run, 0, engine_weights=perturbed_expert(layer, expert))
     first = result.first_divergence()
     assert (first["layer"], first["op"], first.get("experts")) == (layer, "expert_out", [expert]), first
     assert first["size"] > 1e3 * first["floor"]
     # exactly the positions whose recorded routing sent them to that expert (the last token is never fed)
-    with StepFile(sorted((run / "trace").glob("*.h5"))[0]) as sf:
-        sids, off = sf["/samples/sample_id"], sf["/samples/offsets"]
-        row = int(np.flatnonzero(sids == result.sample_id)[0])
-        routing = sf["/routing/rollout"][int(off[row]):int(off[row + 1]) - 1]
-    routed = [int(p) for p in np.flatnonzero((routing[:, layer] == expert).any(-1))]
+    routed, _ = routed_positions(run, result.sample_id, layer, expert)
     assert first["tokens"] == routed
     assert result.routing is not None and result.routing["ids_differ"] == []
 

@@ -10,18 +10,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from axrl.trace import StepFile
+from bisect_util import EXPERT, perturbed_expert, routed_positions, small_run
 from replay.bisect import bisect_step
 from replay.server_rescore import ServerOptions
 
 VLLM_PYTHON = os.environ.get("AXRL_VLLM_PYTHON", "")
-SMALL = ["steps=1", "model.preset=tiny-moe", "warmup.steps=30", "data.task=echo", "data.task_args={}",
-         "data.prompts_per_step=2", "rollout.group_size=4", "eval.every=0", "runtime.threads=1",
-         "checkpoint.every=1", "rollout.max_new_tokens=12", "train.micro_batch_tokens=200"]
-EXPERT = (1, 2)  # (layer, expert) perturbed in the served copy only
 
 
 @pytest.mark.vllm
@@ -30,26 +25,15 @@ def test_expert_perturbed_in_the_served_copy_is_named_on_vllm(tmp_path):
     from train_util import train
 
     run = tmp_path / "run"
-    train(run, SMALL)
+    train(run, small_run("tiny-moe"))
     layer, expert = EXPERT
-
-    def perturb(weights):
-        w = dict(weights)
-        key = f"model.layers.{layer}.mlp.experts.{expert}.down_proj.weight"
-        w[key] = w[key] * 1.05
-        return w
-
     opts = ServerOptions(python=VLLM_PYTHON, log_dir=tmp_path / "logs")
-    result = bisect_step(run, 0, engine="vllm", server=opts, engine_weights=perturb)
+    result = bisect_step(run, 0, engine="vllm", server=opts, engine_weights=perturbed_expert(layer, expert))
     first = result.first_divergence()
     assert (first["layer"], first["op"], first.get("experts")) == (layer, "expert_out", [expert]), first
     assert first["size"] > 1e3 * first["floor"]
-    with StepFile(sorted((run / "trace").glob("*.h5"))[0]) as sf:
-        sids, off = sf["/samples/sample_id"], sf["/samples/offsets"]
-        row = int(np.flatnonzero(sids == result.sample_id)[0])
-        routing = sf["/routing/rollout"][int(off[row]):int(off[row + 1]) - 1]
-    routed = [int(p) for p in np.flatnonzero((routing[:, layer] == expert).any(-1))]
-    assert first["tokens"] and [p for p in first["tokens"] if p < len(routing)] == routed
+    routed, fed = routed_positions(run, result.sample_id, layer, expert)
+    assert first["tokens"] and [p for p in first["tokens"] if p < fed] == routed
     before = result.points[:result.points.index(result.first)]
     assert before and not any(p.diverged for p in before)
     # the combined MoE output is captured on vLLM (not derived) and moves with the expert
