@@ -77,6 +77,8 @@ class _Server:
         # used when there is no log file: enough to hold a crashed process's traceback and the
         # start-up lines of the process that replaced it
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.pump: threading.Thread | None = None   # copies the current process's output into `tail`
+        self.pumped = 0                             # lines it has copied (`tail` is capped)
 
 
 class ServerLauncher:
@@ -161,6 +163,8 @@ class ServerLauncher:
     def _spawn(self, s: _Server) -> None:
         if s.process is not None:
             s.exit_code = s.process.poll()
+        if s.pump is not None:   # the old process's last lines belong above the new start mark
+            s.pump.join(timeout=2.0)
         mark = f"{START_MARK}{s.restarts}: {' '.join(self.argv(s.index))}"
         if s.log_path is not None:
             s.log_file = open(s.log_path, "ab")  # noqa: SIM115 — lives as long as the process
@@ -175,13 +179,15 @@ class ServerLauncher:
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         _write_claim(s.port, s.process.pid)
         if out is subprocess.PIPE:
-            threading.Thread(target=self._pump, args=(s, s.process), daemon=True).start()
+            s.pump = threading.Thread(target=self._pump, args=(s, s.process), daemon=True)
+            s.pump.start()
 
     @staticmethod
     def _pump(s: _Server, process: subprocess.Popen) -> None:
         assert process.stdout is not None
         for line in process.stdout:
             s.tail.append(line.decode(errors="replace").rstrip())
+            s.pumped += 1
 
     def _output(self, i: int) -> list[str]:
         """The end of server `i`'s output (its log file's last 256 KiB, or the lines kept in memory),
@@ -191,7 +197,24 @@ class ServerLauncher:
             with open(s.log_path, "rb") as f:
                 f.seek(max(0, f.seek(0, os.SEEK_END) - (256 << 10)))
                 return f.read().decode(errors="replace").splitlines()
+        self._drain(s)
         return list(s.tail)
+
+    @staticmethod
+    def _drain(s: _Server, quiet_s: float = 0.05, limit_s: float = 2.0) -> None:
+        """Let the pump copy what the process has printed so far: a server prints its error before
+        it answers, so the error can still sit in the pipe when the answer is quoted. Waits for the
+        pump's end when the process exited, else until the output is quiet for `quiet_s`."""
+        if s.pump is None:
+            return
+        deadline = time.monotonic() + limit_s
+        if s.process is not None and s.process.poll() is not None:
+            s.pump.join(timeout=limit_s)
+            return
+        seen = -1
+        while s.pumped != seen and time.monotonic() < deadline and s.pump.is_alive():
+            seen = s.pumped
+            time.sleep(quiet_s)
 
     def log_tail(self, i: int, lines: int = 20) -> str:
         """The last lines server `i`'s current process printed."""
