@@ -203,17 +203,23 @@ def test_stop_token_ends_generation_and_is_kept_with_its_logprob(engine):
 @real_vllm
 def test_abort_stops_a_running_request(engine):
     """An abort sent while the server generates ends the request early with finish_reason abort.
-    The abort goes out at a fifth of the time the same request takes to run to its length (a
-    fixed sleep raced the server: on a quiet machine the tiny model finishes 900 tokens in ~1 s)."""
+    The abort goes out at a tenth of the time the same request takes to run to its length, timed
+    on the faster of two runs (a fixed sleep raced the server: on a quiet machine the tiny model
+    finishes 900 tokens in ~1 s; and a first run slowed by other work once let the aborted one
+    finish before its abort arrived)."""
     params = sampled(1000, 1, ignore_eos=True)
-    t0 = time.perf_counter()
-    full = engine.generate_batch([GenerateRequest(input_ids=prompts(1024)[1], sampling_params=params)], timeout=300)[0]
-    full_s = time.perf_counter() - t0
-    assert full.finish_type == "length" and len(full.output_ids) == 1000
+    runs = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        full = engine.generate_batch([GenerateRequest(input_ids=prompts(1024)[1], sampling_params=params)],
+                                     timeout=300)[0]
+        runs.append(time.perf_counter() - t0)
+        assert full.finish_type == "length" and len(full.output_ids) == 1000
+    full_s = min(runs)
     _report("full_1000_tokens_s", round(full_s, 3))
     req = GenerateRequest(input_ids=prompts(1024)[1], sampling_params=params)
     future = engine.submit(req)
-    time.sleep(full_s / 5)
+    time.sleep(full_s / 10)
     assert engine.abort(req.rid)
     res = future.result(timeout=120)
     assert res.finish_type == "abort" and len(res.output_ids) < 1000, (res.finish_type, len(res.output_ids), full_s)
