@@ -120,6 +120,9 @@ def run_metrics(run: Path) -> dict:
     mm = debug_json("mismatch", str(run))
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [(r["step"], r["eval_reward"]) for r in rows if r.get("eval_reward") is not None]
+    final = [r["eval_reward_final"] for r in rows if r.get("eval_reward_final") is not None]
+    if final:   # the eval after the last step, at the step count
+        evals.append((max((r["step"] for r in rows if "step" in r), default=-1) + 1, final[-1]))
     train = [r for r in rows if r.get("reward") is not None]
     m, routing = mm["metrics"], mm.get("routing") or {}
     steps = debug_json("summary", str(run))["steps"]
