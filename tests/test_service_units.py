@@ -354,7 +354,7 @@ def test_every_refused_request_consumes_its_seq_id_so_the_next_is_served_at_once
     from axrl.tinker_api.state import ServiceState
 
     state = ServiceState(sampler=None, make_model=lambda i, mid, rank: _FakeModel(mid), base_model="m",
-                         model_dir=Path("/nonexistent"), arch="qwen3", store=FutureStore(poll_s=5.0, gap_s=10.0))
+                         model_dir=Path("/nonexistent"), arch="qwen3", store=FutureStore(poll_s=60.0, gap_s=60.0))
     app = FastAPI()
     add_tinker_routes(app, state)
     model = state.create_model("s:train:0", None)
@@ -372,17 +372,19 @@ def test_every_refused_request_consumes_its_seq_id_so_the_next_is_served_at_once
         for kind, bad in _refused_bodies("s:train:0").items():
             res, _ = post("forward_backward", content=_with_seq(bad, seq))
             assert res.json()["category"] == "user", (kind, res.text)
+            assert state.store.next_seq["s:train:0"] == seq + 1, f"the refusal ({kind}) did not take its turn"
             _, waited = post("forward_backward", content=_with_seq(good, seq + 1))
-            assert waited < 2.0, f"after a refused forward_backward ({kind}) the next request waited {waited:.1f} s"
+            # the bug waits out the gap limit (60 s here); a busy CI machine still answers in seconds
+            assert waited < 20.0, f"after a refused forward_backward ({kind}) the next request waited {waited:.1f} s"
             seq += 2
         # a request for an unknown model is refused in its turn too (the model may be created later)
         res, _ = post("forward_backward", content=_with_seq(_request([], "cross_entropy").replace(b"s:train:0",
                                                                                                 b"s:train:9"), 1))
         assert "unknown model_id" in res.json()["error"]
         _, waited = post("optim_step", json={"model_id": "s:train:9", "seq_id": 2})
-        assert waited < 2.0
+        assert waited < 20.0
         _, waited = post("optim_step", json={"model_id": "s:train:0", "seq_id": seq})
-        assert waited < 2.0
+        assert waited < 20.0
     assert model.ran == list(range(2, seq, 2))      # only the good requests ran, in order
     state.close()
 
