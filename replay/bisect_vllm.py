@@ -1,6 +1,6 @@
 """The vLLM side of bisect: one sample's tokens through a real vLLM server, captured by a worker extension.
 
-The server is launched with `--worker-extension-cls axrl.inference.vllm.probe_extension.ProbeExtension`
+The server is launched with `--worker-extension-cls axrl.inference.vllm.worker_extension.WorkerExtension`
 and `VLLM_SERVER_DEV_MODE=1` (which serves `POST /collective_rpc`), this repository on its
 PYTHONPATH. `vllm_side` arms the extension for a pass of the sample's length, sends the sample's
 whole token stream as one prompt (`/v1/completions`, `prompt_logprobs: -1`: the whole vocabulary
@@ -22,12 +22,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from axrl.inference.vllm.worker_extension import EXTENSION
 from replay.bisect_capture import Side, float64_model
 from replay.bisect_sglang import FULL_VOCAB_BUDGET, states_from_dump
 from replay.plan import ReplayInputError
 
 Progress = Callable[[str], None]
-EXTENSION = "axrl.inference.vllm.probe_extension.ProbeExtension"
 VLLM_HOW: dict[str, str] = {
     "in": "captured: the residual input_layernorm returns (layer 0: embed_tokens)",
     "attn_norm": "captured: input_layernorm",
@@ -134,7 +134,7 @@ def vllm_side(url: str, work: Path, ids: list[int], weights: dict[str, torch.Ten
         raise ReplayInputError(f"--engine vllm: no forward pass of the sample's {n} tokens was seen (passes seen: "
                                f"{seen}; did vLLM split the prefill?)")
     _post(url, "/collective_rpc", {"method": "axrl_probe_disarm"})
-    d = {k: _rows(v, n) for k, v in torch.load(path, weights_only=False).items()}
+    d = {k: _rows(v, n) for k, v in torch.load(path, weights_only=True).items()}
     got = d.get("model.forward_batch_info.input_ids")
     if got is None or got.long().tolist() != list(ids):
         raise ReplayInputError("--engine vllm: the captured pass holds other tokens than the sample's")

@@ -8,7 +8,7 @@ without it these tests are skipped, which CI allows only in the pass that does n
 
 One service for the module (`rollout.engine=vllm`: it launches the vLLM server on the served
 tiny-moe directory); one SDK session samples, trains a step on its samples, saves sampler weights
-(the CPU build loads them by restarting the server), samples again and trains a second step
+(in place: reload and re-pack), samples again and trains a second step
 (tests/service_real_util.py). The tests then check what that session saw.
 """
 

@@ -63,6 +63,18 @@ class TensorMismatch:
                 "expected_sample_sum": self.expected_sample_sum, "held_sample_sum": self.held_sample_sum}
 
 
+@dataclass(frozen=True)
+class ChecksumPair:
+    """What the sentinel compares for one engine: `expected` (the trainer's posted weights as the
+    engine should hold them, by name) and `held` (what the engine holds, by the same names), plus
+    the HF tensors the engine keeps in a form no checksum can read (`unreadable`: an opaque kernel
+    handle), which are left to the probe."""
+
+    expected: dict[str, TensorChecksum]
+    held: dict[str, TensorChecksum]
+    unreadable: tuple[str, ...] = ()
+
+
 def tensor_location(name: str) -> tuple[int | None, int | None]:
     """(layer, expert) decoded from an HF key: `model.layers.3.mlp.experts.5.up_proj.weight` →
     (3, 5); a layer's non-expert weight → (layer, None); embeddings, final norm, lm_head → (None, None)."""

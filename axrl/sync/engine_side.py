@@ -1,22 +1,28 @@
 """The engine's side of the sync sentinel: what the engine holds, read where it lives.
 
-`EngineSide` is what `SyncSentinel` asks of an engine: the per-tensor checksums of the weights it
-computes with, and its teacher-forced scores of the probe sequences. The embedded engine answers
-directly from its parameters and its model's forward (`EmbeddedSide`); SGLang and vLLM servers
-through their scoring routes, probe only (`ServerSide`); an engine with no side (`engine_side`
-returns None) is verified by nothing and the run's events say so once.
+`EngineSide` is what `SyncSentinel` asks of an engine: per-tensor checksums of the weights it
+computes with next to those of the trainer's posted weights in the same layout, and its
+teacher-forced scores of the probe sequences. The embedded engine answers directly from its
+parameters and its model's forward (`EmbeddedSide`); SGLang and vLLM servers through their
+scoring routes and, for checksums, a route of their own (`ServerSide`; docs/engines.md says
+which); an engine with no side (`engine_side` returns None) is verified by nothing and the run's
+events say so once.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
+import torch
 
 from axrl.inference.embedded import EmbeddedEngine
+from axrl.inference.quant import rollout_state_dict
 from axrl.model import hf_state_dict
-from axrl.sync.checksums import TensorChecksum, state_checksums
+from axrl.sync.checksums import ChecksumPair, state_checksums
 from axrl.sync.probe import ProbeScore, score_with_model
+
+Weights = Mapping[str, torch.Tensor]
 
 
 class EngineSide(Protocol):
@@ -24,9 +30,11 @@ class EngineSide(Protocol):
 
     name: str
     weight_dtype: str
+    unavailable: str | None    # why this engine gives no checksums (None: it does, or never could)
 
-    def checksums(self) -> dict[str, TensorChecksum] | None:
-        """Per-tensor checksums of the weights the engine holds, by HF name (None: it cannot say)."""
+    def checksum_pair(self, weights: Weights) -> ChecksumPair | None:
+        """The checksums of `weights` (the trainer's posted state) as the engine should hold them,
+        and of what it holds, by the same names (None: this engine cannot say)."""
 
     def score(self, sequences: Sequence[np.ndarray]) -> list[ProbeScore]:
         """The engine's teacher-forced logprobs (and routing) of each sequence."""
@@ -38,14 +46,17 @@ class EmbeddedSide:
     writes parameters only inside `update_weights`, which has returned."""
 
     name = "embedded"
+    unavailable = None
 
     def __init__(self, engine: EmbeddedEngine) -> None:
         self.engine = engine
         self.weight_dtype = engine.weight_dtype
 
-    def checksums(self) -> dict[str, TensorChecksum]:
-        """See `EngineSide.checksums`."""
-        return state_checksums(hf_state_dict(self.engine.model))
+    def checksum_pair(self, weights: Weights) -> ChecksumPair:
+        """See `EngineSide.checksum_pair`: the posted weights rounded to `rollout.weight_dtype`
+        (as the engine rounds them at load) against the engine model's parameters, by HF name."""
+        return ChecksumPair(state_checksums(rollout_state_dict(weights, self.weight_dtype)),
+                            state_checksums(hf_state_dict(self.engine.model)))
 
     def score(self, sequences: Sequence[np.ndarray]) -> list[ProbeScore]:
         """See `EngineSide.score`."""
@@ -53,22 +64,34 @@ class EmbeddedSide:
 
 
 class ServerSide:
-    """SGLang and vLLM servers (`SGLangEngine`, `VLLMEngine`): no checksums (their weights live in
-    the server's worker, in the kernels' own layouts), the probe re-scored on every server through
-    its teacher-forced scoring route (`axrl.inference.scoring`: SGLang's prefill-only `/generate`,
-    vLLM's `/v1/completions` with `prompt_logprobs`); the worst server's scores are compared."""
+    """SGLang and vLLM servers (`SGLangEngine`, `VLLMEngine`): the probe re-scored on every server
+    through its teacher-forced scoring route (`axrl.inference.scoring`: SGLang's prefill-only
+    `/generate`, vLLM's `/v1/completions` with `prompt_logprobs`), the worst server's scores
+    compared; checksums through `read_checksums` (engine-specific, below), each server's compared
+    and the first server that differs reported."""
 
-    weight_dtype = "fp32"   # not used: no checksums
+    weight_dtype = "fp32"   # servers load the exported fp32/bf16 directory as it is
 
-    def __init__(self, engine: Any, kind: str, vocab_size: int) -> None:
+    def __init__(self, engine: Any, kind: str, vocab_size: int,
+                 read_checksums: Callable[[Any, int, Weights], ChecksumPair] | None = None) -> None:
         from axrl.inference.scoring.by_engine import server_scorer
 
-        self.name = kind
+        self.name, self.engine, self.read = kind, engine, read_checksums
         self.scorers = [server_scorer(kind, url, vocab_size) for url in engine.urls]
+        self.unavailable: str | None = None if read_checksums else f"{kind}: no checksum route"
 
-    def checksums(self) -> None:
-        """Servers cannot say (see the class docstring)."""
-        return None
+    def checksum_pair(self, weights: Weights) -> ChecksumPair | None:
+        """See `EngineSide.checksum_pair`; None (the probe decides) once a server could not answer."""
+        if self.read is None or self.unavailable is not None:
+            return None
+        pairs = []
+        for server in range(len(self.engine.urls)):
+            try:
+                pairs.append(self.read(self.engine, server, weights))
+            except RuntimeError as e:          # a server without the route: the probe covers it
+                self.unavailable = str(e)
+                return None
+        return next((p for p in pairs if any(p.held.get(k) != v for k, v in p.expected.items())), pairs[0])
 
     def score(self, sequences: Sequence[np.ndarray]) -> list[ProbeScore]:
         """Each server's logprobs; those of the server farthest from the first (or the first)."""
@@ -84,7 +107,10 @@ def engine_side(engine: Any, vocab_size: int) -> EngineSide | None:
     if isinstance(engine, EmbeddedEngine):
         return EmbeddedSide(engine)
     module = type(engine).__module__
-    for kind in ("vllm", "sglang"):
-        if module.startswith(f"axrl.inference.{kind}."):
-            return ServerSide(engine, kind, vocab_size)
+    if module.startswith("axrl.inference.vllm."):
+        from axrl.inference.vllm.checksums import vllm_checksum_pair
+
+        return ServerSide(engine, "vllm", vocab_size, vllm_checksum_pair)
+    if module.startswith("axrl.inference.sglang."):
+        return ServerSide(engine, "sglang", vocab_size)
     return None

@@ -31,9 +31,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from axrl.inference.quant import rollout_state_dict
 from axrl.model import ModelConfig
-from axrl.sync.checksums import compare_checksums, state_checksums
+from axrl.sync.checksums import compare_checksums
 from axrl.sync.engine_side import EngineSide
 from axrl.sync.probe import PROBE_TOKENS, ProbeFloor, TrainerScorer, compare_scores, exceeds
 from axrl.sync.settings import SyncSettings
@@ -63,6 +62,7 @@ class SyncSentinel:
         self.verifications = 0
         self.probe_seconds: list[float] = []   # each probe re-score (both sides, compare)
         self._lock = threading.Lock()
+        self._said_unreadable = self._said_unavailable = False
         # The weights the engine was last found to hold (version, HF state dict) while no floor
         # exists yet: the probe set completes during the first rollout, and is calibrated on them.
         self._held: tuple[int, dict[str, torch.Tensor]] | None = None
@@ -115,10 +115,13 @@ class SyncSentinel:
     def _check(self, weights: Mapping[str, torch.Tensor], version: int) -> list[dict[str, Any]]:
         findings = []
         do_checksum, do_probe = self.checks
-        held = self.side.checksums() if do_checksum else None   # None: this engine cannot say
-        if do_checksum:
-            bad = [] if held is None else compare_checksums(
-                state_checksums(rollout_state_dict(weights, self.side.weight_dtype)), held)
+        pair = self.side.checksum_pair(weights) if do_checksum else None   # None: this engine cannot say
+        if do_checksum and pair is None and self.side.unavailable and not self._said_unavailable:
+            self._said_unavailable = True
+            self._event("sync_checksum_unavailable", step=version, why=self.side.unavailable)
+        if pair is not None:
+            self._say_unreadable(pair.unreadable, version)
+            bad = compare_checksums(pair.expected, pair.held)
             if bad:
                 findings.append({"check": "checksum", "count": len(bad),
                                  "layers": sorted({m.layer for m in bad if m.layer is not None}),
@@ -126,10 +129,10 @@ class SyncSentinel:
                                  "tensors": [m.to_json() for m in bad[:MAX_NAMED]]})
         with self._lock:
             probes = list(self.probes)
-        # Under `both`, clean exact checksums leave the probe nothing to find (the engine's forward
-        # reads the very parameters checksummed): it runs to calibrate, on a failure (to name the
-        # tokens it affects) and where the engine has no checksums (servers).
-        needed = held is None or bool(findings) or self.floor is None
+        # Under `both`, clean exact checksums of every tensor leave the probe nothing to find (the
+        # engine's forward reads the very parameters checksummed): it runs to calibrate, on a
+        # failure (to name the tokens it affects) and where checksums cannot read every tensor.
+        needed = pair is None or bool(pair.unreadable) or bool(findings) or self.floor is None
         if do_probe and needed and len(probes) == self.settings.probe:
             start = time.perf_counter()
             finding = self._probe(dict(weights), probes, version, calibrate=not findings)
@@ -150,6 +153,15 @@ class SyncSentinel:
             return None
         return {"check": "probe", "logprob_max_abs": c.logprob_max_abs, "routing_disagree": c.routing_disagree,
                 "floor": self.floor.to_json(), "tokens": c.worst, "routing_layers": c.routing_layers}
+
+    def _say_unreadable(self, unreadable: Sequence[str], version: int) -> None:
+        """Once per run: which tensors the engine holds in a form no checksum reads (the probe
+        covers them)."""
+        if unreadable and not self._said_unreadable:
+            self._said_unreadable = True
+            self._event("sync_checksum_partial", step=version, count=len(unreadable),
+                        tensors=list(unreadable[:MAX_NAMED]),
+                        why="the engine computes these from opaque kernel handles; the probe covers them")
 
     # -- on failure --------------------------------------------------------------------------------
     def _act(self, findings: list[dict[str, Any]], weights: Mapping[str, torch.Tensor], version: int, reason: str,

@@ -15,6 +15,7 @@ APIs differ:
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Sequence
 
 import httpx
@@ -31,16 +32,20 @@ __all__ = ["VLLMEngine"]
 class VLLMEngine(SGLangEngine):
     """HTTP client for one or more vLLM servers (see the module docstring); the arguments are
     `SGLangEngine`'s (`weight_sync` must be "disk"), plus `weight_route`: "reload" (in place) or
-    "restart" (the launcher restarts the servers on the new weights)."""
+    "restart" (the launcher restarts the servers on the new weights), and `repack_experts`: after
+    an in-place reload, re-pack the experts through AxRL's worker extension (the CPU build needs
+    it; `weight_updater.py`)."""
 
     NAME = "vllm"
     GENERATE_PATH = "/inference/v1/generate"
     INFO_PATH = "/weight_info"
 
-    def __init__(self, urls: Sequence[str], *, weight_route: str = "reload", **options: Any) -> None:
+    def __init__(self, urls: Sequence[str], *, weight_route: str = "reload", repack_experts: bool = False,
+                 **options: Any) -> None:
         if weight_route not in ROUTES:
             raise ValueError(f"weight_route must be one of {ROUTES}, got {weight_route!r}")
-        self.weight_route = weight_route  # read by _weight_updater, during the base class's set-up
+        # read by _weight_updater, during the base class's set-up
+        self.weight_route, self.repack_experts = weight_route, repack_experts
         super().__init__(urls, **options)
 
     def _weight_updater(self, **options: Any) -> ServerWeights:
@@ -49,8 +54,22 @@ class VLLMEngine(SGLangEngine):
             raise ValueError("weight_sync: vLLM servers are synced from disk only (docs/vllm.md)")
         weights = VLLMWeights(self._transport, self.launcher, version=options["version"], weight_sync="disk",
                               export_dir=self.export_dir, model_dir=self.model_dir)
-        weights.route = self.weight_route
+        weights.route, weights.repack_experts = self.weight_route, self.repack_experts
         return weights
+
+    @property
+    def weights_dir(self) -> Path | None:
+        """The HF directory the servers hold: the last one they were given, else the one the
+        launcher started them on (None for servers AxRL did not launch, before any update)."""
+        if self._weights.updated:
+            return self._weights.last_dir
+        return None if self.launcher is None else Path(self.launcher.model_path)
+
+    def worker_call(self, server: int, method: str, *args: str) -> Any:
+        """Call `method` of AxRL's worker extension (`worker_extension.py`) on server `server`'s
+        workers (`POST /collective_rpc`, dev mode); vLLM's answer, `{"results": [one per worker]}`.
+        ValueError when the server refuses it (a server started without the extension)."""
+        return self._transport.control(server, "POST", "/collective_rpc", {"method": method, "args": list(args)}).json()
 
     def _model_info(self, i: int) -> dict[str, Any]:
         resp = self._transport.control(i, "GET", self.INFO_PATH, ok404=True)

