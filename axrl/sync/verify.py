@@ -2,16 +2,18 @@
 the engine another request under the new version, check that the engine holds what the trainer
 sent (`sync.verify`) and act on a failure (`sync.on_failure`).
 
-* checksum — per-tensor checksums (`axrl.sync.checksums`) of the weights as posted (rounded to the
-  engine's `rollout.weight_dtype`, as the engine rounds them) vs the engine's own, by HF name; a
-  mismatch names the tensor and the (layer, expert) decoded from its name.
+* checksum — per-tensor checksums (`axrl.sync.checksums`) of the weights as posted, in the form the
+  engine should hold them (`EngineSide.checksum_pair`: rounded to `rollout.weight_dtype` for the
+  embedded engine; the server's dtype and layout for servers), vs the engine's own; a mismatch
+  names the tensor and the (layer, expert) decoded from its name.
 * probe — the run's first `sync.probe` samples re-scored by the engine and by the trainer's forward
   on the posted weights (`axrl.sync.probe`); the first verification with probes and clean checksums
   calibrates the floor (stored in manifest.json under `sync_sentinel`), later ones must stay under
   its limit; a failure names the worst probe tokens and the layers whose routing differs.
 * both — checksums, and the probe where they cannot settle it: to calibrate, when they fail (to
-  name the tokens it affects), and on an engine with no checksums (SGLang, vLLM). After clean
-  exact checksums the embedded engine's probe would re-read the parameters just checksummed.
+  name the tokens it affects), and on an engine whose checksums cannot read every tensor (servers:
+  opaque kernel handles, or no checksum route). After clean exact checksums of every tensor the
+  embedded engine's probe would re-read the parameters just checksummed.
 
 A failure is a `sync_mismatch` event in RUN/events.jsonl: `step` (the first step whose batch is
 rolled out under these weights, = `version`), `version`, `reason` (start | resume | sync), `check`
