@@ -115,3 +115,112 @@ def test_incomplete_state_dict_and_unreachable_server_say_what_is_missing():
     with pytest.raises(RuntimeError, match=rf"{url}/weights_checker: no answer"):
         held_checksums(url, timeout_s=5)
     assert len({r.where for r in LAYOUT}) == len(LAYOUT)     # each rule says where SGLang does it
+
+
+# -- against a real SGLang server -----------------------------------------------------------------
+def real_sglang(fn):
+    """`-m sglang` selects it; skipped without AXRL_SGLANG_PYTHON."""
+    return pytest.mark.sglang(pytest.mark.skipif(not SGLANG_PYTHON, reason=SKIP_REASON)(fn))
+
+
+def _report(key: str, value: object) -> None:
+    print(f"[sglang-checksums] {key}: {value}", file=sys.__stderr__, flush=True)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(url, the checkpoint's HF state dict, its directory) of one SGLang server (cpu_compat,
+    float32) on a tiny-moe checkpoint written as `axrl model init --preset tiny-moe` writes it."""
+    from axrl.inference.sglang.launcher import SGLangLauncher, free_port
+    from axrl.model import load_hf, save_hf
+    from axrl.tokenizer import Tokenizer
+
+    root = tmp_path_factory.mktemp("sglang-checksums")
+    tok = Tokenizer.default()
+    cfg = preset_config("tiny-moe", vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id)
+    model_dir = save_hf(build_model(cfg, seed=0), root / "model", tokenizer=tok)
+    launcher = SGLangLauncher(model_dir, command=[SGLANG_PYTHON, str(CPU_COMPAT)],
+                              server_args=["--dtype", "float32", "--random-seed", "0"], base_port=free_port(),
+                              env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
+                              startup_timeout_s=300, log_dir=root / "logs")
+    launcher.start()
+    try:
+        yield launcher.urls[0], hf_state_dict(load_hf(model_dir)), model_dir
+    finally:
+        launcher.stop()
+
+
+@real_sglang
+def test_fresh_server_holds_the_trainers_tensors(served):
+    import httpx
+
+    url, sd, _ = served
+    info = httpx.get(url + "/server_info", timeout=30).json()
+    assert (info["dtype"], info["device"]) == ("float32", "cpu")
+    held = held_checksums(url)
+    want = expected_checksums(sd, torch.float32)
+    mismatches, compared = compare(want, held)
+    assert mismatches == [], [m.to_json() for m in mismatches]
+    # every HF tensor of the checkpoint is in some compared SGLang tensor
+    covered = {k for name in compared for k in want[name].sources}
+    assert covered == set(sd), sorted(set(sd) - covered)
+    assert set(compared) <= set(held)
+    # the bytes SGLang holds are float32: the same tensors cast to float16 / bfloat16 match nowhere
+    for dtype in (torch.float16, torch.bfloat16):
+        assert len(compare(expected_checksums(sd, dtype), held)[0]) == len(compared)
+    _report("compared", f"{len(compared)} SGLang tensors from {len(sd)} HF tensors; "
+                        f"not compared: {not_compared(want, held)}")
+    _report("sglang_checksum_s (median of 5)", round(_median_s(lambda: held_checksums(url), 5), 4))
+    _report("expected_checksum_s (median of 5)", round(_median_s(lambda: expected_checksums(sd, torch.float32), 5), 4))
+
+
+@real_sglang
+def test_reload_with_one_expert_scaled_names_that_layers_w2(served, tmp_path):
+    import httpx
+    from safetensors.torch import load_file, save_file
+
+    url, sd, model_dir = served
+    layer, expert = PERTURBED
+    key = f"model.layers.{layer}.mlp.experts.{expert}.down_proj.weight"
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    for f in model_dir.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            (changed / f.name).write_bytes(f.read_bytes())
+    (weights_file,) = model_dir.glob("*.safetensors")
+    tensors = load_file(str(weights_file))
+    tensors[key] = tensors[key] * 1.05
+    save_file(tensors, str(changed / weights_file.name), metadata={"format": "pt"})
+    r = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(changed)}, timeout=300)
+    assert r.status_code == 200 and r.json().get("success"), r.text
+    held = held_checksums(url)
+    mismatches, compared = compare(expected_checksums(sd, torch.float32), held)
+    assert [(m.name, m.layer) for m in mismatches] == [(f"model.layers.{layer}.mlp.experts.w2_weight", layer)]
+    assert key in mismatches[0].sources and mismatches[0].experts == tuple(range(8))
+    assert len(compared) > 1
+    # and the changed weights, as the trainer would now post them, match again
+    assert compare(expected_checksums(tensors, torch.float32), held)[0] == []
+
+
+@real_sglang
+def test_cuda_hash_recomputation_matches_sglangs_triton_kernel():
+    """`sglang_cuda_hash` against SGLang's own kernels, run by Triton's interpreter on the CPU."""
+    import json
+    import subprocess
+
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    out = subprocess.run([SGLANG_PYTHON, str(Path(__file__).with_name("sglang_gpu_hash_check.py"))], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"checked": 5, "differ": []}, result
+
+
+def _median_s(fn, n: int) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)

@@ -12,9 +12,12 @@ model (`WeightChecker._compute_checksum`) and answers one `ranks[]` entry per sc
 `{"checksums": {name: hash}, "per_gpu_checksum", "parallelism_info"}`. Each hash is
 `_hash_tensor`: `tensor_hash` (sglang/srt/managers/mm_utils.py) of the raw bytes, as 16 hex digits.
 For a tensor in host memory (SGLang's CPU build) that is the first 8 bytes of the SHA-256 of the
-tensor's contiguous bytes (`HASH_KIND = "cpu"`, the only kind this module reproduces); on a CUDA
-device SGLang hashes with a Triton kernel (`gpu_tensor_hash`) whose digests this module does not
-compute, so the comparison applies to CPU-resident servers only.
+tensor's contiguous bytes (`sglang_hash`); for a tensor on a CUDA device SGLang runs its Triton
+kernel `gpu_tensor_hash` (sglang/kernels/ops/memory/gpu_tensor_hash.py: a per-32-bit-word mix,
+summed per tile of 8192 words, the tiles' 64-bit values summed, then splitmix64), which
+`sglang_cuda_hash` recomputes with plain torch integer ops on any device (checked bit for bit
+against SGLang's kernel under TRITON_INTERPRET=1, tests/test_sglang_weight_checksums.py).
+`expected_checksums(..., server_device=)` picks the one the server uses.
 
 The names are SGLang's parameter names, not HF keys: q/k/v fused into `qkv_proj`, a dense MLP's
 gate/up into `gate_up_proj`, and a MoE layer's experts stacked into two tensors, `w13_weight`
@@ -39,7 +42,6 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-HASH_KIND = "cpu"          # SGLang's host-memory `tensor_hash` (SHA-256 prefix); see the module docstring
 VOCAB_PAD = 64             # sglang/srt/layers/vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -129,6 +131,70 @@ def sglang_hash(t: torch.Tensor) -> str:
     return hashlib.sha256(memoryview(flat.view(torch.uint8).numpy())).hexdigest()[:16]
 
 
+# gpu_tensor_hash's constants (sglang/kernels/ops/memory/gpu_tensor_hash.py)
+_M32, _M64 = 0xFFFFFFFF, (1 << 64) - 1
+_FMIX = (0x85EBCA6B, 0xC2B2AE35)
+_POS = (0x27D4EB2D, 0x165667B1)
+_SEED = 0x243F6A88
+_TILE = 8192                 # 32-bit words per tile (tile_words)
+_CHUNK = _TILE * 512         # words mixed at once here (a multiple of the tile): bounds the int64 copies
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2**32 for 0 <= x < 2**32 in int64, without overflowing int64 (c split in halves)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, _FMIX[0])
+    x = x ^ (x >> 13)
+    x = _mul32(x, _FMIX[1])
+    return x ^ (x >> 16)
+
+
+def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
+    return ((x << r) & _M32) | (x >> (32 - r))
+
+
+def _splitmix64(x: int) -> int:
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _M64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def sglang_cuda_hash(t: torch.Tensor) -> str:
+    """SGLang's `_hash_tensor` of a CUDA tensor (`gpu_tensor_hash`, default seed and tile), as 16
+    hex digits, recomputed with torch integer ops on `t`'s own device: the bytes zero-padded to
+    32-bit words; word i mixed twice, fmix32(w ^ ((i*A + s) ^ rotl(i, r))); the mixes summed mod
+    2**32 per tile of 8192 words, each sum xor-ed with the byte count and fmix32-ed, the two
+    joined into 64 bits; the tiles summed mod 2**64; splitmix64 of the total."""
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if raw.numel() == 0:
+        return f"{0:016x}"
+    if raw.numel() % 4:
+        raw = torch.cat([raw, raw.new_zeros(-raw.numel() % 4)])
+    words = raw.view(torch.int32)
+    n = words.numel()
+    seeds = (_SEED & _M32, ((_SEED * 0x9E3779B1) ^ 0xDEADBEEF) & _M32)
+    total = 0
+    for start in range(0, n, _CHUNK):
+        w = words[start:start + _CHUNK].to(torch.int64) & _M32
+        idx = torch.arange(start, start + w.numel(), dtype=torch.int64, device=w.device)
+        halves = []
+        for pos, seed, rot in zip(_POS, seeds, (15, 13)):
+            k = _fmix32(w ^ (((_mul32(idx, pos) + seed) & _M32) ^ _rotl32(idx, rot)))
+            k = torch.cat([k, k.new_zeros(-k.numel() % _TILE)]).reshape(-1, _TILE)
+            halves.append(_fmix32((k.sum(1) & _M32) ^ ((n * 4) & _M32)))
+        total += (int(halves[0].sum()) << 32) + int(halves[1].sum())
+    return f"{_splitmix64(total & _M64):016x}"
+
+
+HASHERS = {"cpu": sglang_hash, "cuda": sglang_cuda_hash}     # the server's device → how SGLang hashes
+
+
 def _rule_for(key: str) -> tuple[LayoutRule, re.Match[str]]:
     for rule in LAYOUT:
         m = rule.hf.fullmatch(key)
@@ -186,17 +252,22 @@ def _assemble(name: str, g: _Group, dtype: torch.dtype) -> tuple[torch.Tensor, t
     return t, (tuple(experts) if experts else None)
 
 
-def expected_checksums(weights: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, ExpectedTensor]:
+def expected_checksums(weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                       server_device: str = "cpu") -> dict[str, ExpectedTensor]:
     """{SGLang name: ExpectedTensor} for the trainer's HF state dict (Qwen3 / Qwen3-MoE keys, as
     `axrl.model.hf_state_dict` gives them): each SGLang tensor laid out by `LAYOUT` from the HF
-    tensors cast to the server's `dtype`, hashed as SGLang hashes it (`sglang_hash`). A stacked
+    tensors cast to the server's `dtype`, hashed as SGLang hashes it on `server_device` ("cpu":
+    `sglang_hash`, "cuda": `sglang_cuda_hash`; the tensors may live anywhere). A stacked
     expert tensor lists every expert's keys as its sources. Raises ValueError naming the missing
     HF key when a fused or stacked tensor is incomplete."""
+    if server_device not in HASHERS:
+        raise ValueError(f"server_device={server_device!r}: SGLang hashes weights on {sorted(HASHERS)} only")
+    hasher = HASHERS[server_device]
     out: dict[str, ExpectedTensor] = {}
     for name, g in _group(weights).items():
         t, experts = _assemble(name, g, dtype)
         sources = tuple(key for key, _ in g.pieces.values())
-        out[name] = ExpectedTensor(sglang_hash(t), sources, g.layer, experts)
+        out[name] = ExpectedTensor(hasher(t), sources, g.layer, experts)
     return out
 
 
