@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from axrl.inference.sglang.weight_checksums import LAYOUT, ExpectedTensor, compare, expected_checksums, \
-    held_checksums, not_compared, sglang_hash
+    held_checksums, not_compared, sglang_cuda_hash, sglang_hash
 from axrl.model import build_model, hf_state_dict, preset_config
 
 SGLANG_PYTHON = os.environ.get("AXRL_SGLANG_PYTHON", "")
@@ -98,6 +98,19 @@ def test_compare_names_the_stack_and_skips_what_it_does_not_model():
     want_tied = expected_checksums(tied, torch.float32)
     held_tied = {n: t.digest for n, t in want_tied.items() if n != "lm_head.weight"}
     assert compare(want_tied, held_tied)[0] == []
+
+
+def test_cuda_hash_gives_the_values_sglangs_kernel_gave():
+    # pinned from SGLang's gpu_tensor_hash kernels under TRITON_INTERPRET=1 (sglang_gpu_hash_check.py);
+    # 9000 words span two tiles, 3 bytes pad one word
+    assert sglang_cuda_hash(torch.arange(9000, dtype=torch.float32)) == "65fb8c37f0117120"
+    assert sglang_cuda_hash(torch.arange(3, dtype=torch.uint8)) == "0a97cf45c78490e5"
+    sd = _micro()
+    on_cuda = expected_checksums(sd, torch.float32, server_device="cuda")
+    assert on_cuda["model.norm.weight"].digest == sglang_cuda_hash(sd["model.norm.weight"])
+    assert on_cuda["model.norm.weight"].digest != expected_checksums(sd, torch.float32)["model.norm.weight"].digest
+    with pytest.raises(ValueError, match="server_device='npu'"):
+        expected_checksums(sd, torch.float32, server_device="npu")
 
 
 def test_incomplete_state_dict_and_unreachable_server_say_what_is_missing():
