@@ -56,6 +56,8 @@ def test_fused_and_stacked_tensors_are_built_as_sglang_lays_them_out():
     # every HF key goes into exactly one SGLang tensor
     sources = [k for t in want.values() for k in t.sources]
     assert sorted(sources) == sorted(sd)
+    # a key SGLang's loader skips (a checkpoint's rotary inv_freq) makes no tensor to compare
+    assert expected_checksums(dict(sd, **{p + "self_attn.rotary_emb.inv_freq": torch.ones(4)}), torch.float32) == want
 
 
 def test_hash_dtype_vocab_padding_and_dense_mlp():

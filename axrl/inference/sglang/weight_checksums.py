@@ -52,13 +52,14 @@ class LayoutRule:
 
     `hf` fullmatches the HF keys the rule consumes; its named groups: `layer`, `expert` (the
     tensor is a stack over experts 0..E-1 along a new dim 0) and `part` (which piece of the fused
-    tensor this key is). `sglang` is the SGLang name, formatted with the match's `layer`/`name`.
+    tensor this key is). `sglang` is the SGLang name, formatted with the match's `layer`/`name`
+    (None: keys SGLang's loader drops).
     `parts`: the concatenation order along dim 0 within one expert (empty: the tensor is the one
     key, whole). `pad_rows`: rows appended as zeros up to a multiple of this. `where`: the SGLang
     code that lays the tensor out this way."""
 
     hf: re.Pattern[str]
-    sglang: str
+    sglang: str | None          # None: SGLang's loader skips these keys (no tensor to compare)
     parts: tuple[str, ...] = ()
     pad_rows: int = 1
     where: str = ""
@@ -67,6 +68,9 @@ class LayoutRule:
 _L = r"model\.layers\.(?P<layer>\d+)\."
 # Order matters: the first rule that fullmatches an HF key takes it; the last one takes any key.
 LAYOUT: tuple[LayoutRule, ...] = (
+    LayoutRule(re.compile(r".*rotary_emb\.inv_freq|mtp\..*"), None,
+               where="models/qwen3_moe.py load_weights: `rotary_emb.inv_freq` and `mtp.*` (a draft's) are "
+                     "skipped; SGLang recomputes its rotary cache"),
     LayoutRule(re.compile(_L + r"self_attn\.(?P<part>q_proj|k_proj|v_proj)\.weight"),
                "model.layers.{layer}.self_attn.qkv_proj.weight", ("q_proj", "k_proj", "v_proj"),
                where="models/qwen3_moe.py load_weights stacked_params_mapping (q, k, v) → "
@@ -215,6 +219,8 @@ def _group(weights: Mapping[str, torch.Tensor]) -> dict[str, _Group]:
     groups: dict[str, _Group] = {}
     for key, tensor in weights.items():
         rule, m = _rule_for(key)
+        if rule.sglang is None:
+            continue
         found = m.groupdict()
         name = rule.sglang.format(**{k: v for k, v in found.items() if v is not None})
         at = _LAYER.search(name)
