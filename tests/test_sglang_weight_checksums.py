@@ -132,6 +132,53 @@ def test_incomplete_state_dict_and_unreachable_server_say_what_is_missing():
     assert len({r.where for r in LAYOUT}) == len(LAYOUT)     # each rule says where SGLang does it
 
 
+def _fake_server(replies: list[tuple[int, dict]]):
+    """A local HTTP server answering each POST with the next (status, JSON body) of `replies`."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            status, body = replies.pop(0)
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_held_checksums_reads_sglangs_answer_and_says_why_it_has_none():
+    def rank(tp: int, sums: dict) -> dict:
+        info = dict(role="target", tp_rank=0, tp_size=tp, dp_rank=0, dp_size=1, pp_rank=0, pp_size=1, rank=0, size=1)
+        return {"checksums": sums, "per_gpu_checksum": "x", "parallelism_info": [info]}
+
+    ok = {"success": True, "message": "Success.", "ranks": [rank(1, {"a": "01", "b": "02"}), rank(1, {"a": "01", "b": "03"})]}
+    replies = [(200, ok), (404, {"detail": "Not Found"}), (400, {"success": False, "message": "boom"}),
+               (200, {"success": True, "message": "", "ranks": [rank(2, {"a": "01"})]})]
+    server, url = _fake_server(replies)
+    try:
+        # dp replicas merged; a name two ranks hash differently matches nothing
+        assert held_checksums(url) == {"a": "01", "b": "02|03"}
+        with pytest.raises(RuntimeError, match="no /weights_checker route"):
+            held_checksums(url)
+        with pytest.raises(RuntimeError, match=r"/weights_checker: HTTP 400, SGLang said: 'boom'"):
+            held_checksums(url)
+        with pytest.raises(RuntimeError, match="tensor-parallel server"):
+            held_checksums(url)
+    finally:
+        server.shutdown()
+
+
 # -- against a real SGLang server -----------------------------------------------------------------
 def real_sglang(fn):
     """`-m sglang` selects it; skipped without AXRL_SGLANG_PYTHON."""

@@ -337,10 +337,11 @@ def _merge_ranks(endpoint: str, ranks: Sequence[Mapping[str, Any]]) -> dict[str,
         raise RuntimeError(f"{endpoint}: success, but no rank reported checksums")
     merged: dict[str, set[str]] = {}
     for rank in ranks:
-        info = rank.get("parallelism_info") or {}
-        if int(info.get("tp_size", 1)) > 1:
-            raise RuntimeError(f"{endpoint}: tensor-parallel server (tp_size={info['tp_size']}): each rank hashes "
-                               f"its shard, which the expected layout does not model")
+        infos = rank.get("parallelism_info") or []     # a list, one per role (target, drafts), in 0.5.23
+        for info in [infos] if isinstance(infos, Mapping) else infos:
+            if int(info.get("tp_size", 1)) > 1:
+                raise RuntimeError(f"{endpoint}: tensor-parallel server (tp_size={info['tp_size']}): each rank "
+                                   f"hashes its shard, which the expected layout does not model")
         for name, digest in (rank.get("checksums") or {}).items():
             merged.setdefault(name, set()).add(str(digest))
     return {name: "|".join(sorted(d)) for name, d in merged.items()}
