@@ -534,6 +534,10 @@ def test_train_with_real_sglang_and_mismatch_analysis(tmp_path):
     assert report["tokens"]["analysed"] > 100
     assert routing["agreement"] >= 0.999, "more than near-tie routing flips: SGLang and the trainer route differently"
     _assert_float_rounding(report)
+    # the sync sentinel (default `both`) checked every sync against SGLang's own checksums: all clean
+    from axrl.runtime.recording.events import read_events
+    sentinel = [e["event"] for e in read_events(run) if e["event"].startswith("sync_")]
+    assert sentinel == [], sentinel
 
 
 def _assert_float_rounding(report: dict, tol: float = 1e-3) -> None:

@@ -263,6 +263,18 @@ def test_reload_with_one_expert_scaled_names_that_layers_w2(served, tmp_path):
     assert len(compared) > 1
     # and the changed weights, as the trainer would now post them, match again
     assert compare(expected_checksums(tensors, torch.float32), held)[0] == []
+    # the sync sentinel's view of the same server (axrl/sync/engine_side.py ServerSide)
+    from types import SimpleNamespace
+
+    from axrl.inference.sglang.checksums import sglang_checksum_pair
+    from axrl.sync.checksums import compare_checksums
+
+    pair = sglang_checksum_pair(SimpleNamespace(urls=[url]), 0, sd)
+    bad = compare_checksums(pair.expected, pair.held)
+    assert [(m.name, m.layer, m.expert) for m in bad] == [(f"model.layers.{layer}.mlp.experts.w2_weight", layer, None)]
+    assert bad[0].to_json()["held_sample_sum"] is None and not pair.unreadable
+    assert compare_checksums(*(lambda q: (q.expected, q.held))(sglang_checksum_pair(SimpleNamespace(urls=[url]), 0,
+                                                                                   tensors))) == []
 
 
 @real_sglang

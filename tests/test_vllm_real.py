@@ -360,6 +360,11 @@ def test_train_the_quickstart_on_vllm_then_mismatch_and_bitwise_replay(tmp_path,
     assert m["mean_abs"] < 1e-5 and m["max_abs"] < 1e-3 and m["frac_outside_clip"] == 0.0, m
     replay = _axrl_debug("replay", str(run), "--step", "1")
     assert replay["verdict"] == "bitwise-equal", replay.get("first_divergence")
+    # the sync sentinel (default `both`) checked every in-place sync: clean checksums where the
+    # worker extension can read them (the rest, said once, left to a clean probe)
+    from axrl.runtime.recording.events import read_events
+    sentinel = [e for e in read_events(run) if e["event"].startswith("sync_")]
+    assert [e["event"] for e in sentinel] == ["sync_checksum_partial"], sentinel
 
 
 @real_vllm

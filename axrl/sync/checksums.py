@@ -121,5 +121,9 @@ def compare_checksums(expected: Mapping[str, TensorChecksum],
 
 def _mismatch(name: str, want: TensorChecksum | None, got: TensorChecksum | None) -> TensorMismatch:
     layer, expert = tensor_location(name)
-    return TensorMismatch(name, layer, expert, None if want is None else want.sample_sum,
-                          None if got is None else got.sample_sum)
+    return TensorMismatch(name, layer, expert, _known(want), _known(got))
+
+
+def _known(c: TensorChecksum | None) -> float | None:
+    """A checksum's sample sum, None where it has none (NaN: a server's hash gives none)."""
+    return None if c is None or c.sample_sum != c.sample_sum else c.sample_sum

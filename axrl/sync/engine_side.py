@@ -91,7 +91,8 @@ class ServerSide:
             except RuntimeError as e:          # a server without the route: the probe covers it
                 self.unavailable = str(e)
                 return None
-        return next((p for p in pairs if any(p.held.get(k) != v for k, v in p.expected.items())), pairs[0])
+        return next((p for p in pairs if any(getattr(p.held.get(k), "digest", None) != v.digest
+                                             for k, v in p.expected.items())), pairs[0])
 
     def score(self, sequences: Sequence[np.ndarray]) -> list[ProbeScore]:
         """Each server's logprobs; those of the server farthest from the first (or the first)."""
@@ -112,5 +113,7 @@ def engine_side(engine: Any, vocab_size: int) -> EngineSide | None:
 
         return ServerSide(engine, "vllm", vocab_size, vllm_checksum_pair)
     if module.startswith("axrl.inference.sglang."):
-        return ServerSide(engine, "sglang", vocab_size)
+        from axrl.inference.sglang.checksums import sglang_checksum_pair
+
+        return ServerSide(engine, "sglang", vocab_size, sglang_checksum_pair)
     return None
