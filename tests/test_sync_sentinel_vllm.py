@@ -63,7 +63,9 @@ def test_the_sentinel_catches_the_stale_in_place_moe_reload(tmp_path: Path) -> N
         assert engine.update_weights(dict(hf_state_dict(models[1])), version=1) == 1   # in place, no restart
         findings = sentinel.verify(hf_state_dict(models[1]), 1, reason="sync", resend=reload)
         took = time.perf_counter() - t0
+        t1 = time.perf_counter()
         after = vllm_checksum_pair(engine, 0, hf_state_dict(models[1]))
+        checksum_s = time.perf_counter() - t1
         # AxRL's repair (the reload route's `repack_experts`, on by default for launched CPU servers)
         engine.worker_call(0, "axrl_repack_experts")
         assert sentinel.verify(hf_state_dict(models[1]), 1, reason="sync", resend=reload) == []
@@ -83,7 +85,8 @@ def test_the_sentinel_catches_the_stale_in_place_moe_reload(tmp_path: Path) -> N
     plain = torch.cat([new[f"model.layers.0.mlp.experts.0.{x}_proj.weight"] for x in ("gate", "up")])
     assert after.held["model.layers.0.mlp.experts.0.gate_up_proj.weight"].digest == tensor_checksum(plain).digest
     print(f"[sentinel-vllm] floor {floor.logprob_max_abs:.3g}, after the in-place reload "
-          f"{probe['logprob_max_abs']:.3g}; reload + verification {took:.2f} s; unreadable {partial['count']}; "
+          f"{probe['logprob_max_abs']:.3g}; reload + verification {took:.2f} s; one checksum pair {checksum_s:.3f} s; "
+          f"unreadable {partial['count']}; "
           f"checksum finding: {checksum['count']} tensors, first {checksum['tensors'][0]['tensor']}")
 
 
