@@ -13,6 +13,7 @@ probe names the tokens; after AxRL's re-packing both are clean. Opt-in like test
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,10 @@ def test_the_sentinel_catches_the_stale_in_place_moe_reload(tmp_path: Path) -> N
         after = vllm_checksum_pair(engine, 0, hf_state_dict(models[1]))
         checksum_s = time.perf_counter() - t1
         # AxRL's repair (the reload route's `repack_experts`, on by default for launched CPU servers)
-        engine.worker_call(0, "axrl_repack_experts")
+        repacked = engine.worker_call(0, "axrl_repack_experts", str(engine.weights_dir.resolve()))["results"][0]
+        assert json.loads(repacked) == {"repacked": cfg.num_hidden_layers, "already_packed": 0, "neither": 0}
+        again = engine.worker_call(0, "axrl_repack_experts", str(engine.weights_dir.resolve()))["results"][0]
+        assert json.loads(again)["already_packed"] == cfg.num_hidden_layers   # never packed twice
         assert sentinel.verify(hf_state_dict(models[1]), 1, reason="sync", resend=reload) == []
     by_check = {f["check"]: f for f in findings}
     probe = by_check["probe"]

@@ -140,3 +140,18 @@ def test_the_extension_answers_json_a_server_can_send(tmp_path: Path) -> None:
     _, model, _ = _setup(tmp_path)
     got = json.loads(_Worker(model).axrl_weight_checksums(str(tmp_path)))
     assert set(got) == {"held", "expected", "unreadable", "packed", "dtype"} and got["dtype"] == "torch.float32"
+
+
+def test_repacking_after_a_reload_restores_a_fresh_load_and_never_packs_twice(tmp_path: Path) -> None:
+    hf, model, engine = _setup(tmp_path)
+    experts = model.model.layers[0].mlp.experts.routed_experts
+    fresh = {k: experts._parameters[k].detach().clone() for k in ("w13_weight", "w2_weight")}
+    for k in fresh:   # what vLLM's CPU reload leaves: the same weights, unpacked
+        experts._parameters[k].data.copy_(experts._parameters[k].data.flip(-1))
+    assert compare_checksums(*(lambda p: (p.expected, p.held))(vllm_checksum_pair(engine, 0, hf)))
+    worker = engine.worker
+    assert json.loads(worker.axrl_repack_experts(str(tmp_path))) == {"repacked": 1, "already_packed": 0, "neither": 0}
+    assert all(torch.equal(experts._parameters[k], fresh[k]) for k in fresh)
+    assert compare_checksums(*(lambda p: (p.expected, p.held))(vllm_checksum_pair(engine, 0, hf))) == []
+    assert json.loads(worker.axrl_repack_experts(str(tmp_path))) == {"repacked": 0, "already_packed": 1, "neither": 0}
+    assert all(torch.equal(experts._parameters[k], fresh[k]) for k in fresh)

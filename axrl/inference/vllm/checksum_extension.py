@@ -57,26 +57,41 @@ def _checksum(t: torch.Tensor) -> list:
 class ChecksumExtension:
     """Mixed into vLLM's worker class (`self.model_runner` is the worker's)."""
 
-    def axrl_repack_experts(self) -> str:
+    def axrl_repack_experts(self, weights_path: str) -> str:
         """Re-pack every experts module's stacked tensors in place, as a fresh load does; call it
-        after `reload_weights` (the server paused). On the CPU build the in-place reload copies the
-        new experts into the packed parameters in vLLM's plain layout and skips the re-packing
-        (`_setup_kernel` runs the kernel's `process_weights_after_loading` only on the first
-        load), so the kernel reads unpacked bytes: the stale reload of docs/vllm.md. A module
-        whose kernel does not re-pack is left as it is."""
+        after `reload_weights(weights_path)` (the server paused). On the CPU build the in-place
+        reload copies the new experts into the packed parameters in vLLM's plain layout and skips
+        the re-packing (`_setup_kernel` runs the kernel's `process_weights_after_loading` on the
+        first load only), so the kernel reads unpacked bytes: the stale reload of docs/vllm.md.
+        A module is re-packed only when it holds exactly `weights_path`'s experts in the plain
+        layout (a vLLM that re-packs on reload itself is left alone, never packed twice);
+        returns a JSON count of modules `repacked`, `already_packed` and `neither` (for the sync
+        sentinel's checksums to name)."""
         runner = getattr(self, "model_runner")
         model = runner.get_model() if hasattr(runner, "get_model") else runner.model
-        done = 0
+        hf = _hf_tensors(Path(weights_path))
+        counts = {"repacked": 0, "already_packed": 0, "neither": 0}
         with torch.no_grad():
-            for _, layer in _expert_modules(model).items():
+            for name, layer in _expert_modules(model).items():
                 kernel = _repacking_kernel(layer)
                 if kernel is None:
                     continue
-                plain = {k: layer._parameters[k].detach().clone() for k in _EXPERT_PARAMS}   # noqa: SLF001
-                for k, packed in _repack(kernel, layer, plain).items():
-                    layer._parameters[k].data.copy_(packed)                                    # noqa: SLF001
-                done += 1
-        return f"re-packed {done} experts modules"
+                held = {k: layer._parameters[k] for k in _EXPERT_PARAMS}                       # noqa: SLF001
+                n = held["w13_weight"].shape[0]
+                plain = {k: _stacked(_hf_prefix(name), k, n, hf, p.dtype) for k, p in held.items()}
+                if any(v is None or v.shape != held[k].shape for k, v in plain.items()):
+                    counts["neither"] += 1
+                    continue
+                packed = _repack(kernel, layer, plain)
+                if all(torch.equal(held[k], packed[k]) for k in held):
+                    counts["already_packed"] += 1
+                elif all(torch.equal(held[k], plain[k]) for k in held):
+                    for k in held:
+                        held[k].data.copy_(packed[k])
+                    counts["repacked"] += 1
+                else:
+                    counts["neither"] += 1
+        return json.dumps(counts)
 
     def axrl_weight_checksums(self, weights_path: str) -> str:
         """Per-tensor checksums of the worker's weights (module docstring), as a JSON string."""

@@ -5,7 +5,7 @@
 
       POST /pause?mode=keep          requests in flight freeze where they are (none are lost)
       POST /collective_rpc           {"method": "reload_weights", "kwargs": {"weights_path": DIR}}
-      POST /collective_rpc           {"method": "axrl_repack_experts"}   (CPU build, see below)
+      POST /collective_rpc           {"method": "axrl_repack_experts", "args": [DIR]}   (CPU build, below)
       POST /reset_prefix_cache       cached prefixes were computed by the old weights
       POST /update_weight_version    {"new_version": "N"}: tokens from now on are labelled N
       POST /resume
@@ -54,7 +54,7 @@ class VLLMWeights(ServerWeights):
             self._each(servers, "/collective_rpc", {"method": "reload_weights",
                                                      "kwargs": {"weights_path": str(path)}})
             if self.repack_experts:   # the CPU build skips it on a reload (checksum_extension.py)
-                self._each(servers, "/collective_rpc", {"method": "axrl_repack_experts"})
+                self._each(servers, "/collective_rpc", {"method": "axrl_repack_experts", "args": [str(path)]})
             self._each(servers, "/reset_prefix_cache?reset_running_requests=true", {})
             self._each(servers, "/update_weight_version", {"new_version": str(version)})
         finally:
