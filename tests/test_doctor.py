@@ -134,6 +134,29 @@ def test_reads_the_sync_sentinels_events_and_floor_when_present(zoo, tmp_path):
     assert top["next_command"] == f"axrl-debug bisect {run} --step 1"
 
 
+def test_a_checksum_finding_of_every_expert_says_only_experts_differ(zoo, tmp_path):
+    """vLLM's CPU in-place reload as the sentinel saw it (tests/test_sync_sentinel_vllm.py): every
+    expert tensor of every layer differs, nothing else. The whole model is not late: the evidence
+    and summary say only expert weights differ; a mixed finding does not say so."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(zoo("clean"), run, ignore=shutil.ignore_patterns("doctor"))
+    experts = [[layer, e] for layer in range(2) for e in range(4)]
+    event = {"event": "sync_mismatch", "engine": "vllm", "step": 1, "version": 1, "reason": "sync", "action": "warn",
+             "check": "checksum", "count": 16, "expert_tensors": 16, "layers": [0, 1], "experts": experts,
+             "tensors": [{"tensor": f"model.layers.{a}.mlp.experts.{b}.gate_up_proj.weight", "layer": a, "expert": b}
+                         for a, b in experts]}
+    (run / "events.jsonl").write_text(json.dumps(event) + "\n")
+    top = diagnose(run, rescore=False, reexec=False)["findings"][0]
+    assert top["cause"] == "weights_out_of_sync" and top["evidence"]["only_expert_tensors"] is True
+    assert "all of them expert weights (8 experts in layers [0, 1]" in top["summary"]
+    event["expert_tensors"] = 12
+    (run / "events.jsonl").write_text(json.dumps(event) + "\n")
+    top = diagnose(run, rescore=False, reexec=False)["findings"][0]
+    assert top["evidence"]["only_expert_tensors"] is False and "expert weights" not in top["summary"]
+
+
 def test_a_reading_refuted_by_reexecution_ranks_below_trace_only_ones():
     """A reading whose re-execution diverged (clean re-run and every hypothesis) keeps 60 % of its
     confidence and drops below a reading that has no re-executable hypothesis."""

@@ -126,6 +126,7 @@ class SyncSentinel:
             bad = compare_checksums(pair.expected, pair.held)
             if bad:
                 findings.append({"check": "checksum", "count": len(bad),
+                                 "expert_tensors": sum(m.expert is not None for m in bad),
                                  "layers": sorted({m.layer for m in bad if m.layer is not None}),
                                  "experts": sorted({(m.layer, m.expert) for m in bad if m.expert is not None}),
                                  "tensors": [m.to_json() for m in bad[:MAX_NAMED]]})

@@ -3,7 +3,9 @@ RUN/events.jsonl, written by axrl/sync when `sync.verify` is on; never required)
 
 A checksum failure is a direct observation of the engine's weights: it names the tensors that differ
 from the trainer's after a sync. One expert (or a few tensors of one layer) → `stale_tensor` with that
-layer/expert; most of the model → `weights_out_of_sync`. A probe failure alone (a server without
+layer/expert; most of the model → `weights_out_of_sync` (the evidence says when every differing
+tensor is an expert weight: the experts were loaded differently, not the whole model late). A
+probe failure alone (a server without
 checksums) says the engine scores the probe sequences differently from the trainer beyond the
 calibrated floor: `weights_out_of_sync` unless it names routing layers. A failure the sentinel
 repaired by a resync (`sync_resync` with `repaired: true`) is said, at a lower confidence: the steps
@@ -18,8 +20,6 @@ from typing import Any
 
 from axrl_debug.analysis.doctor.context import Context
 from axrl_debug.analysis.doctor.finding import Finding
-
-
 
 
 def read_events(run: Path) -> list[dict[str, Any]]:
@@ -65,8 +65,15 @@ def detect(ctx: Context) -> list[Finding]:
             evidence.update(layer=layers[0], op="in")
             what = f"layer {layers[0]}"
         else:
+            only_experts = all(e.get("expert_tensors") == e.get("count") for e in checks)
+            evidence["only_expert_tensors"] = only_experts
+            # every expert and nothing else: how the experts are loaded, not which version (vLLM's
+            # CPU in-place reload leaves them unpacked: docs/vllm.md)
+            kind = (f"{count} engine tensors, all of them expert weights ({len(experts)} experts in layers {layers}: "
+                    "the engine loads its experts differently from the rest),") if only_experts else \
+                f"{count} engine tensors"
             return [Finding("weights_out_of_sync", 0.95 * scale, evidence,
-                            f"the sync sentinel's checksums found {count} engine tensors differing from the trainer's "
+                            f"the sync sentinel's checksums found {kind} differing from the trainer's "
                             f"after the sync of steps {steps}{note}", f"axrl-debug bisect {ctx.run} --step {steps[0]}",
                             steps)]
         return [Finding("stale_tensor", 0.97 * scale, evidence,
