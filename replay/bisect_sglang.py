@@ -99,10 +99,10 @@ def _find_pass(dump_dir: Path, ids: list[int]) -> tuple[dict[str, Any], dict[str
     files = sorted(dump_dir.rglob("Pass*.pt"))
     want = torch.tensor(ids)
     for i, f in enumerate(files):
-        d = torch.load(f, weights_only=False)
+        d = torch.load(f, weights_only=True)
         got = d.get("model.forward_batch_info.input_ids")
         if got is not None and got.shape == want.shape and bool((got.long() == want).all()):
-            nxt = torch.load(files[i + 1], weights_only=False) if i + 1 < len(files) else None
+            nxt = torch.load(files[i + 1], weights_only=True) if i + 1 < len(files) else None
             return d, nxt
     raise ReplayInputError(f"--engine sglang: none of the {len(files)} dumped forward passes in {dump_dir} holds the "
                            f"sample's {len(ids)} tokens as one prefill (was it split into chunks?)")
