@@ -18,7 +18,7 @@ kernels' layouts, not the HF tensors, so each parameter is read as follows:
 * everything else (embeddings, norms, lm_head) is read as it is.
 
 Returns `{"held": {hf_name: checksum}, "expected": {name: checksum}, "unreadable": [hf_name],
-"packed": [name], "dtype": "torch.float32"}`, each checksum `[digest, sample_sum, numel]` as `axrl.sync.checksums` computes
+"packed": {name: [the HF names it stands for]}, "dtype": "torch.float32"}`, each checksum `[digest, sample_sum, numel]` as `axrl.sync.checksums` computes
 it. `expected` holds only what the worker had to derive itself (re-packed experts); every other
 held tensor is compared by the caller with the trainer's own tensor. Re-packed experts are named
 `model.layers.L.mlp.experts.E.gate_up_proj.weight` and `…experts.E.down_proj.weight`.
@@ -67,18 +67,14 @@ class ChecksumExtension:
         layout (a vLLM that re-packs on reload itself is left alone, never packed twice);
         returns a JSON count of modules `repacked`, `already_packed` and `neither` (for the sync
         sentinel's checksums to name)."""
-        runner = getattr(self, "model_runner")
-        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
         hf = _hf_tensors(Path(weights_path))
         counts = {"repacked": 0, "already_packed": 0, "neither": 0}
         with torch.no_grad():
-            for name, layer in _expert_modules(model).items():
+            for name, layer in _expert_modules(_worker_model(self)).items():
                 kernel = _repacking_kernel(layer)
                 if kernel is None:
                     continue
-                held = {k: layer._parameters[k] for k in _EXPERT_PARAMS}                       # noqa: SLF001
-                n = held["w13_weight"].shape[0]
-                plain = {k: _stacked(_hf_prefix(name), k, n, hf, p.dtype) for k, p in held.items()}
+                held, plain = _held_and_plain(layer, _hf_prefix(name), hf)
                 if any(v is None or v.shape != held[k].shape for k, v in plain.items()):
                     counts["neither"] += 1
                     continue
@@ -95,11 +91,10 @@ class ChecksumExtension:
 
     def axrl_weight_checksums(self, weights_path: str) -> str:
         """Per-tensor checksums of the worker's weights (module docstring), as a JSON string."""
-        runner = getattr(self, "model_runner")
-        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+        model = _worker_model(self)
         hf = _hf_tensors(Path(weights_path))
         fused = dict(getattr(model, "packed_modules_mapping", {}) or {})
-        out: dict[str, Any] = {"held": {}, "expected": {}, "unreadable": [], "packed": [],
+        out: dict[str, Any] = {"held": {}, "expected": {}, "unreadable": [], "packed": {},
                                "dtype": str(next(model.parameters()).dtype)}
         with torch.no_grad():
             experts = _expert_modules(model)
@@ -109,6 +104,21 @@ class ChecksumExtension:
                 if name.rpartition(".")[0] not in experts:
                     _plain(out, name, param, hf, fused)
         return json.dumps(out)
+
+
+def _worker_model(worker: Any) -> torch.nn.Module:
+    """The model a vLLM worker runs (`model_runner.get_model()`, or its `model` attribute)."""
+    runner = getattr(worker, "model_runner")
+    return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+
+def _held_and_plain(layer: torch.nn.Module, prefix: str, hf: dict[str, torch.Tensor]
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | None]]:
+    """An experts module's stacked parameters, and the directory's experts in vLLM's unpacked
+    layout beside them (None where the directory lacks an expert)."""
+    held = {leaf: layer._parameters[leaf] for leaf in _EXPERT_PARAMS}    # noqa: SLF001
+    n = held["w13_weight"].shape[0]
+    return held, {leaf: _stacked(prefix, leaf, n, hf, p.dtype) for leaf, p in held.items()}
 
 
 def _expert_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -153,9 +163,8 @@ def _sources(prefix: str, leaf: str, e: int) -> list[str]:
 def _experts(out: dict, layer: torch.nn.Module, prefix: str, hf: dict[str, torch.Tensor]) -> None:
     """One experts module: per-expert slices of its stacked tensors, named by HF key; where its
     kernel re-packs them, compared with the directory's experts re-packed the same way."""
-    held = {leaf: layer._parameters[leaf] for leaf in _EXPERT_PARAMS}    # noqa: SLF001
+    held, plain = _held_and_plain(layer, prefix, hf)
     n = held["w13_weight"].shape[0]
-    plain = {leaf: _stacked(prefix, leaf, n, hf, p.dtype) for leaf, p in held.items()}
     every = [s for leaf in _EXPERT_PARAMS for e in range(n) for s in _sources(prefix, leaf, e)]
     kernel = _repacking_kernel(layer)
     if any(v is None for v in plain.values()):
@@ -176,7 +185,7 @@ def _experts(out: dict, layer: torch.nn.Module, prefix: str, hf: dict[str, torch
         for e in range(n):
             key = f"{prefix}.{e}.{_EXPERT_PARAMS[leaf]}.weight"
             out["held"][key], out["expected"][key] = _checksum(p[e]), _checksum(expected[leaf][e])
-            out["packed"].append(key)
+            out["packed"][key] = _sources(prefix, leaf, e)
 
 
 def _stacked(prefix: str, leaf: str, n: int, hf: dict[str, torch.Tensor],

@@ -22,14 +22,6 @@ def _parse(raw: Any, url: str) -> dict[str, Any]:
     return json.loads(results[0])     # one worker per CPU server; tensor parallel is not read here
 
 
-def _sources(key: str) -> list[str]:
-    """The HF tensors a re-packed expert checksum stands for."""
-    if key.endswith(".gate_up_proj.weight"):
-        base = key[: -len(".gate_up_proj.weight")]
-        return [f"{base}.gate_proj.weight", f"{base}.up_proj.weight"]
-    return [key]
-
-
 def vllm_checksum_pair(engine: Any, server: int, weights: Mapping[str, torch.Tensor]) -> ChecksumPair:
     """The checksums of `weights` as vLLM server `server` of `engine` (a `VLLMEngine`) should hold
     them, and of what it holds; RuntimeError when the server cannot answer (no extension)."""
@@ -44,7 +36,7 @@ def vllm_checksum_pair(engine: Any, server: int, weights: Mapping[str, torch.Ten
     held = {k: TensorChecksum(*v) for k, v in got["held"].items()}
     derived = {k: TensorChecksum(*v) for k, v in got["expected"].items()}
     unreadable = tuple(got["unreadable"])
-    skip = set(unreadable) | {s for k in derived for s in _sources(k)}
+    skip = set(unreadable) | {s for sources in got["packed"].values() for s in sources}   # compared in the worker
     dtype = getattr(torch, str(got.get("dtype", "float32")).removeprefix("torch."))
     expected = state_checksums({k: v.detach().to(dtype) for k, v in weights.items() if k not in skip})
     expected.update(derived)
