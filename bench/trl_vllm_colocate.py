@@ -6,7 +6,7 @@ TRL 1.16.0 (+ accelerate, datasets and their wheels, and h5py for AxRL) installe
 `pip install --no-deps --target EXTRA ...`, e.g.:
 
     PYTHONPATH=EXTRA:$PWD OMP_NUM_THREADS=1 ~/.cache/axrl/vllm-venv/bin/python \\
-        bench/trl_vllm_colocate.py MODEL_DIR RUN_DIR [--modes sync,no-sync]
+        bench/trl_vllm_colocate.py MODEL_DIR RUN_DIR [--modes sync,no-sync,sync-repack]
     axrl-debug mismatch RUN_DIR_sync --json      # in AxRL's own environment
 
 MODEL_DIR: a Hugging Face Qwen3 / Qwen3-MoE directory whose head_dim is at least 32 (vLLM's CPU
@@ -26,6 +26,9 @@ RUN_DIR_<mode>:
 * ``no-sync``: ``VLLMGeneration.sync_weights`` replaced by ``llm.reset_prefix_cache()`` only, so the
   engine keeps the weights it loaded from MODEL_DIR: at step 0 these ARE the policy's weights
   (step 1's are one update stale, so only step 0 is a clean comparison).
+* ``sync-repack``: TRL's push, then the CPU experts kernel's load-time re-packing re-run on every
+  experts module (``repack_experts`` of bench/trl_vllm_push_classes.py, AxRL's worker-extension
+  helpers): the workaround under test for vLLM's CPU build.
 
 Per step it prints the mean |Δ| between vLLM's per-token logprobs (``sampling_per_token_logps``) and
 TRL's ``old_per_token_logps`` over the trained tokens, read back from the trace, and ends with one
@@ -43,7 +46,7 @@ import subprocess
 import sys
 import time
 
-MODES = ("sync", "no-sync")
+MODES = ("sync", "no-sync", "sync-repack")
 
 
 def _train(model: str, run_dir: str, mode: str) -> None:
@@ -78,6 +81,17 @@ def _train(model: str, run_dir: str, mode: str) -> None:
         gen = trainer.vllm_generation
         # keep the engine on MODEL_DIR's weights (the policy's at step 0); TRL's own reset stays
         gen.sync_weights = lambda: gen.llm.reset_prefix_cache()
+    elif mode == "sync-repack":
+        from trl_vllm_push_classes import repack_experts  # this directory's
+
+        gen, push = trainer.vllm_generation, trainer.vllm_generation.sync_weights
+
+        def sync_and_repack() -> None:
+            push()  # TRL's own push (every parameter, plain layout) and prefix-cache reset
+            repack_experts(gen.llm.llm_engine.model_executor.driver_worker.model_runner.model)
+            gen.llm.reset_prefix_cache()
+
+        gen.sync_weights = sync_and_repack
     recording = record_grpo(trainer, run_dir)
     trainer.train()
     print(f"[{mode}] recorded steps {recording.steps} to {run_dir}", flush=True)

@@ -93,7 +93,31 @@ def _kernels(model) -> dict[str, str]:
     return out
 
 
-def _child(model_dir: str, cls: str, dtype: str) -> dict:
+def repack_experts(model) -> int:
+    """Re-run the CPU experts kernel's load-time re-packing on every experts module's stacked
+    tensors as they are now (after a ``load_weights`` push they hold vLLM's plain layout), with
+    AxRL's worker-extension helpers; returns the number of modules re-packed. Evidence for a
+    workaround only: it assumes every module was just overwritten in the plain layout (TRL pushes
+    every parameter on every sync), and packing packed bytes again would corrupt them."""
+    import torch
+
+    from axrl.inference.vllm.checksum_extension import _EXPERT_PARAMS, _expert_modules, _repack, _repacking_kernel
+
+    count = 0
+    with torch.no_grad():
+        for layer in _expert_modules(model).values():
+            kernel = _repacking_kernel(layer)
+            if kernel is None:
+                continue
+            held = {k: layer._parameters[k] for k in _EXPERT_PARAMS}  # noqa: SLF001
+            packed = _repack(kernel, layer, {k: v.detach().clone() for k, v in held.items()})
+            for k, param in held.items():
+                param.data.copy_(packed[k])
+            count += 1
+    return count
+
+
+def _child(model_dir: str, cls: str, dtype: str, repack: bool) -> dict:
     """Build TRL's engine, push one class of weights as TRL does, report what happened."""
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "29563", "VLLM_CPU_KVCACHE_SPACE": "1"}.items():
@@ -117,11 +141,12 @@ def _child(model_dir: str, cls: str, dtype: str) -> dict:
             loaded |= set(model.load_weights([(name, tensor)]) or ())
         except Exception as exc:  # noqa: BLE001 — recorded: TRL would have aborted here
             raised[name] = f"{type(exc).__name__}: {str(exc)[:160]}"
+    repacked = repack_experts(model) if repack else 0
     llm.reset_prefix_cache()
     after = _param_states(model)
     changed = {n: {"before": before[n][:2], "after": after[n][:2], "replaced": before[n][2] != after[n][2]}
                for n in after if n in loaded or before.get(n, after[n])[:2] != after[n][:2]}
-    return {"pushed": len(pushed), "raised": raised, "loaded": sorted(loaded), "params": changed,
+    return {"pushed": len(pushed), "repacked": repacked, "raised": raised, "loaded": sorted(loaded), "params": changed,
             "kernels": kernels, "engine_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "delta_before": delta_before, "delta_after": _engine_delta(llm, ids, ref)}
 
@@ -131,11 +156,13 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--classes", default=",".join(CLASSES), help=f"comma-separated, of {list(CLASSES)}")
     parser.add_argument("--dtype", default="auto", help="vLLM's dtype (TRL passes none: auto)")
+    parser.add_argument("--repack", action="store_true",
+                        help="after the push, re-run the CPU experts kernel's re-packing (the workaround)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per class's child process")
     args = parser.parse_args()
     if args.child:
-        print("AXRL_RESULT " + json.dumps(_child(args.model, args.child, args.dtype)), flush=True)
+        print("AXRL_RESULT " + json.dumps(_child(args.model, args.child, args.dtype, args.repack)), flush=True)
         return
     classes = [c for c in args.classes.split(",") if c]
     if bad := [c for c in classes if c not in CLASSES]:
@@ -143,20 +170,22 @@ def main() -> None:
     results = {}
     for cls in classes:
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, __file__, args.model, "--child", cls, "--dtype", args.dtype],
+        proc = subprocess.run([sys.executable, __file__, args.model, "--child", cls, "--dtype", args.dtype]
+                              + (["--repack"] if args.repack else []),
                               capture_output=True, text=True, timeout=args.timeout)
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("AXRL_RESULT ")]
         if proc.returncode or not line:
             raise SystemExit(f"class {cls}: child exited {proc.returncode}\n{proc.stderr[-3000:]}")
         res = results[cls] = json.loads(line[-1].removeprefix("AXRL_RESULT "))
         print(f"[{cls}] {time.perf_counter() - t0:.0f} s, engine {res['engine_dtype']}: pushed {res['pushed']}, "
-              f"raised {len(res['raised'])}, loaded {len(res['loaded'])}; mean |engine - transformers| "
+              f"raised {len(res['raised'])}, loaded {len(res['loaded'])}, re-packed {res['repacked']}; mean |engine - transformers| "
               f"{res['delta_before']:.3g} -> {res['delta_after']:.3g}", flush=True)
         for name, msg in list(res["raised"].items())[:3]:
             print(f"    raised on {name}: {msg}", flush=True)
         for name, st in list(res["params"].items())[:6]:
             print(f"    {name}: {st['before']} -> {st['after']}{' (new tensor)' if st['replaced'] else ''}", flush=True)
-    print(json.dumps({c: {"raised": len(r["raised"]), "loaded": len(r["loaded"]), "engine_dtype": r["engine_dtype"],
+    print(json.dumps({c: {"raised": len(r["raised"]), "loaded": len(r["loaded"]), "repacked": r["repacked"],
+                          "engine_dtype": r["engine_dtype"],
                           "delta_before": r["delta_before"], "delta_after": r["delta_after"],
                           "kernels": r["kernels"]} for c, r in results.items()}))
 
