@@ -82,13 +82,16 @@ def _train(model: str, run_dir: str, mode: str) -> None:
         # keep the engine on MODEL_DIR's weights (the policy's at step 0); TRL's own reset stays
         gen.sync_weights = lambda: gen.llm.reset_prefix_cache()
     elif mode == "sync-repack":
-        from trl_vllm_push_classes import repack_experts  # this directory's
+        from trl_vllm_push_classes import repack_experts, trainer_experts  # this directory's
 
         gen, push = trainer.vllm_generation, trainer.vllm_generation.sync_weights
 
         def sync_and_repack() -> None:
             push()  # TRL's own push (every parameter, plain layout) and prefix-cache reset
-            repack_experts(gen.llm.llm_engine.model_executor.driver_worker.model_runner.model)
+            # re-pack only modules that hold exactly the trainer's experts in the plain layout
+            counts = repack_experts(gen.llm.llm_engine.model_executor.driver_worker.model_runner.model,
+                                    trainer_experts(trainer.model.named_parameters()))
+            print(f"[sync-repack] experts modules {counts}", flush=True)
             gen.llm.reset_prefix_cache()
 
         gen.sync_weights = sync_and_repack
