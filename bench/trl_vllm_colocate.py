@@ -27,10 +27,10 @@ RUN_DIR_<mode>:
   engine keeps the weights it loaded from MODEL_DIR: at step 0 these ARE the policy's weights
   (step 1's are one update stale, so only step 0 is a clean comparison). ``--no-weight-sync`` is
   a shorthand for ``--modes no-sync``.
-* ``sync-repack``: TRL's push, then the CPU experts kernel's load-time re-packing re-run on every
-  experts module that holds exactly the trainer's experts in vLLM's plain layout
-  (``repack_experts`` of bench/trl_vllm_push_classes.py, on AxRL's worker-extension helpers; the
-  counts are printed per sync): the workaround under test for vLLM's CPU build.
+* ``sync-repack``: ``record_grpo(..., repack_vllm_cpu_experts=True)``: TRL's push, then the CPU
+  experts kernel's load-time re-packing re-run on every experts module that holds exactly the
+  trainer's experts in vLLM's plain layout (`axrl.integrations.trl_vllm_cpu`): AxRL's fix for
+  vLLM's CPU build. (``sync`` records with the default, and `record_grpo` warns that it is needed.)
 
 Measured here (vllm-cpu 0.32.0, TRL 1.16.0, the quickstart's trained tiny-moe warm-up checkpoint):
 per-step mean |Δ| sync 5.29 / 4.36 (vLLM near uniform), no-sync 0.0081 / 0.275, sync-repack
@@ -87,21 +87,8 @@ def _train(model: str, run_dir: str, mode: str) -> None:
         gen = trainer.vllm_generation
         # keep the engine on MODEL_DIR's weights (the policy's at step 0); TRL's own reset stays
         gen.sync_weights = lambda: gen.llm.reset_prefix_cache()
-    elif mode == "sync-repack":
-        from trl_vllm_push_classes import repack_experts, trainer_experts  # this directory's
-
-        gen, push = trainer.vllm_generation, trainer.vllm_generation.sync_weights
-
-        def sync_and_repack() -> None:
-            push()  # TRL's own push (every parameter, plain layout) and prefix-cache reset
-            # re-pack only modules that hold exactly the trainer's experts in the plain layout
-            counts = repack_experts(gen.llm.llm_engine.model_executor.driver_worker.model_runner.model,
-                                    trainer_experts(trainer.model.named_parameters()))
-            print(f"[sync-repack] experts modules {counts}", flush=True)
-            gen.llm.reset_prefix_cache()
-
-        gen.sync_weights = sync_and_repack
-    recording = record_grpo(trainer, run_dir)
+    # sync-repack: AxRL's workaround for the CPU build (axrl/integrations/trl_vllm_cpu.py)
+    recording = record_grpo(trainer, run_dir, repack_vllm_cpu_experts=mode == "sync-repack")
     trainer.train()
     print(f"[{mode}] recorded steps {recording.steps} to {run_dir}", flush=True)
 

@@ -93,54 +93,14 @@ def _kernels(model) -> dict[str, str]:
     return out
 
 
-def repack_experts(model, expected: dict | None = None) -> dict[str, int]:
-    """Re-run the CPU experts kernel's load-time re-packing on every experts module's stacked
-    tensors as they are now (after a ``load_weights`` push they hold vLLM's plain layout), with
-    AxRL's worker-extension helpers. With ``expected`` ({module name: {"w13_weight": t,
-    "w2_weight": t}}, the pushed experts in vLLM's plain layout) a module is re-packed only where it
-    holds exactly those (cast to its dtype), else counted as ``neither``; without it every module
-    is re-packed. Packing packed bytes again would corrupt them. Returns the counts."""
-    import torch
-
-    from axrl.inference.vllm.checksum_extension import _EXPERT_PARAMS, _expert_modules, _repack, _repacking_kernel
-
-    counts = {"repacked": 0, "neither": 0}
-    with torch.no_grad():
-        for name, layer in _expert_modules(model).items():
-            kernel = _repacking_kernel(layer)
-            if kernel is None:
-                continue
-            held = {k: layer._parameters[k] for k in _EXPERT_PARAMS}  # noqa: SLF001
-            want = None if expected is None else expected.get(name)
-            if expected is not None and (want is None or not all(
-                    held[k].shape == want[k].shape and torch.equal(held[k], want[k].to(held[k].dtype)) for k in held)):
-                counts["neither"] += 1
-                continue
-            packed = _repack(kernel, layer, {k: v.detach().clone() for k, v in held.items()})
-            for k, param in held.items():
-                param.data.copy_(packed[k])
-            counts["repacked"] += 1
-    return counts
-
-
-def trainer_experts(named_parameters) -> dict:
-    """The trainer's stacked experts (transformers 5: ``mlp.experts.gate_up_proj`` [E, 2I, H],
-    ``mlp.experts.down_proj`` [E, H, I]) keyed as ``repack_experts``' ``expected``."""
-    out: dict = {}
-    for name, param in named_parameters:
-        prefix, _, leaf = name.rpartition(".")
-        if prefix.endswith(".mlp.experts") and leaf in ("gate_up_proj", "down_proj"):
-            key = "w13_weight" if leaf == "gate_up_proj" else "w2_weight"
-            out.setdefault(prefix + ".routed_experts", {})[key] = param.detach()
-    return out
-
-
 def _child(model_dir: str, cls: str, dtype: str, repack: bool) -> dict:
     """Build TRL's engine, push one class of weights as TRL does, report what happened."""
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "29563", "VLLM_CPU_KVCACHE_SPACE": "1"}.items():
         os.environ.setdefault(key, value)
     from vllm import LLM
+
+    from axrl.inference.vllm.checksum_extension import plain_experts_from, repack_experts
 
     ids, ref, weights = _reference(model_dir)
     # TRL 1.16's colocate LLM(...) arguments (vllm_generation.py), with GRPOConfig's values of the bench
@@ -159,7 +119,7 @@ def _child(model_dir: str, cls: str, dtype: str, repack: bool) -> dict:
             loaded |= set(model.load_weights([(name, tensor)]) or ())
         except Exception as exc:  # noqa: BLE001 — recorded: TRL would have aborted here
             raised[name] = f"{type(exc).__name__}: {str(exc)[:160]}"
-    repacked = repack_experts(model, trainer_experts(weights.items()))["repacked"] if repack else 0
+    repacked = repack_experts(model, plain_experts_from(weights))["repacked"] if repack else 0
     llm.reset_prefix_cache()
     after = _param_states(model)
     changed = {n: {"before": before[n][:2], "after": after[n][:2], "replaced": before[n][2] != after[n][2]}

@@ -1,4 +1,5 @@
-"""The vLLM worker extension's checksums (axrl/inference/vllm/checksum_extension.py) on a stand-in
+"""The vLLM worker extension's checksums and expert re-packing (axrl/inference/vllm/checksum_extension.py,
+and its use after TRL's colocated weight push, axrl/integrations/trl_vllm_cpu.py) on a stand-in
 worker whose modules are laid out as vLLM lays out a Qwen3-MoE layer (fused q/k/v, stacked and
 re-packed experts, a linear emptied for an opaque kernel handle): what the extension reads, how the
 sentinel pairs it with the trainer's tensors, and that reading never touches the live layer. The
@@ -7,15 +8,18 @@ same path on a real vLLM server: tests/test_sync_sentinel_vllm.py (`-m vllm`).""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
 from axrl.inference.vllm.checksum_extension import ChecksumExtension
 from axrl.inference.vllm.checksums import vllm_checksum_pair
+from axrl.integrations.trl_vllm_cpu import needs_expert_repack, repack_after_sync
 from axrl.sync.checksums import compare_checksums
 
 E, I, H = 3, 4, 8   # experts, expert intermediate size, hidden size
@@ -155,3 +159,112 @@ def test_repacking_after_a_reload_restores_a_fresh_load_and_never_packs_twice(tm
     assert compare_checksums(*(lambda p: (p.expected, p.held))(vllm_checksum_pair(engine, 0, hf))) == []
     assert json.loads(worker.axrl_repack_experts(str(tmp_path))) == {"repacked": 0, "already_packed": 1, "neither": 0}
     assert all(torch.equal(experts._parameters[k], fresh[k]) for k in fresh)
+
+
+# -- TRL's colocated push (axrl/integrations/trl_vllm_cpu.py) ------------------------------------------
+
+class _TrainerModel(torch.nn.Module):
+    """A transformers 5 Qwen3-MoE's expert parameters: fused `gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.model = torch.nn.Module()
+        layer = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList([layer])
+        layer.mlp = torch.nn.Module()
+        layer.mlp.experts = torch.nn.Module()
+        layer.mlp.experts.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * I, H, generator=g))
+        layer.mlp.experts.down_proj = torch.nn.Parameter(torch.randn(E, H, I, generator=g))
+
+
+def _colocated(engine_model: _Model, policy: _TrainerModel) -> tuple[SimpleNamespace, list[int]]:
+    """A trainer as TRL 1.16 builds it in colocate mode, whose push writes every expert tensor in
+    vLLM's plain layout, as `load_weights` does on the CPU build."""
+    resets: list[int] = []
+    runner = SimpleNamespace(model=engine_model)
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(model_executor=SimpleNamespace(
+        driver_worker=SimpleNamespace(model_runner=runner))), reset_prefix_cache=lambda: resets.append(1))
+    experts = engine_model.model.layers[0].mlp.experts.routed_experts
+
+    def push() -> None:
+        src = policy.model.layers[0].mlp.experts
+        experts.w13_weight.data.copy_(src.gate_up_proj.detach())
+        experts.w2_weight.data.copy_(src.down_proj.detach())
+        llm.reset_prefix_cache()
+
+    return SimpleNamespace(vllm_generation=SimpleNamespace(mode="colocate", llm=llm, sync_weights=push),
+                           model=policy), resets
+
+
+def test_trls_colocated_push_is_repacked_after_every_sync(tmp_path: Path) -> None:
+    policy = _TrainerModel(seed=1)
+    trainer, resets = _colocated(_Model(_hf()), policy)
+    experts = trainer.vllm_generation.llm.llm_engine.model_executor.driver_worker.model_runner.model \
+        .model.layers[0].mlp.experts.routed_experts
+    src = policy.model.layers[0].mlp.experts
+    assert needs_expert_repack(trainer)
+    trainer.vllm_generation.sync_weights()          # TRL alone: the kernel is left with plain bytes
+    assert torch.equal(experts.w13_weight, src.gate_up_proj) and not torch.equal(experts.w13_weight,
+                                                                                   src.gate_up_proj.flip(-1))
+    totals = repack_after_sync(trainer)
+    for update in range(2):                          # each push after an update is re-packed again
+        with torch.no_grad():
+            src.gate_up_proj.add_(0.5)
+            src.down_proj.mul_(1.5)
+        trainer.vllm_generation.sync_weights()
+        assert torch.equal(experts.w13_weight, src.gate_up_proj.detach().flip(-1))   # as a fresh load packs
+        assert torch.equal(experts.w2_weight, src.down_proj.detach().flip(-1))
+        assert totals == {"repacked": update + 1, "already_packed": 0, "neither": 0}
+    assert len(resets) == 5                           # TRL's reset per push, and one after each re-pack
+
+
+def test_a_module_holding_other_weights_is_never_repacked() -> None:
+    trainer, _ = _colocated(_Model(_hf()), _TrainerModel(seed=1))
+    experts = trainer.vllm_generation.llm.llm_engine.model_executor.driver_worker.model_runner.model \
+        .model.layers[0].mlp.experts.routed_experts
+    totals = repack_after_sync(trainer)
+    trainer.model = _TrainerModel(seed=2)            # the push wrote seed 1's experts, the trainer now holds others
+    trainer.vllm_generation.sync_weights()
+    held = experts.w13_weight.detach().clone()
+    assert totals == {"repacked": 0, "already_packed": 0, "neither": 1}
+    assert torch.equal(held, _TrainerModel(seed=1).model.layers[0].mlp.experts.gate_up_proj.detach())
+
+
+def test_no_colocated_engine_needs_no_repack() -> None:
+    plain = SimpleNamespace(model=_TrainerModel(seed=0))    # TRL's default: transformers' generate
+    assert not needs_expert_repack(plain)
+    server = SimpleNamespace(vllm_generation=SimpleNamespace(mode="server"), model=plain.model)
+    assert not needs_expert_repack(server)
+    with pytest.raises(ValueError, match="vllm_mode='colocate'"):
+        repack_after_sync(server)
+
+
+def _recordable(trainer: SimpleNamespace) -> SimpleNamespace:
+    """``trainer`` with what `record_grpo` wraps and reads of a trl GRPOTrainer (never called here)."""
+    from axrl.integrations.trl_grpo import _WRAPPED
+
+    for name in _WRAPPED:
+        setattr(trainer, name, lambda *a, **k: None)
+    trainer.model.config = SimpleNamespace(_name_or_path="policy")
+    trainer.accelerator, trainer.use_vllm, trainer.reward_weights = SimpleNamespace(num_processes=1), True, None
+    trainer.add_callback = lambda callback: None
+    return trainer
+
+
+def test_record_grpo_warns_about_the_cpu_builds_push_and_repacks_when_asked(tmp_path: Path) -> None:
+    from axrl.integrations.trl_grpo import record_grpo
+
+    trainer, _ = _colocated(_Model(_hf()), _TrainerModel(seed=1))
+    with pytest.warns(UserWarning, match="repack_vllm_cpu_experts=True"):
+        record_grpo(_recordable(trainer), tmp_path / "warned")
+    trainer, _ = _colocated(_Model(_hf()), _TrainerModel(seed=1))
+    experts = trainer.vllm_generation.llm.llm_engine.model_executor.driver_worker.model_runner.model \
+        .model.layers[0].mlp.experts.routed_experts
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        record_grpo(_recordable(trainer), tmp_path / "repacked", repack_vllm_cpu_experts=True)
+    trainer.vllm_generation.sync_weights()
+    assert torch.equal(experts.w13_weight, trainer.model.model.layers[0].mlp.experts.gate_up_proj.detach().flip(-1))
+    manifest = json.loads((tmp_path / "repacked" / "manifest.json").read_text())
+    assert manifest["source"]["vllm_cpu_expert_repack"] is True

@@ -42,12 +42,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 from transformers import TrainerCallback
 
+from axrl.integrations.trl_vllm_cpu import needs_expert_repack, repack_after_sync
 from axrl.trace import Recorder
 
 __all__ = ["GRPORecording", "record_grpo", "step_arrays"]
@@ -353,10 +355,15 @@ class _WriteLastStep(TrainerCallback):
 
 
 def record_grpo(trainer: Any, run_dir: str | os.PathLike, *, model: str | None = None,
-                overwrite: bool = False) -> GRPORecording:
+                overwrite: bool = False, repack_vllm_cpu_experts: bool = False) -> GRPORecording:
     """Record every generation batch ``trainer`` (a trl ``GRPOTrainer``) trains on into ``run_dir``
     as AxRL steps (step k = the k-th generation batch; policy version = the optimizer steps taken
-    before it). Call before ``trainer.train()``."""
+    before it). Call before ``trainer.train()``.
+
+    ``repack_vllm_cpu_experts``: with TRL's colocated vLLM on vLLM's CPU build, re-run the MoE
+    experts kernel's re-packing after each of TRL's weight pushes (`axrl.integrations.trl_vllm_cpu`:
+    without it that engine samples from unpacked expert bytes). Off by default, as the hook never
+    changes what TRL computes unasked; when the engine needs it and it is off, a warning says so."""
     import trl
 
     missing = [m for m in _WRAPPED if not callable(getattr(trainer, m, None))]
@@ -367,7 +374,17 @@ def record_grpo(trainer: Any, run_dir: str | os.PathLike, *, model: str | None =
         raise NotImplementedError("record_grpo records single-process runs (each rank holds a slice of the batch)")
 
     engine = "vllm" if getattr(trainer, "use_vllm", False) else "transformers"
+    source = {"framework": "trl", "trl_version": trl.__version__, "trainer": type(trainer).__name__}
+    if needs_expert_repack(trainer):
+        source["vllm_cpu_expert_repack"] = repack_vllm_cpu_experts
+        if repack_vllm_cpu_experts:
+            repack_after_sync(trainer)
+        else:
+            warnings.warn("record_grpo: TRL's colocated vLLM runs on vLLM's CPU build, whose MoE experts kernel "
+                          "re-packs the experts at load only: TRL's weight pushes leave them unpacked and the "
+                          "engine samples from the wrong weights (docs/import.md). Pass "
+                          "record_grpo(..., repack_vllm_cpu_experts=True) to re-pack them after each push.",
+                          stacklevel=2)
     recorder = Recorder(run_dir, engine=engine, backend="trl", overwrite=overwrite,
-                        model=model or getattr(trainer.model.config, "_name_or_path", None) or None,
-                        source={"framework": "trl", "trl_version": trl.__version__, "trainer": type(trainer).__name__})
+                        model=model or getattr(trainer.model.config, "_name_or_path", None) or None, source=source)
     return GRPORecording(trainer, recorder)

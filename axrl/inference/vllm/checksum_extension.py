@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -68,26 +68,7 @@ class ChecksumExtension:
         returns a JSON count of modules `repacked`, `already_packed` and `neither` (for the sync
         sentinel's checksums to name)."""
         hf = _hf_tensors(Path(weights_path))
-        counts = {"repacked": 0, "already_packed": 0, "neither": 0}
-        with torch.no_grad():
-            for name, layer in _expert_modules(_worker_model(self)).items():
-                kernel = _repacking_kernel(layer)
-                if kernel is None:
-                    continue
-                held, plain = _held_and_plain(layer, _hf_prefix(name), hf)
-                if any(v is None or v.shape != held[k].shape for k, v in plain.items()):
-                    counts["neither"] += 1
-                    continue
-                packed = _repack(kernel, layer, plain)
-                if all(torch.equal(held[k], packed[k]) for k in held):
-                    counts["already_packed"] += 1
-                elif all(torch.equal(held[k], plain[k]) for k in held):
-                    for k in held:
-                        held[k].data.copy_(packed[k])
-                    counts["repacked"] += 1
-                else:
-                    counts["neither"] += 1
-        return json.dumps(counts)
+        return json.dumps(repack_experts(_worker_model(self), plain_experts_from(hf)))
 
     def axrl_weight_checksums(self, weights_path: str) -> str:
         """Per-tensor checksums of the worker's weights (module docstring), as a JSON string."""
@@ -112,13 +93,71 @@ def _worker_model(worker: Any) -> torch.nn.Module:
     return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
 
-def _held_and_plain(layer: torch.nn.Module, prefix: str, hf: dict[str, torch.Tensor]
-                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | None]]:
-    """An experts module's stacked parameters, and the directory's experts in vLLM's unpacked
-    layout beside them (None where the directory lacks an expert)."""
-    held = {leaf: layer._parameters[leaf] for leaf in _EXPERT_PARAMS}    # noqa: SLF001
-    n = held["w13_weight"].shape[0]
-    return held, {leaf: _stacked(prefix, leaf, n, hf, p.dtype) for leaf, p in held.items()}
+def repack_experts(model: torch.nn.Module,
+                   plain_of: Callable[[str, dict[str, torch.Tensor]], dict[str, torch.Tensor | None]]
+                   ) -> dict[str, int]:
+    """Re-pack, in place, each experts module of ``model`` whose kernel re-packs its stacked
+    tensors at load (the CPU build), where the module holds its new experts in vLLM's plain
+    layout: what a weight push that writes the parameters (an in-place reload, `load_weights`)
+    leaves behind, since the kernel re-packs on the first load only.
+
+    ``plain_of(module name, held)`` gives the experts the module should hold, in the plain layout
+    (`w13_weight` [E, 2I, H] gate;up, `w2_weight` [E, H, I]; None where unknown), ``held`` being
+    its parameters. A module is re-packed only when it holds exactly those bytes; one that holds
+    them re-packed already (a vLLM that re-packs itself) is left alone — packing packed bytes would
+    corrupt them — and one that holds neither is counted, never written. Returns the counts of
+    modules `repacked`, `already_packed` and `neither`."""
+    counts = {"repacked": 0, "already_packed": 0, "neither": 0}
+    with torch.no_grad():
+        for name, layer in _expert_modules(model).items():
+            kernel = _repacking_kernel(layer)
+            if kernel is None:
+                continue
+            held = _held(layer)
+            plain = plain_of(name, held)
+            if any(plain.get(k) is None or plain[k].shape != p.shape for k, p in held.items()):
+                counts["neither"] += 1
+                continue
+            plain = {k: plain[k].to(p.dtype) for k, p in held.items()}
+            packed = _repack(kernel, layer, plain)
+            if all(torch.equal(held[k], packed[k]) for k in held):
+                counts["already_packed"] += 1
+            elif all(torch.equal(held[k], plain[k]) for k in held):
+                for k in held:
+                    held[k].data.copy_(packed[k])
+                counts["repacked"] += 1
+            else:
+                counts["neither"] += 1
+    return counts
+
+
+def _held(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """An experts module's own stacked parameters (`w13_weight`, `w2_weight`)."""
+    return {leaf: layer._parameters[leaf] for leaf in _EXPERT_PARAMS}    # noqa: SLF001
+
+
+def plain_experts_from(tensors: dict[str, torch.Tensor]
+                       ) -> Callable[[str, dict[str, torch.Tensor]], dict[str, torch.Tensor | None]]:
+    """`repack_experts`' ``plain_of`` for HF-named ``tensors`` (a checkpoint's, or a transformers
+    model's parameters): an experts module's experts stacked in vLLM's plain layout, from the
+    per-expert `…experts.E.{gate,up,down}_proj.weight` or from transformers 5's fused
+    `…experts.gate_up_proj` [E, 2I, H] / `…experts.down_proj` [E, H, I] (already that layout)."""
+
+    def plain_of(module_name: str, held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+        prefix = _hf_prefix(module_name)
+        fused = {leaf: tensors.get(f"{prefix}.{hf_leaf}") for leaf, hf_leaf in _EXPERT_PARAMS.items()}
+        if all(t is not None for t in fused.values()):
+            return fused
+        n = held["w13_weight"].shape[0]
+        return {leaf: _stacked(prefix, leaf, n, tensors, p.dtype) for leaf, p in held.items()}
+
+    return plain_of
+
+
+def repacks_experts(model: torch.nn.Module) -> bool:
+    """Whether any experts module of ``model`` has a kernel that re-packs its tensors at load (the
+    CPU build), so that a weight push which writes the parameters needs `repack_experts` after it."""
+    return any(_repacking_kernel(layer) is not None for layer in _expert_modules(model).values())
 
 
 def _expert_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -163,8 +202,9 @@ def _sources(prefix: str, leaf: str, e: int) -> list[str]:
 def _experts(out: dict, layer: torch.nn.Module, prefix: str, hf: dict[str, torch.Tensor]) -> None:
     """One experts module: per-expert slices of its stacked tensors, named by HF key; where its
     kernel re-packs them, compared with the directory's experts re-packed the same way."""
-    held, plain = _held_and_plain(layer, prefix, hf)
+    held = _held(layer)
     n = held["w13_weight"].shape[0]
+    plain = {leaf: _stacked(prefix, leaf, n, hf, p.dtype) for leaf, p in held.items()}
     every = [s for leaf in _EXPERT_PARAMS for e in range(n) for s in _sources(prefix, leaf, e)]
     kernel = _repacking_kernel(layer)
     if any(v is None for v in plain.values()):
