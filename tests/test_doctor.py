@@ -190,3 +190,45 @@ def test_context_variant_rewrites_later_turns_only(monkeypatch):
     with pytest.raises(ValueError, match="context variant 'nope'"):
         with engine_given("nope"):
             pass
+
+
+def _imported(tmp_path: Path, name: str, rollout_mean: float, gap: float, **recorder) -> Path:
+    """A 2-step run another trainer recorded (`axrl.trace.Recorder`): 8 samples of 12 prompt and 16
+    generated tokens; the trainer's logprob of each generated token is the engine's + `gap` ± noise."""
+    import numpy as np
+
+    from axrl.trace import Recorder
+
+    rng = np.random.default_rng(0)
+    rec = Recorder(tmp_path / name, engine="vllm", backend="trl", source={"framework": "test"}, **recorder)
+    for step in range(2):
+        ids = [rng.integers(3, 1000, 28) for _ in range(8)]
+        mask = [np.r_[np.zeros(12), np.ones(16)] for _ in range(8)]
+        rollout = [np.r_[np.zeros(12), rollout_mean + 0.3 * rng.standard_normal(16)] for _ in range(8)]
+        trainer = [r + np.r_[np.zeros(12), gap + 0.05 * gap * rng.standard_normal(16)] for r in rollout]
+        rec.write_step(step, token_ids=ids, loss_mask=mask, rollout_logprobs=rollout, trainer_logprobs=trainer,
+                       rewards=np.zeros(8), advantages=np.zeros(8), group_ids=np.arange(8) // 4)
+    return rec.path
+
+
+def test_an_engine_off_by_nats_from_step_0_is_other_weights_not_a_kv_cache(tmp_path):
+    """TRL's colocated push into vLLM's CPU build (docs/import.md): the engine samples near-uniformly
+    from step 0, nats away from the trainer. No precision does that; the doctor names other weights,
+    and, the run being imported (no checkpoints), points at `mismatch`, not `bisect`."""
+    report = diagnose(_imported(tmp_path, "broken", rollout_mean=-6.9, gap=-4.8), rescore=False, reexec=False)
+    top = report["findings"][0]
+    assert top["cause"] == "weights_out_of_sync" and top["evidence"]["gross"], report["findings"]
+    assert top["evidence"]["engine_mean_logprob"] == pytest.approx(-6.9, abs=0.1)
+    assert "kv_cache_precision" not in [f["cause"] for f in report["findings"]]
+    assert all(f["next_command"].startswith("axrl-debug mismatch ") for f in report["findings"])
+
+
+def test_an_imported_bf16_engine_is_judged_by_its_precision(tmp_path):
+    """The same shape at bf16 rounding (0.008 a token, TRL's repaired colocated run): inside the envelope
+    of the sampler's dtype the hook records (config rollout.dtype), `precision`; the same run stated
+    as float32 is outside the envelope and never called other weights."""
+    bf16 = _imported(tmp_path, "bf16", rollout_mean=-0.6, gap=0.008,
+                     config={"model": {"dtype": "float32"}, "rollout": {"dtype": "bfloat16"}})
+    assert diagnose(bf16, rescore=False, reexec=False)["top"] == "precision"
+    fp32 = diagnose(_imported(tmp_path, "fp32", rollout_mean=-0.6, gap=0.008), rescore=False, reexec=False)
+    assert fp32["flagged_steps"] and "weights_out_of_sync" not in [f["cause"] for f in fp32["findings"]]

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from typer.testing import CliRunner
 
 from axrl.integrations.trl_grpo import record_grpo, step_arrays
@@ -156,6 +157,9 @@ def test_records_logprobs_on_trl_defaults(tmp_path: Path, monkeypatch) -> None:
     assert all(np.isfinite(r["mismatch"]) for r in rows)
     # every sample is trained on once, from the weights that sampled it: new == old
     assert all(r["new_old_max_abs_delta"] == 0.0 for r in metrics_rows(tmp_path / "run"))
+    # `generate` samples with the trainer's own model: its dtype is the sampler's (doctor's envelope)
+    config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert config == {"model": {"dtype": "float32"}, "rollout": {"dtype": "float32"}}
 
 
 def test_step_arrays_with_engine_logprobs(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import save_file
 
 from axrl.inference.vllm.checksum_extension import ChecksumExtension
@@ -268,3 +269,6 @@ def test_record_grpo_warns_about_the_cpu_builds_push_and_repacks_when_asked(tmp_
     assert torch.equal(experts.w13_weight, trainer.model.model.layers[0].mlp.experts.gate_up_proj.detach().flip(-1))
     manifest = json.loads((tmp_path / "repacked" / "manifest.json").read_text())
     assert manifest["source"]["vllm_cpu_expert_repack"] is True
+    engine_dtype = next(experts.parameters()).dtype       # the sampler's dtype sizes doctor's envelope
+    config = yaml.safe_load((tmp_path / "repacked" / "config.yaml").read_text())
+    assert config["rollout"]["dtype"] == str(engine_dtype).removeprefix("torch.") == "float32"

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from axrl.integrations.trl_vllm_cpu import needs_expert_repack, repack_after_sync
+from axrl.integrations.trl_vllm_cpu import colocated_model, needs_expert_repack, repack_after_sync
 from axrl.trace import Recorder
 
 __all__ = ["GRPORecording", "record_grpo", "step_arrays"]
@@ -354,6 +354,19 @@ class _WriteLastStep(TrainerCallback):
         return control
 
 
+def _precisions(trainer: Any) -> dict[str, Any]:
+    """config.yaml's dtypes: the trainer's, and the sampler's where the hook can see it (transformers'
+    `generate` runs the trainer's model; a colocated vLLM engine its own, bf16 for a float32 model on
+    vLLM's CPU build, as TRL passes no dtype). `axrl-debug doctor` sizes its envelope by the sampler's."""
+    dtype = getattr(trainer.model, "dtype", None)
+    config: dict[str, Any] = {"model": {"dtype": str(dtype).removeprefix("torch.")}} if dtype is not None else {}
+    engine_model = colocated_model(trainer) if getattr(trainer, "use_vllm", False) else trainer.model
+    engine_dtype = next((p.dtype for p in engine_model.parameters()), None) if engine_model is not None else None
+    if engine_dtype is not None:
+        config["rollout"] = {"dtype": str(engine_dtype).removeprefix("torch.")}
+    return config
+
+
 def record_grpo(trainer: Any, run_dir: str | os.PathLike, *, model: str | None = None,
                 overwrite: bool = False, repack_vllm_cpu_experts: bool = False) -> GRPORecording:
     """Record every generation batch ``trainer`` (a trl ``GRPOTrainer``) trains on into ``run_dir``
@@ -386,5 +399,6 @@ def record_grpo(trainer: Any, run_dir: str | os.PathLike, *, model: str | None =
                           "record_grpo(..., repack_vllm_cpu_experts=True) to re-pack them after each push.",
                           stacklevel=2)
     recorder = Recorder(run_dir, engine=engine, backend="trl", overwrite=overwrite,
-                        model=model or getattr(trainer.model.config, "_name_or_path", None) or None, source=source)
+                        model=model or getattr(trainer.model.config, "_name_or_path", None) or None, source=source,
+                        config=_precisions(trainer))
     return GRPORecording(trainer, recorder)

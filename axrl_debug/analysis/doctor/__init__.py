@@ -90,6 +90,8 @@ def diagnose(run: Path, *, step: int | None = None, rescore: bool = True, reexec
         findings = rank(test_hypotheses(ctx, findings, say))
         if ctx.flagged and not findings[0].proven and findings[0].confidence < UNEXPLAINED_CONFIDENCE:
             findings = [_unexplained(ctx, findings), *findings]   # every reading refuted or weak: say so
+    if isinstance(reader.manifest.get("source"), dict):
+        findings = [_imported_next(f) for f in findings]
     if validate:
         from axrl_debug.analysis.doctor.validate import validate_findings
         say("measuring mitigations")
@@ -98,6 +100,14 @@ def diagnose(run: Path, *, step: int | None = None, rescore: bool = True, reexec
             "flagged_steps": ctx.flagged, "per_step": [rows[s] for s in steps],
             "profile": ctx.profile.to_dict() if ctx.profile else None,
             "findings": [f.to_dict() for f in findings], "top": findings[0].cause}
+
+
+def _imported_next(f: Finding) -> Finding:
+    """An imported run (another trainer's, `axrl.trace.Recorder`) has no checkpoints to re-execute:
+    a finding's `bisect` becomes `mismatch`, which reads the trace (bisect refuses such a run)."""
+    if f.next_command.startswith("axrl-debug bisect "):
+        f.next_command = "axrl-debug mismatch " + f.next_command[len("axrl-debug bisect "):]
+    return f
 
 
 def _unexplained(ctx: Context, refuted: list[Finding] | None = None) -> Finding:

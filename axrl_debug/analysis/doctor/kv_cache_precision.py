@@ -11,7 +11,8 @@ from axrl_debug.analysis.doctor.finding import Finding
 
 def detect(ctx: Context) -> list[Finding]:
     p = ctx.profile
-    if p is None or not p.before_first_sync or p.later_tokens <= ctx.floor():
+    # a cache's rounding moves logprobs by far less than a nat: a gross error is another model's
+    if p is None or not p.before_first_sync or p.later_tokens <= ctx.floor() or p.gross:
         return []
     growth = ratio(p.late, p.early, ctx.envelope.floor_mean_abs)
     decode_heavier = p.later_tokens >= p.first_token
