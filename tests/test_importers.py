@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from tensordict import TensorDict
 from typer.testing import CliRunner
 
@@ -567,3 +568,23 @@ def test_slime_rollout_dump_defaults_and_dict_rewards(tmp_path: Path) -> None:
         assert np.isnan(rollout[offsets[0]:offsets[1]]).all()    # no rollout logprobs: NaN, not 0
         assert mask[offsets[5]:offsets[6]].sum() == 0
         assert np.array_equal(rollout[p:b], steps[1][3]["rollout"].astype(np.float32))
+
+
+def test_the_rollout_dtype_stated_at_import_sizes_doctors_envelope(tmp_path: Path) -> None:
+    """slime dumps carry no precision: unstated, doctor assumes fp32 and says so; `--rollout-dtype bf16`
+    goes to config.yaml and the envelope is bf16's. A dtype it cannot state is refused, naming the flag."""
+    src = tmp_path / "dumps"
+    src.mkdir()
+    slime_dumps(src)
+    one_json(invoke("import", "slime", src, tmp_path / "plain", "--num-experts", 32, "--json"))
+    assert not (tmp_path / "plain" / "config.yaml").exists()
+    plain = invoke("doctor", tmp_path / "plain", "--no-reexec")
+    assert "states no rollout precision" in "".join(plain.output.split("\n")), plain.output
+    one_json(invoke("import", "slime", src, tmp_path / "bf16", "--num-experts", 32, "--rollout-dtype", "bf16",
+                    "--model-dtype", "torch.float32", "--json"))
+    config = yaml.safe_load((tmp_path / "bf16" / "config.yaml").read_text())
+    assert config == {"rollout": {"dtype": "bfloat16"}, "model": {"dtype": "float32"}}
+    stated = one_json(invoke("doctor", tmp_path / "bf16", "--no-reexec", "--json"))
+    assert stated["envelope"]["precision"] == "bfloat16" and stated["envelope"]["calibration"]["precision_stated"]
+    bad = invoke("import", "slime", src, tmp_path / "bad", "--rollout-dtype", "int4")
+    assert said(bad, "--rollout-dtype: 'int4'") and not (tmp_path / "bad").exists()

@@ -39,7 +39,7 @@ MARGIN = 4.0
 MAX_MARGIN = 8.0
 DTYPE_ULPS = 4.0
 CACHE = Path("doctor") / "envelope.json"
-VERSION = 2   # 2: the sentinel source bounds the max only
+VERSION = 3   # 2: the sentinel source bounds the max only; 3: calibration says whether the precision was stated
 
 
 @dataclass
@@ -68,11 +68,18 @@ class Envelope:
         return {"envelope_ratio": ratio, "envelope_max_ratio": max_ratio, "inside": inside}
 
 
-def rollout_precision(config: dict[str, Any] | None) -> str:
-    """The precision the run's engine computed logprobs at (config.yaml; fp32 when unstated)."""
+def _stated_precision(config: dict[str, Any] | None) -> Any:
+    """What config.yaml states of the engine's precision: `rollout.precision` (AxRL's runs: `auto`
+    reads as fp32, the replay-measured floor sizes their envelope), `rollout.dtype` (imported
+    runs), the model's dtype; None when nothing is stated."""
     cfg = config or {}
     rollout, model = cfg.get("rollout") or {}, cfg.get("model") or {}
-    p = str(rollout.get("precision") or rollout.get("dtype") or model.get("dtype") or "float32").lower()
+    return rollout.get("precision") or rollout.get("dtype") or model.get("dtype")
+
+
+def rollout_precision(config: dict[str, Any] | None) -> str:
+    """The precision the run's engine computed logprobs at (config.yaml; fp32 when unstated)."""
+    p = str(_stated_precision(config) or "float32").lower()
     if "fp8" in p or "w8a8" in p:
         return "fp8"
     for name in ("bf16", "bfloat16", "fp16", "float16"):
@@ -128,6 +135,13 @@ def rescore_floor(run: Path, step: int) -> dict[str, Any]:
 def calibrate(run: Path, config: dict[str, Any] | None, manifest: dict[str, Any], steps: list[int], *,
               rescore: bool = True) -> Envelope:
     """The run's envelope from the best source available (module doc)."""
+    env = _calibrate(run, config, manifest, steps, rescore=rescore)
+    env.calibration["precision_stated"] = _stated_precision(config) is not None   # else fp32 was assumed
+    return env
+
+
+def _calibrate(run: Path, config: dict[str, Any] | None, manifest: dict[str, Any], steps: list[int], *,
+               rescore: bool) -> Envelope:
     precision = rollout_precision(config)
     if rescore and steps:
         try:

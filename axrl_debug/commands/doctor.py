@@ -17,6 +17,10 @@ def print_report(report: dict[str, Any]) -> None:
     env = report["envelope"]
     out.print(f"envelope ({env['source']}, {env['precision']}): mean |Δ| ≤ {fmt(env['mean_abs'], 3)}, "
               f"max |Δ| ≤ {fmt(env['max_abs'], 3)} (measured floor {fmt(env['floor_mean_abs'], 3)})")
+    if env["source"] != "rescore" and not (env.get("calibration") or {}).get("precision_stated", True):
+        out.print("   the run states no rollout precision, so fp32 is assumed: a bf16/fp16/fp8 engine's rounding "
+                  "then reads as outside. State it in config.yaml (rollout.dtype), or for an imported run with "
+                  "`axrl-debug import FORMAT SRC RUN --rollout-dtype bf16`")
     rows = [[str(r["step"]), str(r["policy_version"]), fmt(r["mean_abs"], 3), fmt(r["max_abs"], 3),
              fmt(r.get("envelope_ratio"), 3), "[green]inside[/]" if r["inside"] else "[bold red]OUTSIDE[/]"]
             for r in report["per_step"]]

@@ -22,6 +22,10 @@ def import_command(
     reward_key: str = typer.Option(None, "--reward-key", help="slime/miles: the entry of dict rewards to "
                                    "record (the run's --reward-key)."),
     model: str = typer.Option(None, "--model", help="Model name or path to record in manifest.json."),
+    rollout_dtype: str = typer.Option(None, "--rollout-dtype", help="The precision the engine computed its "
+                                      "logprobs in (bf16, fp16, fp8, fp32): `doctor` sizes its envelope by it "
+                                      "(unstated: fp32, and a bf16 engine's rounding reads as a fault)."),
+    model_dtype: str = typer.Option(None, "--model-dtype", help="The trainer's precision (bf16, fp32…)."),
     trust_pickle: bool = typer.Option(False, "--trust-pickle", help="Load pickled dumps without the allowlist "
                                       "(runs whatever code they reference: only for files you trust)."),
     force: bool = typer.Option(False, "--force", help="Replace the trace of an existing RUN."),
@@ -36,7 +40,7 @@ def import_command(
         from axrl_debug.importers import ImportFormatError, ImportOptions, import_run
 
         options = ImportOptions(trust_pickle=trust_pickle, group_size=group_size, num_experts=num_experts,
-                                reward_key=reward_key)
+                                reward_key=reward_key, rollout_dtype=rollout_dtype, model_dtype=model_dtype)
         try:
             report = import_run(format, src, run, options=options, model=model, overwrite=force)
         except (ImportFormatError, TraceError, FileExistsError) as e:

@@ -46,5 +46,6 @@ def import_run(fmt: str, src: str | Path, run: str | Path, *, options: ImportOpt
         raise FileNotFoundError(f"{src}: no such file or directory")
     m = FORMATS[fmt].module
     options = options or ImportOptions()
+    options.config()   # a dtype it cannot state is refused before any dump is read
     return write_steps(m.read_steps(src, options), run, fmt=fmt, src=src, engine=m.ENGINE, backend=m.BACKEND,
                        model=model, options=options, absent=list(m.ABSENT), overwrite=overwrite)

@@ -54,6 +54,28 @@ class ImportOptions:
     group_size: int | None = None         # NeMo-RL: samples per prompt (else inferred from prompts)
     num_experts: int | None = None        # MoE routing: experts per layer (else max id + 1)
     reward_key: str | None = None         # slime/miles: the entry of a dict reward (slime's --reward-key)
+    rollout_dtype: str | None = None      # the precision the engine computed logprobs in (config rollout.dtype)
+    model_dtype: str | None = None        # the trainer's (config model.dtype)
+
+    def config(self) -> dict[str, Any] | None:
+        """config.yaml of the imported run: the dtypes the user stated (`axrl-debug doctor` sizes its
+        envelope by the rollout's), or None when none was."""
+        out = {section: {"dtype": _dtype_name(flag, value)}
+               for section, flag, value in (("rollout", "--rollout-dtype", self.rollout_dtype),
+                                            ("model", "--model-dtype", self.model_dtype)) if value}
+        return out or None
+
+
+#: the dtypes an imported run's precision may be stated in, with the name config.yaml keeps
+DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+          "fp16": "float16", "float16": "float16", "fp8": "fp8"}
+
+
+def _dtype_name(flag: str, value: str) -> str:
+    name = DTYPES.get(value.lower().removeprefix("torch."))
+    if name is None:
+        raise ImportFormatError(f"{flag}: {value!r} is not a dtype this can state (one of {', '.join(sorted(DTYPES))})")
+    return name
 
 
 def need(obj: Mapping[str, Any], key: str, where: str) -> Any:
@@ -126,7 +148,8 @@ def _record(steps: Iterable[ImportedStep], run: str | Path, *, fmt: str, src: st
             overwrite: bool) -> dict[str, Any]:
     """Write every step through the Recorder and count what was written."""
     source = {"format": fmt, "path": str(Path(src).resolve()), "absent": absent}
-    rec = Recorder(run, engine=engine, backend=backend, model=model, source=source, overwrite=overwrite)
+    rec = Recorder(run, engine=engine, backend=backend, model=model, source=source, overwrite=overwrite,
+                   config=options.config())
     report: dict[str, Any] = {"run": str(rec.path), "format": fmt, "steps": [], "samples": 0, "tokens": 0,
                               "absent": absent, "notes": []}
     seen: dict[int, list[str]] = {}

@@ -21,6 +21,9 @@ def detect(ctx: Context) -> list[Finding]:
         conf -= 0.2
     if p.after_turn_boundary(ctx.floor()):  # a low-precision cache errs in the first turn too
         conf -= 0.3
+    # an envelope that assumed fp32 cannot tell a bf16 cache from a whole bf16 engine
+    unstated = not ctx.envelope.calibration.get("precision_stated", True)
+    conf -= 0.15 * unstated
     return [Finding(
         "kv_cache_precision", conf,
         {"mean_abs_first_quarter_positions": p.early, "mean_abs_last_quarter_positions": p.late,
@@ -29,5 +32,7 @@ def detect(ctx: Context) -> list[Finding]:
         f"the error is there from the initial weights on (step {p.steps[0]}, before any sync), on every kind of "
         f"token (decode tokens: mean |Δ| {p.later_tokens:.3g}, each turn's first token: {p.first_token:.3g}; last vs "
         f"first quarter of positions {growth:.2f}×) with no routing, expert or first-token concentration: the "
-        "engine computes attention from keys/values held at a lower precision",
+        "engine computes attention from keys/values held at a lower precision"
+        + ("; or, as the run states no precision and fp32 was assumed, the whole engine computes at a lower "
+           "precision (state it and re-run doctor)" if unstated else ""),
         f"axrl-debug bisect {ctx.run} --step {p.steps[0]}", p.steps)]   # names `attn` at the decode positions
