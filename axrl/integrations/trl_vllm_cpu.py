@@ -37,7 +37,10 @@ def colocated_model(trainer: Any) -> torch.nn.Module | None:
     generation = getattr(trainer, "vllm_generation", None)
     if generation is None or getattr(generation, "mode", None) != "colocate":
         return None
-    return generation.llm.llm_engine.model_executor.driver_worker.model_runner.model
+    try:
+        return generation.llm.llm_engine.model_executor.driver_worker.model_runner.model
+    except AttributeError:   # another vLLM/TRL layout: the engine cannot be seen from here
+        return None
 
 
 def needs_expert_repack(trainer: Any) -> bool:
