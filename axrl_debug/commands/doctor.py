@@ -16,7 +16,8 @@ def print_report(report: dict[str, Any]) -> None:
     """The human-readable report: the envelope, the per-step table, the findings."""
     env = report["envelope"]
     out.print(f"envelope ({env['source']}, {env['precision']}): mean |Δ| ≤ {fmt(env['mean_abs'], 3)}, "
-              f"max |Δ| ≤ {fmt(env['max_abs'], 3)} (measured floor {fmt(env['floor_mean_abs'], 3)})")
+              f"max |Δ| ≤ {fmt(env['max_abs'], 3)} ({'measured' if env['source'] == 'rescore' else 'dtype'} floor "
+              f"{fmt(env['floor_mean_abs'], 3)})")
     if env["source"] != "rescore" and not (env.get("calibration") or {}).get("precision_stated", True):
         out.print("   the run states no rollout precision, so fp32 is assumed: a bf16/fp16/fp8 engine's rounding "
                   "then reads as outside. State it in config.yaml (rollout.dtype), or for an imported run with "
