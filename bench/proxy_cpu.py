@@ -204,12 +204,18 @@ class FloorServer:
         self._thread.join(10)
 
 
+def agents_cpu_ms(server: ProxyServer | FloorServer, specs: list[list[str]], turns: int) -> float:
+    """Run the agents (one session per (id, key) of `specs`, `turns` calls each) against `server`:
+    its thread's CPU ms per call."""
+    c0 = server.cpu_seconds()
+    subprocess.run([sys.executable, "-c", AGENT, str(server.port), json.dumps(specs), str(turns), AGENT_MESSAGES],
+                   check=True)
+    return 1e3 * (server.cpu_seconds() - c0) / (len(specs) * turns)
+
+
 def floor_round(server: FloorServer, sessions: int, turns: int) -> float:
     """CPU ms per call of a floor server over the agents' calls (their sessions are names only)."""
-    c0 = server.cpu_seconds()
-    subprocess.run([sys.executable, "-c", AGENT, str(server.port),
-                    json.dumps([[f"s{k}", "key"] for k in range(sessions)]), str(turns), AGENT_MESSAGES], check=True)
-    return 1e3 * (server.cpu_seconds() - c0) / (sessions * turns)
+    return agents_cpu_ms(server, [[f"s{k}", "key"] for k in range(sessions)], turns)
 
 
 def canned_reply(text: str) -> dict:
@@ -241,14 +247,11 @@ def one_round(proxy: ProxyServer, engine: InstantEngine, sessions: int, turns: i
     """(proxy CPU ms per call, every session recorded one chain of `turns` turns)."""
     policy = SessionPolicy(sampling=SamplingParams(max_new_tokens=48), max_tokens=48)
     opened = [proxy.open_session(engine, policy, max_context_len=4096) for _ in range(sessions)]
-    c0 = proxy.cpu_seconds()
-    subprocess.run([sys.executable, "-c", AGENT, str(proxy.port),
-                    json.dumps([[s.id, s.api_key] for s in opened]), str(turns), AGENT_MESSAGES], check=True)
-    cpu = proxy.cpu_seconds() - c0
+    ms = agents_cpu_ms(proxy, [[s.id, s.api_key] for s in opened], turns)
     ok = all([t.parent for t in s.turns.values()] == [None, *range(1, turns)] for s in opened)
     for s in opened:
         proxy.close_session(s)
-    return 1e3 * cpu / (sessions * turns), ok
+    return ms, ok
 
 
 def _spin(stop: multiprocessing.Event) -> None:

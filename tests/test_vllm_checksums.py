@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from axrl.inference.vllm.checksum_extension import ChecksumExtension
 from axrl.inference.vllm.checksums import vllm_checksum_pair
-from axrl.integrations.trl_vllm_cpu import needs_expert_repack, repack_after_sync
+from axrl.integrations.trl_vllm_cpu import colocated_model, needs_expert_repack, repack_after_sync
 from axrl.sync.checksums import compare_checksums
 
 E, I, H = 3, 4, 8   # experts, expert intermediate size, hidden size
@@ -201,8 +201,7 @@ def _colocated(engine_model: _Model, policy: _TrainerModel) -> tuple[SimpleNames
 def test_trls_colocated_push_is_repacked_after_every_sync(tmp_path: Path) -> None:
     policy = _TrainerModel(seed=1)
     trainer, resets = _colocated(_Model(_hf()), policy)
-    experts = trainer.vllm_generation.llm.llm_engine.model_executor.driver_worker.model_runner.model \
-        .model.layers[0].mlp.experts.routed_experts
+    experts = colocated_model(trainer).model.layers[0].mlp.experts.routed_experts
     src = policy.model.layers[0].mlp.experts
     assert needs_expert_repack(trainer)
     trainer.vllm_generation.sync_weights()          # TRL alone: the kernel is left with plain bytes
@@ -222,8 +221,7 @@ def test_trls_colocated_push_is_repacked_after_every_sync(tmp_path: Path) -> Non
 
 def test_a_module_holding_other_weights_is_never_repacked() -> None:
     trainer, _ = _colocated(_Model(_hf()), _TrainerModel(seed=1))
-    experts = trainer.vllm_generation.llm.llm_engine.model_executor.driver_worker.model_runner.model \
-        .model.layers[0].mlp.experts.routed_experts
+    experts = colocated_model(trainer).model.layers[0].mlp.experts.routed_experts
     totals = repack_after_sync(trainer)
     trainer.model = _TrainerModel(seed=2)            # the push wrote seed 1's experts, the trainer now holds others
     trainer.vllm_generation.sync_weights()
@@ -260,8 +258,7 @@ def test_record_grpo_warns_about_the_cpu_builds_push_and_repacks_when_asked(tmp_
     with pytest.warns(UserWarning, match="repack_vllm_cpu_experts=True"):
         record_grpo(_recordable(trainer), tmp_path / "warned")
     trainer, _ = _colocated(_Model(_hf()), _TrainerModel(seed=1))
-    experts = trainer.vllm_generation.llm.llm_engine.model_executor.driver_worker.model_runner.model \
-        .model.layers[0].mlp.experts.routed_experts
+    experts = colocated_model(trainer).model.layers[0].mlp.experts.routed_experts
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         record_grpo(_recordable(trainer), tmp_path / "repacked", repack_vllm_cpu_experts=True)

@@ -25,7 +25,7 @@ def detect(ctx: Context) -> list[Finding]:
     if p.before_first_sync:
         return _never_synced(ctx, p) if p.gross else []
     everywhere = (p.agree is None or p.agree > ctx.floor()) and p.later_tokens > ctx.floor()
-    spread = not p.experts or p.experts[0]["ratio"] < MAX_EXPERT_RATIO
+    spread = _spread(p)
     if not everywhere:
         return []
     clean = [s for s in ctx.steps if s not in p.steps]
@@ -43,9 +43,14 @@ def detect(ctx: Context) -> list[Finding]:
         f"axrl-debug bisect {ctx.run} --step {p.steps[0]}", p.steps)]
 
 
+def _spread(p) -> bool:
+    """No (layer, expert) concentrates the error: the whole engine, not one tensor."""
+    return not p.experts or p.experts[0]["ratio"] < MAX_EXPERT_RATIO
+
+
 def _never_synced(ctx: Context, p) -> list[Finding]:
     """The gross error from the first step on (module doc)."""
-    spread = not p.experts or p.experts[0]["ratio"] < MAX_EXPERT_RATIO
+    spread = _spread(p)
     conf = 0.65 + 0.1 * spread + 0.05 * (p.later_tokens > ctx.floor() and p.first_token > ctx.floor())
     return [Finding(
         "weights_out_of_sync", conf,
